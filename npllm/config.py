@@ -1,0 +1,109 @@
+"""ModelConfig: the one frozen description of a Llama-family model, whatever file it came from.
+
+Every reader in `npllm.formats` maps its own metadata (llama2.c header, HF config.json, GGUF key-values) into this
+dataclass; the model, the cache and the kernels only ever see a ModelConfig.
+
+Dimension legend used in shape comments throughout npllm:
+    V  vocabulary size            D  model width (dim)
+    F  FFN hidden width           L  number of layers
+    H  query heads                K  key/value heads (GQA: H % K == 0, each KV head serves H // K query heads)
+    Dh head dimension             T  tokens in this forward call
+    S  cache length (positions)   B  batch (sequences)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE frequencies are rescaled for long contexts.
+
+    kind "linear": every inverse frequency is divided by `factor` (position interpolation).
+    kind "llama3": Llama 3.1's piecewise rule: long wavelengths (> original_max / low_freq_factor) are divided by
+    `factor`, short ones (< original_max / high_freq_factor) kept, and the band between blended smoothly.
+    """
+
+    kind: str  # "linear" | "llama3"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ("linear", "llama3"):
+            raise ConfigError(f"unsupported RoPE scaling type {self.kind!r} (npllm knows 'linear' and 'llama3')")
+        if not self.factor > 0:
+            raise ConfigError(f"RoPE scaling factor must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    dim: int  # D
+    hidden_dim: int  # F
+    n_layers: int  # L
+    n_heads: int  # H
+    n_kv_heads: int  # K
+    vocab_size: int  # V
+    max_seq_len: int  # context length the model was trained for
+    head_dim: int = 0  # Dh; 0 means dim // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # "interleaved": rotate pairs (x[2i], x[2i+1]) as llama2.c and Meta do;
+    # "half": rotate pairs (x[i], x[i + Dh/2]) as Hugging Face checkpoints are laid out.
+    rope_layout: str = "interleaved"
+    rope_scaling: RopeScaling | None = None
+    tied_embeddings: bool = False  # LM head reuses the token embedding matrix
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    sliding_window: int | None = None  # attend to at most this many most recent positions (Mistral)
+    bos_id: int = 1
+    eos_ids: tuple[int, ...] = (2,)
+    # llama2.c's TinyStories convention: a generated BOS ends the story (run.c stops on it).
+    stop_at_bos: bool = False
+    arch: str = "llama"
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            if self.n_heads <= 0 or self.dim % self.n_heads:
+                raise ConfigError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if isinstance(self.eos_ids, int):
+            object.__setattr__(self, "eos_ids", (self.eos_ids,))
+        else:
+            object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
+        for name in ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim {self.head_dim} must be even for RoPE")
+        if self.rope_layout not in ("interleaved", "half"):
+            raise ConfigError(f"rope_layout must be 'interleaved' or 'half', got {self.rope_layout!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
+        if not self.norm_eps > 0:
+            raise ConfigError(f"norm_eps must be > 0, got {self.norm_eps}")
+
+    @property
+    def kv_group(self) -> int:
+        """Query heads per KV head (H // K)."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count as the checkpoint stores it (a tied head is counted once)."""
+        D, F, L, V, Dh = self.dim, self.hidden_dim, self.n_layers, self.vocab_size, self.head_dim
+        attn = D * self.n_heads * Dh * 2 + D * self.n_kv_heads * Dh * 2
+        if self.attention_bias:
+            attn += self.n_heads * Dh + 2 * self.n_kv_heads * Dh
+        per_layer = attn + 3 * D * F + 2 * D
+        return V * D * (1 if self.tied_embeddings else 2) + L * per_layer + D
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)

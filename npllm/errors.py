@@ -1,0 +1,25 @@
+"""npllm's own exceptions: every bad input ends in one of these, with a message that names the file and the problem."""
+
+
+class NpllmError(Exception):
+    """Base class of every error npllm raises on purpose."""
+
+
+class FormatError(NpllmError, ValueError):
+    """A checkpoint or tokenizer file is missing, truncated, or not what its header says."""
+
+
+class ConfigError(NpllmError, ValueError):
+    """Model metadata is absent, contradictory, or describes something npllm cannot run."""
+
+
+class TokenizerError(NpllmError, ValueError):
+    """A tokenizer cannot be loaded, or does not fit the model."""
+
+
+class GenerationError(NpllmError, ValueError):
+    """A generation request cannot be served (prompt longer than the context, bad sampling parameter, ...)."""
+
+
+class DownloadError(NpllmError, OSError):
+    """A download failed, was truncated, or did not match its checksum; nothing was left behind."""
