@@ -14,7 +14,7 @@ from .generate import check_prompt, generate_ids
 from .hub import resolve
 from .model import Transformer
 from .sampling import SamplingParams
-from .tokenizer import Tokenizer, check_vocab, load_tokenizer
+from .tokenizer import Tokenizer, load_tokenizer
 
 
 class LLM:
@@ -78,6 +78,5 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
     tok_path = tokenizer if tokenizer is not None else found_tokenizer
     tok = None
     if tok_path is not None:
-        tok = load_tokenizer(Path(tok_path))
-        check_vocab(tok, config.vocab_size, tok_path)
+        tok = load_tokenizer(Path(tok_path), vocab_size=config.vocab_size)
     return LLM(Transformer(config, weights), tok, str(checkpoint))

@@ -112,7 +112,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> 
     """Causal scaled dot-product attention with grouped-query heads.
 
         out_h = softmax(q_h k_g^T / sqrt(Dh) + mask) v_g,   g = h // (H / K)
-                                                            # [T, H, Dh], [S, K, Dh], [S, K, Dh], [T, S] -> [T, H, Dh]
+                                                            # [T, H, Dh], [S, K, Dh], [S, K, Dv], [T, S] -> [T, H, Dv]
     Each KV head serves H/K consecutive query heads (GQA; K == H is plain multi-head attention). Every query
     must see at least one key (its own position), so no softmax row is all -inf.
     """
@@ -125,7 +125,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> 
     scores = (qg @ kg) * q.dtype.type(1.0 / np.sqrt(Dh)) + mask.astype(q.dtype)  # [K, G, T, S]
     weights = softmax(scores, axis=-1)
     out = weights @ vg  # [K, G, T, Dh]
-    return out.transpose(2, 0, 1, 3).reshape(T, H, Dh)
+    return out.transpose(2, 0, 1, 3).reshape(T, H, v.shape[-1])
 
 
 def silu(x: np.ndarray) -> np.ndarray:
