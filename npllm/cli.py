@@ -1,6 +1,9 @@
 """npllm's command line: it parses arguments and calls the Python API, nothing more.
 
     npllm generate [PROMPT] --model M --tokenizer T --max-new-tokens N --temperature T --top-p P --seed S
+                            --backend numba|numpy --threads N
+    npllm bench --model NAME_OR_PATH [--batch B ...] [--prompt-len N ...] [--gen-len N] [--backend B ...]
+                [--threads T] [--repeat R] [--json]
 
 stdout gets the prompt followed by the completion and nothing else; timings go to stderr.
 """
@@ -25,6 +28,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (default 0.9)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     gen.set_defaults(run=run_generate)
+
+    bench = commands.add_parser("bench", help="prefill and decode throughput against the memory bandwidth")
+    bench.add_argument("--model", "-m", default="stories15M",
+                       help="checkpoint path, known name on disk, or a shape with random weights (default stories15M)")
+    bench.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="sequences decoded together (default 1 8)")
+    bench.add_argument("--prompt-len", type=int, nargs="+", default=[128, 512], help="prompt tokens (default 128 512)")
+    bench.add_argument("--gen-len", type=int, default=256, help="decode steps (default 256)")
+    bench.add_argument("--backend", nargs="+", default=["numba"], help="numba, numpy, or both (default numba)")
+    bench.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
+    bench.add_argument("--repeat", type=int, default=3, help="runs per figure; medians are reported (default 3)")
+    bench.add_argument("--json", action="store_true", help="one JSON object per line")
+    bench.set_defaults(run=run_bench)
     return parser
 
 
@@ -32,12 +47,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", default="stories260K",
                         help="checkpoint path or known name (stories260K, stories15M, stories42M, stories110M)")
     parser.add_argument("--tokenizer", "-z", default=None, help="tokenizer path (default: found beside the model)")
+    parser.add_argument("--backend", default="numba", help="numba (compiled kernels, default) or numpy (reference)")
+    parser.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
 
 
 def run_generate(args) -> int:
     from . import load
 
-    llm = load(args.model, args.tokenizer)
+    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads)
     prompt_ids = llm.tokenizer.encode(args.prompt, bos=True)
     decoder = llm.tokenizer.stream_decoder()
     sys.stdout.write("".join(decoder.feed(t) for t in prompt_ids))
@@ -55,6 +72,12 @@ def run_generate(args) -> int:
     print(f"[npllm] {len(prompt_ids)} prompt + {count} new tokens; first token {1e3 * ((first or end) - start):.1f} ms;"
           f" {rate:.1f} tok/s after it", file=sys.stderr)
     return 0
+
+
+def run_bench(args) -> int:
+    from . import bench
+
+    return bench.run(args)
 
 
 def main(argv=None) -> int:

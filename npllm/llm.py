@@ -69,8 +69,13 @@ class LLM:
         return self.tokenizer
 
 
-def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None) -> LLM:
-    """Load a checkpoint (a path or a known name such as "stories260K") and its tokenizer."""
+def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None,
+         backend: str = "numba", threads: int | None = None) -> LLM:
+    """Load a checkpoint (a path or a known name such as "stories260K") and its tokenizer.
+
+    backend "numba" (compiled CPU kernels, the default) or "numpy" (the reference); threads: cores to use.
+    """
+    from .backends import make_model
     from .formats import read_checkpoint
 
     checkpoint, found_tokenizer = resolve(model)
@@ -79,4 +84,4 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
     tok = None
     if tok_path is not None:
         tok = load_tokenizer(Path(tok_path), vocab_size=config.vocab_size)
-    return LLM(Transformer(config, weights), tok, str(checkpoint))
+    return LLM(make_model(config, weights, backend, threads), tok, str(checkpoint))

@@ -1,0 +1,477 @@
+"""The stages of ops.py as Numba CPU kernels: same math, loops instead of array expressions.
+
+Two families live here:
+
+- Mirrors of ops.py that return new arrays (rms_norm, rope_interleaved, rope_half, attention, swiglu, lm_head,
+  matmul). Tests hold each one against its NumPy reference.
+- `*_into` kernels that write into buffers the caller owns; numba_model.py strings them into one compiled forward
+  pass so that a decode step never returns to Python between layers.
+
+Weight matrices are repacked once into panels (see pack_panels): 16 output rows interleaved along the input axis,
+so a kernel streams each weight exactly once, in address order, and keeps a tile of partial sums in registers.
+
+    W [N, D]  --pack_panels-->  panels [P, D, 16]    panels[p, k, j] = W[16 p + j, k]   (P = ceil(N / 16))
+
+Every output of a matrix product is a sum over k = 0 .. D-1 taken strictly in that order with fused multiply-adds,
+whatever the number of tokens: prefill and decode give the same bits (see simd.py). Attention for a query at
+position p likewise walks its keys in position order with block boundaries fixed by p alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .simd import LANES, vfma, vfmav, vload, vstore, vsum, vzero
+
+PANEL = 16  # output rows per panel: two 8-lane vectors
+TILE_T = 6  # tokens per prefill tile: 6 x 2 vector accumulators fill 12 of the 16 AVX registers
+GROUP = 4  # panels a decode tile covers: 8 independent accumulators hide the latency of a multiply-add
+KEY_BLOCK = 64  # keys scored together before one online-softmax update
+
+# Fast-math flags for sums whose order may be chosen by the compiler (vectorised dot products and sums of
+# squares). Never 'nnan'/'ninf': attention relies on -inf scores and exp(-inf) = 0.
+REASSOC = {"reassoc", "contract", "nsz"}
+
+
+# ---------------------------------------------------------------------------------------------- weights in panels
+
+def pack_panels(w: np.ndarray) -> np.ndarray:
+    """Repack a weight matrix for the matmul kernels, rows zero-padded to a multiple of 16.  # [N, D] -> [P, D, 16]"""
+    N, D = w.shape
+    P = -(-N // PANEL)
+    padded = np.zeros((P * PANEL, D), np.float32)
+    padded[:N] = w
+    return np.ascontiguousarray(padded.reshape(P, PANEL, D).transpose(0, 2, 1))
+
+
+def interleave_panels(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Rows of two matrices in alternating blocks of 16: a[0:16], b[0:16], a[16:32], ...  # [F, D] x2 -> [2 Fp, D]
+
+    Packed, the SwiGLU gate (W1) and up (W3) projections become one matrix read in one pass, and each gate output
+    lands 16 columns before its up partner (see swiglu_hidden_into).
+    """
+    F, D = a.shape
+    Fp = -(-F // PANEL) * PANEL
+    padded = np.zeros((2, Fp, D), np.float32)
+    padded[0, :F], padded[1, :F] = a, b
+    return padded.reshape(2, Fp // PANEL, PANEL, D).transpose(1, 0, 2, 3).reshape(2 * Fp, D)
+
+
+# ----------------------------------------------------------------------------------------------- matrix products
+
+@njit(inline="always")
+def _tile_6x16(x, t, w, base, D, out, col):
+    """out[t : t+6, col : col+16] = x[t : t+6, :D] @ panel.T, the panel's D x 16 floats starting at w[base]."""
+    a00 = vzero(); a01 = vzero(); a10 = vzero(); a11 = vzero(); a20 = vzero(); a21 = vzero()  # noqa: E702
+    a30 = vzero(); a31 = vzero(); a40 = vzero(); a41 = vzero(); a50 = vzero(); a51 = vzero()  # noqa: E702
+    for k in range(D):
+        lo = vload(w, base + PANEL * k)  # W rows col .. col+7 at input k
+        hi = vload(w, base + PANEL * k + 8)  # W rows col+8 .. col+15
+        x0 = x[t, k]; x1 = x[t + 1, k]; x2 = x[t + 2, k]; x3 = x[t + 3, k]; x4 = x[t + 4, k]; x5 = x[t + 5, k]  # noqa: E702
+        a00 = vfma(a00, x0, lo); a01 = vfma(a01, x0, hi)  # noqa: E702
+        a10 = vfma(a10, x1, lo); a11 = vfma(a11, x1, hi)  # noqa: E702
+        a20 = vfma(a20, x2, lo); a21 = vfma(a21, x2, hi)  # noqa: E702
+        a30 = vfma(a30, x3, lo); a31 = vfma(a31, x3, hi)  # noqa: E702
+        a40 = vfma(a40, x4, lo); a41 = vfma(a41, x4, hi)  # noqa: E702
+        a50 = vfma(a50, x5, lo); a51 = vfma(a51, x5, hi)  # noqa: E702
+    vstore(out[t], col, a00); vstore(out[t], col + 8, a01)  # noqa: E702
+    vstore(out[t + 1], col, a10); vstore(out[t + 1], col + 8, a11)  # noqa: E702
+    vstore(out[t + 2], col, a20); vstore(out[t + 2], col + 8, a21)  # noqa: E702
+    vstore(out[t + 3], col, a30); vstore(out[t + 3], col + 8, a31)  # noqa: E702
+    vstore(out[t + 4], col, a40); vstore(out[t + 4], col + 8, a41)  # noqa: E702
+    vstore(out[t + 5], col, a50); vstore(out[t + 5], col + 8, a51)  # noqa: E702
+
+
+@njit(inline="always")
+def _tile_1x64(x, t, w, base, D, out, col):
+    """out[t, col : col+64] = x[t, :D] @ (four consecutive panels).T: one token, eight chains of multiply-adds."""
+    stride = D * PANEL  # floats per panel
+    a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero(); a4 = vzero(); a5 = vzero(); a6 = vzero(); a7 = vzero()  # noqa: E702,E501
+    for k in range(D):
+        xk = x[t, k]
+        i = base + PANEL * k
+        a0 = vfma(a0, xk, vload(w, i)); a1 = vfma(a1, xk, vload(w, i + 8))  # noqa: E702
+        i += stride
+        a2 = vfma(a2, xk, vload(w, i)); a3 = vfma(a3, xk, vload(w, i + 8))  # noqa: E702
+        i += stride
+        a4 = vfma(a4, xk, vload(w, i)); a5 = vfma(a5, xk, vload(w, i + 8))  # noqa: E702
+        i += stride
+        a6 = vfma(a6, xk, vload(w, i)); a7 = vfma(a7, xk, vload(w, i + 8))  # noqa: E702
+    row = out[t]
+    vstore(row, col, a0); vstore(row, col + 8, a1); vstore(row, col + 16, a2); vstore(row, col + 24, a3)  # noqa: E702
+    vstore(row, col + 32, a4); vstore(row, col + 40, a5); vstore(row, col + 48, a6); vstore(row, col + 56, a7)  # noqa: E702,E501
+
+
+@njit(inline="always")
+def _tile_1x16(x, t, w, base, D, out, col):
+    """out[t, col : col+16] = x[t, :D] @ panel.T for a single token and panel."""
+    a0 = vzero(); a1 = vzero()  # noqa: E702
+    for k in range(D):
+        xk = x[t, k]
+        a0 = vfma(a0, xk, vload(w, base + PANEL * k))
+        a1 = vfma(a1, xk, vload(w, base + PANEL * k + 8))
+    vstore(out[t], col, a0); vstore(out[t], col + 8, a1)  # noqa: E702
+
+
+@njit(inline="always")
+def _matmul_panels(x, T, w, D, p0, p1, out):
+    """Panels p0 .. p1-1 of x @ W.T, in groups of GROUP panels that stay in cache while every token passes."""
+    full = T - T % TILE_T
+    for g in range(p0, p1, GROUP):
+        n = min(GROUP, p1 - g)
+        for t in range(0, full, TILE_T):
+            for p in range(g, g + n):
+                _tile_6x16(x, t, w, p * D * PANEL, D, out, p * PANEL)
+        for t in range(full, T):
+            if n == GROUP:
+                _tile_1x64(x, t, w, g * D * PANEL, D, out, g * PANEL)
+            else:
+                for p in range(g, g + n):
+                    _tile_1x16(x, t, w, p * D * PANEL, D, out, p * PANEL)
+
+
+@njit(parallel=True, cache=True)
+def matmul_into(x, panels, out, T, threads):
+    """out[:T, :16P] = x[:T, :D] @ W.T, W packed as panels.   # [>=T, >=D], [P, D, 16] -> [>=T, >=16P]
+
+    Output panels are split into one contiguous range per thread. Buffers may be wider than the product (the
+    extra columns are not read) and longer than T (the extra rows are left alone).
+    """
+    P, D, _ = panels.shape
+    w = panels.reshape(P * D * PANEL)
+    chunks = min(P, threads)
+    for c in prange(chunks):
+        _matmul_panels(x, T, w, D, c * P // chunks, (c + 1) * P // chunks, out)
+
+
+@njit(cache=True)
+def matmul(x, panels, n, threads):
+    """x @ W.T for W packed as panels, the first n outputs.   # [T, D], [P, D, 16] -> [T, n]"""
+    out = np.empty((x.shape[0], panels.shape[0] * PANEL), np.float32)
+    matmul_into(x, panels, out, x.shape[0], threads)
+    return out[:, :n].copy()
+
+
+@njit(cache=True)
+def lm_head(x, output_panels, V, threads):
+    """Logits x W_out^T.   # [T, D], [P, D, 16] -> [T, V]"""
+    return matmul(x, output_panels, V, threads)
+
+
+# ------------------------------------------------------------------------------------------ norms and activations
+
+@njit(fastmath=REASSOC, inline="always")
+def _sum_of_squares(x, t, D):
+    s = np.float32(0.0)
+    for d in range(D):
+        s += x[t, d] * x[t, d]
+    return s
+
+
+@njit(cache=True)
+def rms_norm_into(x, weight, eps, out, T):
+    """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * g for t < T.   # [>=T, D], [D] -> [>=T, D]"""
+    D = weight.shape[0]
+    for t in range(T):
+        inv = np.float32(1.0) / np.sqrt(_sum_of_squares(x, t, D) / np.float32(D) + np.float32(eps))
+        for d in range(D):
+            out[t, d] = x[t, d] * inv * weight[d]
+
+
+@njit(cache=True)
+def rms_norm(x, weight, eps):
+    """RMSNorm over the last axis, as ops.rms_norm.   # [T, D], [D] -> [T, D]"""
+    out = np.empty_like(x)
+    rms_norm_into(x, weight, eps, out, x.shape[0])
+    return out
+
+
+@njit(inline="always")
+def _silu(g):
+    return g / (np.float32(1.0) + np.exp(-g))
+
+
+@njit(cache=True)
+def swiglu_hidden_into(gate_up, out, T):
+    """out[t, 16i + j] = silu(gate) * up, gate and up read from their interleaved panels.   # [>=T, 2Fp] -> [>=T, Fp]
+
+    gate_up is x @ interleave_panels(W1, W3).T: columns 32i .. 32i+15 hold gate outputs 16i .. 16i+15 and
+    columns 32i+16 .. 32i+31 the matching up outputs.
+    """
+    n_panels = out.shape[1] // PANEL
+    for t in range(T):
+        for i in range(n_panels):
+            for j in range(PANEL):
+                out[t, PANEL * i + j] = _silu(gate_up[t, 2 * PANEL * i + j]) * gate_up[t, 2 * PANEL * i + PANEL + j]
+
+
+@njit(cache=True)
+def swiglu(x, w13_panels, w2_panels, threads):
+    """SwiGLU feed-forward (silu(x W1^T) * (x W3^T)) W2^T with W1, W3 packed together.   # [T, D] -> [T, D]
+
+    w13_panels = pack_panels(interleave_panels(W1, W3)); w2_panels = pack_panels(W2).
+    """
+    T = x.shape[0]
+    D = w2_panels.shape[0] * PANEL
+    gate_up = np.empty((T, w13_panels.shape[0] * PANEL), np.float32)
+    matmul_into(x, w13_panels, gate_up, T, threads)
+    hidden = np.empty((T, gate_up.shape[1] // 2), np.float32)
+    swiglu_hidden_into(gate_up, hidden, T)
+    out = np.empty((T, D), np.float32)
+    matmul_into(hidden, w2_panels, out, T, threads)
+    return out[:, :x.shape[1]].copy()
+
+
+# --------------------------------------------------------------------------------------------------------- RoPE
+
+@njit(cache=True)
+def rope_angles_into(positions, inv_freq, cos, sin, T):
+    """cos, sin of pos * w_i, computed in float64 as ops.rope_angles does.   # [T], [Dh/2] -> [T, Dh/2] x2"""
+    for t in range(T):
+        for i in range(inv_freq.shape[0]):
+            angle = np.float64(positions[t]) * inv_freq[i]
+            cos[t, i] = np.float32(np.cos(angle))
+            sin[t, i] = np.float32(np.sin(angle))
+
+
+@njit(cache=True)
+def rope_interleaved_into(x, heads, Dh, cos, sin, T):
+    """Rotate pairs (2i, 2i+1) of the first `heads` heads of each row in place.   # [>=T, >=heads*Dh]"""
+    for t in range(T):
+        for h in range(heads):
+            base = h * Dh
+            for i in range(Dh // 2):
+                even, odd = x[t, base + 2 * i], x[t, base + 2 * i + 1]
+                x[t, base + 2 * i] = even * cos[t, i] - odd * sin[t, i]
+                x[t, base + 2 * i + 1] = even * sin[t, i] + odd * cos[t, i]
+
+
+@njit(cache=True)
+def rope_interleaved(x, cos, sin):
+    """RoPE on adjacent pairs, as ops.rope_interleaved.   # [T, n, Dh], [T, Dh/2] x2 -> [T, n, Dh]"""
+    T, n, Dh = x.shape
+    out = x.copy().reshape(T, n * Dh)
+    rope_interleaved_into(out, n, Dh, cos, sin, T)
+    return out.reshape(T, n, Dh)
+
+
+@njit(cache=True)
+def rope_half(x, cos, sin):
+    """RoPE on pairs (i, i + Dh/2), as ops.rope_half.   # [T, n, Dh], [T, Dh/2] x2 -> [T, n, Dh]
+
+    The fast model never calls this: it permutes Hugging Face q/k rows into the interleaved layout at load time.
+    """
+    T, n, Dh = x.shape
+    half = Dh // 2
+    out = np.empty_like(x)
+    for t in range(T):
+        for h in range(n):
+            for i in range(half):
+                first, second = x[t, h, i], x[t, h, i + half]
+                out[t, h, i] = first * cos[t, i] - second * sin[t, i]
+                out[t, h, i + half] = first * sin[t, i] + second * cos[t, i]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+
+@njit(inline="always")
+def _dot(a, ia, b, ib, n):
+    """a[ia : ia+n] . b[ib : ib+n] over 1-D arrays: eight lanes at a time in a fixed order, then the tail."""
+    full = n - n % LANES
+    acc = vzero()
+    for d in range(0, full, LANES):
+        acc = vfmav(acc, vload(a, ia + d), vload(b, ib + d))
+    s = vsum(acc)
+    for d in range(full, n):
+        s += a[ia + d] * b[ib + d]
+    return s
+
+
+@njit(inline="always")
+def _accumulate_values(weights, bases, n, values, out, col, Dv):
+    """out[col : col+Dv] += sum_j weights[j] * values[bases[j] : bases[j]+Dv], keys added in order j = 0 .. n-1.
+
+    Output lanes stay in registers while the keys stream past, 32 at a time (four independent chains of
+    multiply-adds), then 8 at a time, then one by one. A masked key has weight 0 and adds 0.
+    """
+    d = 0
+    while d + 4 * LANES <= Dv:
+        a0, a1 = vload(out, col + d), vload(out, col + d + LANES)
+        a2, a3 = vload(out, col + d + 2 * LANES), vload(out, col + d + 3 * LANES)
+        for j in range(n):
+            w, i = weights[j], bases[j] + d
+            a0 = vfma(a0, w, vload(values, i))
+            a1 = vfma(a1, w, vload(values, i + LANES))
+            a2 = vfma(a2, w, vload(values, i + 2 * LANES))
+            a3 = vfma(a3, w, vload(values, i + 3 * LANES))
+        vstore(out, col + d, a0); vstore(out, col + d + LANES, a1)  # noqa: E702
+        vstore(out, col + d + 2 * LANES, a2); vstore(out, col + d + 3 * LANES, a3)  # noqa: E702
+        d += 4 * LANES
+    while d + LANES <= Dv:
+        a0 = vload(out, col + d)
+        for j in range(n):
+            a0 = vfma(a0, weights[j], vload(values, bases[j] + d))
+        vstore(out, col + d, a0)
+        d += LANES
+    for d in range(d, Dv):
+        acc = out[col + d]
+        for j in range(n):
+            acc += weights[j] * values[bases[j] + d]
+        out[col + d] = acc
+
+
+# exp(z) for z <= 0 as 2^k * p(r), z = k ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial (relative error ~1e-7).
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 split in two so that k * _LN2_HI is exact
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_MIN = np.float32(-87.0)  # below this exp(z) is under float32's normal range: taken as 0
+
+
+@njit(inline="always")
+def _exp_shifted(x, n, shift, bits):
+    """x[j] = exp(x[j] - shift) for j < n, in a loop the compiler vectorises (libm's expf is one call per value).
+    Every x[j] - shift must be <= 0; -inf gives exactly 0.  bits: int32 scratch of length >= n.
+    """
+    powers = bits.view(np.float32)
+    for j in range(n):
+        z = max(x[j] - shift, _EXP_MIN)
+        k = np.floor(z * _LOG2E + np.float32(0.5))
+        r = (z - k * _LN2_HI) - k * _LN2_LO
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = (p * r) * r + r + np.float32(1.0)
+        bits[j] = (np.int32(k) + np.int32(127)) << np.int32(23)  # the float32 bit pattern of 2^k
+        x[j] = p if z > _EXP_MIN else np.float32(0.0)
+    for j in range(n):
+        x[j] *= powers[j]
+
+
+@njit(inline="always")
+def _online_softmax_block(scores, bases, n, values, out, col, Dv, m, l, bits):
+    """Fold one block of n scores into the running max m, sum l and unnormalised output out[col : col+Dv].
+
+    With m' = max(m, max_j s_j):  l' = l e^(m - m') + sum_j e^(s_j - m'),  out' = out e^(m - m') + sum_j e^(s_j - m') v_j
+    where v_j = values[bases[j] : bases[j]+Dv]. Returns (m', l'). A block of masked keys (all -inf) changes nothing.
+    """
+    block_max = np.float32(-np.inf)
+    for j in range(n):
+        block_max = max(block_max, scores[j])
+    if block_max == -np.inf:
+        return m, l
+    new_m = max(m, block_max)
+    alpha = np.exp(m - new_m)  # 0 on the first block, where m = -inf
+    if alpha != 1.0:
+        l = l * alpha
+        for d in range(Dv):
+            out[col + d] *= alpha
+    _exp_shifted(scores, n, new_m, bits)
+    for j in range(n):
+        l += scores[j]
+    _accumulate_values(scores, bases, n, values, out, col, Dv)
+    return new_m, l
+
+
+@njit(cache=True)
+def attention(q, k, v, mask):
+    """Causal grouped-query attention with an online softmax, as ops.attention.
+                                                       # [T, H, Dh], [S, K, Dh], [S, K, Dv], [T, S] -> [T, H, Dv]
+    Keys are scored KEY_BLOCK at a time and folded into a running max and sum, so no [T, S] score matrix exists;
+    masked keys (-inf) get weight 0.
+    """
+    T, H, Dh = q.shape
+    S, K, Dv = v.shape
+    G = H // K
+    scale = np.float32(1.0 / np.sqrt(Dh))
+    qf = np.ascontiguousarray(q).reshape(T * H * Dh)
+    kf = np.ascontiguousarray(k).reshape(S * K * Dh)
+    vf = np.ascontiguousarray(v).reshape(S * K * Dv)
+    out = np.zeros(T * H * Dv, np.float32)
+    scores = np.empty(KEY_BLOCK, np.float32)
+    bases = np.empty(KEY_BLOCK, np.int64)
+    bits = np.empty(KEY_BLOCK, np.int32)
+    for t in range(T):
+        for h in range(H):
+            g = h // G
+            m, l = np.float32(-np.inf), np.float32(0.0)
+            for j0 in range(0, S, KEY_BLOCK):
+                n = min(KEY_BLOCK, S - j0)
+                for j in range(n):
+                    key = (j0 + j) * K + g
+                    bases[j] = key * Dv
+                    scores[j] = _dot(qf, (t * H + h) * Dh, kf, key * Dh, Dh) * scale + mask[t, j0 + j]
+                m, l = _online_softmax_block(scores, bases, n, vf, out, (t * H + h) * Dv, Dv, m, l, bits)
+            for d in range(Dv):
+                out[(t * H + h) * Dv + d] /= l
+    return out.reshape(T, H, Dv)
+
+
+@njit(inline="always")
+def _attend_ring(q, q_col, keys, values, ring_pos, b, g, K, Dh, lo, first, p, scale, scores, bases, bits, out):
+    """out[q_col : q_col+Dh] = attention of one query head over positions lo .. p of kv head g in slot b.
+
+    q, out: one token's row; keys, values: one layer of the cache flattened from [B, C, K, Dh]. Keys at positions
+    >= first were written by this call, so are valid; older ones only if the ring still holds them (ring_pos: the
+    positions held before this call).
+    """
+    C = ring_pos.shape[1]
+    for d in range(Dh):
+        out[q_col + d] = 0.0
+    m, l = np.float32(-np.inf), np.float32(0.0)
+    for j0 in range(lo, p + 1, KEY_BLOCK):  # blocks start at lo, fixed by p alone: decode == prefill
+        n = min(KEY_BLOCK, p + 1 - j0)
+        r = j0 % C  # ring index of position j0 + j, advanced without a division per key
+        for j in range(n):
+            bases[j] = ((b * C + r) * K + g) * Dh
+            if j0 + j >= first or ring_pos[b, r] == j0 + j:
+                scores[j] = _dot(q, q_col, keys, bases[j], Dh) * scale
+            else:
+                scores[j] = -np.inf
+            r = r + 1 if r + 1 < C else 0
+        m, l = _online_softmax_block(scores, bases, n, values, out, q_col, Dh, m, l, bits)
+    for d in range(Dh):
+        out[q_col + d] /= l
+
+
+@njit(parallel=True, cache=True)
+def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, ring_k, ring_v, ring_pos, window, out):
+    """Causal attention of this call's tokens over the ring cache, writing their keys and values into it.
+
+        qkv       [T, (H + 2K) Dh]  rotated queries (heads 0..H-1), rotated keys, values, per token
+        order     [T]   token indices grouped by sequence, each sequence's tokens in position order;
+                        sequence s is order[seq_starts[s] : seq_starts[s + 1]], in cache slot seq_slots[s]
+        ring_k/v  [B, C, K, Dh]  one layer of the cache; ring_pos [B, C] the positions it held before the call
+        out       [T, H Dh]
+
+    One work item per (sequence, kv head): it stores token i's key and value, then answers the H/K query heads of
+    token i, then moves to token i + 1, so every query sees exactly the cache a one-token-at-a-time decode would.
+    A query at position p sees positions max(0, p - window + 1) .. p.
+    """
+    B, C, _, Dh = ring_k.shape
+    G = H // K
+    scale = np.float32(1.0 / np.sqrt(Dh))
+    keys = ring_k.reshape(B * C * K * Dh)
+    values = ring_v.reshape(B * C * K * Dh)
+    for item in prange(seq_slots.shape[0] * K):
+        s, g = item // K, item % K
+        b = seq_slots[s]
+        first = positions[order[seq_starts[s]]]
+        scores = np.empty(KEY_BLOCK, np.float32)
+        bases = np.empty(KEY_BLOCK, np.int64)
+        bits = np.empty(KEY_BLOCK, np.int32)
+        for i in range(seq_starts[s], seq_starts[s + 1]):
+            t = order[i]
+            p = positions[t]
+            slot_base = ((b * C + p % C) * K + g) * Dh
+            for d in range(Dh):
+                keys[slot_base + d] = qkv[t, (H + g) * Dh + d]
+                values[slot_base + d] = qkv[t, (H + K + g) * Dh + d]
+            lo = max(0, p - window + 1)
+            q, o = qkv[t], out[t]
+            for h in range(g * G, (g + 1) * G):
+                _attend_ring(q, h * Dh, keys, values, ring_pos, b, g, K, Dh, lo, first, p, scale, scores, bases, bits, o)
