@@ -137,3 +137,11 @@ def test_attention_with_masked_blocks(masked):
     mask = ops.attention_mask(np.array([S - 1]), np.arange(S), 5)
     np.testing.assert_allclose(cpu.attention(q, k, v, mask),
                                ops.attention(q.astype(np.float64), k, v, mask), atol=1e-6)
+
+
+def test_exp_matches_numpy_within_2e_7_relative():
+    x = np.concatenate([np.linspace(-86.99, 88, 100_001), [-np.inf, 0.0]]).astype(np.float32)
+    got, want = cpu.exp(x), np.exp(x.astype(np.float64))
+    np.testing.assert_allclose(got[:-2], want[:-2], rtol=2e-7)
+    assert got[-2] == 0.0 and got[-1] == 1.0
+    assert cpu.exp(np.array([-200.0], np.float32))[0] == 0.0  # under float32's normal range: exactly 0

@@ -22,16 +22,17 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .simd import LANES, vfma, vfmav, vload, vstore, vsum, vzero
+from .simd import LANES, vadd, vfma, vfmav, vload, vstore, vsum, vzero
 
 PANEL = 16  # output rows per panel: two 8-lane vectors
 TILE_T = 6  # tokens per prefill tile: 6 x 2 vector accumulators fill 12 of the 16 AVX registers
 GROUP = 4  # panels a decode tile covers: 8 independent accumulators hide the latency of a multiply-add
 KEY_BLOCK = 64  # keys scored together before one online-softmax update
 
-# Fast-math flags for sums whose order may be chosen by the compiler (vectorised dot products and sums of
-# squares). Never 'nnan'/'ninf': attention relies on -inf scores and exp(-inf) = 0.
-REASSOC = {"reassoc", "contract", "nsz"}
+# Fast-math flags for sums and maxima whose order the compiler may choose (and so vectorise). The order is still
+# fixed once compiled, so prefill and decode, which run the same code, agree. Never 'ninf': attention relies on
+# -inf scores and exp(-inf) = 0.
+REASSOC = {"reassoc", "contract", "nsz", "nnan"}
 
 
 # ---------------------------------------------------------------------------------------------- weights in panels
@@ -61,14 +62,18 @@ def interleave_panels(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------- matrix products
 
 @njit(inline="always")
-def _tile_6x16(x, t, w, base, D, out, col):
-    """out[t : t+6, col : col+16] = x[t : t+6, :D] @ panel.T, the panel's D x 16 floats starting at w[base]."""
+def _tile_6x16(x, t, rows, w, base, D, out, col):
+    """out[t : t+rows, col : col+16] = x[t : t+rows, :D] @ panel.T for rows <= 6, the panel's D x 16 floats
+    starting at w[base]. Twelve 8-lane accumulators; with fewer than 6 rows the last row is computed again in the
+    spare accumulators (same cost, one pass over the panel) and not stored."""
+    r1, r2, r3, r4, r5 = min(t + 1, t + rows - 1), min(t + 2, t + rows - 1), min(t + 3, t + rows - 1), \
+        min(t + 4, t + rows - 1), min(t + 5, t + rows - 1)
     a00 = vzero(); a01 = vzero(); a10 = vzero(); a11 = vzero(); a20 = vzero(); a21 = vzero()  # noqa: E702
     a30 = vzero(); a31 = vzero(); a40 = vzero(); a41 = vzero(); a50 = vzero(); a51 = vzero()  # noqa: E702
     for k in range(D):
         lo = vload(w, base + PANEL * k)  # W rows col .. col+7 at input k
         hi = vload(w, base + PANEL * k + 8)  # W rows col+8 .. col+15
-        x0 = x[t, k]; x1 = x[t + 1, k]; x2 = x[t + 2, k]; x3 = x[t + 3, k]; x4 = x[t + 4, k]; x5 = x[t + 5, k]  # noqa: E702
+        x0 = x[t, k]; x1 = x[r1, k]; x2 = x[r2, k]; x3 = x[r3, k]; x4 = x[r4, k]; x5 = x[r5, k]  # noqa: E702
         a00 = vfma(a00, x0, lo); a01 = vfma(a01, x0, hi)  # noqa: E702
         a10 = vfma(a10, x1, lo); a11 = vfma(a11, x1, hi)  # noqa: E702
         a20 = vfma(a20, x2, lo); a21 = vfma(a21, x2, hi)  # noqa: E702
@@ -76,11 +81,16 @@ def _tile_6x16(x, t, w, base, D, out, col):
         a40 = vfma(a40, x4, lo); a41 = vfma(a41, x4, hi)  # noqa: E702
         a50 = vfma(a50, x5, lo); a51 = vfma(a51, x5, hi)  # noqa: E702
     vstore(out[t], col, a00); vstore(out[t], col + 8, a01)  # noqa: E702
-    vstore(out[t + 1], col, a10); vstore(out[t + 1], col + 8, a11)  # noqa: E702
-    vstore(out[t + 2], col, a20); vstore(out[t + 2], col + 8, a21)  # noqa: E702
-    vstore(out[t + 3], col, a30); vstore(out[t + 3], col + 8, a31)  # noqa: E702
-    vstore(out[t + 4], col, a40); vstore(out[t + 4], col + 8, a41)  # noqa: E702
-    vstore(out[t + 5], col, a50); vstore(out[t + 5], col + 8, a51)  # noqa: E702
+    if rows > 1:
+        vstore(out[r1], col, a10); vstore(out[r1], col + 8, a11)  # noqa: E702
+    if rows > 2:
+        vstore(out[r2], col, a20); vstore(out[r2], col + 8, a21)  # noqa: E702
+    if rows > 3:
+        vstore(out[r3], col, a30); vstore(out[r3], col + 8, a31)  # noqa: E702
+    if rows > 4:
+        vstore(out[r4], col, a40); vstore(out[r4], col + 8, a41)  # noqa: E702
+    if rows > 5:
+        vstore(out[r5], col, a50); vstore(out[r5], col + 8, a51)  # noqa: E702
 
 
 @njit(inline="always")
@@ -104,31 +114,19 @@ def _tile_1x64(x, t, w, base, D, out, col):
 
 
 @njit(inline="always")
-def _tile_1x16(x, t, w, base, D, out, col):
-    """out[t, col : col+16] = x[t, :D] @ panel.T for a single token and panel."""
-    a0 = vzero(); a1 = vzero()  # noqa: E702
-    for k in range(D):
-        xk = x[t, k]
-        a0 = vfma(a0, xk, vload(w, base + PANEL * k))
-        a1 = vfma(a1, xk, vload(w, base + PANEL * k + 8))
-    vstore(out[t], col, a0); vstore(out[t], col + 8, a1)  # noqa: E702
-
-
-@njit(inline="always")
 def _matmul_panels(x, T, w, D, p0, p1, out):
-    """Panels p0 .. p1-1 of x @ W.T, in groups of GROUP panels that stay in cache while every token passes."""
-    full = T - T % TILE_T
+    """Panels p0 .. p1-1 of x @ W.T, in groups of GROUP panels that stay in cache while every token passes.
+
+    A single token (decode) takes four panels at a time; more tokens go six at a time, panel by panel.
+    """
     for g in range(p0, p1, GROUP):
         n = min(GROUP, p1 - g)
-        for t in range(0, full, TILE_T):
-            for p in range(g, g + n):
-                _tile_6x16(x, t, w, p * D * PANEL, D, out, p * PANEL)
-        for t in range(full, T):
-            if n == GROUP:
-                _tile_1x64(x, t, w, g * D * PANEL, D, out, g * PANEL)
-            else:
+        if T == 1 and n == GROUP:
+            _tile_1x64(x, 0, w, g * D * PANEL, D, out, g * PANEL)
+        else:
+            for t in range(0, T, TILE_T):
                 for p in range(g, g + n):
-                    _tile_1x16(x, t, w, p * D * PANEL, D, out, p * PANEL)
+                    _tile_6x16(x, t, min(TILE_T, T - t), w, p * D * PANEL, D, out, p * PANEL)
 
 
 @njit(parallel=True, cache=True)
@@ -159,6 +157,46 @@ def lm_head(x, output_panels, V, threads):
     return matmul(x, output_panels, V, threads)
 
 
+# ------------------------------------------------------------------------------------------------------------ exp
+
+# exp(z) = 2^k p(r) with z = k ln2 + r, |r| <= ln2 / 2, p a degree-7 polynomial (relative error ~1e-7): plain
+# arithmetic and one integer shift, so the compiler vectorises a loop of them, where libm's expf is a call per value.
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 split in two so that k * _LN2_HI is exact
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_MIN = np.float32(-87.0)  # at or below: exp(z) is at the edge of float32's normal range, taken as 0
+_EXP_MAX = np.float32(88.0)  # above: clamped (exp(88) = 1.65e38, still finite)
+
+
+@njit(inline="always")
+def _exp_into(x, n, bits):
+    """x[j] = exp(x[j]) for j < n; -inf gives exactly 0.   bits: int32 scratch of length >= n."""
+    powers = bits.view(np.float32)
+    for j in range(n):
+        z = min(max(x[j], _EXP_MIN), _EXP_MAX)
+        k = np.floor(z * _LOG2E + np.float32(0.5))
+        r = (z - k * _LN2_HI) - k * _LN2_LO
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = (p * r) * r + r + np.float32(1.0)
+        bits[j] = (np.int32(k) + np.int32(127)) << np.int32(23)  # the float32 bit pattern of 2^k
+        x[j] = p if z > _EXP_MIN else np.float32(0.0)
+    for j in range(n):
+        x[j] *= powers[j]
+
+
+@njit(cache=True)
+def exp(x):
+    """exp of a float32 vector, as np.exp to ~1e-7 relative (the kernels' softmax and SiLU use it).  # [n] -> [n]"""
+    out = x.astype(np.float32)
+    _exp_into(out, out.shape[0], np.empty(out.shape[0], np.int32))
+    return out
+
+
 # ------------------------------------------------------------------------------------------ norms and activations
 
 @njit(fastmath=REASSOC, inline="always")
@@ -187,23 +225,26 @@ def rms_norm(x, weight, eps):
     return out
 
 
-@njit(inline="always")
-def _silu(g):
-    return g / (np.float32(1.0) + np.exp(-g))
-
-
 @njit(cache=True)
 def swiglu_hidden_into(gate_up, out, T):
-    """out[t, 16i + j] = silu(gate) * up, gate and up read from their interleaved panels.   # [>=T, 2Fp] -> [>=T, Fp]
+    """out[t, 16i + j] = silu(gate) * up = gate / (1 + e^-gate) * up, gate and up read from their interleaved
+    panels.                                                                      # [>=T, 2Fp] -> [>=T, Fp]
 
     gate_up is x @ interleave_panels(W1, W3).T: columns 32i .. 32i+15 hold gate outputs 16i .. 16i+15 and
     columns 32i+16 .. 32i+31 the matching up outputs.
     """
-    n_panels = out.shape[1] // PANEL
+    Fp = out.shape[1]
+    e = np.empty(Fp, np.float32)
+    bits = np.empty(Fp, np.int32)
     for t in range(T):
-        for i in range(n_panels):
+        for i in range(Fp // PANEL):
             for j in range(PANEL):
-                out[t, PANEL * i + j] = _silu(gate_up[t, 2 * PANEL * i + j]) * gate_up[t, 2 * PANEL * i + PANEL + j]
+                e[PANEL * i + j] = -gate_up[t, 2 * PANEL * i + j]
+        _exp_into(e, Fp, bits)
+        for i in range(Fp // PANEL):
+            for j in range(PANEL):
+                gate, up = gate_up[t, 2 * PANEL * i + j], gate_up[t, 2 * PANEL * i + PANEL + j]
+                out[t, PANEL * i + j] = gate / (np.float32(1.0) + e[PANEL * i + j]) * up
 
 
 @njit(cache=True)
@@ -278,12 +319,18 @@ def rope_half(x, cos, sin):
 
 @njit(inline="always")
 def _dot(a, ia, b, ib, n):
-    """a[ia : ia+n] . b[ib : ib+n] over 1-D arrays: eight lanes at a time in a fixed order, then the tail."""
+    """a[ia : ia+n] . b[ib : ib+n] over 1-D arrays: eight lanes at a time (two chains, even and odd chunks of 8,
+    for twice the throughput), in a fixed order, then the tail."""
     full = n - n % LANES
-    acc = vzero()
-    for d in range(0, full, LANES):
-        acc = vfmav(acc, vload(a, ia + d), vload(b, ib + d))
-    s = vsum(acc)
+    even, odd = vzero(), vzero()
+    d = 0
+    while d + 2 * LANES <= full:
+        even = vfmav(even, vload(a, ia + d), vload(b, ib + d))
+        odd = vfmav(odd, vload(a, ia + d + LANES), vload(b, ib + d + LANES))
+        d += 2 * LANES
+    if d < full:
+        even = vfmav(even, vload(a, ia + d), vload(b, ib + d))
+    s = vsum(vadd(even, odd))
     for d in range(full, n):
         s += a[ia + d] * b[ib + d]
     return s
@@ -293,8 +340,8 @@ def _dot(a, ia, b, ib, n):
 def _accumulate_values(weights, bases, n, values, out, col, Dv):
     """out[col : col+Dv] += sum_j weights[j] * values[bases[j] : bases[j]+Dv], keys added in order j = 0 .. n-1.
 
-    Output lanes stay in registers while the keys stream past, 32 at a time (four independent chains of
-    multiply-adds), then 8 at a time, then one by one. A masked key has weight 0 and adds 0.
+    Output lanes stay in registers while the keys stream past: 32 at a time (four independent chains of
+    multiply-adds), then 16, then 8, then one by one. A masked key has weight 0 and adds 0.
     """
     d = 0
     while d + 4 * LANES <= Dv:
@@ -309,7 +356,15 @@ def _accumulate_values(weights, bases, n, values, out, col, Dv):
         vstore(out, col + d, a0); vstore(out, col + d + LANES, a1)  # noqa: E702
         vstore(out, col + d + 2 * LANES, a2); vstore(out, col + d + 3 * LANES, a3)  # noqa: E702
         d += 4 * LANES
-    while d + LANES <= Dv:
+    if d + 2 * LANES <= Dv:
+        a0, a1 = vload(out, col + d), vload(out, col + d + LANES)
+        for j in range(n):
+            w, i = weights[j], bases[j] + d
+            a0 = vfma(a0, w, vload(values, i))
+            a1 = vfma(a1, w, vload(values, i + LANES))
+        vstore(out, col + d, a0); vstore(out, col + d + LANES, a1)  # noqa: E702
+        d += 2 * LANES
+    if d + LANES <= Dv:
         a0 = vload(out, col + d)
         for j in range(n):
             a0 = vfma(a0, weights[j], vload(values, bases[j] + d))
@@ -322,34 +377,20 @@ def _accumulate_values(weights, bases, n, values, out, col, Dv):
         out[col + d] = acc
 
 
-# exp(z) for z <= 0 as 2^k * p(r), z = k ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial (relative error ~1e-7).
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)  # ln 2 split in two so that k * _LN2_HI is exact
-_LN2_LO = np.float32(-2.12194440e-4)
-_EXP_MIN = np.float32(-87.0)  # below this exp(z) is under float32's normal range: taken as 0
+@njit(fastmath=REASSOC, inline="always")
+def _max(x, n):
+    m = np.float32(-np.inf)
+    for j in range(n):
+        m = max(m, x[j])
+    return m
 
 
-@njit(inline="always")
-def _exp_shifted(x, n, shift, bits):
-    """x[j] = exp(x[j] - shift) for j < n, in a loop the compiler vectorises (libm's expf is one call per value).
-    Every x[j] - shift must be <= 0; -inf gives exactly 0.  bits: int32 scratch of length >= n.
-    """
-    powers = bits.view(np.float32)
+@njit(fastmath=REASSOC, inline="always")
+def _sum(x, n):
+    s = np.float32(0.0)
     for j in range(n):
-        z = max(x[j] - shift, _EXP_MIN)
-        k = np.floor(z * _LOG2E + np.float32(0.5))
-        r = (z - k * _LN2_HI) - k * _LN2_LO
-        p = np.float32(1.9875691500e-4)
-        p = p * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        p = (p * r) * r + r + np.float32(1.0)
-        bits[j] = (np.int32(k) + np.int32(127)) << np.int32(23)  # the float32 bit pattern of 2^k
-        x[j] = p if z > _EXP_MIN else np.float32(0.0)
-    for j in range(n):
-        x[j] *= powers[j]
+        s += x[j]
+    return s
 
 
 @njit(inline="always")
@@ -359,9 +400,7 @@ def _online_softmax_block(scores, bases, n, values, out, col, Dv, m, l, bits):
     With m' = max(m, max_j s_j):  l' = l e^(m - m') + sum_j e^(s_j - m'),  out' = out e^(m - m') + sum_j e^(s_j - m') v_j
     where v_j = values[bases[j] : bases[j]+Dv]. Returns (m', l'). A block of masked keys (all -inf) changes nothing.
     """
-    block_max = np.float32(-np.inf)
-    for j in range(n):
-        block_max = max(block_max, scores[j])
+    block_max = _max(scores, n)
     if block_max == -np.inf:
         return m, l
     new_m = max(m, block_max)
@@ -370,9 +409,10 @@ def _online_softmax_block(scores, bases, n, values, out, col, Dv, m, l, bits):
         l = l * alpha
         for d in range(Dv):
             out[col + d] *= alpha
-    _exp_shifted(scores, n, new_m, bits)
     for j in range(n):
-        l += scores[j]
+        scores[j] -= new_m
+    _exp_into(scores, n, bits)
+    l += _sum(scores, n)
     _accumulate_values(scores, bases, n, values, out, col, Dv)
     return new_m, l
 

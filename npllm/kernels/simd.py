@@ -10,6 +10,7 @@ the tile is written with an explicit vector type:
     vstore(a, i, v)  a.flat[i : i + 8] = v
     vfma(acc, x, w)  acc + x * w per lane, with ONE rounding (a fused multiply-add), x a scalar
     vfmav(acc, a, b) acc + a * b per lane, a and b vectors
+    vadd(a, b)       a + b per lane
     vsum(v)          ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), always in that order
 
 Each lane of `acc` is a separate output, so a lane's sum is added strictly in the order the caller walks the shared
@@ -130,3 +131,14 @@ def vsum(typingctx, v):
         return builder.extract_element(pair, ir.Constant(ir.IntType(32), 0))
 
     return types.float32(v), codegen
+
+
+@intrinsic
+def vadd(typingctx, a, b):
+    if not (a == f32x8 and b == f32x8):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fadd(args[0], args[1])
+
+    return f32x8(a, b), codegen
