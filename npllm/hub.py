@@ -71,11 +71,11 @@ def weights_dirs() -> list[Path]:
 
 def resolve(model: str | os.PathLike, download_missing: bool = True) -> tuple[Path, Path | None]:
     """(checkpoint path, tokenizer path or None) for a path or a known model name."""
-    path = Path(model)
-    if path.exists():
-        return path, find_tokenizer(path)
     name = str(model)
     if name not in KNOWN_MODELS:
+        path = Path(model)
+        if path.exists():
+            return path, find_tokenizer(path)
         known = ", ".join(KNOWN_MODELS)
         raise FormatError(f"model {name!r} is neither an existing path nor a known model name ({known})")
     known_model = KNOWN_MODELS[name]
