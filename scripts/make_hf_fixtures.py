@@ -131,10 +131,12 @@ def save(model, out_dir: str, tokenizer: Tokenizer, tokens: np.ndarray, prompt: 
     """Save the checkpoint in `dtype`; the references are computed in float32 from the weights as saved."""
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
-    model = model.to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
-    model = model.float()  # bf16-rounded weights, computed in float32: what npllm does after widening
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    # The references come from the checkpoint as saved, reloaded in float32 (bf16 weights widened exactly, as
+    # npllm does; casting the live model back would leave its RoPE buffer rounded to bf16).
+    model = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
     eos = model.config.eos_token_id
     generated = greedy(model, prompt)

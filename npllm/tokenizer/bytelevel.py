@@ -17,6 +17,7 @@ The `regex` package provides the Unicode classes (\\p{L}, \\p{N}) these patterns
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import unicodedata
@@ -26,6 +27,7 @@ from functools import lru_cache
 import regex
 
 from ..errors import TokenizerError
+from .base import Tokenizer, TokenType
 
 # GPT-2's word splitter, used by a ByteLevel pre-tokenizer with use_regex = true.
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -133,8 +135,15 @@ class AddedToken:
     single_word: bool = False  # only matches when not inside a word
 
 
-class ByteLevelBPE:
-    """Byte-level BPE tokenizer (see the module docstring for the algorithm)."""
+class ByteLevelBPE(Tokenizer):
+    """Byte-level BPE tokenizer (see the module docstring for the algorithm).
+
+    `vocab` maps byte-mapped strings to ids and `merges` lists pairs in rank order. `pre_tokenizers` are callables
+    list[str] -> list[str] applied in turn; `normalizers` are unicodedata forms ("NFC", ...). `prefix_ids` and
+    `suffix_ids` are what encode(bos=True) puts around the text (the tokenizer's template).
+    """
+
+    add_dummy_prefix = False  # byte-level BPE spells spaces as bytes: nothing to add or take off
 
     def __init__(
         self,
@@ -150,7 +159,7 @@ class ByteLevelBPE:
         eos_id: int | None = None,
         source: str = "tokenizer",
     ):
-        self.source = source
+        self.source = self.name = source
         self.vocab = dict(vocab)
         self.ranks = {}
         for rank, (left, right) in enumerate(merges):
@@ -171,8 +180,11 @@ class ByteLevelBPE:
         self.added_ids = {t.id for t in added_tokens}
         self.special_ids = {t.id for t in added_tokens if t.special}
         self.prefix_ids, self.suffix_ids = list(prefix_ids), list(suffix_ids)
+        # BOS is what the template puts first; a vocabulary without one (Qwen2) has none, and eos is the model's
+        # business (config.json lists it), so both may be None here.
         self.bos_id = bos_id if bos_id is not None else (self.prefix_ids[0] if self.prefix_ids else None)
         self.eos_id = eos_id
+        self.unk_id = None
         self.vocab_size = max(self.id_to_token) + 1
         self._added_pattern = self._compile_added(added_tokens)
         self._cache: dict[str, tuple[int, ...]] = {}
@@ -194,7 +206,7 @@ class ByteLevelBPE:
 
     # -- encoding ------------------------------------------------------------------------------------------------
 
-    def encode(self, text: str, bos: bool = True) -> list[int]:
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         """Token ids of `text`; with bos=True the tokenizer's own template is applied (e.g. Llama 3 prepends
         <|begin_of_text|>; Qwen2 adds nothing), as Hugging Face does with add_special_tokens=True."""
         ids = []
@@ -203,7 +215,13 @@ class ByteLevelBPE:
                 ids.append(token_id)
             else:
                 ids += self._encode_ordinary(span)
-        return self.prefix_ids + ids + self.suffix_ids if bos else ids
+        if bos:
+            ids = self.prefix_ids + ids + self.suffix_ids
+        if eos:
+            if self.eos_id is None:
+                raise TokenizerError(f"{self.source}: this tokenizer does not know its EOS id")
+            ids.append(self.eos_id)
+        return ids
 
     def _split_added(self, text: str):
         """Yield (span, None) for ordinary text and (match, id) for each added token, in order."""
@@ -261,21 +279,39 @@ class ByteLevelBPE:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for. A token whose characters all come from the byte table (every vocabulary
         entry) maps back through it; other added tokens (specials like <|eot_id|>) stand for their own UTF-8."""
-        token = self.id_to_token.get(int(token_id))
-        if token is None:
-            raise TokenizerError(f"{self.source}: token id {token_id} is outside the vocabulary ({self.vocab_size})")
+        token = self.id_to_piece(token_id)
         back = unicode_to_bytes()
         try:
             return bytes(back[c] for c in token)
         except KeyError:
             return token.encode("utf-8")
 
-    def decode(self, ids) -> str:
-        """Text of the ids; bytes that do not form valid UTF-8 become U+FFFD."""
-        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+    def text_bytes(self, token_id: int) -> bytes:
+        """What a token contributes to decoded text: its bytes, or nothing for a special (control) token, which
+        marks structure (<|begin_of_text|>, <|eot_id|>) rather than text, as in the SentencePiece tokenizers."""
+        return b"" if int(token_id) in self.special_ids else self.token_bytes(token_id)
 
-    def __len__(self) -> int:
-        return self.vocab_size
+    def decode(self, ids, continuation: bool = False) -> str:
+        """Text of the ids without special tokens; each maximal run of bytes that is not valid UTF-8 becomes one
+        U+FFFD (Hugging Face's decode with skip_special_tokens=True)."""
+        return b"".join(self.text_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def stream_decoder(self, continuation: bool = False) -> "ByteStreamDecoder":
+        return ByteStreamDecoder(self)
+
+    def id_to_piece(self, token_id: int) -> str:
+        token = self.id_to_token.get(int(token_id))
+        if token is None:
+            raise TokenizerError(f"{self.source}: token id {token_id} is outside the vocabulary ({self.vocab_size})")
+        return token
+
+    def token_type(self, token_id: int) -> TokenType:
+        token_id = self._check_id(token_id)
+        if token_id in self.special_ids:
+            return TokenType.CONTROL
+        if token_id in self.added_ids:
+            return TokenType.USER_DEFINED
+        return TokenType.NORMAL
 
     # -- loading -------------------------------------------------------------------------------------------------
 
@@ -332,6 +368,21 @@ class ByteLevelBPE:
             suffix_ids=suffix,
             source=source,
         )
+
+
+class ByteStreamDecoder:
+    """Feed ids one at a time; each feed returns the text whose UTF-8 bytes are complete, flush() the rest.
+    Concatenating every feed and the flush gives exactly decode(ids)."""
+
+    def __init__(self, tokenizer: ByteLevelBPE):
+        self.tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        return self._utf8.decode(self.tokenizer.text_bytes(token_id))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
 
 
 def _parse_merge(merge, source: str) -> tuple[str, str]:
