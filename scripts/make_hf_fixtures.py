@@ -117,9 +117,10 @@ def forward_logits(model, tokens: np.ndarray) -> np.ndarray:
 
 def greedy(model, prompt: np.ndarray) -> list[int]:
     model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        out = model.generate(torch.tensor(prompt[None], dtype=torch.long), do_sample=False,
+    model.generation_config.pad_token_id = EOS
+    ids = torch.tensor(prompt[None], dtype=torch.long)
+    with torch.no_grad():  # an explicit mask: otherwise generate guesses one from the pad id and may hide tokens
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS)
     generated = out[0, len(prompt):].tolist()
     assert len(generated) == GREEDY_TOKENS
@@ -143,6 +144,7 @@ def save(model, out_dir: str, tokenizer: Tokenizer, tokens: np.ndarray, prompt: 
     assert eos not in generated, "pick another seed: greedy output hit EOS"
     # Greedy is only a fair comparison when no step is a near tie between the top two tokens.
     steps = forward_logits(model, np.concatenate([prompt, generated]))[len(prompt) - 1:-1]
+    assert steps.argmax(-1).tolist() == generated, "generate() disagrees with the argmax of one full forward"
     top2 = np.sort(steps, axis=-1)[:, -2:]
     margin = float((top2[:, 1] - top2[:, 0]).min())
     assert margin > 1e-3, f"greedy run has a near tie (margin {margin})"

@@ -345,8 +345,10 @@ def _shard_files(directory: str) -> tuple[list[str], dict | None]:
 
 
 def read_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Read an HF checkpoint: a directory, or a .safetensors file with config.json beside it."""
+    """Read an HF checkpoint: a directory (or its index.json), or a .safetensors file with config.json beside it."""
     path = os.fspath(path)
+    if path.endswith(INDEX_FILE):
+        path = os.path.dirname(path) or "."
     if os.path.isdir(path):
         directory = path
         files, weight_map = _shard_files(directory)
