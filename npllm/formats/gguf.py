@@ -377,19 +377,20 @@ def llama3_scaling_from_freq_factors(factors: np.ndarray, theta: float, head_dim
         raise ConfigError(f"{path}: rope_freqs are all 1: no scaling to apply, the tensor should be absent")
     s = (1 / factors[blended] - 1 / factor) / (1 - 1 / factor)
     u_low_band = u[divided].max() if divided.any() else 0.0  # lo must lie above these
-    u_high_band = u[kept].min() if kept.any() else u.max() * 2  # hi must lie below these
+    u_high_band = u[kept].min() if kept.any() else np.inf  # hi must lie below these
     if blended.sum() >= 2:  # s = (u - lo) / (hi - lo) is a line in u: fit it
         slope, intercept = np.polyfit(u[blended], s, 1)
         hi_minus_lo = 1 / slope
         lo = -intercept * hi_minus_lo
         hi = lo + hi_minus_lo
-    elif blended.sum() == 1:  # one point on the line: put hi midway to the kept band, solve for lo
+    elif blended.sum() == 1:  # one point on the line u_b = lo + s_b (hi - lo): pick lo mid-way in its feasible range
         ub, sb = u[blended][0], s[0]
-        hi = (ub + u_high_band) / 2
-        lo = (ub - sb * hi) / (1 - sb)
+        lowest = max(u_low_band, (ub / sb - u_high_band) / (1 / sb - 1))  # keeps hi below the kept band
+        lo = (lowest + ub) / 2
+        hi = lo + (ub - lo) / sb
     else:  # no blended band: any lo < hi between the two bands
-        gap = (u_low_band, u_high_band)
-        lo, hi = gap[0] + (gap[1] - gap[0]) / 3, gap[0] + 2 * (gap[1] - gap[0]) / 3
+        top = u_high_band if np.isfinite(u_high_band) else 2 * u.max()
+        lo, hi = u_low_band + (top - u_low_band) / 3, u_low_band + 2 * (top - u_low_band) / 3
     scaling = RopeScaling("llama3", factor=factor, low_freq_factor=float(lo), high_freq_factor=float(hi),
                           original_max_position_embeddings=O) if 0 < lo < hi else None
     if scaling is None or not np.allclose(llama3_factors(scaling, theta, head_dim), factors, rtol=1e-5, atol=0):
