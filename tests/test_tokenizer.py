@@ -154,8 +154,16 @@ def test_round_trip(pair, text):
 
 
 def id_sequences(vocab_size):
-    """Arbitrary ids, weighted towards the interesting ones: control (0..2) and byte pieces (3..258)."""
-    one = st.one_of(st.integers(0, 2), st.integers(3, 258), st.integers(0, vocab_size - 1))
+    """Arbitrary ids, weighted towards the interesting ones: control pieces (0..2) and byte pieces (3..258),
+    especially bytes at the edges of UTF-8's well-formed ranges (leads C2 E0 ED F0 F4, continuations 80 8F 90 9F
+    A0 BF, never-valid C0 F5 FF)."""
+    edge_bytes = [0x41, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xC2, 0xDF, 0xE0, 0xE1, 0xED, 0xEF, 0xF0, 0xF4, 0xF5, 0xFF]
+    one = st.one_of(
+        st.integers(0, 2),
+        st.integers(3, 258),
+        st.sampled_from(edge_bytes).map(lambda b: 3 + b),
+        st.integers(0, vocab_size - 1),
+    )
     return st.lists(one, max_size=24)
 
 
@@ -180,6 +188,11 @@ def test_decode_matches_sentencepiece_on_arbitrary_ids(pair, data):
         ([232, 154, 168], "嗥"),  # bytes E5 97 A5 join into one character
         ([232, 154], "\ufffd\ufffd"),  # an unfinished character: one U+FFFD per byte
         ([232, 1, 154, 168], "\ufffd\ufffd\ufffd"),  # a control piece interrupts a character
+        ([3 + 0xE0, 3 + 0x80, 3 + 0x80], "\ufffd" * 3),  # overlong encoding of U+0000
+        ([3 + 0xE0, 3 + 0xA0, 3 + 0x80], "\u0800"),  # the smallest 3-byte character
+        ([3 + 0xED, 3 + 0xA0, 3 + 0x80], "\ufffd" * 3),  # a UTF-16 surrogate
+        ([3 + 0xF4, 3 + 0x90, 3 + 0x80, 3 + 0x80], "\ufffd" * 4),  # above U+10FFFF
+        ([3 + 0xF0, 3 + 0x90, 3 + 0x80, 3 + 0x80], "\U00010000"),  # the smallest 4-byte character
     ],
 )
 def test_decode_examples_llama2(weights_dir, ids, text):
@@ -363,3 +376,84 @@ def test_check_vocab(pair, weights_dir):
 def test_inconsistent_vocabulary(pieces, scores, types, message):
     with pytest.raises(TokenizerError, match=message):
         BPETokenizer(pieces, scores, types, name="vocab")
+
+
+# ---- synthetic vocabularies: ties, user-defined, unused and unknown pieces, with and without byte fallback ----------
+
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(number, value):
+    """One protobuf field: ints and bools as varints, floats as fixed32, str/bytes length-delimited."""
+    if isinstance(value, (bool, int)):
+        return _varint(number << 3) + _varint(int(value))
+    if isinstance(value, float):
+        return _varint(number << 3 | 5) + struct.pack("<f", value)
+    value = value.encode() if isinstance(value, str) else value
+    return _varint(number << 3 | 2) + _varint(len(value)) + value
+
+
+def sentencepiece_bpe_proto(pieces, scores, types, byte_fallback):
+    """A serialized SentencePiece ModelProto (field numbers of sentencepiece_model.proto): the pieces, a BPE
+    trainer spec, and the identity normaliser with a dummy prefix, like the Llama tokenizers."""
+    proto = b"".join(
+        _field(1, _field(1, p) + _field(2, float(s)) + _field(3, int(t))) for p, s, t in zip(pieces, scores, types)
+    )
+    proto += _field(2, _field(3, 2) + _field(4, len(pieces)) + _field(35, byte_fallback))  # model_type 2 = BPE
+    proto += _field(3, _field(1, "identity") + _field(3, True) + _field(4, False))
+    return proto
+
+
+ALPHABET = ["a", "b", "\u2581", "é"]  # few characters, so that pieces overlap and ties abound
+
+
+@st.composite
+def vocabularies(draw):
+    """A random small BPE vocabulary: a random subset of the characters (the rest must fall back to bytes or
+    <unk>), random multi-character pieces, scores from a handful of values (so ties are common), and now and then
+    a USER_DEFINED or UNUSED piece."""
+    byte_fallback = draw(st.booleans())
+    pieces = ["<unk>", "<s>", "</s>"]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
+    if byte_fallback:
+        pieces += [f"<0x{b:02X}>" for b in range(256)]
+        types += [TokenType.BYTE] * 256
+    chars = draw(st.lists(st.sampled_from(ALPHABET), unique=True))
+    words = draw(st.lists(st.lists(st.sampled_from(ALPHABET), min_size=2, max_size=3).map("".join), unique=True, max_size=30))
+    for piece in chars + [w for w in words if w not in chars]:
+        pieces.append(piece)
+        types.append(
+            draw(st.sampled_from([TokenType.NORMAL] * 6 + [TokenType.USER_DEFINED, TokenType.UNUSED]))
+            if len(piece) > 1
+            else TokenType.NORMAL
+        )
+    scores = [0.0] * (len(pieces) - len(chars) - len([w for w in words if w not in chars]))
+    scores += [float(draw(st.integers(-4, 0))) for _ in range(len(pieces) - len(scores))]
+    return pieces, scores, [int(t) for t in types], byte_fallback
+
+
+@settings(max_examples=500, deadline=None)
+@given(vocab=vocabularies(), text=st.lists(st.sampled_from(ALPHABET + [" ", "日", "z"]), max_size=24).map("".join))
+def test_bpe_matches_sentencepiece_on_random_vocabularies(vocab, text):
+    pieces, scores, types, byte_fallback = vocab
+    sp = spm.SentencePieceProcessor(model_proto=sentencepiece_bpe_proto(pieces, scores, types, byte_fallback))
+    tok = BPETokenizer(pieces, scores, types, name="random")
+    ids = tok.encode(text, bos=False)
+    assert ids == sp.encode(text), [tok.id_to_piece(i) for i in ids]
+    assert tok.decode(ids) == sp.decode(ids)
+
+
+def test_text_cannot_spell_control_pieces():
+    """Even when the plain pieces could be merged into "<s>" or "<unk>", those stay out of reach of text."""
+    pieces = ["<unk>", "<s>", "</s>", "<", "s", ">", "/", "u", "n", "k", "<s", "</", "<u", "<un", "<unk", "s>"]
+    tok = BPETokenizer(pieces, [0.0] * len(pieces), add_dummy_prefix=False, name="controls")
+    ids = tok.encode("<s></s><unk>", bos=False)
+    assert tok.bos_id not in ids and tok.eos_id not in ids and tok.unk_id not in ids
+    assert tok.decode(ids) == "<s></s><unk>"
