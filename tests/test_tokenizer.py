@@ -345,10 +345,11 @@ def test_truncated_model(weights_dir, tmp_path):
         load_tokenizer(path)
 
 
-def test_directory_is_not_a_tokenizer(tmp_path):
-    folder = tmp_path / "dir.bin"
+@pytest.mark.parametrize("name", ["dir.bin", "dir.model"])
+def test_directory_is_not_a_tokenizer(tmp_path, name):
+    folder = tmp_path / name
     folder.mkdir()
-    with pytest.raises(TokenizerError, match="dir.bin"):
+    with pytest.raises(TokenizerError, match=name):
         load_tokenizer(folder)
 
 
