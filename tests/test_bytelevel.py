@@ -119,7 +119,8 @@ def llama3_ignore_merges():
 
 def with_stripping_added_tokens():
     tok = llama3_style()
-    tok.add_tokens([AddedToken("<mask>", lstrip=True, rstrip=True), AddedToken("[[tool]]", special=False)])
+    tok.add_tokens([AddedToken("<mask>", lstrip=True, rstrip=True), AddedToken("[[tool]]", special=False),
+                    AddedToken("cat", single_word=True)])
     tok.add_special_tokens([AddedToken("<|python_tag|>", rstrip=True)])
     return tok
 
@@ -148,6 +149,7 @@ REAL_LOOKING = [
     "\n\nHi!<|eot_id|>",
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|><|endoftext|>",
     "masked <mask> word and  <mask>  again, [[tool]]call <|python_tag|>  code",
+    "a cat, concatenate, cats, cat_1, écat and cat!",
     "", " ", "\n", "a", "'s", "   \n\n   ",
 ]
 
@@ -161,7 +163,7 @@ def test_real_looking_text_id_for_id(pair, text):
 
 pieces = st.sampled_from(["<|eot_id|>", "<|im_start|>", "<|im_end|>", "<mask>", " <mask> ", "'s", "'LL", " ",
                           "  ", "\n", "\r\n", "\t", "123", "4567", "3.14", "東京", "😀", "\u0301", "e\u0301", "Ġ",
-                          "hello", " world", "Hello", "--", "...", "\u200b", "\u00a0"])
+                          "hello", " world", "Hello", "cat", " cat ", "--", "...", "\u200b", "\u00a0"])
 texts = st.one_of(
     st.text(max_size=60),
     st.lists(st.one_of(pieces, st.text(alphabet=string.printable, max_size=8), st.text(max_size=4)),
