@@ -48,6 +48,7 @@ __all__ = [
     "SamplingParams",
     "Sampled",
     "sample",
+    "sample_step",
     "sample_with",
     "explain_steps",
 ]
@@ -783,14 +784,14 @@ def _shaped(x: np.ndarray, token_ids, logprobs, top_ids, top_lp) -> Sampled:
     return Sampled(np.asarray(token_ids, np.int64), np.asarray(logprobs, np.float64), top_ids, top_lp)
 
 
-def sample_with(params: SamplingParams, logits, rng, token_ids=None) -> Sampled:
-    """Choose the next token of each row following `params`: the call the generation loop makes at every step.
+def sample_step(params: SamplingParams, logits, rng, token_ids=None) -> Sampled:
+    """Choose the next token of each row following `params`, with its log-probability and the top alternatives.
 
     logits [V] or [B, V]; token_ids the past tokens (one sequence, or B of them; None: no history) that the
     penalties look at; rng a numpy Generator, or for [B, V] a list of B generators so that a row's draws do not
     depend on its neighbours (rng may be None for greedy decoding). A sampled step consumes exactly one
     `rng.random()` per row, a greedy step none. Raises GenerationError when the penalties leave a row with no
-    allowed token.
+    allowed token. `params.logprobs` sets how many alternatives are reported.
     """
     x = _as_logits(logits)
     x2 = _rows(x)
@@ -829,6 +830,14 @@ def sample_with(params: SamplingParams, logits, rng, token_ids=None) -> Sampled:
     return _shaped(x, ids[rows, slot], chosen_lp, top_ids, top_lp)
 
 
+def sample_with(params: SamplingParams, logits, rng, token_ids=None) -> int | np.ndarray:
+    """Only the chosen token id(s) of `sample_step`: an int for [V] logits, [B] int64 for [B, V].
+
+    The call the generation loop makes at every step when it needs no log-probabilities.
+    """
+    return sample_step(params, logits, rng, token_ids).token_ids
+
+
 def sample(
     logits,
     rng,
@@ -847,7 +856,7 @@ def sample(
 ) -> Sampled:
     """Choose the next token of each row: penalties -> temperature -> top-k -> top-p -> min-p -> typical-p -> draw.
 
-    Keyword arguments are those of SamplingParams (validated the same way); see `sample_with` and `Sampled`.
+    Keyword arguments are those of SamplingParams (validated the same way); see `sample_step` and `Sampled`.
     Temperature 0 is greedy: the argmax of the penalised logits, ties to the lowest id, filters not applied.
     """
     params = SamplingParams(
@@ -863,13 +872,13 @@ def sample(
         logit_bias=logit_bias,
         logprobs=logprobs,
     )
-    return sample_with(params, logits, rng, token_ids)
+    return sample_step(params, logits, rng, token_ids)
 
 
 def explain_steps(logits, params: SamplingParams, token_ids=None) -> list[tuple[str, np.ndarray]]:
     """The probability vector after each active pipeline stage, for `--explain`: [(stage name, [V] or [B, V])].
 
-    Starts with ("logits", softmax of the raw logits) and ends with the distribution `sample_with` draws from (for
+    Starts with ("logits", softmax of the raw logits) and ends with the distribution `sample_step` draws from (for
     greedy decoding, ("greedy", a point mass on the chosen token)). Probabilities are float64.
     """
     x = _as_logits(logits)

@@ -17,3 +17,37 @@ Canonical weight names (Meta's, as in llama2.c), all matrices stored [out, in] s
 
 Arrays may be read-only memory maps of the checkpoint file: nothing in npllm writes to a weight.
 """
+
+from __future__ import annotations
+
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import FormatError
+
+GGUF_MAGIC = b"GGUF"
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Pick the reader from what is on disk: a HF directory (config.json), a .safetensors file (config.json beside
+    it), a GGUF file (magic b"GGUF"), else a llama2.c .bin."""
+    path = Path(path)
+    if not path.exists():
+        raise FormatError(f"checkpoint {path} does not exist")
+    if path.is_dir() or path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"):
+        from .hf import read_hf
+
+        return read_hf(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == GGUF_MAGIC:
+        from .gguf import read_gguf
+
+        return read_gguf(path)
+    from .llama2c import read_llama2c
+
+    return read_llama2c(path)

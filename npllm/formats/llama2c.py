@@ -1,0 +1,187 @@
+"""llama2.c checkpoints: the legacy fp32 format and the versioned v1 ("ak42") fp32 format.
+
+Legacy layout (what run.c reads):
+    int32 header [7]: dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len
+                      (vocab_size < 0 means the classifier is stored separately, > 0 that it is the embedding)
+    float32 tensors, each layer's matrices stacked along a leading L axis:
+        tok_embeddings [V, D], attention_norm [L, D], wq [L, H*Dh, D], wk [L, K*Dh, D], wv [L, K*Dh, D],
+        wo [L, D, H*Dh], ffn_norm [L, D], w1 [L, F, D], w2 [L, D, F], w3 [L, F, D], norm [D],
+        freq_cis_real [seq_len, Dh/2], freq_cis_imag [seq_len, Dh/2]   (unused: RoPE is recomputed),
+        output [V, D]   (only when vocab_size < 0)
+
+v1 layout (export.py's version 1): a 256-byte header
+    uint32 magic 0x616b3432 ("ak42"), int32 version = 1, int32 [7] as above (vocab_size always positive),
+    uint8 shared_classifier, zero padding to 256 bytes;
+then float32 tensors: attention_norm [L, D], ffn_norm [L, D], norm [D], tok_embeddings [V, D], wq, wk, wv, wo,
+w1, w2, w3 (each [L, ...]), output [V, D] unless shared.
+
+Tensors are memory-mapped: loading a checkpoint reads only its header.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import FormatError
+
+V1_MAGIC = 0x616B3432
+V1_HEADER_BYTES = 256
+LEGACY_HEADER_BYTES = 7 * 4
+
+
+def read_llama2c(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Read a llama2.c checkpoint (legacy or v1) into (config, canonical weights)."""
+    path = Path(path)
+    head = _read_head(path)
+    if len(head) >= 8 and struct.unpack("<I", head[:4])[0] == V1_MAGIC:
+        return _read_v1(path, head)
+    return _read_legacy(path, head)
+
+
+def _read_head(path: Path) -> bytes:
+    if not path.exists():
+        raise FormatError(f"checkpoint {path} does not exist")
+    if not path.is_file():
+        raise FormatError(f"checkpoint {path} is not a file")
+    with open(path, "rb") as f:
+        head = f.read(V1_HEADER_BYTES)
+    if len(head) < LEGACY_HEADER_BYTES:
+        raise FormatError(f"checkpoint {path} is {len(head)} bytes long: too short for a llama2.c header")
+    return head
+
+
+def _config_from_header(path: Path, ints: tuple[int, ...], tied: bool) -> ModelConfig:
+    dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len = ints
+    fields = dict(dim=dim, hidden_dim=hidden_dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                  vocab_size=vocab_size, seq_len=seq_len)
+    for name, value in fields.items():
+        if value <= 0 or value > 1 << 24:
+            raise FormatError(f"checkpoint {path}: header field {name} = {value} is not a plausible size "
+                              f"(is this a llama2.c .bin file?)")
+    if dim % n_heads or n_heads % n_kv_heads:
+        raise FormatError(f"checkpoint {path}: header says dim {dim}, n_heads {n_heads}, n_kv_heads {n_kv_heads}, "
+                          f"which do not divide evenly")
+    return ModelConfig(dim=dim, hidden_dim=hidden_dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                       vocab_size=vocab_size, max_seq_len=seq_len, tied_embeddings=tied, norm_eps=1e-5,
+                       rope_theta=10000.0, rope_layout="interleaved", bos_id=1, eos_ids=(2,), stop_at_bos=True,
+                       arch="llama2c")
+
+
+def _layer_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of the per-layer stacks, [L, ...], in the canonical [out, in] orientation."""
+    L, D, F, Dh = c.n_layers, c.dim, c.hidden_dim, c.head_dim
+    return {
+        "attention_norm": (L, D), "ffn_norm": (L, D),
+        "wq": (L, c.n_heads * Dh, D), "wk": (L, c.n_kv_heads * Dh, D), "wv": (L, c.n_kv_heads * Dh, D),
+        "wo": (L, D, c.n_heads * Dh), "w1": (L, F, D), "w2": (L, D, F), "w3": (L, F, D),
+    }
+
+
+def _legacy_order(c: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    s = _layer_shapes(c)
+    half = c.head_dim // 2
+    order = [("tok_embeddings", (c.vocab_size, c.dim)), ("attention_norm", s["attention_norm"]),
+             ("wq", s["wq"]), ("wk", s["wk"]), ("wv", s["wv"]), ("wo", s["wo"]), ("ffn_norm", s["ffn_norm"]),
+             ("w1", s["w1"]), ("w2", s["w2"]), ("w3", s["w3"]), ("norm", (c.dim,)),
+             ("freq_cis_real", (c.max_seq_len, half)), ("freq_cis_imag", (c.max_seq_len, half))]
+    if not c.tied_embeddings:
+        order.append(("output", (c.vocab_size, c.dim)))
+    return order
+
+
+def _v1_order(c: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    s = _layer_shapes(c)
+    order = [("attention_norm", s["attention_norm"]), ("ffn_norm", s["ffn_norm"]), ("norm", (c.dim,)),
+             ("tok_embeddings", (c.vocab_size, c.dim))]
+    order += [(name, s[name]) for name in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")]
+    if not c.tied_embeddings:
+        order.append(("output", (c.vocab_size, c.dim)))
+    return order
+
+
+def _read_legacy(path: Path, head: bytes):
+    ints = struct.unpack("<7i", head[:LEGACY_HEADER_BYTES])
+    tied = ints[5] > 0
+    config = _config_from_header(path, ints[:5] + (abs(ints[5]), ints[6]), tied)
+    return config, _map_tensors(path, LEGACY_HEADER_BYTES, _legacy_order(config))
+
+
+def _read_v1(path: Path, head: bytes):
+    if len(head) < V1_HEADER_BYTES:
+        raise FormatError(f"checkpoint {path} is truncated inside its 256-byte v1 header")
+    version = struct.unpack("<i", head[4:8])[0]
+    if version != 1:
+        raise FormatError(f"checkpoint {path} is llama2.c version {version}; npllm reads the legacy format and "
+                          f"version 1 (fp32). Quantized versions are not supported.")
+    ints = struct.unpack("<7i", head[8:36])
+    tied = bool(head[36])
+    config = _config_from_header(path, ints, tied)
+    return config, _map_tensors(path, V1_HEADER_BYTES, _v1_order(config))
+
+
+def _map_tensors(path: Path, offset: int, order) -> dict[str, np.ndarray]:
+    """Memory-map the tensors that follow the header, checking the file holds exactly what the header promises."""
+    expected = offset + 4 * sum(int(np.prod(shape)) for _, shape in order)
+    actual = path.stat().st_size
+    if actual != expected:
+        what = "truncated" if actual < expected else "longer than its header says"
+        raise FormatError(f"checkpoint {path} is {what}: the header describes {expected:,} bytes, "
+                          f"the file has {actual:,}")
+    flat = np.memmap(path, dtype="<f4", mode="r", offset=offset, shape=((expected - offset) // 4,))
+    stacks, cursor = {}, 0
+    for name, shape in order:
+        n = int(np.prod(shape))
+        stacks[name] = flat[cursor:cursor + n].reshape(shape)
+        cursor += n
+    return _unstack_layers(stacks)
+
+
+def _unstack_layers(stacks: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    weights = {}
+    for name, array in stacks.items():
+        if name.startswith("freq_cis"):
+            continue
+        if name in ("tok_embeddings", "norm", "output"):
+            weights[name] = array
+        else:
+            for layer, layer_array in enumerate(array):
+                weights[f"layers.{layer}.{name}"] = layer_array
+    return weights
+
+
+def write_llama2c(path: str | os.PathLike, config: ModelConfig, weights: dict[str, np.ndarray], version: int = 0):
+    """Write (config, weights) as a llama2.c checkpoint: version 0 is the legacy format, 1 the "ak42" v1 format.
+
+    Used by tests and fixtures (a short-context model, a v1 copy of a legacy file); interleaved RoPE layout only.
+    """
+    if config.rope_layout != "interleaved" or config.attention_bias or config.head_dim * config.n_heads != config.dim:
+        raise FormatError("llama2.c checkpoints hold only plain Llama models with interleaved RoPE and Dh = D / H")
+    stacks = {name: np.stack([weights[f"layers.{l}.{name}"] for l in range(config.n_layers)])
+              for name in _layer_shapes(config)}
+    stacks.update(tok_embeddings=weights["tok_embeddings"], norm=weights["norm"])
+    if not config.tied_embeddings:
+        stacks["output"] = weights["output"]
+    half = config.head_dim // 2
+    stacks["freq_cis_real"] = np.zeros((config.max_seq_len, half), np.float32)  # run.c skips these
+    stacks["freq_cis_imag"] = np.zeros((config.max_seq_len, half), np.float32)
+    c = config
+    if version == 0:
+        vocab = c.vocab_size if c.tied_embeddings else -c.vocab_size
+        header = struct.pack("<7i", c.dim, c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads, vocab, c.max_seq_len)
+        order = _legacy_order(c)
+    elif version == 1:
+        header = struct.pack("<Ii7iB", V1_MAGIC, 1, c.dim, c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads,
+                             c.vocab_size, c.max_seq_len, int(c.tied_embeddings))
+        header += b"\0" * (V1_HEADER_BYTES - len(header))
+        order = _v1_order(c)
+    else:
+        raise FormatError(f"llama2.c version {version} is not written by npllm (0 = legacy, 1 = v1 fp32)")
+    with open(path, "wb") as f:
+        f.write(header)
+        for name, shape in order:
+            f.write(np.ascontiguousarray(stacks[name], dtype="<f4").reshape(shape).tobytes())

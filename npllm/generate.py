@@ -1,0 +1,65 @@
+"""The autoregressive loop: prefill the prompt once, then decode one token at a time against the cache.
+
+    prompt ids --prefill (one [T, D] forward)--> logits of the last token --sample--> id
+    id --decode (one [1, D] forward at the next position)--> logits --sample--> id --> ...
+
+It stops at an end-of-sequence id (and at BOS for llama2.c's TinyStories checkpoints, as run.c does), at the token
+limit, or when the next token would fall outside the model's context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from .errors import GenerationError
+from .sampling import SamplingParams, sample_with
+
+
+def stop_ids(config) -> frozenset[int]:
+    """Token ids that end a generation: the EOS ids, plus BOS where the checkpoint uses BOS as a separator."""
+    ids = set(config.eos_ids)
+    if config.stop_at_bos:
+        ids.add(config.bos_id)
+    return frozenset(ids)
+
+
+def check_prompt(config, prompt_ids) -> None:
+    if len(prompt_ids) == 0:
+        raise GenerationError("the prompt has no tokens (encode with bos=True to start from BOS)")
+    if len(prompt_ids) > config.max_seq_len:
+        raise GenerationError(f"the prompt has {len(prompt_ids)} tokens but the model's context is "
+                              f"{config.max_seq_len} tokens")
+    bad = [t for t in prompt_ids if not 0 <= int(t) < config.vocab_size]
+    if bad:
+        raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size})")
+
+
+def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
+                 rng: np.random.Generator | None = None) -> Iterator[int]:
+    """Yield new token ids one by one (stop tokens are not yielded).
+
+    The last sampled token is yielded without being fed back, so a context of N positions yields up to
+    N - len(prompt) + 1 tokens, as llama2.c's run.c does.
+    """
+    config = model.config
+    check_prompt(config, prompt_ids)
+    if max_new_tokens < 0:
+        raise GenerationError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    rng = np.random.default_rng(params.seed) if rng is None else rng
+    stops = stop_ids(config)
+    cache = model.new_cache()
+    history = [int(t) for t in prompt_ids]
+    hidden = model.forward(history, np.arange(len(history)), cache)  # prefill: [T, D]
+    logits = model.lm_head(hidden[-1:])[0]  # [V]
+    for _ in range(max_new_tokens):
+        token = sample_with(params, logits, rng, history)
+        if token in stops:
+            return
+        yield token
+        history.append(token)
+        position = len(history) - 1
+        if position >= config.max_seq_len:  # no room to feed it back: the context is full
+            return
+        logits = model.lm_head(model.forward([token], [position], cache))[0]  # decode: [1, D] -> [V]

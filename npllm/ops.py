@@ -1,0 +1,148 @@
+"""The math of a Llama block, one small NumPy function per stage. This module is npllm's reference.
+
+Legend (as in config.py): V vocab, D model width, F FFN width, H query heads, K key/value heads, Dh head dim,
+T query tokens in this call, S key positions attended to. Every function keeps the dtype of its input (float32 in practice; float64 for tests that need exact arithmetic).
+
+    tokens --embed--> x --[rms_norm -> q,k,v -> rope -> attention -> wo]--> +x --[rms_norm -> swiglu]--> +x ...
+           --rms_norm--> lm_head --> logits --softmax--> probabilities
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import RopeScaling
+
+
+def embed(tok_embeddings: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Embedding lookup: x[t] = E[tokens[t]]. A lookup is just row indexing.  # [V, D], [T] -> [T, D]"""
+    return np.array(tok_embeddings[tokens])
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm: y = x / sqrt(mean(x^2) + eps) * g, over the last axis.  # [..., D], [D] -> [..., D]
+
+    Unlike LayerNorm there is no mean subtraction and no bias: only the scale of x is normalised.
+    """
+    ms = np.mean(np.square(x), axis=-1, keepdims=True)  # [..., 1]
+    return x * (1.0 / np.sqrt(ms + x.dtype.type(eps))) * weight
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """Inverse frequencies of the rotary embedding: w_i = theta^(-2i / Dh), i = 0 .. Dh/2 - 1.  # -> [Dh/2] f64
+
+    Pair i of a head is rotated by the angle pos * w_i: fast rotations for the first pairs, slow for the last.
+    Scaling (for contexts longer than training) slows the low frequencies down; see RopeScaling.
+    """
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    return _llama3_scaled(inv_freq, scaling)
+
+
+def _llama3_scaled(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
+    """Llama 3.1 scaling: wavelengths longer than original_max / low_freq_factor are stretched by `factor`,
+    shorter than original_max / high_freq_factor kept, and the band between interpolated linearly in
+    original_max / wavelength."""
+    wavelen = 2 * np.pi / inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    return np.where(wavelen < high_freq_wavelen, inv_freq,
+                    np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, blended))
+
+
+def rope_angles(positions: np.ndarray, inv_freq: np.ndarray, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of the rotation angles pos * w_i, computed in float64.  # [T], [Dh/2] -> [T, Dh/2] x2"""
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+
+def rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """RoPE on adjacent pairs (x[2i], x[2i+1]), the layout of Meta's and llama2.c's checkpoints.
+
+        x'[2i]   = x[2i] cos(pos w_i) - x[2i+1] sin(pos w_i)
+        x'[2i+1] = x[2i] sin(pos w_i) + x[2i+1] cos(pos w_i)          # [T, n, Dh], [T, Dh/2] x2 -> [T, n, Dh]
+    """
+    even, odd = x[..., 0::2], x[..., 1::2]  # [T, n, Dh/2] each
+    c, s = cos[:, None, :], sin[:, None, :]  # broadcast over the heads
+    out = np.empty_like(x)
+    out[..., 0::2] = even * c - odd * s
+    out[..., 1::2] = even * s + odd * c
+    return out
+
+
+def rope_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """RoPE on pairs (x[i], x[i + Dh/2]), the layout of Hugging Face checkpoints (their q/k rows are permuted so
+    that this equals rope_interleaved on Meta's layout).                # [T, n, Dh], [T, Dh/2] x2 -> [T, n, Dh]
+    """
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([first * c - second * s, first * s + second * c], axis=-1)
+
+
+def attention_mask(q_positions: np.ndarray, k_positions: np.ndarray, window: int | None = None) -> np.ndarray:
+    """Additive causal mask: 0 where query t may see key s, -inf elsewhere.  # [T], [S] -> [T, S]
+
+    A query at position p sees keys at positions p - window < k <= p (all k <= p when window is None). Key slots
+    holding position -1 (an empty cache slot) are never seen. Adding -inf before the softmax gives those keys
+    exp(-inf) = 0 weight, so the mask is arithmetic, not control flow.
+    """
+    q = np.asarray(q_positions)[:, None]
+    k = np.asarray(k_positions)[None, :]
+    visible = (k <= q) & (k >= 0)
+    if window is not None:
+        visible &= k > q - window
+    return np.where(visible, 0.0, -np.inf).astype(np.float32)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """softmax(x)_i = exp(x_i - max x) / sum_j exp(x_j - max x); subtracting the max keeps exp from overflowing."""
+    z = x - np.max(x, axis=axis, keepdims=True)
+    e = np.exp(z)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Causal scaled dot-product attention with grouped-query heads.
+
+        out_h = softmax(q_h k_g^T / sqrt(Dh) + mask) v_g,   g = h // (H / K)
+                                                            # [T, H, Dh], [S, K, Dh], [S, K, Dv], [T, S] -> [T, H, Dv]
+    Each KV head serves H/K consecutive query heads (GQA; K == H is plain multi-head attention). Every query
+    must see at least one key (its own position), so no softmax row is all -inf.
+    """
+    T, H, Dh = q.shape
+    S, K, _ = k.shape
+    G = H // K
+    qg = q.reshape(T, K, G, Dh).transpose(1, 2, 0, 3)  # [K, G, T, Dh]
+    kg = k.transpose(1, 2, 0)[:, None]  # [K, 1, Dh, S]
+    vg = v.transpose(1, 0, 2)[:, None]  # [K, 1, S, Dh]
+    scores = (qg @ kg) * q.dtype.type(1.0 / np.sqrt(Dh)) + mask.astype(q.dtype)  # [K, G, T, S]
+    weights = softmax(scores, axis=-1)
+    out = weights @ vg  # [K, G, T, Dh]
+    return out.transpose(2, 0, 1, 3).reshape(T, H, v.shape[-1])
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """SiLU (swish): x * sigmoid(x) = x / (1 + e^-x)."""
+    return x / (1.0 + np.exp(-x))
+
+
+def swiglu(x: np.ndarray, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray) -> np.ndarray:
+    """SwiGLU feed-forward: FFN(x) = (silu(x W1^T) * (x W3^T)) W2^T.   # [T, D], [F, D], [D, F], [F, D] -> [T, D]
+
+    W1 is the gate, W3 the "up" projection; the gate's SiLU decides how much of each hidden unit passes.
+    """
+    gate = x @ w1.T  # [T, F]
+    up = x @ w3.T  # [T, F]
+    return (silu(gate) * up) @ w2.T
+
+
+def lm_head(x: np.ndarray, output: np.ndarray) -> np.ndarray:
+    """Logits: one score per vocabulary entry, x W_out^T (W_out is the embedding when tied).  # [T, D] -> [T, V]"""
+    return x @ output.T

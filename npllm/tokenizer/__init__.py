@@ -1,0 +1,54 @@
+"""Tokenizers: one interface (Tokenizer: encode, decode, stream_decoder), several vocabulary files.
+
+    load_tokenizer("tok512.model")  -> SentencePieceTokenizer  (the sentencepiece package)
+    load_tokenizer("tok512.bin")    -> BPETokenizer            (llama2.c's format, npllm's own BPE encoder)
+
+Both spell pieces the SentencePiece way (U+2581 for a space, <0xXX> for a byte) and decode through the same
+StreamDecoder, so text printed token by token never shows half a character.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import TokenizerError
+from .base import SPACE_SYMBOL, Tokenizer, TokenType, check_vocab
+from .bpe import BPETokenizer
+from .sentencepiece import SentencePieceTokenizer
+from .stream import StreamDecoder
+
+__all__ = [
+    "BPETokenizer",
+    "SPACE_SYMBOL",
+    "SentencePieceTokenizer",
+    "StreamDecoder",
+    "TokenType",
+    "Tokenizer",
+    "check_vocab",
+    "load_tokenizer",
+]
+
+
+def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None) -> Tokenizer:
+    """Open a tokenizer file, choosing the reader by its suffix: `.model` SentencePiece, `.bin` llama2.c.
+
+    With `vocab_size` (the model's), the tokenizer must have exactly that many ids (check_vocab); for a `.bin`, which
+    does not record its own size, this also catches a file cut off between two records.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise TokenizerError(f"tokenizer file {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".model":
+        tokenizer: Tokenizer = SentencePieceTokenizer(path)
+    elif suffix == ".bin":
+        tokenizer = BPETokenizer.from_llama2c(path, vocab_size)
+    else:
+        raise TokenizerError(
+            f"tokenizer file {path}: unknown kind {suffix or '(no suffix)'!r}; "
+            "npllm reads SentencePiece .model and llama2.c tokenizer .bin files"
+        )
+    if vocab_size is not None:
+        check_vocab(tokenizer, vocab_size, path)
+    return tokenizer

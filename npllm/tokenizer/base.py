@@ -1,0 +1,103 @@
+"""The one interface every npllm tokenizer offers, and the checks shared by all of them.
+
+A tokenizer maps text to ids (encode) and ids back to text (decode). Decoding is the same for every vocabulary of the
+SentencePiece family, so it lives here once: each piece is one of a few kinds (TokenType) and the StreamDecoder turns
+a sequence of (kind, piece) into text. Subclasses only say how to encode and what each id is.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Iterable
+
+from ..errors import TokenizerError
+
+if TYPE_CHECKING:
+    from .stream import StreamDecoder
+
+# SentencePiece writes a space as this symbol ("lower one eighth block") inside its pieces.
+SPACE_SYMBOL = "\u2581"
+
+
+class TokenType(enum.IntEnum):
+    """What an id stands for, numbered as SentencePiece's ModelProto and GGUF's tokenizer.ggml.token_type do."""
+
+    NORMAL = 1  # a piece of text, spaces written as SPACE_SYMBOL
+    UNKNOWN = 2  # <unk>: text the vocabulary cannot spell (never produced when byte fallback exists)
+    CONTROL = 3  # <s>, </s>, ...: structure, never text; decodes to nothing
+    USER_DEFINED = 4  # a piece matched whole in the input and never merged further
+    UNUSED = 5  # a piece BPE may form on the way but never emits (it is split back into its halves)
+    BYTE = 6  # <0xXX>: one raw byte, the fallback for characters outside the vocabulary
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids for a Llama-family vocabulary.
+
+    Attributes every implementation sets: `vocab_size` (number of ids), `bos_id`, `eos_id`, `unk_id`, `name` (the
+    file it came from, for messages) and `add_dummy_prefix` (whether encode puts a space before the text, in which
+    case decode takes that one space off again).
+    """
+
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    unk_id: int
+    name: str
+    add_dummy_prefix: bool
+
+    @abstractmethod
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        """Token ids of `text`, with BOS in front when `bos` and EOS at the end when `eos`."""
+
+    @abstractmethod
+    def id_to_piece(self, token_id: int) -> str:
+        """The vocabulary entry of `token_id` in SentencePiece's spelling (spaces as U+2581, bytes as <0xXX>)."""
+
+    @abstractmethod
+    def token_type(self, token_id: int) -> TokenType:
+        """The kind of piece `token_id` is; decoding depends only on this and on id_to_piece."""
+
+    def byte_value(self, token_id: int) -> int:
+        """The byte a BYTE piece stands for: its text is '<0xXX>' with XX the byte in hexadecimal."""
+        return int(self.id_to_piece(token_id)[3:5], 16)
+
+    def decode(self, ids: Iterable[int], continuation: bool = False) -> str:
+        """Text of `ids`, exactly as SentencePiece decodes them.
+
+        Control pieces (BOS, EOS, ...) vanish; <unk> reads " \u2047 "; SPACE_SYMBOL reads as a space; runs of byte
+        pieces are joined and read as UTF-8, each byte that does not belong to a valid character becoming U+FFFD.
+        The first non-control piece loses one leading space: the dummy prefix encode added. Pass
+        `continuation=True` when the ids continue text already shown, so that space is a real one and stays.
+        """
+        stream = self.stream_decoder(continuation)
+        return "".join(stream.feed(i) for i in ids) + stream.flush()
+
+    def stream_decoder(self, continuation: bool = False) -> "StreamDecoder":
+        """A decoder fed one id at a time that returns only complete characters; see StreamDecoder."""
+        from .stream import StreamDecoder  # stream.py imports this module for TokenType
+
+        return StreamDecoder(self, continuation)
+
+    def _check_id(self, token_id: int) -> int:
+        """`token_id` as a plain int, or TokenizerError when it is not an id of this vocabulary."""
+        token_id = int(token_id)
+        if not 0 <= token_id < self.vocab_size:
+            raise TokenizerError(f"token id {token_id} is outside tokenizer {self.name}'s vocabulary of {self.vocab_size}")
+        return token_id
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size})"
+
+
+def check_vocab(tokenizer: Tokenizer, vocab_size: int, path: str | os.PathLike) -> None:
+    """Raise TokenizerError unless `tokenizer` has exactly the model's `vocab_size` ids.
+
+    A mismatch means the tokenizer belongs to another model: ids would index the wrong embedding rows (or past the
+    end), so it is refused at load time rather than producing plausible-looking garbage. `path` names the tokenizer.
+    """
+    if tokenizer.vocab_size != vocab_size:
+        raise TokenizerError(
+            f"tokenizer {os.fspath(path)} has {tokenizer.vocab_size} pieces but the model's vocabulary is {vocab_size}"
+        )

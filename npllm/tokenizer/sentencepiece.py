@@ -1,0 +1,56 @@
+"""SentencePiece `.model` files, encoded by the sentencepiece package itself (the reference npllm's BPE matches)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import sentencepiece as spm
+
+from ..errors import TokenizerError
+from .base import SPACE_SYMBOL, Tokenizer, TokenType
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model: encode is sentencepiece's own; decode is the shared one, which agrees with
+    sentencepiece's decode (tests compare them on arbitrary id sequences) and also streams."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.name = os.fspath(path)
+        if not Path(path).is_file():
+            raise TokenizerError(f"tokenizer file {self.name} does not exist")
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.Load(self.name)
+        except (OSError, RuntimeError) as e:  # sentencepiece reports a bad protobuf as OSError or RuntimeError
+            raise TokenizerError(f"tokenizer {self.name} is not a readable SentencePiece model: {e}") from None
+        self.vocab_size = self._sp.vocab_size()
+        self.bos_id, self.eos_id, self.unk_id = self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id()
+        if self.bos_id < 0 or self.eos_id < 0:
+            raise TokenizerError(f"tokenizer {self.name} defines no BOS or no EOS piece; npllm needs both")
+        # Whether the normaliser puts a U+2581 in front of the text; decode then removes one from the first piece.
+        self.add_dummy_prefix = self._sp.normalize("a").startswith(SPACE_SYMBOL)
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        """sentencepiece's ids for `text`, with BOS/EOS added when asked."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"tokenizer {self.name}: encode takes a str, not {type(text).__name__}")
+        return self._sp.encode(text, add_bos=bos, add_eos=eos)
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The piece of `token_id` as the model stores it."""
+        return self._sp.id_to_piece(self._check_id(token_id))
+
+    def token_type(self, token_id: int) -> TokenType:
+        """The TokenType of `token_id` (sentencepiece exposes no user-defined flag: those read as NORMAL)."""
+        token_id = self._check_id(token_id)
+        sp = self._sp
+        if sp.is_control(token_id):
+            return TokenType.CONTROL
+        if sp.is_unknown(token_id):
+            return TokenType.UNKNOWN
+        if sp.is_byte(token_id):
+            return TokenType.BYTE
+        if sp.is_unused(token_id):
+            return TokenType.UNUSED
+        return TokenType.NORMAL
