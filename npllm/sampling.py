@@ -553,10 +553,10 @@ def logit_bias(logits, bias: Mapping[int, float] | None) -> np.ndarray:
 def greedy(logits) -> int | np.ndarray:
     """argmax per row, ties to the lowest token id: [V] -> int, [B, V] -> [B] int64.
 
-    A +inf logit wins over every finite one (the lowest-id +inf when several).
+    A +inf logit wins over every finite one (the lowest-id +inf when several); a row of all -inf raises.
     """
     x = _as_logits(logits)
-    ids = np.argmax(_rows(x), axis=1)  # argmax returns the first maximum
+    ids = np.argmax(_normalisable(_rows(x))[0], axis=1)  # argmax returns the first maximum
     return int(ids[0]) if x.ndim == 1 else ids.astype(np.int64)
 
 
@@ -614,7 +614,7 @@ class SamplingParams:
 
 
 class Sampled(NamedTuple):
-    """What `sample` returns. For [V] logits: a Python int and float, and [N] arrays; for [B, V]: [B], [B, N].
+    """What `sample` and `sample_step` return. For [V] logits: a Python int and float, and [N] arrays; for [B, V]: [B], [B, N].
 
     logprobs are the chosen tokens' log-probabilities under the distribution they were drawn from: the penalised,
     temperature-scaled, filtered one. Under greedy decoding (temperature 0) that distribution is a point mass, so
@@ -710,8 +710,8 @@ def _candidates(s: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.n
     """
     ids = None
     for name, keep_of in _filter_stages(params):
-        if ids is None and name == "top_k":
-            if 0 < params.top_k < s.shape[1]:
+        if name == "top_k":  # always the first filter: its survivors come straight from one argpartition
+            if params.top_k < s.shape[1]:
                 ids, s = _top_k_gather(s, params.top_k)
             continue
         keep = keep_of(s)
