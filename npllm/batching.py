@@ -68,6 +68,9 @@ class Request:
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
         if not isinstance(self.params, SamplingParams):
             raise GenerationError(f"params must be a SamplingParams, got {type(self.params).__name__}")
+        if self.params.stop:  # stop strings are text: the token-level engine would silently ignore them
+            raise GenerationError(f"params.stop {self.params.stop!r}: a Request stops on token ids (stop_ids); "
+                                  f"stop strings are handled by LLM.generate / LLM.stream")
 
 
 @dataclass

@@ -174,6 +174,8 @@ def test_zero_token_requests_finish_without_a_slot_and_bad_input_raises():
         engine.submit(Request([1] * 65, 4))
     with pytest.raises(GenerationError, match="max_new_tokens"):
         Request([1], -1)
+    with pytest.raises(GenerationError, match="stop_ids"):
+        Request([1], 4, SamplingParams(stop=("The end",)))
     with pytest.raises(GenerationError, match="slots"):
         ContinuousEngine(model, slots=0)
     with pytest.raises(GenerationError, match="max_step_tokens"):
