@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-file", default=None,
                      help="a file with one prompt per line (blank lines skipped), all generated as one batch")
     gen.set_defaults(run=run_generate)
+    info = commands.add_parser("info", help="describe a checkpoint: architecture, size, context, tokenizer")
+    info.add_argument("model", nargs="?", default="stories260K", help="checkpoint path or known name")
+    info.set_defaults(run=run_info)
     return parser
 
 
@@ -88,6 +91,17 @@ def run_generate_batch(args) -> int:
     sys.stdout.write("\n\n".join(p + c for p, c in zip(prompts, completions)) + "\n")
     sys.stdout.flush()
     print(f"[npllm] {len(prompts)} prompts completed together in {seconds:.2f} s", file=sys.stderr)
+    return 0
+
+
+def run_info(args) -> int:
+    from .formats import read_checkpoint
+    from .formats.info import describe
+    from .hub import resolve
+
+    checkpoint, _ = resolve(args.model)
+    config, weights = read_checkpoint(checkpoint)
+    print(describe(config, weights, checkpoint))
     return 0
 
 
