@@ -138,27 +138,15 @@ class NumbaTransformer:
                                   "positions")
         if cache.k.dtype != np.float32 or cache.k.shape[0] != self.config.n_layers:
             raise GenerationError("the cache was not made by this model's new_cache()")
-        if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
-            raise GenerationError(f"token ids must be in [0, {self.config.vocab_size}), got {tokens.min()} .. "
-                                  f"{tokens.max()}")
-        if positions.min() < 0:
-            raise GenerationError(f"positions must be >= 0, got {positions.min()}")
-        if slots is None:
-            order, seq_starts, seq_slots = np.arange(T), np.array([0, T]), np.zeros(1, np.int64)
-        else:
-            slots = np.asarray(slots, dtype=np.int64).reshape(-1)
-            if len(slots) != T:
-                raise GenerationError(f"forward needs one slot per token, got {T} tokens and {len(slots)} slots")
-            if slots.min() < 0 or slots.max() >= cache.slots:
-                raise GenerationError(f"slots must be in [0, {cache.slots}), got {slots.min()} .. {slots.max()}")
-            order = np.argsort(slots, kind="stable")
-            seq_slots, counts = np.unique(slots[order], return_counts=True)
-            seq_starts = np.concatenate([[0], np.cumsum(counts)])
-        steps = np.diff(positions[order])
-        steps[seq_starts[1:-1] - 1] = 1  # a new sequence may start anywhere
-        if np.any(steps != 1):
-            raise GenerationError("within a slot, a forward call's positions must be consecutive and increasing")
-        return order, seq_starts, seq_slots
+        slots = np.zeros(T, np.int64) if slots is None else np.asarray(slots, dtype=np.int64).reshape(-1)
+        if len(slots) != T:
+            raise GenerationError(f"forward needs one slot per token, got {T} tokens and {len(slots)} slots")
+        order, seq_starts, seq_slots = np.empty(T, np.int64), np.empty(T + 1, np.int64), np.empty(T, np.int64)
+        n_seq = _group_by_slot(tokens, positions, slots, self.config.vocab_size, cache.slots, order, seq_starts,
+                               seq_slots)
+        if n_seq < 0:
+            raise GenerationError(CALL_PROBLEMS[-n_seq].format(V=self.config.vocab_size, B=cache.slots))
+        return order, seq_starts[:n_seq + 1], seq_slots[:n_seq]
 
     def lm_head(self, h: np.ndarray) -> np.ndarray:
         """Logits from final hidden states.  # [T, D] -> [T, V]"""
@@ -173,6 +161,47 @@ class NumbaTransformer:
             positions = np.arange(len(tokens))
         cache = self.new_cache() if cache is None else cache
         return self.lm_head(self.forward(tokens, positions, cache))
+
+
+CALL_PROBLEMS = {1: "token ids must be in [0, {V})", 2: "positions must be >= 0", 3: "slots must be in [0, {B})",
+                 4: "within a slot, a forward call's positions must be consecutive and increasing"}
+
+
+@njit(cache=True)
+def _group_by_slot(tokens, positions, slots, V, B, order, seq_starts, seq_slots):
+    """Check token ids, positions and slots; fill order (token indices grouped by slot, first-seen order kept),
+    seq_starts and seq_slots (sequence s = order[seq_starts[s] : seq_starts[s + 1]], in slot seq_slots[s]).
+    Returns the number of sequences, or minus the CALL_PROBLEMS key of the first problem found."""
+    T = tokens.shape[0]
+    for t in range(T):
+        if tokens[t] < 0 or tokens[t] >= V:
+            return -1
+        if positions[t] < 0:
+            return -2
+        if slots[t] < 0 or slots[t] >= B:
+            return -3
+    counts = np.zeros(B, np.int64)
+    for t in range(T):
+        counts[slots[t]] += 1
+    n_seq, start = 0, 0
+    first = np.full(B, -1)  # the sequence index of each slot present
+    for t in range(T):
+        if first[slots[t]] < 0:
+            first[slots[t]] = n_seq
+            seq_slots[n_seq] = slots[t]
+            seq_starts[n_seq] = start
+            start += counts[slots[t]]
+            n_seq += 1
+    seq_starts[n_seq] = T
+    filled = seq_starts[:n_seq].copy()
+    for t in range(T):
+        s = first[slots[t]]
+        i = filled[s]
+        if i > seq_starts[s] and positions[t] != positions[order[i - 1]] + 1:
+            return -4
+        order[i] = t
+        filled[s] += 1
+    return n_seq
 
 
 @njit(cache=True)
@@ -197,6 +226,8 @@ def _forward(tokens, positions, order, seq_starts, seq_slots, weights, inv_freq,
     cos = np.empty((T, Dh // 2), np.float32)
     sin = np.empty((T, Dh // 2), np.float32)
     cpu.rope_angles_into(positions, inv_freq, cos, sin, T)
+    valid_from = np.empty(seq_slots.shape[0], np.int64)
+    cpu.valid_from_into(positions, order, seq_starts, seq_slots, cache_positions, window, valid_from)
     for t in range(T):
         x[t] = embeddings[tokens[t]]
     for l in range(L):
@@ -205,8 +236,8 @@ def _forward(tokens, positions, order, seq_starts, seq_slots, weights, inv_freq,
         for t in range(T):
             qkv[t] += bqkv[l]
         cpu.rope_interleaved_into(qkv, H + K, Dh, cos, sin, T)  # queries and keys: the first H + K heads
-        cpu.attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, cache_k[l], cache_v[l],
-                                cache_positions, window, attn)
+        cpu.attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, valid_from, cache_k[l],
+                                cache_v[l], cache_positions, window, attn)
         cpu.matmul_into(attn, wo[l], o, T, threads)
         for t in range(T):
             for d in range(D):

@@ -452,39 +452,67 @@ def attention(q, k, v, mask):
 
 
 @njit(inline="always")
-def _attend_ring(q, q_col, keys, values, ring_pos, b, g, K, Dh, lo, first, p, scale, scores, bases, bits, out):
-    """out[q_col : q_col+Dh] = attention of one query head over positions lo .. p of kv head g in slot b.
+def _attend_group(q, g, G, keys, values, ring_pos, b, K, Dh, lo, valid_from, p, scale, scores, bases, bits, stats,
+                  out):
+    """out[h Dh : (h+1) Dh] for the G query heads h = gG .. gG+G-1 of kv head g: attention over positions lo .. p
+    of slot b, each key read once for all G heads.
 
-    q, out: one token's row; keys, values: one layer of the cache flattened from [B, C, K, Dh]. Keys at positions
-    >= first were written by this call, so are valid; older ones only if the ring still holds them (ring_pos: the
-    positions held before this call).
+    q, out: one token's row; keys, values: one layer of the cache flattened from [B, C, K, Dh]. A key at position
+    >= valid_from is known to be in the ring (written by this call, or checked once per call); an older one counts
+    only if ring_pos (the positions held before this call) says the ring still holds it.
+    scores [G, KEY_BLOCK], bases, bits [KEY_BLOCK], stats [2, G] (running max, running sum): scratch.
     """
     C = ring_pos.shape[1]
-    for d in range(Dh):
-        out[q_col + d] = 0.0
-    m, l = np.float32(-np.inf), np.float32(0.0)
+    for hh in range(G):
+        stats[0, hh], stats[1, hh] = -np.inf, 0.0
+        for d in range(Dh):
+            out[(g * G + hh) * Dh + d] = 0.0
     for j0 in range(lo, p + 1, KEY_BLOCK):  # blocks start at lo, fixed by p alone: decode == prefill
         n = min(KEY_BLOCK, p + 1 - j0)
         r = j0 % C  # ring index of position j0 + j, advanced without a division per key
         for j in range(n):
             bases[j] = ((b * C + r) * K + g) * Dh
-            if j0 + j >= first or ring_pos[b, r] == j0 + j:
-                scores[j] = _dot(q, q_col, keys, bases[j], Dh) * scale
+            if j0 + j >= valid_from or ring_pos[b, r] == j0 + j:
+                for hh in range(G):
+                    scores[hh, j] = _dot(q, (g * G + hh) * Dh, keys, bases[j], Dh) * scale
             else:
-                scores[j] = -np.inf
+                for hh in range(G):
+                    scores[hh, j] = -np.inf
             r = r + 1 if r + 1 < C else 0
-        m, l = _online_softmax_block(scores, bases, n, values, out, q_col, Dh, m, l, bits)
-    for d in range(Dh):
-        out[q_col + d] /= l
+        for hh in range(G):
+            stats[0, hh], stats[1, hh] = _online_softmax_block(scores[hh], bases, n, values, out, (g * G + hh) * Dh,
+                                                               Dh, stats[0, hh], stats[1, hh], bits)
+    for hh in range(G):
+        for d in range(Dh):
+            out[(g * G + hh) * Dh + d] /= stats[1, hh]
+
+
+@njit(cache=True)
+def valid_from_into(positions, order, seq_starts, seq_slots, ring_pos, window, out):
+    """out[s] = the oldest position from which sequence s's keys are all present: its first position in this call,
+    extended back over the contiguous run of positions the ring holds (at most a window's worth).
+
+    Checking this once per call spares attention a lookup in ring_pos per key.
+    """
+    C = ring_pos.shape[1]
+    for s in range(seq_slots.shape[0]):
+        b = seq_slots[s]
+        first = positions[order[seq_starts[s]]]
+        q = first
+        while q > 0 and q > first - window and ring_pos[b, (q - 1) % C] == q - 1:
+            q -= 1
+        out[s] = q
 
 
 @njit(parallel=True, cache=True)
-def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, ring_k, ring_v, ring_pos, window, out):
+def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, valid_from, ring_k, ring_v, ring_pos,
+                        window, out):
     """Causal attention of this call's tokens over the ring cache, writing their keys and values into it.
 
         qkv       [T, (H + 2K) Dh]  rotated queries (heads 0..H-1), rotated keys, values, per token
         order     [T]   token indices grouped by sequence, each sequence's tokens in position order;
                         sequence s is order[seq_starts[s] : seq_starts[s + 1]], in cache slot seq_slots[s]
+        valid_from [n_seq]  see valid_from_into
         ring_k/v  [B, C, K, Dh]  one layer of the cache; ring_pos [B, C] the positions it held before the call
         out       [T, H Dh]
 
@@ -497,13 +525,14 @@ def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, ring
     scale = np.float32(1.0 / np.sqrt(Dh))
     keys = ring_k.reshape(B * C * K * Dh)
     values = ring_v.reshape(B * C * K * Dh)
-    for item in prange(seq_slots.shape[0] * K):
+    n_items = seq_slots.shape[0] * K
+    scores = np.empty((n_items, G, KEY_BLOCK), np.float32)  # scratch, one row per work item
+    bases = np.empty((n_items, KEY_BLOCK), np.int64)
+    bits = np.empty((n_items, KEY_BLOCK), np.int32)
+    stats = np.empty((n_items, 2, G), np.float32)
+    for item in prange(n_items):
         s, g = item // K, item % K
         b = seq_slots[s]
-        first = positions[order[seq_starts[s]]]
-        scores = np.empty(KEY_BLOCK, np.float32)
-        bases = np.empty(KEY_BLOCK, np.int64)
-        bits = np.empty(KEY_BLOCK, np.int32)
         for i in range(seq_starts[s], seq_starts[s + 1]):
             t = order[i]
             p = positions[t]
@@ -511,7 +540,5 @@ def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, ring
             for d in range(Dh):
                 keys[slot_base + d] = qkv[t, (H + g) * Dh + d]
                 values[slot_base + d] = qkv[t, (H + K + g) * Dh + d]
-            lo = max(0, p - window + 1)
-            q, o = qkv[t], out[t]
-            for h in range(g * G, (g + 1) * G):
-                _attend_ring(q, h * Dh, keys, values, ring_pos, b, g, K, Dh, lo, first, p, scale, scores, bases, bits, o)
+            _attend_group(qkv[t], g, G, keys, values, ring_pos, b, K, Dh, max(0, p - window + 1), valid_from[s], p,
+                          scale, scores[item], bases[item], bits[item], stats[item], out[t])
