@@ -16,6 +16,7 @@ For each backend, batch B and prompt length N it measures (medians of R runs):
 and once per backend:
     first_token_cold_ms  the first request of the process, JIT compilation or cache loading included
     bandwidth_gb_s     memory read bandwidth: the best of a NumPy sgemv and a Numba streaming sum over 512 MiB
+                       (--bandwidth-mib), far more than any cache
     peak_rss_mb        peak resident memory of the process (each backend runs in its own process), taken before
                        the bandwidth probe allocates its buffer
 """
@@ -39,7 +40,6 @@ from .config import ModelConfig
 from .errors import ConfigError, FormatError
 from .kernels.simd import LANES, vadd, vload, vsum, vzero
 
-BANDWIDTH_BYTES = 512 * 2**20
 
 
 def load_weights(model: str) -> tuple[ModelConfig, dict[str, np.ndarray], str]:
@@ -86,10 +86,10 @@ def _stream_sum(a, chunks):
     return partial.sum()
 
 
-def measure_bandwidth(threads: int, repeat: int = 5) -> dict[str, float]:
-    """Read bandwidth in GB/s over BANDWIDTH_BYTES: NumPy sgemv (BLAS) and a Numba streaming sum, best of `repeat`."""
-    rows = 4096
-    matrix = np.ones((rows, BANDWIDTH_BYTES // 4 // rows), np.float32)
+def measure_bandwidth(threads: int, mib: int = 512, repeat: int = 5) -> dict[str, float]:
+    """Read bandwidth in GB/s over `mib` MiB: NumPy sgemv (BLAS) and a Numba streaming sum, best of `repeat`."""
+    rows = 256
+    matrix = np.ones((rows, mib * 2**20 // 4 // rows), np.float32)
     vector = np.ones(matrix.shape[1], np.float32)
     flat = matrix.reshape(-1)
     numba.set_num_threads(threads)
@@ -147,7 +147,7 @@ class Session:
 
 
 def bench_backend(model_name: str, backend: str, threads: int | None, batches, prompt_lens, gen_len: int,
-                  repeat: int):
+                  repeat: int, bandwidth_mib: int = 512):
     """Yield one result dict per (batch, prompt length) for one backend, in this process."""
     config, weights, kind = load_weights(model_name)
     start = time.perf_counter()
@@ -179,7 +179,7 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
                             "weight_bytes_per_token": step_bytes // batch,
                             "achieved_gb_s": round(step_bytes / step / 1e9, 2)})
     peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # before the 512 MiB probe
-    bandwidth = measure_bandwidth(used_threads)
+    bandwidth = measure_bandwidth(used_threads, bandwidth_mib)
     for r in results:
         yield {**r, **bandwidth, "peak_rss_mb": peak_rss_mb}
 
@@ -199,13 +199,14 @@ def run(args) -> int:
         if args.threads is not None and args.backend[0] == "numpy":
             limit_blas_threads(args.threads)
         for result in bench_backend(args.model, args.backend[0], args.threads, args.batch, args.prompt_len,
-                                    args.gen_len, args.repeat):
+                                    args.gen_len, args.repeat, args.bandwidth_mib):
             print_result(result, args.json)
         return 0
     for backend in args.backend:
         command = [sys.executable, "-m", "npllm", "bench", "--model", args.model, "--backend", backend,
                    "--batch", *map(str, args.batch), "--prompt-len", *map(str, args.prompt_len),
-                   "--gen-len", str(args.gen_len), "--repeat", str(args.repeat), "--json"]
+                   "--gen-len", str(args.gen_len), "--repeat", str(args.repeat),
+                   "--bandwidth-mib", str(args.bandwidth_mib), "--json"]
         if args.threads is not None:
             command += ["--threads", str(args.threads)]
         child = subprocess.run(command, stdout=subprocess.PIPE, env=os.environ.copy(), text=True)

@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--backend", nargs="+", default=["numba"], help="numba, numpy, or both (default numba)")
     bench.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
     bench.add_argument("--repeat", type=int, default=3, help="runs per figure; medians are reported (default 3)")
+    bench.add_argument("--bandwidth-mib", type=int, default=512, help="size of the bandwidth probe (default 512)")
     bench.add_argument("--json", action="store_true", help="one JSON object per line")
     bench.set_defaults(run=run_bench)
     return parser
