@@ -28,6 +28,7 @@ PANEL = 16  # output rows per panel: two 8-lane vectors
 TILE_T = 6  # tokens per prefill tile: 6 x 2 vector accumulators fill 12 of the 16 AVX registers
 GROUP = 4  # panels a decode tile covers: 8 independent accumulators hide the latency of a multiply-add
 KEY_BLOCK = 64  # keys scored together before one online-softmax update
+QUERY_BLOCK = 16  # prefill queries that share each block of keys while it is in cache
 
 # Fast-math flags for sums and maxima whose order the compiler may choose (and so vectorise). The order is still
 # fixed once compiled, so prefill and decode, which run the same code, agree. Never 'ninf': attention relies on
@@ -68,49 +69,49 @@ def _tile_6x16(x, t, rows, w, base, D, out, col):
     spare accumulators (same cost, one pass over the panel) and not stored."""
     r1, r2, r3, r4, r5 = min(t + 1, t + rows - 1), min(t + 2, t + rows - 1), min(t + 3, t + rows - 1), \
         min(t + 4, t + rows - 1), min(t + 5, t + rows - 1)
-    a00 = vzero(); a01 = vzero(); a10 = vzero(); a11 = vzero(); a20 = vzero(); a21 = vzero()  # noqa: E702
-    a30 = vzero(); a31 = vzero(); a40 = vzero(); a41 = vzero(); a50 = vzero(); a51 = vzero()  # noqa: E702
+    a00 = vzero(); a01 = vzero(); a10 = vzero(); a11 = vzero(); a20 = vzero(); a21 = vzero()
+    a30 = vzero(); a31 = vzero(); a40 = vzero(); a41 = vzero(); a50 = vzero(); a51 = vzero()
     for k in range(D):
         lo = vload(w, base + PANEL * k)  # W rows col .. col+7 at input k
         hi = vload(w, base + PANEL * k + 8)  # W rows col+8 .. col+15
-        x0 = x[t, k]; x1 = x[r1, k]; x2 = x[r2, k]; x3 = x[r3, k]; x4 = x[r4, k]; x5 = x[r5, k]  # noqa: E702
-        a00 = vfma(a00, x0, lo); a01 = vfma(a01, x0, hi)  # noqa: E702
-        a10 = vfma(a10, x1, lo); a11 = vfma(a11, x1, hi)  # noqa: E702
-        a20 = vfma(a20, x2, lo); a21 = vfma(a21, x2, hi)  # noqa: E702
-        a30 = vfma(a30, x3, lo); a31 = vfma(a31, x3, hi)  # noqa: E702
-        a40 = vfma(a40, x4, lo); a41 = vfma(a41, x4, hi)  # noqa: E702
-        a50 = vfma(a50, x5, lo); a51 = vfma(a51, x5, hi)  # noqa: E702
-    vstore(out[t], col, a00); vstore(out[t], col + 8, a01)  # noqa: E702
+        x0 = x[t, k]; x1 = x[r1, k]; x2 = x[r2, k]; x3 = x[r3, k]; x4 = x[r4, k]; x5 = x[r5, k]
+        a00 = vfma(a00, x0, lo); a01 = vfma(a01, x0, hi)
+        a10 = vfma(a10, x1, lo); a11 = vfma(a11, x1, hi)
+        a20 = vfma(a20, x2, lo); a21 = vfma(a21, x2, hi)
+        a30 = vfma(a30, x3, lo); a31 = vfma(a31, x3, hi)
+        a40 = vfma(a40, x4, lo); a41 = vfma(a41, x4, hi)
+        a50 = vfma(a50, x5, lo); a51 = vfma(a51, x5, hi)
+    vstore(out[t], col, a00); vstore(out[t], col + 8, a01)
     if rows > 1:
-        vstore(out[r1], col, a10); vstore(out[r1], col + 8, a11)  # noqa: E702
+        vstore(out[r1], col, a10); vstore(out[r1], col + 8, a11)
     if rows > 2:
-        vstore(out[r2], col, a20); vstore(out[r2], col + 8, a21)  # noqa: E702
+        vstore(out[r2], col, a20); vstore(out[r2], col + 8, a21)
     if rows > 3:
-        vstore(out[r3], col, a30); vstore(out[r3], col + 8, a31)  # noqa: E702
+        vstore(out[r3], col, a30); vstore(out[r3], col + 8, a31)
     if rows > 4:
-        vstore(out[r4], col, a40); vstore(out[r4], col + 8, a41)  # noqa: E702
+        vstore(out[r4], col, a40); vstore(out[r4], col + 8, a41)
     if rows > 5:
-        vstore(out[r5], col, a50); vstore(out[r5], col + 8, a51)  # noqa: E702
+        vstore(out[r5], col, a50); vstore(out[r5], col + 8, a51)
 
 
 @njit(inline="always")
 def _tile_1x64(x, t, w, base, D, out, col):
     """out[t, col : col+64] = x[t, :D] @ (four consecutive panels).T: one token, eight chains of multiply-adds."""
     stride = D * PANEL  # floats per panel
-    a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero(); a4 = vzero(); a5 = vzero(); a6 = vzero(); a7 = vzero()  # noqa: E702,E501
+    a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero(); a4 = vzero(); a5 = vzero(); a6 = vzero(); a7 = vzero()
     for k in range(D):
         xk = x[t, k]
         i = base + PANEL * k
-        a0 = vfma(a0, xk, vload(w, i)); a1 = vfma(a1, xk, vload(w, i + 8))  # noqa: E702
+        a0 = vfma(a0, xk, vload(w, i)); a1 = vfma(a1, xk, vload(w, i + 8))
         i += stride
-        a2 = vfma(a2, xk, vload(w, i)); a3 = vfma(a3, xk, vload(w, i + 8))  # noqa: E702
+        a2 = vfma(a2, xk, vload(w, i)); a3 = vfma(a3, xk, vload(w, i + 8))
         i += stride
-        a4 = vfma(a4, xk, vload(w, i)); a5 = vfma(a5, xk, vload(w, i + 8))  # noqa: E702
+        a4 = vfma(a4, xk, vload(w, i)); a5 = vfma(a5, xk, vload(w, i + 8))
         i += stride
-        a6 = vfma(a6, xk, vload(w, i)); a7 = vfma(a7, xk, vload(w, i + 8))  # noqa: E702
+        a6 = vfma(a6, xk, vload(w, i)); a7 = vfma(a7, xk, vload(w, i + 8))
     row = out[t]
-    vstore(row, col, a0); vstore(row, col + 8, a1); vstore(row, col + 16, a2); vstore(row, col + 24, a3)  # noqa: E702
-    vstore(row, col + 32, a4); vstore(row, col + 40, a5); vstore(row, col + 48, a6); vstore(row, col + 56, a7)  # noqa: E702,E501
+    vstore(row, col, a0); vstore(row, col + 8, a1); vstore(row, col + 16, a2); vstore(row, col + 24, a3)
+    vstore(row, col + 32, a4); vstore(row, col + 40, a5); vstore(row, col + 48, a6); vstore(row, col + 56, a7)
 
 
 @njit(inline="always")
@@ -353,8 +354,8 @@ def _accumulate_values(weights, bases, n, values, out, col, Dv):
             a1 = vfma(a1, w, vload(values, i + LANES))
             a2 = vfma(a2, w, vload(values, i + 2 * LANES))
             a3 = vfma(a3, w, vload(values, i + 3 * LANES))
-        vstore(out, col + d, a0); vstore(out, col + d + LANES, a1)  # noqa: E702
-        vstore(out, col + d + 2 * LANES, a2); vstore(out, col + d + 3 * LANES, a3)  # noqa: E702
+        vstore(out, col + d, a0); vstore(out, col + d + LANES, a1)
+        vstore(out, col + d + 2 * LANES, a2); vstore(out, col + d + 3 * LANES, a3)
         d += 4 * LANES
     if d + 2 * LANES <= Dv:
         a0, a1 = vload(out, col + d), vload(out, col + d + LANES)
@@ -362,7 +363,7 @@ def _accumulate_values(weights, bases, n, values, out, col, Dv):
             w, i = weights[j], bases[j] + d
             a0 = vfma(a0, w, vload(values, i))
             a1 = vfma(a1, w, vload(values, i + LANES))
-        vstore(out, col + d, a0); vstore(out, col + d + LANES, a1)  # noqa: E702
+        vstore(out, col + d, a0); vstore(out, col + d + LANES, a1)
         d += 2 * LANES
     if d + LANES <= Dv:
         a0 = vload(out, col + d)
@@ -397,7 +398,8 @@ def _sum(x, n):
 def _online_softmax_block(scores, bases, n, values, out, col, Dv, m, l, bits):
     """Fold one block of n scores into the running max m, sum l and unnormalised output out[col : col+Dv].
 
-    With m' = max(m, max_j s_j):  l' = l e^(m - m') + sum_j e^(s_j - m'),  out' = out e^(m - m') + sum_j e^(s_j - m') v_j
+    With m' = max(m, max_j s_j):   l'   = l e^(m - m') + sum_j e^(s_j - m')
+                                   out' = out e^(m - m') + sum_j e^(s_j - m') v_j
     where v_j = values[bases[j] : bases[j]+Dv]. Returns (m', l'). A block of masked keys (all -inf) changes nothing.
     """
     block_max = _max(scores, n)
@@ -452,39 +454,57 @@ def attention(q, k, v, mask):
 
 
 @njit(inline="always")
-def _attend_group(q, g, G, keys, values, ring_pos, b, K, Dh, lo, valid_from, p, scale, scores, bases, bits, stats,
-                  out):
-    """out[h Dh : (h+1) Dh] for the G query heads h = gG .. gG+G-1 of kv head g: attention over positions lo .. p
-    of slot b, each key read once for all G heads.
+def _score_block(q, q_col, keys, ring_pos, b, g, K, C, Dh, j0, j1, valid_from, scale, scores, bases):
+    """scores[j] = q[q_col : q_col+Dh] . key(j0 + j) * scale for the positions j0 .. j1-1 of kv head g in slot b,
+    -inf where the ring no longer holds that position.
 
-    q, out: one token's row; keys, values: one layer of the cache flattened from [B, C, K, Dh]. A key at position
-    >= valid_from is known to be in the ring (written by this call, or checked once per call); an older one counts
-    only if ring_pos (the positions held before this call) says the ring still holds it.
-    scores [G, KEY_BLOCK], bases, bits [KEY_BLOCK], stats [2, G] (running max, running sum): scratch.
+    A key at position >= valid_from is known to be there (written by this call, or checked once per call);
+    an older one counts only if ring_pos (the positions held before this call) says so.
+    """
+    r = j0 % C  # ring index of position j0 + j, advanced without a division per key
+    for j in range(j1 - j0):
+        bases[j] = ((b * C + r) * K + g) * Dh
+        if j0 + j >= valid_from or ring_pos[b, r] == j0 + j:
+            scores[j] = _dot(q, q_col, keys, bases[j], Dh) * scale
+        else:
+            scores[j] = -np.inf
+        r = r + 1 if r + 1 < C else 0
+
+
+@njit(inline="always")
+def _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K, Dh, window, valid_from, scale,
+                    scores, bases, bits, stats, out):
+    """Attention of Q consecutive queries of one sequence (positions first_pos .. first_pos+Q-1, token rows
+    rows[0 .. Q-1]), each through the G query heads of kv head g, over the ring of slot b.
+
+    Query p sees positions lo = max(0, p - window + 1) .. p, visited in blocks aligned to multiples of KEY_BLOCK
+    (so the blocks, and every rounding, depend on p alone: one query at a time gives the same bits). The Q queries
+    take each block in turn, so its keys and values are read from memory once and from cache Q - 1 times.
+    scores [KEY_BLOCK], bases, bits [KEY_BLOCK]: scratch; stats [Q, 2, G]: running max and sum per query head.
     """
     C = ring_pos.shape[1]
-    for hh in range(G):
-        stats[0, hh], stats[1, hh] = -np.inf, 0.0
-        for d in range(Dh):
-            out[(g * G + hh) * Dh + d] = 0.0
-    for j0 in range(lo, p + 1, KEY_BLOCK):  # blocks start at lo, fixed by p alone: decode == prefill
-        n = min(KEY_BLOCK, p + 1 - j0)
-        r = j0 % C  # ring index of position j0 + j, advanced without a division per key
-        for j in range(n):
-            bases[j] = ((b * C + r) * K + g) * Dh
-            if j0 + j >= valid_from or ring_pos[b, r] == j0 + j:
-                for hh in range(G):
-                    scores[hh, j] = _dot(q, (g * G + hh) * Dh, keys, bases[j], Dh) * scale
-            else:
-                for hh in range(G):
-                    scores[hh, j] = -np.inf
-            r = r + 1 if r + 1 < C else 0
+    for i in range(Q):
         for hh in range(G):
-            stats[0, hh], stats[1, hh] = _online_softmax_block(scores[hh], bases, n, values, out, (g * G + hh) * Dh,
-                                                               Dh, stats[0, hh], stats[1, hh], bits)
-    for hh in range(G):
-        for d in range(Dh):
-            out[(g * G + hh) * Dh + d] /= stats[1, hh]
+            stats[i, 0, hh], stats[i, 1, hh] = -np.inf, 0.0
+            for d in range(Dh):
+                out[rows[i], (g * G + hh) * Dh + d] = 0.0
+    lo_first = max(0, first_pos - window + 1)
+    for block in range(lo_first - lo_first % KEY_BLOCK, first_pos + Q, KEY_BLOCK):
+        for i in range(Q):
+            p = first_pos + i
+            j0, j1 = max(block, p - window + 1, 0), min(block + KEY_BLOCK, p + 1)
+            if j0 >= j1:
+                continue
+            q, o = qkv[rows[i]], out[rows[i]]
+            for hh in range(G):
+                col = (g * G + hh) * Dh
+                _score_block(q, col, keys, ring_pos, b, g, K, C, Dh, j0, j1, valid_from, scale, scores, bases)
+                stats[i, 0, hh], stats[i, 1, hh] = _online_softmax_block(scores, bases, j1 - j0, values, o, col, Dh,
+                                                                         stats[i, 0, hh], stats[i, 1, hh], bits)
+    for i in range(Q):
+        for hh in range(G):
+            for d in range(Dh):
+                out[rows[i], (g * G + hh) * Dh + d] /= stats[i, 1, hh]
 
 
 @njit(cache=True)
@@ -516,9 +536,10 @@ def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, vali
         ring_k/v  [B, C, K, Dh]  one layer of the cache; ring_pos [B, C] the positions it held before the call
         out       [T, H Dh]
 
-    One work item per (sequence, kv head): it stores token i's key and value, then answers the H/K query heads of
-    token i, then moves to token i + 1, so every query sees exactly the cache a one-token-at-a-time decode would.
-    A query at position p sees positions max(0, p - window + 1) .. p.
+    One work item per (sequence, kv head). It takes the sequence's tokens QUERY_BLOCK at a time: stores their keys
+    and values, then answers their queries, each seeing exactly the keys a one-token-at-a-time decode would. When
+    storing a block would overwrite a key that one of its own queries still needs (a ring shorter than the prompt),
+    the tokens go one at a time. A query at position p sees positions max(0, p - window + 1) .. p.
     """
     B, C, _, Dh = ring_k.shape
     G = H // K
@@ -526,19 +547,25 @@ def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, vali
     keys = ring_k.reshape(B * C * K * Dh)
     values = ring_v.reshape(B * C * K * Dh)
     n_items = seq_slots.shape[0] * K
-    scores = np.empty((n_items, G, KEY_BLOCK), np.float32)  # scratch, one row per work item
+    scores = np.empty((n_items, KEY_BLOCK), np.float32)  # scratch, one row per work item
     bases = np.empty((n_items, KEY_BLOCK), np.int64)
     bits = np.empty((n_items, KEY_BLOCK), np.int32)
-    stats = np.empty((n_items, 2, G), np.float32)
+    stats = np.empty((n_items, QUERY_BLOCK, 2, G), np.float32)
     for item in prange(n_items):
         s, g = item // K, item % K
         b = seq_slots[s]
-        for i in range(seq_starts[s], seq_starts[s + 1]):
-            t = order[i]
-            p = positions[t]
-            slot_base = ((b * C + p % C) * K + g) * Dh
-            for d in range(Dh):
-                keys[slot_base + d] = qkv[t, (H + g) * Dh + d]
-                values[slot_base + d] = qkv[t, (H + K + g) * Dh + d]
-            _attend_group(qkv[t], g, G, keys, values, ring_pos, b, K, Dh, max(0, p - window + 1), valid_from[s], p,
-                          scale, scores[item], bases[item], bits[item], stats[item], out[t])
+        i = seq_starts[s]
+        while i < seq_starts[s + 1]:
+            first_pos = positions[order[i]]
+            Q = min(QUERY_BLOCK, seq_starts[s + 1] - i)
+            if first_pos + Q - 1 - C >= max(0, first_pos - window + 1):  # the block's writes would evict a key
+                Q = 1
+            rows = order[i:i + Q]
+            for t in rows:
+                slot_base = ((b * C + positions[t] % C) * K + g) * Dh
+                for d in range(Dh):
+                    keys[slot_base + d] = qkv[t, (H + g) * Dh + d]
+                    values[slot_base + d] = qkv[t, (H + K + g) * Dh + d]
+            _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K, Dh, window, valid_from[s],
+                            scale, scores[item], bases[item], bits[item], stats[item], out)
+            i += Q
