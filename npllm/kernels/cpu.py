@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .simd import LANES, vadd, vfma, vfmav, vload, vstore, vsum, vzero
+from .simd import LANES, WIDE, vadd, vfma, vfmav, vload, vload16, vstore, vsum, vzero, vzero16
 
 PANEL = 16  # output rows per panel: two 8-lane vectors
 TILE_T = 6  # tokens per prefill tile: 6 x 2 vector accumulators fill 12 of the 16 AVX registers
@@ -95,6 +95,37 @@ def _tile_6x16(x, t, rows, w, base, D, out, col):
 
 
 @njit(inline="always")
+def _tile_6x32(x, t, rows, w, base, D, out, col):
+    """As _tile_6x16 for two consecutive panels (32 outputs) at once, in 16-lane (AVX-512) registers."""
+    r1, r2, r3, r4, r5 = min(t + 1, t + rows - 1), min(t + 2, t + rows - 1), min(t + 3, t + rows - 1), \
+        min(t + 4, t + rows - 1), min(t + 5, t + rows - 1)
+    second = base + D * PANEL
+    a00 = vzero16(); a01 = vzero16(); a10 = vzero16(); a11 = vzero16(); a20 = vzero16(); a21 = vzero16()
+    a30 = vzero16(); a31 = vzero16(); a40 = vzero16(); a41 = vzero16(); a50 = vzero16(); a51 = vzero16()
+    for k in range(D):
+        lo = vload16(w, base + PANEL * k)  # W rows col .. col+15 at input k
+        hi = vload16(w, second + PANEL * k)  # W rows col+16 .. col+31
+        x0 = x[t, k]; x1 = x[r1, k]; x2 = x[r2, k]; x3 = x[r3, k]; x4 = x[r4, k]; x5 = x[r5, k]
+        a00 = vfma(a00, x0, lo); a01 = vfma(a01, x0, hi)
+        a10 = vfma(a10, x1, lo); a11 = vfma(a11, x1, hi)
+        a20 = vfma(a20, x2, lo); a21 = vfma(a21, x2, hi)
+        a30 = vfma(a30, x3, lo); a31 = vfma(a31, x3, hi)
+        a40 = vfma(a40, x4, lo); a41 = vfma(a41, x4, hi)
+        a50 = vfma(a50, x5, lo); a51 = vfma(a51, x5, hi)
+    vstore(out[t], col, a00); vstore(out[t], col + 16, a01)
+    if rows > 1:
+        vstore(out[r1], col, a10); vstore(out[r1], col + 16, a11)
+    if rows > 2:
+        vstore(out[r2], col, a20); vstore(out[r2], col + 16, a21)
+    if rows > 3:
+        vstore(out[r3], col, a30); vstore(out[r3], col + 16, a31)
+    if rows > 4:
+        vstore(out[r4], col, a40); vstore(out[r4], col + 16, a41)
+    if rows > 5:
+        vstore(out[r5], col, a50); vstore(out[r5], col + 16, a51)
+
+
+@njit(inline="always")
 def _tile_1x64(x, t, w, base, D, out, col):
     """out[t, col : col+64] = x[t, :D] @ (four consecutive panels).T: one token, eight chains of multiply-adds."""
     stride = D * PANEL  # floats per panel
@@ -118,16 +149,24 @@ def _tile_1x64(x, t, w, base, D, out, col):
 def _matmul_panels(x, T, w, D, p0, p1, out):
     """Panels p0 .. p1-1 of x @ W.T, in groups of GROUP panels that stay in cache while every token passes.
 
-    A single token (decode) takes four panels at a time; more tokens go six at a time, panel by panel.
+    A single token (decode) takes four panels at a time; more tokens go six at a time, a panel at a time, or two
+    where the machine has 16-lane registers.
     """
     for g in range(p0, p1, GROUP):
         n = min(GROUP, p1 - g)
         if T == 1 and n == GROUP:
             _tile_1x64(x, 0, w, g * D * PANEL, D, out, g * PANEL)
-        else:
-            for t in range(0, T, TILE_T):
-                for p in range(g, g + n):
-                    _tile_6x16(x, t, min(TILE_T, T - t), w, p * D * PANEL, D, out, p * PANEL)
+            continue
+        for t in range(0, T, TILE_T):
+            rows = min(TILE_T, T - t)
+            p = g
+            if WIDE:
+                while p + 2 <= g + n:
+                    _tile_6x32(x, t, rows, w, p * D * PANEL, D, out, p * PANEL)
+                    p += 2
+            while p < g + n:
+                _tile_6x16(x, t, rows, w, p * D * PANEL, D, out, p * PANEL)
+                p += 1
 
 
 @njit(parallel=True, cache=True)
