@@ -13,6 +13,9 @@ For each backend, batch B and prompt length N it measures (medians of R runs):
     ms_per_token       milliseconds per decode step
     achieved_gb_s      weight bytes streamed per decode step / step time (decode at batch 1 reads every weight
                        once per token, so this is the figure to hold against bandwidth_gb_s)
+    decode_cpu_share   CPU time of the process during decode / (wall time x threads): near 1 when the threads
+                       had their cores, lower when other processes took them (then the figures above are low)
+    load_avg           the machine's 1-minute load average when the figure was measured
 and once per backend:
     first_token_cold_ms  the first request of the process, JIT compilation or cache loading included
     bandwidth_gb_s     memory read bandwidth: the best of a NumPy sgemv and a Numba streaming sum over 512 MiB
@@ -134,16 +137,16 @@ class Session:
         next_tokens = np.argmax(self.model.lm_head(last), axis=-1)
         return cache, next_tokens, prefilled - start, time.perf_counter() - start
 
-    def decode(self, cache, tokens, start_position: int, steps: int) -> float:
-        """`steps` greedy decode steps of one token per sequence; returns seconds."""
+    def decode(self, cache, tokens, start_position: int, steps: int) -> tuple[float, float]:
+        """`steps` greedy decode steps of one token per sequence; returns (seconds, CPU seconds of all threads)."""
         batch = len(tokens)
         slots = np.arange(batch)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for i in range(steps):
             positions = np.full(batch, start_position + i)
             hidden = self.model.forward(tokens, positions, cache, slots)
             tokens = np.argmax(self.model.lm_head(hidden), axis=-1)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def bench_backend(model_name: str, backend: str, threads: int | None, batches, prompt_lens, gen_len: int,
@@ -164,12 +167,15 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
     results = []
     for batch in batches:
         for prompt_len in prompt_lens:
-            prefill_s, first_s, decode_s = [], [], []
+            prefill_s, first_s, decode_s, decode_cpu_s = [], [], [], []
+            load = os.getloadavg()[0]
             for _ in range(repeat):
                 cache, tokens, p_s, f_s = session.prefill(batch, prompt_len, prompt_len + gen_len)
                 prefill_s.append(p_s)
                 first_s.append(f_s)
-                decode_s.append(session.decode(cache, tokens, prompt_len, gen_len))
+                d_s, d_cpu_s = session.decode(cache, tokens, prompt_len, gen_len)
+                decode_s.append(d_s)
+                decode_cpu_s.append(d_cpu_s)
                 del cache
             step = _median(decode_s) / gen_len
             results.append({**common, "batch": batch, "prompt_len": prompt_len,
@@ -177,7 +183,9 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
                             "first_token_ms": round(1e3 * _median(first_s), 2),
                             "decode_tok_s": round(batch / step, 1), "ms_per_token": round(1e3 * step, 3),
                             "weight_bytes_per_token": step_bytes // batch,
-                            "achieved_gb_s": round(step_bytes / step / 1e9, 2)})
+                            "achieved_gb_s": round(step_bytes / step / 1e9, 2),
+                            "decode_cpu_share": round(sum(decode_cpu_s) / sum(decode_s) / used_threads, 2),
+                            "load_avg": round(load, 2)})
     peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # before the 512 MiB probe
     bandwidth = measure_bandwidth(used_threads, bandwidth_mib)
     for r in results:
