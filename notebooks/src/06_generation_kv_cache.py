@@ -26,7 +26,9 @@ from IPython.display import Markdown, display
 import npllm
 from npllm import generate
 from npllm.cache import RingKVCache
+from npllm.formats import read_checkpoint
 from npllm.model import Transformer
+from npllm.tokenizer import load_tokenizer
 
 WEIGHTS = Path(os.environ.get("NPLLM_WEIGHTS") or "../weights")
 
@@ -36,7 +38,9 @@ def show(obj):
     display(Markdown(f"```python\n{inspect.getsource(obj)}```"))
 
 
-llm = npllm.load(WEIGHTS / "stories260K/stories260K.bin", WEIGHTS / "stories260K/tok512.model")
+# The NumPy reference model (ops.py's stages wired together by model.py): the code these notebooks read.
+config, weights = read_checkpoint(WEIGHTS / "stories260K/stories260K.bin")
+llm = npllm.LLM(Transformer(config, weights), load_tokenizer(WEIGHTS / "stories260K/tok512.model"))
 model, cfg = llm.model, llm.config
 
 # %% [markdown]
