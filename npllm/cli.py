@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (default 0.9)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     gen.set_defaults(run=run_generate)
+    info = commands.add_parser("info", help="describe a checkpoint: architecture, size, context, tokenizer")
+    info.add_argument("model", nargs="?", default="stories260K", help="checkpoint path or known name")
+    info.set_defaults(run=run_info)
     return parser
 
 
@@ -54,6 +57,17 @@ def run_generate(args) -> int:
     rate = (count - 1) / (end - first) if count > 1 else float("nan")
     print(f"[npllm] {len(prompt_ids)} prompt + {count} new tokens; first token {1e3 * ((first or end) - start):.1f} ms;"
           f" {rate:.1f} tok/s after it", file=sys.stderr)
+    return 0
+
+
+def run_info(args) -> int:
+    from .formats import read_checkpoint
+    from .formats.info import describe
+    from .hub import resolve
+
+    checkpoint, _ = resolve(args.model)
+    config, weights = read_checkpoint(checkpoint)
+    print(describe(config, weights, checkpoint))
     return 0
 
 
