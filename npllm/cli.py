@@ -1,8 +1,10 @@
 """npllm's command line: it parses arguments and calls the Python API, nothing more.
 
     npllm generate [PROMPT] --model M --tokenizer T --max-new-tokens N --temperature T --top-p P --seed S
+    npllm generate --prompt-file FILE ...      one prompt per line, generated together (ragged batching)
 
-stdout gets the prompt followed by the completion and nothing else; timings go to stderr.
+stdout gets the prompt followed by the completion and nothing else (with --prompt-file, each prompt and its
+completion, separated by blank lines); timings go to stderr.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import sys
 import time
 
-from .errors import NpllmError
+from .errors import GenerationError, NpllmError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     gen.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (default 0.9)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    gen.add_argument("--prompt-file", default=None,
+                     help="a file with one prompt per line (blank lines skipped), all generated as one batch")
     gen.set_defaults(run=run_generate)
     info = commands.add_parser("info", help="describe a checkpoint: architecture, size, context, tokenizer")
     info.add_argument("model", nargs="?", default="stories260K", help="checkpoint path or known name")
@@ -40,6 +44,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def run_generate(args) -> int:
     from . import load
 
+    if args.prompt_file is not None:
+        return run_generate_batch(args)
     llm = load(args.model, args.tokenizer)
     prompt_ids = llm.tokenizer.encode(args.prompt, bos=True)
     decoder = llm.tokenizer.stream_decoder()
@@ -57,6 +63,34 @@ def run_generate(args) -> int:
     rate = (count - 1) / (end - first) if count > 1 else float("nan")
     print(f"[npllm] {len(prompt_ids)} prompt + {count} new tokens; first token {1e3 * ((first or end) - start):.1f} ms;"
           f" {rate:.1f} tok/s after it", file=sys.stderr)
+    return 0
+
+
+def read_prompt_file(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line for line in f.read().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise GenerationError(f"--prompt-file {path}: cannot read it ({e})") from None
+    if not prompts:
+        raise GenerationError(f"--prompt-file {path}: no prompts in it")
+    return prompts
+
+
+def run_generate_batch(args) -> int:
+    from . import load
+
+    if args.prompt:
+        raise GenerationError("give either a PROMPT or --prompt-file, not both")
+    prompts = read_prompt_file(args.prompt_file)
+    llm = load(args.model, args.tokenizer)
+    start = time.perf_counter()
+    completions = llm.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                               seed=args.seed)
+    seconds = time.perf_counter() - start
+    sys.stdout.write("\n\n".join(p + c for p, c in zip(prompts, completions)) + "\n")
+    sys.stdout.flush()
+    print(f"[npllm] {len(prompts)} prompts completed together in {seconds:.2f} s", file=sys.stderr)
     return 0
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import batching
 from .config import ModelConfig
 from .errors import FormatError
 from .generate import check_prompt, generate_ids
@@ -57,11 +58,34 @@ class LLM:
         if tail:
             yield tail
 
-    def generate(self, prompt: str = "", max_new_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
-                 seed: int | None = None, **sampling) -> str:
-        """The completion of one prompt (without the prompt)."""
+    def generate(self, prompt: str | list[str] = "", max_new_tokens: int = 256, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int | None = None, **sampling) -> str | list[str]:
+        """The completion of one prompt (without the prompt); for a list of prompts, the list of their completions,
+        generated together by ragged batching, each one what it would be alone (every prompt uses `seed`)."""
+        if not isinstance(prompt, str):
+            params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, **sampling)
+            return self._generate_batch(list(prompt), max_new_tokens, params)
         return "".join(self.stream(prompt, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                    **sampling))
+
+    def _generate_batch(self, prompts: list[str], max_new_tokens: int, params: SamplingParams) -> list[str]:
+        tokenizer = self._require_tokenizer()
+        requests = [batching.Request(tokenizer.encode(p, bos=True), max_new_tokens, params) for p in prompts]
+        texts = []
+        for c in batching.ragged_generate(self.model, requests):
+            decoder = tokenizer.stream_decoder()
+            for t in c.prompt:  # the decoder needs the prompt's context (a leading space, a split character)
+                decoder.feed(t)
+            texts.append("".join(decoder.feed(t) for t in c.tokens) + decoder.flush())
+        return texts
+
+    def generate_tokens(self, prompt_tokens: list[list[int]], max_gen_len: int, temperature: float = 0.6,
+                        top_p: float = 0.9, logprobs: bool = False, echo: bool = False, strategy: str = "ragged",
+                        seed: int | None = None) -> tuple[list[list[int]], list[list[float]] | None]:
+        """Meta's generate() on token ids, batched by `strategy` ("static", "ragged" or "continuous"); see
+        npllm.batching.generate_tokens."""
+        return batching.generate_tokens(self.model, prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo,
+                                        strategy, seed)
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
