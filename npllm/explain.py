@@ -4,10 +4,13 @@ For each step, the most probable candidates with their probability after each st
 (`sampling.explain_steps`: the raw softmax, each active penalty, temperature, top-k, top-p, min-p, typical-p),
 whether the filters kept them, and the token the sampler drew with the log-probability it reports:
 
-    step 3, position 8: drew ' time' (id 413), p = 0.8123 under 'top_p'
-       id  piece          logits  temperature  top_p   fate
-      413  ' time'        0.7310     0.8123    0.9022  drawn
+    step 1, position 10: drew ' g' (id 298), p = 0.7186 in column 'top_p' (logprob -0.3304)
+          id  piece                raw      temp     top_p   fate
+         298  ' g'              0.6403    0.6805    0.7186   drawn
+         268  ' b'              0.2754    0.2665    0.2814   kept
+         400  ' do'             0.0215    0.0156         -   cut by top_p
       ...
+      the filters kept 2 tokens, 94.7% of the probability before filtering
 
 The loop is generate_ids' loop (prefill, then one decode step per token, the same stop rules and the same random
 draws), so a seeded run explains exactly the tokens `npllm generate` prints; the tests hold the two to that.
@@ -27,6 +30,7 @@ from .generate import check_prompt, stop_ids
 from .sampling import SamplingParams, explain_steps, sample_step
 
 FILTERS = ("top_k", "top_p", "min_p", "typical_p")
+BANS = FILTERS + ("logit_bias", "no_repeat_ngram")  # the stages that can remove a token (give it -inf)
 # Column headings of the terminal table, one per pipeline stage.
 HEADINGS = {"logits": "raw", "repetition_penalty": "rep_pen", "presence_frequency_penalty": "pres_freq",
             "logit_bias": "bias", "no_repeat_ngram": "ngram", "temperature": "temp", "typical_p": "typical"}
@@ -63,14 +67,15 @@ class Step:
         return row.probs[self.drawn_from]
 
     def fate(self, candidate: Candidate) -> str:
-        """'drawn', 'kept', or 'cut by <stage>' (the first stage that gave it probability 0)."""
+        """'drawn', 'kept', 'cut by <stage>' (the stage that removed it), '0 after <stage>' (its probability
+        underflowed there, e.g. at a low temperature), or '-' (not chosen by greedy decoding)."""
         if candidate.token_id == self.token_id:
             return "drawn"
         if self.stages[-1] == "greedy":
             return "-"
         for stage, p in zip(self.stages[: self.drawn_from + 1], candidate.probs):
             if p == 0.0:
-                return f"cut by {stage}"
+                return f"cut by {stage}" if stage in BANS else f"0 after {stage}"
         return "kept"
 
 
