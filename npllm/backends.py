@@ -14,9 +14,15 @@ from .errors import ConfigError
 BACKENDS = ("numba", "numpy")
 
 
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r} (npllm has {', '.join(BACKENDS)})")
+
+
 def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str = "numba",
                threads: int | None = None):
     """A model over `weights` run by `backend`, on `threads` cores (default: all)."""
+    check_backend(backend)
     if backend == "numba":
         from .numba_model import NumbaTransformer
 
@@ -27,7 +33,6 @@ def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str
         if threads is not None:
             limit_blas_threads(threads)
         return Transformer(config, weights)
-    raise ConfigError(f"unknown backend {backend!r} (npllm has {', '.join(BACKENDS)})")
 
 
 def limit_blas_threads(threads: int) -> None:

@@ -38,7 +38,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .backends import BACKENDS, limit_blas_threads, make_model
+from .backends import check_backend, limit_blas_threads, make_model
 from .config import ModelConfig
 from .errors import ConfigError, FormatError
 from .kernels.simd import LANES, vadd, vload, vsum, vzero
@@ -201,8 +201,7 @@ def _blas_threads() -> int:
 def run(args) -> int:
     """The `npllm bench` command: each backend in a fresh process (own memory peak, own thread pools)."""
     for backend in args.backend:
-        if backend not in BACKENDS:
-            raise ConfigError(f"unknown backend {backend!r} (npllm has {', '.join(BACKENDS)})")
+        check_backend(backend)
     if len(args.backend) == 1:
         if args.threads is not None and args.backend[0] == "numpy":
             limit_blas_threads(args.threads)

@@ -99,9 +99,10 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
 
     backend "numba" (compiled CPU kernels, the default) or "numpy" (the reference); threads: cores to use.
     """
-    from .backends import make_model
+    from .backends import check_backend, make_model
     from .formats import read_checkpoint
 
+    check_backend(backend)
     checkpoint, found_tokenizer = resolve(model)
     config, weights = read_checkpoint(checkpoint)
     tok_path = tokenizer if tokenizer is not None else found_tokenizer

@@ -121,9 +121,12 @@ class NumbaTransformer:
         slots[t] is the cache slot (sequence) of token t (all 0 when omitted). Within a slot, this call's tokens
         must have consecutive positions in increasing order, following what the slot's cache already holds.
         """
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        tokens = np.asarray(tokens, dtype=np.int64)
+        positions = np.asarray(positions, dtype=np.int64)
+        slots = np.zeros_like(tokens) if slots is None else np.asarray(slots, dtype=np.int64)
         order, seq_starts, seq_slots = self._sequences(tokens, positions, cache, slots)
+        if len(tokens) == 0:
+            return np.zeros((0, self.config.dim), np.float32)
         numba.set_num_threads(self.threads)
         c = self.config
         return _forward(tokens, positions, order, seq_starts, seq_slots, self.weights, self.inv_freq,
@@ -131,16 +134,15 @@ class NumbaTransformer:
                         cache.k, cache.v, cache.positions, cache.lengths)
 
     def _sequences(self, tokens, positions, cache, slots):
-        """Check the call and group its tokens by slot: (order, seq_starts, seq_slots) as _forward wants them."""
-        T = len(tokens)
-        if T == 0 or len(positions) != T:
-            raise GenerationError(f"forward needs one position per token, got {T} tokens and {len(positions)} "
-                                  "positions")
+        """Check the call and group its tokens by slot: (order, seq_starts, seq_slots) as _forward wants them.
+        The checks are those of model.check_forward_inputs, compiled (they run on every decode step), plus one:
+        a slot's positions in one call are consecutive."""
+        if tokens.ndim != 1 or tokens.shape != positions.shape or tokens.shape != slots.shape:
+            raise GenerationError(f"forward needs 1-D tokens, positions and slots of one length, got shapes "
+                                  f"{tokens.shape}, {positions.shape}, {slots.shape}")
         if cache.k.dtype != np.float32 or cache.k.shape[0] != self.config.n_layers:
             raise GenerationError("the cache was not made by this model's new_cache()")
-        slots = np.zeros(T, np.int64) if slots is None else np.asarray(slots, dtype=np.int64).reshape(-1)
-        if len(slots) != T:
-            raise GenerationError(f"forward needs one slot per token, got {T} tokens and {len(slots)} slots")
+        T = len(tokens)
         order, seq_starts, seq_slots = np.empty(T, np.int64), np.empty(T + 1, np.int64), np.empty(T, np.int64)
         n_seq = _group_by_slot(tokens, positions, slots, self.config.vocab_size, cache.slots, order, seq_starts,
                                seq_slots)
@@ -163,7 +165,7 @@ class NumbaTransformer:
         return self.lm_head(self.forward(tokens, positions, cache))
 
 
-CALL_PROBLEMS = {1: "token ids must be in [0, {V})", 2: "positions must be >= 0", 3: "slots must be in [0, {B})",
+CALL_PROBLEMS = {1: "token ids must lie in [0, {V})", 2: "positions must be >= 0", 3: "slots must lie in [0, {B})",
                  4: "within a slot, a forward call's positions must be consecutive and increasing"}
 
 

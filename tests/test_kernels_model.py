@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import npllm
 from npllm.cli import main
+from npllm.cache import RingKVCache
 from npllm.config import ModelConfig
 from npllm.errors import ConfigError, GenerationError
 from npllm.formats.random import NAMED_SHAPES, random_weights
@@ -114,21 +115,22 @@ def test_a_batch_step_equals_each_sequence_alone(config, seed, B, prompt, steps)
         np.testing.assert_array_equal(np.concatenate(batched[b]), alone)
 
 
-def test_bad_calls_raise_npllm_errors():
+def test_bad_calls_raise_the_numpy_models_errors():
     config = NAMED_SHAPES["stories260K"]
     fast = NumbaTransformer(config, random_weights(config))
-    cache = fast.new_cache(slots=2)
-    with pytest.raises(GenerationError, match="token ids"):
-        fast.forward([512], [0], cache)
+    reference = Transformer(config, random_weights(config))
+    for model in (fast, reference):
+        cache = model.new_cache(slots=2)
+        for tokens, positions, slots, message in [([1, 2], [0], None, "one length"), ([512], [0], None, "token ids"),
+                                                  ([1], [0], [2], "slots"), ([1], [-1], None, "positions")]:
+            with pytest.raises(GenerationError, match=message):
+                model.forward(tokens, positions, cache, slots)
+    cache = fast.new_cache()
+    assert fast.forward([], [], cache).shape == (0, config.dim) == reference.forward([], [], cache).shape
     with pytest.raises(GenerationError, match="consecutive"):
         fast.forward([1, 2], [0, 2], cache)
-    with pytest.raises(GenerationError, match="slots"):
-        fast.forward([1], [0], cache, [2])
-    with pytest.raises(GenerationError, match="positions must be >= 0"):
-        fast.forward([1], [-1], cache)
     with pytest.raises(GenerationError, match="new_cache"):
-        fast.forward([1], [0], Transformer(config, random_weights(config)).new_cache().__class__(
-            config, dtype=np.float64))
+        fast.forward([1], [0], RingKVCache(config, dtype=np.float64))
     with pytest.raises(ConfigError, match="threads"):
         NumbaTransformer(config, random_weights(config), threads=10_000)
     with pytest.raises(ConfigError, match="backend"):
