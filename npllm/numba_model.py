@@ -29,7 +29,13 @@ from .kernels import cpu
 from .model import check_weights
 
 PANEL = cpu.PANEL
-SMALL_MODEL_BYTES = 4 * 2**20
+# A parallel region pays for waking the other threads: tens of microseconds where they sleep between regions
+# (OMP_WAIT_POLICY=PASSIVE, see kernels/__init__.py). Work shorter than this per region stays on one thread, as
+# estimated from a core's rates on a 2-core laptop-class machine: ~10 GB/s of weights, ~50 GFLOP/s.
+PARALLEL_MIN_SECONDS = 100e-6
+CORE_BYTES_PER_S = 10e9
+CORE_FLOPS = 50e9
+LAYER_REGIONS = 5  # parallel regions per layer in _forward: four matrix products and attention
 
 
 def _padded(n: int) -> int:
@@ -61,13 +67,16 @@ class NumbaTransformer:
         self.weights = self._pack(config, weights)
         output = weights["tok_embeddings"] if config.tied_embeddings else weights["output"]
         self.output_panels = cpu.pack_panels(output)  # [ceil(V/16), D, 16]
-        self.threads = threads or self.default_threads(self.weight_bytes)
+        self.threads = threads or numba.config.NUMBA_NUM_THREADS
+        _, _, wqkv, _, wo, _, w13, w2, _ = self.weights
+        self.layer_bytes = (wqkv.nbytes + wo.nbytes + w13.nbytes + w2.nbytes) // config.n_layers
 
-    @staticmethod
-    def default_threads(weight_bytes: int) -> int:
-        """All cores, except for a model small enough to sit in one core's cache: waking a second thread for each
-        of its ~30 parallel regions per token costs more than the arithmetic it would share."""
-        return 1 if weight_bytes < SMALL_MODEL_BYTES else numba.config.NUMBA_NUM_THREADS
+    def threads_for(self, T: int, weight_bytes: int, regions: int) -> int:
+        """Threads for a call over T tokens that reads weight_bytes in `regions` parallel regions: all of
+        self.threads, or one when a region would take less than PARALLEL_MIN_SECONDS on one core, since waking
+        the other threads would cost more than they save (decode of stories260K and stories15M, on this estimate)."""
+        one_core = weight_bytes / CORE_BYTES_PER_S + 2 * T * (weight_bytes / 4) / CORE_FLOPS
+        return self.threads if one_core / regions >= PARALLEL_MIN_SECONDS else 1
 
     @staticmethod
     def _pack(c: ModelConfig, weights: dict[str, np.ndarray]) -> tuple:
@@ -127,10 +136,11 @@ class NumbaTransformer:
         order, seq_starts, seq_slots = self._sequences(tokens, positions, cache, slots)
         if len(tokens) == 0:
             return np.zeros((0, self.config.dim), np.float32)
-        numba.set_num_threads(self.threads)
+        threads = self.threads_for(len(tokens), self.layer_bytes, LAYER_REGIONS)
+        numba.set_num_threads(threads)
         c = self.config
         return _forward(tokens, positions, order, seq_starts, seq_slots, self.weights, self.inv_freq,
-                        c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps, self.window(cache), self.threads,
+                        c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps, self.window(cache), threads,
                         cache.k, cache.v, cache.positions, cache.lengths)
 
     def _sequences(self, tokens, positions, cache, slots):
@@ -152,9 +162,10 @@ class NumbaTransformer:
 
     def lm_head(self, h: np.ndarray) -> np.ndarray:
         """Logits from final hidden states.  # [T, D] -> [T, V]"""
-        numba.set_num_threads(self.threads)
+        threads = self.threads_for(len(h), self.output_panels.nbytes, 1)
+        numba.set_num_threads(threads)
         return cpu.lm_head(np.ascontiguousarray(h, dtype=np.float32), self.output_panels, self.config.vocab_size,
-                           self.threads)
+                           threads)
 
     def logits(self, tokens, positions=None, cache: RingKVCache | None = None) -> np.ndarray:
         """Logits of every token of one sequence on a fresh cache (or the given one).  # [T] -> [T, V]"""
