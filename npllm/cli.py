@@ -32,12 +32,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", default="stories260K",
                         help="checkpoint path or known name (stories260K, stories15M, stories42M, stories110M)")
     parser.add_argument("--tokenizer", "-z", default=None, help="tokenizer path (default: found beside the model)")
+    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                        help="cpu, cuda (NVIDIA GPU via numba.cuda) or auto (CUDA when usable; default cpu)")
 
 
 def run_generate(args) -> int:
     from . import load
 
-    llm = load(args.model, args.tokenizer)
+    llm = load(args.model, args.tokenizer, device=args.device)
     prompt_ids = llm.tokenizer.encode(args.prompt, bos=True)
     decoder = llm.tokenizer.stream_decoder()
     sys.stdout.write("".join(decoder.feed(t) for t in prompt_ids))

@@ -79,3 +79,38 @@ def use_cuda_simulator() -> None:
     imported = sys.modules.get("numba.cuda")
     if imported is not None and imported.is_available.__module__.endswith("simulator_init") != cuda_simulated():
         raise DeviceError("numba.cuda was imported before use_cuda_simulator() and is bound to the other target")
+    if cuda_simulated():
+        _lock_simulated_shared_arrays()
+
+
+def _lock_simulated_shared_arrays() -> None:
+    """Make the simulator's shared arrays shared. It creates a block's `cuda.shared.array` when the first thread
+    reaches the line, with no lock: two threads arriving together can each create (and keep) their own array,
+    and the block's reductions then read garbage, now and then. Creation is serialised here."""
+    import threading
+
+    import numpy as np
+    from numba.core import types
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+
+    shared = kernelapi.FakeCUDAShared
+    if getattr(shared, "npllm_locked", False):
+        return
+    unlocked = shared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype):
+        if shape == 0:  # dynamic shared memory: one buffer for all, nothing created here
+            return unlocked(self, shape, dtype)
+        caller = sys._getframe(1)  # the kernel line: one array per line, as the simulator does
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        with lock:
+            found = self._allocations.get(key)
+            if found is None:
+                dtype = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else np.dtype(dtype)
+                found = self._allocations[key] = np.empty(shape, dtype)
+        return found
+
+    shared.array = array
+    shared.npllm_locked = True

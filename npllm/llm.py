@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
+from .device import resolve_device
 from .errors import FormatError
 from .generate import check_prompt, generate_ids
 from .hub import resolve
@@ -69,14 +70,24 @@ class LLM:
         return self.tokenizer
 
 
-def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None) -> LLM:
-    """Load a checkpoint (a path or a known name such as "stories260K") and its tokenizer."""
+def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None,
+         device: str = "cpu") -> LLM:
+    """Load a checkpoint (a path or a known name such as "stories260K") and its tokenizer.
+
+    device: "cpu", "cuda" (an NVIDIA GPU through numba.cuda; a DeviceError says what is missing when it cannot
+    run) or "auto" (CUDA when a GPU is usable, else CPU).
+    """
     from .formats import read_checkpoint
 
+    device = resolve_device(device)  # before reading weights: a missing GPU is reported at once
     checkpoint, found_tokenizer = resolve(model)
     config, weights = read_checkpoint(checkpoint)
     tok_path = tokenizer if tokenizer is not None else found_tokenizer
     tok = None
     if tok_path is not None:
         tok = load_tokenizer(Path(tok_path), vocab_size=config.vocab_size)
+    if device == "cuda":
+        from .cuda_model import CudaTransformer
+
+        return LLM(CudaTransformer(config, weights), tok, str(checkpoint))
     return LLM(Transformer(config, weights), tok, str(checkpoint))
