@@ -16,6 +16,7 @@ How a forward call of T tokens runs:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 
@@ -90,7 +91,7 @@ class CudaKVCache:
 class _Workspace:
     """Device buffers of one forward call of T tokens (kept and reused for the next call of the same T)."""
 
-    meta: object  # [5, T] int32
+    meta: object  # [6, T] int32
     x: object  # [T, D] residual stream
     xn: object  # [T, D] normed input of a projection (per-stage path)
     qkv: object  # [T, W]
@@ -101,7 +102,14 @@ class _Workspace:
 
 
 class CudaTransformer:
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype=np.float32, geometry=None):
+    """model.Transformer on the GPU. dtype: how matrices are stored (float32, or float16 read into float32 sums).
+    geometry: kernels.Geometry (block sizes; the default suits the hardware or the simulator, whichever runs).
+    one_launch_decode: run calls of up to 8 tokens as one cooperative launch (kernels.decode_step_kernel); when
+    the device or toolkit cannot (no cooperative launch, no cudadevrt library), it warns once and runs them stage
+    by stage, as with False."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype=np.float32, geometry=None,
+                 one_launch_decode: bool = True):
         check_weights(config, weights)
         if np.dtype(dtype) not in [np.dtype(d) for d in DTYPES]:
             raise ConfigError(f"CudaTransformer stores weights as float32 or float16, got dtype {np.dtype(dtype)}")
@@ -117,6 +125,7 @@ class CudaTransformer:
         self._rope_table(config.max_seq_len)
         self._workspaces: dict[tuple[int, int], _Workspace] = {}
         self._decode_grid: dict[int, int] = {}
+        self.one_launch_decode = one_launch_decode
 
     # -- weights ------------------------------------------------------------------------------------------------
 
@@ -150,10 +159,10 @@ class CudaTransformer:
         self.wo = stacked((D, HDh), matrix, lambda p: weights[p + "wo"])
         self.w13 = stacked((2, F, D), matrix, lambda p: np.stack([weights[p + "w1"], weights[p + "w3"]]))
         self.w2 = stacked((D, F), matrix, lambda p: weights[p + "w2"])
-        self.weight_bytes = sum(a.nbytes for a in (self.tok_embeddings, self.norms, self.final_norm, self.wqkv,
-                                                   self.bqkv, self.wo, self.w13, self.w2))
-        if not c.tied_embeddings:
-            self.weight_bytes += self.output.nbytes
+        layers = sum(a.nbytes for a in (self.norms, self.final_norm, self.wqkv, self.bqkv, self.wo, self.w13, self.w2))
+        # A decode step streams every layer and the LM head; of the embedding it reads only the tokens' rows.
+        self.step_weight_bytes = layers + self.output.nbytes
+        self.weight_bytes = layers + self.output.nbytes + (0 if c.tied_embeddings else self.tok_embeddings.nbytes)
 
     def _rope_table(self, positions: int) -> None:
         """cos, sin [P, Dh/2] of positions 0 .. P-1, the very numbers ops.rope_angles gives the NumPy model."""
@@ -181,7 +190,7 @@ class CudaTransformer:
         ws = self._workspace(T, cache)
         ws.meta.copy_to_device(meta)
         hidden = self.cuda.device_array((T, self.config.dim), np.float32)
-        if T <= self.kernels.MAX_ROWS:
+        if T <= self.kernels.MAX_ROWS and self.one_launch_decode:
             self._decode_step(ws, cache, hidden)
         else:
             self._stages(ws, cache, hidden)
@@ -190,8 +199,8 @@ class CudaTransformer:
         return hidden
 
     def _meta(self, tokens, positions, slots, cache: CudaKVCache) -> np.ndarray:
-        """[5, T] int32 rows TOKEN, POS, SLOT, KEEP, RING (see kernels/cuda.py), checked: out-of-range indices on a
-        GPU read or write other memory silently, so they are refused here."""
+        """[6, T] int32 rows TOKEN, POS, SLOT, KEEP, RING, FIRST (see kernels/cuda.py), checked: out-of-range
+        indices on a GPU read or write other memory silently, so they are refused here."""
         c = self.config
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
@@ -212,14 +221,15 @@ class CudaTransformer:
         keep = np.array([p > last[int(s)] - cache.capacity for p, s in zip(positions, slots)])
         # Positions p < length sit at index p % C: the ring entries that can be filled are its first min(length, C).
         ring = np.minimum(cache.lengths[slots], cache.capacity)
-        return np.stack([tokens, positions, slots, keep, ring]).astype(np.int32)
+        first = np.array([np.argmax(slots == s) for s in slots])  # attention scans this call from there to t
+        return np.stack([tokens, positions, slots, keep, ring, first]).astype(np.int32)
 
     def _workspace(self, T: int, cache: CudaKVCache) -> _Workspace:
         key = (T, cache.capacity)
         if key not in self._workspaces:
             c, cuda = self.config, self.cuda
             W = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-            blocks = self.geometry.max_blocks
+            blocks = self.geometry.attention_blocks
 
             def buf(*shape, dtype=np.float32):
                 return cuda.device_array(shape, dtype)
@@ -227,7 +237,7 @@ class CudaTransformer:
             if len(self._workspaces) >= 4:  # decode reuses one T; prefills of many lengths must not pile up
                 self._workspaces.pop(next(iter(self._workspaces)))
             self._workspaces[key] = _Workspace(
-                meta=buf(5, T, dtype=np.int32), x=buf(T, c.dim), xn=buf(T, c.dim), qkv=buf(T, W),
+                meta=buf(6, T, dtype=np.int32), x=buf(T, c.dim), xn=buf(T, c.dim), qkv=buf(T, W),
                 att=buf(T, c.n_heads * c.head_dim), gate_up=buf(T, 2 * c.hidden_dim), h=buf(T, c.hidden_dim),
                 scores=buf(blocks, cache.capacity + T))
         return self._workspaces[key]
@@ -247,12 +257,22 @@ class CudaTransformer:
                 cache.positions, np.int32(self.window(cache)), np.float32(1.0 / np.sqrt(c.head_dim)),
                 ws.x, ws.qkv, ws.att, ws.h, ws.scores, hidden)
         blocks = self._decode_grid.get(rows)
-        if blocks is None:
-            blocks = self._decode_grid[rows] = min(g.max_blocks, cooperative_blocks(kernel, args, g.threads))
-        kernel[blocks, g.threads](*args)
+        if blocks is not None:
+            kernel[blocks, g.threads](*args)
+            return
+        try:  # the first launch compiles: that is where a missing cooperative-launch support shows
+            blocks = min(g.max_blocks, cooperative_blocks(kernel, args, g.threads))
+            kernel[blocks, g.threads](*args)
+        except Exception as e:  # noqa: BLE001 - whatever the driver or linker says, the stage path still works
+            warnings.warn(f"npllm: one-launch CUDA decoding failed ({type(e).__name__}: {e}); running decode "
+                          "steps stage by stage from now on", RuntimeWarning, stacklevel=3)
+            self.one_launch_decode = False
+            self._stages(ws, cache, hidden)
+            return
+        self._decode_grid[rows] = blocks
 
     def _stages(self, ws: _Workspace, cache: CudaKVCache, hidden) -> None:
-        """One launch per stage, in model.Transformer's order; the products as tiled matrix-matrix kernels."""
+        """One launch per stage, in model.Transformer's order."""
         c, k, g = self.config, self.kernels, self.geometry
         T, D, F = ws.x.shape[0], c.dim, c.hidden_dim
         eps = np.float32(c.norm_eps)
@@ -266,7 +286,7 @@ class CudaTransformer:
             k.bias_rope_kernel(c.rope_layout == "interleaved")[rows_grid, g.threads](
                 ws.qkv, self.bqkv[layer], np.int32(c.n_heads + c.n_kv_heads), np.int32(c.head_dim), self.cos,
                 self.sin, ws.meta)
-            k.attention_kernel(g.threads)[g.grid(T * c.n_heads), g.threads](
+            k.attention_kernel(g.threads)[min(T * c.n_heads, g.attention_blocks), g.threads](
                 ws.qkv, ws.meta, *heads, cache.k[layer], cache.v[layer], cache.positions,
                 np.int32(self.window(cache)), np.float32(1.0 / np.sqrt(c.head_dim)), ws.scores, ws.att)
             k.kv_write_kernel()[g.grid(T * c.n_kv_heads), g.threads](
@@ -280,28 +300,28 @@ class CudaTransformer:
         k.commit_positions_kernel()[1, g.threads](ws.meta, cache.positions)
 
     def _matmul(self, x, w, y, residual: bool) -> None:
-        """y (+)= x W^T with the tiled kernel.                                          # [M, K], [N, K] -> [M, N]"""
-        g = self.geometry
-        BM, BN = g.tile[:2]
-        tiles = -(-x.shape[0] // BM) * -(-w.shape[0] // BN)
-        self.kernels.matmul_kernel(g.tile, residual)[g.grid(tiles), g.matmul_threads](x, w, y)
+        """y (+)= x W^T: the matrix-vector kernel for up to MAX_ROWS rows of x, else the tiled matrix-matrix one.
+                                                                                     # [M, K], [N, K] -> [M, N]"""
+        k, g = self.kernels, self.geometry
+        M, N = x.shape[0], w.shape[0]
+        if M <= k.MAX_ROWS:
+            rows = 1 << (M - 1).bit_length()  # compiled for 1, 2, 4 or 8 rows
+            per_block = g.threads // g.lanes * max(1, k.MAX_ROWS // rows)  # output rows a block takes at a time
+            kernel = k.matvec_kernel(rows, g.threads, g.lanes, False, residual)
+            kernel[g.grid(-(-N // per_block)), g.threads](x, self.final_norm, np.float32(0), w, y)
+        else:
+            BM, BN = g.tile[:2]
+            tiles = -(-M // BM) * -(-N // BN)
+            k.matmul_kernel(g.tile, residual)[g.grid(tiles), g.matmul_threads](x, w, y)
 
     # -- logits and sampling ------------------------------------------------------------------------------------
 
     def _device_logits(self, h):
         """Logits on the device.  # [T, D] -> device [T, V]"""
-        k, g = self.kernels, self.geometry
         if not hasattr(h, "copy_to_host"):  # a host array: upload it
             h = self.cuda.to_device(np.ascontiguousarray(h, np.float32))
-        T = h.shape[0]
-        logits = self.cuda.device_array((T, self.config.vocab_size), np.float32)
-        if T <= k.MAX_ROWS:
-            rows = 1 << (T - 1).bit_length()
-            blocks = g.grid(-(-self.config.vocab_size // (g.threads // g.lanes * max(1, k.MAX_ROWS // rows))))
-            k.matvec_kernel(rows, g.threads, g.lanes)[blocks, g.threads](h, self.final_norm, np.float32(0), self.output,
-                                                                 logits)
-        else:
-            self._matmul(h, self.output, logits, residual=False)
+        logits = self.cuda.device_array((h.shape[0], self.config.vocab_size), np.float32)
+        self._matmul(h, self.output, logits, residual=False)
         return logits
 
     def lm_head(self, h) -> np.ndarray:

@@ -45,11 +45,12 @@ def normal(rng, *shape, scale=1.0):
 
 
 def meta_rows(tokens, positions, slots, keep=None, ring=None):
-    """kernels' [5, T] int32 per-token table (TOKEN, POS, SLOT, KEEP, RING)."""
+    """kernels' [6, T] int32 per-token table (TOKEN, POS, SLOT, KEEP, RING, FIRST)."""
     T = len(tokens)
     keep = np.ones(T) if keep is None else keep
     ring = np.zeros(T) if ring is None else ring
-    return cuda.to_device(np.stack([tokens, positions, slots, keep, ring]).astype(np.int32))
+    first = [list(slots).index(s) for s in slots]
+    return cuda.to_device(np.stack([tokens, positions, slots, keep, ring, first]).astype(np.int32))
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"threads{g.threads}")
@@ -144,9 +145,9 @@ def reference_attention(config, cache, layer, q, k, v, positions, slots, window)
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"threads{g.threads}")
 @pytest.mark.parametrize("H, K", [(4, 4), (4, 2), (8, 1)])
 def test_attention_and_ring_write(geometry, H, K):
-    """Grouped-query attention over a wrapped ring plus this call's tokens from three slots (one of them longer
-    than the ring, one empty before the call), then the ring write and the position commit, against
-    RingKVCache and ops.attention."""
+    """Grouped-query attention over a wrapped ring plus this call's tokens from three slots (one bringing more
+    positions than the ring holds, one empty before the call, two interleaved), then the ring write and the
+    position commit, against RingKVCache and ops.attention."""
     rng = np.random.default_rng(H * 10 + K)
     Dh, C, L = 6, 5, 2
     config = ModelConfig(dim=H * Dh, hidden_dim=8, n_layers=L, n_heads=H, n_kv_heads=K, vocab_size=8,
@@ -157,8 +158,8 @@ def test_attention_and_ring_write(geometry, H, K):
         if n:
             for layer in range(L):
                 host.write(layer, slot, np.arange(n), normal(rng, n, K, Dh), normal(rng, n, K, Dh))
-    slots = np.array([0, 1, 1, 2, 2, 2, 2, 2, 2, 2])  # slot 2 brings 7 positions into a ring of 5
-    positions = np.array([9, 3, 4, 0, 1, 2, 3, 4, 5, 6])
+    slots = np.array([0, 1, 2, 1, 2, 2, 2, 2, 2, 2])  # slot 2 brings 7 positions into a ring of 5; slots
+    positions = np.array([9, 3, 0, 4, 1, 2, 3, 4, 5, 6])  # 1 and 2 interleave
     T, W = len(slots), (H + 2 * K) * Dh
     qkv = normal(rng, T, W)
     q, k, v = qkv[:, :H * Dh].reshape(T, H, Dh), qkv[:, H * Dh:(H + K) * Dh].reshape(T, K, Dh), \

@@ -69,11 +69,13 @@ def test_prefill_and_decode_match_numpy(config):
     np.testing.assert_allclose(copy.v, host_cache.v, rtol=1e-4, atol=1e-4)
 
 
-def test_ragged_batch_in_one_call():
-    """Three sequences at different positions in one decode call (the one-launch path), then two prompts
-    concatenated in one prefill call (the per-stage path), each token in its own cache slot."""
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "stage-by-stage"])
+def test_ragged_batch_in_one_call(one_launch):
+    """Three sequences at different positions in one decode call (one launch, or stage by stage with the
+    matrix-vector kernels), then two prompts concatenated in one prefill call (tiled matrix-matrix products),
+    each token in its own cache slot."""
     weights = random_weights(GQA, seed=4)
-    host, device = Transformer(GQA, weights), CudaTransformer(GQA, weights)
+    host, device = Transformer(GQA, weights), CudaTransformer(GQA, weights, one_launch_decode=one_launch)
     host_cache, device_cache = host.new_cache(slots=3), device.new_cache(slots=3)
     tokens, positions, slots = [3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 0, 1, 0, 1], [0, 0, 0, 1, 1, 2, 2]
     assert_hidden_close(device.forward(tokens, positions, device_cache, slots),

@@ -7,8 +7,9 @@ another with a grid-wide barrier between them, so a whole decode step (all layer
 about 10 us plus 4 us per array argument on every launch, which would otherwise dominate small-batch decoding.
 
 Arrays (row-major, float32 unless said; weights may be stored float16 and are widened as they are read):
-    meta    [5, T] int32   per token: TOKEN id, POS position, SLOT cache slot, KEEP (1: its k/v survive in the
-                           ring), RING (how many ring entries, from index 0, its slot may hold before the call)
+    meta    [6, T] int32   per token: TOKEN id, POS position, SLOT cache slot, KEEP (1: its k/v survive in the
+                           ring), RING (how many ring entries, from index 0, its slot may hold before the call),
+                           FIRST (index in this call of the first token of its slot)
     x       [T, D]         residual stream
     qkv     [T, W]         W = (H + 2K) Dh: the H query heads, then the K key heads, then the K value heads
     att     [T, H Dh]      attention output (heads side by side, as ops.attention's [T, H, Dv] flattened)
@@ -29,11 +30,12 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
+from numba.core import config as numba_config
 
 MAX_ROWS = 8  # the matrix-vector kernels serve up to this many token rows at once (decode batches)
 MAX_HEAD_DIM = 256
 NEG_INF = np.float32(-np.inf)
-TOKEN, POS, SLOT, KEEP, RING = 0, 1, 2, 3, 4  # rows of `meta`
+TOKEN, POS, SLOT, KEEP, RING, FIRST = 0, 1, 2, 3, 4, 5  # rows of `meta`
 ONE_BITS = 0x3F800000  # the bit pattern of float32 1.0; 0 .. ONE_BITS are the bits of the floats in [0, 1], in order
 
 
@@ -48,6 +50,7 @@ class Geometry:
         BM x BN tile of the output with (BM / TM) (BN / TN) threads, stepping through K in slices of BK.
     sampler_threads: threads of the one block that samples each row.
     max_blocks: most blocks of a launch (blocks loop over the remaining items).
+    attention_blocks: most blocks of an attention launch (each has a row of score scratch, C + T floats).
     """
 
     threads: int = 256
@@ -55,6 +58,7 @@ class Geometry:
     tile: tuple[int, int, int, int, int] = (64, 64, 16, 4, 4)
     sampler_threads: int = 1024
     max_blocks: int = 8192
+    attention_blocks: int = 1024
 
     def __post_init__(self):
         BM, BN, BK, TM, TN = self.tile
@@ -78,7 +82,8 @@ class Geometry:
 HARDWARE = Geometry()
 # The simulator runs each GPU thread as a Python thread: few threads and blocks keep tests fast; the loops are the
 # same, only their trip counts change.
-SIMULATOR = Geometry(threads=8, lanes=8, tile=(8, 8, 8, 4, 4), sampler_threads=8, max_blocks=2)
+SIMULATOR = Geometry(threads=8, lanes=8, tile=(8, 8, 8, 4, 4), sampler_threads=8, max_blocks=2,
+                     attention_blocks=2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -250,8 +255,8 @@ def bias_rope_rows(interleaved: bool):
 def matvec_rows(rows: int, threads: int, lanes: int, norm: bool, residual: bool, gated: bool):
     """Matrix-vector products for up to `rows` token rows: y = x W^T, one weight pass serving every row.
 
-    Threads form groups of `lanes` (a warp of 32 on hardware); a group owns R = 8 // rows consecutive output
-    rows of W at a time, and its lanes stride along each row, so a warp reads 128 consecutive bytes per load
+    Threads form groups of `lanes` (a warp of 32 on hardware); a group owns R = 8 // rows (4 // rows gated)
+    consecutive output rows of W at a time, and its lanes stride along each row, so a warp reads 128 consecutive bytes per load
     (coalesced), four loads in flight per lane. x is staged in shared memory in tiles of `matvec_tile(rows)`
     columns, read by every group of the block. Variants (fixed when the kernel is compiled):
         norm      x is RMSNorm-ed with gain g while it is staged (the norm costs no extra pass over memory)
@@ -262,9 +267,10 @@ def matvec_rows(rows: int, threads: int, lanes: int, norm: bool, residual: bool,
     [16, threads], red [threads], scale [rows]. g and eps are read only by the `norm` variant.
     """
     M = rows
-    R = max(1, MAX_ROWS // rows)  # output rows per group: R * M partial sums per lane, a fixed register budget
+    R = max(1, MAX_ROWS // (rows * (2 if gated else 1)))  # rows per group: R M (2 R M gated) sums per lane
     groups = threads // lanes
     tile = matvec_tile(rows)
+    sums = R * M  # local array sizes must be constants
 
     @cuda.jit(device=True)
     def dot_tile(xs, w, n, kn, k0, acc, first):
@@ -315,8 +321,8 @@ def matvec_rows(rows: int, threads: int, lanes: int, norm: bool, residual: bool,
         ntiles = (K + tile - 1) // tile
         if ntiles == 1:
             stage_x(x, g, scale, xs, 0, K)
-        acc = cuda.local.array(R * M, np.float32)
-        acc_up = cuda.local.array(R * M, np.float32)
+        acc = cuda.local.array(sums, np.float32)
+        acc_up = cuda.local.array(sums, np.float32)
         for base in range(block * groups * R, N, nblocks * groups * R):
             first_row = base + group * R
             for e in range(R * M):
@@ -337,18 +343,20 @@ def matvec_rows(rows: int, threads: int, lanes: int, norm: bool, residual: bool,
                             dot_tile(xs, w, n, kn, k0, acc, r * M)
             for e in range(R * M):
                 part[e, tid] = acc[e]
-                part[R * M + e, tid] = acc_up[e]
+                if gated:
+                    part[R * M + e, tid] = acc_up[e]
             cuda.syncthreads()
             for e in range(lane, R * M, lanes):  # lane e adds up the group's partial sums of (row r, token m)
                 r, m = e // M, e % M
                 n = first_row + r
                 if m < T and n < N:
                     total = np.float32(0)
-                    up = np.float32(0)
                     for j in range(group * lanes, (group + 1) * lanes):
                         total += part[e, j]
-                        up += part[R * M + e, j]
                     if gated:
+                        up = np.float32(0)
+                        for j in range(group * lanes, (group + 1) * lanes):
+                            up += part[R * M + e, j]
                         y[m, n] = silu(total) * up
                     elif residual:
                         y[m, n] += total
@@ -377,6 +385,7 @@ def matmul_tiles(tile: tuple[int, int, int, int, int], residual: bool):
     BM, BN, BK, TM, TN = tile
     threads = (BM // TM) * (BN // TN)
     cols = BN // TN
+    acc_shape = (TM, TN)
 
     @cuda.jit(device=True)
     def stage(x, w, y, xs, ws, block, nblocks):
@@ -385,7 +394,7 @@ def matmul_tiles(tile: tuple[int, int, int, int, int], residual: bool):
         M, K = x.shape
         N = w.shape[0]
         tiles_n = (N + BN - 1) // BN
-        acc = cuda.local.array((TM, TN), np.float32)
+        acc = cuda.local.array(acc_shape, np.float32)
         xa = cuda.local.array(TM, np.float32)
         wb = cuda.local.array(TN, np.float32)
         for item in range(block, ((M + BM - 1) // BM) * tiles_n, nblocks):
@@ -435,14 +444,14 @@ def attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos,
         out[t, h] = sum_s softmax_s(q_t,h . k_s,g / sqrt(Dh) + mask) v_s,g,     g = h // (H / K)
                                              # qkv [T, W], ring [B, C, K, Dh] x2, ring_pos [B, C] -> out [T, H Dh]
     The keys of token t are those its slot's ring held before this call (ring indices below meta[RING, t]: a
-    slot fills its ring from index 0), then the keys of this call's tokens of the same slot (already rotated in
-    qkv): exactly the concatenation model.Transformer attends to. A key at
+    slot fills its ring from index 0), then the keys of this call's tokens of the same slot up to t itself
+    (already rotated in qkv; later ones are in its future): the concatenation model.Transformer attends to. A key at
     position k is seen by a query at p when p - window < k <= p (empty ring entries hold -1 and are never seen).
 
     Parallel online softmax: each thread scores its share of the keys (thread j takes keys j, j + threads, ...)
     keeping its own running max and sum of exponentials; the block merges those states (block_softmax_merge),
     then threads split (dimension, key group) to sum the values. scores [blocks, C + T] is scratch, one row per
-    block. Shared: qs [MAX_HEAD_DIM], vacc [max(threads, MAX_HEAD_DIM)], red, red2 [threads].
+    block (the grid must not exceed its rows). Shared: qs [MAX_HEAD_DIM], vacc [max(threads, MAX_HEAD_DIM)], red, red2 [threads].
     """
     tid, threads = cuda.threadIdx.x, cuda.blockDim.x
     T = qkv.shape[0]
@@ -451,17 +460,19 @@ def attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos,
     for item in range(block, T * n_heads, nblocks):
         t, h = item // n_heads, item % n_heads
         g = h // group
-        qpos, slot, ring = meta[POS, t], meta[SLOT, t], meta[RING, t]  # keys: ring[:ring], then this call's
+        qpos, slot, ring = meta[POS, t], meta[SLOT, t], meta[RING, t]
+        first = meta[FIRST, t]  # keys: ring entries s < ring, then this call's tokens first + (s - ring) <= t
+        keys = ring + t + 1 - first
         k_col, v_col = (n_heads + g) * head_dim, (n_heads + n_kv + g) * head_dim
         for d in range(tid, head_dim, threads):
             qs[d] = qkv[t, h * head_dim + d]
         cuda.syncthreads()
         m_run, l_run = NEG_INF, np.float32(0)
-        for s in range(tid, ring + T, threads):
+        for s in range(tid, keys, threads):
             if s < ring:
                 kpos = ring_pos[slot, s]
             else:
-                kpos = meta[POS, s - ring] if meta[SLOT, s - ring] == slot else -1
+                kpos = meta[POS, first + s - ring] if meta[SLOT, first + s - ring] == slot else -1
             score = NEG_INF
             if 0 <= kpos and kpos <= qpos and kpos > qpos - window:
                 dot = np.float32(0)
@@ -470,7 +481,7 @@ def attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos,
                         dot += qs[d] * ring_k[slot, s, g, d]
                 else:
                     for d in range(head_dim):
-                        dot += qs[d] * qkv[s - ring, k_col + d]
+                        dot += qs[d] * qkv[first + s - ring, k_col + d]
                 score = dot * scale
                 if score > m_run:
                     l_run *= math.exp(m_run - score)
@@ -481,10 +492,10 @@ def attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos,
         for e in range(tid, head_dim * groups, threads):
             d, j = e % head_dim, e // head_dim
             acc = np.float32(0)
-            for s in range(j, ring + T, groups):
+            for s in range(j, keys, groups):
                 sc = scores[block, s]
                 if sc > NEG_INF:
-                    v = ring_v[slot, s, g, d] if s < ring else qkv[s - ring, v_col + d]
+                    v = ring_v[slot, s, g, d] if s < ring else qkv[first + s - ring, v_col + d]
                     acc += math.exp(sc - m_all) * v
             vacc[e] = acc
         cuda.syncthreads()
@@ -747,12 +758,12 @@ def bias_rope_kernel(interleaved: bool):
 def matvec_kernel(rows: int, threads: int, lanes: int, norm: bool = False, residual: bool = False,
                   gated: bool = False):
     stage = matvec_rows(rows, threads, lanes, norm, residual, gated)
-    tile = matvec_tile(rows)
+    xs_shape, part_shape = (rows, matvec_tile(rows)), (2 * MAX_ROWS, threads)  # shared shapes: constants
 
     @cuda.jit
     def kernel(x, g, eps, w, y):
-        xs = cuda.shared.array((rows, tile), np.float32)
-        part = cuda.shared.array((2 * MAX_ROWS, threads), np.float32)
+        xs = cuda.shared.array(xs_shape, np.float32)
+        part = cuda.shared.array(part_shape, np.float32)
         red = cuda.shared.array(threads, np.float32)
         scale = cuda.shared.array(rows, np.float32)
         stage(x, g, eps, w, y, xs, part, red, scale, cuda.blockIdx.x, cuda.gridDim.x)
@@ -764,11 +775,12 @@ def matvec_kernel(rows: int, threads: int, lanes: int, norm: bool = False, resid
 def matmul_kernel(tile: tuple[int, int, int, int, int], residual: bool = False):
     stage = matmul_tiles(tile, residual)
     BM, BN, BK = tile[:3]
+    xs_shape, ws_shape = (BK, BM), (BK, BN)
 
     @cuda.jit
     def kernel(x, w, y):
-        xs = cuda.shared.array((BK, BM), np.float32)
-        ws = cuda.shared.array((BK, BN), np.float32)
+        xs = cuda.shared.array(xs_shape, np.float32)
+        ws = cuda.shared.array(ws_shape, np.float32)
         stage(x, w, y, xs, ws, cuda.blockIdx.x, cuda.gridDim.x)
 
     return kernel
@@ -776,10 +788,12 @@ def matmul_kernel(tile: tuple[int, int, int, int, int], residual: bool = False):
 
 @functools.cache
 def attention_kernel(threads: int):
+    vacc_size = max(threads, MAX_HEAD_DIM)
+
     @cuda.jit
     def kernel(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos, window, scale, scores, out):
         qs = cuda.shared.array(MAX_HEAD_DIM, np.float32)
-        vacc = cuda.shared.array(max(threads, MAX_HEAD_DIM), np.float32)
+        vacc = cuda.shared.array(vacc_size, np.float32)
         red = cuda.shared.array(threads, np.float32)
         red2 = cuda.shared.array(threads, np.float32)
         attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos, window, scale, scores, out,
@@ -808,10 +822,12 @@ def commit_positions_kernel():
 
 @functools.cache
 def sample_kernel(threads: int):
+    size = threads + 1
+
     @cuda.jit
     def kernel(logits, params, probs, ids):
-        red = cuda.shared.array(threads + 1, np.float32)
-        redi = cuda.shared.array(threads + 1, np.int32)
+        red = cuda.shared.array(size, np.float32)
+        redi = cuda.shared.array(size, np.int32)
         sample_rows(logits, params, probs, ids, red, redi, cuda.blockIdx.x, cuda.gridDim.x)
 
     return kernel
@@ -832,18 +848,22 @@ def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool):
     residual_proj = matvec_rows(rows, threads, lanes, False, True, False)
     gate_up_proj = matvec_rows(rows, threads, lanes, True, False, True)
     bias_rope = bias_rope_rows(interleaved)
-    tile = matvec_tile(rows)
+    xs_shape, part_shape = (rows, matvec_tile(rows)), (2 * MAX_ROWS, threads)
+    vacc_size = max(threads, MAX_HEAD_DIM)
+    # ptxas (sm_90) wants ~135 registers per thread for this kernel: one block of 256 threads per SM. Capped at
+    # 128 (under 200 bytes spilled) two blocks fit: twice the loads in flight. The simulator has no such option.
+    options = {} if numba_config.ENABLE_CUDASIM else {"max_registers": 128}
 
-    @cuda.jit
+    @cuda.jit(**options)
     def kernel(tok_embeddings, norms, wqkv, bqkv, wo, w13, w2, final_norm, eps, n_heads, n_kv, head_dim,
                cos, sin, meta, ring_k, ring_v, ring_pos, window, scale, x, qkv, att, h, scores, hidden):
-        xs = cuda.shared.array((rows, tile), np.float32)
-        part = cuda.shared.array((2 * MAX_ROWS, threads), np.float32)
+        xs = cuda.shared.array(xs_shape, np.float32)
+        part = cuda.shared.array(part_shape, np.float32)
         red = cuda.shared.array(threads, np.float32)
         red2 = cuda.shared.array(threads, np.float32)
         scale_rows = cuda.shared.array(rows, np.float32)
         qs = cuda.shared.array(MAX_HEAD_DIM, np.float32)
-        vacc = cuda.shared.array(max(threads, MAX_HEAD_DIM), np.float32)
+        vacc = cuda.shared.array(vacc_size, np.float32)
         grid = cuda.cg.this_grid()
         block, nblocks = cuda.blockIdx.x, cuda.gridDim.x
         embed_rows(tok_embeddings, meta, x, block, nblocks)
@@ -853,8 +873,9 @@ def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool):
             grid.sync()
             bias_rope(qkv, bqkv[layer], n_heads + n_kv, head_dim, cos, sin, meta, block, nblocks)
             grid.sync()
-            attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k[layer], ring_v[layer], ring_pos, window,
-                           scale, scores, att, qs, vacc, red, red2, block, nblocks)
+            if block < scores.shape[0]:  # as many blocks attend as `scores` has rows
+                attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k[layer], ring_v[layer], ring_pos,
+                               window, scale, scores, att, qs, vacc, red, red2, block, min(nblocks, scores.shape[0]))
             grid.sync()
             kv_write_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k[layer], ring_v[layer], block, nblocks)
             residual_proj(att, final_norm, eps, wo[layer], x, xs, part, red, scale_rows, block, nblocks)
