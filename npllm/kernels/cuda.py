@@ -19,7 +19,8 @@ Arrays (row-major, float32 unless said; weights may be stored float16 and are wi
 Blocks are 1-D with `threads` threads (a power of two). Reductions go through shared memory and syncthreads:
 numba's CUDA simulator, which runs the tests on machines without a GPU, has no warp shuffles, and a single code
 path keeps those tests honest about the code that runs on hardware. Every loop that contains a syncthreads has
-the same trip count in all threads of a block.
+the same trip count in all threads of a block. Device code spells min and max of scalars as conditional
+expressions: the CUDA target built into numba 0.68 cannot compile min(int, int).
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def block_softmax_merge(m, l, red, red2):
     while step > 0:
         if tid < step:
             m1, m2 = red[tid], red[tid + step]
-            top = max(m1, m2)
+            top = m1 if m1 > m2 else m2
             if top > NEG_INF:
                 red2[tid] = red2[tid] * math.exp(m1 - top) + red2[tid + step] * math.exp(m2 - top)
                 red[tid] = top
@@ -330,7 +331,7 @@ def matvec_rows(rows: int, threads: int, lanes: int, norm: bool, residual: bool,
                 acc_up[e] = 0
             for j in range(ntiles):
                 k0 = j * tile
-                kn = min(tile, K - k0)
+                kn = tile if K - k0 > tile else K - k0
                 if ntiles > 1:
                     stage_x(x, g, scale, xs, k0, kn)
                 for r in range(R):
@@ -451,12 +452,13 @@ def attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos,
     Parallel online softmax: each thread scores its share of the keys (thread j takes keys j, j + threads, ...)
     keeping its own running max and sum of exponentials; the block merges those states (block_softmax_merge),
     then threads split (dimension, key group) to sum the values. scores [blocks, C + T] is scratch, one row per
-    block (the grid must not exceed its rows). Shared: qs [MAX_HEAD_DIM], vacc [max(threads, MAX_HEAD_DIM)], red, red2 [threads].
+    block (the grid must not exceed its rows).
+    Shared: qs [MAX_HEAD_DIM], vacc [max(threads, MAX_HEAD_DIM)], red, red2 [threads].
     """
     tid, threads = cuda.threadIdx.x, cuda.blockDim.x
     T = qkv.shape[0]
     group = n_heads // n_kv
-    groups = max(1, threads // head_dim)  # key groups of the value pass
+    groups = threads // head_dim if threads > head_dim else 1  # key groups of the value pass
     for item in range(block, T * n_heads, nblocks):
         t, h = item // n_heads, item % n_heads
         g = h // group
@@ -620,8 +622,8 @@ def inverse_cdf(probs, b, boundary, boundary_kept, u, red, redi):
     tid, threads = cuda.threadIdx.x, cuda.blockDim.x
     V = probs.shape[1]
     chunk = (V + threads - 1) // threads
-    lo = min(V, tid * chunk)
-    hi = min(V, lo + chunk)
+    lo = tid * chunk if tid * chunk < V else V
+    hi = lo + chunk if lo + chunk < V else V
     ties = 0
     above_mass = np.float32(0)
     for i in range(lo, hi):
@@ -633,7 +635,9 @@ def inverse_cdf(probs, b, boundary, boundary_kept, u, red, redi):
     redi[tid] = ties
     exclusive_scan(redi, threads)
     ties_before = redi[tid]
-    red[tid] = above_mass + np.float32(min(max(boundary_kept - ties_before, 0), ties)) * boundary
+    kept_ties = boundary_kept - ties_before  # of this chunk's ties, the kept ones: clamp to [0, ties]
+    kept_ties = 0 if kept_ties < 0 else (ties if kept_ties > ties else kept_ties)
+    red[tid] = above_mass + np.float32(kept_ties) * boundary
     exclusive_scan(red, threads)
     target = u * red[threads]
     run = red[tid]
@@ -675,7 +679,8 @@ def sample_rows(logits, params, probs, ids, red, redi, block, nblocks):
         temperature, top_k, top_p, u = params[b, 0], int(params[b, 1]), params[b, 2], params[b, 3]
         top = NEG_INF
         for i in range(tid, V, threads):
-            top = max(top, logits[b, i])
+            if logits[b, i] > top:
+                top = logits[b, i]
         top = block_max(top, red)
         if temperature == 0:
             first = V
@@ -699,8 +704,10 @@ def sample_rows(logits, params, probs, ids, red, redi, block, nblocks):
             ties = mass_from(probs, b, boundary, False, red, redi)[0] - above
             need = 1  # ties at the boundary needed to reach the target, in index order
             if boundary > 0:
-                need = max(1, min(ties, int(math.ceil((target - above_mass) / boundary))))
-            keep = min(keep, above + need)
+                need = int(math.ceil((target - above_mass) / boundary))
+                need = 1 if need < 1 else (ties if need > ties else need)
+            if above + need < keep:
+                keep = above + need
         boundary = np.float32(-1)  # keep == V: every token, no ties to split
         boundary_kept = 0
         if keep < V:
@@ -866,6 +873,7 @@ def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool):
         vacc = cuda.shared.array(vacc_size, np.float32)
         grid = cuda.cg.this_grid()
         block, nblocks = cuda.blockIdx.x, cuda.gridDim.x
+        attending = nblocks if nblocks < scores.shape[0] else scores.shape[0]  # a row of scores per block
         embed_rows(tok_embeddings, meta, x, block, nblocks)
         grid.sync()
         for layer in range(wqkv.shape[0]):
@@ -873,9 +881,9 @@ def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool):
             grid.sync()
             bias_rope(qkv, bqkv[layer], n_heads + n_kv, head_dim, cos, sin, meta, block, nblocks)
             grid.sync()
-            if block < scores.shape[0]:  # as many blocks attend as `scores` has rows
+            if block < attending:
                 attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k[layer], ring_v[layer], ring_pos,
-                               window, scale, scores, att, qs, vacc, red, red2, block, min(nblocks, scores.shape[0]))
+                               window, scale, scores, att, qs, vacc, red, red2, block, attending)
             grid.sync()
             kv_write_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k[layer], ring_v[layer], block, nblocks)
             residual_proj(att, final_norm, eps, wo[layer], x, xs, part, red, scale_rows, block, nblocks)
