@@ -2,6 +2,7 @@
 
     npllm generate [PROMPT] --model M --tokenizer T --max-new-tokens N --temperature T --top-p P --seed S
     npllm generate --prompt-file FILE ...      one prompt per line, generated together (ragged batching)
+    npllm generate [PROMPT] ... --explain [--json]     (each token's candidates through the sampling pipeline)
 
 stdout gets the prompt followed by the completion and nothing else (with --prompt-file, each prompt and its
 completion, separated by blank lines); timings go to stderr.
@@ -28,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     gen.add_argument("--prompt-file", default=None,
                      help="a file with one prompt per line (blank lines skipped), all generated as one batch")
+    gen.add_argument("--explain", action="store_true",
+                     help="for each token, a table of the top candidates through every sampling stage")
+    gen.add_argument("--json", action="store_true", help="with --explain: one JSON object per token instead")
     gen.set_defaults(run=run_generate)
     info = commands.add_parser("info", help="describe a checkpoint: architecture, size, context, tokenizer")
     info.add_argument("model", nargs="?", default="stories260K", help="checkpoint path or known name")
@@ -44,10 +48,21 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def run_generate(args) -> int:
     from . import load
 
+    if args.json and not args.explain:
+        raise GenerationError("--json is the machine-readable form of --explain: pass both")
+    if args.explain and args.prompt_file is not None:
+        raise GenerationError("--explain follows a single prompt: give a PROMPT, not --prompt-file")
     if args.prompt_file is not None:
         return run_generate_batch(args)
     llm = load(args.model, args.tokenizer)
     prompt_ids = llm.tokenizer.encode(args.prompt, bos=True)
+    if args.explain:
+        from .explain import print_explained
+        from .sampling import SamplingParams
+
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        print_explained(llm, prompt_ids, args.max_new_tokens, params, as_json=args.json)
+        return 0
     decoder = llm.tokenizer.stream_decoder()
     sys.stdout.write("".join(decoder.feed(t) for t in prompt_ids))
     start, first, count = time.perf_counter(), None, 0

@@ -114,3 +114,14 @@ def test_missing_or_misshapen_tensor_is_a_clear_error():
         Transformer(GQA, {k: v for k, v in weights.items() if k != "layers.1.w2"})
     with pytest.raises(FormatError, match="shape"):
         Transformer(GQA, dict(weights, norm=np.ones(5, np.float32)))
+
+
+def test_bad_forward_inputs_are_clear_errors():
+    from npllm.errors import GenerationError
+
+    model = Transformer(GQA, random_weights(GQA))
+    cache = model.new_cache(slots=2)
+    for tokens, positions, slots, message in [([1, 2], [0], None, "one length"), ([1, 99], [0, 1], None, "token ids"),
+                                              ([1], [0], [2], "slots"), ([1], [-1], None, "positions")]:
+        with pytest.raises(GenerationError, match=message):
+            model.forward(tokens, positions, cache, slots)
