@@ -1,8 +1,11 @@
 """npllm's command line: it parses arguments and calls the Python API, nothing more.
 
     npllm generate [PROMPT] --model M --tokenizer T --max-new-tokens N --temperature T --top-p P --seed S
+                            --backend numba|numpy --threads N
     npllm generate --prompt-file FILE ...      one prompt per line, generated together (ragged batching)
     npllm generate [PROMPT] ... --explain [--json]     (each token's candidates through the sampling pipeline)
+    npllm bench --model NAME_OR_PATH [--batch B ...] [--prompt-len N ...] [--gen-len N] [--backend B ...]
+                [--threads T] [--repeat R] [--json]
 
 stdout gets the prompt followed by the completion and nothing else (with --prompt-file, each prompt and its
 completion, separated by blank lines); timings go to stderr.
@@ -48,6 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="describe a checkpoint: architecture, size, context, tokenizer")
     info.add_argument("model", nargs="?", default="stories260K", help="checkpoint path or known name")
     info.set_defaults(run=run_info)
+
+    bench = commands.add_parser("bench", help="prefill and decode throughput against the memory bandwidth")
+    bench.add_argument("--model", "-m", default="stories15M",
+                       help="checkpoint path, known name on disk, or a shape with random weights (default stories15M)")
+    bench.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="sequences decoded together (default 1 8)")
+    bench.add_argument("--prompt-len", type=int, nargs="+", default=[128, 512], help="prompt tokens (default 128 512)")
+    bench.add_argument("--gen-len", type=int, default=256, help="decode steps (default 256)")
+    bench.add_argument("--backend", nargs="+", default=["numba"], help="numba, numpy, or both (default numba)")
+    bench.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
+    bench.add_argument("--repeat", type=int, default=3, help="runs per figure; medians are reported (default 3)")
+    bench.add_argument("--bandwidth-mib", type=int, default=512, help="size of the bandwidth probe (default 512)")
+    bench.add_argument("--json", action="store_true", help="one JSON object per line")
+    bench.set_defaults(run=run_bench)
     return parser
 
 
@@ -55,6 +71,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", default="stories260K",
                         help="checkpoint path or known name (stories260K, stories15M, stories42M, stories110M)")
     parser.add_argument("--tokenizer", "-z", default=None, help="tokenizer path (default: found beside the model)")
+    parser.add_argument("--backend", default="numba", help="numba (compiled kernels, default) or numpy (reference)")
+    parser.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
 
 
 def sampling_params(args):
@@ -80,7 +98,7 @@ def run_generate(args) -> int:
         raise GenerationError("--explain follows a single prompt: give a PROMPT, not --prompt-file")
     if args.prompt_file is not None:
         return run_generate_batch(args)
-    llm = load(args.model, args.tokenizer)
+    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads)
     prompt_ids = llm.tokenizer.encode(args.prompt, bos=True)
     if args.explain:
         from .explain import print_explained
@@ -125,7 +143,7 @@ def run_generate_batch(args) -> int:
     if args.prompt:
         raise GenerationError("give either a PROMPT or --prompt-file, not both")
     prompts = read_prompt_file(args.prompt_file)
-    llm = load(args.model, args.tokenizer)
+    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads)
     start = time.perf_counter()
     completions = llm.generate(prompts, args.max_new_tokens, **as_keywords(sampling_params(args)))
     seconds = time.perf_counter() - start
@@ -144,6 +162,12 @@ def run_info(args) -> int:
     config, weights = read_checkpoint(checkpoint)
     print(describe(config, weights, checkpoint))
     return 0
+
+
+def run_bench(args) -> int:
+    from . import bench
+
+    return bench.run(args)
 
 
 def main(argv=None) -> int:

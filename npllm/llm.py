@@ -104,14 +104,20 @@ class LLM:
         return self.tokenizer
 
 
-def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None) -> LLM:
-    """Load a checkpoint (a path or a known name such as "stories260K") and its tokenizer."""
+def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None,
+         backend: str = "numba", threads: int | None = None) -> LLM:
+    """Load a checkpoint (a path or a known name such as "stories260K") and its tokenizer.
+
+    backend "numba" (compiled CPU kernels, the default) or "numpy" (the reference); threads: cores to use.
+    """
+    from .backends import check_backend, make_model
     from .formats import read_checkpoint
 
+    check_backend(backend)
     checkpoint, found_tokenizer = resolve(model)
     config, weights = read_checkpoint(checkpoint)
     tok_path = tokenizer if tokenizer is not None else found_tokenizer
     tok = None
     if tok_path is not None:
         tok = load_tokenizer(Path(tok_path), vocab_size=config.vocab_size)
-    return LLM(Transformer(config, weights), tok, str(checkpoint))
+    return LLM(make_model(config, weights, backend, threads), tok, str(checkpoint))
