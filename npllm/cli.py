@@ -1,17 +1,24 @@
 """npllm's command line: it parses arguments and calls the Python API, nothing more.
 
     npllm generate [PROMPT] --model M --tokenizer T --max-new-tokens N --temperature T --top-p P --seed S
+                            --backend numba|numpy --threads N
+    npllm generate --prompt-file FILE ...      one prompt per line, generated together (ragged batching)
+    npllm generate [PROMPT] ... --explain [--json]     (each token's candidates through the sampling pipeline)
+    npllm bench --model NAME_OR_PATH [--batch B ...] [--prompt-len N ...] [--gen-len N] [--backend B ...]
+                [--threads T] [--repeat R] [--json]
 
-stdout gets the prompt followed by the completion and nothing else; timings go to stderr.
+stdout gets the prompt followed by the completion and nothing else (with --prompt-file, each prompt and its
+completion, separated by blank lines); timings go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
-from .errors import NpllmError
+from .errors import GenerationError, NpllmError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,7 +31,39 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     gen.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (default 0.9)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most probable tokens (0: off)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * p_max (0: off)")
+    gen.add_argument("--typical-p", type=float, default=1.0, help="locally typical sampling mass (1: off)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL penalty on seen tokens (1: off)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this from seen tokens' logits")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract this times each token's count")
+    gen.add_argument("--no-repeat-ngram", type=int, default=0, help="forbid repeating any n-gram of this size")
+    gen.add_argument("--stop", action="append", default=[], metavar="STR",
+                     help="end the completion before this text (repeatable; may span tokens)")
+    gen.add_argument("--logprobs", type=int, default=0, metavar="N",
+                     help="print each token's log-probability and the top N alternatives to stderr")
+    gen.add_argument("--prompt-file", default=None,
+                     help="a file with one prompt per line (blank lines skipped), all generated as one batch")
+    gen.add_argument("--explain", action="store_true",
+                     help="for each token, a table of the top candidates through every sampling stage")
+    gen.add_argument("--json", action="store_true", help="with --explain: one JSON object per token instead")
     gen.set_defaults(run=run_generate)
+    info = commands.add_parser("info", help="describe a checkpoint: architecture, size, context, tokenizer")
+    info.add_argument("model", nargs="?", default="stories260K", help="checkpoint path or known name")
+    info.set_defaults(run=run_info)
+
+    bench = commands.add_parser("bench", help="prefill and decode throughput against the memory bandwidth")
+    bench.add_argument("--model", "-m", default="stories15M",
+                       help="checkpoint path, known name on disk, or a shape with random weights (default stories15M)")
+    bench.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="sequences decoded together (default 1 8)")
+    bench.add_argument("--prompt-len", type=int, nargs="+", default=[128, 512], help="prompt tokens (default 128 512)")
+    bench.add_argument("--gen-len", type=int, default=256, help="decode steps (default 256)")
+    bench.add_argument("--backend", nargs="+", default=["numba"], help="numba, numpy, or both (default numba)")
+    bench.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
+    bench.add_argument("--repeat", type=int, default=3, help="runs per figure; medians are reported (default 3)")
+    bench.add_argument("--bandwidth-mib", type=int, default=512, help="size of the bandwidth probe (default 512)")
+    bench.add_argument("--json", action="store_true", help="one JSON object per line")
+    bench.set_defaults(run=run_bench)
     return parser
 
 
@@ -32,31 +71,105 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", default="stories260K",
                         help="checkpoint path or known name (stories260K, stories15M, stories42M, stories110M)")
     parser.add_argument("--tokenizer", "-z", default=None, help="tokenizer path (default: found beside the model)")
+    parser.add_argument("--backend", default="numba", help="numba (compiled kernels, default) or numpy (reference)")
+    parser.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                        help="cpu, cuda (NVIDIA GPU via numba.cuda) or auto (CUDA when usable; default cpu)")
+                        help="cpu, cuda (an NVIDIA GPU through numba.cuda) or auto (CUDA when usable; default cpu)")
+
+
+def sampling_params(args):
+    """SamplingParams from the command line (validated there: a bad value is a clear error)."""
+    from .sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, top_k=args.top_k,
+                          min_p=args.min_p, typical_p=args.typical_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          no_repeat_ngram=args.no_repeat_ngram, stop=tuple(args.stop), logprobs=args.logprobs)
+
+
+def as_keywords(params) -> dict:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
 
 
 def run_generate(args) -> int:
     from . import load
 
-    llm = load(args.model, args.tokenizer, device=args.device)
+    if args.json and not args.explain:
+        raise GenerationError("--json is the machine-readable form of --explain: pass both")
+    if args.explain and args.prompt_file is not None:
+        raise GenerationError("--explain follows a single prompt: give a PROMPT, not --prompt-file")
+    if args.prompt_file is not None:
+        return run_generate_batch(args)
+    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads, device=args.device)
     prompt_ids = llm.tokenizer.encode(args.prompt, bos=True)
-    decoder = llm.tokenizer.stream_decoder()
-    sys.stdout.write("".join(decoder.feed(t) for t in prompt_ids))
+    if args.explain:
+        from .explain import print_explained
+
+        params = sampling_params(args)
+        print_explained(llm, prompt_ids, args.max_new_tokens, params, as_json=args.json)
+        return 0
+    params = sampling_params(args)
     start, first, count = time.perf_counter(), None, 0
-    for token in llm.generate_ids(prompt_ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                                  seed=args.seed):
+
+    def on_token(token: int) -> None:
+        nonlocal first, count
         first = first or time.perf_counter()
         count += 1
-        sys.stdout.write(decoder.feed(token))
+
+    for piece in llm.stream(args.prompt, args.max_new_tokens, echo=True, on_token=on_token, **as_keywords(params)):
+        sys.stdout.write(piece)
         sys.stdout.flush()
-    sys.stdout.write(decoder.flush() + "\n")
+    sys.stdout.write("\n")
     sys.stdout.flush()
     end = time.perf_counter()
     rate = (count - 1) / (end - first) if count > 1 else float("nan")
     print(f"[npllm] {len(prompt_ids)} prompt + {count} new tokens; first token {1e3 * ((first or end) - start):.1f} ms;"
           f" {rate:.1f} tok/s after it", file=sys.stderr)
     return 0
+
+
+def read_prompt_file(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line for line in f.read().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise GenerationError(f"--prompt-file {path}: cannot read it ({e})") from None
+    if not prompts:
+        raise GenerationError(f"--prompt-file {path}: no prompts in it")
+    return prompts
+
+
+def run_generate_batch(args) -> int:
+    from . import load
+
+    if args.prompt:
+        raise GenerationError("give either a PROMPT or --prompt-file, not both")
+    prompts = read_prompt_file(args.prompt_file)
+    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads, device=args.device)
+    start = time.perf_counter()
+    completions = llm.generate(prompts, args.max_new_tokens, **as_keywords(sampling_params(args)))
+    seconds = time.perf_counter() - start
+    sys.stdout.write("\n\n".join(p + c for p, c in zip(prompts, completions)) + "\n")
+    sys.stdout.flush()
+    print(f"[npllm] {len(prompts)} prompts completed together in {seconds:.2f} s", file=sys.stderr)
+    return 0
+
+
+def run_info(args) -> int:
+    from .formats import read_checkpoint
+    from .formats.info import describe
+    from .hub import resolve
+
+    checkpoint, _ = resolve(args.model)
+    config, weights = read_checkpoint(checkpoint)
+    print(describe(config, weights, checkpoint))
+    return 0
+
+
+def run_bench(args) -> int:
+    from . import bench
+
+    return bench.run(args)
 
 
 def main(argv=None) -> int:

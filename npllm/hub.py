@@ -71,11 +71,11 @@ def weights_dirs() -> list[Path]:
 
 def resolve(model: str | os.PathLike, download_missing: bool = True) -> tuple[Path, Path | None]:
     """(checkpoint path, tokenizer path or None) for a path or a known model name."""
-    path = Path(model)
-    if path.exists():
-        return path, find_tokenizer(path)
     name = str(model)
     if name not in KNOWN_MODELS:
+        path = Path(model)
+        if path.exists():
+            return path, find_tokenizer(path)
         known = ", ".join(KNOWN_MODELS)
         raise FormatError(f"model {name!r} is neither an existing path nor a known model name ({known})")
     known_model = KNOWN_MODELS[name]
@@ -92,7 +92,10 @@ def resolve(model: str | os.PathLike, download_missing: bool = True) -> tuple[Pa
 
 
 def find_tokenizer(checkpoint: Path) -> Path | None:
-    """The tokenizer that sits beside a checkpoint: tokenizer.{json,model,bin}, or tok<V>.{model,bin} (llama2.c)."""
+    """The tokenizer that sits beside a checkpoint: tokenizer.{json,model,bin}, or tok<V>.{model,bin} (llama2.c);
+    for a GGUF file, the file itself."""
+    if checkpoint.is_file() and checkpoint.suffix == ".gguf":
+        return checkpoint  # a GGUF file carries its own vocabulary in its metadata
     folder = checkpoint if checkpoint.is_dir() else checkpoint.parent
     candidates = [folder / n for n in TOKENIZER_NAMES]
     candidates += sorted(folder.glob("tok*.bin")) + sorted(folder.glob("tok*.model"))

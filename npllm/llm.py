@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from . import batching
 from .config import ModelConfig
 from .device import resolve_device
 from .errors import FormatError
+from .stop import StopStrings, cut_at_stop
 from .generate import check_prompt, generate_ids
 from .hub import resolve
 from .model import Transformer
@@ -38,11 +41,13 @@ class LLM:
         """Yield new token ids for a prompt given as ids (sampling keywords as in SamplingParams)."""
         return generate_ids(self.model, list(prompt_ids), max_new_tokens, SamplingParams(**sampling))
 
-    def stream(self, prompt: str = "", max_new_tokens: int = 256, echo: bool = False, **sampling) -> Iterator[str]:
+    def stream(self, prompt: str = "", max_new_tokens: int = 256, echo: bool = False, on_token=None,
+               **sampling) -> Iterator[str]:
         """Yield the completion's text as it is produced (with echo, the prompt's text first).
 
         Text is released only once whole UTF-8 characters are known, so a character split over byte tokens is
-        never printed broken.
+        never printed broken, and only once it cannot be the start of a stop string (`stop=`), which ends the
+        completion and is not part of it. on_token(id) is called for every generated token (for counters).
         """
         params = SamplingParams(**sampling)
         prompt_ids = self._require_tokenizer().encode(prompt, bos=True)
@@ -50,19 +55,49 @@ class LLM:
         prompt_text = "".join(decoder.feed(t) for t in prompt_ids)
         if echo:
             yield prompt_text
+        stops = StopStrings(params.stop)
         for token in generate_ids(self.model, prompt_ids, max_new_tokens, params):
-            piece = decoder.feed(token)
+            if on_token is not None:
+                on_token(token)
+            piece = stops.feed(decoder.feed(token))
             if piece:
                 yield piece
-        tail = decoder.flush()
+            if stops.stopped:
+                return
+        tail = stops.feed(decoder.flush())
+        tail += stops.flush()
         if tail:
             yield tail
 
-    def generate(self, prompt: str = "", max_new_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
-                 seed: int | None = None, **sampling) -> str:
-        """The completion of one prompt (without the prompt)."""
+    def generate(self, prompt: str | list[str] = "", max_new_tokens: int = 256, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int | None = None, **sampling) -> str | list[str]:
+        """The completion of one prompt (without the prompt); for a list of prompts, the list of their completions,
+        generated together by ragged batching, each one what it would be alone (every prompt uses `seed`)."""
+        if not isinstance(prompt, str):
+            params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, **sampling)
+            texts = self._generate_batch(list(prompt), max_new_tokens, dataclasses.replace(params, stop=()))
+            return [cut_at_stop(text, params.stop) for text in texts]
         return "".join(self.stream(prompt, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                    **sampling))
+
+    def _generate_batch(self, prompts: list[str], max_new_tokens: int, params: SamplingParams) -> list[str]:
+        tokenizer = self._require_tokenizer()
+        requests = [batching.Request(tokenizer.encode(p, bos=True), max_new_tokens, params) for p in prompts]
+        texts = []
+        for c in batching.ragged_generate(self.model, requests):
+            decoder = tokenizer.stream_decoder()
+            for t in c.prompt:  # the decoder needs the prompt's context (a leading space, a split character)
+                decoder.feed(t)
+            texts.append("".join(decoder.feed(t) for t in c.tokens) + decoder.flush())
+        return texts
+
+    def generate_tokens(self, prompt_tokens: list[list[int]], max_gen_len: int, temperature: float = 0.6,
+                        top_p: float = 0.9, logprobs: bool = False, echo: bool = False, strategy: str = "ragged",
+                        seed: int | None = None) -> tuple[list[list[int]], list[list[float]] | None]:
+        """Meta's generate() on token ids, batched by `strategy` ("static", "ragged" or "continuous"); see
+        npllm.batching.generate_tokens."""
+        return batching.generate_tokens(self.model, prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo,
+                                        strategy, seed)
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -71,14 +106,17 @@ class LLM:
 
 
 def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None,
-         device: str = "cpu") -> LLM:
+         backend: str = "numba", threads: int | None = None, device: str = "cpu") -> LLM:
     """Load a checkpoint (a path or a known name such as "stories260K") and its tokenizer.
 
-    device: "cpu", "cuda" (an NVIDIA GPU through numba.cuda; a DeviceError says what is missing when it cannot
-    run) or "auto" (CUDA when a GPU is usable, else CPU).
+    backend "numba" (compiled CPU kernels, the default) or "numpy" (the reference); threads: cores to use.
+    device "cpu", "cuda" (an NVIDIA GPU through numba.cuda; backend and threads do not apply; a DeviceError says
+    what is missing when it cannot run) or "auto" (CUDA when a GPU is usable, else the CPU backend).
     """
+    from .backends import check_backend, make_model
     from .formats import read_checkpoint
 
+    check_backend(backend)
     device = resolve_device(device)  # before reading weights: a missing GPU is reported at once
     checkpoint, found_tokenizer = resolve(model)
     config, weights = read_checkpoint(checkpoint)
@@ -90,4 +128,4 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
         from .cuda_model import CudaTransformer
 
         return LLM(CudaTransformer(config, weights), tok, str(checkpoint))
-    return LLM(Transformer(config, weights), tok, str(checkpoint))
+    return LLM(make_model(config, weights, backend, threads), tok, str(checkpoint))

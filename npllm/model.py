@@ -14,7 +14,7 @@ import numpy as np
 from . import ops
 from .cache import RingKVCache
 from .config import ModelConfig
-from .errors import FormatError
+from .errors import FormatError, GenerationError
 
 
 def check_weights(config: ModelConfig, weights: dict[str, np.ndarray], source: str = "checkpoint") -> None:
@@ -36,6 +36,19 @@ def check_weights(config: ModelConfig, weights: dict[str, np.ndarray], source: s
         if tuple(weights[name].shape) != shape:
             raise FormatError(f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, "
                               f"the config implies {shape}")
+
+
+def check_forward_inputs(config: ModelConfig, tokens, positions, slots, cache: RingKVCache) -> None:
+    """One position and one slot per token, ids inside the vocabulary, slots inside the cache."""
+    if tokens.ndim != 1 or tokens.shape != positions.shape or tokens.shape != slots.shape:
+        raise GenerationError(f"forward needs 1-D tokens, positions and slots of one length, got shapes "
+                              f"{tokens.shape}, {positions.shape}, {slots.shape}")
+    if tokens.size and not (0 <= tokens.min() and tokens.max() < config.vocab_size):
+        raise GenerationError(f"token ids must lie in [0, {config.vocab_size}), got {tokens.min()}..{tokens.max()}")
+    if slots.size and not (0 <= slots.min() and slots.max() < cache.slots):
+        raise GenerationError(f"slots must lie in [0, {cache.slots}), got {slots.min()}..{slots.max()}")
+    if positions.size and positions.min() < 0:
+        raise GenerationError(f"positions must be >= 0, got {positions.min()}")
 
 
 class Transformer:
@@ -65,6 +78,7 @@ class Transformer:
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
         slots = np.zeros_like(tokens) if slots is None else np.asarray(slots, dtype=np.int64)
+        check_forward_inputs(self.config, tokens, positions, slots, cache)
         cos, sin = ops.rope_angles(positions, self.inv_freq, self.dtype)  # [T, Dh/2] each
         groups = [(int(s), np.flatnonzero(slots == s)) for s in np.unique(slots)]
         x = ops.embed(self.weights["tok_embeddings"], tokens)  # [T, D]

@@ -2,6 +2,8 @@
 
     load_tokenizer("tok512.model")  -> SentencePieceTokenizer  (the sentencepiece package)
     load_tokenizer("tok512.bin")    -> BPETokenizer            (llama2.c's format, npllm's own BPE encoder)
+    load_tokenizer("tokenizer.json") -> ByteLevelBPE           (Hugging Face byte-level BPE: Llama 3, Qwen2, SmolLM)
+    load_tokenizer("model.gguf")    -> the vocabulary the GGUF file embeds (BPETokenizer or ByteLevelBPE)
 
 Both spell pieces the SentencePiece way (U+2581 for a space, <0xXX> for a byte) and decode through the same
 StreamDecoder, so text printed token by token never shows half a character.
@@ -44,10 +46,18 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None) -> To
         tokenizer: Tokenizer = SentencePieceTokenizer(path)
     elif suffix == ".bin":
         tokenizer = BPETokenizer.from_llama2c(path, vocab_size)
+    elif suffix == ".json":
+        from .bytelevel import ByteLevelBPE
+
+        tokenizer = ByteLevelBPE.from_file(path)
+    elif suffix == ".gguf":
+        from ..formats.gguf import gguf_tokenizer
+
+        tokenizer = gguf_tokenizer(path)
     else:
         raise TokenizerError(
             f"tokenizer file {path}: unknown kind {suffix or '(no suffix)'!r}; "
-            "npllm reads SentencePiece .model and llama2.c tokenizer .bin files"
+            "npllm reads SentencePiece .model, llama2.c tokenizer .bin, tokenizer.json and .gguf files"
         )
     if vocab_size is not None:
         check_vocab(tokenizer, vocab_size, path)

@@ -10,7 +10,8 @@ tokenizer.ggml.tokens / scores / token_type. The encoder reproduces SentencePiec
    score (ties: the leftmost pair); repeat until no adjacent pair forms a piece. A max-heap of candidate pairs over a
    doubly linked list of symbols makes this O(n log n) instead of rescanning all pairs after every merge;
 4. emit: each symbol's id; an UNUSED piece is split back into the two halves it was merged from; a symbol the
-   vocabulary lacks is spelled as its UTF-8 bytes with the <0xXX> pieces ("byte fallback"), or <unk> without them.
+   vocabulary lacks is spelled as its UTF-8 bytes with the <0xXX> pieces ("byte fallback"); without those, each run
+   of such symbols becomes one <unk>.
 
 CONTROL, UNKNOWN and BYTE pieces take no part in merging, so text never turns into <s>, </s> or <unk>.
 """
@@ -244,7 +245,7 @@ class BPETokenizer(Tokenizer):
             out.append(piece_id)
         elif self._byte_ids is not None:
             out.extend(self._byte_ids[b] for b in symbol.encode("utf-8"))
-        else:
+        elif not out or out[-1] != self.unk_id:  # a run of unknown symbols makes a single <unk>, as in SentencePiece
             out.append(self.unk_id)
 
 

@@ -17,8 +17,10 @@ class SentencePieceTokenizer(Tokenizer):
 
     def __init__(self, path: str | os.PathLike):
         self.name = os.fspath(path)
-        if not Path(path).is_file():
+        if not Path(path).exists():
             raise TokenizerError(f"tokenizer file {self.name} does not exist")
+        if not Path(path).is_file():
+            raise TokenizerError(f"tokenizer {self.name} is not a file")
         self._sp = spm.SentencePieceProcessor()
         try:
             self._sp.Load(self.name)

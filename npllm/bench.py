@@ -1,0 +1,236 @@
+"""`npllm bench`: prefill and decode throughput of a model, set against the memory bandwidth measured in the same run.
+
+    npllm bench --model NAME_OR_PATH [--batch B ...] [--prompt-len N ...] [--gen-len N] [--backend B ...]
+                [--threads T] [--repeat R] [--json]
+
+A model is a checkpoint path, a known name found on disk, or a shape from formats/random.py (stories15M,
+stories110M, tinyllama-1.1B, ...) filled with random weights: the arithmetic, and so the speed, is the same.
+
+For each backend, batch B and prompt length N it measures (medians of R runs):
+    prefill_tok_s      B prompts of N random tokens in one forward call, tokens per second
+    first_token_ms     that prefill plus the LM head and argmax of the last tokens: time to first token, warm
+    decode_tok_s       gen_len greedy steps of B tokens (one per sequence) after the prompt, summed over the batch
+    ms_per_token       milliseconds per decode step
+    achieved_gb_s      weight bytes streamed per decode step / step time (decode at batch 1 reads every weight
+                       once per token, so this is the figure to hold against bandwidth_gb_s)
+    decode_cpu_share   CPU time of the process during decode / (wall time x threads): near 1 when the threads
+                       had their cores, lower when other processes took them (then the figures above are low)
+    load_avg           the machine's 1-minute load average when the figure was measured
+and once per backend:
+    first_token_cold_ms  the first request of the process, JIT compilation or cache loading included
+    bandwidth_gb_s     memory read bandwidth: the best of a NumPy sgemv and a Numba streaming sum over 512 MiB
+                       (--bandwidth-mib), far more than any cache
+    peak_rss_mb        peak resident memory of the process (each backend runs in its own process), taken before
+                       the bandwidth probe allocates its buffer
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from .backends import check_backend, limit_blas_threads, make_model
+from .config import ModelConfig
+from .errors import ConfigError, FormatError
+from .kernels.simd import LANES, vadd, vload, vsum, vzero
+
+
+
+def load_weights(model: str) -> tuple[ModelConfig, dict[str, np.ndarray], str]:
+    """(config, weights, "checkpoint" | "random") for a path, a known model on disk, or a named shape."""
+    from .formats import read_checkpoint
+    from .formats.random import NAMED_SHAPES, random_weights
+    from .hub import resolve
+
+    if Path(model).exists():
+        return (*read_checkpoint(model), "checkpoint")
+    try:
+        checkpoint, _ = resolve(model, download_missing=False)
+        return (*read_checkpoint(checkpoint), "checkpoint")
+    except FormatError:
+        if model not in NAMED_SHAPES:
+            raise ConfigError(f"--model {model!r} is neither a checkpoint on disk nor a named shape "
+                              f"({', '.join(NAMED_SHAPES)})") from None
+    return NAMED_SHAPES[model], random_weights(NAMED_SHAPES[model]), "random"
+
+
+def decode_weight_bytes(c: ModelConfig) -> int:
+    """Bytes of float32 weights a decode step reads: every layer matrix, the norms and the LM head."""
+    D, F, Dh = c.dim, c.hidden_dim, c.head_dim
+    per_layer = D * (c.n_heads + 2 * c.n_kv_heads) * Dh + c.n_heads * Dh * D + 3 * D * F + 2 * D
+    if c.attention_bias:
+        per_layer += (c.n_heads + 2 * c.n_kv_heads) * Dh
+    return 4 * (c.n_layers * per_layer + c.vocab_size * D + 2 * D)  # + final norm and one embedding row
+
+
+@njit(parallel=True, cache=True)
+def _stream_sum(a, chunks):
+    """Sum of a float32 array read once, one contiguous chunk per thread, four 8-lane accumulators per thread."""
+    n = a.shape[0] - a.shape[0] % (chunks * 4 * LANES)
+    step = n // chunks
+    partial = np.zeros(chunks, np.float32)
+    for c in prange(chunks):
+        s0, s1, s2, s3 = vzero(), vzero(), vzero(), vzero()
+        for i in range(c * step, (c + 1) * step, 4 * LANES):
+            s0 = vadd(s0, vload(a, i))
+            s1 = vadd(s1, vload(a, i + LANES))
+            s2 = vadd(s2, vload(a, i + 2 * LANES))
+            s3 = vadd(s3, vload(a, i + 3 * LANES))
+        partial[c] = vsum(vadd(vadd(s0, s1), vadd(s2, s3)))
+    return partial.sum()
+
+
+def measure_bandwidth(threads: int, mib: int = 512, repeat: int = 5) -> dict[str, float]:
+    """Read bandwidth in GB/s over `mib` MiB: NumPy sgemv (BLAS) and a Numba streaming sum, best of `repeat`."""
+    rows = 256
+    matrix = np.ones((rows, mib * 2**20 // 4 // rows), np.float32)
+    vector = np.ones(matrix.shape[1], np.float32)
+    flat = matrix.reshape(-1)
+    numba.set_num_threads(threads)
+    _stream_sum(flat[:1024], threads)
+
+    def best_rate(run):
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return matrix.nbytes / min(times) / 1e9
+
+    stream = best_rate(lambda: _stream_sum(flat, threads))
+    sgemv = best_rate(lambda: matrix @ vector)
+    return {"bandwidth_gb_s": round(max(stream, sgemv), 2), "bandwidth_stream_gb_s": round(stream, 2),
+            "bandwidth_sgemv_gb_s": round(sgemv, 2)}
+
+
+def _median(xs):
+    return float(np.median(xs))
+
+
+class Session:
+    """One model on one backend, timed request by request."""
+
+    def __init__(self, model, seed: int = 0):
+        self.model = model
+        self.config = model.config
+        self.rng = np.random.default_rng(seed)
+
+    def prefill(self, batch: int, prompt_len: int, capacity: int):
+        """B random prompts in one forward call; returns (cache, next tokens, prefill seconds, first-token seconds)."""
+        cache = self.model.new_cache(capacity, batch)
+        tokens = self.rng.integers(0, self.config.vocab_size, batch * prompt_len)
+        positions = np.tile(np.arange(prompt_len), batch)
+        slots = np.repeat(np.arange(batch), prompt_len)
+        start = time.perf_counter()
+        hidden = self.model.forward(tokens, positions, cache, slots)
+        prefilled = time.perf_counter()
+        last = hidden[prompt_len - 1::prompt_len]  # [B, D] the last token of each prompt
+        next_tokens = np.argmax(self.model.lm_head(last), axis=-1)
+        return cache, next_tokens, prefilled - start, time.perf_counter() - start
+
+    def decode(self, cache, tokens, start_position: int, steps: int) -> tuple[float, float]:
+        """`steps` greedy decode steps of one token per sequence; returns (seconds, CPU seconds of all threads)."""
+        batch = len(tokens)
+        slots = np.arange(batch)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for i in range(steps):
+            positions = np.full(batch, start_position + i)
+            hidden = self.model.forward(tokens, positions, cache, slots)
+            tokens = np.argmax(self.model.lm_head(hidden), axis=-1)
+        return time.perf_counter() - start, time.process_time() - cpu_start
+
+
+def bench_backend(model_name: str, backend: str, threads: int | None, batches, prompt_lens, gen_len: int,
+                  repeat: int, bandwidth_mib: int = 512):
+    """Yield one result dict per (batch, prompt length) for one backend, in this process."""
+    config, weights, kind = load_weights(model_name)
+    start = time.perf_counter()
+    model = make_model(config, weights, backend, threads)
+    load_s = time.perf_counter() - start
+    del weights  # the Numba backend keeps its own packed copy
+    used_threads = getattr(model, "threads", threads) or _blas_threads()
+    session = Session(model)
+    cold = session.prefill(1, prompt_lens[0], prompt_lens[0] + gen_len)[3]
+    common = {"model": model_name, "weights": kind, "backend": backend, "threads": used_threads,
+              "gen_len": gen_len, "load_s": round(load_s, 3), "first_token_cold_ms": round(1e3 * cold, 2),
+              "cold_prompt_len": prompt_lens[0]}
+    step_bytes = decode_weight_bytes(config)
+    results = []
+    for batch in batches:
+        for prompt_len in prompt_lens:
+            prefill_s, first_s, decode_s, decode_cpu_s = [], [], [], []
+            load = os.getloadavg()[0]
+            for _ in range(repeat):
+                cache, tokens, p_s, f_s = session.prefill(batch, prompt_len, prompt_len + gen_len)
+                prefill_s.append(p_s)
+                first_s.append(f_s)
+                d_s, d_cpu_s = session.decode(cache, tokens, prompt_len, gen_len)
+                decode_s.append(d_s)
+                decode_cpu_s.append(d_cpu_s)
+                del cache
+            step = _median(decode_s) / gen_len
+            results.append({**common, "batch": batch, "prompt_len": prompt_len,
+                            "prefill_tok_s": round(batch * prompt_len / _median(prefill_s), 1),
+                            "first_token_ms": round(1e3 * _median(first_s), 2),
+                            "decode_tok_s": round(batch / step, 1), "ms_per_token": round(1e3 * step, 3),
+                            "weight_bytes_per_token": step_bytes // batch,
+                            "achieved_gb_s": round(step_bytes / step / 1e9, 2),
+                            "decode_cpu_share": round(sum(decode_cpu_s) / sum(decode_s) / used_threads, 2),
+                            "load_avg": round(load, 2)})
+    peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # before the 512 MiB probe
+    bandwidth = measure_bandwidth(used_threads, bandwidth_mib)
+    for r in results:
+        yield {**r, **bandwidth, "peak_rss_mb": peak_rss_mb}
+
+
+def _blas_threads() -> int:
+    from threadpoolctl import threadpool_info
+
+    return max((pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"), default=1)
+
+
+def run(args) -> int:
+    """The `npllm bench` command: each backend in a fresh process (own memory peak, own thread pools)."""
+    for backend in args.backend:
+        check_backend(backend)
+    if len(args.backend) == 1:
+        if args.threads is not None and args.backend[0] == "numpy":
+            limit_blas_threads(args.threads)
+        for result in bench_backend(args.model, args.backend[0], args.threads, args.batch, args.prompt_len,
+                                    args.gen_len, args.repeat, args.bandwidth_mib):
+            print_result(result, args.json)
+        return 0
+    for backend in args.backend:
+        command = [sys.executable, "-m", "npllm", "bench", "--model", args.model, "--backend", backend,
+                   "--batch", *map(str, args.batch), "--prompt-len", *map(str, args.prompt_len),
+                   "--gen-len", str(args.gen_len), "--repeat", str(args.repeat),
+                   "--bandwidth-mib", str(args.bandwidth_mib), "--json"]
+        if args.threads is not None:
+            command += ["--threads", str(args.threads)]
+        child = subprocess.run(command, stdout=subprocess.PIPE, env=os.environ.copy(), text=True)
+        if child.returncode:
+            return child.returncode
+        for line in child.stdout.splitlines():
+            print_result(json.loads(line), args.json)
+    return 0
+
+
+def print_result(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result), flush=True)
+        return
+    print(f"{result['model']} {result['backend']} threads={result['threads']} batch={result['batch']} "
+          f"prompt={result['prompt_len']}: prefill {result['prefill_tok_s']:.0f} tok/s, first token "
+          f"{result['first_token_ms']:.1f} ms (cold {result['first_token_cold_ms']:.0f} ms), decode "
+          f"{result['decode_tok_s']:.1f} tok/s ({result['ms_per_token']:.2f} ms/step), "
+          f"{result['achieved_gb_s']:.1f} of {result['bandwidth_gb_s']:.1f} GB/s, peak RSS "
+          f"{result['peak_rss_mb']:.0f} MB", flush=True)

@@ -1,0 +1,115 @@
+"""`npllm info MODEL`: what a checkpoint is, in a few lines a person can read.
+
+    describe(config, weights, path) -> str
+
+Architecture and shape come from the config, the parameter count and in-memory size from the loaded weights, and the
+on-disk dtypes and the tokenizer from the files themselves (headers only; no tensor is read again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import NpllmError
+
+MiB = 1024 * 1024
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / MiB:.1f} MiB" if nbytes >= MiB / 10 else f"{nbytes / 1024:.1f} KiB"
+
+
+def disk_dtypes(path: Path) -> Counter:
+    """Tensor count per on-disk element type, read from the file headers."""
+    if path.suffix == ".gguf":
+        from .gguf import read_gguf_file
+
+        return Counter(info.type.name for info in read_gguf_file(path).tensors.values())
+    if path.is_dir() or path.suffix == ".safetensors" or path.name.endswith(".index.json"):
+        from .safetensors import read_header
+
+        folder = path if path.is_dir() else path.parent
+        files = [path] if path.suffix == ".safetensors" else sorted(folder.glob("*.safetensors"))
+        return Counter(e.dtype for f in files for e in read_header(f).tensors.values())
+    return Counter({"F32": -1})  # llama2.c checkpoints are float32 throughout
+
+
+def kv_cache_bytes(config: ModelConfig, positions: int, itemsize: int = 4) -> int:
+    """Keys and values for `positions` positions in every layer: 2 * L * S * K * Dh elements."""
+    return 2 * config.n_layers * positions * config.n_kv_heads * config.head_dim * itemsize
+
+
+def describe_tokenizer(path: Path) -> str:
+    from ..hub import find_tokenizer
+
+    found = find_tokenizer(path)
+    if found is None:
+        return "none found beside the checkpoint (pass --tokenizer)"
+    if found.suffix == ".gguf":
+        from .gguf import read_gguf_file, read_vocab
+
+        vocab = read_vocab(read_gguf_file(found))
+        if vocab is None:
+            return "none embedded in the GGUF file (pass --tokenizer)"
+        kind = {"llama": "SentencePiece-style BPE", "gpt2": "byte-level BPE"}.get(vocab.model, vocab.model)
+        return f"{kind}, {len(vocab.tokens)} tokens, embedded in the GGUF metadata"
+    if found.suffix == ".json":
+        spec = json.loads(found.read_text(encoding="utf-8"))
+        added = {int(t["id"]) for t in spec.get("added_tokens") or []}
+        ids = set(spec.get("model", {}).get("vocab", {}).values()) | added
+        return f"byte-level BPE {found.name}: {len(ids)} tokens, {len(added)} of them added/special"
+    if found.suffix == ".model":
+        return f"SentencePiece {found.name}"
+    return f"llama2.c BPE {found.name}"
+
+
+def describe(config: ModelConfig, weights: dict[str, np.ndarray], path: str | os.PathLike) -> str:
+    """A multi-line summary: architecture, parameters, dtypes on disk, context, memory needed, tokenizer."""
+    path = Path(path)
+    c = config
+    n_params = sum(int(w.size) for w in weights.values())
+    weight_bytes = sum(int(w.nbytes) for w in weights.values())
+    cache_bytes = kv_cache_bytes(c, c.max_seq_len)
+    features = [f"RoPE theta {c.rope_theta:g} ({c.rope_layout})"]
+    if c.rope_scaling is not None:
+        features.append(f"{c.rope_scaling.kind} RoPE scaling x{c.rope_scaling.factor:g}")
+    if c.sliding_window:
+        features.append(f"sliding window {c.sliding_window}")
+    if c.attention_bias:
+        features.append("q/k/v bias")
+    features.append("tied embeddings" if c.tied_embeddings else "separate LM head")
+    try:
+        dtypes = disk_dtypes(path)
+        on_disk = ", ".join(f"{name} x{n}" if n > 0 else name for name, n in dtypes.most_common())
+    except NpllmError as e:
+        on_disk = f"unknown ({e})"
+    try:
+        tokenizer = describe_tokenizer(path)
+    except (NpllmError, OSError, ValueError) as e:
+        tokenizer = f"unreadable ({e})"
+    lines = [
+        f"model:        {path}",
+        f"architecture: {c.arch}, {c.n_layers} layers, dim {c.dim}, FFN {c.hidden_dim}, "
+        f"{c.n_heads} heads / {c.n_kv_heads} KV heads of {c.head_dim}, vocab {c.vocab_size}",
+        f"              {', '.join(features)}",
+        f"parameters:   {_count(n_params)} ({n_params:,})",
+        f"on disk:      {on_disk}",
+        f"context:      {c.max_seq_len} tokens",
+        f"memory:       {_size(weight_bytes)} weights as float32 + {_size(cache_bytes)} KV cache at full context "
+        f"= {_size(weight_bytes + cache_bytes)}",
+        f"tokenizer:    {tokenizer}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,610 @@
+"""The stages of ops.py as Numba CPU kernels: same math, loops instead of array expressions.
+
+Two families live here:
+
+- Mirrors of ops.py that return new arrays (rms_norm, rope_interleaved, rope_half, attention, swiglu, lm_head,
+  matmul). Tests hold each one against its NumPy reference.
+- `*_into` kernels that write into buffers the caller owns; numba_model.py strings them into one compiled forward
+  pass so that a decode step never returns to Python between layers.
+
+Weight matrices are repacked once into panels (see pack_panels): 16 output rows interleaved along the input axis,
+so a kernel streams each weight exactly once, in address order, and keeps a tile of partial sums in registers.
+
+    W [N, D]  --pack_panels-->  panels [P, D, 16]    panels[p, k, j] = W[16 p + j, k]   (P = ceil(N / 16))
+
+Every output of a matrix product is a sum over k = 0 .. D-1 taken strictly in that order with fused multiply-adds,
+whatever the number of tokens: prefill and decode give the same bits (see simd.py). Attention for a query at
+position p likewise walks its keys in position order with block boundaries fixed by p alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .simd import LANES, WIDE, vadd, vfma, vfmav, vload, vload16, vstore, vsum, vzero, vzero16
+
+PANEL = 16  # output rows per panel: two 8-lane vectors
+TILE_T = 6  # tokens per prefill tile: 6 x 2 vector accumulators fill 12 of the 16 AVX registers
+GROUP = 4  # panels a decode tile covers: 8 independent accumulators hide the latency of a multiply-add
+KEY_BLOCK = 64  # keys scored together before one online-softmax update
+QUERY_BLOCK = 16  # prefill queries that share each block of keys while it is in cache
+
+# Fast-math flags for sums and maxima whose order the compiler may choose (and so vectorise). The order is still
+# fixed once compiled, so prefill and decode, which run the same code, agree. Never 'ninf': attention relies on
+# -inf scores and exp(-inf) = 0.
+REASSOC = {"reassoc", "contract", "nsz", "nnan"}
+
+
+# ---------------------------------------------------------------------------------------------- weights in panels
+
+def pack_panels(w: np.ndarray) -> np.ndarray:
+    """Repack a weight matrix for the matmul kernels, rows zero-padded to a multiple of 16.  # [N, D] -> [P, D, 16]"""
+    N, D = w.shape
+    P = -(-N // PANEL)
+    padded = np.zeros((P * PANEL, D), np.float32)
+    padded[:N] = w
+    return np.ascontiguousarray(padded.reshape(P, PANEL, D).transpose(0, 2, 1))
+
+
+def interleave_panels(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Rows of two matrices in alternating blocks of 16: a[0:16], b[0:16], a[16:32], ...  # [F, D] x2 -> [2 Fp, D]
+
+    Packed, the SwiGLU gate (W1) and up (W3) projections become one matrix read in one pass, and each gate output
+    lands 16 columns before its up partner (see swiglu_hidden_into).
+    """
+    F, D = a.shape
+    Fp = -(-F // PANEL) * PANEL
+    padded = np.zeros((2, Fp, D), np.float32)
+    padded[0, :F], padded[1, :F] = a, b
+    return padded.reshape(2, Fp // PANEL, PANEL, D).transpose(1, 0, 2, 3).reshape(2 * Fp, D)
+
+
+# ----------------------------------------------------------------------------------------------- matrix products
+
+@njit(inline="always")
+def _tile_6x16(x, t, rows, w, base, D, out, col):
+    """out[t : t+rows, col : col+16] = x[t : t+rows, :D] @ panel.T for rows <= 6, the panel's D x 16 floats
+    starting at w[base]. Twelve 8-lane accumulators; with fewer than 6 rows the last row is computed again in the
+    spare accumulators (same cost, one pass over the panel) and not stored."""
+    r1, r2, r3, r4, r5 = min(t + 1, t + rows - 1), min(t + 2, t + rows - 1), min(t + 3, t + rows - 1), \
+        min(t + 4, t + rows - 1), min(t + 5, t + rows - 1)
+    a00 = vzero(); a01 = vzero(); a10 = vzero(); a11 = vzero(); a20 = vzero(); a21 = vzero()
+    a30 = vzero(); a31 = vzero(); a40 = vzero(); a41 = vzero(); a50 = vzero(); a51 = vzero()
+    for k in range(D):
+        lo = vload(w, base + PANEL * k)  # W rows col .. col+7 at input k
+        hi = vload(w, base + PANEL * k + 8)  # W rows col+8 .. col+15
+        x0 = x[t, k]; x1 = x[r1, k]; x2 = x[r2, k]; x3 = x[r3, k]; x4 = x[r4, k]; x5 = x[r5, k]
+        a00 = vfma(a00, x0, lo); a01 = vfma(a01, x0, hi)
+        a10 = vfma(a10, x1, lo); a11 = vfma(a11, x1, hi)
+        a20 = vfma(a20, x2, lo); a21 = vfma(a21, x2, hi)
+        a30 = vfma(a30, x3, lo); a31 = vfma(a31, x3, hi)
+        a40 = vfma(a40, x4, lo); a41 = vfma(a41, x4, hi)
+        a50 = vfma(a50, x5, lo); a51 = vfma(a51, x5, hi)
+    vstore(out[t], col, a00); vstore(out[t], col + 8, a01)
+    if rows > 1:
+        vstore(out[r1], col, a10); vstore(out[r1], col + 8, a11)
+    if rows > 2:
+        vstore(out[r2], col, a20); vstore(out[r2], col + 8, a21)
+    if rows > 3:
+        vstore(out[r3], col, a30); vstore(out[r3], col + 8, a31)
+    if rows > 4:
+        vstore(out[r4], col, a40); vstore(out[r4], col + 8, a41)
+    if rows > 5:
+        vstore(out[r5], col, a50); vstore(out[r5], col + 8, a51)
+
+
+@njit(inline="always")
+def _tile_6x32(x, t, rows, w, base, D, out, col):
+    """As _tile_6x16 for two consecutive panels (32 outputs) at once, in 16-lane (AVX-512) registers."""
+    r1, r2, r3, r4, r5 = min(t + 1, t + rows - 1), min(t + 2, t + rows - 1), min(t + 3, t + rows - 1), \
+        min(t + 4, t + rows - 1), min(t + 5, t + rows - 1)
+    second = base + D * PANEL
+    a00 = vzero16(); a01 = vzero16(); a10 = vzero16(); a11 = vzero16(); a20 = vzero16(); a21 = vzero16()
+    a30 = vzero16(); a31 = vzero16(); a40 = vzero16(); a41 = vzero16(); a50 = vzero16(); a51 = vzero16()
+    for k in range(D):
+        lo = vload16(w, base + PANEL * k)  # W rows col .. col+15 at input k
+        hi = vload16(w, second + PANEL * k)  # W rows col+16 .. col+31
+        x0 = x[t, k]; x1 = x[r1, k]; x2 = x[r2, k]; x3 = x[r3, k]; x4 = x[r4, k]; x5 = x[r5, k]
+        a00 = vfma(a00, x0, lo); a01 = vfma(a01, x0, hi)
+        a10 = vfma(a10, x1, lo); a11 = vfma(a11, x1, hi)
+        a20 = vfma(a20, x2, lo); a21 = vfma(a21, x2, hi)
+        a30 = vfma(a30, x3, lo); a31 = vfma(a31, x3, hi)
+        a40 = vfma(a40, x4, lo); a41 = vfma(a41, x4, hi)
+        a50 = vfma(a50, x5, lo); a51 = vfma(a51, x5, hi)
+    vstore(out[t], col, a00); vstore(out[t], col + 16, a01)
+    if rows > 1:
+        vstore(out[r1], col, a10); vstore(out[r1], col + 16, a11)
+    if rows > 2:
+        vstore(out[r2], col, a20); vstore(out[r2], col + 16, a21)
+    if rows > 3:
+        vstore(out[r3], col, a30); vstore(out[r3], col + 16, a31)
+    if rows > 4:
+        vstore(out[r4], col, a40); vstore(out[r4], col + 16, a41)
+    if rows > 5:
+        vstore(out[r5], col, a50); vstore(out[r5], col + 16, a51)
+
+
+@njit(inline="always")
+def _tile_1x64(x, t, w, base, D, out, col):
+    """out[t, col : col+64] = x[t, :D] @ (four consecutive panels).T: one token, eight chains of multiply-adds."""
+    stride = D * PANEL  # floats per panel
+    a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero(); a4 = vzero(); a5 = vzero(); a6 = vzero(); a7 = vzero()
+    for k in range(D):
+        xk = x[t, k]
+        i = base + PANEL * k
+        a0 = vfma(a0, xk, vload(w, i)); a1 = vfma(a1, xk, vload(w, i + 8))
+        i += stride
+        a2 = vfma(a2, xk, vload(w, i)); a3 = vfma(a3, xk, vload(w, i + 8))
+        i += stride
+        a4 = vfma(a4, xk, vload(w, i)); a5 = vfma(a5, xk, vload(w, i + 8))
+        i += stride
+        a6 = vfma(a6, xk, vload(w, i)); a7 = vfma(a7, xk, vload(w, i + 8))
+    row = out[t]
+    vstore(row, col, a0); vstore(row, col + 8, a1); vstore(row, col + 16, a2); vstore(row, col + 24, a3)
+    vstore(row, col + 32, a4); vstore(row, col + 40, a5); vstore(row, col + 48, a6); vstore(row, col + 56, a7)
+
+
+@njit(inline="always")
+def _matmul_panels(x, T, w, D, p0, p1, out):
+    """Panels p0 .. p1-1 of x @ W.T, in groups of GROUP panels that stay in cache while every token passes.
+
+    A single token (decode) takes four panels at a time; more tokens go six at a time, a panel at a time, or two
+    where the machine has 16-lane registers.
+    """
+    for g in range(p0, p1, GROUP):
+        n = min(GROUP, p1 - g)
+        if T == 1 and n == GROUP:
+            _tile_1x64(x, 0, w, g * D * PANEL, D, out, g * PANEL)
+            continue
+        for t in range(0, T, TILE_T):
+            rows = min(TILE_T, T - t)
+            p = g
+            if WIDE:
+                while p + 2 <= g + n:
+                    _tile_6x32(x, t, rows, w, p * D * PANEL, D, out, p * PANEL)
+                    p += 2
+            while p < g + n:
+                _tile_6x16(x, t, rows, w, p * D * PANEL, D, out, p * PANEL)
+                p += 1
+
+
+@njit(parallel=True, cache=True)
+def matmul_into(x, panels, out, T, threads):
+    """out[:T, :16P] = x[:T, :D] @ W.T, W packed as panels.   # [>=T, >=D], [P, D, 16] -> [>=T, >=16P]
+
+    Output panels are split into one contiguous range per thread. Buffers may be wider than the product (the
+    extra columns are not read) and longer than T (the extra rows are left alone).
+    """
+    P, D, _ = panels.shape
+    w = panels.reshape(P * D * PANEL)
+    chunks = min(P, threads)
+    for c in prange(chunks):
+        _matmul_panels(x, T, w, D, c * P // chunks, (c + 1) * P // chunks, out)
+
+
+@njit(cache=True)
+def matmul(x, panels, n, threads):
+    """x @ W.T for W packed as panels, the first n outputs.   # [T, D], [P, D, 16] -> [T, n]"""
+    out = np.empty((x.shape[0], panels.shape[0] * PANEL), np.float32)
+    matmul_into(x, panels, out, x.shape[0], threads)
+    return out[:, :n].copy()
+
+
+@njit(cache=True)
+def lm_head(x, output_panels, V, threads):
+    """Logits x W_out^T.   # [T, D], [P, D, 16] -> [T, V]"""
+    return matmul(x, output_panels, V, threads)
+
+
+# ------------------------------------------------------------------------------------------------------------ exp
+
+# exp(z) = 2^k p(r) with z = k ln2 + r, |r| <= ln2 / 2, p a degree-7 polynomial (relative error ~1e-7): plain
+# arithmetic and one integer shift, so the compiler vectorises a loop of them, where libm's expf is a call per value.
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 split in two so that k * _LN2_HI is exact
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_MIN = np.float32(-87.0)  # at or below: exp(z) is at the edge of float32's normal range, taken as 0
+_EXP_MAX = np.float32(88.0)  # above: clamped (exp(88) = 1.65e38, still finite)
+
+
+@njit(inline="always")
+def _exp_into(x, n, bits):
+    """x[j] = exp(x[j]) for j < n; -inf gives exactly 0.   bits: int32 scratch of length >= n."""
+    powers = bits.view(np.float32)
+    for j in range(n):
+        z = min(max(x[j], _EXP_MIN), _EXP_MAX)
+        k = np.floor(z * _LOG2E + np.float32(0.5))
+        r = (z - k * _LN2_HI) - k * _LN2_LO
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = (p * r) * r + r + np.float32(1.0)
+        bits[j] = (np.int32(k) + np.int32(127)) << np.int32(23)  # the float32 bit pattern of 2^k
+        x[j] = p if z > _EXP_MIN else np.float32(0.0)
+    for j in range(n):
+        x[j] *= powers[j]
+
+
+@njit(cache=True)
+def exp(x):
+    """exp of a float32 vector, as np.exp to ~1e-7 relative (the kernels' softmax and SiLU use it).  # [n] -> [n]"""
+    out = x.astype(np.float32)
+    _exp_into(out, out.shape[0], np.empty(out.shape[0], np.int32))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ norms and activations
+
+@njit(fastmath=REASSOC, inline="always")
+def _sum_of_squares(x, t, D):
+    s = np.float32(0.0)
+    for d in range(D):
+        s += x[t, d] * x[t, d]
+    return s
+
+
+@njit(cache=True)
+def rms_norm_into(x, weight, eps, out, T):
+    """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * g for t < T.   # [>=T, D], [D] -> [>=T, D]"""
+    D = weight.shape[0]
+    for t in range(T):
+        inv = np.float32(1.0) / np.sqrt(_sum_of_squares(x, t, D) / np.float32(D) + np.float32(eps))
+        for d in range(D):
+            out[t, d] = x[t, d] * inv * weight[d]
+
+
+@njit(cache=True)
+def rms_norm(x, weight, eps):
+    """RMSNorm over the last axis, as ops.rms_norm.   # [T, D], [D] -> [T, D]"""
+    out = np.empty_like(x)
+    rms_norm_into(x, weight, eps, out, x.shape[0])
+    return out
+
+
+@njit(cache=True)
+def swiglu_hidden_into(gate_up, out, T):
+    """out[t, 16i + j] = silu(gate) * up = gate / (1 + e^-gate) * up, gate and up read from their interleaved
+    panels.                                                                      # [>=T, 2Fp] -> [>=T, Fp]
+
+    gate_up is x @ interleave_panels(W1, W3).T: columns 32i .. 32i+15 hold gate outputs 16i .. 16i+15 and
+    columns 32i+16 .. 32i+31 the matching up outputs.
+    """
+    Fp = out.shape[1]
+    e = np.empty(Fp, np.float32)
+    bits = np.empty(Fp, np.int32)
+    for t in range(T):
+        for i in range(Fp // PANEL):
+            for j in range(PANEL):
+                e[PANEL * i + j] = -gate_up[t, 2 * PANEL * i + j]
+        _exp_into(e, Fp, bits)
+        for i in range(Fp // PANEL):
+            for j in range(PANEL):
+                gate, up = gate_up[t, 2 * PANEL * i + j], gate_up[t, 2 * PANEL * i + PANEL + j]
+                out[t, PANEL * i + j] = gate / (np.float32(1.0) + e[PANEL * i + j]) * up
+
+
+@njit(cache=True)
+def swiglu(x, w13_panels, w2_panels, threads):
+    """SwiGLU feed-forward (silu(x W1^T) * (x W3^T)) W2^T with W1, W3 packed together.   # [T, D] -> [T, D]
+
+    w13_panels = pack_panels(interleave_panels(W1, W3)); w2_panels = pack_panels(W2).
+    """
+    T = x.shape[0]
+    D = w2_panels.shape[0] * PANEL
+    gate_up = np.empty((T, w13_panels.shape[0] * PANEL), np.float32)
+    matmul_into(x, w13_panels, gate_up, T, threads)
+    hidden = np.empty((T, gate_up.shape[1] // 2), np.float32)
+    swiglu_hidden_into(gate_up, hidden, T)
+    out = np.empty((T, D), np.float32)
+    matmul_into(hidden, w2_panels, out, T, threads)
+    return out[:, :x.shape[1]].copy()
+
+
+# --------------------------------------------------------------------------------------------------------- RoPE
+
+@njit(cache=True)
+def rope_angles_into(positions, inv_freq, cos, sin, T):
+    """cos, sin of pos * w_i, computed in float64 as ops.rope_angles does.   # [T], [Dh/2] -> [T, Dh/2] x2"""
+    for t in range(T):
+        for i in range(inv_freq.shape[0]):
+            angle = np.float64(positions[t]) * inv_freq[i]
+            cos[t, i] = np.float32(np.cos(angle))
+            sin[t, i] = np.float32(np.sin(angle))
+
+
+@njit(cache=True)
+def rope_interleaved_into(x, heads, Dh, cos, sin, T):
+    """Rotate pairs (2i, 2i+1) of the first `heads` heads of each row in place.   # [>=T, >=heads*Dh]"""
+    for t in range(T):
+        for h in range(heads):
+            base = h * Dh
+            for i in range(Dh // 2):
+                even, odd = x[t, base + 2 * i], x[t, base + 2 * i + 1]
+                x[t, base + 2 * i] = even * cos[t, i] - odd * sin[t, i]
+                x[t, base + 2 * i + 1] = even * sin[t, i] + odd * cos[t, i]
+
+
+@njit(cache=True)
+def rope_interleaved(x, cos, sin):
+    """RoPE on adjacent pairs, as ops.rope_interleaved.   # [T, n, Dh], [T, Dh/2] x2 -> [T, n, Dh]"""
+    T, n, Dh = x.shape
+    out = x.copy().reshape(T, n * Dh)
+    rope_interleaved_into(out, n, Dh, cos, sin, T)
+    return out.reshape(T, n, Dh)
+
+
+@njit(cache=True)
+def rope_half(x, cos, sin):
+    """RoPE on pairs (i, i + Dh/2), as ops.rope_half.   # [T, n, Dh], [T, Dh/2] x2 -> [T, n, Dh]
+
+    The fast model never calls this: it permutes Hugging Face q/k rows into the interleaved layout at load time.
+    """
+    T, n, Dh = x.shape
+    half = Dh // 2
+    out = np.empty_like(x)
+    for t in range(T):
+        for h in range(n):
+            for i in range(half):
+                first, second = x[t, h, i], x[t, h, i + half]
+                out[t, h, i] = first * cos[t, i] - second * sin[t, i]
+                out[t, h, i + half] = first * sin[t, i] + second * cos[t, i]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+
+@njit(inline="always")
+def _dot(a, ia, b, ib, n):
+    """a[ia : ia+n] . b[ib : ib+n] over 1-D arrays: eight lanes at a time (two chains, even and odd chunks of 8,
+    for twice the throughput), in a fixed order, then the tail."""
+    full = n - n % LANES
+    even, odd = vzero(), vzero()
+    d = 0
+    while d + 2 * LANES <= full:
+        even = vfmav(even, vload(a, ia + d), vload(b, ib + d))
+        odd = vfmav(odd, vload(a, ia + d + LANES), vload(b, ib + d + LANES))
+        d += 2 * LANES
+    if d < full:
+        even = vfmav(even, vload(a, ia + d), vload(b, ib + d))
+    s = vsum(vadd(even, odd))
+    for d in range(full, n):
+        s += a[ia + d] * b[ib + d]
+    return s
+
+
+@njit(inline="always")
+def _accumulate_values(weights, bases, n, values, out, col, Dv):
+    """out[col : col+Dv] += sum_j weights[j] * values[bases[j] : bases[j]+Dv], keys added in order j = 0 .. n-1.
+
+    Output lanes stay in registers while the keys stream past: 32 at a time (four independent chains of
+    multiply-adds), then 16, then 8, then one by one. A masked key has weight 0 and adds 0.
+    """
+    d = 0
+    while d + 4 * LANES <= Dv:
+        a0, a1 = vload(out, col + d), vload(out, col + d + LANES)
+        a2, a3 = vload(out, col + d + 2 * LANES), vload(out, col + d + 3 * LANES)
+        for j in range(n):
+            w, i = weights[j], bases[j] + d
+            a0 = vfma(a0, w, vload(values, i))
+            a1 = vfma(a1, w, vload(values, i + LANES))
+            a2 = vfma(a2, w, vload(values, i + 2 * LANES))
+            a3 = vfma(a3, w, vload(values, i + 3 * LANES))
+        vstore(out, col + d, a0); vstore(out, col + d + LANES, a1)
+        vstore(out, col + d + 2 * LANES, a2); vstore(out, col + d + 3 * LANES, a3)
+        d += 4 * LANES
+    if d + 2 * LANES <= Dv:
+        a0, a1 = vload(out, col + d), vload(out, col + d + LANES)
+        for j in range(n):
+            w, i = weights[j], bases[j] + d
+            a0 = vfma(a0, w, vload(values, i))
+            a1 = vfma(a1, w, vload(values, i + LANES))
+        vstore(out, col + d, a0); vstore(out, col + d + LANES, a1)
+        d += 2 * LANES
+    if d + LANES <= Dv:
+        a0 = vload(out, col + d)
+        for j in range(n):
+            a0 = vfma(a0, weights[j], vload(values, bases[j] + d))
+        vstore(out, col + d, a0)
+        d += LANES
+    for d in range(d, Dv):
+        acc = out[col + d]
+        for j in range(n):
+            acc += weights[j] * values[bases[j] + d]
+        out[col + d] = acc
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _max(x, n):
+    m = np.float32(-np.inf)
+    for j in range(n):
+        m = max(m, x[j])
+    return m
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _sum(x, n):
+    s = np.float32(0.0)
+    for j in range(n):
+        s += x[j]
+    return s
+
+
+@njit(inline="always")
+def _online_softmax_block(scores, bases, n, values, out, col, Dv, m, l, bits):
+    """Fold one block of n scores into the running max m, sum l and unnormalised output out[col : col+Dv].
+
+    With m' = max(m, max_j s_j):   l'   = l e^(m - m') + sum_j e^(s_j - m')
+                                   out' = out e^(m - m') + sum_j e^(s_j - m') v_j
+    where v_j = values[bases[j] : bases[j]+Dv]. Returns (m', l'). A block of masked keys (all -inf) changes nothing.
+    """
+    block_max = _max(scores, n)
+    if block_max == -np.inf:
+        return m, l
+    new_m = max(m, block_max)
+    alpha = np.exp(m - new_m)  # 0 on the first block, where m = -inf
+    if alpha != 1.0:
+        l = l * alpha
+        for d in range(Dv):
+            out[col + d] *= alpha
+    for j in range(n):
+        scores[j] -= new_m
+    _exp_into(scores, n, bits)
+    l += _sum(scores, n)
+    _accumulate_values(scores, bases, n, values, out, col, Dv)
+    return new_m, l
+
+
+@njit(cache=True)
+def attention(q, k, v, mask):
+    """Causal grouped-query attention with an online softmax, as ops.attention.
+                                                       # [T, H, Dh], [S, K, Dh], [S, K, Dv], [T, S] -> [T, H, Dv]
+    Keys are scored KEY_BLOCK at a time and folded into a running max and sum, so no [T, S] score matrix exists;
+    masked keys (-inf) get weight 0.
+    """
+    T, H, Dh = q.shape
+    S, K, Dv = v.shape
+    G = H // K
+    scale = np.float32(1.0 / np.sqrt(Dh))
+    qf = np.ascontiguousarray(q).reshape(T * H * Dh)
+    kf = np.ascontiguousarray(k).reshape(S * K * Dh)
+    vf = np.ascontiguousarray(v).reshape(S * K * Dv)
+    out = np.zeros(T * H * Dv, np.float32)
+    scores = np.empty(KEY_BLOCK, np.float32)
+    bases = np.empty(KEY_BLOCK, np.int64)
+    bits = np.empty(KEY_BLOCK, np.int32)
+    for t in range(T):
+        for h in range(H):
+            g = h // G
+            m, l = np.float32(-np.inf), np.float32(0.0)
+            for j0 in range(0, S, KEY_BLOCK):
+                n = min(KEY_BLOCK, S - j0)
+                for j in range(n):
+                    key = (j0 + j) * K + g
+                    bases[j] = key * Dv
+                    scores[j] = _dot(qf, (t * H + h) * Dh, kf, key * Dh, Dh) * scale + mask[t, j0 + j]
+                m, l = _online_softmax_block(scores, bases, n, vf, out, (t * H + h) * Dv, Dv, m, l, bits)
+            for d in range(Dv):
+                out[(t * H + h) * Dv + d] /= l
+    return out.reshape(T, H, Dv)
+
+
+@njit(inline="always")
+def _score_block(q, q_col, keys, ring_pos, b, g, K, C, Dh, j0, j1, valid_from, scale, scores, bases):
+    """scores[j] = q[q_col : q_col+Dh] . key(j0 + j) * scale for the positions j0 .. j1-1 of kv head g in slot b,
+    -inf where the ring no longer holds that position.
+
+    A key at position >= valid_from is known to be there (written by this call, or checked once per call);
+    an older one counts only if ring_pos (the positions held before this call) says so.
+    """
+    r = j0 % C  # ring index of position j0 + j, advanced without a division per key
+    for j in range(j1 - j0):
+        bases[j] = ((b * C + r) * K + g) * Dh
+        if j0 + j >= valid_from or ring_pos[b, r] == j0 + j:
+            scores[j] = _dot(q, q_col, keys, bases[j], Dh) * scale
+        else:
+            scores[j] = -np.inf
+        r = r + 1 if r + 1 < C else 0
+
+
+@njit(inline="always")
+def _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K, Dh, window, valid_from, scale,
+                    scores, bases, bits, stats, out):
+    """Attention of Q consecutive queries of one sequence (positions first_pos .. first_pos+Q-1, token rows
+    rows[0 .. Q-1]), each through the G query heads of kv head g, over the ring of slot b.
+
+    Query p sees positions lo = max(0, p - window + 1) .. p, visited in blocks aligned to multiples of KEY_BLOCK
+    (so the blocks, and every rounding, depend on p alone: one query at a time gives the same bits). The Q queries
+    take each block in turn, so its keys and values are read from memory once and from cache Q - 1 times.
+    scores [KEY_BLOCK], bases, bits [KEY_BLOCK]: scratch; stats [Q, 2, G]: running max and sum per query head.
+    """
+    C = ring_pos.shape[1]
+    for i in range(Q):
+        for hh in range(G):
+            stats[i, 0, hh], stats[i, 1, hh] = -np.inf, 0.0
+            for d in range(Dh):
+                out[rows[i], (g * G + hh) * Dh + d] = 0.0
+    lo_first = max(0, first_pos - window + 1)
+    for block in range(lo_first - lo_first % KEY_BLOCK, first_pos + Q, KEY_BLOCK):
+        for i in range(Q):
+            p = first_pos + i
+            j0, j1 = max(block, p - window + 1, 0), min(block + KEY_BLOCK, p + 1)
+            if j0 >= j1:
+                continue
+            q, o = qkv[rows[i]], out[rows[i]]
+            for hh in range(G):
+                col = (g * G + hh) * Dh
+                _score_block(q, col, keys, ring_pos, b, g, K, C, Dh, j0, j1, valid_from, scale, scores, bases)
+                stats[i, 0, hh], stats[i, 1, hh] = _online_softmax_block(scores, bases, j1 - j0, values, o, col, Dh,
+                                                                         stats[i, 0, hh], stats[i, 1, hh], bits)
+    for i in range(Q):
+        for hh in range(G):
+            for d in range(Dh):
+                out[rows[i], (g * G + hh) * Dh + d] /= stats[i, 1, hh]
+
+
+@njit(cache=True)
+def valid_from_into(positions, order, seq_starts, seq_slots, ring_pos, window, out):
+    """out[s] = the oldest position from which sequence s's keys are all present: its first position in this call,
+    extended back over the contiguous run of positions the ring holds (at most a window's worth).
+
+    Checking this once per call spares attention a lookup in ring_pos per key.
+    """
+    C = ring_pos.shape[1]
+    for s in range(seq_slots.shape[0]):
+        b = seq_slots[s]
+        first = positions[order[seq_starts[s]]]
+        q = first
+        while q > 0 and q > first - window and ring_pos[b, (q - 1) % C] == q - 1:
+            q -= 1
+        out[s] = q
+
+
+@njit(parallel=True, cache=True)
+def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, valid_from, ring_k, ring_v, ring_pos,
+                        window, out):
+    """Causal attention of this call's tokens over the ring cache, writing their keys and values into it.
+
+        qkv       [T, (H + 2K) Dh]  rotated queries (heads 0..H-1), rotated keys, values, per token
+        order     [T]   token indices grouped by sequence, each sequence's tokens in position order;
+                        sequence s is order[seq_starts[s] : seq_starts[s + 1]], in cache slot seq_slots[s]
+        valid_from [n_seq]  see valid_from_into
+        ring_k/v  [B, C, K, Dh]  one layer of the cache; ring_pos [B, C] the positions it held before the call
+        out       [T, H Dh]
+
+    One work item per (sequence, kv head). It takes the sequence's tokens QUERY_BLOCK at a time: stores their keys
+    and values, then answers their queries, each seeing exactly the keys a one-token-at-a-time decode would. When
+    storing a block would overwrite a key that one of its own queries still needs (a ring shorter than the prompt),
+    the tokens go one at a time. A query at position p sees positions max(0, p - window + 1) .. p.
+    """
+    B, C, _, Dh = ring_k.shape
+    G = H // K
+    scale = np.float32(1.0 / np.sqrt(Dh))
+    keys = ring_k.reshape(B * C * K * Dh)
+    values = ring_v.reshape(B * C * K * Dh)
+    n_items = seq_slots.shape[0] * K
+    scores = np.empty((n_items, KEY_BLOCK), np.float32)  # scratch, one row per work item
+    bases = np.empty((n_items, KEY_BLOCK), np.int64)
+    bits = np.empty((n_items, KEY_BLOCK), np.int32)
+    stats = np.empty((n_items, QUERY_BLOCK, 2, G), np.float32)
+    for item in prange(n_items):
+        s, g = item // K, item % K
+        b = seq_slots[s]
+        i = seq_starts[s]
+        while i < seq_starts[s + 1]:
+            first_pos = positions[order[i]]
+            Q = min(QUERY_BLOCK, seq_starts[s + 1] - i)
+            if first_pos + Q - 1 - C >= max(0, first_pos - window + 1):  # the block's writes would evict a key
+                Q = 1
+            rows = order[i:i + Q]
+            for t in rows:
+                slot_base = ((b * C + positions[t] % C) * K + g) * Dh
+                for d in range(Dh):
+                    keys[slot_base + d] = qkv[t, (H + g) * Dh + d]
+                    values[slot_base + d] = qkv[t, (H + K + g) * Dh + d]
+            _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K, Dh, window, valid_from[s],
+                            scale, scores[item], bases[item], bits[item], stats[item], out)
+            i += Q

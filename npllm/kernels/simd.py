@@ -1,0 +1,178 @@
+"""Float32 vectors for Numba kernels: the one thing Numba cannot be asked for in plain Python.
+
+A matrix product keeps a tile of partial sums in registers while it walks the shared axis. LLVM will not keep an
+array of partial sums in registers across a loop, and it will not turn eight scalar sums into one vector sum, so
+the tile is written with an explicit vector type:
+
+    f32x8, f32x16       8 or 16 float32 lanes (one AVX or one AVX-512 register; LLVM splits them where the
+                        machine's registers are narrower)
+    vzero(), vzero16()  all lanes 0
+    vload(a, i)         a.flat[i : i + 8]     (a: C-contiguous float32 array; no bounds check)
+    vload16(a, i)       a.flat[i : i + 16]
+    vstore(a, i, v)     a.flat[i : i + lanes] = v
+    vfma(acc, x, w)     acc + x * w per lane, with ONE rounding (a fused multiply-add), x a scalar
+    vfmav(acc, a, b)    acc + a * b per lane, a and b vectors
+    vadd(a, b)          a + b per lane
+    vsum(v)             of 8 lanes: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), always in that order
+
+Each lane of `acc` is a separate output, so a lane's sum is added strictly in the order the caller walks the shared
+axis. That order, not the tile's shape nor the vector width, fixes every rounding: a product computed 1 token at a
+time (decode) and 6 at a time (prefill) gives bit-identical results.
+
+WIDE says whether this machine has 16-lane (AVX-512) registers: the prefill tile uses f32x16 there.
+"""
+
+from __future__ import annotations
+
+import llvmlite.binding
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+LANES = 8
+WIDE = bool(llvmlite.binding.get_host_cpu_features().get("avx512f", False))
+
+
+class F32xN(types.Type):
+    def __init__(self, lanes: int):
+        self.lanes = lanes
+        super().__init__(name=f"f32x{lanes}")
+
+
+f32x8, f32x16 = F32xN(8), F32xN(16)
+
+
+def _vector(lanes: int) -> ir.VectorType:
+    return ir.VectorType(ir.FloatType(), lanes)
+
+
+@register_model(F32xN)
+class _F32xNModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _vector(fe_type.lanes))
+
+
+def _is_f32_c_array(ty) -> bool:
+    return isinstance(ty, types.Array) and ty.dtype == types.float32 and ty.layout == "C"
+
+
+def _lane_pointer(context, builder, array_type, array, index, lanes):
+    """Address of array.flat[index], as a pointer to `lanes` floats."""
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(builder.gep(data, [index]), _vector(lanes).as_pointer())
+
+
+def _zero(vector_type):
+    def codegen(context, builder, signature, args):
+        return ir.Constant(_vector(vector_type.lanes), [0.0] * vector_type.lanes)
+
+    return vector_type(), codegen
+
+
+def _load(vector_type, array, index):
+    if not (_is_f32_c_array(array) and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        pointer = _lane_pointer(context, builder, signature.args[0], args[0], args[1], vector_type.lanes)
+        return builder.load(pointer, align=4)
+
+    return vector_type(array, index), codegen
+
+
+@intrinsic
+def vzero(typingctx):
+    return _zero(f32x8)
+
+
+@intrinsic
+def vzero16(typingctx):
+    return _zero(f32x16)
+
+
+@intrinsic
+def vload(typingctx, array, index):
+    return _load(f32x8, array, index)
+
+
+@intrinsic
+def vload16(typingctx, array, index):
+    return _load(f32x16, array, index)
+
+
+@intrinsic
+def vstore(typingctx, array, index, vector):
+    if not (_is_f32_c_array(array) and isinstance(index, types.Integer) and isinstance(vector, F32xN)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        pointer = _lane_pointer(context, builder, signature.args[0], args[0], args[1], vector.lanes)
+        builder.store(args[2], pointer, align=4)
+        return context.get_dummy_value()
+
+    return types.none(array, index, vector), codegen
+
+
+def _fma(builder, a, b, acc, lanes):
+    vec = _vector(lanes)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]),
+                                         f"llvm.fma.v{lanes}f32")
+    return builder.call(fma, [a, b, acc])
+
+
+@intrinsic
+def vfma(typingctx, acc, x, w):
+    if not (isinstance(acc, F32xN) and w == acc and x == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        acc_value, x_value, w_value = args
+        lanes = acc.lanes
+        lane0 = builder.insert_element(ir.Constant(_vector(lanes), ir.Undefined), x_value,
+                                       ir.Constant(ir.IntType(32), 0))
+        xs = builder.shuffle_vector(lane0, ir.Constant(_vector(lanes), ir.Undefined),
+                                    ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+        return _fma(builder, xs, w_value, acc_value, lanes)
+
+    return acc(acc, x, w), codegen
+
+
+@intrinsic
+def vfmav(typingctx, acc, a, b):
+    if not (isinstance(acc, F32xN) and a == acc and b == acc):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _fma(builder, args[1], args[2], args[0], acc.lanes)
+
+    return acc(acc, a, b), codegen
+
+
+@intrinsic
+def vadd(typingctx, a, b):
+    if not (isinstance(a, F32xN) and b == a):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fadd(args[0], args[1])
+
+    return a(a, b), codegen
+
+
+@intrinsic
+def vsum(typingctx, v):
+    if v != f32x8:
+        return None
+
+    def codegen(context, builder, signature, args):
+        def halve(vec, n):  # lanes i + (i + n), i < n
+            lanes = ir.VectorType(ir.IntType(32), n)
+            lo = builder.shuffle_vector(vec, vec, ir.Constant(lanes, list(range(n))))
+            hi = builder.shuffle_vector(vec, vec, ir.Constant(lanes, list(range(n, 2 * n))))
+            return builder.fadd(lo, hi)
+
+        pair = halve(halve(halve(args[0], 4), 2), 1)
+        return builder.extract_element(pair, ir.Constant(ir.IntType(32), 0))
+
+    return types.float32(v), codegen

@@ -1,0 +1,147 @@
+"""Each Numba kernel of npllm/kernels/cpu.py against its NumPy reference in ops.py, over shapes drawn by Hypothesis.
+
+Tolerances, float32 kernels against float64 references:
+- matrix products: |error| <= 2 D u (|x| |W|^T), u = 2^-24, the classic bound for a sum of D products;
+- RMSNorm, RoPE, SwiGLU: relative 1e-5 of the output's scale;
+- attention: 1e-5 absolute on outputs of size ~1 (the softmax's exp is a degree-6 polynomial, ~1e-7 relative).
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from npllm import ops
+from npllm.kernels import cpu
+
+seeds = st.integers(0, 2**32 - 1)
+U = 2.0**-24  # float32 unit roundoff
+
+
+def normal(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def assert_within_dot_bound(got, x, w):
+    """got ~ x @ w.T within the rounding bound of D-term float32 dot products."""
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    bound = 2 * x.shape[1] * U * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T) + 1e-30
+    assert np.all(np.abs(got - exact) <= bound), np.max(np.abs(got - exact) / bound)
+
+
+@given(seeds, st.integers(1, 20), st.integers(1, 70), st.integers(1, 90))
+def test_matmul_within_the_float32_dot_bound(seed, T, D, N):
+    rng = np.random.default_rng(seed)
+    x, w = normal(rng, T, D), normal(rng, N, D)
+    got = cpu.matmul(x, cpu.pack_panels(w), N, 2)
+    assert got.shape == (T, N)
+    assert_within_dot_bound(got, x, w)
+
+
+@given(seeds, st.integers(1, 20), st.integers(1, 70), st.integers(1, 90), st.integers(1, 2))
+def test_each_matmul_row_is_the_same_bits_whatever_the_token_count(seed, T, D, N, threads):
+    """The prefill == decode guarantee at its root: row t of a T-token product equals a 1-token product."""
+    rng = np.random.default_rng(seed)
+    x, panels = normal(rng, T, D), cpu.pack_panels(normal(rng, N, D))
+    together = cpu.matmul(x, panels, N, threads)
+    for t in range(T):
+        np.testing.assert_array_equal(cpu.matmul(x[t:t + 1].copy(), panels, N, 1)[0], together[t])
+
+
+def test_pack_panels_layout():
+    w = np.arange(20 * 3, dtype=np.float32).reshape(20, 3)
+    panels = cpu.pack_panels(w)
+    assert panels.shape == (2, 3, 16)
+    assert panels[1, 2, 3] == w[19, 2] and np.all(panels[1, :, 4:] == 0)  # zero rows pad 20 up to 32
+
+
+def test_interleave_panels_alternates_blocks_of_16():
+    a = np.full((20, 2), 1, np.float32)
+    b = np.full((20, 2), 2, np.float32)
+    rows = cpu.interleave_panels(a, b)[:, 0]
+    np.testing.assert_array_equal(rows, [1] * 16 + [2] * 16 + [1] * 4 + [0] * 12 + [2] * 4 + [0] * 12)
+
+
+@given(seeds, st.integers(1, 9), st.integers(1, 200), st.floats(1e-6, 1e-3))
+def test_rms_norm_matches_ops(seed, T, D, eps):
+    rng = np.random.default_rng(seed)
+    x, g = normal(rng, T, D) * 3, normal(rng, D)
+    np.testing.assert_allclose(cpu.rms_norm(x, g, eps), ops.rms_norm(x.astype(np.float64), g, eps),
+                               rtol=1e-5, atol=1e-5 * np.abs(g).max())
+
+
+@given(seeds, st.integers(1, 9), st.integers(1, 5), st.integers(1, 40).map(lambda n: 2 * n),
+       st.integers(0, 100_000), st.sampled_from([10000.0, 500000.0]))
+def test_rope_matches_ops(seed, T, heads, Dh, start, theta):
+    rng = np.random.default_rng(seed)
+    x = normal(rng, T, heads, Dh)
+    positions = start + np.arange(T)
+    inv_freq = ops.rope_inv_freq(Dh, theta)
+    cos, sin = ops.rope_angles(positions, inv_freq)
+    kcos, ksin = np.empty_like(cos), np.empty_like(sin)
+    cpu.rope_angles_into(positions, inv_freq, kcos, ksin, T)
+    np.testing.assert_allclose(kcos, cos, atol=1e-7)
+    np.testing.assert_allclose(ksin, sin, atol=1e-7)
+    np.testing.assert_allclose(cpu.rope_interleaved(x, cos, sin), ops.rope_interleaved(x, cos, sin), atol=1e-6)
+    np.testing.assert_allclose(cpu.rope_half(x, cos, sin), ops.rope_half(x, cos, sin), atol=1e-6)
+
+
+@given(seeds, st.integers(1, 12), st.integers(1, 40), st.integers(1, 60))
+def test_swiglu_matches_ops(seed, T, D, F):
+    rng = np.random.default_rng(seed)
+    x, w1, w2, w3 = normal(rng, T, D), normal(rng, F, D), normal(rng, D, F), normal(rng, F, D)
+    got = cpu.swiglu(x, cpu.pack_panels(cpu.interleave_panels(w1, w3)), cpu.pack_panels(w2), 2)
+    want = ops.swiglu(*(a.astype(np.float64) for a in (x, w1, w2, w3)))
+    scale = ops.swiglu(np.abs(x).astype(np.float64), np.abs(w1), np.abs(w2), np.abs(w3)).max() + 1
+    np.testing.assert_allclose(got, want, atol=1e-5 * scale)
+
+
+@given(seeds, st.integers(1, 8), st.integers(1, 150), st.sampled_from([1, 2, 4, 8]), st.integers(1, 3),
+       st.integers(1, 24), st.one_of(st.none(), st.integers(1, 40)))
+def test_attention_matches_ops(seed, T, S_past, group, K, Dh, window):
+    """GQA ratios 1/2/4/8, causal masks with and without a window, key counts across several softmax blocks."""
+    rng = np.random.default_rng(seed)
+    H, S = K * group, S_past + T
+    q, k, v = normal(rng, T, H, Dh), normal(rng, S, K, Dh), normal(rng, S, K, Dh)
+    mask = ops.attention_mask(np.arange(S_past, S), np.arange(S), window)
+    want = ops.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask)
+    np.testing.assert_allclose(cpu.attention(q, k, v, mask), want, atol=1e-5, rtol=1e-5)
+
+
+@given(seeds, st.integers(1, 6), st.integers(1, 30), st.integers(1, 200))
+@settings(max_examples=50)
+def test_lm_head_matches_ops(seed, T, D, V):
+    rng = np.random.default_rng(seed)
+    x, out = normal(rng, T, D), normal(rng, V, D)
+    got = cpu.lm_head(x, cpu.pack_panels(out), V, 2)
+    assert got.shape == (T, V)
+    assert_within_dot_bound(got, x, out)
+
+
+def test_attention_softmax_survives_huge_scores():
+    """Scores of +-1e4 must not overflow: the online softmax subtracts the running max before exp."""
+    q = np.full((1, 1, 4), 100.0, np.float32)
+    k = np.array([[[100.0] * 4], [[-100.0] * 4], [[99.0] * 4]], np.float32)
+    v = np.arange(12, dtype=np.float32).reshape(3, 1, 4)
+    got = cpu.attention(q, k, v, np.zeros((1, 3), np.float32))
+    np.testing.assert_allclose(got, ops.attention(q.astype(np.float64), k, v, np.zeros((1, 3))), atol=1e-6)
+    assert np.all(np.isfinite(got))
+
+
+@pytest.mark.parametrize("masked", [0, 1, 63, 64, 65, 130])
+def test_attention_with_masked_blocks(masked):
+    """Whole blocks of masked keys (a window far behind the query) contribute nothing."""
+    rng = np.random.default_rng(masked)
+    S = masked + 5
+    q, k, v = normal(rng, 1, 2, 8), normal(rng, S, 1, 8), normal(rng, S, 1, 8)
+    mask = ops.attention_mask(np.array([S - 1]), np.arange(S), 5)
+    np.testing.assert_allclose(cpu.attention(q, k, v, mask),
+                               ops.attention(q.astype(np.float64), k, v, mask), atol=1e-6)
+
+
+def test_exp_matches_numpy_within_2e_7_relative():
+    x = np.concatenate([np.linspace(-86.99, 88, 100_001), [-np.inf, 0.0]]).astype(np.float32)
+    got, want = cpu.exp(x), np.exp(x.astype(np.float64))
+    np.testing.assert_allclose(got[:-2], want[:-2], rtol=2e-7)
+    assert got[-2] == 0.0 and got[-1] == 1.0
+    assert cpu.exp(np.array([-200.0], np.float32))[0] == 0.0  # under float32's normal range: exactly 0
