@@ -14,6 +14,7 @@ completion, separated by blank lines); timings go to stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -30,6 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     gen.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (default 0.9)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most probable tokens (0: off)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * p_max (0: off)")
+    gen.add_argument("--typical-p", type=float, default=1.0, help="locally typical sampling mass (1: off)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL penalty on seen tokens (1: off)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this from seen tokens' logits")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract this times each token's count")
+    gen.add_argument("--no-repeat-ngram", type=int, default=0, help="forbid repeating any n-gram of this size")
+    gen.add_argument("--stop", action="append", default=[], metavar="STR",
+                     help="end the completion before this text (repeatable; may span tokens)")
+    gen.add_argument("--logprobs", type=int, default=0, metavar="N",
+                     help="print each token's log-probability and the top N alternatives to stderr")
     gen.add_argument("--prompt-file", default=None,
                      help="a file with one prompt per line (blank lines skipped), all generated as one batch")
     gen.add_argument("--explain", action="store_true",
@@ -61,6 +73,22 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", "-z", default=None, help="tokenizer path (default: found beside the model)")
     parser.add_argument("--backend", default="numba", help="numba (compiled kernels, default) or numpy (reference)")
     parser.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
+    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                        help="cpu, cuda (an NVIDIA GPU through numba.cuda) or auto (CUDA when usable; default cpu)")
+
+
+def sampling_params(args):
+    """SamplingParams from the command line (validated there: a bad value is a clear error)."""
+    from .sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, top_k=args.top_k,
+                          min_p=args.min_p, typical_p=args.typical_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          no_repeat_ngram=args.no_repeat_ngram, stop=tuple(args.stop), logprobs=args.logprobs)
+
+
+def as_keywords(params) -> dict:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
 
 
 def run_generate(args) -> int:
@@ -72,25 +100,26 @@ def run_generate(args) -> int:
         raise GenerationError("--explain follows a single prompt: give a PROMPT, not --prompt-file")
     if args.prompt_file is not None:
         return run_generate_batch(args)
-    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads)
+    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads, device=args.device)
     prompt_ids = llm.tokenizer.encode(args.prompt, bos=True)
     if args.explain:
         from .explain import print_explained
-        from .sampling import SamplingParams
 
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        params = sampling_params(args)
         print_explained(llm, prompt_ids, args.max_new_tokens, params, as_json=args.json)
         return 0
-    decoder = llm.tokenizer.stream_decoder()
-    sys.stdout.write("".join(decoder.feed(t) for t in prompt_ids))
+    params = sampling_params(args)
     start, first, count = time.perf_counter(), None, 0
-    for token in llm.generate_ids(prompt_ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                                  seed=args.seed):
+
+    def on_token(token: int) -> None:
+        nonlocal first, count
         first = first or time.perf_counter()
         count += 1
-        sys.stdout.write(decoder.feed(token))
+
+    for piece in llm.stream(args.prompt, args.max_new_tokens, echo=True, on_token=on_token, **as_keywords(params)):
+        sys.stdout.write(piece)
         sys.stdout.flush()
-    sys.stdout.write(decoder.flush() + "\n")
+    sys.stdout.write("\n")
     sys.stdout.flush()
     end = time.perf_counter()
     rate = (count - 1) / (end - first) if count > 1 else float("nan")
@@ -116,10 +145,9 @@ def run_generate_batch(args) -> int:
     if args.prompt:
         raise GenerationError("give either a PROMPT or --prompt-file, not both")
     prompts = read_prompt_file(args.prompt_file)
-    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads)
+    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads, device=args.device)
     start = time.perf_counter()
-    completions = llm.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                               seed=args.seed)
+    completions = llm.generate(prompts, args.max_new_tokens, **as_keywords(sampling_params(args)))
     seconds = time.perf_counter() - start
     sys.stdout.write("\n\n".join(p + c for p, c in zip(prompts, completions)) + "\n")
     sys.stdout.flush()

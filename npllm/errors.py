@@ -23,3 +23,7 @@ class GenerationError(NpllmError, ValueError):
 
 class DownloadError(NpllmError, OSError):
     """A download failed, was truncated, or did not match its checksum; nothing was left behind."""
+
+
+class DeviceError(NpllmError, RuntimeError):
+    """The requested device cannot be used here (no GPU, no driver, numba's CUDA target not installed)."""

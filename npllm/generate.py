@@ -51,10 +51,9 @@ def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
     stops = stop_ids(config)
     cache = model.new_cache()
     history = [int(t) for t in prompt_ids]
-    hidden = model.forward(history, np.arange(len(history)), cache)  # prefill: [T, D]
-    logits = model.lm_head(hidden[-1:])[0]  # [V]
+    hidden = model.forward(history, np.arange(len(history)), cache)[-1:]  # prefill: [T, D] -> last [1, D]
     for _ in range(max_new_tokens):
-        token = sample_with(params, logits, rng, history)
+        token = next_token(model, hidden, params, rng, history)
         if token in stops:
             return
         yield token
@@ -62,4 +61,14 @@ def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
         position = len(history) - 1
         if position >= config.max_seq_len:  # no room to feed it back: the context is full
             return
-        logits = model.lm_head(model.forward([token], [position], cache))[0]  # decode: [1, D] -> [V]
+        hidden = model.forward([token], [position], cache)  # decode: [1, D]
+
+
+def next_token(model, hidden, params: SamplingParams, rng: np.random.Generator, history) -> int:
+    """The token after final hidden state `hidden` [1, D]. A model with its own sampler (CudaTransformer's
+    sample_next) picks it where its activations live, so only the id travels; otherwise the logits are sampled
+    here."""
+    sample_next = getattr(model, "sample_next", None)
+    if sample_next is not None:
+        return sample_next(hidden, params, rng, history)
+    return sample_with(params, model.lm_head(hidden)[0], rng, history)

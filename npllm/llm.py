@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +11,9 @@ import numpy as np
 
 from . import batching
 from .config import ModelConfig
+from .device import resolve_device
 from .errors import FormatError
+from .stop import StopStrings, cut_at_stop
 from .generate import check_prompt, generate_ids
 from .hub import resolve
 from .model import Transformer
@@ -38,11 +41,13 @@ class LLM:
         """Yield new token ids for a prompt given as ids (sampling keywords as in SamplingParams)."""
         return generate_ids(self.model, list(prompt_ids), max_new_tokens, SamplingParams(**sampling))
 
-    def stream(self, prompt: str = "", max_new_tokens: int = 256, echo: bool = False, **sampling) -> Iterator[str]:
+    def stream(self, prompt: str = "", max_new_tokens: int = 256, echo: bool = False, on_token=None,
+               **sampling) -> Iterator[str]:
         """Yield the completion's text as it is produced (with echo, the prompt's text first).
 
         Text is released only once whole UTF-8 characters are known, so a character split over byte tokens is
-        never printed broken.
+        never printed broken, and only once it cannot be the start of a stop string (`stop=`), which ends the
+        completion and is not part of it. on_token(id) is called for every generated token (for counters).
         """
         params = SamplingParams(**sampling)
         prompt_ids = self._require_tokenizer().encode(prompt, bos=True)
@@ -50,11 +55,17 @@ class LLM:
         prompt_text = "".join(decoder.feed(t) for t in prompt_ids)
         if echo:
             yield prompt_text
+        stops = StopStrings(params.stop)
         for token in generate_ids(self.model, prompt_ids, max_new_tokens, params):
-            piece = decoder.feed(token)
+            if on_token is not None:
+                on_token(token)
+            piece = stops.feed(decoder.feed(token))
             if piece:
                 yield piece
-        tail = decoder.flush()
+            if stops.stopped:
+                return
+        tail = stops.feed(decoder.flush())
+        tail += stops.flush()
         if tail:
             yield tail
 
@@ -64,7 +75,8 @@ class LLM:
         generated together by ragged batching, each one what it would be alone (every prompt uses `seed`)."""
         if not isinstance(prompt, str):
             params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, **sampling)
-            return self._generate_batch(list(prompt), max_new_tokens, params)
+            texts = self._generate_batch(list(prompt), max_new_tokens, dataclasses.replace(params, stop=()))
+            return [cut_at_stop(text, params.stop) for text in texts]
         return "".join(self.stream(prompt, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                    **sampling))
 
@@ -94,19 +106,26 @@ class LLM:
 
 
 def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None,
-         backend: str = "numba", threads: int | None = None) -> LLM:
+         backend: str = "numba", threads: int | None = None, device: str = "cpu") -> LLM:
     """Load a checkpoint (a path or a known name such as "stories260K") and its tokenizer.
 
     backend "numba" (compiled CPU kernels, the default) or "numpy" (the reference); threads: cores to use.
+    device "cpu", "cuda" (an NVIDIA GPU through numba.cuda; backend and threads do not apply; a DeviceError says
+    what is missing when it cannot run) or "auto" (CUDA when a GPU is usable, else the CPU backend).
     """
     from .backends import check_backend, make_model
     from .formats import read_checkpoint
 
     check_backend(backend)
+    device = resolve_device(device)  # before reading weights: a missing GPU is reported at once
     checkpoint, found_tokenizer = resolve(model)
     config, weights = read_checkpoint(checkpoint)
     tok_path = tokenizer if tokenizer is not None else found_tokenizer
     tok = None
     if tok_path is not None:
         tok = load_tokenizer(Path(tok_path), vocab_size=config.vocab_size)
+    if device == "cuda":
+        from .cuda_model import CudaTransformer
+
+        return LLM(CudaTransformer(config, weights), tok, str(checkpoint))
     return LLM(make_model(config, weights, backend, threads), tok, str(checkpoint))

@@ -101,10 +101,12 @@ def _history(token_ids, x: np.ndarray) -> list[np.ndarray]:
             ids = np.empty(0, np.int64)
         elif ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise GenerationError(f"token_ids row {b} must be a flat sequence of integer token ids")
-        if ids.size and (ids.min() < 0 or ids.max() >= V):
-            bad = int(ids[(ids < 0) | (ids >= V)][0])
-            raise GenerationError(f"token_ids row {b} holds id {bad}, outside the vocabulary [0, {V})")
         history.append(ids.astype(np.int64, copy=False))
+    every = np.concatenate(history)
+    if every.size and (every.min() < 0 or every.max() >= V):  # one check for all rows; find the row on failure
+        b = next(b for b, ids in enumerate(history) if ids.size and (ids.min() < 0 or ids.max() >= V))
+        bad = int(history[b][(history[b] < 0) | (history[b] >= V)][0])
+        raise GenerationError(f"token_ids row {b} holds id {bad}, outside the vocabulary [0, {V})")
     return history
 
 
@@ -688,18 +690,30 @@ def _gather(keep: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ids, vals
 
 
-def _top_k_gather(s: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """top_k as the first filter, straight from one argpartition: [B, V] -> ([B, C] ids, [B, C] logits).
+def _top_k_floor(s: np.ndarray, k: int) -> np.ndarray:
+    """A value <= the k-th largest logit of each row, read off block maxima: [B, V] -> [B] (needs V >= 4k).
 
-    Same survivors as _top_k_keep (ties at the k-th value kept), in ascending id order.
+    The row is cut into at least 4k blocks; any k block maxima are k distinct entries, so the k-th largest block
+    maximum cannot exceed the k-th largest entry. One pass over the row and a partition of ~4k maxima replace a
+    partition of the whole row; typically only a few more than k entries lie above the floor.
     """
     B, V = s.shape
-    part = np.argpartition(s, V - k, axis=1)  # [B, V]; positions V-k.. hold the k largest
-    kth = s[np.arange(B), part[:, V - k]]  # [B] k-th largest value
-    if ((s >= kth[:, None]).sum(axis=1) == k).all():  # no tie at the boundary: exactly k survive
-        ids = np.sort(part[:, V - k :], axis=1)
-        return ids, np.take_along_axis(s, ids, axis=1)
-    return _gather(s >= kth[:, None], s)
+    size = V // (4 * k)  # block length
+    n = V // size  # number of whole blocks (>= 4k); the tail is left out, which only lowers the floor
+    maxima = s[:, : n * size].reshape(B, n, size).max(axis=2)  # [B, n]
+    return np.partition(maxima, n - k, axis=1)[:, n - k]
+
+
+def _top_k_gather(s: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """top_k as the first filter: [B, V] -> ([B, C] ids, [B, C] logits), the survivors of _top_k_keep.
+
+    The entries above a floor (_top_k_floor) are gathered first and the exact rule runs on those few.
+    """
+    V = s.shape[1]
+    candidates = s >= _top_k_floor(s, k)[:, None] if V >= 4 * k else _top_k_keep(s, k)
+    ids, vals = _gather(candidates, s)
+    keep = _top_k_keep(vals, k)
+    return ids, vals if keep is None else _masked(vals, keep)
 
 
 def _candidates(s: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
@@ -710,7 +724,7 @@ def _candidates(s: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.n
     """
     ids = None
     for name, keep_of in _filter_stages(params):
-        if name == "top_k":  # always the first filter: its survivors come straight from one argpartition
+        if name == "top_k":  # always the first filter
             if params.top_k < s.shape[1]:
                 ids, s = _top_k_gather(s, params.top_k)
             continue

@@ -549,3 +549,17 @@ def test_top_k_then_top_p_keeps_no_more_than_the_reverse_order(x, k, p):
     q = S.explain_steps(x, S.SamplingParams(top_k=k, top_p=p))[-1][1]
     s = x - x.max()  # the temperature stage at T = 1 (subtracting may merge nearly equal logits into a tie)
     np.testing.assert_array_equal(q > 0, kept(S.top_p(S.top_k(s, k), p)) & (ref_softmax(s) > 0))
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(1, 120), st.sampled_from([None, 1, 0]))
+def test_top_k_first_cut_on_a_large_vocabulary(seed, k, decimals):
+    """V = 2000 >= 4k: the pipeline gathers top-k's survivors above a floor read off block maxima. Its candidates
+    must be exactly top_k's survivors, ties included (rounding the logits makes ties common)."""
+    x = np.random.default_rng(seed).standard_normal(2000) * 3
+    if decimals is not None:
+        x = np.round(x, decimals)
+    survivors = np.flatnonzero(kept(S.top_k(x, k)))
+    got = S.sample_step(S.SamplingParams(top_k=k, logprobs=len(survivors) + 1), x, np.random.default_rng(seed))
+    assert sorted(got.top_ids[:-1].tolist()) == survivors.tolist()
+    assert got.top_ids[-1] == -1
+    assert got.token_ids in survivors

@@ -1,0 +1,382 @@
+"""CudaTransformer: model.Transformer on an NVIDIA GPU, through the numba.cuda kernels of npllm/kernels/cuda.py.
+
+Same interface as model.Transformer (config, new_cache, forward, lm_head, logits), same arithmetic in float32:
+    weights      uploaded once, stacked over layers (float32, or float16 storage read into float32 sums)
+    KV cache     CudaKVCache: RingKVCache's layout, resident on the device
+    forward      returns the final hidden states as a *device* array [T, D]: activations never leave the GPU
+    lm_head      brings logits to the host (for code that samples there)
+    sample_next  runs lm_head and the sampler on the device: only the token id comes back
+
+How a forward call of T tokens runs:
+    T <= 8  (decode, small batches, short prompts): one cooperative launch for all layers (decode_step_kernel);
+            numba's per-launch cost (~10 us + 4 us per array) would otherwise dominate at batch 1
+    T >  8  (prefill, larger batches): one launch per stage, the products as tiled matrix-matrix kernels
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import numpy as np
+
+from . import ops
+from .config import ModelConfig
+from .device import cuda_problem, cuda_simulated
+from .errors import ConfigError, DeviceError, GenerationError
+from .model import check_weights
+from .sampling import SamplingParams, sample_with
+
+DTYPES = (np.float32, np.float16)
+DEVICE_SAMPLING = ("temperature", "top_k", "top_p", "seed")  # what sample_rows implements; the rest: host
+
+
+def _cuda():
+    problem = cuda_problem()
+    if problem is not None:
+        raise DeviceError(f"the CUDA model cannot run: {problem}")
+    from numba import cuda
+
+    from .kernels import cuda as kernels
+
+    return cuda, kernels
+
+
+class CudaKVCache:
+    """RingKVCache's ring on the device: k, v [L, B, C, K, Dh] float32 and positions [B, C] int32 (-1 = empty).
+
+    Entries are read only where `positions` says they are filled, so the ring starts uninitialised. `lengths`
+    (the next position of each slot) lives on the host: only the host decides where a sequence continues.
+    """
+
+    def __init__(self, config: ModelConfig, capacity: int | None = None, slots: int = 1):
+        cuda, _ = _cuda()
+        capacity = config.max_seq_len if capacity is None else int(capacity)
+        if capacity <= 0 or slots <= 0:
+            raise GenerationError(f"KV cache capacity and slots must be positive, got {capacity} and {slots}")
+        self.config, self.capacity, self.slots = config, capacity, slots
+        shape = (config.n_layers, slots, capacity, config.n_kv_heads, config.head_dim)
+        self.k = cuda.device_array(shape, np.float32)
+        self.v = cuda.device_array(shape, np.float32)
+        self.positions = cuda.to_device(np.full((slots, capacity), -1, np.int32))
+        self.lengths = np.zeros(slots, np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def reset(self, slot: int | None = None) -> None:
+        """Forget one slot (or all): its entries become empty and its next position 0."""
+        if slot is None:
+            self.positions.copy_to_device(np.full((self.slots, self.capacity), -1, np.int32))
+            self.lengths[:] = 0
+        else:
+            self.positions[slot].copy_to_device(np.full(self.capacity, -1, np.int32))
+            self.lengths[slot] = 0
+
+    def to_host(self):
+        """A RingKVCache holding a copy of this one (for inspection and tests)."""
+        from .cache import RingKVCache
+
+        host = RingKVCache(self.config, self.capacity, self.slots, np.float32)
+        host.positions[:] = self.positions.copy_to_host()
+        filled = host.positions >= 0  # [B, C]: copy only those, the rest is uninitialised memory
+        host.k[:, filled] = self.k.copy_to_host()[:, filled]
+        host.v[:, filled] = self.v.copy_to_host()[:, filled]
+        host.lengths[:] = self.lengths
+        return host
+
+
+@dataclasses.dataclass
+class _Workspace:
+    """Device buffers of one forward call of T tokens (kept and reused for the next call of the same T)."""
+
+    meta: object  # [6, T] int32
+    x: object  # [T, D] residual stream
+    xn: object  # [T, D] normed input of a projection (per-stage path)
+    qkv: object  # [T, W]
+    att: object  # [T, H Dh]
+    gate_up: object  # [T, 2F] (per-stage path)
+    h: object  # [T, F]
+    scores: object  # [blocks, C + T] attention scratch
+
+
+class CudaTransformer:
+    """model.Transformer on the GPU. dtype: how matrices are stored (float32, or float16 read into float32 sums).
+    geometry: kernels.Geometry (block sizes; the default suits the hardware or the simulator, whichever runs).
+    one_launch_decode: run calls of up to 8 tokens as one cooperative launch (kernels.decode_step_kernel); when
+    the device or toolkit cannot (no cooperative launch, no cudadevrt library), it warns once and runs them stage
+    by stage, as with False."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype=np.float32, geometry=None,
+                 one_launch_decode: bool = True):
+        check_weights(config, weights)
+        if np.dtype(dtype) not in [np.dtype(d) for d in DTYPES]:
+            raise ConfigError(f"CudaTransformer stores weights as float32 or float16, got dtype {np.dtype(dtype)}")
+        self.cuda, self.kernels = _cuda()
+        self.config = config
+        self.dtype = np.dtype(dtype)
+        self.geometry = geometry or (self.kernels.SIMULATOR if cuda_simulated() else self.kernels.HARDWARE)
+        if config.head_dim > self.kernels.MAX_HEAD_DIM:
+            raise ConfigError(f"head_dim {config.head_dim} is above the CUDA kernels' limit "
+                              f"{self.kernels.MAX_HEAD_DIM}")
+        self._upload(weights)
+        self.inv_freq = ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)  # [Dh/2]
+        self._rope_table(config.max_seq_len)
+        self._workspaces: dict[tuple[int, int], _Workspace] = {}
+        self._decode_grid: dict[int, int] = {}
+        self.one_launch_decode = one_launch_decode
+
+    # -- weights ------------------------------------------------------------------------------------------------
+
+    def _upload(self, weights: dict[str, np.ndarray]) -> None:
+        """Stack each kind of tensor over the layers and copy it to the device, one layer at a time (no host copy
+        of the whole model): wqkv = [wq; wk; wv] so one pass computes q, k and v, w13 = (w1, w3) for SwiGLU."""
+        c, cuda = self.config, self.cuda
+        L, D, F, V = c.n_layers, c.dim, c.hidden_dim, c.vocab_size
+        HDh, KDh = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        W = HDh + 2 * KDh
+        matrix = self.dtype
+
+        def stacked(shape, dtype, layer_tensor):
+            dev = cuda.device_array((L, *shape), dtype)
+            for l in range(L):
+                dev[l].copy_to_device(np.ascontiguousarray(layer_tensor(f"layers.{l}."), dtype=dtype))
+            return dev
+
+        self.tok_embeddings = cuda.to_device(np.asarray(weights["tok_embeddings"], dtype=matrix))
+        self.output = (self.tok_embeddings if c.tied_embeddings
+                       else cuda.to_device(np.asarray(weights["output"], dtype=matrix)))
+        self.norms = stacked((2, D), np.float32, lambda p: np.stack([weights[p + "attention_norm"],
+                                                                     weights[p + "ffn_norm"]]))
+        self.final_norm = cuda.to_device(np.asarray(weights["norm"], np.float32))
+        self.wqkv = stacked((W, D), matrix, lambda p: np.concatenate([weights[p + "wq"], weights[p + "wk"],
+                                                                      weights[p + "wv"]]))
+        no_bias = np.zeros(W, np.float32)  # Llama's projections have none; adding zeros changes nothing
+        self.bqkv = stacked((W,), np.float32, lambda p: np.concatenate([weights[p + "bq"], weights[p + "bk"],
+                                                                        weights[p + "bv"]])
+                            if c.attention_bias else no_bias)
+        self.wo = stacked((D, HDh), matrix, lambda p: weights[p + "wo"])
+        self.w13 = stacked((2, F, D), matrix, lambda p: np.stack([weights[p + "w1"], weights[p + "w3"]]))
+        self.w2 = stacked((D, F), matrix, lambda p: weights[p + "w2"])
+        layers = sum(a.nbytes for a in (self.norms, self.final_norm, self.wqkv, self.bqkv, self.wo, self.w13, self.w2))
+        # A decode step streams every layer and the LM head; of the embedding it reads only the tokens' rows.
+        self.step_weight_bytes = layers + self.output.nbytes
+        self.weight_bytes = layers + self.output.nbytes + (0 if c.tied_embeddings else self.tok_embeddings.nbytes)
+
+    def _rope_table(self, positions: int) -> None:
+        """cos, sin [P, Dh/2] of positions 0 .. P-1, the very numbers ops.rope_angles gives the NumPy model."""
+        cos, sin = ops.rope_angles(np.arange(positions), self.inv_freq, np.float32)
+        self.cos, self.sin = self.cuda.to_device(cos), self.cuda.to_device(sin)
+        self.rope_positions = positions
+
+    # -- the forward pass ---------------------------------------------------------------------------------------
+
+    def new_cache(self, capacity: int | None = None, slots: int = 1) -> CudaKVCache:
+        return CudaKVCache(self.config, capacity, slots)
+
+    def window(self, cache: CudaKVCache) -> int:
+        """How many most recent positions a query sees: the model's sliding window, capped by the ring's size."""
+        return min(self.config.sliding_window or cache.capacity, cache.capacity)
+
+    def forward(self, tokens, positions, cache: CudaKVCache, slots=None):
+        """Final-norm hidden states of the given tokens, updating the cache.     # [T], [T], [T] -> device [T, D]
+
+        As model.Transformer.forward: slots[t] is the cache slot of token t (all 0 when omitted); within a slot,
+        tokens come in increasing position order and follow what the slot's cache already holds.
+        """
+        meta = self._meta(tokens, positions, slots, cache)
+        T = meta.shape[1]
+        ws = self._workspace(T, cache)
+        ws.meta.copy_to_device(meta)
+        hidden = self.cuda.device_array((T, self.config.dim), np.float32)
+        if T <= self.kernels.MAX_ROWS and self.one_launch_decode:
+            self._decode_step(ws, cache, hidden)
+        else:
+            self._stages(ws, cache, hidden)
+        for slot in np.unique(meta[2]):
+            cache.lengths[slot] = max(cache.lengths[slot], int(meta[1][meta[2] == slot].max()) + 1)
+        return hidden
+
+    def _meta(self, tokens, positions, slots, cache: CudaKVCache) -> np.ndarray:
+        """[6, T] int32 rows TOKEN, POS, SLOT, KEEP, RING, FIRST (see kernels/cuda.py), checked: out-of-range
+        indices on a GPU read or write other memory silently, so they are refused here."""
+        c = self.config
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        slots = np.zeros_like(tokens) if slots is None else np.asarray(slots, dtype=np.int64).reshape(-1)
+        if not len(tokens) == len(positions) == len(slots) or len(tokens) == 0:
+            raise GenerationError(f"forward needs as many positions and slots as tokens (at least one), got "
+                                  f"{len(tokens)} tokens, {len(positions)} positions, {len(slots)} slots")
+        if tokens.min() < 0 or tokens.max() >= c.vocab_size:
+            raise GenerationError(f"token ids must lie in [0, {c.vocab_size}), got {tokens.min()}..{tokens.max()}")
+        if slots.min() < 0 or slots.max() >= cache.slots:
+            raise GenerationError(f"slots must lie in [0, {cache.slots}), got {slots.min()}..{slots.max()}")
+        if positions.min() < 0 or positions.max() >= np.iinfo(np.int32).max:
+            raise GenerationError(f"positions must lie in [0, 2^31 - 1), got {positions.min()}..{positions.max()}")
+        if positions.max() >= self.rope_positions:
+            self._rope_table(max(int(positions.max()) + 1, 2 * self.rope_positions))
+        # When one call brings more than C positions of a slot, only its last C survive in the ring.
+        last = {int(s): int(positions[slots == s].max()) for s in np.unique(slots)}
+        keep = np.array([p > last[int(s)] - cache.capacity for p, s in zip(positions, slots)])
+        # Positions p < length sit at index p % C: the ring entries that can be filled are its first min(length, C).
+        ring = np.minimum(cache.lengths[slots], cache.capacity)
+        first = np.array([np.argmax(slots == s) for s in slots])  # attention scans this call from there to t
+        return np.stack([tokens, positions, slots, keep, ring, first]).astype(np.int32)
+
+    def _workspace(self, T: int, cache: CudaKVCache) -> _Workspace:
+        key = (T, cache.capacity)
+        if key not in self._workspaces:
+            c, cuda = self.config, self.cuda
+            W = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+            blocks = self.geometry.attention_blocks
+
+            def buf(*shape, dtype=np.float32):
+                return cuda.device_array(shape, dtype)
+
+            if len(self._workspaces) >= 4:  # decode reuses one T; prefills of many lengths must not pile up
+                self._workspaces.pop(next(iter(self._workspaces)))
+            self._workspaces[key] = _Workspace(
+                meta=buf(6, T, dtype=np.int32), x=buf(T, c.dim), xn=buf(T, c.dim), qkv=buf(T, W),
+                att=buf(T, c.n_heads * c.head_dim), gate_up=buf(T, 2 * c.hidden_dim), h=buf(T, c.hidden_dim),
+                scores=buf(blocks, cache.capacity + T))
+        return self._workspaces[key]
+
+    def _heads(self):
+        c = self.config
+        return np.int32(c.n_heads), np.int32(c.n_kv_heads), np.int32(c.head_dim)
+
+    def _decode_step(self, ws: _Workspace, cache: CudaKVCache, hidden) -> None:
+        """Every layer in one cooperative launch (kernels.decode_step_kernel)."""
+        c, k, g = self.config, self.kernels, self.geometry
+        T = ws.x.shape[0]
+        rows = 1 << (T - 1).bit_length()  # compile for 1, 2, 4 or 8 rows
+        kernel = k.decode_step_kernel(rows, g.threads, g.lanes, c.rope_layout == "interleaved")
+        args = (self.tok_embeddings, self.norms, self.wqkv, self.bqkv, self.wo, self.w13, self.w2, self.final_norm,
+                np.float32(c.norm_eps), *self._heads(), self.cos, self.sin, ws.meta, cache.k, cache.v,
+                cache.positions, np.int32(self.window(cache)), np.float32(1.0 / np.sqrt(c.head_dim)),
+                ws.x, ws.qkv, ws.att, ws.h, ws.scores, hidden)
+        blocks = self._decode_grid.get(rows)
+        if blocks is not None:
+            kernel[blocks, g.threads](*args)
+            return
+        try:  # the first launch compiles: that is where a missing cooperative-launch support shows
+            blocks = min(g.max_blocks, cooperative_blocks(kernel, args, g.threads))
+            kernel[blocks, g.threads](*args)
+        except Exception as e:  # noqa: BLE001 - whatever the driver or linker says, the stage path still works
+            warnings.warn(f"npllm: one-launch CUDA decoding failed ({type(e).__name__}: {e}); running decode "
+                          "steps stage by stage from now on", RuntimeWarning, stacklevel=3)
+            self.one_launch_decode = False
+            self._stages(ws, cache, hidden)
+            return
+        self._decode_grid[rows] = blocks
+
+    def _stages(self, ws: _Workspace, cache: CudaKVCache, hidden) -> None:
+        """One launch per stage, in model.Transformer's order."""
+        c, k, g = self.config, self.kernels, self.geometry
+        T, D, F = ws.x.shape[0], c.dim, c.hidden_dim
+        eps = np.float32(c.norm_eps)
+        rows_grid = g.grid(T)
+        norm = k.rms_norm_kernel(g.threads)[rows_grid, g.threads]
+        heads = self._heads()
+        k.embed_kernel()[rows_grid, g.threads](self.tok_embeddings, ws.meta, ws.x)
+        for layer in range(c.n_layers):
+            norm(ws.x, self.norms[layer, 0], eps, ws.xn)
+            self._matmul(ws.xn, self.wqkv[layer], ws.qkv, residual=False)
+            k.bias_rope_kernel(c.rope_layout == "interleaved")[rows_grid, g.threads](
+                ws.qkv, self.bqkv[layer], np.int32(c.n_heads + c.n_kv_heads), np.int32(c.head_dim), self.cos,
+                self.sin, ws.meta)
+            k.attention_kernel(g.threads)[min(T * c.n_heads, g.attention_blocks), g.threads](
+                ws.qkv, ws.meta, *heads, cache.k[layer], cache.v[layer], cache.positions,
+                np.int32(self.window(cache)), np.float32(1.0 / np.sqrt(c.head_dim)), ws.scores, ws.att)
+            k.kv_write_kernel()[g.grid(T * c.n_kv_heads), g.threads](
+                ws.qkv, ws.meta, *heads, cache.k[layer], cache.v[layer])
+            self._matmul(ws.att, self.wo[layer], ws.x, residual=True)
+            norm(ws.x, self.norms[layer, 1], eps, ws.xn)
+            self._matmul(ws.xn, self.w13[layer].reshape(2 * F, D), ws.gate_up, residual=False)
+            k.swiglu_kernel()[rows_grid, g.threads](ws.gate_up, ws.h)
+            self._matmul(ws.h, self.w2[layer], ws.x, residual=True)
+        norm(ws.x, self.final_norm, eps, hidden)
+        k.commit_positions_kernel()[1, g.threads](ws.meta, cache.positions)
+
+    def _matmul(self, x, w, y, residual: bool) -> None:
+        """y (+)= x W^T: the matrix-vector kernel for up to MAX_ROWS rows of x, else the tiled matrix-matrix one.
+                                                                                     # [M, K], [N, K] -> [M, N]"""
+        k, g = self.kernels, self.geometry
+        M, N = x.shape[0], w.shape[0]
+        if M <= k.MAX_ROWS:
+            rows = 1 << (M - 1).bit_length()  # compiled for 1, 2, 4 or 8 rows
+            per_block = g.threads // g.lanes * max(1, k.MAX_ROWS // rows)  # output rows a block takes at a time
+            kernel = k.matvec_kernel(rows, g.threads, g.lanes, False, residual)
+            kernel[g.grid(-(-N // per_block)), g.threads](x, self.final_norm, np.float32(0), w, y)
+        else:
+            BM, BN = g.tile[:2]
+            tiles = -(-M // BM) * -(-N // BN)
+            k.matmul_kernel(g.tile, residual)[g.grid(tiles), g.matmul_threads](x, w, y)
+
+    # -- logits and sampling ------------------------------------------------------------------------------------
+
+    def _device_logits(self, h):
+        """Logits on the device.  # [T, D] -> device [T, V]"""
+        if not hasattr(h, "copy_to_host"):  # a host array: upload it
+            h = self.cuda.to_device(np.ascontiguousarray(h, np.float32))
+        logits = self.cuda.device_array((h.shape[0], self.config.vocab_size), np.float32)
+        self._matmul(h, self.output, logits, residual=False)
+        return logits
+
+    def lm_head(self, h) -> np.ndarray:
+        """Logits from final hidden states, on the host.  # [T, D] -> [T, V]"""
+        return self._device_logits(h).copy_to_host()
+
+    def logits(self, tokens, positions=None, cache: CudaKVCache | None = None) -> np.ndarray:
+        """Logits of every token of one sequence on a fresh cache (or the given one).  # [T] -> [T, V]"""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if positions is None:
+            positions = np.arange(len(tokens))
+        cache = self.new_cache() if cache is None else cache
+        return self.lm_head(self.forward(tokens, positions, cache))
+
+    def sample(self, h, temperature, top_k, top_p, uniforms) -> np.ndarray:
+        """Token ids chosen on the device from final hidden states, one per row (kernels.sample_rows: greedy when
+        the temperature is 0, else temperature, top-k and top-p with the given uniform numbers in [0, 1)).
+                                                                      # [B, D], [B] x4 -> [B] int ids on the host
+        """
+        k, g = self.kernels, self.geometry
+        logits = self._device_logits(h)
+        B, V = logits.shape
+        params = np.empty((B, 4), np.float32)  # one row per sequence: scalars apply to every row
+        params[:, 0], params[:, 1], params[:, 2] = temperature, top_k, top_p
+        params[:, 3] = np.minimum(np.asarray(uniforms, np.float32), UNIFORM_MAX)
+        ids = self.cuda.device_array(B, np.int32)
+        probs = self.cuda.device_array((B, V), np.float32)
+        k.sample_kernel(g.sampler_threads)[g.grid(B), g.sampler_threads](logits, self.cuda.to_device(params), probs,
+                                                                          ids)
+        return ids.copy_to_host()
+
+    def sample_next(self, h, params: SamplingParams, rng: np.random.Generator, history=()) -> int:
+        """The next token after final hidden state h [1, D]: sampled on the device when `params` asks only for
+        what the device sampler does (temperature, top-k, top-p), else from host logits with sample_with."""
+        if not on_device(params):
+            return sample_with(params, self.lm_head(h)[0], rng, history)
+        u = 0.0 if params.temperature == 0 else rng.random()
+        return int(self.sample(h, params.temperature, getattr(params, "top_k", 0), params.top_p, u)[0])
+
+
+UNIFORM_MAX = np.nextafter(np.float32(1), np.float32(0))  # a float64 uniform below 1 may round up to 1 in float32
+
+
+def on_device(params: SamplingParams) -> bool:
+    """True when every sampling option in use is one the device sampler implements."""
+    for field in dataclasses.fields(params):
+        if field.name not in DEVICE_SAMPLING and getattr(params, field.name) != field.default:
+            return False
+    return True
+
+
+def cooperative_blocks(kernel, args, threads: int) -> int:
+    """How many blocks of `threads` threads of this kernel fit on the device at once (a cooperative launch must
+    not exceed it). The simulator runs cooperative grids of one block only."""
+    if cuda_simulated():
+        return 1
+    argtypes = tuple(kernel.typeof_pyval(a) for a in args)
+    return kernel.compile(argtypes).max_cooperative_grid_blocks(threads)

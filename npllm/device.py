@@ -1,0 +1,116 @@
+"""Where a model runs: "cpu", "cuda" (an NVIDIA GPU through numba.cuda), or "auto" (CUDA when usable, else CPU).
+
+numba.cuda needs three things that a CPU machine usually lacks: the CUDA target itself (the `numba-cuda` package,
+npllm's `cuda` extra), an NVIDIA driver with a GPU, and the CUDA toolkit's NVVM compiler library (brought by the
+extra's `cuda-toolkit` wheels). `cuda_problem()` names the first one missing.
+
+numba can also *simulate* CUDA on the CPU (NUMBA_ENABLE_CUDASIM=1: every GPU thread becomes a Python thread). The
+simulator runs the same kernels, thousands of times slower: tests use it, "auto" never picks it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .errors import DeviceError
+
+DEVICES = ("cpu", "cuda", "auto")
+INSTALL_HINT = "pip install 'npllm-engine[cuda]'"
+
+
+def cuda_simulated() -> bool:
+    """True when numba runs CUDA kernels in its CPU simulator (NUMBA_ENABLE_CUDASIM=1)."""
+    from numba.core import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+def cuda_problem() -> str | None:
+    """Why CUDA cannot be used here, in words (None when it can: real hardware or the simulator)."""
+    try:
+        from numba import cuda  # noqa: F401
+    except ImportError as e:
+        return f"numba's CUDA target cannot be imported ({e}); install it with {INSTALL_HINT}"
+    if cuda_simulated():
+        return None
+    from numba.cuda.cudadrv import driver, nvvm
+    from numba.cuda.cudadrv.error import CudaSupportError
+
+    try:
+        driver_ok = driver.driver.is_available
+    except CudaSupportError:
+        driver_ok = False
+    if not driver_ok:
+        reason = " ".join(str(driver.driver.initialization_error or "driver initialisation failed").split())
+        return f"no usable NVIDIA driver or GPU was found ({reason})"
+    if not nvvm.is_available():
+        return (f"the NVIDIA driver works but the CUDA toolkit's NVVM library was not found; {INSTALL_HINT} "
+                "installs it (or install the CUDA toolkit and set CUDA_HOME)")
+    return None
+
+
+def cuda_available() -> bool:
+    """True when a real GPU can run npllm's CUDA kernels (the simulator does not count)."""
+    return cuda_problem() is None and not cuda_simulated()
+
+
+def resolve_device(device: str) -> str:
+    """"cpu" or "cuda" for a requested device; "cuda" without CUDA raises DeviceError saying what is missing."""
+    if device not in DEVICES:
+        raise DeviceError(f"device must be one of {', '.join(map(repr, DEVICES))}, got {device!r}")
+    if device == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    if device == "cuda":
+        problem = cuda_problem()
+        if problem is not None:
+            raise DeviceError(f"device='cuda' was asked for but {problem}; use device='cpu' or 'auto'")
+    return device
+
+
+def use_cuda_simulator() -> None:
+    """Run numba.cuda in its CPU simulator from now on in this process, unless NUMBA_ENABLE_CUDASIM is set already
+    (NUMBA_ENABLE_CUDASIM=0 keeps real hardware). Call it before numba.cuda is first imported: numba binds the
+    simulator or the driver at that import."""
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    from numba.core import config
+
+    config.reload_config()  # numba read the environment when it was imported, maybe before the line above
+    imported = sys.modules.get("numba.cuda")
+    if imported is not None and imported.is_available.__module__.endswith("simulator_init") != cuda_simulated():
+        raise DeviceError("numba.cuda was imported before use_cuda_simulator() and is bound to the other target")
+    if cuda_simulated():
+        _lock_simulated_shared_arrays()
+
+
+def _lock_simulated_shared_arrays() -> None:
+    """Make the simulator's shared arrays shared. It creates a block's `cuda.shared.array` when the first thread
+    reaches the line, with no lock: two threads arriving together can each create (and keep) their own array,
+    and the block's reductions then read garbage, now and then. Creation is serialised here."""
+    import threading
+
+    import numpy as np
+    from numba.core import types
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+
+    shared = kernelapi.FakeCUDAShared
+    if getattr(shared, "npllm_locked", False):
+        return
+    unlocked = shared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype):
+        if shape == 0:  # dynamic shared memory: one buffer for all, nothing created here
+            return unlocked(self, shape, dtype)
+        caller = sys._getframe(1)  # the kernel line: one array per line, as the simulator does
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        with lock:
+            found = self._allocations.get(key)
+            if found is None:
+                dtype = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else np.dtype(dtype)
+                found = self._allocations[key] = np.empty(shape, dtype)
+        return found
+
+    shared.array = array
+    shared.npllm_locked = True

@@ -1,0 +1,898 @@
+"""numba.cuda kernels: the stages of ops.py on an NVIDIA GPU.
+
+Every stage is a *device function* that walks its work items (token rows, heads, output tiles) in a block-strided
+loop: item i is done by block i % nblocks, so any grid size is correct. A kernel for one stage is a thin wrapper
+calling it with its own block index. The decode kernel (`decode_step`) calls the same device functions one after
+another with a grid-wide barrier between them, so a whole decode step (all layers) is one launch: numba spends
+about 10 us plus 4 us per array argument on every launch, which would otherwise dominate small-batch decoding.
+
+Arrays (row-major, float32 unless said; weights may be stored float16 and are widened as they are read):
+    meta    [6, T] int32   per token: TOKEN id, POS position, SLOT cache slot, KEEP (1: its k/v survive in the
+                           ring), RING (how many ring entries, from index 0, its slot may hold before the call),
+                           FIRST (index in this call of the first token of its slot)
+    x       [T, D]         residual stream
+    qkv     [T, W]         W = (H + 2K) Dh: the H query heads, then the K key heads, then the K value heads
+    att     [T, H Dh]      attention output (heads side by side, as ops.attention's [T, H, Dv] flattened)
+    ring_k, ring_v [L, B, C, K, Dh] and ring_pos [B, C] int32: the ring-buffer cache of npllm/cache.py
+    cos, sin [P, Dh/2]     RoPE table for positions 0 .. P-1 (ops.rope_angles, so the very same numbers)
+
+Blocks are 1-D with `threads` threads (a power of two). Reductions go through shared memory and syncthreads:
+numba's CUDA simulator, which runs the tests on machines without a GPU, has no warp shuffles, and a single code
+path keeps those tests honest about the code that runs on hardware. Every loop that contains a syncthreads has
+the same trip count in all threads of a block. Device code spells min and max of scalars as conditional
+expressions: the CUDA target built into numba 0.68 cannot compile min(int, int).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+from numba.core import config as numba_config
+
+MAX_ROWS = 8  # the matrix-vector kernels serve up to this many token rows at once (decode batches)
+MAX_HEAD_DIM = 256
+NEG_INF = np.float32(-np.inf)
+TOKEN, POS, SLOT, KEEP, RING, FIRST = 0, 1, 2, 3, 4, 5  # rows of `meta`
+ONE_BITS = 0x3F800000  # the bit pattern of float32 1.0; 0 .. ONE_BITS are the bits of the floats in [0, 1], in order
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How kernels are launched. Every choice is correct; they differ in speed only.
+
+    threads: threads per block of the row kernels (norm, matrix-vector, RoPE, attention), a power of two.
+    lanes: threads sharing one weight row in the matrix-vector kernels: a warp (32) on hardware, so that a
+        warp's loads are consecutive.
+    tile: the matrix-matrix product's block tile (BM, BN, BK) and per-thread tile (TM, TN): each block computes a
+        BM x BN tile of the output with (BM / TM) (BN / TN) threads, stepping through K in slices of BK.
+    sampler_threads: threads of the one block that samples each row.
+    max_blocks: most blocks of a launch (blocks loop over the remaining items).
+    attention_blocks: most blocks of an attention launch (each has a row of score scratch, C + T floats).
+    """
+
+    threads: int = 256
+    lanes: int = 32
+    tile: tuple[int, int, int, int, int] = (64, 64, 16, 4, 4)
+    sampler_threads: int = 1024
+    max_blocks: int = 8192
+    attention_blocks: int = 1024
+
+    def __post_init__(self):
+        BM, BN, BK, TM, TN = self.tile
+        for n in (self.threads, self.lanes, self.sampler_threads, (BM // TM) * (BN // TN)):
+            if n < 1 or n & (n - 1):
+                raise ValueError(f"block sizes must be powers of two, got {self}")
+        if self.threads % self.lanes:
+            raise ValueError(f"threads {self.threads} must be a multiple of lanes {self.lanes}")
+        if BM % TM or BN % TN:
+            raise ValueError(f"tile {self.tile}: BM must be a multiple of TM and BN of TN")
+
+    @property
+    def matmul_threads(self) -> int:
+        BM, BN, _, TM, TN = self.tile
+        return (BM // TM) * (BN // TN)
+
+    def grid(self, items: int) -> int:
+        return max(1, min(items, self.max_blocks))
+
+
+HARDWARE = Geometry()
+# The simulator runs each GPU thread as a Python thread: few threads and blocks keep tests fast; the loops are the
+# same, only their trip counts change.
+SIMULATOR = Geometry(threads=8, lanes=8, tile=(8, 8, 8, 4, 4), sampler_threads=8, max_blocks=2,
+                     attention_blocks=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Block-wide reductions (every thread of the block gets the result)
+# ---------------------------------------------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def block_sum(value, red):
+    """Sum of `value` over the block.  red: shared [threads] float32, free on entry and on exit."""
+    tid = cuda.threadIdx.x
+    red[tid] = value
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if tid < step:
+            red[tid] += red[tid + step]
+        cuda.syncthreads()
+        step //= 2
+    total = red[0]
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit(device=True)
+def block_max(value, red):
+    """Largest `value` over the block.  red: shared [threads] float32."""
+    tid = cuda.threadIdx.x
+    red[tid] = value
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if tid < step and red[tid + step] > red[tid]:
+            red[tid] = red[tid + step]
+        cuda.syncthreads()
+        step //= 2
+    best = red[0]
+    cuda.syncthreads()
+    return best
+
+
+@cuda.jit(device=True)
+def block_int(value, redi, largest):
+    """Largest (or, largest=False, smallest) integer `value` over the block.  redi: shared [threads] int32."""
+    tid = cuda.threadIdx.x
+    redi[tid] = value
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if tid < step:
+            other = redi[tid + step]
+            if (other > redi[tid]) if largest else (other < redi[tid]):
+                redi[tid] = other
+        cuda.syncthreads()
+        step //= 2
+    best = redi[0]
+    cuda.syncthreads()
+    return best
+
+
+@cuda.jit(device=True)
+def block_softmax_merge(m, l, red, red2):
+    """Merge each thread's running softmax state (max m, sum l of exp(s - m)) over the block.
+
+    Two states combine as m = max(m1, m2), l = l1 exp(m1 - m) + l2 exp(m2 - m): the order of the keys never
+    matters, which is what lets every thread take its own share of them.
+    """
+    tid = cuda.threadIdx.x
+    red[tid] = m
+    red2[tid] = l
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if tid < step:
+            m1, m2 = red[tid], red[tid + step]
+            top = m1 if m1 > m2 else m2
+            if top > NEG_INF:
+                red2[tid] = red2[tid] * math.exp(m1 - top) + red2[tid + step] * math.exp(m2 - top)
+                red[tid] = top
+        cuda.syncthreads()
+        step //= 2
+    m_all, l_all = red[0], red2[0]
+    cuda.syncthreads()
+    return m_all, l_all
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Element-wise and row stages
+# ---------------------------------------------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def embed_rows(table, meta, x, block, nblocks):
+    """x[t] = E[token t] (a row gather, widened to float32).                          # [V, D], [T] -> [T, D]"""
+    for t in range(block, x.shape[0], nblocks):
+        row = meta[TOKEN, t]
+        for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+            x[t, i] = np.float32(table[row, i])
+
+
+@cuda.jit(device=True)
+def rms_scale(x, t, eps, red):
+    """1 / sqrt(mean(x[t]^2) + eps) for row t of x."""
+    ss = np.float32(0)
+    for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+        v = x[t, i]
+        ss += v * v
+    return np.float32(1) / math.sqrt(block_sum(ss, red) / np.float32(x.shape[1]) + eps)
+
+
+@cuda.jit(device=True)
+def rms_norm_rows(x, g, eps, out, red, block, nblocks):
+    """RMSNorm: out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * g.                          # [T, D], [D] -> [T, D]"""
+    for t in range(block, x.shape[0], nblocks):
+        scale = rms_scale(x, t, eps, red)
+        for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+            out[t, i] = x[t, i] * scale * g[i]
+
+
+@cuda.jit(device=True)
+def silu(v):
+    """SiLU: v / (1 + e^-v)."""
+    return v / (np.float32(1) + math.exp(-v))
+
+
+@cuda.jit(device=True)
+def swiglu_rows(gate_up, h, block, nblocks):
+    """h[t, f] = silu(gate[t, f]) * up[t, f], gate and up side by side in gate_up.     # [T, 2F] -> [T, F]"""
+    F = h.shape[1]
+    for t in range(block, h.shape[0], nblocks):
+        for f in range(cuda.threadIdx.x, F, cuda.blockDim.x):
+            h[t, f] = silu(gate_up[t, f]) * gate_up[t, F + f]
+
+
+@functools.cache
+def bias_rope_rows(interleaved: bool):
+    """Add the q/k/v bias, then rotate the first `rot_heads` heads of each row by its position (RoPE).
+
+    Pairs are (2i, 2i+1) with `interleaved` (Meta, llama2.c) and (i, i + Dh/2) otherwise (Hugging Face):
+        x'[a] = x[a] cos(pos w_i) - x[b] sin(pos w_i),   x'[b] = x[a] sin(pos w_i) + x[b] cos(pos w_i)
+    in place on qkv [T, W]; bias [W] (zeros for Llama, whose projections have none).
+    """
+
+    @cuda.jit(device=True)
+    def stage(qkv, bias, rot_heads, head_dim, cos, sin, meta, block, nblocks):
+        half = head_dim // 2
+        for t in range(block, qkv.shape[0], nblocks):
+            p = meta[POS, t]
+            for e in range(cuda.threadIdx.x, rot_heads * half, cuda.blockDim.x):
+                base = (e // half) * head_dim
+                i = e % half
+                if interleaved:
+                    a, b = base + 2 * i, base + 2 * i + 1
+                else:
+                    a, b = base + i, base + half + i
+                xa, xb = qkv[t, a] + bias[a], qkv[t, b] + bias[b]
+                c, s = cos[p, i], sin[p, i]
+                qkv[t, a] = xa * c - xb * s
+                qkv[t, b] = xa * s + xb * c
+            for col in range(rot_heads * head_dim + cuda.threadIdx.x, qkv.shape[1], cuda.blockDim.x):
+                qkv[t, col] += bias[col]
+
+    return stage
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Products with the weights
+# ---------------------------------------------------------------------------------------------------------------
+
+@functools.cache
+def matvec_rows(rows: int, threads: int, lanes: int, norm: bool, residual: bool, gated: bool):
+    """Matrix-vector products for up to `rows` token rows: y = x W^T, one weight pass serving every row.
+
+    Threads form groups of `lanes` (a warp of 32 on hardware); a group owns R = 8 // rows (4 // rows gated)
+    consecutive output rows of W at a time, and its lanes stride along each row, so a warp reads 128 consecutive bytes per load
+    (coalesced), four loads in flight per lane. x is staged in shared memory in tiles of `matvec_tile(rows)`
+    columns, read by every group of the block. Variants (fixed when the kernel is compiled):
+        norm      x is RMSNorm-ed with gain g while it is staged (the norm costs no extra pass over memory)
+        residual  y += x W^T (the residual stream is updated in place)
+        gated     W is [2, F, D] = (W1, W3) and y = silu(x W1^T) * (x W3^T): SwiGLU's gate and up in one pass
+                                                          # [T, K], [N, K] (or [2, N, K]) -> [T, N], T <= rows
+    Shared arrays (the caller allocates them, so a fused kernel can reuse them): xs [rows, tile], part
+    [16, threads], red [threads], scale [rows]. g and eps are read only by the `norm` variant.
+    """
+    M = rows
+    R = max(1, MAX_ROWS // (rows * (2 if gated else 1)))  # rows per group: R M (2 R M gated) sums per lane
+    groups = threads // lanes
+    tile = matvec_tile(rows)
+    sums = R * M  # local array sizes must be constants
+
+    @cuda.jit(device=True)
+    def dot_tile(xs, w, n, kn, k0, acc, first):
+        """acc[first + m] += W[n, k0:k0+kn] . xs[m, :kn] over this lane's columns (lane, lane + lanes, ...)."""
+        k = cuda.threadIdx.x % lanes
+        while k + 3 * lanes < kn:
+            w0 = np.float32(w[n, k0 + k])
+            w1 = np.float32(w[n, k0 + k + lanes])
+            w2 = np.float32(w[n, k0 + k + 2 * lanes])
+            w3 = np.float32(w[n, k0 + k + 3 * lanes])
+            for m in range(M):
+                acc[first + m] += (w0 * xs[m, k] + w1 * xs[m, k + lanes] + w2 * xs[m, k + 2 * lanes]
+                                   + w3 * xs[m, k + 3 * lanes])
+            k += 4 * lanes
+        while k < kn:
+            wk = np.float32(w[n, k0 + k])
+            for m in range(M):
+                acc[first + m] += wk * xs[m, k]
+            k += lanes
+
+    @cuda.jit(device=True)
+    def stage_x(x, g, scale, xs, k0, kn):
+        """xs[m, :kn] = x[m, k0:k0+kn] (normed when `norm`), zero rows past T."""
+        cuda.syncthreads()  # the previous tile is no longer read
+        for m in range(M):
+            for kk in range(cuda.threadIdx.x, kn, threads):
+                v = np.float32(0)
+                if m < x.shape[0]:
+                    v = x[m, k0 + kk]
+                    if norm:
+                        v = v * scale[m] * g[k0 + kk]
+                xs[m, kk] = v
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def stage(x, g, eps, w, y, xs, part, red, scale, block, nblocks):
+        tid = cuda.threadIdx.x
+        group, lane = tid // lanes, tid % lanes
+        T, K = x.shape
+        N = w.shape[w.ndim - 2]
+        if norm:
+            for m in range(M):
+                s = np.float32(0)
+                if m < T:
+                    s = rms_scale(x, m, eps, red)
+                if tid == 0:
+                    scale[m] = s
+        ntiles = (K + tile - 1) // tile
+        if ntiles == 1:
+            stage_x(x, g, scale, xs, 0, K)
+        acc = cuda.local.array(sums, np.float32)
+        acc_up = cuda.local.array(sums, np.float32)
+        for base in range(block * groups * R, N, nblocks * groups * R):
+            first_row = base + group * R
+            for e in range(R * M):
+                acc[e] = 0
+                acc_up[e] = 0
+            for j in range(ntiles):
+                k0 = j * tile
+                kn = tile if K - k0 > tile else K - k0
+                if ntiles > 1:
+                    stage_x(x, g, scale, xs, k0, kn)
+                for r in range(R):
+                    n = first_row + r
+                    if n < N:
+                        if gated:
+                            dot_tile(xs, w[0], n, kn, k0, acc, r * M)
+                            dot_tile(xs, w[1], n, kn, k0, acc_up, r * M)
+                        else:
+                            dot_tile(xs, w, n, kn, k0, acc, r * M)
+            for e in range(R * M):
+                part[e, tid] = acc[e]
+                if gated:
+                    part[R * M + e, tid] = acc_up[e]
+            cuda.syncthreads()
+            for e in range(lane, R * M, lanes):  # lane e adds up the group's partial sums of (row r, token m)
+                r, m = e // M, e % M
+                n = first_row + r
+                if m < T and n < N:
+                    total = np.float32(0)
+                    for j in range(group * lanes, (group + 1) * lanes):
+                        total += part[e, j]
+                    if gated:
+                        up = np.float32(0)
+                        for j in range(group * lanes, (group + 1) * lanes):
+                            up += part[R * M + e, j]
+                        y[m, n] = silu(total) * up
+                    elif residual:
+                        y[m, n] += total
+                    else:
+                        y[m, n] = total
+            cuda.syncthreads()
+
+    return stage
+
+
+def matvec_tile(rows: int) -> int:
+    """Columns of x staged per tile: 16 KiB of shared memory whatever the number of rows."""
+    return 4096 // rows
+
+
+@functools.cache
+def matmul_tiles(tile: tuple[int, int, int, int, int], residual: bool):
+    """Matrix-matrix product y = x W^T (y += x W^T with `residual`) in shared-memory tiles.  # [M, K], [N, K] -> [M, N]
+
+    A block computes a BM x BN tile of y: for each slice of BK columns of K it loads x[BM, BK] and W[BN, BK] into
+    shared memory (consecutive threads read consecutive k: coalesced), then each thread multiplies its TM x TN
+    outputs from registers, rows ty + a BM/TM and columns tx + b BN/TN (strided, so a warp's shared reads fall in
+    different banks). Every x element loaded serves BN outputs and every weight element BM outputs.
+    Shared arrays: xs [BK, BM], ws [BK, BN].
+    """
+    BM, BN, BK, TM, TN = tile
+    threads = (BM // TM) * (BN // TN)
+    cols = BN // TN
+    acc_shape = (TM, TN)
+
+    @cuda.jit(device=True)
+    def stage(x, w, y, xs, ws, block, nblocks):
+        tid = cuda.threadIdx.x
+        tx, ty = tid % cols, tid // cols
+        M, K = x.shape
+        N = w.shape[0]
+        tiles_n = (N + BN - 1) // BN
+        acc = cuda.local.array(acc_shape, np.float32)
+        xa = cuda.local.array(TM, np.float32)
+        wb = cuda.local.array(TN, np.float32)
+        for item in range(block, ((M + BM - 1) // BM) * tiles_n, nblocks):
+            m0, n0 = (item // tiles_n) * BM, (item % tiles_n) * BN
+            for a in range(TM):
+                for b in range(TN):
+                    acc[a, b] = 0
+            for k0 in range(0, K, BK):
+                for e in range(tid, BM * BK, threads):
+                    i, kk = e // BK, e % BK
+                    xs[kk, i] = x[m0 + i, k0 + kk] if m0 + i < M and k0 + kk < K else np.float32(0)
+                for e in range(tid, BN * BK, threads):
+                    j, kk = e // BK, e % BK
+                    ws[kk, j] = np.float32(w[n0 + j, k0 + kk]) if n0 + j < N and k0 + kk < K else np.float32(0)
+                cuda.syncthreads()
+                for kk in range(BK):
+                    for a in range(TM):
+                        xa[a] = xs[kk, ty + a * (BM // TM)]
+                    for b in range(TN):
+                        wb[b] = ws[kk, tx + b * cols]
+                    for a in range(TM):
+                        for b in range(TN):
+                            acc[a, b] += xa[a] * wb[b]
+                cuda.syncthreads()
+            for a in range(TM):
+                m = m0 + ty + a * (BM // TM)
+                for b in range(TN):
+                    n = n0 + tx + b * cols
+                    if m < M and n < N:
+                        if residual:
+                            y[m, n] += acc[a, b]
+                        else:
+                            y[m, n] = acc[a, b]
+
+    return stage
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention over the ring-buffer cache
+# ---------------------------------------------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos, window, scale, scores, out,
+                   qs, vacc, red, red2, block, nblocks):
+    """Causal grouped-query attention of every (token t, query head h), one block per pair.
+
+        out[t, h] = sum_s softmax_s(q_t,h . k_s,g / sqrt(Dh) + mask) v_s,g,     g = h // (H / K)
+                                             # qkv [T, W], ring [B, C, K, Dh] x2, ring_pos [B, C] -> out [T, H Dh]
+    The keys of token t are those its slot's ring held before this call (ring indices below meta[RING, t]: a
+    slot fills its ring from index 0), then the keys of this call's tokens of the same slot up to t itself
+    (already rotated in qkv; later ones are in its future): the concatenation model.Transformer attends to. A key at
+    position k is seen by a query at p when p - window < k <= p (empty ring entries hold -1 and are never seen).
+
+    Parallel online softmax: each thread scores its share of the keys (thread j takes keys j, j + threads, ...)
+    keeping its own running max and sum of exponentials; the block merges those states (block_softmax_merge),
+    then threads split (dimension, key group) to sum the values. scores [blocks, C + T] is scratch, one row per
+    block (the grid must not exceed its rows).
+    Shared: qs [MAX_HEAD_DIM], vacc [max(threads, MAX_HEAD_DIM)], red, red2 [threads].
+    """
+    tid, threads = cuda.threadIdx.x, cuda.blockDim.x
+    T = qkv.shape[0]
+    group = n_heads // n_kv
+    groups = threads // head_dim if threads > head_dim else 1  # key groups of the value pass
+    for item in range(block, T * n_heads, nblocks):
+        t, h = item // n_heads, item % n_heads
+        g = h // group
+        qpos, slot, ring = meta[POS, t], meta[SLOT, t], meta[RING, t]
+        first = meta[FIRST, t]  # keys: ring entries s < ring, then this call's tokens first + (s - ring) <= t
+        keys = ring + t + 1 - first
+        k_col, v_col = (n_heads + g) * head_dim, (n_heads + n_kv + g) * head_dim
+        for d in range(tid, head_dim, threads):
+            qs[d] = qkv[t, h * head_dim + d]
+        cuda.syncthreads()
+        m_run, l_run = NEG_INF, np.float32(0)
+        for s in range(tid, keys, threads):
+            if s < ring:
+                kpos = ring_pos[slot, s]
+            else:
+                kpos = meta[POS, first + s - ring] if meta[SLOT, first + s - ring] == slot else -1
+            score = NEG_INF
+            if 0 <= kpos and kpos <= qpos and kpos > qpos - window:
+                dot = np.float32(0)
+                if s < ring:
+                    for d in range(head_dim):
+                        dot += qs[d] * ring_k[slot, s, g, d]
+                else:
+                    for d in range(head_dim):
+                        dot += qs[d] * qkv[first + s - ring, k_col + d]
+                score = dot * scale
+                if score > m_run:
+                    l_run *= math.exp(m_run - score)
+                    m_run = score
+                l_run += math.exp(score - m_run)
+            scores[block, s] = score
+        m_all, l_all = block_softmax_merge(m_run, l_run, red, red2)  # its syncthreads also publish `scores`
+        for e in range(tid, head_dim * groups, threads):
+            d, j = e % head_dim, e // head_dim
+            acc = np.float32(0)
+            for s in range(j, keys, groups):
+                sc = scores[block, s]
+                if sc > NEG_INF:
+                    v = ring_v[slot, s, g, d] if s < ring else qkv[first + s - ring, v_col + d]
+                    acc += math.exp(sc - m_all) * v
+            vacc[e] = acc
+        cuda.syncthreads()
+        for d in range(tid, head_dim, threads):
+            total = np.float32(0)
+            for j in range(groups):
+                total += vacc[j * head_dim + d]
+            out[t, h * head_dim + d] = total / l_all
+        cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def kv_write_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, block, nblocks):
+    """Store each token's rotated key and value at ring index position % C of its slot (tokens with KEEP set:
+    when one call brings more than C positions of a slot, only the last C survive, as in RingKVCache.write)."""
+    C = ring_k.shape[1]
+    for item in range(block, qkv.shape[0] * n_kv, nblocks):
+        t, g = item // n_kv, item % n_kv
+        if meta[KEEP, t] != 0:
+            slot, index = meta[SLOT, t], meta[POS, t] % C
+            for d in range(cuda.threadIdx.x, head_dim, cuda.blockDim.x):
+                ring_k[slot, index, g, d] = qkv[t, (n_heads + g) * head_dim + d]
+                ring_v[slot, index, g, d] = qkv[t, (n_heads + n_kv + g) * head_dim + d]
+
+
+@cuda.jit(device=True)
+def commit_positions(meta, ring_pos, block, nblocks):
+    """ring_pos[slot, pos % C] = pos for the surviving tokens: done once, after every layer has attended, since
+    the positions table is shared by all layers and attention must see the table as it was before the call."""
+    step = nblocks * cuda.blockDim.x
+    for t in range(block * cuda.blockDim.x + cuda.threadIdx.x, meta.shape[1], step):
+        if meta[KEEP, t] != 0:
+            ring_pos[meta[SLOT, t], meta[POS, t] % ring_pos.shape[1]] = meta[POS, t]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling on the device: only the chosen ids travel back to the host
+# ---------------------------------------------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def block_count(count, redi):
+    """Sum of an integer `count` over the block.  redi: shared [threads] int32."""
+    tid = cuda.threadIdx.x
+    redi[tid] = count
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if tid < step:
+            redi[tid] += redi[tid + step]
+        cuda.syncthreads()
+        step //= 2
+    total = redi[0]
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit(device=True)
+def mass_from(probs, b, v, strict, red, redi):
+    """(count, sum) of the probabilities p[b, i] >= v (> v when strict)."""
+    count = 0
+    mass = np.float32(0)
+    for i in range(cuda.threadIdx.x, probs.shape[1], cuda.blockDim.x):
+        p = probs[b, i]
+        if p > v or (p == v and not strict):
+            count += 1
+            mass += p
+    return block_count(count, redi), block_sum(mass, red)
+
+
+@cuda.jit(device=True)
+def largest_value(probs, b, need, by_mass, red, redi, bits):
+    """The largest v in [0, 1] with count(p >= v) >= need (or, by_mass, sum(p >= v) >= need): a bisection over
+    the bit patterns of float32, which order like the floats they encode. With v one of the p, it is exact.
+    bits: a local int32 [1] array, read as float32 through a view."""
+    as_float = bits.view(np.float32)
+    lo, hi = 0, ONE_BITS + 1  # v = 0 always satisfies the condition, v just above 1 never does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        bits[0] = mid
+        count, mass = mass_from(probs, b, as_float[0], False, red, redi)
+        if (mass >= need) if by_mass else (count >= need):
+            lo = mid
+        else:
+            hi = mid
+    bits[0] = lo
+    return as_float[0]
+
+
+@cuda.jit(device=True)
+def rank_mass(probs, b, n, red, redi, bits):
+    """Mass of the n most probable tokens (ties at the boundary: lower index first)."""
+    if n >= probs.shape[1]:
+        return mass_from(probs, b, np.float32(0), False, red, redi)[1]
+    boundary = largest_value(probs, b, n, False, red, redi, bits)  # the probability at rank n - 1
+    above, above_mass = mass_from(probs, b, boundary, True, red, redi)
+    return above_mass + np.float32(n - above) * boundary
+
+
+@cuda.jit(device=True)
+def exclusive_scan(values, n):
+    """values[j] = values[0] + ... + values[j-1] for j < n, and values[n] = the total (one thread does it: n is the
+    number of threads, small next to the work around it)."""
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        run = values[0] - values[0]  # a zero of the array's type
+        for j in range(n):
+            here = values[j]
+            values[j] = run
+            run += here
+        values[n] = run
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def inverse_cdf(probs, b, boundary, boundary_kept, u, red, redi):
+    """The kept token at which the running mass, walking kept tokens by index, first exceeds u times their total.
+
+    Kept: every p > boundary, and the first `boundary_kept` tokens (by index) with p == boundary. Each thread
+    walks a contiguous chunk of the vocabulary; two block scans give every chunk the tie count and the mass before
+    it. red, redi: shared [threads + 1].
+    """
+    tid, threads = cuda.threadIdx.x, cuda.blockDim.x
+    V = probs.shape[1]
+    chunk = (V + threads - 1) // threads
+    lo = tid * chunk if tid * chunk < V else V
+    hi = lo + chunk if lo + chunk < V else V
+    ties = 0
+    above_mass = np.float32(0)
+    for i in range(lo, hi):
+        p = probs[b, i]
+        if p > boundary:
+            above_mass += p
+        elif p == boundary:
+            ties += 1
+    redi[tid] = ties
+    exclusive_scan(redi, threads)
+    ties_before = redi[tid]
+    kept_ties = boundary_kept - ties_before  # of this chunk's ties, the kept ones: clamp to [0, ties]
+    kept_ties = 0 if kept_ties < 0 else (ties if kept_ties > ties else kept_ties)
+    red[tid] = above_mass + np.float32(kept_ties) * boundary
+    exclusive_scan(red, threads)
+    target = u * red[threads]
+    run = red[tid]
+    cuda.syncthreads()
+    first, last = V, -1
+    seen = ties_before
+    for i in range(lo, hi):
+        p = probs[b, i]
+        kept = p > boundary
+        if p == boundary:
+            kept = seen < boundary_kept
+            seen += 1
+        if kept:
+            run += p
+            last = i
+            if run > target and first == V:
+                first = i
+    first = block_int(first, redi, False)
+    last = block_int(last, redi, True)
+    return first if first < V else last  # rounding can leave u * total at the very end: take the last kept
+
+
+@cuda.jit(device=True)
+def sample_rows(logits, params, probs, ids, red, redi, block, nblocks):
+    """One token id per row: greedy, or temperature, top-k and top-p sampling.               # [B, V] -> [B] int32
+
+    params[b] = (temperature, top_k, top_p, u) with u uniform in [0, 1), drawn on the host.
+    temperature 0: the first index of the largest logit, as np.argmax.
+    Otherwise p_i = exp((l_i - max l) / temperature). Rank tokens by decreasing p (ties: lower index first); keep
+    the first n ranks, n the smaller of top_k (0: all) and the shortest prefix whose mass reaches top_p times the
+    mass of the top_k ranks (at least one token). The id is the inverse CDF at u over the kept tokens walked by
+    index. No sort: rank boundaries are found by bisection on the probability value (largest_value).
+    probs [B, V]: scratch. Shared red, redi: [threads + 1].
+    """
+    tid, threads = cuda.threadIdx.x, cuda.blockDim.x
+    V = logits.shape[1]
+    bits = cuda.local.array(1, np.int32)
+    for b in range(block, logits.shape[0], nblocks):
+        temperature, top_k, top_p, u = params[b, 0], int(params[b, 1]), params[b, 2], params[b, 3]
+        top = NEG_INF
+        for i in range(tid, V, threads):
+            if logits[b, i] > top:
+                top = logits[b, i]
+        top = block_max(top, red)
+        if temperature == 0:
+            first = V
+            for i in range(tid, V, threads):
+                if logits[b, i] == top and i < first:
+                    first = i
+            first = block_int(first, redi, False)
+            if tid == 0:
+                ids[b] = first
+            continue
+        for i in range(tid, V, threads):
+            probs[b, i] = math.exp((logits[b, i] - top) / temperature)
+        cuda.syncthreads()
+        keep = V
+        if 0 < top_k < V:
+            keep = top_k
+        if top_p < 1:
+            target = top_p * rank_mass(probs, b, keep, red, redi, bits)
+            boundary = largest_value(probs, b, target, True, red, redi, bits)
+            above, above_mass = mass_from(probs, b, boundary, True, red, redi)
+            ties = mass_from(probs, b, boundary, False, red, redi)[0] - above
+            need = 1  # ties at the boundary needed to reach the target, in index order
+            if boundary > 0:
+                need = int(math.ceil((target - above_mass) / boundary))
+                need = 1 if need < 1 else (ties if need > ties else need)
+            if above + need < keep:
+                keep = above + need
+        boundary = np.float32(-1)  # keep == V: every token, no ties to split
+        boundary_kept = 0
+        if keep < V:
+            boundary = largest_value(probs, b, keep, False, red, redi, bits)
+            boundary_kept = keep - mass_from(probs, b, boundary, True, red, redi)[0]
+        chosen = inverse_cdf(probs, b, boundary, boundary_kept, u, red, redi)
+        if tid == 0:
+            ids[b] = chosen
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels: one launch per stage (prefill, tests), or a whole decode step in one launch
+# ---------------------------------------------------------------------------------------------------------------
+
+@functools.cache
+def embed_kernel():
+    @cuda.jit
+    def kernel(table, meta, x):
+        embed_rows(table, meta, x, cuda.blockIdx.x, cuda.gridDim.x)
+
+    return kernel
+
+
+@functools.cache
+def rms_norm_kernel(threads: int):
+    @cuda.jit
+    def kernel(x, g, eps, out):
+        red = cuda.shared.array(threads, np.float32)
+        rms_norm_rows(x, g, eps, out, red, cuda.blockIdx.x, cuda.gridDim.x)
+
+    return kernel
+
+
+@functools.cache
+def swiglu_kernel():
+    @cuda.jit
+    def kernel(gate_up, h):
+        swiglu_rows(gate_up, h, cuda.blockIdx.x, cuda.gridDim.x)
+
+    return kernel
+
+
+@functools.cache
+def bias_rope_kernel(interleaved: bool):
+    stage = bias_rope_rows(interleaved)
+
+    @cuda.jit
+    def kernel(qkv, bias, rot_heads, head_dim, cos, sin, meta):
+        stage(qkv, bias, rot_heads, head_dim, cos, sin, meta, cuda.blockIdx.x, cuda.gridDim.x)
+
+    return kernel
+
+
+@functools.cache
+def matvec_kernel(rows: int, threads: int, lanes: int, norm: bool = False, residual: bool = False,
+                  gated: bool = False):
+    stage = matvec_rows(rows, threads, lanes, norm, residual, gated)
+    xs_shape, part_shape = (rows, matvec_tile(rows)), (2 * MAX_ROWS, threads)  # shared shapes: constants
+
+    @cuda.jit
+    def kernel(x, g, eps, w, y):
+        xs = cuda.shared.array(xs_shape, np.float32)
+        part = cuda.shared.array(part_shape, np.float32)
+        red = cuda.shared.array(threads, np.float32)
+        scale = cuda.shared.array(rows, np.float32)
+        stage(x, g, eps, w, y, xs, part, red, scale, cuda.blockIdx.x, cuda.gridDim.x)
+
+    return kernel
+
+
+@functools.cache
+def matmul_kernel(tile: tuple[int, int, int, int, int], residual: bool = False):
+    stage = matmul_tiles(tile, residual)
+    BM, BN, BK = tile[:3]
+    xs_shape, ws_shape = (BK, BM), (BK, BN)
+
+    @cuda.jit
+    def kernel(x, w, y):
+        xs = cuda.shared.array(xs_shape, np.float32)
+        ws = cuda.shared.array(ws_shape, np.float32)
+        stage(x, w, y, xs, ws, cuda.blockIdx.x, cuda.gridDim.x)
+
+    return kernel
+
+
+@functools.cache
+def attention_kernel(threads: int):
+    vacc_size = max(threads, MAX_HEAD_DIM)
+
+    @cuda.jit
+    def kernel(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos, window, scale, scores, out):
+        qs = cuda.shared.array(MAX_HEAD_DIM, np.float32)
+        vacc = cuda.shared.array(vacc_size, np.float32)
+        red = cuda.shared.array(threads, np.float32)
+        red2 = cuda.shared.array(threads, np.float32)
+        attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos, window, scale, scores, out,
+                       qs, vacc, red, red2, cuda.blockIdx.x, cuda.gridDim.x)
+
+    return kernel
+
+
+@functools.cache
+def kv_write_kernel():
+    @cuda.jit
+    def kernel(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v):
+        kv_write_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, cuda.blockIdx.x, cuda.gridDim.x)
+
+    return kernel
+
+
+@functools.cache
+def commit_positions_kernel():
+    @cuda.jit
+    def kernel(meta, ring_pos):
+        commit_positions(meta, ring_pos, cuda.blockIdx.x, cuda.gridDim.x)
+
+    return kernel
+
+
+@functools.cache
+def sample_kernel(threads: int):
+    size = threads + 1
+
+    @cuda.jit
+    def kernel(logits, params, probs, ids):
+        red = cuda.shared.array(size, np.float32)
+        redi = cuda.shared.array(size, np.int32)
+        sample_rows(logits, params, probs, ids, red, redi, cuda.blockIdx.x, cuda.gridDim.x)
+
+    return kernel
+
+
+@functools.cache
+def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool):
+    """A whole forward pass of up to `rows` tokens (all layers, then the final norm) in one cooperative launch.
+
+    The stages are the device functions above, in the order model.Transformer runs them, separated by grid-wide
+    barriers (every block finishes a stage before any starts the next):
+        embed | per layer: [norm + qkv] [bias + rope] [attention] [kv write + wo + residual]
+                           [norm + gate/up + SwiGLU] [w2 + residual] | final norm + commit positions
+    Weights are stacked over layers: norms [L, 2, D] (attention, ffn), wqkv [L, W, D], bqkv [L, W], wo [L, D, H Dh],
+    w13 [L, 2, F, D], w2 [L, D, F]. The grid must fit on the device at once (a cooperative launch).
+    """
+    qkv_proj = matvec_rows(rows, threads, lanes, True, False, False)
+    residual_proj = matvec_rows(rows, threads, lanes, False, True, False)
+    gate_up_proj = matvec_rows(rows, threads, lanes, True, False, True)
+    bias_rope = bias_rope_rows(interleaved)
+    xs_shape, part_shape = (rows, matvec_tile(rows)), (2 * MAX_ROWS, threads)
+    vacc_size = max(threads, MAX_HEAD_DIM)
+    # ptxas (sm_90) wants ~135 registers per thread for this kernel: one block of 256 threads per SM. Capped at
+    # 128 (under 200 bytes spilled) two blocks fit: twice the loads in flight. The simulator has no such option.
+    options = {} if numba_config.ENABLE_CUDASIM else {"max_registers": 128}
+
+    @cuda.jit(**options)
+    def kernel(tok_embeddings, norms, wqkv, bqkv, wo, w13, w2, final_norm, eps, n_heads, n_kv, head_dim,
+               cos, sin, meta, ring_k, ring_v, ring_pos, window, scale, x, qkv, att, h, scores, hidden):
+        xs = cuda.shared.array(xs_shape, np.float32)
+        part = cuda.shared.array(part_shape, np.float32)
+        red = cuda.shared.array(threads, np.float32)
+        red2 = cuda.shared.array(threads, np.float32)
+        scale_rows = cuda.shared.array(rows, np.float32)
+        qs = cuda.shared.array(MAX_HEAD_DIM, np.float32)
+        vacc = cuda.shared.array(vacc_size, np.float32)
+        grid = cuda.cg.this_grid()
+        block, nblocks = cuda.blockIdx.x, cuda.gridDim.x
+        attending = nblocks if nblocks < scores.shape[0] else scores.shape[0]  # a row of scores per block
+        embed_rows(tok_embeddings, meta, x, block, nblocks)
+        grid.sync()
+        for layer in range(wqkv.shape[0]):
+            qkv_proj(x, norms[layer, 0], eps, wqkv[layer], qkv, xs, part, red, scale_rows, block, nblocks)
+            grid.sync()
+            bias_rope(qkv, bqkv[layer], n_heads + n_kv, head_dim, cos, sin, meta, block, nblocks)
+            grid.sync()
+            if block < attending:
+                attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k[layer], ring_v[layer], ring_pos,
+                               window, scale, scores, att, qs, vacc, red, red2, block, attending)
+            grid.sync()
+            kv_write_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k[layer], ring_v[layer], block, nblocks)
+            residual_proj(att, final_norm, eps, wo[layer], x, xs, part, red, scale_rows, block, nblocks)
+            grid.sync()
+            gate_up_proj(x, norms[layer, 1], eps, w13[layer], h, xs, part, red, scale_rows, block, nblocks)
+            grid.sync()
+            residual_proj(h, final_norm, eps, w2[layer], x, xs, part, red, scale_rows, block, nblocks)
+            grid.sync()
+        rms_norm_rows(x, final_norm, eps, hidden, red, block, nblocks)
+        commit_positions(meta, ring_pos, block, nblocks)
+
+    return kernel

@@ -1,0 +1,109 @@
+"""Compile every CUDA kernel of npllm, in every variant the model launches, to PTX for a GPU architecture.
+
+No GPU is needed, only numba's CUDA target and the CUDA toolkit's NVVM (pip install '.[cuda]'): this is how a
+machine without a GPU checks that the kernels, which its tests run in numba's Python simulator, also pass numba's
+CUDA compiler (typing, constant shapes, lowering). Run it outside the simulator:
+
+    NUMBA_ENABLE_CUDASIM=0 python scripts/compile_cuda_kernels.py [--cc 9.0]
+
+Prints one line per kernel and exits non-zero if any fails to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+import numpy as np
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cc", default="9.0", help="compute capability to compile for (default 9.0, Hopper)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one variant of each kind (rows 1 and 8, float32 and float16): a quarter of the time")
+    args = parser.parse_args()
+    cc = tuple(int(p) for p in args.cc.split("."))
+
+    from numba import cuda, typeof
+
+    from npllm.kernels import cuda as k
+
+    if not cuda.is_available():
+        # numba compiles device functions for "the current device"; without a GPU, name the target ourselves
+        from numba.cuda import dispatcher
+
+        class Target:
+            compute_capability = cc
+
+        dispatcher.get_current_device = Target
+
+    def arr(dtype, ndim, layout="C"):
+        return typeof(np.empty((2,) * ndim, dtype)).copy(layout=layout)
+
+    f32, f16, i32 = np.float32, np.float16, np.int32
+    f, i = typeof(np.float32(0)), typeof(np.int32(0))
+    g = k.HARDWARE
+    cases = {}
+    cases["embed f32"] = (k.embed_kernel(), (arr(f32, 2), arr(i32, 2), arr(f32, 2)))
+    cases["embed f16"] = (k.embed_kernel(), (arr(f16, 2), arr(i32, 2), arr(f32, 2)))
+    cases["rms_norm"] = (k.rms_norm_kernel(g.threads), (arr(f32, 2), arr(f32, 1), f, arr(f32, 2)))
+    cases["swiglu"] = (k.swiglu_kernel(), (arr(f32, 2), arr(f32, 2)))
+    for interleaved in (True, False):
+        cases[f"bias_rope interleaved={interleaved}"] = (
+            k.bias_rope_kernel(interleaved), (arr(f32, 2), arr(f32, 1), i, i, arr(f32, 2), arr(f32, 2), arr(i32, 2)))
+    for rows in (1, 2, 4, 8):
+        for norm, residual, gated in ((False, False, False), (True, False, False), (False, True, False),
+                                      (True, False, True)):
+            for wt in (f32, f16):
+                w = arr(wt, 3 if gated else 2)
+                for layout in ("C", "A"):  # lm_head may get a strided slice of the hidden states
+                    cases[f"matvec rows={rows} norm={norm} residual={residual} gated={gated} {np.dtype(wt)} "
+                          f"{layout}"] = (k.matvec_kernel(rows, g.threads, g.lanes, norm, residual, gated),
+                                          (arr(f32, 2, layout), arr(f32, 1), f, w, arr(f32, 2)))
+    for residual in (False, True):
+        for wt in (f32, f16):
+            cases[f"matmul residual={residual} {np.dtype(wt)}"] = (
+                k.matmul_kernel(g.tile, residual), (arr(f32, 2), arr(wt, 2), arr(f32, 2)))
+    cases["attention"] = (k.attention_kernel(g.threads),
+                          (arr(f32, 2), arr(i32, 2), i, i, i, arr(f32, 4), arr(f32, 4), arr(i32, 2), i, f,
+                           arr(f32, 2), arr(f32, 2)))
+    cases["kv_write"] = (k.kv_write_kernel(), (arr(f32, 2), arr(i32, 2), i, i, i, arr(f32, 4), arr(f32, 4)))
+    cases["commit_positions"] = (k.commit_positions_kernel(), (arr(i32, 2), arr(i32, 2)))
+    cases["sample"] = (k.sample_kernel(g.sampler_threads), (arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(i32, 1)))
+    for rows in (1, 2, 4, 8):
+        for interleaved in (True, False):
+            for wt in (f32, f16):
+                cases[f"decode_step rows={rows} interleaved={interleaved} {np.dtype(wt)}"] = (
+                    k.decode_step_kernel(rows, g.threads, g.lanes, interleaved),
+                    (arr(wt, 2), arr(f32, 3), arr(wt, 3), arr(f32, 2), arr(wt, 3), arr(wt, 4), arr(wt, 3),
+                     arr(f32, 1), f, i, i, i, arr(f32, 2), arr(f32, 2), arr(i32, 2), arr(f32, 5), arr(f32, 5),
+                     arr(i32, 2), i, f, arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2),
+                     arr(f32, 2)))
+    if args.quick:
+        cases = {name: case for name, case in cases.items() if quick(name)}
+    failed = 0
+    for name, (kernel, argtypes) in cases.items():
+        try:
+            ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=cc)
+            print(f"ok    {name}  ({len(ptx) // 1024} KiB of PTX)", flush=True)
+        except Exception:
+            failed += 1
+            print(f"FAIL  {name}\n{traceback.format_exc(limit=-3)}", flush=True)
+    print(f"{len(cases) - failed} of {len(cases)} kernels compile for sm_{cc[0]}{cc[1]}")
+    return 1 if failed else 0
+
+
+def quick(name: str) -> bool:
+    """The --quick subset: every kernel and variant flag at least once, each weight dtype at least once."""
+    if name.startswith("matvec"):
+        return ("rows=1 " in name or "rows=8 " in name) and name.endswith(" C") and (
+            "float32" in name or "gated=True" in name)
+    if name.startswith("decode_step"):
+        return name in ("decode_step rows=1 interleaved=True float32", "decode_step rows=8 interleaved=False float16")
+    return "f16" not in name or name == "embed f16"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

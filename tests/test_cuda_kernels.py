@@ -1,0 +1,258 @@
+"""Each numba.cuda kernel against its NumPy reference in ops.py (or a plain statement of the same rule).
+
+Without a GPU (CI) the kernels run in numba's CUDA simulator, every GPU thread a Python thread: shapes are tiny,
+odd-sized so that every edge (partial tiles, idle lanes, block-strided loops over more items than blocks) is hit,
+and each kernel runs under two launch geometries. scripts/gpu_check.sh runs the same tests on a real GPU
+(NUMBA_ENABLE_CUDASIM=0), with the hardware geometry added.
+"""
+
+import sys
+
+import numpy as np
+import pytest
+
+from npllm.device import cuda_problem, cuda_simulated, use_cuda_simulator
+
+use_cuda_simulator()  # before numba.cuda is imported (NUMBA_ENABLE_CUDASIM=0 in the environment keeps hardware)
+if cuda_problem() is not None:
+    pytest.skip(f"CUDA unavailable: {cuda_problem()}", allow_module_level=True)
+
+from numba import cuda  # noqa: E402
+
+from npllm import ops  # noqa: E402
+from npllm.cache import RingKVCache  # noqa: E402
+from npllm.config import ModelConfig  # noqa: E402
+from npllm.kernels import cuda as ck  # noqa: E402
+
+SMALL = ck.SIMULATOR
+WIDER = ck.Geometry(threads=64, lanes=16, tile=(16, 8, 4, 2, 2), sampler_threads=16, max_blocks=3)
+GEOMETRIES = [SMALL, WIDER] + ([] if cuda_simulated() else [ck.HARDWARE])
+EPS = np.float32(1e-5)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_thread_switching():
+    """The simulator's threads meet at every syncthreads; Python's default 5 ms switch interval makes each
+    meeting slow. A short interval speeds the simulated kernels up several times."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(5e-5)
+    yield
+    sys.setswitchinterval(before)
+
+
+def normal(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def meta_rows(tokens, positions, slots, keep=None, ring=None):
+    """kernels' [6, T] int32 per-token table (TOKEN, POS, SLOT, KEEP, RING, FIRST)."""
+    T = len(tokens)
+    keep = np.ones(T) if keep is None else keep
+    ring = np.zeros(T) if ring is None else ring
+    first = [list(slots).index(s) for s in slots]
+    return cuda.to_device(np.stack([tokens, positions, slots, keep, ring, first]).astype(np.int32))
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"threads{g.threads}")
+def test_embed_and_rms_norm(geometry):
+    rng = np.random.default_rng(0)
+    table = normal(rng, 11, 37)
+    tokens = np.array([3, 0, 10, 3, 7])
+    x = cuda.device_array((5, 37), np.float32)
+    ck.embed_kernel()[2, geometry.threads](cuda.to_device(table), meta_rows(tokens, tokens * 0, tokens * 0), x)
+    np.testing.assert_array_equal(x.copy_to_host(), ops.embed(table, tokens))
+    g = normal(rng, 37)
+    out = cuda.device_array((5, 37), np.float32)
+    ck.rms_norm_kernel(geometry.threads)[3, geometry.threads](x, cuda.to_device(g), EPS, out)
+    np.testing.assert_allclose(out.copy_to_host(), ops.rms_norm(ops.embed(table, tokens), g, 1e-5),
+                               rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"threads{g.threads}")
+@pytest.mark.parametrize("rows, T", [(1, 1), (2, 2), (4, 3), (8, 8)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_matvec_variants(geometry, rows, T, dtype):
+    """y = x W^T (plain, RMSNorm-ed input, added to y, and SwiGLU-gated), K spanning several x tiles for 8 rows."""
+    rng = np.random.default_rng(rows)
+    K = 600 if rows == 8 else 45  # 8 rows stage 512 columns of x at a time: 600 needs two tiles
+    N = 21
+    x, g = normal(rng, T, K), normal(rng, K)
+    w = normal(rng, N, K, scale=K ** -0.5).astype(dtype)
+    w13 = normal(rng, 2, N, K, scale=K ** -0.5).astype(dtype)
+    y0 = normal(rng, T, N)
+    xn = ops.rms_norm(x, g, 1e-5)
+    w32, w13_32 = w.astype(np.float32), w13.astype(np.float32)
+    cases = {(False, False, False): x @ w32.T, (True, False, False): xn @ w32.T,
+             (False, True, False): y0 + x @ w32.T,
+             (True, False, True): ops.silu(xn @ w13_32[0].T) * (xn @ w13_32[1].T)}
+    for (norm, residual, gated), expected in cases.items():
+        y = cuda.to_device(y0)
+        kernel = ck.matvec_kernel(rows, geometry.threads, geometry.lanes, norm, residual, gated)
+        kernel[2, geometry.threads](cuda.to_device(x), cuda.to_device(g), EPS, cuda.to_device(w13 if gated else w), y)
+        np.testing.assert_allclose(y.copy_to_host(), expected, rtol=1e-4, atol=2e-5,
+                                   err_msg=f"norm={norm} residual={residual} gated={gated}")
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"threads{g.threads}")
+@pytest.mark.parametrize("M, N, K", [(1, 1, 1), (9, 13, 37), (20, 5, 16)])
+def test_matmul_tiles(geometry, M, N, K):
+    rng = np.random.default_rng(M * N * K)
+    x, w, y0 = normal(rng, M, K), normal(rng, N, K), normal(rng, M, N)
+    for residual, expected in ((False, x @ w.T), (True, y0 + x @ w.T)):
+        y = cuda.to_device(y0)
+        ck.matmul_kernel(geometry.tile, residual)[3, geometry.matmul_threads](cuda.to_device(x), cuda.to_device(w), y)
+        np.testing.assert_allclose(y.copy_to_host(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_bias_rope_matches_ops(interleaved):
+    """Bias on every column, then RoPE on the first rot_heads heads (the q and k heads), in both pair layouts."""
+    rng = np.random.default_rng(1)
+    T, Dh, rot_heads, heads = 4, 6, 3, 5
+    qkv, bias = normal(rng, T, heads * Dh), normal(rng, heads * Dh)
+    positions = np.array([0, 7, 300, 5])
+    cos, sin = ops.rope_angles(np.arange(301), ops.rope_inv_freq(Dh, 10000.0), np.float32)
+    out = cuda.to_device(qkv)
+    ck.bias_rope_kernel(interleaved)[3, 8](out, cuda.to_device(bias), rot_heads, Dh, cuda.to_device(cos),
+                                          cuda.to_device(sin), meta_rows(positions * 0, positions, positions * 0))
+    biased = (qkv + bias).reshape(T, heads, Dh)
+    rope = ops.rope_interleaved if interleaved else ops.rope_half
+    expected = np.concatenate([rope(biased[:, :rot_heads], cos[positions], sin[positions]),
+                               biased[:, rot_heads:]], axis=1)
+    np.testing.assert_allclose(out.copy_to_host().reshape(T, heads, Dh), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_swiglu():
+    rng = np.random.default_rng(2)
+    gate_up = normal(rng, 3, 2 * 19, scale=3.0)
+    h = cuda.device_array((3, 19), np.float32)
+    ck.swiglu_kernel()[2, 8](cuda.to_device(gate_up), h)
+    np.testing.assert_allclose(h.copy_to_host(), ops.silu(gate_up[:, :19]) * gate_up[:, 19:], rtol=1e-6)
+
+
+def reference_attention(config, cache, layer, q, k, v, positions, slots, window):
+    """model.Transformer's attention: per slot, the ring as read before the call, then the chunk's keys."""
+    out = np.empty_like(q)
+    for slot in np.unique(slots):
+        idx = np.flatnonzero(slots == slot)
+        ring_k, ring_v, ring_pos = cache.read(layer, slot)
+        keys, values = np.concatenate([ring_k, k[idx]]), np.concatenate([ring_v, v[idx]])
+        mask = ops.attention_mask(positions[idx], np.concatenate([ring_pos, positions[idx]]), window)
+        out[idx] = ops.attention(q[idx], keys, values, mask)
+    return out
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"threads{g.threads}")
+@pytest.mark.parametrize("H, K", [(4, 4), (4, 2), (8, 1)])
+def test_attention_and_ring_write(geometry, H, K):
+    """Grouped-query attention over a wrapped ring plus this call's tokens from three slots (one bringing more
+    positions than the ring holds, one empty before the call, two interleaved), then the ring write and the
+    position commit, against RingKVCache and ops.attention."""
+    rng = np.random.default_rng(H * 10 + K)
+    Dh, C, L = 6, 5, 2
+    config = ModelConfig(dim=H * Dh, hidden_dim=8, n_layers=L, n_heads=H, n_kv_heads=K, vocab_size=8,
+                         max_seq_len=64)
+    host = RingKVCache(config, C, slots=3)
+    history = {0: 9, 1: 3, 2: 0}  # positions already cached per slot: slot 0 has wrapped its ring
+    for slot, n in history.items():
+        if n:
+            for layer in range(L):
+                host.write(layer, slot, np.arange(n), normal(rng, n, K, Dh), normal(rng, n, K, Dh))
+    slots = np.array([0, 1, 2, 1, 2, 2, 2, 2, 2, 2])  # slot 2 brings 7 positions into a ring of 5; slots
+    positions = np.array([9, 3, 0, 4, 1, 2, 3, 4, 5, 6])  # 1 and 2 interleave
+    T, W = len(slots), (H + 2 * K) * Dh
+    qkv = normal(rng, T, W)
+    q, k, v = qkv[:, :H * Dh].reshape(T, H, Dh), qkv[:, H * Dh:(H + K) * Dh].reshape(T, K, Dh), \
+        qkv[:, (H + K) * Dh:].reshape(T, K, Dh)
+    last = {s: positions[slots == s].max() for s in history}
+    keep = np.array([p > last[s] - C for p, s in zip(positions, slots)])
+    ring = np.minimum(host.lengths[slots], C)
+    meta = meta_rows(positions * 0, positions, slots, keep, ring)
+    ring_k, ring_v, ring_pos = (cuda.to_device(a.copy()) for a in (host.k, host.v, host.positions.astype(np.int32)))
+    window = 4  # a sliding window shorter than the ring, so the mask's lower bound matters too
+    blocks = 3
+    scores = cuda.device_array((blocks, C + T), np.float32)
+    out = cuda.device_array((T, H * Dh), np.float32)
+    layer = 1
+    ck.attention_kernel(geometry.threads)[blocks, geometry.threads](
+        cuda.to_device(qkv), meta, H, K, Dh, ring_k[layer], ring_v[layer], ring_pos, window,
+        np.float32(1 / np.sqrt(Dh)), scores, out)
+    expected = reference_attention(config, host, layer, q, k, v, positions, slots, window)
+    np.testing.assert_allclose(out.copy_to_host(), expected.reshape(T, H * Dh), rtol=1e-5, atol=1e-6)
+
+    ck.kv_write_kernel()[blocks, geometry.threads](cuda.to_device(qkv), meta, H, K, Dh, ring_k[layer],
+                                                   ring_v[layer])
+    ck.commit_positions_kernel()[2, 4](meta, ring_pos)
+    for slot in history:
+        idx = np.flatnonzero(slots == slot)
+        for l in range(L):
+            host.write(l, slot, positions[idx], k[idx], v[idx])
+    np.testing.assert_array_equal(ring_pos.copy_to_host(), host.positions)
+    filled = host.positions >= 0
+    np.testing.assert_array_equal(ring_k.copy_to_host()[layer][filled], host.k[layer][filled])
+    np.testing.assert_array_equal(ring_v.copy_to_host()[layer][filled], host.v[layer][filled])
+
+
+# --- sampling ----------------------------------------------------------------------------------------------------
+
+def reference_sample(logits, temperature, top_k, top_p, u):
+    """sample_rows' rule written with a sort: rank by decreasing p (ties: lower index first), keep the first
+    min(top_k, nucleus) ranks, then the inverse CDF at u over the kept tokens taken in index order."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    p = np.exp((logits - logits.max()) / np.float32(temperature)).astype(np.float32)
+    order = np.argsort(-p, kind="stable")
+    n = top_k if 0 < top_k < len(p) else len(p)
+    if top_p < 1:
+        cum = np.cumsum(p[order].astype(np.float64))
+        n = min(n, int(np.searchsorted(cum, top_p * cum[n - 1])) + 1)
+    kept = np.sort(order[:n])
+    cdf = np.cumsum(p[kept].astype(np.float64))
+    return int(kept[min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), n - 1)])
+
+
+def device_sample(logits, params, threads):
+    ids = cuda.device_array(len(logits), np.int32)
+    probs = cuda.device_array(logits.shape, np.float32)
+    ck.sample_kernel(threads)[2, threads](cuda.to_device(logits), cuda.to_device(np.asarray(params, np.float32)),
+                                          probs, ids)
+    return ids.copy_to_host()
+
+
+@pytest.mark.parametrize("threads", [8, 32])
+def test_sampler_greedy_takes_the_first_maximum(threads):
+    logits = np.full((3, 70), -1.0, np.float32)
+    logits[0, [5, 40]] = 3.0  # a tie: the lower index wins, as np.argmax
+    logits[1, 69] = 0.5
+    logits[2, 0] = 2.0
+    ids = device_sample(logits, [[0, 0, 1, 0.5]] * 3, threads)
+    np.testing.assert_array_equal(ids, np.argmax(logits, axis=1))
+
+
+@pytest.mark.parametrize("threads", [8, 32])
+def test_sampler_matches_the_sorted_rule(threads):
+    """Random rows and parameters: the id is the one the sort-based rule picks with the same uniform number."""
+    rng = np.random.default_rng(threads)
+    V = 75
+    logits = normal(rng, 6, V, scale=2.0)
+    logits[3, 10:20] = logits[3, 9]  # ties straddling a top-k boundary
+    logits[4, :] = np.round(logits[4, :])  # many ties everywhere
+    params = [[1.0, 0, 1.0, 0.3], [0.7, 5, 1.0, 0.99], [1.3, 0, 0.6, 0.5], [1.0, 12, 0.8, 0.1],
+              [1.0, 4, 0.5, 0.7], [0.5, 0, 0.05, 0.9]]
+    ids = device_sample(logits, params, threads)
+    expected = [reference_sample(logits[b], *params[b]) for b in range(6)]
+    np.testing.assert_array_equal(ids, expected)
+
+
+def test_sampler_tie_rules():
+    """Equal logits: top-k keeps the lowest indices, top-p keeps the shortest prefix reaching its mass, and u walks
+    the kept tokens in index order, taking the first whose running mass exceeds u times the total."""
+    logits = np.zeros((6, 20), np.float32)
+    logits[5] = [5, 5, 2, 2, 2, 2] + [-1] * 14
+    params = [[1, 3, 1, 0.5], [1, 3, 1, 0.0], [1, 4, 1, 0.5], [1, 0, 0.5, 0.99], [1, 0, 0.52, 0.99], [1, 3, 1, 0.99]]
+    ids = device_sample(logits, params, 8)
+    # 3 kept: CDF 1/3, 2/3, 1, so u = 0.5 takes index 1 and u = 0 index 0; 4 kept: u = 0.5 lands exactly on the
+    # second step, which is not exceeded: index 2; top-p 0.5 of 20 equal tokens keeps 10, and 0.52 keeps 11;
+    # top-k 3 over (5, 5, 2, 2, 2, 2, ...) keeps both 5s and only the first 2: u = 0.99 ends on index 2
+    np.testing.assert_array_equal(ids, [1, 0, 2, 9, 10, 2])
+    np.testing.assert_array_equal(ids, [reference_sample(logits[b], *params[b]) for b in range(6)])

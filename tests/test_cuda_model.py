@@ -1,0 +1,169 @@
+"""CudaTransformer against the NumPy Transformer, and stories260K's greedy golden text through the device path.
+
+Without a GPU the device is numba's CUDA simulator (see test_cuda_kernels.py): a stories260K token takes about two
+seconds there, so CI checks the golden text's first GOLDEN_PREFIX tokens; NPLLM_CUDA_GOLDEN_FULL=1 (set by
+scripts/gpu_check.sh) runs all 200.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from npllm.device import cuda_problem, cuda_simulated, use_cuda_simulator
+
+use_cuda_simulator()
+if cuda_problem() is not None:
+    pytest.skip(f"CUDA unavailable: {cuda_problem()}", allow_module_level=True)
+
+from npllm import LLM  # noqa: E402
+from npllm.config import ModelConfig  # noqa: E402
+from npllm.cuda_model import CudaTransformer, on_device  # noqa: E402
+from npllm.errors import DeviceError, GenerationError  # noqa: E402
+from npllm.formats import read_checkpoint  # noqa: E402
+from npllm.formats.random import random_weights  # noqa: E402
+from npllm.model import Transformer  # noqa: E402
+from npllm.tokenizer import load_tokenizer  # noqa: E402
+from npllm.sampling import SamplingParams  # noqa: E402
+
+GOLDEN_PREFIX = 24
+GQA = ModelConfig(dim=24, hidden_dim=40, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=64)
+# Hugging Face's RoPE layout, q/k/v biases (Qwen2) and a sliding window shorter than the ring (Mistral)
+VARIANT = GQA.replace(rope_layout="half", attention_bias=True, sliding_window=6, n_kv_heads=1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_thread_switching():
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(5e-5)  # see test_cuda_kernels.py
+    yield
+    sys.setswitchinterval(before)
+
+
+def assert_hidden_close(device_hidden, host_hidden):
+    np.testing.assert_allclose(device_hidden.copy_to_host(), host_hidden, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("config", [GQA, VARIANT], ids=["gqa", "half-bias-window"])
+def test_prefill_and_decode_match_numpy(config):
+    """A 10-token prefill (the per-stage path), then single-token decode steps (the one-launch path) over a ring
+    smaller than the sequence, so it wraps; hidden states, logits and the cache all as the NumPy model."""
+    weights = random_weights(config, seed=3)
+    host, device = Transformer(config, weights), CudaTransformer(config, weights)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, config.vocab_size, 14)
+    host_cache, device_cache = host.new_cache(capacity=8), device.new_cache(capacity=8)
+    assert_hidden_close(device.forward(tokens[:10], np.arange(10), device_cache),
+                        host.forward(tokens[:10], np.arange(10), host_cache))
+    for p in range(10, 14):
+        h_dev = device.forward(tokens[p:p + 1], [p], device_cache)
+        h_host = host.forward(tokens[p:p + 1], [p], host_cache)
+        assert_hidden_close(h_dev, h_host)
+    np.testing.assert_allclose(device.lm_head(h_dev), host.lm_head(h_host), rtol=1e-4, atol=1e-4)
+    copy = device_cache.to_host()
+    np.testing.assert_array_equal(copy.positions, host_cache.positions)
+    np.testing.assert_array_equal(copy.lengths, host_cache.lengths)
+    np.testing.assert_allclose(copy.k, host_cache.k, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(copy.v, host_cache.v, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "stage-by-stage"])
+def test_ragged_batch_in_one_call(one_launch):
+    """Three sequences at different positions in one decode call (one launch, or stage by stage with the
+    matrix-vector kernels), then two prompts concatenated in one prefill call (tiled matrix-matrix products),
+    each token in its own cache slot."""
+    weights = random_weights(GQA, seed=4)
+    host, device = Transformer(GQA, weights), CudaTransformer(GQA, weights, one_launch_decode=one_launch)
+    host_cache, device_cache = host.new_cache(slots=3), device.new_cache(slots=3)
+    tokens, positions, slots = [3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 0, 1, 0, 1], [0, 0, 0, 1, 1, 2, 2]
+    assert_hidden_close(device.forward(tokens, positions, device_cache, slots),
+                        host.forward(tokens, positions, host_cache, slots))
+    step = ([10, 11, 12], [3, 2, 2], [0, 1, 2])
+    assert_hidden_close(device.forward(*step[:2], device_cache, step[2]), host.forward(*step[:2], host_cache, step[2]))
+    device_cache.reset(1)
+    host_cache.reset(1)
+    # a fresh 9-token prompt in slot 1 and 3 more tokens of slot 2, concatenated: 12 tokens, the per-stage path
+    chunk = (list(range(5, 17)), list(range(9)) + [3, 4, 5], [1] * 9 + [2] * 3)
+    assert_hidden_close(device.forward(chunk[0], chunk[1], device_cache, chunk[2]),
+                        host.forward(chunk[0], chunk[1], host_cache, chunk[2]))
+
+
+def test_float16_storage_is_the_rounded_model():
+    """float16 storage with float32 sums computes the float32 model of the float16-rounded matrices (norm gains
+    and biases, tiny, stay float32)."""
+    weights = random_weights(GQA, seed=5)
+    rounded = {name: w.astype(np.float16).astype(np.float32) if w.ndim == 2 else w for name, w in weights.items()}
+    host, device = Transformer(GQA, rounded), CudaTransformer(GQA, weights, dtype=np.float16)
+    tokens = [1, 7, 9, 30]
+    np.testing.assert_allclose(device.logits(tokens), host.logits(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_device_sampling_matches_greedy_and_stays_in_the_nucleus():
+    weights = random_weights(GQA, seed=6)
+    device = CudaTransformer(GQA, weights)
+    cache = device.new_cache(slots=2)
+    hidden = device.forward([4, 5], [0, 0], cache, [0, 1])
+    logits = device.lm_head(hidden)
+    np.testing.assert_array_equal(device.sample(hidden, 0, 0, 1.0, 0.5), np.argmax(logits, axis=1))
+    ids = device.sample(hidden, [1.0, 0.5], [3, 0], [1.0, 0.9], [0.2, 0.8])
+    assert ids[0] in np.argsort(-logits[0])[:3]  # top-k 3
+    p = np.exp((logits[1] - logits[1].max()) / 0.5)
+    order = np.argsort(-p)
+    nucleus = order[:np.searchsorted(np.cumsum(p[order]) / p.sum(), 0.9) + 1]
+    assert ids[1] in nucleus
+
+
+def test_sampling_options_the_device_lacks_go_to_the_host():
+    """Temperature, top-k and top-p run on the device; any other option in use sends the logits to the host."""
+    assert on_device(SamplingParams(temperature=0.7, top_p=0.9, seed=3))
+    extra = [f for f in SamplingParams.__dataclass_fields__ if f not in ("temperature", "top_k", "top_p", "seed")]
+    for name in extra:  # options the sampling module may add (penalties, min-p, ...)
+        default = SamplingParams.__dataclass_fields__[name].default
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            assert not on_device(SamplingParams(**{name: default + 0.5}))
+
+
+def test_bad_input_is_refused_before_the_device_sees_it():
+    device = CudaTransformer(GQA, random_weights(GQA, seed=7))
+    cache = device.new_cache(slots=2)
+    with pytest.raises(GenerationError, match="token ids"):
+        device.forward([50], [0], cache)
+    with pytest.raises(GenerationError, match="slots"):
+        device.forward([1], [0], cache, [2])
+    with pytest.raises(GenerationError, match="as many positions"):
+        device.forward([1, 2], [0], cache)
+
+
+def test_device_selection_without_a_gpu_names_what_is_missing():
+    """Outside the simulator, on a machine without a GPU: "cuda" raises DeviceError naming the driver, "auto"
+    falls back to the CPU. (In the simulator "auto" never picks CUDA either.)"""
+    if not cuda_simulated():
+        pytest.skip("this machine has a GPU")
+    from npllm.device import resolve_device
+
+    assert resolve_device("auto") == "cpu"
+    assert resolve_device("cuda") == "cuda"  # the simulator runs explicit requests
+    with pytest.raises(DeviceError, match="device must be one of"):
+        resolve_device("tpu")
+    code = ("from npllm.device import resolve_device\n"
+            "print(resolve_device('auto'))\n"
+            "try:\n    resolve_device('cuda')\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    auto, error = out.splitlines()[:2]
+    assert auto == "cpu"
+    assert error.startswith("DeviceError") and "driver" in error
+
+
+def test_stories260k_greedy_golden_through_the_device(stories260k, golden_200, weights_dir):
+    """Greedy generation from BOS, the argmax taken on the device: the NumPy model's text, the golden's start."""
+    config, weights = read_checkpoint(stories260k)
+    tokenizer = load_tokenizer(weights_dir / "stories260K" / "tok512.bin", vocab_size=config.vocab_size)
+    n = 200 if os.environ.get("NPLLM_CUDA_GOLDEN_FULL") == "1" else GOLDEN_PREFIX
+    text = LLM(CudaTransformer(config, weights), tokenizer).generate("", n, temperature=0)
+    assert text == LLM(Transformer(config, weights), tokenizer).generate("", n, temperature=0)
+    assert golden_200.startswith(text)
+    if n == 200:
+        assert text == golden_200
