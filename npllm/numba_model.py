@@ -150,8 +150,11 @@ class NumbaTransformer:
         if tokens.ndim != 1 or tokens.shape != positions.shape or tokens.shape != slots.shape:
             raise GenerationError(f"forward needs 1-D tokens, positions and slots of one length, got shapes "
                                   f"{tokens.shape}, {positions.shape}, {slots.shape}")
-        if cache.k.dtype != np.float32 or cache.k.shape[0] != self.config.n_layers:
-            raise GenerationError("the cache was not made by this model's new_cache()")
+        c = self.config
+        if cache.k.dtype != np.float32 or cache.k.shape[0] != c.n_layers or cache.k.shape[3:] != (c.n_kv_heads,
+                                                                                                   c.head_dim):
+            raise GenerationError(f"the cache holds {cache.k.dtype} [layers, slots, capacity, kv heads, head dim] = "
+                                  f"{list(cache.k.shape)}: not one made by this model's new_cache()")
         T = len(tokens)
         order, seq_starts, seq_slots = np.empty(T, np.int64), np.empty(T + 1, np.int64), np.empty(T, np.int64)
         n_seq = _group_by_slot(tokens, positions, slots, self.config.vocab_size, cache.slots, order, seq_starts,
