@@ -19,10 +19,13 @@ Each lane of `acc` is a separate output, so a lane's sum is added strictly in th
 axis. That order, not the tile's shape nor the vector width, fixes every rounding: a product computed 1 token at a
 time (decode) and 6 at a time (prefill) gives bit-identical results.
 
-WIDE says whether this machine has 16-lane (AVX-512) registers: the prefill tile uses f32x16 there.
+WIDE says whether the machine Numba compiles for has 16-lane (AVX-512) registers: the prefill tile uses f32x16
+there. NUMBA_CPU_NAME / NUMBA_CPU_FEATURES (Numba's own settings for compiling for another machine) are obeyed.
 """
 
 from __future__ import annotations
+
+import os
 
 import llvmlite.binding
 from llvmlite import ir
@@ -31,7 +34,15 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 LANES = 8
-WIDE = bool(llvmlite.binding.get_host_cpu_features().get("avx512f", False))
+
+
+def _target_has_avx512() -> bool:
+    if os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES"):
+        return "+avx512f" in os.environ.get("NUMBA_CPU_FEATURES", "")
+    return bool(llvmlite.binding.get_host_cpu_features().get("avx512f", False))
+
+
+WIDE = _target_has_avx512()
 
 
 class F32xN(types.Type):
