@@ -28,7 +28,9 @@ from .model import check_weights
 from .sampling import SamplingParams, sample_with
 
 DTYPES = (np.float32, np.float16)
-DEVICE_SAMPLING = ("temperature", "top_k", "top_p", "seed")  # what sample_rows implements; the rest: host
+# What kernels.sample_rows does (stop strings are the generation loop's business); any other option in use sends
+# the logits to the host sampler.
+DEVICE_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop")
 
 
 def _cuda():
@@ -336,17 +338,16 @@ class CudaTransformer:
         cache = self.new_cache() if cache is None else cache
         return self.lm_head(self.forward(tokens, positions, cache))
 
-    def sample(self, h, temperature, top_k, top_p, uniforms) -> np.ndarray:
-        """Token ids chosen on the device from final hidden states, one per row (kernels.sample_rows: greedy when
-        the temperature is 0, else temperature, top-k and top-p with the given uniform numbers in [0, 1)).
-                                                                      # [B, D], [B] x4 -> [B] int ids on the host
-        """
+    def sample(self, h, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, uniforms=0.0) -> np.ndarray:
+        """Token ids chosen on the device from final hidden states, one per row: greedy at temperature 0, else
+        sampling.sample_with's draw with the given uniform numbers in [0, 1) (kernels.sample_rows). Each option is
+        one value for every row or one per row.                     # [B, D] -> [B] int ids on the host"""
         k, g = self.kernels, self.geometry
         logits = self._device_logits(h)
         B, V = logits.shape
-        params = np.empty((B, 4), np.float32)  # one row per sequence: scalars apply to every row
-        params[:, 0], params[:, 1], params[:, 2] = temperature, top_k, top_p
-        params[:, 3] = np.minimum(np.asarray(uniforms, np.float32), UNIFORM_MAX)
+        params = np.empty((B, 5), np.float32)  # one row per sequence
+        params[:, 0], params[:, 1], params[:, 2], params[:, 3] = temperature, top_k, top_p, min_p
+        params[:, 4] = np.minimum(np.asarray(uniforms, np.float32), UNIFORM_MAX)
         ids = self.cuda.device_array(B, np.int32)
         probs = self.cuda.device_array((B, V), np.float32)
         k.sample_kernel(g.sampler_threads)[g.grid(B), g.sampler_threads](logits, self.cuda.to_device(params), probs,
@@ -354,12 +355,13 @@ class CudaTransformer:
         return ids.copy_to_host()
 
     def sample_next(self, h, params: SamplingParams, rng: np.random.Generator, history=()) -> int:
-        """The next token after final hidden state h [1, D]: sampled on the device when `params` asks only for
-        what the device sampler does (temperature, top-k, top-p), else from host logits with sample_with."""
+        """The next token after final hidden state h [1, D], drawn as sampling.sample_with would draw it (the same
+        one rng.random() for a sampled step): on the device when `params` uses only what the device sampler does,
+        else from host logits with sample_with itself."""
         if not on_device(params):
-            return sample_with(params, self.lm_head(h)[0], rng, history)
+            return int(sample_with(params, self.lm_head(h)[0], rng, history))
         u = 0.0 if params.temperature == 0 else rng.random()
-        return int(self.sample(h, params.temperature, getattr(params, "top_k", 0), params.top_p, u)[0])
+        return int(self.sample(h, params.temperature, params.top_k, params.top_p, params.min_p, u)[0])
 
 
 UNIFORM_MAX = np.nextafter(np.float32(1), np.float32(0))  # a float64 uniform below 1 may round up to 1 in float32

@@ -26,7 +26,7 @@ from npllm.formats import read_checkpoint  # noqa: E402
 from npllm.formats.random import random_weights  # noqa: E402
 from npllm.model import Transformer  # noqa: E402
 from npllm.tokenizer import load_tokenizer  # noqa: E402
-from npllm.sampling import SamplingParams  # noqa: E402
+from npllm.sampling import SamplingParams, sample_with  # noqa: E402
 
 GOLDEN_PREFIX = 24
 GQA = ModelConfig(dim=24, hidden_dim=40, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=64)
@@ -100,29 +100,33 @@ def test_float16_storage_is_the_rounded_model():
     np.testing.assert_allclose(device.logits(tokens), host.logits(tokens), rtol=1e-4, atol=1e-4)
 
 
-def test_device_sampling_matches_greedy_and_stays_in_the_nucleus():
+def test_device_sampling_draws_what_the_host_draws():
+    """sample_next on the device picks the id sampling.sample_with picks from the host logits, for the same rng."""
     weights = random_weights(GQA, seed=6)
     device = CudaTransformer(GQA, weights)
-    cache = device.new_cache(slots=2)
-    hidden = device.forward([4, 5], [0, 0], cache, [0, 1])
-    logits = device.lm_head(hidden)
-    np.testing.assert_array_equal(device.sample(hidden, 0, 0, 1.0, 0.5), np.argmax(logits, axis=1))
-    ids = device.sample(hidden, [1.0, 0.5], [3, 0], [1.0, 0.9], [0.2, 0.8])
-    assert ids[0] in np.argsort(-logits[0])[:3]  # top-k 3
-    p = np.exp((logits[1] - logits[1].max()) / 0.5)
-    order = np.argsort(-p)
-    nucleus = order[:np.searchsorted(np.cumsum(p[order]) / p.sum(), 0.9) + 1]
-    assert ids[1] in nucleus
+    hidden = device.forward([4, 5, 6], [0, 1, 2], device.new_cache())[-1:]
+    logits = device.lm_head(hidden)[0]
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=10, top_p=0.9, seed=1),
+                   SamplingParams(temperature=1.2, min_p=0.05, seed=2), SamplingParams(top_p=0.5, seed=3),
+                   SamplingParams(seed=4, stop=("the",))):
+        assert on_device(params)
+        expected = int(sample_with(params, logits, params.generator()))
+        assert device.sample_next(hidden, params, params.generator()) == expected
 
 
 def test_sampling_options_the_device_lacks_go_to_the_host():
-    """Temperature, top-k and top-p run on the device; any other option in use sends the logits to the host."""
-    assert on_device(SamplingParams(temperature=0.7, top_p=0.9, seed=3))
-    extra = [f for f in SamplingParams.__dataclass_fields__ if f not in ("temperature", "top_k", "top_p", "seed")]
-    for name in extra:  # options the sampling module may add (penalties, min-p, ...)
-        default = SamplingParams.__dataclass_fields__[name].default
-        if isinstance(default, (int, float)) and not isinstance(default, bool):
-            assert not on_device(SamplingParams(**{name: default + 0.5}))
+    """Penalties, typical-p, logit bias and log-probabilities need the host sampler: the logits go there, and the
+    draw is still sample_with's."""
+    weights = random_weights(GQA, seed=6)
+    device = CudaTransformer(GQA, weights)
+    hidden = device.forward([4, 5, 6], [0, 1, 2], device.new_cache())[-1:]
+    logits = device.lm_head(hidden)[0]
+    history = [4, 5, 6]
+    for params in (SamplingParams(repetition_penalty=1.3, seed=4), SamplingParams(typical_p=0.8, seed=5),
+                   SamplingParams(logit_bias={3: 5.0}, seed=6), SamplingParams(logprobs=2, seed=7)):
+        assert not on_device(params)
+        expected = int(sample_with(params, logits, params.generator(), history))
+        assert device.sample_next(hidden, params, params.generator(), history) == expected
 
 
 def test_bad_input_is_refused_before_the_device_sees_it():
