@@ -89,6 +89,66 @@ class CudaKVCache:
         return host
 
 
+class DeviceArray:
+    """Hidden states on the GPU that index as generation code indexes a NumPy array (npllm.batching does).
+
+    Basic indexing and reshape give views on the device (reshaping a strided view first copies it into a
+    contiguous one, on the device); integers along the first axis (hidden[rows]) gather on the device;
+    np.asarray and copy_to_host bring the values to the host. lm_head and sample take it as it is.
+    """
+
+    def __init__(self, data, model: "CudaTransformer"):
+        self.data = data  # a numba device array
+        self.model = model
+
+    shape = property(lambda self: self.data.shape)
+    ndim = property(lambda self: self.data.ndim)
+    dtype = property(lambda self: self.data.dtype)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index):
+        if isinstance(index, (list, np.ndarray)):
+            return self._gather(np.asarray(index))
+        picked = self.data[index]
+        return DeviceArray(picked, self.model) if hasattr(picked, "copy_to_host") else picked
+
+    def reshape(self, *shape):
+        return DeviceArray(self._contiguous().reshape(*shape), self.model)
+
+    def copy_to_host(self) -> np.ndarray:
+        return self._contiguous().copy_to_host()
+
+    def __array__(self, dtype=None, copy=None):
+        return self.copy_to_host() if dtype is None else self.copy_to_host().astype(dtype)
+
+    def _gather(self, rows: np.ndarray) -> "DeviceArray":
+        """Rows by index (negative counts from the end).          # [R, D], [N] -> [N, D]"""
+        if rows.ndim != 1 or rows.dtype.kind not in "iu" or self.ndim != 2:
+            raise IndexError(f"a device array of shape {self.shape} takes basic indices or a 1-D array of row "
+                             f"numbers, got an index of shape {rows.shape} and dtype {rows.dtype}")
+        R = self.shape[0]
+        if len(rows) and not (-R <= rows.min() and rows.max() < R):
+            raise IndexError(f"row index out of range for {R} rows: {rows.min()}..{rows.max()}")
+        cuda, g = self.model.cuda, self.model.geometry
+        out = cuda.device_array((len(rows), self.shape[1]), self.dtype)
+        if len(rows):
+            index = cuda.to_device(np.ascontiguousarray(rows % R, np.int32))
+            self.model.kernels.gather_rows_kernel()[g.grid(len(rows)), g.threads](self.data, index, out)
+        return DeviceArray(out, self.model)
+
+    def _contiguous(self):
+        if self.data.is_c_contiguous():
+            return self.data
+        if self.ndim not in (2, 3):
+            raise IndexError(f"only 2-D and 3-D strided device arrays can be copied, this one is {self.shape}")
+        cuda, g = self.model.cuda, self.model.geometry
+        out = cuda.device_array(self.shape, self.dtype)
+        self.model.kernels.compact_kernel(self.ndim)[g.grid(int(np.prod(self.shape[:-1]))), g.threads](self.data, out)
+        return out
+
+
 @dataclasses.dataclass
 class _Workspace:
     """Device buffers of one forward call of T tokens (kept and reused for the next call of the same T)."""
@@ -181,8 +241,8 @@ class CudaTransformer:
         """How many most recent positions a query sees: the model's sliding window, capped by the ring's size."""
         return min(self.config.sliding_window or cache.capacity, cache.capacity)
 
-    def forward(self, tokens, positions, cache: CudaKVCache, slots=None):
-        """Final-norm hidden states of the given tokens, updating the cache.     # [T], [T], [T] -> device [T, D]
+    def forward(self, tokens, positions, cache: CudaKVCache, slots=None) -> DeviceArray:
+        """Final-norm hidden states of the given tokens, updating the cache.      # [T], [T], [T] -> [T, D] on the GPU
 
         As model.Transformer.forward: slots[t] is the cache slot of token t (all 0 when omitted); within a slot,
         tokens come in increasing position order and follow what the slot's cache already holds.
@@ -198,7 +258,7 @@ class CudaTransformer:
             self._stages(ws, cache, hidden)
         for slot in np.unique(meta[2]):
             cache.lengths[slot] = max(cache.lengths[slot], int(meta[1][meta[2] == slot].max()) + 1)
-        return hidden
+        return DeviceArray(hidden, self)
 
     def _meta(self, tokens, positions, slots, cache: CudaKVCache) -> np.ndarray:
         """[6, T] int32 rows TOKEN, POS, SLOT, KEEP, RING, FIRST (see kernels/cuda.py), checked: out-of-range
@@ -320,7 +380,9 @@ class CudaTransformer:
 
     def _device_logits(self, h):
         """Logits on the device.  # [T, D] -> device [T, V]"""
-        if not hasattr(h, "copy_to_host"):  # a host array: upload it
+        if isinstance(h, DeviceArray):
+            h = h.data
+        elif not hasattr(h, "copy_to_host"):  # a host array: upload it
             h = self.cuda.to_device(np.ascontiguousarray(h, np.float32))
         logits = self.cuda.device_array((h.shape[0], self.config.vocab_size), np.float32)
         self._matmul(h, self.output, logits, residual=False)

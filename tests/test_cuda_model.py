@@ -18,7 +18,7 @@ use_cuda_simulator()
 if cuda_problem() is not None:
     pytest.skip(f"CUDA unavailable: {cuda_problem()}", allow_module_level=True)
 
-from npllm import LLM  # noqa: E402
+from npllm import LLM, batching  # noqa: E402
 from npllm.config import ModelConfig  # noqa: E402
 from npllm.cuda_model import CudaTransformer, on_device  # noqa: E402
 from npllm.errors import DeviceError, GenerationError  # noqa: E402
@@ -88,6 +88,36 @@ def test_ragged_batch_in_one_call(one_launch):
     chunk = (list(range(5, 17)), list(range(9)) + [3, 4, 5], [1] * 9 + [2] * 3)
     assert_hidden_close(device.forward(chunk[0], chunk[1], device_cache, chunk[2]),
                         host.forward(chunk[0], chunk[1], host_cache, chunk[2]))
+
+
+def test_hidden_states_index_like_numpy_arrays():
+    """What generation code does with hidden states (rows by index, reshape, strided views) works on the device
+    and gives the host's values."""
+    weights = random_weights(GQA, seed=8)
+    device = CudaTransformer(GQA, weights)
+    hidden = device.forward(list(range(1, 13)), list(range(12)), device.new_cache())  # [12, D]
+    host = hidden.copy_to_host()
+    np.testing.assert_array_equal(np.asarray(hidden[[3, -1, 0]]), host[[3, -1, 0]])
+    np.testing.assert_array_equal(np.asarray(hidden[np.array([], np.int64)]), host[[]])
+    grid, host_grid = hidden.reshape(3, 4, -1), host.reshape(3, 4, -1)
+    np.testing.assert_array_equal(np.asarray(grid[:, :-1].reshape(9, -1)), host_grid[:, :-1].reshape(9, -1))
+    np.testing.assert_array_equal(np.asarray(grid[:, -1]), host_grid[:, -1])
+    np.testing.assert_allclose(device.lm_head(grid[:, -1]), device.lm_head(host_grid[:, -1]), rtol=1e-6)
+    with pytest.raises(IndexError, match="out of range"):
+        hidden[[12]]
+
+
+@pytest.mark.parametrize("strategy", ["static", "ragged", "continuous"])
+def test_batched_generation_on_the_device(strategy):
+    """npllm.batching's three strategies drive the CUDA model as they drive the NumPy one: same tokens, same
+    log-probabilities (prompts of 3, 1 and 10 tokens: prefills through both forward paths)."""
+    weights = random_weights(GQA, seed=9)
+    prompts = [[1, 5, 9], [1], [1, 7, 3, 8, 20, 6, 4, 10, 11, 12]]
+    host = batching.generate_tokens(Transformer(GQA, weights), prompts, 5, 0.0, 1.0, True, False, strategy)
+    device = batching.generate_tokens(CudaTransformer(GQA, weights), prompts, 5, 0.0, 1.0, True, False, strategy)
+    assert device[0] == host[0]
+    for got, expected in zip(device[1], host[1]):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_float16_storage_is_the_rounded_model():

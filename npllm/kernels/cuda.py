@@ -807,6 +807,39 @@ def sample_kernel(threads: int):
 
 
 @functools.cache
+def gather_rows_kernel():
+    """dst[i] = src[index[i]]: rows picked by index (model code's hidden[ids]).       # [R, D], [N] -> [N, D]"""
+
+    @cuda.jit
+    def kernel(src, index, dst):
+        for i in range(cuda.blockIdx.x, dst.shape[0], cuda.gridDim.x):
+            for d in range(cuda.threadIdx.x, dst.shape[1], cuda.blockDim.x):
+                dst[i, d] = src[index[i], d]
+
+    return kernel
+
+
+@functools.cache
+def compact_kernel(ndim: int):
+    """dst = src, element by element: a strided 2-D or 3-D view made contiguous, so that it can be reshaped."""
+    if ndim == 2:
+        @cuda.jit
+        def kernel(src, dst):
+            for r in range(cuda.blockIdx.x, dst.shape[0], cuda.gridDim.x):
+                for d in range(cuda.threadIdx.x, dst.shape[1], cuda.blockDim.x):
+                    dst[r, d] = src[r, d]
+    else:
+        @cuda.jit
+        def kernel(src, dst):
+            for r in range(cuda.blockIdx.x, dst.shape[0] * dst.shape[1], cuda.gridDim.x):
+                a, b = r // dst.shape[1], r % dst.shape[1]
+                for d in range(cuda.threadIdx.x, dst.shape[2], cuda.blockDim.x):
+                    dst[a, b, d] = src[a, b, d]
+
+    return kernel
+
+
+@functools.cache
 def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool):
     """A whole forward pass of up to `rows` tokens (all layers, then the final norm) in one cooperative launch.
 
