@@ -388,6 +388,10 @@ class CudaTransformer:
         self._matmul(h, self.output, logits, residual=False)
         return logits
 
+    def synchronize(self) -> None:
+        """Wait until the device has finished what was queued (launches return before the work is done)."""
+        self.cuda.synchronize()
+
     def lm_head(self, h) -> np.ndarray:
         """Logits from final hidden states, on the host.  # [T, D] -> [T, V]"""
         return self._device_logits(h).copy_to_host()
@@ -424,6 +428,24 @@ class CudaTransformer:
             return int(sample_with(params, self.lm_head(h)[0], rng, history))
         u = 0.0 if params.temperature == 0 else rng.random()
         return int(self.sample(h, params.temperature, params.top_k, params.top_p, params.min_p, u)[0])
+
+
+def device_bandwidth_gb_s(mib: int = 2048, repeat: int = 5) -> float:
+    """The GPU's memory bandwidth: a device-to-device copy of `mib` MiB reads and writes each byte once; best of
+    `repeat`. Decoding at batch 1 streams every weight once per token, so this is its roofline."""
+    import time
+
+    cuda, _ = _cuda()
+    a = cuda.to_device(np.ones(mib * 2**20 // 4, np.float32))
+    b = cuda.device_array_like(a)
+    best = float("inf")
+    for _ in range(repeat):
+        cuda.synchronize()
+        start = time.perf_counter()
+        b.copy_to_device(a)
+        cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * a.nbytes / best / 1e9
 
 
 UNIFORM_MAX = np.nextafter(np.float32(1), np.float32(0))  # a float64 uniform below 1 may round up to 1 in float32
