@@ -113,12 +113,14 @@ def run_generate(args) -> int:
     params = sampling_params(args)
     start, first, count = time.perf_counter(), None, 0
 
-    def on_token(token: int) -> None:
+    def on_step(step) -> None:
         nonlocal first, count
         first = first or time.perf_counter()
         count += 1
+        if params.logprobs:
+            print_logprobs(llm.tokenizer, step)
 
-    for piece in llm.stream(args.prompt, args.max_new_tokens, echo=True, on_token=on_token, **as_keywords(params)):
+    for piece in llm.stream(args.prompt, args.max_new_tokens, echo=True, on_step=on_step, **as_keywords(params)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -128,6 +130,15 @@ def run_generate(args) -> int:
     print(f"[npllm] {len(prompt_ids)} prompt + {count} new tokens; first token {1e3 * ((first or end) - start):.1f} ms;"
           f" {rate:.1f} tok/s after it", file=sys.stderr)
     return 0
+
+
+def print_logprobs(tokenizer, step) -> None:
+    """One stderr line per token: the piece, its log-probability, then the top alternatives."""
+    def piece(token_id):
+        return repr(tokenizer.id_to_piece(int(token_id)))
+
+    alternatives = ", ".join(f"{piece(t)} {lp:.3f}" for t, lp in zip(step.top_ids, step.top_logprobs) if t >= 0)
+    print(f"[logprobs] {piece(step.token_ids)} {step.logprobs:.4f} | {alternatives}", file=sys.stderr)
 
 
 def read_prompt_file(path: str) -> list[str]:

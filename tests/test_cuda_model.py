@@ -147,6 +147,10 @@ def test_device_sampling_draws_what_the_host_draws():
 def test_sampling_options_the_device_lacks_go_to_the_host():
     """Penalties, typical-p, logit bias and log-probabilities need the host sampler: the logits go there, and the
     draw is still sample_with's."""
+    host_only = dict(typical_p=0.5, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5,
+                     no_repeat_ngram=3, logit_bias={5: 1.0}, logprobs=2)
+    for name, value in host_only.items():
+        assert not on_device(SamplingParams(**{name: value})), name
     weights = random_weights(GQA, seed=6)
     device = CudaTransformer(GQA, weights)
     hidden = device.forward([4, 5, 6], [0, 1, 2], device.new_cache())[-1:]
@@ -154,7 +158,6 @@ def test_sampling_options_the_device_lacks_go_to_the_host():
     history = [4, 5, 6]
     for params in (SamplingParams(repetition_penalty=1.3, seed=4), SamplingParams(typical_p=0.8, seed=5),
                    SamplingParams(logit_bias={3: 5.0}, seed=6), SamplingParams(logprobs=2, seed=7)):
-        assert not on_device(params)
         expected = int(sample_with(params, logits, params.generator(), history))
         assert device.sample_next(hidden, params, params.generator(), history) == expected
 
