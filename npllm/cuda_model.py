@@ -7,10 +7,9 @@ Same interface as model.Transformer (config, new_cache, forward, lm_head, logits
     lm_head      brings logits to the host (for code that samples there)
     sample_next  runs lm_head and the sampler on the device: only the token id comes back
 
-How a forward call of T tokens runs:
-    T <= 8  (decode, small batches, short prompts): one cooperative launch for all layers (decode_step_kernel);
-            numba's per-launch cost (~10 us + 4 us per array) would otherwise dominate at batch 1
-    T >  8  (prefill, larger batches): one launch per stage, the products as tiled matrix-matrix kernels
+A forward call of T tokens runs all layers in one cooperative launch (numba's per-launch cost, ~10 us + 4 us per
+array argument, would otherwise dominate decoding): matrix-vector products for T <= 8 (decode_step_kernel), tiled
+matrix-matrix products beyond (batch_step_kernel). Where cooperative launches fail, it launches stage by stage.
 """
 
 from __future__ import annotations
@@ -166,12 +165,12 @@ class _Workspace:
 class CudaTransformer:
     """model.Transformer on the GPU. dtype: how matrices are stored (float32, or float16 read into float32 sums).
     geometry: kernels.Geometry (block sizes; the default suits the hardware or the simulator, whichever runs).
-    one_launch_decode: run calls of up to 8 tokens as one cooperative launch (kernels.decode_step_kernel); when
-    the device or toolkit cannot (no cooperative launch, no cudadevrt library), it warns once and runs them stage
-    by stage, as with False."""
+    one_launch: run each forward call as one cooperative launch (kernels.decode_step_kernel for up to 8 tokens,
+    kernels.batch_step_kernel for more); when the device or toolkit cannot (no cooperative launch, no cudadevrt
+    library), it warns once and launches stage by stage, as with False."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype=np.float32, geometry=None,
-                 one_launch_decode: bool = True):
+                 one_launch: bool = True):
         check_weights(config, weights)
         if np.dtype(dtype) not in [np.dtype(d) for d in DTYPES]:
             raise ConfigError(f"CudaTransformer stores weights as float32 or float16, got dtype {np.dtype(dtype)}")
@@ -186,8 +185,8 @@ class CudaTransformer:
         self.inv_freq = ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)  # [Dh/2]
         self._rope_table(config.max_seq_len)
         self._workspaces: dict[tuple[int, int], _Workspace] = {}
-        self._decode_grid: dict[int, int] = {}
-        self.one_launch_decode = one_launch_decode
+        self._grids: dict[tuple, int] = {}  # cooperative grid size of each step kernel, once compiled
+        self.one_launch = one_launch
 
     # -- weights ------------------------------------------------------------------------------------------------
 
@@ -252,8 +251,8 @@ class CudaTransformer:
         ws = self._workspace(T, cache)
         ws.meta.copy_to_device(meta)
         hidden = self.cuda.device_array((T, self.config.dim), np.float32)
-        if T <= self.kernels.MAX_ROWS and self.one_launch_decode:
-            self._decode_step(ws, cache, hidden)
+        if self.one_launch:
+            self._one_launch(ws, cache, hidden)
         else:
             self._stages(ws, cache, hidden)
         for slot in np.unique(meta[2]):
@@ -308,30 +307,40 @@ class CudaTransformer:
         c = self.config
         return np.int32(c.n_heads), np.int32(c.n_kv_heads), np.int32(c.head_dim)
 
-    def _decode_step(self, ws: _Workspace, cache: CudaKVCache, hidden) -> None:
-        """Every layer in one cooperative launch (kernels.decode_step_kernel)."""
+    def _one_launch(self, ws: _Workspace, cache: CudaKVCache, hidden) -> None:
+        """Every layer in one cooperative launch: kernels.decode_step_kernel (matrix-vector products, compiled for
+        1 or 8 token rows) for up to 8 tokens, kernels.batch_step_kernel (tiled products) for more."""
         c, k, g = self.config, self.kernels, self.geometry
-        T = ws.x.shape[0]
-        rows = 1 << (T - 1).bit_length()  # compile for 1, 2, 4 or 8 rows
-        kernel = k.decode_step_kernel(rows, g.threads, g.lanes, c.rope_layout == "interleaved")
-        args = (self.tok_embeddings, self.norms, self.wqkv, self.bqkv, self.wo, self.w13, self.w2, self.final_norm,
-                np.float32(c.norm_eps), *self._heads(), self.cos, self.sin, ws.meta, cache.k, cache.v,
-                cache.positions, np.int32(self.window(cache)), np.float32(1.0 / np.sqrt(c.head_dim)),
-                ws.x, ws.qkv, ws.att, ws.h, ws.scores, hidden)
-        blocks = self._decode_grid.get(rows)
+        T, L = ws.x.shape[0], c.n_layers
+        interleaved = c.rope_layout == "interleaved"
+        head = (self.tok_embeddings, self.norms, self.wqkv, self.bqkv, self.wo)
+        tail = (np.float32(c.norm_eps), *self._heads(), self.cos, self.sin, ws.meta, cache.k, cache.v,
+                cache.positions, np.int32(self.window(cache)), np.float32(1.0 / np.sqrt(c.head_dim)))
+        if T <= k.MAX_ROWS:
+            rows = 1 if T == 1 else k.MAX_ROWS
+            key, threads = ("decode", rows), g.threads
+            kernel = k.decode_step_kernel(rows, g.threads, g.lanes, interleaved)
+            args = (*head, self.w13, self.w2, self.final_norm, *tail, ws.x, ws.qkv, ws.att, ws.h, ws.scores, hidden)
+        else:
+            key, threads = ("batch",), g.matmul_threads
+            kernel = k.batch_step_kernel(g.tile, interleaved)
+            w13 = self.w13.reshape(L, 2 * c.hidden_dim, c.dim)  # W1's rows, then W3's: one product for both
+            args = (*head, w13, self.w2, self.final_norm, *tail, ws.x, ws.xn, ws.qkv, ws.att, ws.gate_up, ws.h,
+                    ws.scores, hidden)
+        blocks = self._grids.get(key)
         if blocks is not None:
-            kernel[blocks, g.threads](*args)
+            kernel[blocks, threads](*args)
             return
         try:  # the first launch compiles: that is where a missing cooperative-launch support shows
-            blocks = min(g.max_blocks, cooperative_blocks(kernel, args, g.threads))
-            kernel[blocks, g.threads](*args)
+            blocks = min(g.max_blocks, cooperative_blocks(kernel, args, threads))
+            kernel[blocks, threads](*args)
         except Exception as e:  # noqa: BLE001 - whatever the driver or linker says, the stage path still works
-            warnings.warn(f"npllm: one-launch CUDA decoding failed ({type(e).__name__}: {e}); running decode "
-                          "steps stage by stage from now on", RuntimeWarning, stacklevel=3)
-            self.one_launch_decode = False
+            warnings.warn(f"npllm: one-launch CUDA forward failed ({type(e).__name__}: {e}); running every stage "
+                          "as its own launch from now on", RuntimeWarning, stacklevel=3)
+            self.one_launch = False
             self._stages(ws, cache, hidden)
             return
-        self._decode_grid[rows] = blocks
+        self._grids[key] = blocks
 
     def _stages(self, ws: _Workspace, cache: CudaKVCache, hidden) -> None:
         """One launch per stage, in model.Transformer's order."""

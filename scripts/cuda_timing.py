@@ -24,6 +24,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16"))
+    parser.add_argument("--stage-by-stage", action="store_true",
+                        help="one launch per stage instead of one cooperative launch per forward call")
     args = parser.parse_args()
 
     from npllm.bench import Session, load_weights
@@ -31,7 +33,7 @@ def main() -> None:
 
     config, weights, kind = load_weights(args.model)
     start = time.perf_counter()
-    model = CudaTransformer(config, weights, dtype=np.dtype(args.dtype))
+    model = CudaTransformer(config, weights, dtype=np.dtype(args.dtype), one_launch=not args.stage_by_stage)
     load_s = time.perf_counter() - start
     del weights
     bandwidth = device_bandwidth_gb_s()
@@ -45,7 +47,8 @@ def main() -> None:
             decode_s = session.decode(cache, tokens, prompt_len, args.gen_len)[0]
             step = decode_s / args.gen_len
             print(json.dumps({
-                "model": args.model, "weights": kind, "device": "cuda", "dtype": args.dtype, "batch": batch,
+                "model": args.model, "weights": kind, "device": "cuda", "dtype": args.dtype,
+                "launches": "per stage" if args.stage_by_stage else "one per forward", "batch": batch,
                 "prompt_len": prompt_len, "gen_len": args.gen_len, "load_s": round(load_s, 2),
                 "first_token_cold_ms": round(1e3 * cold, 1),
                 "prefill_tok_s": round(batch * prompt_len / prefill_s, 1), "first_token_ms": round(1e3 * first_s, 2),

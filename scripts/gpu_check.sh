@@ -4,7 +4,8 @@
 #   2. the CUDA tests without the simulator, the stories260K golden text in full (200 tokens)
 #   3. `npllm bench --device cuda` on the stories15M, stories110M and tinyllama-1.1B shapes (random weights):
 #      prefill tok/s (prompts of 128 and 512), decode tok/s at batch 1 and 32, GPU bandwidth measured in the run
-#   4. scripts/cuda_timing.py: tinyllama-1.1B with float16 weight storage, against the bandwidth roofline
+#   4. scripts/cuda_timing.py on tinyllama-1.1B: float16 weight storage, and one launch per stage instead of one
+#      per forward call, each against the bandwidth roofline
 #
 #     scripts/gpu_check.sh [RESULTS_FILE]      default $OUT/gpu_check.txt when $OUT is set, else gpu_check.txt
 #
@@ -64,4 +65,6 @@ for model in $MODELS; do
 done
 step 600 "cuda_timing tinyllama-1.1B float16 storage" "$PY" scripts/cuda_timing.py --model tinyllama-1.1B \
   --dtype float16 --batch 1 32 --prompt-len 128 --gen-len 64
+step 600 "cuda_timing tinyllama-1.1B stage by stage (against the one-launch figures above)" "$PY" \
+  scripts/cuda_timing.py --model tinyllama-1.1B --stage-by-stage --batch 1 32 --prompt-len 128 --gen-len 64
 echo "results in $RESULTS"

@@ -28,6 +28,8 @@ from npllm.model import Transformer  # noqa: E402
 from npllm.tokenizer import load_tokenizer  # noqa: E402
 from npllm.sampling import SamplingParams, sample_with  # noqa: E402
 
+# The one-launch kernels fall back to stage-by-stage launches with a RuntimeWarning: here that is a failure.
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 GOLDEN_PREFIX = 24
 GQA = ModelConfig(dim=24, hidden_dim=40, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=64)
 # Hugging Face's RoPE layout, q/k/v biases (Qwen2) and a sliding window shorter than the ring (Mistral)
@@ -71,11 +73,11 @@ def test_prefill_and_decode_match_numpy(config):
 
 @pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "stage-by-stage"])
 def test_ragged_batch_in_one_call(one_launch):
-    """Three sequences at different positions in one decode call (one launch, or stage by stage with the
-    matrix-vector kernels), then two prompts concatenated in one prefill call (tiled matrix-matrix products),
-    each token in its own cache slot."""
+    """Three sequences at different positions in one decode call, then two prompts concatenated in one prefill
+    call, each token in its own cache slot: through the one-launch kernels (matrix-vector, then tiled products)
+    and stage by stage."""
     weights = random_weights(GQA, seed=4)
-    host, device = Transformer(GQA, weights), CudaTransformer(GQA, weights, one_launch_decode=one_launch)
+    host, device = Transformer(GQA, weights), CudaTransformer(GQA, weights, one_launch=one_launch)
     host_cache, device_cache = host.new_cache(slots=3), device.new_cache(slots=3)
     tokens, positions, slots = [3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 0, 1, 0, 1], [0, 0, 0, 1, 1, 2, 2]
     assert_hidden_close(device.forward(tokens, positions, device_cache, slots),
@@ -118,6 +120,23 @@ def test_batched_generation_on_the_device(strategy):
     assert device[0] == host[0]
     for got, expected in zip(device[1], host[1]):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_failed_one_launch_falls_back_to_stage_by_stage(monkeypatch):
+    """Where a cooperative launch cannot run, the model warns once and gives the same results stage by stage."""
+    import npllm.cuda_model
+
+    def refuse(*args):
+        raise RuntimeError("cooperative launches unsupported here")
+
+    monkeypatch.setattr(npllm.cuda_model, "cooperative_blocks", refuse)
+    weights = random_weights(GQA, seed=10)
+    host, device = Transformer(GQA, weights), CudaTransformer(GQA, weights)
+    host_cache, device_cache = host.new_cache(), device.new_cache()
+    with pytest.warns(RuntimeWarning, match="stage"):
+        assert_hidden_close(device.forward([3, 4], [0, 1], device_cache), host.forward([3, 4], [0, 1], host_cache))
+    assert not device.one_launch
+    assert_hidden_close(device.forward([5], [2], device_cache), host.forward([5], [2], host_cache))
 
 
 def test_float16_storage_is_the_rounded_model():

@@ -2,9 +2,10 @@
 
 Every stage is a *device function* that walks its work items (token rows, heads, output tiles) in a block-strided
 loop: item i is done by block i % nblocks, so any grid size is correct. A kernel for one stage is a thin wrapper
-calling it with its own block index. The decode kernel (`decode_step`) calls the same device functions one after
-another with a grid-wide barrier between them, so a whole decode step (all layers) is one launch: numba spends
-about 10 us plus 4 us per array argument on every launch, which would otherwise dominate small-batch decoding.
+calling it with its own block index. The step kernels (`decode_step_kernel` with matrix-vector products for up to
+8 tokens, `batch_step_kernel` with tiled products for more) call the same device functions one after another
+with a grid-wide barrier between them, so a whole forward pass (all layers) is one launch: numba spends about
+10 us plus 4 us per array argument on every launch, which would otherwise dominate decoding.
 
 Arrays (row-major, float32 unless said; weights may be stored float16 and are widened as they are read):
     meta    [6, T] int32   per token: TOKEN id, POS position, SLOT cache slot, KEEP (1: its k/v survive in the
@@ -83,7 +84,7 @@ class Geometry:
 HARDWARE = Geometry()
 # The simulator runs each GPU thread as a Python thread: few threads and blocks keep tests fast; the loops are the
 # same, only their trip counts change.
-SIMULATOR = Geometry(threads=8, lanes=8, tile=(8, 8, 8, 4, 4), sampler_threads=8, max_blocks=2,
+SIMULATOR = Geometry(threads=8, lanes=8, tile=(8, 8, 8, 2, 4), sampler_threads=8, max_blocks=2,
                      attention_blocks=2)
 
 
@@ -890,6 +891,67 @@ def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool):
             gate_up_proj(x, norms[layer, 1], eps, w13[layer], h, xs, part, red, scale_rows, block, nblocks)
             grid.sync()
             residual_proj(h, final_norm, eps, w2[layer], x, xs, part, red, scale_rows, block, nblocks)
+            grid.sync()
+        rms_norm_rows(x, final_norm, eps, hidden, red, block, nblocks)
+        commit_positions(meta, ring_pos, block, nblocks)
+
+    return kernel
+
+
+@functools.cache
+def batch_step_kernel(tile: tuple[int, int, int, int, int], interleaved: bool):
+    """decode_step_kernel for calls of any number of tokens (larger decode batches, prefill): the same stages in
+    one cooperative launch, the products by tiled matrix-matrix stages (a weight tile read once serves BM tokens),
+    so the RMSNorms and SwiGLU get stages of their own:
+        embed | per layer: [norm] [qkv] [bias + rope] [attention] [kv write + wo + residual] [norm] [gate/up]
+                           [SwiGLU] [w2 + residual] | final norm + commit positions
+    Blocks have the tile's (BM / TM) (BN / TN) threads. Weights as decode_step_kernel's, but w13 [L, 2F, D] (W1's
+    rows, then W3's); buffers xn [T, D] and gate_up [T, 2F] besides.
+    """
+    BM, BN, BK, TM, TN = tile
+    threads = (BM // TM) * (BN // TN)
+    product = matmul_tiles(tile, False)
+    residual_product = matmul_tiles(tile, True)
+    bias_rope = bias_rope_rows(interleaved)
+    xs_shape, ws_shape = (BK, BM), (BK, BN)
+    vacc_size = max(threads, MAX_HEAD_DIM)
+    options = {} if numba_config.ENABLE_CUDASIM else {"max_registers": 128}  # as decode_step_kernel
+
+    @cuda.jit(**options)
+    def kernel(tok_embeddings, norms, wqkv, bqkv, wo, w13, w2, final_norm, eps, n_heads, n_kv, head_dim,
+               cos, sin, meta, ring_k, ring_v, ring_pos, window, scale, x, xn, qkv, att, gate_up, h, scores, hidden):
+        xs = cuda.shared.array(xs_shape, np.float32)
+        ws = cuda.shared.array(ws_shape, np.float32)
+        red = cuda.shared.array(threads, np.float32)
+        red2 = cuda.shared.array(threads, np.float32)
+        qs = cuda.shared.array(MAX_HEAD_DIM, np.float32)
+        vacc = cuda.shared.array(vacc_size, np.float32)
+        grid = cuda.cg.this_grid()
+        block, nblocks = cuda.blockIdx.x, cuda.gridDim.x
+        attending = nblocks if nblocks < scores.shape[0] else scores.shape[0]  # a row of scores per block
+        embed_rows(tok_embeddings, meta, x, block, nblocks)
+        grid.sync()
+        for layer in range(wqkv.shape[0]):
+            rms_norm_rows(x, norms[layer, 0], eps, xn, red, block, nblocks)
+            grid.sync()
+            product(xn, wqkv[layer], qkv, xs, ws, block, nblocks)
+            grid.sync()
+            bias_rope(qkv, bqkv[layer], n_heads + n_kv, head_dim, cos, sin, meta, block, nblocks)
+            grid.sync()
+            if block < attending:
+                attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k[layer], ring_v[layer], ring_pos,
+                               window, scale, scores, att, qs, vacc, red, red2, block, attending)
+            grid.sync()
+            kv_write_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k[layer], ring_v[layer], block, nblocks)
+            residual_product(att, wo[layer], x, xs, ws, block, nblocks)
+            grid.sync()
+            rms_norm_rows(x, norms[layer, 1], eps, xn, red, block, nblocks)
+            grid.sync()
+            product(xn, w13[layer], gate_up, xs, ws, block, nblocks)
+            grid.sync()
+            swiglu_rows(gate_up, h, block, nblocks)
+            grid.sync()
+            residual_product(h, w2[layer], x, xs, ws, block, nblocks)
             grid.sync()
         rms_norm_rows(x, final_norm, eps, hidden, red, block, nblocks)
         commit_positions(meta, ring_pos, block, nblocks)
