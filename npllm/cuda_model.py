@@ -194,7 +194,7 @@ class CudaTransformer:
         """Stack each kind of tensor over the layers and copy it to the device, one layer at a time (no host copy
         of the whole model): wqkv = [wq; wk; wv] so one pass computes q, k and v, w13 = (w1, w3) for SwiGLU."""
         c, cuda = self.config, self.cuda
-        L, D, F, V = c.n_layers, c.dim, c.hidden_dim, c.vocab_size
+        L, D, F = c.n_layers, c.dim, c.hidden_dim
         HDh, KDh = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         W = HDh + 2 * KDh
         matrix = self.dtype

@@ -213,6 +213,23 @@ def test_device_selection_without_a_gpu_names_what_is_missing():
     assert error.startswith("DeviceError") and "driver" in error
 
 
+def test_a_missing_cuda_target_is_named(monkeypatch):
+    """Without numba's CUDA target (numba-cuda not installed, a numba without the built-in one), the error says
+    so and how to install it."""
+    import importlib
+
+    from npllm import device
+
+    def no_cuda(name):
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(importlib, "import_module", no_cuda)
+    assert "npllm-engine[cuda]" in device.cuda_problem()
+    with pytest.raises(DeviceError, match="CUDA target cannot be imported"):
+        device.resolve_device("cuda")
+    assert device.resolve_device("auto") == "cpu"
+
+
 def test_stories260k_greedy_golden_through_the_device(stories260k, golden_200, weights_dir):
     """Greedy generation from BOS, the argmax taken on the device: the NumPy model's text, the golden's start."""
     config, weights = read_checkpoint(stories260k)

@@ -258,9 +258,9 @@ def matvec_rows(rows: int, threads: int, lanes: int, norm: bool, residual: bool,
     """Matrix-vector products for up to `rows` token rows: y = x W^T, one weight pass serving every row.
 
     Threads form groups of `lanes` (a warp of 32 on hardware); a group owns R = 8 // rows (4 // rows gated)
-    consecutive output rows of W at a time, and its lanes stride along each row, so a warp reads 128 consecutive bytes per load
-    (coalesced), four loads in flight per lane. x is staged in shared memory in tiles of `matvec_tile(rows)`
-    columns, read by every group of the block. Variants (fixed when the kernel is compiled):
+    consecutive output rows of W at a time, and its lanes stride along each row, so a warp reads 128 consecutive
+    bytes per load (coalesced), four loads in flight per lane. x is staged in shared memory in tiles of
+    `matvec_tile(rows)` columns, read by every group of the block. Variants (fixed when the kernel is compiled):
         norm      x is RMSNorm-ed with gain g while it is staged (the norm costs no extra pass over memory)
         residual  y += x W^T (the residual stream is updated in place)
         gated     W is [2, F, D] = (W1, W3) and y = silu(x W1^T) * (x W3^T): SwiGLU's gate and up in one pass
