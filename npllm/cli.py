@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gen-len", type=int, default=256, help="decode steps (default 256)")
     bench.add_argument("--backend", nargs="+", default=["numba"], help="numba, numpy, or both (default numba)")
     bench.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
+    bench.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                       help="cpu (the --backend models), cuda (the GPU model) or auto (CUDA when usable)")
     bench.add_argument("--repeat", type=int, default=3, help="runs per figure; medians are reported (default 3)")
     bench.add_argument("--bandwidth-mib", type=int, default=512, help="size of the bandwidth probe (default 512)")
     bench.add_argument("--json", action="store_true", help="one JSON object per line")

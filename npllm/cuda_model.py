@@ -28,7 +28,9 @@ from .model import check_weights
 from .sampling import SamplingParams, sample_with
 
 DTYPES = (np.float32, np.float16)
-DEVICE_SAMPLING = ("temperature", "top_k", "top_p", "seed")  # what sample_rows implements; the rest: host
+# What kernels.sample_rows does (stop strings are the generation loop's business); any other option in use sends
+# the logits to the host sampler.
+DEVICE_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop")
 
 
 def _cuda():
@@ -85,6 +87,66 @@ class CudaKVCache:
         host.v[:, filled] = self.v.copy_to_host()[:, filled]
         host.lengths[:] = self.lengths
         return host
+
+
+class DeviceArray:
+    """Hidden states on the GPU that index as generation code indexes a NumPy array (npllm.batching does).
+
+    Basic indexing and reshape give views on the device (reshaping a strided view first copies it into a
+    contiguous one, on the device); integers along the first axis (hidden[rows]) gather on the device;
+    np.asarray and copy_to_host bring the values to the host. lm_head and sample take it as it is.
+    """
+
+    def __init__(self, data, model: "CudaTransformer"):
+        self.data = data  # a numba device array
+        self.model = model
+
+    shape = property(lambda self: self.data.shape)
+    ndim = property(lambda self: self.data.ndim)
+    dtype = property(lambda self: self.data.dtype)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index):
+        if isinstance(index, (list, np.ndarray)):
+            return self._gather(np.asarray(index))
+        picked = self.data[index]
+        return DeviceArray(picked, self.model) if hasattr(picked, "copy_to_host") else picked
+
+    def reshape(self, *shape):
+        return DeviceArray(self._contiguous().reshape(*shape), self.model)
+
+    def copy_to_host(self) -> np.ndarray:
+        return self._contiguous().copy_to_host()
+
+    def __array__(self, dtype=None, copy=None):
+        return self.copy_to_host() if dtype is None else self.copy_to_host().astype(dtype)
+
+    def _gather(self, rows: np.ndarray) -> "DeviceArray":
+        """Rows by index (negative counts from the end).          # [R, D], [N] -> [N, D]"""
+        if rows.ndim != 1 or rows.dtype.kind not in "iu" or self.ndim != 2:
+            raise IndexError(f"a device array of shape {self.shape} takes basic indices or a 1-D array of row "
+                             f"numbers, got an index of shape {rows.shape} and dtype {rows.dtype}")
+        R = self.shape[0]
+        if len(rows) and not (-R <= rows.min() and rows.max() < R):
+            raise IndexError(f"row index out of range for {R} rows: {rows.min()}..{rows.max()}")
+        cuda, g = self.model.cuda, self.model.geometry
+        out = cuda.device_array((len(rows), self.shape[1]), self.dtype)
+        if len(rows):
+            index = cuda.to_device(np.ascontiguousarray(rows % R, np.int32))
+            self.model.kernels.gather_rows_kernel()[g.grid(len(rows)), g.threads](self.data, index, out)
+        return DeviceArray(out, self.model)
+
+    def _contiguous(self):
+        if self.data.is_c_contiguous():
+            return self.data
+        if self.ndim not in (2, 3):
+            raise IndexError(f"only 2-D and 3-D strided device arrays can be copied, this one is {self.shape}")
+        cuda, g = self.model.cuda, self.model.geometry
+        out = cuda.device_array(self.shape, self.dtype)
+        self.model.kernels.compact_kernel(self.ndim)[g.grid(int(np.prod(self.shape[:-1]))), g.threads](self.data, out)
+        return out
 
 
 @dataclasses.dataclass
@@ -179,8 +241,8 @@ class CudaTransformer:
         """How many most recent positions a query sees: the model's sliding window, capped by the ring's size."""
         return min(self.config.sliding_window or cache.capacity, cache.capacity)
 
-    def forward(self, tokens, positions, cache: CudaKVCache, slots=None):
-        """Final-norm hidden states of the given tokens, updating the cache.     # [T], [T], [T] -> device [T, D]
+    def forward(self, tokens, positions, cache: CudaKVCache, slots=None) -> DeviceArray:
+        """Final-norm hidden states of the given tokens, updating the cache.      # [T], [T], [T] -> [T, D] on the GPU
 
         As model.Transformer.forward: slots[t] is the cache slot of token t (all 0 when omitted); within a slot,
         tokens come in increasing position order and follow what the slot's cache already holds.
@@ -196,7 +258,7 @@ class CudaTransformer:
             self._stages(ws, cache, hidden)
         for slot in np.unique(meta[2]):
             cache.lengths[slot] = max(cache.lengths[slot], int(meta[1][meta[2] == slot].max()) + 1)
-        return hidden
+        return DeviceArray(hidden, self)
 
     def _meta(self, tokens, positions, slots, cache: CudaKVCache) -> np.ndarray:
         """[6, T] int32 rows TOKEN, POS, SLOT, KEEP, RING, FIRST (see kernels/cuda.py), checked: out-of-range
@@ -318,11 +380,17 @@ class CudaTransformer:
 
     def _device_logits(self, h):
         """Logits on the device.  # [T, D] -> device [T, V]"""
-        if not hasattr(h, "copy_to_host"):  # a host array: upload it
+        if isinstance(h, DeviceArray):
+            h = h.data
+        elif not hasattr(h, "copy_to_host"):  # a host array: upload it
             h = self.cuda.to_device(np.ascontiguousarray(h, np.float32))
         logits = self.cuda.device_array((h.shape[0], self.config.vocab_size), np.float32)
         self._matmul(h, self.output, logits, residual=False)
         return logits
+
+    def synchronize(self) -> None:
+        """Wait until the device has finished what was queued (launches return before the work is done)."""
+        self.cuda.synchronize()
 
     def lm_head(self, h) -> np.ndarray:
         """Logits from final hidden states, on the host.  # [T, D] -> [T, V]"""
@@ -336,17 +404,16 @@ class CudaTransformer:
         cache = self.new_cache() if cache is None else cache
         return self.lm_head(self.forward(tokens, positions, cache))
 
-    def sample(self, h, temperature, top_k, top_p, uniforms) -> np.ndarray:
-        """Token ids chosen on the device from final hidden states, one per row (kernels.sample_rows: greedy when
-        the temperature is 0, else temperature, top-k and top-p with the given uniform numbers in [0, 1)).
-                                                                      # [B, D], [B] x4 -> [B] int ids on the host
-        """
+    def sample(self, h, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, uniforms=0.0) -> np.ndarray:
+        """Token ids chosen on the device from final hidden states, one per row: greedy at temperature 0, else
+        sampling.sample_with's draw with the given uniform numbers in [0, 1) (kernels.sample_rows). Each option is
+        one value for every row or one per row.                     # [B, D] -> [B] int ids on the host"""
         k, g = self.kernels, self.geometry
         logits = self._device_logits(h)
         B, V = logits.shape
-        params = np.empty((B, 4), np.float32)  # one row per sequence: scalars apply to every row
-        params[:, 0], params[:, 1], params[:, 2] = temperature, top_k, top_p
-        params[:, 3] = np.minimum(np.asarray(uniforms, np.float32), UNIFORM_MAX)
+        params = np.empty((B, 5), np.float32)  # one row per sequence
+        params[:, 0], params[:, 1], params[:, 2], params[:, 3] = temperature, top_k, top_p, min_p
+        params[:, 4] = np.minimum(np.asarray(uniforms, np.float32), UNIFORM_MAX)
         ids = self.cuda.device_array(B, np.int32)
         probs = self.cuda.device_array((B, V), np.float32)
         k.sample_kernel(g.sampler_threads)[g.grid(B), g.sampler_threads](logits, self.cuda.to_device(params), probs,
@@ -354,12 +421,31 @@ class CudaTransformer:
         return ids.copy_to_host()
 
     def sample_next(self, h, params: SamplingParams, rng: np.random.Generator, history=()) -> int:
-        """The next token after final hidden state h [1, D]: sampled on the device when `params` asks only for
-        what the device sampler does (temperature, top-k, top-p), else from host logits with sample_with."""
+        """The next token after final hidden state h [1, D], drawn as sampling.sample_with would draw it (the same
+        one rng.random() for a sampled step): on the device when `params` uses only what the device sampler does,
+        else from host logits with sample_with itself."""
         if not on_device(params):
-            return sample_with(params, self.lm_head(h)[0], rng, history)
+            return int(sample_with(params, self.lm_head(h)[0], rng, history))
         u = 0.0 if params.temperature == 0 else rng.random()
-        return int(self.sample(h, params.temperature, getattr(params, "top_k", 0), params.top_p, u)[0])
+        return int(self.sample(h, params.temperature, params.top_k, params.top_p, params.min_p, u)[0])
+
+
+def device_bandwidth_gb_s(mib: int = 2048, repeat: int = 5) -> float:
+    """The GPU's memory bandwidth: a device-to-device copy of `mib` MiB reads and writes each byte once; best of
+    `repeat`. Decoding at batch 1 streams every weight once per token, so this is its roofline."""
+    import time
+
+    cuda, _ = _cuda()
+    a = cuda.to_device(np.ones(mib * 2**20 // 4, np.float32))
+    b = cuda.device_array_like(a)
+    best = float("inf")
+    for _ in range(repeat):
+        cuda.synchronize()
+        start = time.perf_counter()
+        b.copy_to_device(a)
+        cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * a.nbytes / best / 1e9
 
 
 UNIFORM_MAX = np.nextafter(np.float32(1), np.float32(0))  # a float64 uniform below 1 may round up to 1 in float32

@@ -72,6 +72,9 @@ def main() -> int:
     cases["kv_write"] = (k.kv_write_kernel(), (arr(f32, 2), arr(i32, 2), i, i, i, arr(f32, 4), arr(f32, 4)))
     cases["commit_positions"] = (k.commit_positions_kernel(), (arr(i32, 2), arr(i32, 2)))
     cases["sample"] = (k.sample_kernel(g.sampler_threads), (arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(i32, 1)))
+    cases["gather_rows"] = (k.gather_rows_kernel(), (arr(f32, 2), arr(i32, 1), arr(f32, 2)))
+    for ndim in (2, 3):
+        cases[f"compact {ndim}-D"] = (k.compact_kernel(ndim), (arr(f32, ndim, "A"), arr(f32, ndim)))
     for rows in (1, 2, 4, 8):
         for interleaved in (True, False):
             for wt in (f32, f16):

@@ -555,13 +555,13 @@ def block_count(count, redi):
 
 
 @cuda.jit(device=True)
-def mass_from(probs, b, v, strict, red, redi):
-    """(count, sum) of the probabilities p[b, i] >= v (> v when strict)."""
+def mass_from(probs, b, v, red, redi):
+    """(count, sum) of the probabilities p[b, i] >= v."""
     count = 0
     mass = np.float32(0)
     for i in range(cuda.threadIdx.x, probs.shape[1], cuda.blockDim.x):
         p = probs[b, i]
-        if p > v or (p == v and not strict):
+        if p >= v:
             count += 1
             mass += p
     return block_count(count, redi), block_sum(mass, red)
@@ -577,23 +577,13 @@ def largest_value(probs, b, need, by_mass, red, redi, bits):
     while hi - lo > 1:
         mid = (lo + hi) // 2
         bits[0] = mid
-        count, mass = mass_from(probs, b, as_float[0], False, red, redi)
+        count, mass = mass_from(probs, b, as_float[0], red, redi)
         if (mass >= need) if by_mass else (count >= need):
             lo = mid
         else:
             hi = mid
     bits[0] = lo
     return as_float[0]
-
-
-@cuda.jit(device=True)
-def rank_mass(probs, b, n, red, redi, bits):
-    """Mass of the n most probable tokens (ties at the boundary: lower index first)."""
-    if n >= probs.shape[1]:
-        return mass_from(probs, b, np.float32(0), False, red, redi)[1]
-    boundary = largest_value(probs, b, n, False, red, redi, bits)  # the probability at rank n - 1
-    above, above_mass = mass_from(probs, b, boundary, True, red, redi)
-    return above_mass + np.float32(n - above) * boundary
 
 
 @cuda.jit(device=True)
@@ -612,71 +602,58 @@ def exclusive_scan(values, n):
 
 
 @cuda.jit(device=True)
-def inverse_cdf(probs, b, boundary, boundary_kept, u, red, redi):
-    """The kept token at which the running mass, walking kept tokens by index, first exceeds u times their total.
-
-    Kept: every p > boundary, and the first `boundary_kept` tokens (by index) with p == boundary. Each thread
-    walks a contiguous chunk of the vocabulary; two block scans give every chunk the tie count and the mass before
-    it. red, redi: shared [threads + 1].
-    """
+def inverse_cdf(probs, b, floor, u, red, redi):
+    """Among the kept tokens p >= floor taken by ascending id, the first whose running mass exceeds u times their
+    total (sampling.py's draw). Each thread walks a contiguous chunk of ids; a block scan gives every chunk the
+    mass before it. red, redi: shared [threads + 1]."""
     tid, threads = cuda.threadIdx.x, cuda.blockDim.x
     V = probs.shape[1]
     chunk = (V + threads - 1) // threads
     lo = tid * chunk if tid * chunk < V else V
     hi = lo + chunk if lo + chunk < V else V
-    ties = 0
-    above_mass = np.float32(0)
+    mass = np.float32(0)
     for i in range(lo, hi):
-        p = probs[b, i]
-        if p > boundary:
-            above_mass += p
-        elif p == boundary:
-            ties += 1
-    redi[tid] = ties
-    exclusive_scan(redi, threads)
-    ties_before = redi[tid]
-    kept_ties = boundary_kept - ties_before  # of this chunk's ties, the kept ones: clamp to [0, ties]
-    kept_ties = 0 if kept_ties < 0 else (ties if kept_ties > ties else kept_ties)
-    red[tid] = above_mass + np.float32(kept_ties) * boundary
+        if probs[b, i] >= floor:
+            mass += probs[b, i]
+    red[tid] = mass
     exclusive_scan(red, threads)
     target = u * red[threads]
     run = red[tid]
     cuda.syncthreads()
     first, last = V, -1
-    seen = ties_before
     for i in range(lo, hi):
         p = probs[b, i]
-        kept = p > boundary
-        if p == boundary:
-            kept = seen < boundary_kept
-            seen += 1
-        if kept:
+        if p >= floor and p > 0:
             run += p
             last = i
             if run > target and first == V:
                 first = i
     first = block_int(first, redi, False)
     last = block_int(last, redi, True)
-    return first if first < V else last  # rounding can leave u * total at the very end: take the last kept
+    return first if first < V else last  # rounding can leave u * total at the very end: the last kept token
 
 
 @cuda.jit(device=True)
 def sample_rows(logits, params, probs, ids, red, redi, block, nblocks):
-    """One token id per row: greedy, or temperature, top-k and top-p sampling.               # [B, V] -> [B] int32
+    """One token id per row, drawn as sampling.sample_with draws it with temperature, top-k, top-p and min-p.
+                                                                                       # [B, V], [B, 5] -> [B] int32
 
-    params[b] = (temperature, top_k, top_p, u) with u uniform in [0, 1), drawn on the host.
-    temperature 0: the first index of the largest logit, as np.argmax.
-    Otherwise p_i = exp((l_i - max l) / temperature). Rank tokens by decreasing p (ties: lower index first); keep
-    the first n ranks, n the smaller of top_k (0: all) and the shortest prefix whose mass reaches top_p times the
-    mass of the top_k ranks (at least one token). The id is the inverse CDF at u over the kept tokens walked by
-    index. No sort: rank boundaries are found by bisection on the probability value (largest_value).
-    probs [B, V]: scratch. Shared red, redi: [threads + 1].
+    params[b] = (temperature, top_k, top_p, min_p, u), u uniform in [0, 1) drawn on the host (the row's one
+    rng.random()). temperature 0: the first index of the largest logit (np.argmax). Otherwise, with
+    p_i = exp((l_i - max l) / temperature) (so max p = 1), each filter keeps the tokens at or above a floor, ties
+    at the floor kept whole:
+        top_k  the k-th largest p
+        top_p  the largest v with sum(p_j >= v) >= top_p * (the mass top_k kept)
+        min_p  min_p (= min_p * max p)
+    and the id is the inverse CDF at u over the kept tokens by ascending id. No sort: a floor is found by
+    bisection on the probability value (largest_value). probs [B, V]: scratch. Shared red, redi: [threads + 1].
     """
     tid, threads = cuda.threadIdx.x, cuda.blockDim.x
     V = logits.shape[1]
     bits = cuda.local.array(1, np.int32)
     for b in range(block, logits.shape[0], nblocks):
-        temperature, top_k, top_p, u = params[b, 0], int(params[b, 1]), params[b, 2], params[b, 3]
+        temperature, top_k, top_p, min_p, u = params[b, 0], int(params[b, 1]), params[b, 2], params[b, 3], \
+            params[b, 4]
         top = NEG_INF
         for i in range(tid, V, threads):
             if logits[b, i] > top:
@@ -694,26 +671,15 @@ def sample_rows(logits, params, probs, ids, red, redi, block, nblocks):
         for i in range(tid, V, threads):
             probs[b, i] = math.exp((logits[b, i] - top) / temperature)
         cuda.syncthreads()
-        keep = V
+        floor = np.float32(0)
         if 0 < top_k < V:
-            keep = top_k
+            floor = largest_value(probs, b, top_k, False, red, redi, bits)
         if top_p < 1:
-            target = top_p * rank_mass(probs, b, keep, red, redi, bits)
-            boundary = largest_value(probs, b, target, True, red, redi, bits)
-            above, above_mass = mass_from(probs, b, boundary, True, red, redi)
-            ties = mass_from(probs, b, boundary, False, red, redi)[0] - above
-            need = 1  # ties at the boundary needed to reach the target, in index order
-            if boundary > 0:
-                need = int(math.ceil((target - above_mass) / boundary))
-                need = 1 if need < 1 else (ties if need > ties else need)
-            if above + need < keep:
-                keep = above + need
-        boundary = np.float32(-1)  # keep == V: every token, no ties to split
-        boundary_kept = 0
-        if keep < V:
-            boundary = largest_value(probs, b, keep, False, red, redi, bits)
-            boundary_kept = keep - mass_from(probs, b, boundary, True, red, redi)[0]
-        chosen = inverse_cdf(probs, b, boundary, boundary_kept, u, red, redi)
+            target = top_p * mass_from(probs, b, floor, red, redi)[1]
+            floor = largest_value(probs, b, target, True, red, redi, bits)  # never below the top-k floor
+        if min_p > floor:
+            floor = min_p
+        chosen = inverse_cdf(probs, b, floor, u, red, redi)
         if tid == 0:
             ids[b] = chosen
 
@@ -836,6 +802,39 @@ def sample_kernel(threads: int):
         red = cuda.shared.array(size, np.float32)
         redi = cuda.shared.array(size, np.int32)
         sample_rows(logits, params, probs, ids, red, redi, cuda.blockIdx.x, cuda.gridDim.x)
+
+    return kernel
+
+
+@functools.cache
+def gather_rows_kernel():
+    """dst[i] = src[index[i]]: rows picked by index (model code's hidden[ids]).       # [R, D], [N] -> [N, D]"""
+
+    @cuda.jit
+    def kernel(src, index, dst):
+        for i in range(cuda.blockIdx.x, dst.shape[0], cuda.gridDim.x):
+            for d in range(cuda.threadIdx.x, dst.shape[1], cuda.blockDim.x):
+                dst[i, d] = src[index[i], d]
+
+    return kernel
+
+
+@functools.cache
+def compact_kernel(ndim: int):
+    """dst = src, element by element: a strided 2-D or 3-D view made contiguous, so that it can be reshaped."""
+    if ndim == 2:
+        @cuda.jit
+        def kernel(src, dst):
+            for r in range(cuda.blockIdx.x, dst.shape[0], cuda.gridDim.x):
+                for d in range(cuda.threadIdx.x, dst.shape[1], cuda.blockDim.x):
+                    dst[r, d] = src[r, d]
+    else:
+        @cuda.jit
+        def kernel(src, dst):
+            for r in range(cuda.blockIdx.x, dst.shape[0] * dst.shape[1], cuda.gridDim.x):
+                a, b = r // dst.shape[1], r % dst.shape[1]
+                for d in range(cuda.threadIdx.x, dst.shape[2], cuda.blockDim.x):
+                    dst[a, b, d] = src[a, b, d]
 
     return kernel
 
