@@ -13,8 +13,8 @@ For each backend, batch B and prompt length N it measures (medians of R runs):
     ms_per_token       milliseconds per decode step
     achieved_gb_s      weight bytes streamed per decode step / step time (decode at batch 1 reads every weight
                        once per token, so this is the figure to hold against bandwidth_gb_s)
-    decode_cpu_share   CPU time of the process during decode / (wall time x threads): near 1 when the threads
-                       had their cores, lower when other processes took them (then the figures above are low)
+    decode_cpu_cores   CPU time of the process during decode / wall time: the cores it kept busy on average (up to
+                       `threads`; less when other processes took cores, or when a call ran on one thread)
     load_avg           the machine's 1-minute load average when the figure was measured
 and once per backend:
     first_token_cold_ms  the first request of the process, JIT compilation or cache loading included
@@ -202,7 +202,7 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
                             "decode_tok_s": round(batch / step, 1), "ms_per_token": round(1e3 * step, 3),
                             "weight_bytes_per_token": step_bytes // batch,
                             "achieved_gb_s": round(step_bytes / step / 1e9, 2),
-                            "decode_cpu_share": round(sum(decode_cpu_s) / sum(decode_s) / used_threads, 2),
+                            "decode_cpu_cores": round(sum(decode_cpu_s) / sum(decode_s), 2),
                             "load_avg": round(load, 2)})
     peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # before the 512 MiB probe
     if device == "cuda":  # the GPU's memory, which its decode steps stream

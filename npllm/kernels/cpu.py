@@ -26,6 +26,7 @@ from .simd import LANES, WIDE, vadd, vfma, vfmav, vload, vload16, vstore, vsum, 
 
 PANEL = 16  # output rows per panel: two 8-lane vectors
 TILE_T = 6  # tokens per prefill tile: 6 x 2 vector accumulators fill 12 of the 16 AVX registers
+TILE_T_WIDE = 8  # with AVX-512: 8 x 2 accumulators in 16 of the 32 registers
 GROUP = 4  # panels a decode tile covers: 8 independent accumulators hide the latency of a multiply-add
 KEY_BLOCK = 64  # keys scored together before one online-softmax update
 QUERY_BLOCK = 16  # prefill queries that share each block of keys while it is in cache
@@ -95,23 +96,29 @@ def _tile_6x16(x, t, rows, w, base, D, out, col):
 
 
 @njit(inline="always")
-def _tile_6x32(x, t, rows, w, base, D, out, col):
-    """As _tile_6x16 for two consecutive panels (32 outputs) at once, in 16-lane (AVX-512) registers."""
-    r1, r2, r3, r4, r5 = min(t + 1, t + rows - 1), min(t + 2, t + rows - 1), min(t + 3, t + rows - 1), \
-        min(t + 4, t + rows - 1), min(t + 5, t + rows - 1)
+def _tile_8x32(x, t, rows, w, base, D, out, col):
+    """As _tile_6x16 for 8 tokens and two consecutive panels (32 outputs) at once: sixteen 16-lane (AVX-512)
+    accumulators. A batch of 8 decode steps is one pass over the weights."""
+    r1, r2, r3 = min(t + 1, t + rows - 1), min(t + 2, t + rows - 1), min(t + 3, t + rows - 1)
+    r4, r5, r6, r7 = min(t + 4, t + rows - 1), min(t + 5, t + rows - 1), min(t + 6, t + rows - 1), \
+        min(t + 7, t + rows - 1)
     second = base + D * PANEL
     a00 = vzero16(); a01 = vzero16(); a10 = vzero16(); a11 = vzero16(); a20 = vzero16(); a21 = vzero16()
     a30 = vzero16(); a31 = vzero16(); a40 = vzero16(); a41 = vzero16(); a50 = vzero16(); a51 = vzero16()
+    a60 = vzero16(); a61 = vzero16(); a70 = vzero16(); a71 = vzero16()
     for k in range(D):
         lo = vload16(w, base + PANEL * k)  # W rows col .. col+15 at input k
         hi = vload16(w, second + PANEL * k)  # W rows col+16 .. col+31
-        x0 = x[t, k]; x1 = x[r1, k]; x2 = x[r2, k]; x3 = x[r3, k]; x4 = x[r4, k]; x5 = x[r5, k]
+        x0 = x[t, k]; x1 = x[r1, k]; x2 = x[r2, k]; x3 = x[r3, k]
         a00 = vfma(a00, x0, lo); a01 = vfma(a01, x0, hi)
         a10 = vfma(a10, x1, lo); a11 = vfma(a11, x1, hi)
         a20 = vfma(a20, x2, lo); a21 = vfma(a21, x2, hi)
         a30 = vfma(a30, x3, lo); a31 = vfma(a31, x3, hi)
+        x4 = x[r4, k]; x5 = x[r5, k]; x6 = x[r6, k]; x7 = x[r7, k]
         a40 = vfma(a40, x4, lo); a41 = vfma(a41, x4, hi)
         a50 = vfma(a50, x5, lo); a51 = vfma(a51, x5, hi)
+        a60 = vfma(a60, x6, lo); a61 = vfma(a61, x6, hi)
+        a70 = vfma(a70, x7, lo); a71 = vfma(a71, x7, hi)
     vstore(out[t], col, a00); vstore(out[t], col + 16, a01)
     if rows > 1:
         vstore(out[r1], col, a10); vstore(out[r1], col + 16, a11)
@@ -123,6 +130,10 @@ def _tile_6x32(x, t, rows, w, base, D, out, col):
         vstore(out[r4], col, a40); vstore(out[r4], col + 16, a41)
     if rows > 5:
         vstore(out[r5], col, a50); vstore(out[r5], col + 16, a51)
+    if rows > 6:
+        vstore(out[r6], col, a60); vstore(out[r6], col + 16, a61)
+    if rows > 7:
+        vstore(out[r7], col, a70); vstore(out[r7], col + 16, a71)
 
 
 @njit(inline="always")
@@ -149,24 +160,24 @@ def _tile_1x64(x, t, w, base, D, out, col):
 def _matmul_panels(x, T, w, D, p0, p1, out):
     """Panels p0 .. p1-1 of x @ W.T, in groups of GROUP panels that stay in cache while every token passes.
 
-    A single token (decode) takes four panels at a time; more tokens go six at a time, a panel at a time, or two
-    where the machine has 16-lane registers.
+    A single token (decode) takes four panels at a time. More tokens go 6 at a time through one panel, or, where
+    the machine has 16-lane registers, 8 at a time through two.
     """
     for g in range(p0, p1, GROUP):
         n = min(GROUP, p1 - g)
         if T == 1 and n == GROUP:
             _tile_1x64(x, 0, w, g * D * PANEL, D, out, g * PANEL)
             continue
-        for t in range(0, T, TILE_T):
-            rows = min(TILE_T, T - t)
-            p = g
-            if WIDE:
-                while p + 2 <= g + n:
-                    _tile_6x32(x, t, rows, w, p * D * PANEL, D, out, p * PANEL)
-                    p += 2
-            while p < g + n:
-                _tile_6x16(x, t, rows, w, p * D * PANEL, D, out, p * PANEL)
-                p += 1
+        p = g
+        if WIDE:
+            while p + 2 <= g + n:
+                for t in range(0, T, TILE_T_WIDE):
+                    _tile_8x32(x, t, min(TILE_T_WIDE, T - t), w, p * D * PANEL, D, out, p * PANEL)
+                p += 2
+        while p < g + n:
+            for t in range(0, T, TILE_T):
+                _tile_6x16(x, t, min(TILE_T, T - t), w, p * D * PANEL, D, out, p * PANEL)
+            p += 1
 
 
 @njit(parallel=True, cache=True)
