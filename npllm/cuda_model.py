@@ -154,10 +154,10 @@ class _Workspace:
 
     meta: object  # [6, T] int32
     x: object  # [T, D] residual stream
-    xn: object  # [T, D] normed input of a projection (per-stage path)
+    xn: object  # [T, D] normed input of a projection (tiled and per-stage paths)
     qkv: object  # [T, W]
     att: object  # [T, H Dh]
-    gate_up: object  # [T, 2F] (per-stage path)
+    gate_up: object  # [T, 2F] (tiled and per-stage paths)
     h: object  # [T, F]
     scores: object  # [blocks, C + T] attention scratch
 

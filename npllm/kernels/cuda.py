@@ -34,6 +34,8 @@ import numpy as np
 from numba import cuda
 from numba.core import config as numba_config
 
+from ..errors import ConfigError
+
 MAX_ROWS = 8  # the matrix-vector kernels serve up to this many token rows at once (decode batches)
 MAX_HEAD_DIM = 256
 NEG_INF = np.float32(-np.inf)
@@ -66,11 +68,11 @@ class Geometry:
         BM, BN, BK, TM, TN = self.tile
         for n in (self.threads, self.lanes, self.sampler_threads, (BM // TM) * (BN // TN)):
             if n < 1 or n & (n - 1):
-                raise ValueError(f"block sizes must be powers of two, got {self}")
+                raise ConfigError(f"block sizes must be powers of two, got {self}")
         if self.threads % self.lanes:
-            raise ValueError(f"threads {self.threads} must be a multiple of lanes {self.lanes}")
+            raise ConfigError(f"threads {self.threads} must be a multiple of lanes {self.lanes}")
         if BM % TM or BN % TN:
-            raise ValueError(f"tile {self.tile}: BM must be a multiple of TM and BN of TN")
+            raise ConfigError(f"tile {self.tile}: BM must be a multiple of TM and BN of TN")
 
     @property
     def matmul_threads(self) -> int:
