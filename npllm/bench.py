@@ -19,7 +19,7 @@ For each backend, batch B and prompt length N it measures (medians of R runs):
 and once per backend:
     first_token_cold_ms  the first request of the process, JIT compilation or cache loading included
     bandwidth_gb_s     memory read bandwidth: the best of a NumPy sgemv and a Numba streaming sum over 512 MiB
-                       (--bandwidth-mib), far more than any cache
+                       (--bandwidth-mib: make it larger than the last-level cache)
     peak_rss_mb        peak resident memory of the process (each backend runs in its own process), taken before
                        the bandwidth probe allocates its buffer
 """
@@ -42,7 +42,6 @@ from .backends import check_backend, limit_blas_threads, make_model
 from .config import ModelConfig
 from .errors import ConfigError, FormatError
 from .kernels.simd import LANES, vadd, vload, vsum, vzero
-
 
 
 def load_weights(model: str) -> tuple[ModelConfig, dict[str, np.ndarray], str]:
