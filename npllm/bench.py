@@ -131,9 +131,10 @@ class Session:
         slots = np.repeat(np.arange(batch), prompt_len)
         start = time.perf_counter()
         hidden = self.model.forward(tokens, positions, cache, slots)
+        self.synchronize()
         prefilled = time.perf_counter()
         last = hidden[prompt_len - 1::prompt_len]  # [B, D] the last token of each prompt
-        next_tokens = np.argmax(self.model.lm_head(last), axis=-1)
+        next_tokens = self.greedy(last)
         return cache, next_tokens, prefilled - start, time.perf_counter() - start
 
     def decode(self, cache, tokens, start_position: int, steps: int) -> tuple[float, float]:
@@ -144,16 +145,33 @@ class Session:
         for i in range(steps):
             positions = np.full(batch, start_position + i)
             hidden = self.model.forward(tokens, positions, cache, slots)
-            tokens = np.argmax(self.model.lm_head(hidden), axis=-1)
+            tokens = self.greedy(hidden)
         return time.perf_counter() - start, time.process_time() - cpu_start
+
+    def greedy(self, hidden) -> np.ndarray:
+        """The argmax ids of hidden states' logits: on the GPU for the CUDA model (only ids come back, which also
+        waits for the device), else from host logits."""
+        sample = getattr(self.model, "sample", None)
+        return sample(hidden) if sample is not None else np.argmax(self.model.lm_head(hidden), axis=-1)
+
+    def synchronize(self) -> None:
+        """Wait for work queued on a GPU (its launches return at once); nothing to wait for on the CPU."""
+        synchronize = getattr(self.model, "synchronize", None)
+        if synchronize is not None:
+            synchronize()
 
 
 def bench_backend(model_name: str, backend: str, threads: int | None, batches, prompt_lens, gen_len: int,
-                  repeat: int, bandwidth_mib: int = 512):
-    """Yield one result dict per (batch, prompt length) for one backend, in this process."""
+                  repeat: int, bandwidth_mib: int = 512, device: str = "cpu"):
+    """Yield one result dict per (batch, prompt length) for one backend (or the GPU), in this process."""
     config, weights, kind = load_weights(model_name)
     start = time.perf_counter()
-    model = make_model(config, weights, backend, threads)
+    if device == "cuda":
+        from .cuda_model import CudaTransformer
+
+        model, backend = CudaTransformer(config, weights), "cuda"
+    else:
+        model = make_model(config, weights, backend, threads)
     load_s = time.perf_counter() - start
     del weights  # the Numba backend keeps its own packed copy
     used_threads = getattr(model, "threads", threads) or _blas_threads()
@@ -186,7 +204,12 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
                             "decode_cpu_cores": round(sum(decode_cpu_s) / sum(decode_s), 2),
                             "load_avg": round(load, 2)})
     peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # before the 512 MiB probe
-    bandwidth = measure_bandwidth(used_threads, bandwidth_mib)
+    if device == "cuda":  # the GPU's memory, which its decode steps stream
+        from .cuda_model import device_bandwidth_gb_s
+
+        bandwidth = {"bandwidth_gb_s": round(device_bandwidth_gb_s(4 * bandwidth_mib), 1)}
+    else:
+        bandwidth = measure_bandwidth(used_threads, bandwidth_mib)
     for r in results:
         yield {**r, **bandwidth, "peak_rss_mb": peak_rss_mb}
 
@@ -201,6 +224,14 @@ def run(args) -> int:
     """The `npllm bench` command: each backend in a fresh process (own memory peak, own thread pools)."""
     for backend in args.backend:
         check_backend(backend)
+    if args.device != "cpu":
+        from .device import resolve_device
+
+        if resolve_device(args.device) == "cuda":  # the GPU runs the one model npllm has for it
+            for result in bench_backend(args.model, "cuda", None, args.batch, args.prompt_len, args.gen_len,
+                                        args.repeat, args.bandwidth_mib, device="cuda"):
+                print_result(result, args.json)
+            return 0
     if len(args.backend) == 1:
         if args.threads is not None and args.backend[0] == "numpy":
             limit_blas_threads(args.threads)

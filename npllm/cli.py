@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gen-len", type=int, default=256, help="decode steps (default 256)")
     bench.add_argument("--backend", nargs="+", default=["numba"], help="numba, numpy, or both (default numba)")
     bench.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
+    bench.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                       help="cpu (the --backend models), cuda (the GPU model) or auto (CUDA when usable)")
     bench.add_argument("--repeat", type=int, default=3, help="runs per figure; medians are reported (default 3)")
     bench.add_argument("--bandwidth-mib", type=int, default=512, help="size of the bandwidth probe (default 512)")
     bench.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -111,12 +113,14 @@ def run_generate(args) -> int:
     params = sampling_params(args)
     start, first, count = time.perf_counter(), None, 0
 
-    def on_token(token: int) -> None:
+    def on_step(step) -> None:
         nonlocal first, count
         first = first or time.perf_counter()
         count += 1
+        if params.logprobs:
+            print_logprobs(llm.tokenizer, step)
 
-    for piece in llm.stream(args.prompt, args.max_new_tokens, echo=True, on_token=on_token, **as_keywords(params)):
+    for piece in llm.stream(args.prompt, args.max_new_tokens, echo=True, on_step=on_step, **as_keywords(params)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -126,6 +130,15 @@ def run_generate(args) -> int:
     print(f"[npllm] {len(prompt_ids)} prompt + {count} new tokens; first token {1e3 * ((first or end) - start):.1f} ms;"
           f" {rate:.1f} tok/s after it", file=sys.stderr)
     return 0
+
+
+def print_logprobs(tokenizer, step) -> None:
+    """One stderr line per token: the piece, its log-probability, then the top alternatives."""
+    def piece(token_id):
+        return repr(tokenizer.id_to_piece(int(token_id)))
+
+    alternatives = ", ".join(f"{piece(t)} {lp:.3f}" for t, lp in zip(step.top_ids, step.top_logprobs) if t >= 0)
+    print(f"[logprobs] {piece(step.token_ids)} {step.logprobs:.4f} | {alternatives}", file=sys.stderr)
 
 
 def read_prompt_file(path: str) -> list[str]:

@@ -7,10 +7,9 @@ Same interface as model.Transformer (config, new_cache, forward, lm_head, logits
     lm_head      brings logits to the host (for code that samples there)
     sample_next  runs lm_head and the sampler on the device: only the token id comes back
 
-How a forward call of T tokens runs:
-    T <= 8  (decode, small batches, short prompts): one cooperative launch for all layers (decode_step_kernel);
-            numba's per-launch cost (~10 us + 4 us per array) would otherwise dominate at batch 1
-    T >  8  (prefill, larger batches): one launch per stage, the products as tiled matrix-matrix kernels
+A forward call of T tokens runs all layers in one cooperative launch (numba's per-launch cost, ~10 us + 4 us per
+array argument, would otherwise dominate decoding): matrix-vector products for T <= 8 (decode_step_kernel), tiled
+matrix-matrix products beyond (batch_step_kernel). Where cooperative launches fail, it launches stage by stage.
 """
 
 from __future__ import annotations
@@ -28,7 +27,9 @@ from .model import check_weights
 from .sampling import SamplingParams, sample_with
 
 DTYPES = (np.float32, np.float16)
-DEVICE_SAMPLING = ("temperature", "top_k", "top_p", "seed")  # what sample_rows implements; the rest: host
+# What kernels.sample_rows does (stop strings are the generation loop's business); any other option in use sends
+# the logits to the host sampler.
+DEVICE_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop")
 
 
 def _cuda():
@@ -87,16 +88,76 @@ class CudaKVCache:
         return host
 
 
+class DeviceArray:
+    """Hidden states on the GPU that index as generation code indexes a NumPy array (npllm.batching does).
+
+    Basic indexing and reshape give views on the device (reshaping a strided view first copies it into a
+    contiguous one, on the device); integers along the first axis (hidden[rows]) gather on the device;
+    np.asarray and copy_to_host bring the values to the host. lm_head and sample take it as it is.
+    """
+
+    def __init__(self, data, model: "CudaTransformer"):
+        self.data = data  # a numba device array
+        self.model = model
+
+    shape = property(lambda self: self.data.shape)
+    ndim = property(lambda self: self.data.ndim)
+    dtype = property(lambda self: self.data.dtype)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index):
+        if isinstance(index, (list, np.ndarray)):
+            return self._gather(np.asarray(index))
+        picked = self.data[index]
+        return DeviceArray(picked, self.model) if hasattr(picked, "copy_to_host") else picked
+
+    def reshape(self, *shape):
+        return DeviceArray(self._contiguous().reshape(*shape), self.model)
+
+    def copy_to_host(self) -> np.ndarray:
+        return self._contiguous().copy_to_host()
+
+    def __array__(self, dtype=None, copy=None):
+        return self.copy_to_host() if dtype is None else self.copy_to_host().astype(dtype)
+
+    def _gather(self, rows: np.ndarray) -> "DeviceArray":
+        """Rows by index (negative counts from the end).          # [R, D], [N] -> [N, D]"""
+        if rows.ndim != 1 or rows.dtype.kind not in "iu" or self.ndim != 2:
+            raise IndexError(f"a device array of shape {self.shape} takes basic indices or a 1-D array of row "
+                             f"numbers, got an index of shape {rows.shape} and dtype {rows.dtype}")
+        R = self.shape[0]
+        if len(rows) and not (-R <= rows.min() and rows.max() < R):
+            raise IndexError(f"row index out of range for {R} rows: {rows.min()}..{rows.max()}")
+        cuda, g = self.model.cuda, self.model.geometry
+        out = cuda.device_array((len(rows), self.shape[1]), self.dtype)
+        if len(rows):
+            index = cuda.to_device(np.ascontiguousarray(rows % R, np.int32))
+            self.model.kernels.gather_rows_kernel()[g.grid(len(rows)), g.threads](self.data, index, out)
+        return DeviceArray(out, self.model)
+
+    def _contiguous(self):
+        if self.data.is_c_contiguous():
+            return self.data
+        if self.ndim not in (2, 3):
+            raise IndexError(f"only 2-D and 3-D strided device arrays can be copied, this one is {self.shape}")
+        cuda, g = self.model.cuda, self.model.geometry
+        out = cuda.device_array(self.shape, self.dtype)
+        self.model.kernels.compact_kernel(self.ndim)[g.grid(int(np.prod(self.shape[:-1]))), g.threads](self.data, out)
+        return out
+
+
 @dataclasses.dataclass
 class _Workspace:
     """Device buffers of one forward call of T tokens (kept and reused for the next call of the same T)."""
 
     meta: object  # [6, T] int32
     x: object  # [T, D] residual stream
-    xn: object  # [T, D] normed input of a projection (per-stage path)
+    xn: object  # [T, D] normed input of a projection (tiled and per-stage paths)
     qkv: object  # [T, W]
     att: object  # [T, H Dh]
-    gate_up: object  # [T, 2F] (per-stage path)
+    gate_up: object  # [T, 2F] (tiled and per-stage paths)
     h: object  # [T, F]
     scores: object  # [blocks, C + T] attention scratch
 
@@ -104,12 +165,12 @@ class _Workspace:
 class CudaTransformer:
     """model.Transformer on the GPU. dtype: how matrices are stored (float32, or float16 read into float32 sums).
     geometry: kernels.Geometry (block sizes; the default suits the hardware or the simulator, whichever runs).
-    one_launch_decode: run calls of up to 8 tokens as one cooperative launch (kernels.decode_step_kernel); when
-    the device or toolkit cannot (no cooperative launch, no cudadevrt library), it warns once and runs them stage
-    by stage, as with False."""
+    one_launch: run each forward call as one cooperative launch (kernels.decode_step_kernel for up to 8 tokens,
+    kernels.batch_step_kernel for more); when the device or toolkit cannot (no cooperative launch, no cudadevrt
+    library), it warns once and launches stage by stage, as with False."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype=np.float32, geometry=None,
-                 one_launch_decode: bool = True):
+                 one_launch: bool = True):
         check_weights(config, weights)
         if np.dtype(dtype) not in [np.dtype(d) for d in DTYPES]:
             raise ConfigError(f"CudaTransformer stores weights as float32 or float16, got dtype {np.dtype(dtype)}")
@@ -124,8 +185,8 @@ class CudaTransformer:
         self.inv_freq = ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)  # [Dh/2]
         self._rope_table(config.max_seq_len)
         self._workspaces: dict[tuple[int, int], _Workspace] = {}
-        self._decode_grid: dict[int, int] = {}
-        self.one_launch_decode = one_launch_decode
+        self._grids: dict[tuple, int] = {}  # cooperative grid size of each step kernel, once compiled
+        self.one_launch = one_launch
 
     # -- weights ------------------------------------------------------------------------------------------------
 
@@ -133,7 +194,7 @@ class CudaTransformer:
         """Stack each kind of tensor over the layers and copy it to the device, one layer at a time (no host copy
         of the whole model): wqkv = [wq; wk; wv] so one pass computes q, k and v, w13 = (w1, w3) for SwiGLU."""
         c, cuda = self.config, self.cuda
-        L, D, F, V = c.n_layers, c.dim, c.hidden_dim, c.vocab_size
+        L, D, F = c.n_layers, c.dim, c.hidden_dim
         HDh, KDh = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         W = HDh + 2 * KDh
         matrix = self.dtype
@@ -179,8 +240,8 @@ class CudaTransformer:
         """How many most recent positions a query sees: the model's sliding window, capped by the ring's size."""
         return min(self.config.sliding_window or cache.capacity, cache.capacity)
 
-    def forward(self, tokens, positions, cache: CudaKVCache, slots=None):
-        """Final-norm hidden states of the given tokens, updating the cache.     # [T], [T], [T] -> device [T, D]
+    def forward(self, tokens, positions, cache: CudaKVCache, slots=None) -> DeviceArray:
+        """Final-norm hidden states of the given tokens, updating the cache.      # [T], [T], [T] -> [T, D] on the GPU
 
         As model.Transformer.forward: slots[t] is the cache slot of token t (all 0 when omitted); within a slot,
         tokens come in increasing position order and follow what the slot's cache already holds.
@@ -190,13 +251,13 @@ class CudaTransformer:
         ws = self._workspace(T, cache)
         ws.meta.copy_to_device(meta)
         hidden = self.cuda.device_array((T, self.config.dim), np.float32)
-        if T <= self.kernels.MAX_ROWS and self.one_launch_decode:
-            self._decode_step(ws, cache, hidden)
+        if self.one_launch:
+            self._one_launch(ws, cache, hidden)
         else:
             self._stages(ws, cache, hidden)
         for slot in np.unique(meta[2]):
             cache.lengths[slot] = max(cache.lengths[slot], int(meta[1][meta[2] == slot].max()) + 1)
-        return hidden
+        return DeviceArray(hidden, self)
 
     def _meta(self, tokens, positions, slots, cache: CudaKVCache) -> np.ndarray:
         """[6, T] int32 rows TOKEN, POS, SLOT, KEEP, RING, FIRST (see kernels/cuda.py), checked: out-of-range
@@ -246,30 +307,40 @@ class CudaTransformer:
         c = self.config
         return np.int32(c.n_heads), np.int32(c.n_kv_heads), np.int32(c.head_dim)
 
-    def _decode_step(self, ws: _Workspace, cache: CudaKVCache, hidden) -> None:
-        """Every layer in one cooperative launch (kernels.decode_step_kernel)."""
+    def _one_launch(self, ws: _Workspace, cache: CudaKVCache, hidden) -> None:
+        """Every layer in one cooperative launch: kernels.decode_step_kernel (matrix-vector products, compiled for
+        1 or 8 token rows) for up to 8 tokens, kernels.batch_step_kernel (tiled products) for more."""
         c, k, g = self.config, self.kernels, self.geometry
-        T = ws.x.shape[0]
-        rows = 1 << (T - 1).bit_length()  # compile for 1, 2, 4 or 8 rows
-        kernel = k.decode_step_kernel(rows, g.threads, g.lanes, c.rope_layout == "interleaved")
-        args = (self.tok_embeddings, self.norms, self.wqkv, self.bqkv, self.wo, self.w13, self.w2, self.final_norm,
-                np.float32(c.norm_eps), *self._heads(), self.cos, self.sin, ws.meta, cache.k, cache.v,
-                cache.positions, np.int32(self.window(cache)), np.float32(1.0 / np.sqrt(c.head_dim)),
-                ws.x, ws.qkv, ws.att, ws.h, ws.scores, hidden)
-        blocks = self._decode_grid.get(rows)
+        T, L = ws.x.shape[0], c.n_layers
+        interleaved = c.rope_layout == "interleaved"
+        head = (self.tok_embeddings, self.norms, self.wqkv, self.bqkv, self.wo)
+        tail = (np.float32(c.norm_eps), *self._heads(), self.cos, self.sin, ws.meta, cache.k, cache.v,
+                cache.positions, np.int32(self.window(cache)), np.float32(1.0 / np.sqrt(c.head_dim)))
+        if T <= k.MAX_ROWS:
+            rows = 1 if T == 1 else k.MAX_ROWS
+            key, threads = ("decode", rows), g.threads
+            kernel = k.decode_step_kernel(rows, g.threads, g.lanes, interleaved)
+            args = (*head, self.w13, self.w2, self.final_norm, *tail, ws.x, ws.qkv, ws.att, ws.h, ws.scores, hidden)
+        else:
+            key, threads = ("batch",), g.matmul_threads
+            kernel = k.batch_step_kernel(g.tile, interleaved)
+            w13 = self.w13.reshape(L, 2 * c.hidden_dim, c.dim)  # W1's rows, then W3's: one product for both
+            args = (*head, w13, self.w2, self.final_norm, *tail, ws.x, ws.xn, ws.qkv, ws.att, ws.gate_up, ws.h,
+                    ws.scores, hidden)
+        blocks = self._grids.get(key)
         if blocks is not None:
-            kernel[blocks, g.threads](*args)
+            kernel[blocks, threads](*args)
             return
         try:  # the first launch compiles: that is where a missing cooperative-launch support shows
-            blocks = min(g.max_blocks, cooperative_blocks(kernel, args, g.threads))
-            kernel[blocks, g.threads](*args)
+            blocks = min(g.max_blocks, cooperative_blocks(kernel, args, threads))
+            kernel[blocks, threads](*args)
         except Exception as e:  # noqa: BLE001 - whatever the driver or linker says, the stage path still works
-            warnings.warn(f"npllm: one-launch CUDA decoding failed ({type(e).__name__}: {e}); running decode "
-                          "steps stage by stage from now on", RuntimeWarning, stacklevel=3)
-            self.one_launch_decode = False
+            warnings.warn(f"npllm: one-launch CUDA forward failed ({type(e).__name__}: {e}); running every stage "
+                          "as its own launch from now on", RuntimeWarning, stacklevel=3)
+            self.one_launch = False
             self._stages(ws, cache, hidden)
             return
-        self._decode_grid[rows] = blocks
+        self._grids[key] = blocks
 
     def _stages(self, ws: _Workspace, cache: CudaKVCache, hidden) -> None:
         """One launch per stage, in model.Transformer's order."""
@@ -318,11 +389,17 @@ class CudaTransformer:
 
     def _device_logits(self, h):
         """Logits on the device.  # [T, D] -> device [T, V]"""
-        if not hasattr(h, "copy_to_host"):  # a host array: upload it
+        if isinstance(h, DeviceArray):
+            h = h.data
+        elif not hasattr(h, "copy_to_host"):  # a host array: upload it
             h = self.cuda.to_device(np.ascontiguousarray(h, np.float32))
         logits = self.cuda.device_array((h.shape[0], self.config.vocab_size), np.float32)
         self._matmul(h, self.output, logits, residual=False)
         return logits
+
+    def synchronize(self) -> None:
+        """Wait until the device has finished what was queued (launches return before the work is done)."""
+        self.cuda.synchronize()
 
     def lm_head(self, h) -> np.ndarray:
         """Logits from final hidden states, on the host.  # [T, D] -> [T, V]"""
@@ -336,17 +413,16 @@ class CudaTransformer:
         cache = self.new_cache() if cache is None else cache
         return self.lm_head(self.forward(tokens, positions, cache))
 
-    def sample(self, h, temperature, top_k, top_p, uniforms) -> np.ndarray:
-        """Token ids chosen on the device from final hidden states, one per row (kernels.sample_rows: greedy when
-        the temperature is 0, else temperature, top-k and top-p with the given uniform numbers in [0, 1)).
-                                                                      # [B, D], [B] x4 -> [B] int ids on the host
-        """
+    def sample(self, h, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, uniforms=0.0) -> np.ndarray:
+        """Token ids chosen on the device from final hidden states, one per row: greedy at temperature 0, else
+        sampling.sample_with's draw with the given uniform numbers in [0, 1) (kernels.sample_rows). Each option is
+        one value for every row or one per row.                     # [B, D] -> [B] int ids on the host"""
         k, g = self.kernels, self.geometry
         logits = self._device_logits(h)
         B, V = logits.shape
-        params = np.empty((B, 4), np.float32)  # one row per sequence: scalars apply to every row
-        params[:, 0], params[:, 1], params[:, 2] = temperature, top_k, top_p
-        params[:, 3] = np.minimum(np.asarray(uniforms, np.float32), UNIFORM_MAX)
+        params = np.empty((B, 5), np.float32)  # one row per sequence
+        params[:, 0], params[:, 1], params[:, 2], params[:, 3] = temperature, top_k, top_p, min_p
+        params[:, 4] = np.minimum(np.asarray(uniforms, np.float32), UNIFORM_MAX)
         ids = self.cuda.device_array(B, np.int32)
         probs = self.cuda.device_array((B, V), np.float32)
         k.sample_kernel(g.sampler_threads)[g.grid(B), g.sampler_threads](logits, self.cuda.to_device(params), probs,
@@ -354,12 +430,31 @@ class CudaTransformer:
         return ids.copy_to_host()
 
     def sample_next(self, h, params: SamplingParams, rng: np.random.Generator, history=()) -> int:
-        """The next token after final hidden state h [1, D]: sampled on the device when `params` asks only for
-        what the device sampler does (temperature, top-k, top-p), else from host logits with sample_with."""
+        """The next token after final hidden state h [1, D], drawn as sampling.sample_with would draw it (the same
+        one rng.random() for a sampled step): on the device when `params` uses only what the device sampler does,
+        else from host logits with sample_with itself."""
         if not on_device(params):
-            return sample_with(params, self.lm_head(h)[0], rng, history)
+            return int(sample_with(params, self.lm_head(h)[0], rng, history))
         u = 0.0 if params.temperature == 0 else rng.random()
-        return int(self.sample(h, params.temperature, getattr(params, "top_k", 0), params.top_p, u)[0])
+        return int(self.sample(h, params.temperature, params.top_k, params.top_p, params.min_p, u)[0])
+
+
+def device_bandwidth_gb_s(mib: int = 2048, repeat: int = 5) -> float:
+    """The GPU's memory bandwidth: a device-to-device copy of `mib` MiB reads and writes each byte once; best of
+    `repeat`. Decoding at batch 1 streams every weight once per token, so this is its roofline."""
+    import time
+
+    cuda, _ = _cuda()
+    a = cuda.to_device(np.ones(mib * 2**20 // 4, np.float32))
+    b = cuda.device_array_like(a)
+    best = float("inf")
+    for _ in range(repeat):
+        cuda.synchronize()
+        start = time.perf_counter()
+        b.copy_to_device(a)
+        cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * a.nbytes / best / 1e9
 
 
 UNIFORM_MAX = np.nextafter(np.float32(1), np.float32(0))  # a float64 uniform below 1 may round up to 1 in float32

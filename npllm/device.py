@@ -10,6 +10,7 @@ simulator runs the same kernels, thousands of times slower: tests use it, "auto"
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -29,7 +30,7 @@ def cuda_simulated() -> bool:
 def cuda_problem() -> str | None:
     """Why CUDA cannot be used here, in words (None when it can: real hardware or the simulator)."""
     try:
-        from numba import cuda  # noqa: F401
+        importlib.import_module("numba.cuda")  # the target itself, whichever package provides it
     except ImportError as e:
         return f"numba's CUDA target cannot be imported ({e}); install it with {INSTALL_HINT}"
     if cuda_simulated():

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from .errors import GenerationError
-from .sampling import SamplingParams, sample_with
+from .sampling import Sampled, SamplingParams, sample_step
 
 
 def stop_ids(config) -> frozenset[int]:
@@ -43,6 +43,14 @@ def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
     The last sampled token is yielded without being fed back, so a context of N positions yields up to
     N - len(prompt) + 1 tokens, as llama2.c's run.c does.
     """
+    for step in generate_steps(model, prompt_ids, max_new_tokens, params, rng):
+        yield step.token_ids
+
+
+def generate_steps(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
+                   rng: np.random.Generator | None = None) -> Iterator[Sampled]:
+    """generate_ids, yielding each step's whole draw: the id, its log-probability and (with params.logprobs = N)
+    the N most probable alternatives."""
     config = model.config
     check_prompt(config, prompt_ids)
     if max_new_tokens < 0:
@@ -53,22 +61,24 @@ def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
     history = [int(t) for t in prompt_ids]
     hidden = model.forward(history, np.arange(len(history)), cache)[-1:]  # prefill: [T, D] -> last [1, D]
     for _ in range(max_new_tokens):
-        token = next_token(model, hidden, params, rng, history)
-        if token in stops:
+        step = next_step(model, hidden, params, rng, history)
+        if step.token_ids in stops:
             return
-        yield token
-        history.append(token)
+        yield step
+        history.append(step.token_ids)
         position = len(history) - 1
         if position >= config.max_seq_len:  # no room to feed it back: the context is full
             return
-        hidden = model.forward([token], [position], cache)  # decode: [1, D]
+        hidden = model.forward([step.token_ids], [position], cache)  # decode: [1, D]
 
 
-def next_token(model, hidden, params: SamplingParams, rng: np.random.Generator, history) -> int:
-    """The token after final hidden state `hidden` [1, D]. A model with its own sampler (CudaTransformer's
-    sample_next) picks it where its activations live, so only the id travels; otherwise the logits are sampled
-    here."""
+def next_step(model, hidden, params: SamplingParams, rng: np.random.Generator, history) -> Sampled:
+    """The draw after final hidden state `hidden` [1, D]. A model with its own sampler (CudaTransformer's
+    sample_next) picks the id where its activations live, so only the id travels (its log-probability is then
+    not computed: NaN); when log-probabilities are asked for, or the model has no sampler, the logits are
+    sampled here."""
     sample_next = getattr(model, "sample_next", None)
-    if sample_next is not None:
-        return sample_next(hidden, params, rng, history)
-    return sample_with(params, model.lm_head(hidden)[0], rng, history)
+    if sample_next is not None and params.logprobs == 0:
+        token = int(sample_next(hidden, params, rng, history))
+        return Sampled(token, float("nan"), np.empty(0, np.int64), np.empty(0))
+    return sample_step(params, model.lm_head(hidden)[0], rng, history)

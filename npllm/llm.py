@@ -14,7 +14,7 @@ from .config import ModelConfig
 from .device import resolve_device
 from .errors import FormatError
 from .stop import StopStrings, cut_at_stop
-from .generate import check_prompt, generate_ids
+from .generate import check_prompt, generate_ids, generate_steps
 from .hub import resolve
 from .model import Transformer
 from .sampling import SamplingParams
@@ -41,13 +41,14 @@ class LLM:
         """Yield new token ids for a prompt given as ids (sampling keywords as in SamplingParams)."""
         return generate_ids(self.model, list(prompt_ids), max_new_tokens, SamplingParams(**sampling))
 
-    def stream(self, prompt: str = "", max_new_tokens: int = 256, echo: bool = False, on_token=None,
+    def stream(self, prompt: str = "", max_new_tokens: int = 256, echo: bool = False, on_step=None,
                **sampling) -> Iterator[str]:
         """Yield the completion's text as it is produced (with echo, the prompt's text first).
 
         Text is released only once whole UTF-8 characters are known, so a character split over byte tokens is
         never printed broken, and only once it cannot be the start of a stop string (`stop=`), which ends the
-        completion and is not part of it. on_token(id) is called for every generated token (for counters).
+        completion and is not part of it. on_step(Sampled) is called for every generated token with its draw: the id,
+        its log-probability and, with logprobs=N, the N most probable alternatives.
         """
         params = SamplingParams(**sampling)
         prompt_ids = self._require_tokenizer().encode(prompt, bos=True)
@@ -56,10 +57,10 @@ class LLM:
         if echo:
             yield prompt_text
         stops = StopStrings(params.stop)
-        for token in generate_ids(self.model, prompt_ids, max_new_tokens, params):
-            if on_token is not None:
-                on_token(token)
-            piece = stops.feed(decoder.feed(token))
+        for step in generate_steps(self.model, prompt_ids, max_new_tokens, params):
+            if on_step is not None:
+                on_step(step)
+            piece = stops.feed(decoder.feed(step.token_ids))
             if piece:
                 yield piece
             if stops.stopped:

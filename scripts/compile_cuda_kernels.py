@@ -72,6 +72,9 @@ def main() -> int:
     cases["kv_write"] = (k.kv_write_kernel(), (arr(f32, 2), arr(i32, 2), i, i, i, arr(f32, 4), arr(f32, 4)))
     cases["commit_positions"] = (k.commit_positions_kernel(), (arr(i32, 2), arr(i32, 2)))
     cases["sample"] = (k.sample_kernel(g.sampler_threads), (arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(i32, 1)))
+    cases["gather_rows"] = (k.gather_rows_kernel(), (arr(f32, 2), arr(i32, 1), arr(f32, 2)))
+    for ndim in (2, 3):
+        cases[f"compact {ndim}-D"] = (k.compact_kernel(ndim), (arr(f32, ndim, "A"), arr(f32, ndim)))
     for rows in (1, 2, 4, 8):
         for interleaved in (True, False):
             for wt in (f32, f16):
@@ -81,6 +84,14 @@ def main() -> int:
                      arr(f32, 1), f, i, i, i, arr(f32, 2), arr(f32, 2), arr(i32, 2), arr(f32, 5), arr(f32, 5),
                      arr(i32, 2), i, f, arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2),
                      arr(f32, 2)))
+    for interleaved in (True, False):
+        for wt in (f32, f16):
+            cases[f"batch_step interleaved={interleaved} {np.dtype(wt)}"] = (
+                k.batch_step_kernel(g.tile, interleaved),
+                (arr(wt, 2), arr(f32, 3), arr(wt, 3), arr(f32, 2), arr(wt, 3), arr(wt, 3), arr(wt, 3),
+                 arr(f32, 1), f, i, i, i, arr(f32, 2), arr(f32, 2), arr(i32, 2), arr(f32, 5), arr(f32, 5),
+                 arr(i32, 2), i, f, arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2),
+                 arr(f32, 2), arr(f32, 2)))
     if args.quick:
         cases = {name: case for name, case in cases.items() if quick(name)}
     failed = 0
@@ -100,8 +111,9 @@ def quick(name: str) -> bool:
     if name.startswith("matvec"):
         return ("rows=1 " in name or "rows=8 " in name) and name.endswith(" C") and (
             "float32" in name or "gated=True" in name)
-    if name.startswith("decode_step"):
-        return name in ("decode_step rows=1 interleaved=True float32", "decode_step rows=8 interleaved=False float16")
+    if name.startswith(("decode_step", "batch_step")):
+        return name in ("decode_step rows=1 interleaved=True float32", "decode_step rows=8 interleaved=False float16",
+                        "batch_step interleaved=True float32")
     return "f16" not in name or name == "embed f16"
 
 

@@ -1,11 +1,11 @@
-"""Time CudaTransformer on a real GPU: prefill and greedy decode (argmax on the device) for a named shape with
-random weights, set against the GPU's memory bandwidth measured in the same run. One JSON object per line.
+"""CudaTransformer on a real GPU against its memory-bandwidth roofline, float32 or float16 weight storage.
 
-    python scripts/cuda_timing.py --model tinyllama-1.1B --batch 1 32 --prompt-len 128 512 --gen-len 128
+    python scripts/cuda_timing.py --model tinyllama-1.1B --dtype float16 --batch 1 32 --prompt-len 128
 
-Decode at batch B reads every weight once per step for B tokens: weight_bytes / step time is the achieved
-bandwidth, and bandwidth / weight_bytes * B the roofline tok/s. The device runs asynchronously: every timed
-interval ends with a synchronize, so the figures are of work done, not of work queued.
+The timing is `npllm bench`'s (bench.Session: random prompts prefilled in one call, greedy decode steps with the
+argmax on the device); this script adds the weight storage type and the roofline: a decode step streams every
+weight once for the B tokens of the batch, so bandwidth / step bytes * B is the most tokens per second memory
+allows. One JSON object per line.
 """
 
 from __future__ import annotations
@@ -17,77 +17,45 @@ import time
 import numpy as np
 
 
-def device_bandwidth_gb_s(cuda, mib: int = 2048, repeat: int = 5) -> float:
-    """Device-to-device copy of `mib` MiB, best of `repeat`: it reads and writes each byte once."""
-    a = cuda.to_device(np.ones(mib * 2**20 // 4, np.float32))
-    b = cuda.device_array_like(a)
-    best = float("inf")
-    for _ in range(repeat):
-        cuda.synchronize()
-        start = time.perf_counter()
-        b.copy_to_device(a)
-        cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2 * a.nbytes / best / 1e9
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="stories15M")
+    parser.add_argument("--model", default="stories15M", help="a named shape (random weights) or a checkpoint")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt-len", type=int, nargs="+", default=[128, 512])
-    parser.add_argument("--gen-len", type=int, default=128)
+    parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16"))
+    parser.add_argument("--stage-by-stage", action="store_true",
+                        help="one launch per stage instead of one cooperative launch per forward call")
     args = parser.parse_args()
 
-    from numba import cuda
+    from npllm.bench import Session, load_weights
+    from npllm.cuda_model import CudaTransformer, device_bandwidth_gb_s
 
-    from npllm.cuda_model import CudaTransformer
-    from npllm.formats.random import NAMED_SHAPES, random_weights
-
-    config = NAMED_SHAPES[args.model]
+    config, weights, kind = load_weights(args.model)
     start = time.perf_counter()
-    model = CudaTransformer(config, random_weights(config), dtype=np.dtype(args.dtype))
+    model = CudaTransformer(config, weights, dtype=np.dtype(args.dtype), one_launch=not args.stage_by_stage)
     load_s = time.perf_counter() - start
-    bandwidth = device_bandwidth_gb_s(cuda)
-    rng = np.random.default_rng(0)
-
-    def prefill(batch, prompt_len):
-        cache = model.new_cache(prompt_len + args.gen_len + 1, batch)
-        tokens = rng.integers(0, config.vocab_size, batch * prompt_len)
-        positions, slots = np.tile(np.arange(prompt_len), batch), np.repeat(np.arange(batch), prompt_len)
-        cuda.synchronize()
-        start = time.perf_counter()
-        hidden = model.forward(tokens, positions, cache, slots)
-        cuda.synchronize()
-        prefill_s = time.perf_counter() - start
-        ids = model.sample(hidden[prompt_len - 1::prompt_len], 0, 0, 1.0, 0.0)  # copies ids back: synchronous
-        return cache, ids, prefill_s, time.perf_counter() - start
-
-    start = time.perf_counter()
-    prefill(1, args.prompt_len[0])  # compiles every kernel it uses
-    cold_s = time.perf_counter() - start
+    del weights
+    bandwidth = device_bandwidth_gb_s()
+    session = Session(model)
+    cold = session.prefill(1, args.prompt_len[0], args.prompt_len[0] + args.gen_len)[3]  # compiles the kernels
+    step_bytes = model.step_weight_bytes
     for batch in args.batch:
         for prompt_len in args.prompt_len:
-            prefill(batch, prompt_len)  # warm: the decode kernel for this batch is compiled below
-            cache, ids, prefill_s, first_s = prefill(batch, prompt_len)
-            slots = np.arange(batch)
-            ids = model.sample(model.forward(ids, np.full(batch, prompt_len), cache, slots), 0, 0, 1.0, 0.0)
-            start = time.perf_counter()
-            for step in range(1, args.gen_len):
-                hidden = model.forward(ids, np.full(batch, prompt_len + step), cache, slots)
-                ids = model.sample(hidden, 0, 0, 1.0, 0.0)  # only the ids come back
-            step_s = (time.perf_counter() - start) / (args.gen_len - 1)
-            weight_bytes = model.step_weight_bytes
+            session.prefill(batch, prompt_len, prompt_len + args.gen_len)  # warm: compiles this batch's kernels
+            cache, tokens, prefill_s, first_s = session.prefill(batch, prompt_len, prompt_len + args.gen_len)
+            decode_s = session.decode(cache, tokens, prompt_len, args.gen_len)[0]
+            step = decode_s / args.gen_len
             print(json.dumps({
-                "model": args.model, "device": "cuda", "dtype": args.dtype, "batch": batch,
+                "model": args.model, "weights": kind, "device": "cuda", "dtype": args.dtype,
+                "launches": "per stage" if args.stage_by_stage else "one per forward", "batch": batch,
                 "prompt_len": prompt_len, "gen_len": args.gen_len, "load_s": round(load_s, 2),
-                "first_token_cold_ms": round(1e3 * cold_s, 1), "prefill_tok_s": round(batch * prompt_len / prefill_s, 1),
-                "first_token_ms": round(1e3 * first_s, 2), "decode_tok_s": round(batch / step_s, 1),
-                "ms_per_token": round(1e3 * step_s, 3), "weight_bytes_per_token": weight_bytes // batch,
-                "achieved_gb_s": round(weight_bytes / step_s / 1e9, 1), "bandwidth_gb_s": round(bandwidth, 1),
-                "roofline_tok_s": round(batch * bandwidth * 1e9 / weight_bytes, 1),
-                "fraction_of_roofline": round(weight_bytes / step_s / 1e9 / bandwidth, 3)}), flush=True)
+                "first_token_cold_ms": round(1e3 * cold, 1),
+                "prefill_tok_s": round(batch * prompt_len / prefill_s, 1), "first_token_ms": round(1e3 * first_s, 2),
+                "decode_tok_s": round(batch / step, 1), "ms_per_token": round(1e3 * step, 3),
+                "weight_bytes_per_step": step_bytes, "achieved_gb_s": round(step_bytes / step / 1e9, 1),
+                "bandwidth_gb_s": round(bandwidth, 1), "roofline_tok_s": round(batch * bandwidth * 1e9 / step_bytes, 1),
+                "fraction_of_roofline": round(step_bytes / step / 1e9 / bandwidth, 3)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,56 +1,70 @@
 #!/usr/bin/env bash
-# npllm on a real NVIDIA GPU: environment, the CUDA tests without the simulator (stories260K golden in full),
-# `npllm bench --device cuda` and scripts/cuda_timing.py on the stories15M, stories110M and tinyllama-1.1B shapes.
-# Everything goes to one file:
+# npllm on a real NVIDIA GPU, everything written to one file:
+#   1. the environment (driver, GPU, numba / numba-cuda / toolkit versions, what npllm.device says)
+#   2. the CUDA tests without the simulator, the stories260K golden text in full (200 tokens)
+#   3. `npllm bench --device cuda` on the stories15M, stories110M and tinyllama-1.1B shapes (random weights):
+#      prefill tok/s (prompts of 128 and 512), decode tok/s at batch 1 and 32, GPU bandwidth measured in the run
+#   4. scripts/cuda_timing.py on tinyllama-1.1B: float16 weight storage, and one launch per stage instead of one
+#      per forward call, each against the bandwidth roofline
 #
-#     scripts/gpu_check.sh [RESULTS_FILE]        (default gpu_check_results.txt; $OUT/gpu_check.txt under $OUT)
+#     scripts/gpu_check.sh [RESULTS_FILE]      default $OUT/gpu_check.txt when $OUT is set, else gpu_check.txt
 #
-# Needs: an NVIDIA driver, numba's CUDA target with the CUDA toolkit (pip install '.[cuda]'), the test extra, and
-# the stories260K files in $NPLLM_WEIGHTS or weights/stories260K (else the golden test skips, saying so).
-# Each step has its own time limit and the script goes on after a failure; QUICK=1 skips the 512-token prompts
-# and the bench command, for a session with little device time.
+# Needs an NVIDIA driver, numba's CUDA target with a CUDA toolkit (pip install '.[cuda,test]', or numba 0.68's
+# own target and a system toolkit), and the stories260K files in $NPLLM_WEIGHTS or weights/stories260K (else the
+# golden test skips, saying so). Each step has its own time limit; a failing step does not stop the others.
+# QUICK=1 (for a short device session): the tests and tinyllama-1.1B only, prompts of 128.
 set -u
 cd "$(dirname "$0")/.."
 RESULTS="${1:-${OUT:+$OUT/gpu_check.txt}}"
-RESULTS="${RESULTS:-gpu_check_results.txt}"
+RESULTS="${RESULTS:-gpu_check.txt}"
 PY="${PYTHON:-python}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_ENABLE_CUDASIM=0
 : > "$RESULTS"
 
-step() {  # step SECONDS TITLE COMMAND...: run, append output and exit status to the results file
-  local limit="$1" title="$2"; shift 2
-  local start=$SECONDS
+step() {  # step SECONDS TITLE COMMAND...: run it, its output and exit status appended to the results file
+  local limit="$1" title="$2" start=$SECONDS
+  shift 2
   echo "=== $title" | tee -a "$RESULTS"
   timeout "$limit" "$@" >> "$RESULTS" 2>&1
-  local rc=$?
-  echo "--- exit $rc after $((SECONDS - start)) s" | tee -a "$RESULTS"
+  echo "--- exit $? after $((SECONDS - start)) s" | tee -a "$RESULTS"
 }
 
-export NUMBA_ENABLE_CUDASIM=0
-step 60 "environment" bash -c "nvidia-smi; $PY -c '
-import sys, numba, numpy; print(sys.version); print(\"numba\", numba.__version__, \"numpy\", numpy.__version__)
+step 120 "environment" bash -c "nvidia-smi; $PY - <<'PYEOF'
+import sys
 from importlib import metadata
-for d in (\"numba-cuda\", \"cuda-bindings\", \"cuda-toolkit\", \"nvidia-cuda-nvcc-cu12\", \"nvidia-cuda-runtime-cu12\"):
-    try: print(d, metadata.version(d))
-    except metadata.PackageNotFoundError: print(d, \"not installed\")
-from npllm.device import cuda_problem; print(\"npllm cuda_problem:\", cuda_problem())
-from numba import cuda; print(\"numba.cuda implementation:\", getattr(cuda, \"implementation\", \"?\")); cuda.detect()
+import numba, numpy
+print(sys.version)
+for dist in ('numba', 'numpy', 'numba-cuda', 'cuda-bindings', 'cuda-toolkit', 'nvidia-cuda-nvcc-cu12',
+             'nvidia-cuda-runtime-cu12'):
+    try:
+        print(dist, metadata.version(dist))
+    except metadata.PackageNotFoundError:
+        print(dist, 'not installed')
+from npllm.device import cuda_problem
+print('npllm.device.cuda_problem():', cuda_problem())
+from numba import cuda
+print('numba.cuda implementation:', getattr(cuda, 'implementation', '?'))
+try:
+    cuda.detect()
+except Exception as e:
+    print('numba.cuda.detect() failed:', e)
 from numba.cuda.cudadrv import libs
-try: print(\"cudadevrt (cooperative launches):\", libs.get_cudalib(\"cudadevrt\", static=True))
-except Exception as e: print(\"cudadevrt not found:\", e)
-'"
-step 900 "CUDA tests on the GPU (golden in full)" env NPLLM_CUDA_GOLDEN_FULL=1 \
-  "$PY" -m pytest -q -rs --durations=10 tests/test_cuda_kernels.py tests/test_cuda_model.py
-PROMPTS="128 512"; [ -n "${QUICK:-}" ] && PROMPTS="128"
-for model in stories15M stories110M tinyllama-1.1B; do
-  step 600 "cuda_timing $model float32" "$PY" scripts/cuda_timing.py --model "$model" --batch 1 32 \
-    --prompt-len $PROMPTS --gen-len 64
+try:
+    print('cudadevrt (one-launch decode):', libs.get_cudalib('cudadevrt', static=True))
+except Exception as e:
+    print('cudadevrt not found (decode falls back to one launch per stage):', e)
+PYEOF"
+step 900 "CUDA tests on the GPU, golden in full" env NPLLM_CUDA_GOLDEN_FULL=1 \
+  "$PY" -m pytest -q -rs -W error::RuntimeWarning --durations=10 tests/test_cuda_kernels.py tests/test_cuda_model.py
+
+MODELS="stories15M stories110M tinyllama-1.1B"; PROMPTS="128 512"
+if [ -n "${QUICK:-}" ]; then MODELS="tinyllama-1.1B"; PROMPTS="128"; fi
+for model in $MODELS; do
+  step 600 "npllm bench --device cuda $model" "$PY" -m npllm bench --device cuda --model "$model" \
+    --batch 1 32 --prompt-len $PROMPTS --gen-len 64 --repeat 2 --json
 done
-step 300 "cuda_timing tinyllama-1.1B float16 storage" "$PY" scripts/cuda_timing.py --model tinyllama-1.1B \
+step 600 "cuda_timing tinyllama-1.1B float16 storage" "$PY" scripts/cuda_timing.py --model tinyllama-1.1B \
   --dtype float16 --batch 1 32 --prompt-len 128 --gen-len 64
-if [ -z "${QUICK:-}" ]; then
-  for model in stories15M stories110M tinyllama-1.1B; do
-    step 600 "npllm bench --device cuda $model" "$PY" -m npllm bench --device cuda --model "$model" \
-      --batch 1 32 --prompt-len 128 512 --gen-len 64 --repeat 2 --json
-  done
-fi
+step 600 "cuda_timing tinyllama-1.1B stage by stage (against the one-launch figures above)" "$PY" \
+  scripts/cuda_timing.py --model tinyllama-1.1B --stage-by-stage --batch 1 32 --prompt-len 128 --gen-len 64
 echo "results in $RESULTS"

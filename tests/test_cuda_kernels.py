@@ -3,7 +3,7 @@
 Without a GPU (CI) the kernels run in numba's CUDA simulator, every GPU thread a Python thread: shapes are tiny,
 odd-sized so that every edge (partial tiles, idle lanes, block-strided loops over more items than blocks) is hit,
 and each kernel runs under two launch geometries. scripts/gpu_check.sh runs the same tests on a real GPU
-(NUMBA_ENABLE_CUDASIM=0), with the hardware geometry added.
+(NUMBA_ENABLE_CUDASIM=0), there with the hardware geometry.
 """
 
 import sys
@@ -23,10 +23,13 @@ from npllm import ops  # noqa: E402
 from npllm.cache import RingKVCache  # noqa: E402
 from npllm.config import ModelConfig  # noqa: E402
 from npllm.kernels import cuda as ck  # noqa: E402
+from npllm import sampling  # noqa: E402
+from npllm.sampling import SamplingParams, sample_with  # noqa: E402
 
 SMALL = ck.SIMULATOR
 WIDER = ck.Geometry(threads=64, lanes=16, tile=(16, 8, 4, 2, 2), sampler_threads=16, max_blocks=3)
-GEOMETRIES = [SMALL, WIDER] + ([] if cuda_simulated() else [ck.HARDWARE])
+# On a GPU the simulator's tiny geometry gives way to the real one (each geometry compiles every kernel again).
+GEOMETRIES = [SMALL, WIDER] if cuda_simulated() else [WIDER, ck.HARDWARE]
 EPS = np.float32(1e-5)
 
 
@@ -194,29 +197,35 @@ def test_attention_and_ring_write(geometry, H, K):
 
 
 # --- sampling ----------------------------------------------------------------------------------------------------
+# References: sampling.py's own filters with its inverse-CDF rule for a given u, and sample_with end to end.
 
-def reference_sample(logits, temperature, top_k, top_p, u):
-    """sample_rows' rule written with a sort: rank by decreasing p (ties: lower index first), keep the first
-    min(top_k, nucleus) ranks, then the inverse CDF at u over the kept tokens taken in index order."""
-    if temperature == 0:
-        return int(np.argmax(logits))
-    p = np.exp((logits - logits.max()) / np.float32(temperature)).astype(np.float32)
-    order = np.argsort(-p, kind="stable")
-    n = top_k if 0 < top_k < len(p) else len(p)
-    if top_p < 1:
-        cum = np.cumsum(p[order].astype(np.float64))
-        n = min(n, int(np.searchsorted(cum, top_p * cum[n - 1])) + 1)
-    kept = np.sort(order[:n])
-    cdf = np.cumsum(p[kept].astype(np.float64))
-    return int(kept[min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), n - 1)])
+def reference_draw(logits_row, temperature, top_k, top_p, min_p, u):
+    """sampling.py's filters (ties at a floor kept whole), then the kept token j, by ascending id, with
+    sum_{i<j} p_i <= u * total < sum_{i<=j} p_i."""
+    s = (logits_row - logits_row.max()) / np.float32(temperature)
+    kept = np.isfinite(sampling.min_p(sampling.top_p(sampling.top_k(s, top_k), top_p), min_p))
+    ids = np.flatnonzero(kept)
+    cum = np.cumsum(np.exp(s[ids]).astype(np.float64))
+    return int(ids[min(int(np.searchsorted(cum, u * cum[-1], side="right")), len(ids) - 1)])
 
 
-def device_sample(logits, params, threads):
+def device_draw(logits, rows, threads):
+    """rows: (temperature, top_k, top_p, min_p, u) per row of logits."""
     ids = cuda.device_array(len(logits), np.int32)
     probs = cuda.device_array(logits.shape, np.float32)
-    ck.sample_kernel(threads)[2, threads](cuda.to_device(logits), cuda.to_device(np.asarray(params, np.float32)),
+    ck.sample_kernel(threads)[2, threads](cuda.to_device(logits), cuda.to_device(np.asarray(rows, np.float32)),
                                           probs, ids)
     return ids.copy_to_host()
+
+
+def sampler_rows(rng, V):
+    logits = normal(rng, 6, V, scale=2.0)
+    logits[2, 10:20] = logits[2, 9]  # ties straddling a top-k boundary
+    logits[3, :] = np.round(logits[3, :])  # many ties everywhere
+    logits[5, 30:] = -np.inf  # masked tokens
+    params = [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.0, 12, 0.8, 0.0), (1.0, 4, 0.5, 0.0), (0.5, 0, 0.3, 0.02),
+              (2.0, 20, 0.9, 0.05)]
+    return logits, params
 
 
 @pytest.mark.parametrize("threads", [8, 32])
@@ -225,34 +234,42 @@ def test_sampler_greedy_takes_the_first_maximum(threads):
     logits[0, [5, 40]] = 3.0  # a tie: the lower index wins, as np.argmax
     logits[1, 69] = 0.5
     logits[2, 0] = 2.0
-    ids = device_sample(logits, [[0, 0, 1, 0.5]] * 3, threads)
+    ids = device_draw(logits, [(0, 0, 1, 0, 0.5)] * 3, threads)
     np.testing.assert_array_equal(ids, np.argmax(logits, axis=1))
 
 
+def test_sampler_follows_sampling_rules_over_a_grid_of_u():
+    """Each row drawn at 6 values of u across [0, 1): the same id as sampling.py's filters and draw rule, so the
+    kept set and its order are right, not only one draw."""
+    threads = 8
+    logits, params = sampler_rows(np.random.default_rng(1), 45)
+    grid = np.linspace(0, 1, 6, endpoint=False) + 0.07
+    for row, (t, k, p, m) in enumerate(params):
+        ids = device_draw(np.repeat(logits[row:row + 1], len(grid), axis=0), [(t, k, p, m, u) for u in grid], threads)
+        np.testing.assert_array_equal(ids, [reference_draw(logits[row], t, k, p, m, u) for u in grid],
+                                      err_msg=f"row {row}: temperature {t}, top_k {k}, top_p {p}, min_p {m}")
+
+
 @pytest.mark.parametrize("threads", [8, 32])
-def test_sampler_matches_the_sorted_rule(threads):
-    """Random rows and parameters: the id is the one the sort-based rule picks with the same uniform number."""
-    rng = np.random.default_rng(threads)
-    V = 75
-    logits = normal(rng, 6, V, scale=2.0)
-    logits[3, 10:20] = logits[3, 9]  # ties straddling a top-k boundary
-    logits[4, :] = np.round(logits[4, :])  # many ties everywhere
-    params = [[1.0, 0, 1.0, 0.3], [0.7, 5, 1.0, 0.99], [1.3, 0, 0.6, 0.5], [1.0, 12, 0.8, 0.1],
-              [1.0, 4, 0.5, 0.7], [0.5, 0, 0.05, 0.9]]
-    ids = device_sample(logits, params, threads)
-    expected = [reference_sample(logits[b], *params[b]) for b in range(6)]
-    np.testing.assert_array_equal(ids, expected)
+def test_sampler_draws_what_sample_with_draws(threads):
+    """End to end: with the row's one rng.random() as u, the id sample_with itself picks."""
+    logits, params = sampler_rows(np.random.default_rng(threads), 75)
+    rows = [(t, k, p, m, np.random.default_rng(seed).random()) for seed, (t, k, p, m) in enumerate(params)]
+    expected = [int(sample_with(SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m), logits[b],
+                                np.random.default_rng(b))) for b, (t, k, p, m) in enumerate(params)]
+    np.testing.assert_array_equal(device_draw(logits, rows, threads), expected)
 
 
 def test_sampler_tie_rules():
-    """Equal logits: top-k keeps the lowest indices, top-p keeps the shortest prefix reaching its mass, and u walks
-    the kept tokens in index order, taking the first whose running mass exceeds u times the total."""
-    logits = np.zeros((6, 20), np.float32)
-    logits[5] = [5, 5, 2, 2, 2, 2] + [-1] * 14
-    params = [[1, 3, 1, 0.5], [1, 3, 1, 0.0], [1, 4, 1, 0.5], [1, 0, 0.5, 0.99], [1, 0, 0.52, 0.99], [1, 3, 1, 0.99]]
-    ids = device_sample(logits, params, 8)
-    # 3 kept: CDF 1/3, 2/3, 1, so u = 0.5 takes index 1 and u = 0 index 0; 4 kept: u = 0.5 lands exactly on the
-    # second step, which is not exceeded: index 2; top-p 0.5 of 20 equal tokens keeps 10, and 0.52 keeps 11;
-    # top-k 3 over (5, 5, 2, 2, 2, 2, ...) keeps both 5s and only the first 2: u = 0.99 ends on index 2
-    np.testing.assert_array_equal(ids, [1, 0, 2, 9, 10, 2])
-    np.testing.assert_array_equal(ids, [reference_sample(logits[b], *params[b]) for b in range(6)])
+    """Ties at a filter's floor are kept whole; the draw takes the first kept id whose running mass exceeds u times
+    the total, so u landing exactly on a step moves on to the next token."""
+    logits = np.zeros((4, 20), np.float32)
+    logits[1] = [5, 5, 2, 2, 2, 2] + [-1] * 14
+    logits[2:] = [3] * 4 + [0] * 16
+    rows = [(1, 3, 1, 0, 0.62), (1, 3, 1, 0, 0.99), (1, 0, 0.5, 0, 0.99), (1, 4, 1, 0, 0.5)]
+    ids = device_draw(logits, rows, 8)
+    # top-k 3 of 20 equal logits keeps all 20 (u 0.62 -> id 12); of (5, 5, 2, 2, 2, 2, ...) both 5s and all four
+    # 2s (u 0.99 -> id 5); the four 3s hold over half the mass: top-p 0.5 keeps just them; top-k 4 keeps them and
+    # u = 0.5 is exactly their second step: id 2
+    np.testing.assert_array_equal(ids, [12, 5, 3, 2])
+    np.testing.assert_array_equal(ids, [reference_draw(logits[b], *rows[b]) for b in range(4)])

@@ -18,7 +18,7 @@ use_cuda_simulator()
 if cuda_problem() is not None:
     pytest.skip(f"CUDA unavailable: {cuda_problem()}", allow_module_level=True)
 
-from npllm import LLM  # noqa: E402
+from npllm import LLM, batching  # noqa: E402
 from npllm.config import ModelConfig  # noqa: E402
 from npllm.cuda_model import CudaTransformer, on_device  # noqa: E402
 from npllm.errors import DeviceError, GenerationError  # noqa: E402
@@ -26,8 +26,10 @@ from npllm.formats import read_checkpoint  # noqa: E402
 from npllm.formats.random import random_weights  # noqa: E402
 from npllm.model import Transformer  # noqa: E402
 from npllm.tokenizer import load_tokenizer  # noqa: E402
-from npllm.sampling import SamplingParams  # noqa: E402
+from npllm.sampling import SamplingParams, sample_with  # noqa: E402
 
+# The one-launch kernels fall back to stage-by-stage launches with a RuntimeWarning: here that is a failure.
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 GOLDEN_PREFIX = 24
 GQA = ModelConfig(dim=24, hidden_dim=40, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=64)
 # Hugging Face's RoPE layout, q/k/v biases (Qwen2) and a sliding window shorter than the ring (Mistral)
@@ -71,11 +73,11 @@ def test_prefill_and_decode_match_numpy(config):
 
 @pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "stage-by-stage"])
 def test_ragged_batch_in_one_call(one_launch):
-    """Three sequences at different positions in one decode call (one launch, or stage by stage with the
-    matrix-vector kernels), then two prompts concatenated in one prefill call (tiled matrix-matrix products),
-    each token in its own cache slot."""
+    """Three sequences at different positions in one decode call, then two prompts concatenated in one prefill
+    call, each token in its own cache slot: through the one-launch kernels (matrix-vector, then tiled products)
+    and stage by stage."""
     weights = random_weights(GQA, seed=4)
-    host, device = Transformer(GQA, weights), CudaTransformer(GQA, weights, one_launch_decode=one_launch)
+    host, device = Transformer(GQA, weights), CudaTransformer(GQA, weights, one_launch=one_launch)
     host_cache, device_cache = host.new_cache(slots=3), device.new_cache(slots=3)
     tokens, positions, slots = [3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 0, 1, 0, 1], [0, 0, 0, 1, 1, 2, 2]
     assert_hidden_close(device.forward(tokens, positions, device_cache, slots),
@@ -90,6 +92,53 @@ def test_ragged_batch_in_one_call(one_launch):
                         host.forward(chunk[0], chunk[1], host_cache, chunk[2]))
 
 
+def test_hidden_states_index_like_numpy_arrays():
+    """What generation code does with hidden states (rows by index, reshape, strided views) works on the device
+    and gives the host's values."""
+    weights = random_weights(GQA, seed=8)
+    device = CudaTransformer(GQA, weights)
+    hidden = device.forward(list(range(1, 13)), list(range(12)), device.new_cache())  # [12, D]
+    host = hidden.copy_to_host()
+    np.testing.assert_array_equal(np.asarray(hidden[[3, -1, 0]]), host[[3, -1, 0]])
+    np.testing.assert_array_equal(np.asarray(hidden[np.array([], np.int64)]), host[[]])
+    grid, host_grid = hidden.reshape(3, 4, -1), host.reshape(3, 4, -1)
+    np.testing.assert_array_equal(np.asarray(grid[:, :-1].reshape(9, -1)), host_grid[:, :-1].reshape(9, -1))
+    np.testing.assert_array_equal(np.asarray(grid[:, -1]), host_grid[:, -1])
+    np.testing.assert_allclose(device.lm_head(grid[:, -1]), device.lm_head(host_grid[:, -1]), rtol=1e-6)
+    with pytest.raises(IndexError, match="out of range"):
+        hidden[[12]]
+
+
+@pytest.mark.parametrize("strategy", ["static", "ragged", "continuous"])
+def test_batched_generation_on_the_device(strategy):
+    """npllm.batching's three strategies drive the CUDA model as they drive the NumPy one: same tokens, same
+    log-probabilities (prompts of 3, 1 and 10 tokens: prefills through both forward paths)."""
+    weights = random_weights(GQA, seed=9)
+    prompts = [[1, 5, 9], [1], [1, 7, 3, 8, 20, 6, 4, 10, 11, 12]]
+    host = batching.generate_tokens(Transformer(GQA, weights), prompts, 5, 0.0, 1.0, True, False, strategy)
+    device = batching.generate_tokens(CudaTransformer(GQA, weights), prompts, 5, 0.0, 1.0, True, False, strategy)
+    assert device[0] == host[0]
+    for got, expected in zip(device[1], host[1]):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_failed_one_launch_falls_back_to_stage_by_stage(monkeypatch):
+    """Where a cooperative launch cannot run, the model warns once and gives the same results stage by stage."""
+    import npllm.cuda_model
+
+    def refuse(*args):
+        raise RuntimeError("cooperative launches unsupported here")
+
+    monkeypatch.setattr(npllm.cuda_model, "cooperative_blocks", refuse)
+    weights = random_weights(GQA, seed=10)
+    host, device = Transformer(GQA, weights), CudaTransformer(GQA, weights)
+    host_cache, device_cache = host.new_cache(), device.new_cache()
+    with pytest.warns(RuntimeWarning, match="stage"):
+        assert_hidden_close(device.forward([3, 4], [0, 1], device_cache), host.forward([3, 4], [0, 1], host_cache))
+    assert not device.one_launch
+    assert_hidden_close(device.forward([5], [2], device_cache), host.forward([5], [2], host_cache))
+
+
 def test_float16_storage_is_the_rounded_model():
     """float16 storage with float32 sums computes the float32 model of the float16-rounded matrices (norm gains
     and biases, tiny, stay float32)."""
@@ -100,28 +149,36 @@ def test_float16_storage_is_the_rounded_model():
     np.testing.assert_allclose(device.logits(tokens), host.logits(tokens), rtol=1e-4, atol=1e-4)
 
 
-def test_device_sampling_matches_greedy_and_stays_in_the_nucleus():
+def test_device_sampling_draws_what_the_host_draws():
+    """sample_next on the device picks the id sampling.sample_with picks from the host logits, for the same rng."""
     weights = random_weights(GQA, seed=6)
     device = CudaTransformer(GQA, weights)
-    cache = device.new_cache(slots=2)
-    hidden = device.forward([4, 5], [0, 0], cache, [0, 1])
-    logits = device.lm_head(hidden)
-    np.testing.assert_array_equal(device.sample(hidden, 0, 0, 1.0, 0.5), np.argmax(logits, axis=1))
-    ids = device.sample(hidden, [1.0, 0.5], [3, 0], [1.0, 0.9], [0.2, 0.8])
-    assert ids[0] in np.argsort(-logits[0])[:3]  # top-k 3
-    p = np.exp((logits[1] - logits[1].max()) / 0.5)
-    order = np.argsort(-p)
-    nucleus = order[:np.searchsorted(np.cumsum(p[order]) / p.sum(), 0.9) + 1]
-    assert ids[1] in nucleus
+    hidden = device.forward([4, 5, 6], [0, 1, 2], device.new_cache())[-1:]
+    logits = device.lm_head(hidden)[0]
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=10, top_p=0.9, seed=1),
+                   SamplingParams(temperature=1.2, min_p=0.05, seed=2), SamplingParams(top_p=0.5, seed=3),
+                   SamplingParams(seed=4, stop=("the",))):
+        assert on_device(params)
+        expected = int(sample_with(params, logits, params.generator()))
+        assert device.sample_next(hidden, params, params.generator()) == expected
 
 
 def test_sampling_options_the_device_lacks_go_to_the_host():
-    """Temperature, top-k and top-p run on the device; any other option in use sends the logits to the host."""
-    assert on_device(SamplingParams(temperature=0.7, top_p=0.9, seed=3))
-    host_only = dict(min_p=0.05, typical_p=0.5, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5,
-                     no_repeat_ngram=3, logit_bias={5: 1.0})
+    """Penalties, typical-p, logit bias and log-probabilities need the host sampler: the logits go there, and the
+    draw is still sample_with's."""
+    host_only = dict(typical_p=0.5, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5,
+                     no_repeat_ngram=3, logit_bias={5: 1.0}, logprobs=2)
     for name, value in host_only.items():
         assert not on_device(SamplingParams(**{name: value})), name
+    weights = random_weights(GQA, seed=6)
+    device = CudaTransformer(GQA, weights)
+    hidden = device.forward([4, 5, 6], [0, 1, 2], device.new_cache())[-1:]
+    logits = device.lm_head(hidden)[0]
+    history = [4, 5, 6]
+    for params in (SamplingParams(repetition_penalty=1.3, seed=4), SamplingParams(typical_p=0.8, seed=5),
+                   SamplingParams(logit_bias={3: 5.0}, seed=6), SamplingParams(logprobs=2, seed=7)):
+        expected = int(sample_with(params, logits, params.generator(), history))
+        assert device.sample_next(hidden, params, params.generator(), history) == expected
 
 
 def test_bad_input_is_refused_before_the_device_sees_it():
@@ -154,6 +211,23 @@ def test_device_selection_without_a_gpu_names_what_is_missing():
     auto, error = out.splitlines()[:2]
     assert auto == "cpu"
     assert error.startswith("DeviceError") and "driver" in error
+
+
+def test_a_missing_cuda_target_is_named(monkeypatch):
+    """Without numba's CUDA target (numba-cuda not installed, a numba without the built-in one), the error says
+    so and how to install it."""
+    import importlib
+
+    from npllm import device
+
+    def no_cuda(name):
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(importlib, "import_module", no_cuda)
+    assert "npllm-engine[cuda]" in device.cuda_problem()
+    with pytest.raises(DeviceError, match="CUDA target cannot be imported"):
+        device.resolve_device("cuda")
+    assert device.resolve_device("auto") == "cpu"
 
 
 def test_stories260k_greedy_golden_through_the_device(stories260k, golden_200, weights_dir):

@@ -2,9 +2,10 @@
 
 Every stage is a *device function* that walks its work items (token rows, heads, output tiles) in a block-strided
 loop: item i is done by block i % nblocks, so any grid size is correct. A kernel for one stage is a thin wrapper
-calling it with its own block index. The decode kernel (`decode_step`) calls the same device functions one after
-another with a grid-wide barrier between them, so a whole decode step (all layers) is one launch: numba spends
-about 10 us plus 4 us per array argument on every launch, which would otherwise dominate small-batch decoding.
+calling it with its own block index. The step kernels (`decode_step_kernel` with matrix-vector products for up to
+8 tokens, `batch_step_kernel` with tiled products for more) call the same device functions one after another
+with a grid-wide barrier between them, so a whole forward pass (all layers) is one launch: numba spends about
+10 us plus 4 us per array argument on every launch, which would otherwise dominate decoding.
 
 Arrays (row-major, float32 unless said; weights may be stored float16 and are widened as they are read):
     meta    [6, T] int32   per token: TOKEN id, POS position, SLOT cache slot, KEEP (1: its k/v survive in the
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 from numba.core import config as numba_config
+
+from ..errors import ConfigError
 
 MAX_ROWS = 8  # the matrix-vector kernels serve up to this many token rows at once (decode batches)
 MAX_HEAD_DIM = 256
@@ -65,11 +68,11 @@ class Geometry:
         BM, BN, BK, TM, TN = self.tile
         for n in (self.threads, self.lanes, self.sampler_threads, (BM // TM) * (BN // TN)):
             if n < 1 or n & (n - 1):
-                raise ValueError(f"block sizes must be powers of two, got {self}")
+                raise ConfigError(f"block sizes must be powers of two, got {self}")
         if self.threads % self.lanes:
-            raise ValueError(f"threads {self.threads} must be a multiple of lanes {self.lanes}")
+            raise ConfigError(f"threads {self.threads} must be a multiple of lanes {self.lanes}")
         if BM % TM or BN % TN:
-            raise ValueError(f"tile {self.tile}: BM must be a multiple of TM and BN of TN")
+            raise ConfigError(f"tile {self.tile}: BM must be a multiple of TM and BN of TN")
 
     @property
     def matmul_threads(self) -> int:
@@ -83,7 +86,7 @@ class Geometry:
 HARDWARE = Geometry()
 # The simulator runs each GPU thread as a Python thread: few threads and blocks keep tests fast; the loops are the
 # same, only their trip counts change.
-SIMULATOR = Geometry(threads=8, lanes=8, tile=(8, 8, 8, 4, 4), sampler_threads=8, max_blocks=2,
+SIMULATOR = Geometry(threads=8, lanes=8, tile=(8, 8, 8, 2, 4), sampler_threads=8, max_blocks=2,
                      attention_blocks=2)
 
 
@@ -257,9 +260,9 @@ def matvec_rows(rows: int, threads: int, lanes: int, norm: bool, residual: bool,
     """Matrix-vector products for up to `rows` token rows: y = x W^T, one weight pass serving every row.
 
     Threads form groups of `lanes` (a warp of 32 on hardware); a group owns R = 8 // rows (4 // rows gated)
-    consecutive output rows of W at a time, and its lanes stride along each row, so a warp reads 128 consecutive bytes per load
-    (coalesced), four loads in flight per lane. x is staged in shared memory in tiles of `matvec_tile(rows)`
-    columns, read by every group of the block. Variants (fixed when the kernel is compiled):
+    consecutive output rows of W at a time, and its lanes stride along each row, so a warp reads 128 consecutive
+    bytes per load (coalesced), four loads in flight per lane. x is staged in shared memory in tiles of
+    `matvec_tile(rows)` columns, read by every group of the block. Variants (fixed when the kernel is compiled):
         norm      x is RMSNorm-ed with gain g while it is staged (the norm costs no extra pass over memory)
         residual  y += x W^T (the residual stream is updated in place)
         gated     W is [2, F, D] = (W1, W3) and y = silu(x W1^T) * (x W3^T): SwiGLU's gate and up in one pass
@@ -555,13 +558,13 @@ def block_count(count, redi):
 
 
 @cuda.jit(device=True)
-def mass_from(probs, b, v, strict, red, redi):
-    """(count, sum) of the probabilities p[b, i] >= v (> v when strict)."""
+def mass_from(probs, b, v, red, redi):
+    """(count, sum) of the probabilities p[b, i] >= v."""
     count = 0
     mass = np.float32(0)
     for i in range(cuda.threadIdx.x, probs.shape[1], cuda.blockDim.x):
         p = probs[b, i]
-        if p > v or (p == v and not strict):
+        if p >= v:
             count += 1
             mass += p
     return block_count(count, redi), block_sum(mass, red)
@@ -577,23 +580,13 @@ def largest_value(probs, b, need, by_mass, red, redi, bits):
     while hi - lo > 1:
         mid = (lo + hi) // 2
         bits[0] = mid
-        count, mass = mass_from(probs, b, as_float[0], False, red, redi)
+        count, mass = mass_from(probs, b, as_float[0], red, redi)
         if (mass >= need) if by_mass else (count >= need):
             lo = mid
         else:
             hi = mid
     bits[0] = lo
     return as_float[0]
-
-
-@cuda.jit(device=True)
-def rank_mass(probs, b, n, red, redi, bits):
-    """Mass of the n most probable tokens (ties at the boundary: lower index first)."""
-    if n >= probs.shape[1]:
-        return mass_from(probs, b, np.float32(0), False, red, redi)[1]
-    boundary = largest_value(probs, b, n, False, red, redi, bits)  # the probability at rank n - 1
-    above, above_mass = mass_from(probs, b, boundary, True, red, redi)
-    return above_mass + np.float32(n - above) * boundary
 
 
 @cuda.jit(device=True)
@@ -612,71 +605,58 @@ def exclusive_scan(values, n):
 
 
 @cuda.jit(device=True)
-def inverse_cdf(probs, b, boundary, boundary_kept, u, red, redi):
-    """The kept token at which the running mass, walking kept tokens by index, first exceeds u times their total.
-
-    Kept: every p > boundary, and the first `boundary_kept` tokens (by index) with p == boundary. Each thread
-    walks a contiguous chunk of the vocabulary; two block scans give every chunk the tie count and the mass before
-    it. red, redi: shared [threads + 1].
-    """
+def inverse_cdf(probs, b, floor, u, red, redi):
+    """Among the kept tokens p >= floor taken by ascending id, the first whose running mass exceeds u times their
+    total (sampling.py's draw). Each thread walks a contiguous chunk of ids; a block scan gives every chunk the
+    mass before it. red, redi: shared [threads + 1]."""
     tid, threads = cuda.threadIdx.x, cuda.blockDim.x
     V = probs.shape[1]
     chunk = (V + threads - 1) // threads
     lo = tid * chunk if tid * chunk < V else V
     hi = lo + chunk if lo + chunk < V else V
-    ties = 0
-    above_mass = np.float32(0)
+    mass = np.float32(0)
     for i in range(lo, hi):
-        p = probs[b, i]
-        if p > boundary:
-            above_mass += p
-        elif p == boundary:
-            ties += 1
-    redi[tid] = ties
-    exclusive_scan(redi, threads)
-    ties_before = redi[tid]
-    kept_ties = boundary_kept - ties_before  # of this chunk's ties, the kept ones: clamp to [0, ties]
-    kept_ties = 0 if kept_ties < 0 else (ties if kept_ties > ties else kept_ties)
-    red[tid] = above_mass + np.float32(kept_ties) * boundary
+        if probs[b, i] >= floor:
+            mass += probs[b, i]
+    red[tid] = mass
     exclusive_scan(red, threads)
     target = u * red[threads]
     run = red[tid]
     cuda.syncthreads()
     first, last = V, -1
-    seen = ties_before
     for i in range(lo, hi):
         p = probs[b, i]
-        kept = p > boundary
-        if p == boundary:
-            kept = seen < boundary_kept
-            seen += 1
-        if kept:
+        if p >= floor and p > 0:
             run += p
             last = i
             if run > target and first == V:
                 first = i
     first = block_int(first, redi, False)
     last = block_int(last, redi, True)
-    return first if first < V else last  # rounding can leave u * total at the very end: take the last kept
+    return first if first < V else last  # rounding can leave u * total at the very end: the last kept token
 
 
 @cuda.jit(device=True)
 def sample_rows(logits, params, probs, ids, red, redi, block, nblocks):
-    """One token id per row: greedy, or temperature, top-k and top-p sampling.               # [B, V] -> [B] int32
+    """One token id per row, drawn as sampling.sample_with draws it with temperature, top-k, top-p and min-p.
+                                                                                       # [B, V], [B, 5] -> [B] int32
 
-    params[b] = (temperature, top_k, top_p, u) with u uniform in [0, 1), drawn on the host.
-    temperature 0: the first index of the largest logit, as np.argmax.
-    Otherwise p_i = exp((l_i - max l) / temperature). Rank tokens by decreasing p (ties: lower index first); keep
-    the first n ranks, n the smaller of top_k (0: all) and the shortest prefix whose mass reaches top_p times the
-    mass of the top_k ranks (at least one token). The id is the inverse CDF at u over the kept tokens walked by
-    index. No sort: rank boundaries are found by bisection on the probability value (largest_value).
-    probs [B, V]: scratch. Shared red, redi: [threads + 1].
+    params[b] = (temperature, top_k, top_p, min_p, u), u uniform in [0, 1) drawn on the host (the row's one
+    rng.random()). temperature 0: the first index of the largest logit (np.argmax). Otherwise, with
+    p_i = exp((l_i - max l) / temperature) (so max p = 1), each filter keeps the tokens at or above a floor, ties
+    at the floor kept whole:
+        top_k  the k-th largest p
+        top_p  the largest v with sum(p_j >= v) >= top_p * (the mass top_k kept)
+        min_p  min_p (= min_p * max p)
+    and the id is the inverse CDF at u over the kept tokens by ascending id. No sort: a floor is found by
+    bisection on the probability value (largest_value). probs [B, V]: scratch. Shared red, redi: [threads + 1].
     """
     tid, threads = cuda.threadIdx.x, cuda.blockDim.x
     V = logits.shape[1]
     bits = cuda.local.array(1, np.int32)
     for b in range(block, logits.shape[0], nblocks):
-        temperature, top_k, top_p, u = params[b, 0], int(params[b, 1]), params[b, 2], params[b, 3]
+        temperature, top_k, top_p, min_p, u = params[b, 0], int(params[b, 1]), params[b, 2], params[b, 3], \
+            params[b, 4]
         top = NEG_INF
         for i in range(tid, V, threads):
             if logits[b, i] > top:
@@ -694,26 +674,15 @@ def sample_rows(logits, params, probs, ids, red, redi, block, nblocks):
         for i in range(tid, V, threads):
             probs[b, i] = math.exp((logits[b, i] - top) / temperature)
         cuda.syncthreads()
-        keep = V
+        floor = np.float32(0)
         if 0 < top_k < V:
-            keep = top_k
+            floor = largest_value(probs, b, top_k, False, red, redi, bits)
         if top_p < 1:
-            target = top_p * rank_mass(probs, b, keep, red, redi, bits)
-            boundary = largest_value(probs, b, target, True, red, redi, bits)
-            above, above_mass = mass_from(probs, b, boundary, True, red, redi)
-            ties = mass_from(probs, b, boundary, False, red, redi)[0] - above
-            need = 1  # ties at the boundary needed to reach the target, in index order
-            if boundary > 0:
-                need = int(math.ceil((target - above_mass) / boundary))
-                need = 1 if need < 1 else (ties if need > ties else need)
-            if above + need < keep:
-                keep = above + need
-        boundary = np.float32(-1)  # keep == V: every token, no ties to split
-        boundary_kept = 0
-        if keep < V:
-            boundary = largest_value(probs, b, keep, False, red, redi, bits)
-            boundary_kept = keep - mass_from(probs, b, boundary, True, red, redi)[0]
-        chosen = inverse_cdf(probs, b, boundary, boundary_kept, u, red, redi)
+            target = top_p * mass_from(probs, b, floor, red, redi)[1]
+            floor = largest_value(probs, b, target, True, red, redi, bits)  # never below the top-k floor
+        if min_p > floor:
+            floor = min_p
+        chosen = inverse_cdf(probs, b, floor, u, red, redi)
         if tid == 0:
             ids[b] = chosen
 
@@ -841,6 +810,39 @@ def sample_kernel(threads: int):
 
 
 @functools.cache
+def gather_rows_kernel():
+    """dst[i] = src[index[i]]: rows picked by index (model code's hidden[ids]).       # [R, D], [N] -> [N, D]"""
+
+    @cuda.jit
+    def kernel(src, index, dst):
+        for i in range(cuda.blockIdx.x, dst.shape[0], cuda.gridDim.x):
+            for d in range(cuda.threadIdx.x, dst.shape[1], cuda.blockDim.x):
+                dst[i, d] = src[index[i], d]
+
+    return kernel
+
+
+@functools.cache
+def compact_kernel(ndim: int):
+    """dst = src, element by element: a strided 2-D or 3-D view made contiguous, so that it can be reshaped."""
+    if ndim == 2:
+        @cuda.jit
+        def kernel(src, dst):
+            for r in range(cuda.blockIdx.x, dst.shape[0], cuda.gridDim.x):
+                for d in range(cuda.threadIdx.x, dst.shape[1], cuda.blockDim.x):
+                    dst[r, d] = src[r, d]
+    else:
+        @cuda.jit
+        def kernel(src, dst):
+            for r in range(cuda.blockIdx.x, dst.shape[0] * dst.shape[1], cuda.gridDim.x):
+                a, b = r // dst.shape[1], r % dst.shape[1]
+                for d in range(cuda.threadIdx.x, dst.shape[2], cuda.blockDim.x):
+                    dst[a, b, d] = src[a, b, d]
+
+    return kernel
+
+
+@functools.cache
 def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool):
     """A whole forward pass of up to `rows` tokens (all layers, then the final norm) in one cooperative launch.
 
@@ -891,6 +893,67 @@ def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool):
             gate_up_proj(x, norms[layer, 1], eps, w13[layer], h, xs, part, red, scale_rows, block, nblocks)
             grid.sync()
             residual_proj(h, final_norm, eps, w2[layer], x, xs, part, red, scale_rows, block, nblocks)
+            grid.sync()
+        rms_norm_rows(x, final_norm, eps, hidden, red, block, nblocks)
+        commit_positions(meta, ring_pos, block, nblocks)
+
+    return kernel
+
+
+@functools.cache
+def batch_step_kernel(tile: tuple[int, int, int, int, int], interleaved: bool):
+    """decode_step_kernel for calls of any number of tokens (larger decode batches, prefill): the same stages in
+    one cooperative launch, the products by tiled matrix-matrix stages (a weight tile read once serves BM tokens),
+    so the RMSNorms and SwiGLU get stages of their own:
+        embed | per layer: [norm] [qkv] [bias + rope] [attention] [kv write + wo + residual] [norm] [gate/up]
+                           [SwiGLU] [w2 + residual] | final norm + commit positions
+    Blocks have the tile's (BM / TM) (BN / TN) threads. Weights as decode_step_kernel's, but w13 [L, 2F, D] (W1's
+    rows, then W3's); buffers xn [T, D] and gate_up [T, 2F] besides.
+    """
+    BM, BN, BK, TM, TN = tile
+    threads = (BM // TM) * (BN // TN)
+    product = matmul_tiles(tile, False)
+    residual_product = matmul_tiles(tile, True)
+    bias_rope = bias_rope_rows(interleaved)
+    xs_shape, ws_shape = (BK, BM), (BK, BN)
+    vacc_size = max(threads, MAX_HEAD_DIM)
+    options = {} if numba_config.ENABLE_CUDASIM else {"max_registers": 128}  # as decode_step_kernel
+
+    @cuda.jit(**options)
+    def kernel(tok_embeddings, norms, wqkv, bqkv, wo, w13, w2, final_norm, eps, n_heads, n_kv, head_dim,
+               cos, sin, meta, ring_k, ring_v, ring_pos, window, scale, x, xn, qkv, att, gate_up, h, scores, hidden):
+        xs = cuda.shared.array(xs_shape, np.float32)
+        ws = cuda.shared.array(ws_shape, np.float32)
+        red = cuda.shared.array(threads, np.float32)
+        red2 = cuda.shared.array(threads, np.float32)
+        qs = cuda.shared.array(MAX_HEAD_DIM, np.float32)
+        vacc = cuda.shared.array(vacc_size, np.float32)
+        grid = cuda.cg.this_grid()
+        block, nblocks = cuda.blockIdx.x, cuda.gridDim.x
+        attending = nblocks if nblocks < scores.shape[0] else scores.shape[0]  # a row of scores per block
+        embed_rows(tok_embeddings, meta, x, block, nblocks)
+        grid.sync()
+        for layer in range(wqkv.shape[0]):
+            rms_norm_rows(x, norms[layer, 0], eps, xn, red, block, nblocks)
+            grid.sync()
+            product(xn, wqkv[layer], qkv, xs, ws, block, nblocks)
+            grid.sync()
+            bias_rope(qkv, bqkv[layer], n_heads + n_kv, head_dim, cos, sin, meta, block, nblocks)
+            grid.sync()
+            if block < attending:
+                attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k[layer], ring_v[layer], ring_pos,
+                               window, scale, scores, att, qs, vacc, red, red2, block, attending)
+            grid.sync()
+            kv_write_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k[layer], ring_v[layer], block, nblocks)
+            residual_product(att, wo[layer], x, xs, ws, block, nblocks)
+            grid.sync()
+            rms_norm_rows(x, norms[layer, 1], eps, xn, red, block, nblocks)
+            grid.sync()
+            product(xn, w13[layer], gate_up, xs, ws, block, nblocks)
+            grid.sync()
+            swiglu_rows(gate_up, h, block, nblocks)
+            grid.sync()
+            residual_product(h, w2[layer], x, xs, ws, block, nblocks)
             grid.sync()
         rms_norm_rows(x, final_norm, eps, hidden, red, block, nblocks)
         commit_positions(meta, ring_pos, block, nblocks)
