@@ -15,21 +15,12 @@ from . import ops
 from .cache import RingKVCache
 from .config import ModelConfig
 from .errors import FormatError, GenerationError
+from .formats import expected_shapes
 
 
 def check_weights(config: ModelConfig, weights: dict[str, np.ndarray], source: str = "checkpoint") -> None:
     """Every tensor the config implies is present with the right shape (no silent garbage model)."""
-    D, F, Dh, V = config.dim, config.hidden_dim, config.head_dim, config.vocab_size
-    HDh, KDh = config.n_heads * Dh, config.n_kv_heads * Dh
-    expected = {"tok_embeddings": (V, D), "norm": (D,)}
-    if not config.tied_embeddings:
-        expected["output"] = (V, D)
-    for l in range(config.n_layers):
-        p = f"layers.{l}."
-        expected.update({p + "attention_norm": (D,), p + "ffn_norm": (D,), p + "wq": (HDh, D), p + "wk": (KDh, D),
-                         p + "wv": (KDh, D), p + "wo": (D, HDh), p + "w1": (F, D), p + "w2": (D, F), p + "w3": (F, D)})
-        if config.attention_bias:
-            expected.update({p + "bq": (HDh,), p + "bk": (KDh,), p + "bv": (KDh,)})
+    expected = expected_shapes(config)
     for name, shape in expected.items():
         if name not in weights:
             raise FormatError(f"{source}: tensor {name!r} is missing")

@@ -51,3 +51,19 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.
     from .llama2c import read_llama2c
 
     return read_llama2c(path)
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical weight the model needs, with its shape ([out, in] for matrices)."""
+    D, F, V, Dh = config.dim, config.hidden_dim, config.vocab_size, config.head_dim
+    HD, KD = config.n_heads * Dh, config.n_kv_heads * Dh
+    shapes = {"tok_embeddings": (V, D), "norm": (D,)}
+    if not config.tied_embeddings:
+        shapes["output"] = (V, D)
+    for l in range(config.n_layers):
+        p = f"layers.{l}."
+        shapes |= {p + "attention_norm": (D,), p + "wq": (HD, D), p + "wk": (KD, D), p + "wv": (KD, D),
+                   p + "wo": (D, HD), p + "ffn_norm": (D,), p + "w1": (F, D), p + "w2": (D, F), p + "w3": (F, D)}
+        if config.attention_bias:
+            shapes |= {p + "bq": (HD,), p + "bk": (KD,), p + "bv": (KD,)}
+    return shapes

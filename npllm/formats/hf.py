@@ -22,6 +22,7 @@ import numpy as np
 
 from ..config import ModelConfig, RopeScaling
 from ..errors import ConfigError, FormatError
+from . import expected_shapes
 from .safetensors import read_safetensors
 
 CONFIG_FILE = "config.json"
@@ -273,22 +274,6 @@ def canonical_name(hf_name: str) -> str | None:
     if m and m.group(2) in LAYER_NAMES:
         return f"layers.{int(m.group(1))}.{LAYER_NAMES[m.group(2)]}"
     raise FormatError(f"unexpected tensor {hf_name!r}: not a parameter of a Llama-family model npllm knows")
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every canonical weight the model needs, with its shape ([out, in] for matrices)."""
-    D, F, V, Dh = config.dim, config.hidden_dim, config.vocab_size, config.head_dim
-    HD, KD = config.n_heads * Dh, config.n_kv_heads * Dh
-    shapes = {"tok_embeddings": (V, D), "norm": (D,)}
-    if not config.tied_embeddings:
-        shapes["output"] = (V, D)
-    for l in range(config.n_layers):
-        p = f"layers.{l}."
-        shapes |= {p + "attention_norm": (D,), p + "wq": (HD, D), p + "wk": (KD, D), p + "wv": (KD, D),
-                   p + "wo": (D, HD), p + "ffn_norm": (D,), p + "w1": (F, D), p + "w2": (D, F), p + "w3": (F, D)}
-        if config.attention_bias:
-            shapes |= {p + "bq": (HD,), p + "bk": (KD,), p + "bv": (KD,)}
-    return shapes
 
 
 def check_weights(config: ModelConfig, weights: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
