@@ -23,8 +23,8 @@ from npllm.cache import RingKVCache
 from npllm.config import ModelConfig
 from npllm.errors import ConfigError, GenerationError
 from npllm.formats.random import NAMED_SHAPES, random_weights
-from npllm.model import Transformer
-from npllm.numba_model import NumbaTransformer
+from npllm.models.reference import Transformer
+from npllm.models.numba import NumbaTransformer
 
 seeds = st.integers(0, 2**32 - 1)
 
@@ -174,7 +174,7 @@ AVX2_CHECK = """
 import numpy as np
 from npllm.kernels import cpu, simd
 from npllm.formats.random import NAMED_SHAPES, random_weights
-from npllm.numba_model import NumbaTransformer
+from npllm.models.numba import NumbaTransformer
 assert not simd.WIDE
 rng = np.random.default_rng(0)
 x, w = rng.standard_normal((13, 37)).astype(np.float32), rng.standard_normal((70, 37)).astype(np.float32)

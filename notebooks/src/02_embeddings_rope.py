@@ -17,7 +17,7 @@ from IPython.display import Markdown, display
 import npllm
 from npllm import ops
 from npllm.formats import read_checkpoint
-from npllm.model import Transformer
+from npllm.models.reference import Transformer
 from npllm.tokenizer import load_tokenizer
 
 WEIGHTS = Path(os.environ.get("NPLLM_WEIGHTS") or "../weights")

@@ -24,7 +24,7 @@ import npllm
 from npllm import sampling
 from npllm.explain import explain_ids, format_step
 from npllm.formats import read_checkpoint
-from npllm.model import Transformer
+from npllm.models.reference import Transformer
 from npllm.tokenizer import load_tokenizer
 
 WEIGHTS = Path(os.environ.get("NPLLM_WEIGHTS") or "../weights")

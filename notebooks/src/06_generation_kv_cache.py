@@ -27,7 +27,7 @@ import npllm
 from npllm import generate
 from npllm.cache import RingKVCache
 from npllm.formats import read_checkpoint
-from npllm.model import Transformer
+from npllm.models.reference import Transformer
 from npllm.tokenizer import load_tokenizer
 
 WEIGHTS = Path(os.environ.get("NPLLM_WEIGHTS") or "../weights")

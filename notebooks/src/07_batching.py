@@ -36,7 +36,7 @@ import npllm
 from npllm import batching
 from npllm.formats import read_checkpoint
 from npllm.generate import generate_ids
-from npllm.model import Transformer
+from npllm.models.reference import Transformer
 from npllm.sampling import SamplingParams
 from npllm.tokenizer import load_tokenizer
 
