@@ -1,6 +1,8 @@
 """npllm's command line: it parses arguments and calls the Python API, nothing more.
 
     npllm generate [PROMPT] --model M --tokenizer T --max-new-tokens N --temperature T --top-p P --seed S
+                            --top-k K --min-p P --typical-p P --repetition-penalty R --presence-penalty A
+                            --frequency-penalty A --no-repeat-ngram N --stop STR --logprobs N
                             --backend numba|numpy|cuda|auto --threads N --weight-dtype float32|float16
     npllm generate --prompt-file FILE ...      one prompt per line, generated together (ragged batching)
     npllm generate [PROMPT] ... --explain [--json]     (each token's candidates through the sampling pipeline)

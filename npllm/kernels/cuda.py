@@ -96,7 +96,8 @@ SIMULATOR = Geometry(threads=8, lanes=8, tile=(8, 8, 8, 2, 4), sampler_threads=8
 
 @cuda.jit(device=True)
 def block_sum(value, red):
-    """Sum of `value` over the block.  red: shared [threads] float32, free on entry and on exit."""
+    """Sum of `value` over the block.  red: shared [threads] of value's type (float32 sums, int32 counts), free on
+    entry and on exit."""
     tid = cuda.threadIdx.x
     red[tid] = value
     cuda.syncthreads()
@@ -541,23 +542,6 @@ def commit_positions(meta, ring_pos, block, nblocks):
 # ---------------------------------------------------------------------------------------------------------------
 
 @cuda.jit(device=True)
-def block_count(count, redi):
-    """Sum of an integer `count` over the block.  redi: shared [threads] int32."""
-    tid = cuda.threadIdx.x
-    redi[tid] = count
-    cuda.syncthreads()
-    step = cuda.blockDim.x // 2
-    while step > 0:
-        if tid < step:
-            redi[tid] += redi[tid + step]
-        cuda.syncthreads()
-        step //= 2
-    total = redi[0]
-    cuda.syncthreads()
-    return total
-
-
-@cuda.jit(device=True)
 def mass_from(probs, b, v, red, redi):
     """(count, sum) of the probabilities p[b, i] >= v."""
     count = 0
@@ -567,7 +551,7 @@ def mass_from(probs, b, v, red, redi):
         if p >= v:
             count += 1
             mass += p
-    return block_count(count, redi), block_sum(mass, red)
+    return block_sum(count, redi), block_sum(mass, red)
 
 
 @cuda.jit(device=True)
