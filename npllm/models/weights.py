@@ -48,15 +48,26 @@ class Weights:
     output: np.ndarray  # [V, D]               LM head (the embedding table itself when tied)
 
     @classmethod
-    def from_checkpoint(cls, config: ModelConfig, tensors: dict[str, np.ndarray],
+    def from_checkpoint(cls, config: ModelConfig, tensors: "dict[str, np.ndarray] | Weights",
                         source: str = "checkpoint") -> "Weights":
-        """Named weights from a format reader's dict, checked against the config first (formats.check_weights)."""
+        """Named weights from a format reader's dict (or another model's Weights), checked against the config first
+        (formats.check_weights)."""
+        if isinstance(tensors, Weights):
+            tensors = tensors.as_dict()
         tensors = check_weights(config, tensors, source)
         fields = [f.name for f in dataclasses.fields(LayerWeights)]
         layers = tuple(LayerWeights(**{name: tensors.get(f"layers.{l}.{name}") for name in fields})
                        for l in range(config.n_layers))
         output = tensors["tok_embeddings"] if config.tied_embeddings else tensors["output"]
         return cls(tensors["tok_embeddings"], layers, tensors["norm"], output)
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        """The tensors under their canonical names ("layers.3.wq"), as the format readers return them."""
+        tensors = {"tok_embeddings": self.tok_embeddings, "norm": self.norm, "output": self.output}
+        for l, layer in enumerate(self.layers):
+            tensors |= {f"layers.{l}.{f.name}": getattr(layer, f.name) for f in dataclasses.fields(layer)
+                        if getattr(layer, f.name) is not None}
+        return tensors
 
     def stacked(self, name: str, dtype=np.float32) -> np.ndarray:
         """One per-layer tensor of every layer, stacked.   # "ffn_norm" -> [L, D]"""
