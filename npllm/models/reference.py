@@ -16,7 +16,7 @@ from .. import ops
 from ..cache import RingKVCache
 from ..config import ModelConfig
 from .base import Model
-from .weights import LayerWeights, Weights
+from .weights import Weights
 
 
 class Transformer(Model):
@@ -38,14 +38,14 @@ class Transformer(Model):
         cos, sin = ops.rope_angles(positions, self.inv_freq, self.dtype)  # [T, Dh/2] each
         groups = [(int(s), np.flatnonzero(slots == s)) for s in np.unique(slots)]
         x = ops.embed(self.weights.tok_embeddings, tokens)  # [T, D]
-        for l, layer in enumerate(self.weights.layers):
-            x = x + self.attention_block(l, layer, x, positions, cos, sin, cache, groups)
+        for layer in range(self.config.n_layers):
+            x = x + self.attention_block(layer, x, positions, cos, sin, cache, groups)
             x = x + self.ffn_block(layer, x)
         return ops.rms_norm(x, self.weights.norm, self.config.norm_eps)
 
-    def attention_block(self, l: int, w: LayerWeights, x, positions, cos, sin, cache, groups) -> np.ndarray:
+    def attention_block(self, layer: int, x, positions, cos, sin, cache, groups) -> np.ndarray:
         """RMSNorm -> q, k, v projections -> RoPE -> attention over cache + new keys -> output projection."""
-        c = self.config
+        c, w = self.config, self.weights.layers[layer]
         T = x.shape[0]
         h = ops.rms_norm(x, w.attention_norm, c.norm_eps)  # [T, D]
         q, k, v = h @ w.wq.T, h @ w.wk.T, h @ w.wv.T  # [T, H*Dh], [T, K*Dh], [T, K*Dh]
@@ -58,16 +58,17 @@ class Transformer(Model):
         for slot, idx in groups:
             # Keys seen by this chunk: what the ring held before it, then the chunk itself. Reading before writing
             # matters when the chunk is longer than the ring: its writes would evict keys its early queries need.
-            ring_k, ring_v, ring_pos = cache.read(l, slot)
+            ring_k, ring_v, ring_pos = cache.read(layer, slot)
             keys = np.concatenate([ring_k, k[idx]])  # [C + T_slot, K, Dh]
             values = np.concatenate([ring_v, v[idx]])
             mask = ops.attention_mask(positions[idx], np.concatenate([ring_pos, positions[idx]]), self.window(cache))
             out[idx] = ops.attention(q[idx], keys, values, mask)
-            cache.write(l, slot, positions[idx], k[idx], v[idx])
+            cache.write(layer, slot, positions[idx], k[idx], v[idx])
         return out.reshape(T, c.n_heads * c.head_dim) @ w.wo.T  # [T, D]
 
-    def ffn_block(self, w: LayerWeights, x) -> np.ndarray:
+    def ffn_block(self, layer: int, x) -> np.ndarray:
         """RMSNorm -> SwiGLU feed-forward.  # [T, D] -> [T, D]"""
+        w = self.weights.layers[layer]
         h = ops.rms_norm(x, w.ffn_norm, self.config.norm_eps)
         return ops.swiglu(h, w.w1, w.w2, w.w3)
 
