@@ -194,14 +194,15 @@ def _group_by_slot(tokens, positions, slots, V, B, order, seq_starts, seq_slots)
     return n_seq
 
 
-@njit(cache=True)
+@njit(inline="always")
 def _residual_add(x, o, T, D):
+    """x[:T] += o[:T, :D] (o may be wider: padded to whole panels)."""
     for t in range(T):
         for d in range(D):
             x[t, d] += o[t, d]
 
 
-@njit(cache=True)
+@njit(inline="always")
 def _commit_positions(positions, seqs, ring):
     """Record this call's positions in the ring's table once every layer holds its keys, as RingKVCache.write."""
     C = ring.positions.shape[1]
