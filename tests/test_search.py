@@ -24,7 +24,7 @@ def models():
 
 def case_id(c):
     return (f"p{len(c['prompt'])}-{c['eos_kind']}-B{c['num_beams']}-lp{c['length_penalty']:g}-"
-            f"{'early' if c['early_stopping'] else 'heuristic'}")
+            f"early-{c['early_stopping']}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -82,3 +82,18 @@ def test_cache_reorder_moves_whole_slots(models):
     assert cache.positions[:, :2].tolist() == [[0, -1], [0, -1], [0, 1]] and cache.lengths.tolist() == [1, 1, 2]
     with pytest.raises(GenerationError):
         cache.reorder([0, 1])
+
+
+def test_early_stopping_heuristic_is_transformers():
+    """Can the best running beam still beat the worst finished one, its score judged at the current length (at
+    max_new_tokens for early_stopping="never" with a positive penalty)? Only once every place is finished."""
+    from npllm.search import NEG, _Beams, _improvable
+
+    beams = _Beams(np.zeros((2, 4), np.int64), np.array([-6.0, -7.0]), [(1,), (2,)], np.array([-1.0, -2.5]),
+                   np.array([-4.0, -5.0]))
+    assert _improvable(beams, 4, 10, 1.0, False)  # -6 / 4 = -1.5 beats the worst finished, -2.5
+    assert not _improvable(beams, 2, 10, 1.0, False)  # -6 / 2 = -3 does not
+    assert _improvable(beams, 2, 10, 1.0, "never")  # judged at 10 tokens: -0.6
+    assert not _improvable(beams, 2, 10, 0.0, "never")  # no penalty: -6 < -2.5 at any length
+    beams.done_scores = np.array([-1.0, NEG])  # a place still open: always improvable
+    assert _improvable(beams, 2, 10, 0.0, False)
