@@ -1,12 +1,15 @@
 """npllm's command line: it parses arguments and calls the Python API, nothing more.
 
     npllm generate [PROMPT] --model M --tokenizer T --max-new-tokens N --temperature T --top-p P --seed S
-                            --backend numba|numpy --threads N
+                            --top-k K --min-p P --typical-p P --repetition-penalty R --presence-penalty A
+                            --frequency-penalty A --no-repeat-ngram N --stop STR --logprobs N
+                            --backend numba|numpy|cuda|auto --threads N --weight-dtype float32|float16
     npllm generate --prompt-file FILE ...      one prompt per line, generated together (ragged batching)
     npllm generate [PROMPT] ... --explain [--json]     (each token's candidates through the sampling pipeline)
     npllm perplexity --model M --text FILE [--ctx N] [--batch B] [--stride S] [--kl-divergence BASE] [--json]
     npllm bench --model NAME_OR_PATH [--batch B ...] [--prompt-len N ...] [--gen-len N] [--backend B ...]
-                [--threads T] [--repeat R] [--json]
+                [--threads T] [--weight-dtype D] [--repeat R] [--json]
+    npllm info [MODEL]                         architecture, size, context and tokenizer of a checkpoint
 
 stdout gets the prompt followed by the completion and nothing else (with --prompt-file, each prompt and its
 completion, separated by blank lines); timings go to stderr.
@@ -20,6 +23,7 @@ import sys
 import time
 
 from .errors import GenerationError, NpllmError
+from .models import WEIGHT_DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,10 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="sequences decoded together (default 1 8)")
     bench.add_argument("--prompt-len", type=int, nargs="+", default=[128, 512], help="prompt tokens (default 128 512)")
     bench.add_argument("--gen-len", type=int, default=256, help="decode steps (default 256)")
-    bench.add_argument("--backend", nargs="+", default=["numba"], help="numba, numpy, or both (default numba)")
+    bench.add_argument("--backend", nargs="+", default=["numba"],
+                       help="one or more of numba, numpy, cuda, auto (default numba)")
     bench.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
-    bench.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                       help="cpu (the --backend models), cuda (the GPU model) or auto (CUDA when usable)")
+    bench.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32",
+                       help="float16: the cuda backend stores matrices in half precision (default float32)")
     bench.add_argument("--repeat", type=int, default=3, help="runs per figure; medians are reported (default 3)")
     bench.add_argument("--bandwidth-mib", type=int, default=512, help="size of the bandwidth probe (default 512)")
     bench.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -86,10 +91,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", default="stories260K",
                         help="checkpoint path or known name (stories260K, stories15M, stories42M, stories110M)")
     parser.add_argument("--tokenizer", "-z", default=None, help="tokenizer path (default: found beside the model)")
-    parser.add_argument("--backend", default="numba", help="numba (compiled kernels, default) or numpy (reference)")
+    parser.add_argument("--backend", default="numba",
+                        help="numba (compiled CPU kernels, default), numpy (the reference), cuda (an NVIDIA GPU) or "
+                             "auto (cuda when a GPU is usable, else numba)")
     parser.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
-    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                        help="cpu, cuda (an NVIDIA GPU through numba.cuda) or auto (CUDA when usable; default cpu)")
+    parser.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32",
+                        help="float16: the cuda backend stores matrices in half precision (default float32)")
 
 
 def sampling_params(args):
@@ -115,7 +122,8 @@ def run_generate(args) -> int:
         raise GenerationError("--explain follows a single prompt: give a PROMPT, not --prompt-file")
     if args.prompt_file is not None:
         return run_generate_batch(args)
-    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads, device=args.device)
+    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
+               weight_dtype=args.weight_dtype)
     prompt_ids = llm.tokenizer.encode(args.prompt, bos=True)
     if args.explain:
         from .explain import print_explained
@@ -171,7 +179,8 @@ def run_generate_batch(args) -> int:
     if args.prompt:
         raise GenerationError("give either a PROMPT or --prompt-file, not both")
     prompts = read_prompt_file(args.prompt_file)
-    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads, device=args.device)
+    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
+               weight_dtype=args.weight_dtype)
     start = time.perf_counter()
     completions = llm.generate(prompts, args.max_new_tokens, **as_keywords(sampling_params(args)))
     seconds = time.perf_counter() - start
