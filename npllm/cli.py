@@ -212,13 +212,14 @@ def run_perplexity(args) -> int:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise GenerationError(f"--text {args.text}: cannot read it ({e})") from None
-    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads, device=args.device)
+    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
+               weight_dtype=args.weight_dtype)
     ids = llm._require_tokenizer().encode(text, bos=True)
     ctx = args.ctx or min(512, llm.config.max_seq_len)
     progress = sys.stderr.isatty()
     if args.kl_divergence is not None:
         base = load(args.kl_divergence, args.tokenizer, backend=args.backend, threads=args.threads,
-                    device=args.device)
+                    weight_dtype=args.weight_dtype)
         result = kl_divergence(llm.model, base.model, ids, ctx, args.batch, progress=progress)
         sentence = (f"mean KL = {result.mean_kl:.6f} +/- {result.kl_stderr:.6f} nats, top-1 agreement "
                     f"{100 * result.top1_agreement:.2f}% over {result.tokens} tokens; PPL {result.ppl:.4f} "

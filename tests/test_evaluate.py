@@ -123,7 +123,7 @@ def test_kl_divergence_grows_with_a_perturbed_model(models, story_text, stories2
     config, weights = read_checkpoint(stories260k)
     rng = np.random.default_rng(1)
     noisy = {k: (v + rng.normal(0, 0.02, v.shape).astype(v.dtype)) if v.ndim == 2 else v for k, v in weights.items()}
-    from npllm.backends import make_model
+    from npllm.models import make_model
 
     ids = models["numpy"].tokenizer.encode(story_text, bos=True)
     result = kl_divergence(make_model(config, noisy, "numba"), models["numba"].model, ids, 64)

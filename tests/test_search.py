@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from npllm.backends import make_model
+from npllm.models import make_model
 from npllm.errors import GenerationError
 from npllm.formats import read_checkpoint
 from npllm.search import beam_search
