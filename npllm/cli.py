@@ -6,6 +6,7 @@
                             --backend numba|numpy|cuda|auto --threads N --weight-dtype float32|float16
     npllm generate --prompt-file FILE ...      one prompt per line, generated together (ragged batching)
     npllm generate [PROMPT] ... --explain [--json]     (each token's candidates through the sampling pipeline)
+    npllm perplexity --model M --text FILE [--ctx N] [--batch B] [--stride S] [--kl-divergence BASE] [--json]
     npllm bench --model NAME_OR_PATH [--batch B ...] [--prompt-len N ...] [--gen-len N] [--backend B ...]
                 [--threads T] [--weight-dtype D] [--repeat R] [--json]
     npllm info [MODEL]                         architecture, size, context and tokenizer of a checkpoint
@@ -71,6 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--bandwidth-mib", type=int, default=512, help="size of the bandwidth probe (default 512)")
     bench.add_argument("--json", action="store_true", help="one JSON object per line")
     bench.set_defaults(run=run_bench)
+
+    ppl = commands.add_parser("perplexity", help="perplexity of a text (llama.cpp's method), or KL to a base model")
+    add_model_arguments(ppl)
+    ppl.add_argument("--text", "-f", required=True, help="a UTF-8 text file")
+    ppl.add_argument("--ctx", type=int, default=None, help="tokens per chunk (default: min(512, the context))")
+    ppl.add_argument("--batch", type=int, default=1, help="chunks run together, one cache slot each (default 1)")
+    ppl.add_argument("--stride", type=int, default=None,
+                     help="Hugging Face's strided method instead: windows of --ctx tokens, this many apart")
+    ppl.add_argument("--kl-divergence", metavar="BASE_MODEL", default=None,
+                     help="mean KL(base || model) and top-1 agreement against this model (same tokenizer)")
+    ppl.add_argument("--json", action="store_true", help="one JSON object instead of a sentence")
+    ppl.set_defaults(run=run_perplexity)
     return parser
 
 
@@ -185,6 +198,41 @@ def run_info(args) -> int:
     checkpoint, _ = resolve(args.model)
     config, weights = read_checkpoint(checkpoint)
     print(describe(config, weights, checkpoint))
+    return 0
+
+
+def run_perplexity(args) -> int:
+    import json
+
+    from . import load
+    from .evaluate import kl_divergence, perplexity, strided_perplexity
+
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise GenerationError(f"--text {args.text}: cannot read it ({e})") from None
+    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
+               weight_dtype=args.weight_dtype)
+    ids = llm._require_tokenizer().encode(text, bos=True)
+    ctx = args.ctx or min(512, llm.config.max_seq_len)
+    progress = sys.stderr.isatty()
+    if args.kl_divergence is not None:
+        base = load(args.kl_divergence, args.tokenizer, backend=args.backend, threads=args.threads,
+                    weight_dtype=args.weight_dtype)
+        result = kl_divergence(llm.model, base.model, ids, ctx, args.batch, progress=progress)
+        sentence = (f"mean KL = {result.mean_kl:.6f} +/- {result.kl_stderr:.6f} nats, top-1 agreement "
+                    f"{100 * result.top1_agreement:.2f}% over {result.tokens} tokens; PPL {result.ppl:.4f} "
+                    f"(base {result.base_ppl:.4f})")
+    elif args.stride is not None:
+        result = strided_perplexity(llm.model, ids, ctx, args.stride, progress=progress)
+        sentence = f"PPL = {result.ppl:.4f} over {result.tokens} tokens in {result.chunks} windows (strided)"
+    else:
+        result = perplexity(llm.model, ids, ctx, args.batch, progress=progress)
+        sentence = (f"PPL = {result.ppl:.4f} +/- {result.ppl_stderr:.5f} over {result.tokens} tokens in "
+                    f"{result.chunks} chunks of {ctx}")
+    print(json.dumps(result.as_dict()) if args.json else sentence)
+    print(f"[npllm] {result.seconds:.2f} s", file=sys.stderr)
     return 0
 
 
