@@ -745,6 +745,9 @@ def _repetition_laws():
         if _mass(after, listed) > _mass(before, listed) + opts.rtol:
             raise AssertionError(f"the penalised tokens' mass rose from {_mass(before, listed)!r} to "
                                  f"{_mass(after, listed)!r}\n  {c}")
+        if listed.sum() == 1 and after[listed][0] > before[listed][0] * (1 + opts.rtol) + TINY:
+            raise AssertionError(f"the only penalised token's probability rose from {before[listed][0]!r} to "
+                                 f"{after[listed][0]!r}\n  {c}")
 
     pen = nps.penalties()
     return [
@@ -757,7 +760,8 @@ def _repetition_laws():
         Law(kind, "repetition_penalty.one_is_identity", "penalty 1 changes nothing",
             lambda o: _history_cases(o), identity),
         Law(kind, "repetition_penalty.never_favours_repeats", "penalty >= 1: listed logits never rise, unlisted "
-            "tokens' probabilities never fall, the listed tokens' total probability never rises",
+            "tokens' probabilities never fall, the listed tokens' total probability (and a lone listed token's) never "
+            "rises",
             lambda o: _history_cases(o, nps.penalties(low=1.0)), never_favours),
     ]
 
