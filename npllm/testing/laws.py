@@ -121,12 +121,19 @@ def _call(fn, x: np.ndarray, *args, history=None) -> np.ndarray:
     return out
 
 
-def _case(x, args, history=None) -> str:
-    parts = [f"logits = np.array({_show(x)}, dtype=np.{np.asarray(x).dtype})"]
-    if history is not None:
-        parts.append(f"history = {list(history)}")
-    parts += [f"param = {a!r}" for a in args]
-    return ", ".join(parts)
+class _case:
+    """The case as a line of Python (logits, history, parameters), formatted only when a message needs it: a
+    law checks many cases and reports one."""
+
+    def __init__(self, x, args, history=None):
+        self.x, self.args, self.history = x, args, history
+
+    def __str__(self) -> str:
+        parts = [f"logits = np.array({_show(self.x)}, dtype=np.{np.asarray(self.x).dtype})"]
+        if self.history is not None:
+            parts.append(f"history = {list(self.history)}")
+        parts += [f"param = {a!r}" for a in self.args]
+        return ", ".join(parts)
 
 
 def _probs(x: np.ndarray) -> np.ndarray:
