@@ -499,3 +499,15 @@ def test_draws_are_enough_to_see_a_temperature_off_by_two():
     counts = [draws_needed(probs(x.astype(np.float64)), x, 1e-4 / len(DEFAULT_ROWS)) for x in DEFAULT_ROWS]
     assert all(2000 <= n <= 20000 for n in counts), counts
     assert draws_needed(np.full(4, 0.25), np.zeros(4), 1e-4) == 2000
+
+
+def test_docs_list_every_law_with_its_statement():
+    from pathlib import Path
+
+    from npllm.testing import CONVENTIONS, KINDS
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "testing.md").read_text(encoding="utf-8")
+    for kind in KINDS:
+        assert f"`{CONVENTIONS[kind]}`" in text
+        for law in laws_of(kind):
+            assert f"- `{law.name}`: {law.statement}." in text, law.name
