@@ -939,6 +939,12 @@ def _run(fn, group: list[Law], opts: Options, max_examples, seed, derandomize) -
     except _Broken as broken:
         broken.failure.__notes__ = getattr(broken, "__notes__", [])
         raise LawFailure(broken.law, broken.failure) from None
+    except Exception as error:  # e.g. Hypothesis' FlakyFailure group: fn answered one input two ways
+        inner = [e for e in getattr(error, "exceptions", ()) if isinstance(e, _Broken)]
+        if not inner:
+            raise
+        inner[0].failure.__notes__ = [f"{type(error).__name__}: {error}"] + getattr(inner[0], "__notes__", [])
+        raise LawFailure(inner[0].law, inner[0].failure) from error
 
 
 def check_law(fn, law: Law, *, ties="keep", max_examples=100, rtol=1e-5, dtypes=(np.float64, np.float32),
