@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
@@ -911,7 +911,7 @@ class _Broken(AssertionError):
         self.failure = failure
 
 
-def _run(fn, group: list[Law], opts: Options, max_examples, seed, derandomize) -> None:
+def _run(fn, group: list[Law], opts: Options, max_examples, seed, derandomize, shrink=True) -> None:
     """One Hypothesis search over the cases of group[0], checking every law of the group on each case.
 
     The settings are explicit (max_examples, no deadline, no health checks, no example database, one bug reported),
@@ -927,8 +927,10 @@ def _run(fn, group: list[Law], opts: Options, max_examples, seed, derandomize) -
                 raise _Broken(law, failure) from None
 
     laws_hold.__name__ = group[0].name.replace(".", "__") if len(group) == 1 else f"{group[0].kind}__laws"
+    # No explain phase: its "lines run only by failing cases" point into the kit, not the user's code.
+    phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target] + ([Phase.shrink] if shrink else [])
     config = dict(max_examples=max_examples, deadline=None, suppress_health_check=list(HealthCheck),
-                  database=None, report_multiple_bugs=False)
+                  database=None, report_multiple_bugs=False, phases=phases)
     if derandomize is not None:
         config["derandomize"] = derandomize
     test = settings(**config)(given(group[0].cases(opts))(laws_hold))
@@ -948,13 +950,13 @@ def _run(fn, group: list[Law], opts: Options, max_examples, seed, derandomize) -
 
 
 def check_law(fn, law: Law, *, ties="keep", max_examples=100, rtol=1e-5, dtypes=(np.float64, np.float32),
-              size=(1, 32), seed=None, derandomize=None) -> None:
+              size=(1, 32), seed=None, derandomize=None, shrink=True) -> None:
     """Run one law against fn with Hypothesis; raise LawFailure with the minimal falsifying example if it fails."""
-    _run(fn, [law], _options(ties, rtol, dtypes, size), max_examples, seed, derandomize)
+    _run(fn, [law], _options(ties, rtol, dtypes, size), max_examples, seed, derandomize, shrink)
 
 
 def check_filter(fn, kind: str, *, ties="keep", max_examples=100, rtol=1e-5, dtypes=(np.float64, np.float32),
-                 size=(1, 32), laws=None, seed=None, derandomize=None) -> None:
+                 size=(1, 32), laws=None, seed=None, derandomize=None, shrink=True) -> None:
     """Check fn against every law of `kind`; raise LawFailure (an AssertionError) at the first law that fails.
 
     fn follows CONVENTIONS[kind] (logits are [V] NumPy arrays; -inf marks a removed token). ties: "keep" (a tie at
@@ -963,6 +965,8 @@ def check_filter(fn, kind: str, *, ties="keep", max_examples=100, rtol=1e-5, dty
     other law has its own). rtol: numerical slack for decisions within a few ulps of a threshold. dtypes: logit
     dtypes to draw. size: (low, high) vocabulary sizes (penalty kinds draw at most 20, no_repeat_ngram at most 6).
     laws: names of a subset of laws to run. seed: fixes Hypothesis' search; derandomize: overrides the profile's.
+    shrink=False reports the first failing example found instead of the minimal one (faster when only detection
+    matters).
     """
     selected = laws_of(kind)
     if laws is not None:
@@ -974,7 +978,7 @@ def check_filter(fn, kind: str, *, ties="keep", max_examples=100, rtol=1e-5, dty
     pointwise = [law for law in selected if law.pointwise]
     groups = ([pointwise] if pointwise else []) + [[law] for law in selected if not law.pointwise]
     for group in groups:
-        _run(fn, group, opts, max_examples, seed, derandomize)
+        _run(fn, group, opts, max_examples, seed, derandomize, shrink)
 
 
 def check_case(fn, kind: str, logits, *params, history=None, ties="keep", rtol=1e-5) -> None:
