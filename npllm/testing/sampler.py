@@ -84,13 +84,6 @@ def chi_square_critical(alpha: float, df: int) -> float:
     return high
 
 
-def _bins(q: np.ndarray) -> list[np.ndarray]:
-    """Token groups with expected count >= 5 per `n` draws is decided by the caller; here: each token with q > 0
-    its own bin, sorted by q ascending (pooling happens in chi_square)."""
-    live = np.flatnonzero(q > 0)
-    return [live[np.argsort(q[live], kind="stable")]]
-
-
 def chi_square(counts: np.ndarray, q: np.ndarray) -> tuple[float, int]:
     """Pearson statistic and degrees of freedom of counts against probabilities q.
 
@@ -99,7 +92,8 @@ def chi_square(counts: np.ndarray, q: np.ndarray) -> tuple[float, int]:
     """
     n = counts.sum()
     expected = n * q
-    order = _bins(q)[0]
+    live = np.flatnonzero(q > 0)
+    order = live[np.argsort(q[live], kind="stable")]  # smallest expected counts first: they are pooled
     obs, exp, pool_o, pool_e = [], [], 0.0, 0.0
     for t in order:
         if pool_e < 5.0:
