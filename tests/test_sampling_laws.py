@@ -1,21 +1,28 @@
 """The laws of npllm.sampling, stated and checked with Hypothesis.
 
-References here are written independently of the module: probabilities from math.fsum, sorted-order loops for
-the mass filters, plain Python loops for the penalties. Mass comparisons allow EPS for the different summation
-order; everything that involves no arithmetic (which tokens survive top-k, penalties on unlisted tokens, rows of a
-batch) is compared exactly. The profile (tests/conftest.py) runs each law on 200 derandomised examples in CI.
+The laws of each filter kind (temperature, top-k, top-p, min-p, typical-p, the penalties, no-repeat-n-gram) live
+in npllm.testing, the kit anyone can point at their own sampler; test_the_kit_laws_hold runs them on npllm's
+functions with npllm's own tie rule and tighter slack. This file keeps what is specific to npllm: softmax itself,
+T = 0 and T -> infinity, the exact identities of the neutral values, exact idempotence of min-p, logit_bias,
+batches, mutation, and the pipeline.
+
+References here are written independently of the module: probabilities from math.fsum, plain Python loops for the
+penalties. Mass comparisons allow EPS for the different summation order; everything that involves no arithmetic
+(which tokens survive top-k, penalties on unlisted tokens, rows of a batch) is compared exactly. The profile
+(tests/conftest.py) runs each law on 200 derandomised examples in CI, and the kit's searches take the same count.
 """
 
 import math
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from npllm import sampling as S
 from npllm.errors import GenerationError
+from npllm.testing import check_case, check_filter
 
 EPS = 1e-9  # slack for mass comparisons between differently ordered float64 sums
 
@@ -131,12 +138,6 @@ def test_temperature_to_infinity_tends_to_uniform(x):
     assert (p[~finite] == 0).all()
 
 
-@given(logit_rows(), temperatures, temperatures)
-def test_lower_temperature_never_lowers_the_top_probability(x, t1, t2):
-    low, high = sorted((t1, t2))
-    assert S.softmax(x, low).max() >= S.softmax(x, high).max() - 1e-12
-
-
 @given(logit_batches(), temperatures)
 def test_log_softmax_is_the_log_of_softmax(x, t):
     lp = S.log_softmax(x, t)
@@ -148,224 +149,82 @@ def test_log_softmax_is_the_log_of_softmax(x, t):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# top_k
+# The kit's laws on npllm's filters (npllm.testing; docs/testing.md lists them)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@given(logit_rows(masked=False, unique=True), st.data())
-def test_top_k_keeps_exactly_k_without_ties(x, data):
-    k = data.draw(st.integers(1, len(x)))
-    out = S.top_k(x, k)
-    assert kept(out).sum() == k
-    assert set(np.flatnonzero(kept(out))) == set(np.argsort(-x)[:k])
+def log_of_softmax(x, t):
+    with np.errstate(divide="ignore"):  # log 0 = -inf where a probability underflows: the kit allows it
+        return np.log(S.softmax(x, t))
+
+
+F64, F32 = (np.float64,), (np.float32,)
+KIT = [  # (kind, function under test, options): npllm keeps boundary ties whole (ties="keep")
+    ("temperature", S.log_softmax, {}),
+    ("temperature", log_of_softmax, {}),
+    ("top_k", S.top_k, {"rtol": 0.0}),
+    ("top_p", S.top_p, {"dtypes": F64, "rtol": EPS}),
+    ("top_p", S.top_p, {"dtypes": F32}),
+    ("min_p", S.min_p, {"dtypes": F64, "rtol": 1e-12}),
+    ("min_p", S.min_p, {"dtypes": F32}),
+    ("typical_p", S.typical_p, {"rtol": 1e-9}),
+    ("repetition_penalty", S.repetition_penalty, {"dtypes": F64, "rtol": 0.0}),
+    ("repetition_penalty", S.repetition_penalty, {"dtypes": F32, "rtol": 1e-7}),
+    ("presence_frequency_penalty", S.presence_frequency_penalty, {"dtypes": F64, "rtol": 1e-14}),
+    ("presence_frequency_penalty", S.presence_frequency_penalty, {"dtypes": F32, "rtol": 1e-7}),
+    ("presence_penalty", lambda x, h, presence: S.presence_frequency_penalty(x, h, presence, 0.0), {}),
+    ("frequency_penalty", lambda x, h, frequency: S.presence_frequency_penalty(x, h, 0.0, frequency), {}),
+    ("no_repeat_ngram", S.no_repeat_ngram, {}),
+]
+
+
+@pytest.mark.parametrize("kind, fn, options", KIT, ids=[
+    f"{kind}-{getattr(fn, '__name__', 'lambda')}-{'-'.join(np.dtype(d).name for d in o.get('dtypes', ()))}"
+    for kind, fn, o in KIT])
+def test_the_kit_laws_hold(kind, fn, options):
+    """Every law of npllm.testing for the kind, ties kept whole; as many examples per search as the profile's."""
+    check_filter(fn, kind, ties="keep", max_examples=settings.default.max_examples, **options)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What npllm adds to the kit's laws: the neutral values are exact identities, 0 disables top-k and n-gram bans,
+# min-p is exactly idempotent (decided in logit space), and top-p's two routes on a large vocabulary
+# ---------------------------------------------------------------------------------------------------------------
 
 
 @given(logit_rows(bound=3.0), st.data())
-def test_top_k_keeps_every_tie_with_the_kth_value(x, data):
-    k = data.draw(st.integers(1, len(x)))
-    kth = np.sort(x)[::-1][k - 1]
-    out = S.top_k(x, k)
-    np.testing.assert_array_equal(kept(out), (x >= kth) & (x > -np.inf))  # -inf entries stay -inf
-    assert kept(out).sum() >= min(k, np.isfinite(x).sum())
-    assert kept(out)[np.argmax(x)]
-    np.testing.assert_array_equal(out[kept(out)], x[kept(out)])  # survivors unchanged
+def test_top_k_zero_or_at_least_v_is_the_identity(x, data):
+    k = data.draw(st.sampled_from([0, len(x), len(x) + 3]))
+    np.testing.assert_array_equal(S.top_k(x, k), x)
+    if k == 0:  # 0 disables the filter: it keeps at least what any k keeps
+        assert (kept(S.top_k(x, data.draw(st.integers(1, len(x))))) <= kept(S.top_k(x, 0))).all()
 
 
-@given(logit_rows(bound=3.0), st.data())
-def test_top_k_is_monotone_and_idempotent(x, data):
-    k1 = data.draw(st.integers(0, len(x) + 2))
-    k2 = data.draw(st.integers(0, len(x) + 2))
-    small, large = sorted((k1, k2))
-    if small == 0:  # 0 disables the filter: it is the largest set
-        small, large = large, small
-    a, b = kept(S.top_k(x, small)), kept(S.top_k(x, large))
-    assert (a <= b).all()
-    np.testing.assert_array_equal(S.top_k(S.top_k(x, k1), k1), S.top_k(x, k1))
-    if k1 == 0 or k1 >= len(x):
-        np.testing.assert_array_equal(S.top_k(x, k1), x)
+@given(logit_rows())
+def test_neutral_mass_filters_are_exact_identities(x):
+    np.testing.assert_array_equal(S.top_p(x, 1.0), x)
+    np.testing.assert_array_equal(S.typical_p(x, 1.0), x)
+    np.testing.assert_array_equal(S.min_p(x, 0.0), x)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# top_p
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def check_nucleus(x, p, out):
-    """The top-p law: kept = {π >= τ}, mass{π >= τ} >= p > mass{π > τ}, most probable kept."""
-    prob = ref_softmax(x)
-    keep = kept(out)
-    assert keep[np.argmax(x)]
-    if (~keep & np.isfinite(x)).any():
-        assert x[keep].min() > x[~keep & np.isfinite(x)].max()  # a prefix of the sorted order, ties whole
-    tau = prob[keep].min()
-    assert mass(prob, keep) >= p - EPS
-    assert mass(prob, prob > tau) < p + EPS  # dropping the least probable kept token(s) falls below p
-    np.testing.assert_array_equal(out[keep], x[keep])
-
-
-@given(logit_rows(), probs_p)
-def test_top_p_keeps_the_minimal_prefix_reaching_p(x, p):
-    check_nucleus(x, p, S.top_p(x, p))
-
-
-@given(logit_rows(masked=False, unique=True), probs_p)
-def test_top_p_without_ties_dropping_the_last_kept_token_falls_below_p(x, p):
-    assume(len(x) == 1 or np.diff(np.sort(x)).min() > 1e-6)  # distinct probabilities, not just distinct logits
-    prob = ref_softmax(x)
-    keep = kept(S.top_p(x, p))
-    last = np.flatnonzero(keep)[np.argmin(prob[keep])]
-    assert mass(prob, keep) >= p - EPS
-    assert mass(prob, keep) - prob[last] < p + EPS
+@given(logit_rows(), st.floats(0.0, 1.0))
+def test_min_p_is_exactly_idempotent(x, p):
+    out = S.min_p(x, p)
+    np.testing.assert_array_equal(S.min_p(out, p), out)  # the maximum and the logit differences survive
 
 
 @given(st.integers(0, 2**32 - 1), st.sampled_from([0.3, 1.0, 2.0, 6.0]), probs_p)
 def test_top_p_on_a_large_vocabulary_both_routes(seed, scale, p):
     """V = 2500 > the 1024 candidates sorted first: peaked rows take the partition route, flat ones the full
-    sort; both must obey the same law."""
+    sort; both must obey the kit's pointwise laws of top-p."""
     x = np.random.default_rng(seed).standard_normal(2500) * scale
-    check_nucleus(x, p, S.top_p(x, p))
+    check_case(S.top_p, "top_p", x, p, rtol=EPS)
 
 
-@given(logit_rows(), probs_p, probs_p)
-def test_top_p_is_monotone_in_p(x, p1, p2):
-    low, high = sorted((p1, p2))
-    assert (kept(S.top_p(x, low)) <= kept(S.top_p(x, high))).all()
-    np.testing.assert_array_equal(S.top_p(x, 1.0), x)
-
-
-@given(logit_rows(), probs_p)
-def test_top_p_applied_twice_keeps_a_subset(x, p):
-    """Not idempotent: the second pass renormalises over the survivors (see test_sampling.py for an example)."""
-    once = S.top_p(x, p)
-    twice = S.top_p(once, p)
-    assert (kept(twice) <= kept(once)).all()
-    assert kept(twice)[np.argmax(x)]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# min_p and typical_p
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@given(logit_rows(), st.floats(0.0, 1.0))
-def test_min_p_keeps_tokens_above_p_times_the_top_probability(x, p):
-    out = S.min_p(x, p)
-    keep = kept(out)
-    prob = ref_softmax(x)
-    assert keep[np.argmax(x)]
-    assert (prob[keep] >= p * prob.max() * (1 - 1e-12)).all()
-    assert (prob[~keep] <= p * prob.max() * (1 + 1e-12)).all()
-    np.testing.assert_array_equal(S.min_p(out, p), out)  # idempotent: the maximum and the ratios survive
-
-
-@given(logit_rows(), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
-def test_min_p_is_monotone(x, p1, p2):
-    low, high = sorted((p1, p2))
-    assert (kept(S.min_p(x, high)) <= kept(S.min_p(x, low))).all()
-    np.testing.assert_array_equal(S.min_p(x, 0.0), x)
-
-
-def typical_scores(x):
-    prob = ref_softmax(x)
-    with np.errstate(divide="ignore"):
-        surprise = -np.log(prob)
-    entropy = math.fsum(q * s for q, s in zip(prob, surprise) if q > 0)
-    return prob, np.abs(surprise - entropy)
-
-
-@given(logit_rows(), probs_p)
-def test_typical_p_keeps_the_most_typical_tokens_until_p(x, p):
-    out = S.typical_p(x, p)
-    keep = kept(out)
-    prob, gap = typical_scores(x)
-    assert keep.any()
-    delta = gap[keep].max()
-    live = prob > 0
-    assert mass(prob, keep) >= p - EPS
-    assert mass(prob, gap < delta - 1e-9) < p + EPS  # without the least typical kept tokens: below p
-    if (~keep & live).any():
-        assert delta <= gap[~keep & live].min() + 1e-9  # closed under "more typical"
-    np.testing.assert_array_equal(out[keep], x[keep])
-
-
-@given(logit_rows(), probs_p, probs_p)
-def test_typical_p_is_monotone_in_p(x, p1, p2):
-    low, high = sorted((p1, p2))
-    assert (kept(S.typical_p(x, low)) <= kept(S.typical_p(x, high))).all()
-    np.testing.assert_array_equal(S.typical_p(x, 1.0), x)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Penalties
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@st.composite
-def row_and_history(draw, max_v=20):
-    x = draw(logit_rows(max_v=max_v, masked=False))
-    return x, draw(histories(len(x)))
-
-
-@given(row_and_history(), st.floats(0.05, 20.0))
-def test_repetition_penalty_is_the_ctrl_rule_once_per_token(case, penalty):
-    x, ids = case
-    out = S.repetition_penalty(x, ids, penalty)
-    expected = x.copy()
-    for t in set(ids):
-        expected[t] = x[t] / penalty if x[t] > 0 else x[t] * penalty
-    np.testing.assert_array_equal(out, expected)
-    np.testing.assert_array_equal(S.repetition_penalty(x, sorted(set(ids)), penalty), out)  # counts don't matter
-    np.testing.assert_array_equal(S.repetition_penalty(x, ids, 1.0), x)
-
-
-@given(row_and_history(), st.floats(1.0, 20.0))
-def test_repetition_penalty_never_favours_repeats(case, penalty):
-    x, ids = case
-    listed = np.zeros(len(x), bool)
-    listed[ids] = True
-    out = S.repetition_penalty(x, ids, penalty)
-    before, after = ref_softmax(x), ref_softmax(out)
-    assert (out[listed] <= x[listed]).all()
-    assert (after[~listed] >= before[~listed] * (1 - 1e-12)).all()  # unlisted tokens only gain
-    assert mass(after, listed) <= mass(before, listed) + EPS  # the penalised tokens together only lose
-    if len(set(ids)) == 1:
-        assert after[ids[0]] <= before[ids[0]] * (1 + 1e-12)
-
-
-@given(row_and_history(), st.floats(-3, 3), st.floats(-3, 3))
-def test_presence_frequency_penalty_subtracts_presence_and_counts(case, presence, frequency):
-    x, ids = case
-    out = S.presence_frequency_penalty(x, ids, presence, frequency)
-    expected = x.copy()
-    for t in set(ids):
-        expected[t] = x[t] - (presence + frequency * ids.count(t))
-    np.testing.assert_allclose(out, expected, rtol=1e-14, atol=1e-12)
-    untouched = np.ones(len(x), bool)
-    untouched[ids] = False
-    np.testing.assert_array_equal(out[untouched], x[untouched])
-    np.testing.assert_array_equal(S.presence_frequency_penalty(x, ids, 0.0, 0.0), x)
-    if presence >= 0 and frequency >= 0:
-        assert (out <= x).all()
-
-
-@st.composite
-def ngram_case(draw):
-    V = draw(st.integers(1, 5))  # a small vocabulary makes repeats likely
-    x = draw(hnp.arrays(np.float64, V, elements=st.floats(-5, 5)))
-    ids = draw(st.lists(st.integers(0, V - 1), max_size=14))
-    return x, ids, draw(st.integers(0, 4))
-
-
-@given(ngram_case())
-def test_no_repeat_ngram_bans_exactly_the_repeating_continuations(case):
-    x, ids, n = case
-    out = S.no_repeat_ngram(x, ids, n)
-    seen = {tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)} if n else set()
-    for t in range(len(x)):
-        repeats = n > 0 and tuple((ids + [t])[-n:]) in seen  # the n-gram that appending t would end with
-        assert (out[t] == -np.inf) == repeats, (t, ids, n)
-        if not repeats:
-            assert out[t] == x[t]
+@given(logit_rows(max_v=10, masked=False), st.integers(0, 12))
+def test_no_repeat_ngram_zero_bans_nothing(x, length):
+    ids = [i % len(x) for i in range(length)]
+    np.testing.assert_array_equal(S.no_repeat_ngram(x, ids, 0), x)
 
 
 @given(logit_rows(max_v=10, masked=False), st.data())
