@@ -36,6 +36,13 @@ def check_prompt(config, prompt_ids) -> None:
         raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size})")
 
 
+def check_request(config, prompt_ids, max_new_tokens: int) -> None:
+    """A generation request the model can serve: a prompt that fits (check_prompt) and a token limit >= 0."""
+    check_prompt(config, prompt_ids)
+    if max_new_tokens < 0:
+        raise GenerationError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+
+
 def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
                  rng: np.random.Generator | None = None) -> Iterator[int]:
     """Yield new token ids one by one (stop tokens are not yielded).
@@ -52,9 +59,7 @@ def generate_steps(model, prompt_ids, max_new_tokens: int, params: SamplingParam
     """generate_ids, yielding each step's whole draw: the id, its log-probability and (with params.logprobs = N)
     the N most probable alternatives."""
     config = model.config
-    check_prompt(config, prompt_ids)
-    if max_new_tokens < 0:
-        raise GenerationError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_request(config, prompt_ids, max_new_tokens)
     rng = np.random.default_rng(params.seed) if rng is None else rng
     stops = stop_ids(config)
     cache = model.new_cache()

@@ -14,7 +14,7 @@ from .config import ModelConfig
 from .device import resolve_device
 from .errors import FormatError
 from .stop import StopStrings, cut_at_stop
-from .generate import check_prompt, generate_ids, generate_steps
+from .generate import check_prompt, check_request, generate_ids, generate_steps
 from .hub import resolve
 from .model import Transformer
 from .sampling import SamplingParams
@@ -52,6 +52,7 @@ class LLM:
         """
         params = SamplingParams(**sampling)
         prompt_ids = self._require_tokenizer().encode(prompt, bos=True)
+        check_request(self.config, prompt_ids, max_new_tokens)  # before the echo: a bad request prints nothing
         decoder = self.tokenizer.stream_decoder()
         prompt_text = "".join(decoder.feed(t) for t in prompt_ids)
         if echo:
