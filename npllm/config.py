@@ -60,8 +60,8 @@ class ModelConfig:
     tied_embeddings: bool = False  # LM head reuses the token embedding matrix
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     sliding_window: int | None = None  # attend to at most this many most recent positions (Mistral)
-    bos_id: int = 1
-    eos_ids: tuple[int, ...] = (2,)
+    bos_id: int | None = 1  # None: the vocabulary has no BOS
+    eos_ids: tuple[int, ...] = (2,)  # empty: no end token, generation stops at its length limit
     # llama2.c's TinyStories convention: a generated BOS ends the story (run.c stops on it).
     stop_at_bos: bool = False
     arch: str = "llama"

@@ -20,7 +20,7 @@ from .sampling import Sampled, SamplingParams, sample_step
 def stop_ids(config) -> frozenset[int]:
     """Token ids that end a generation: the EOS ids, plus BOS where the checkpoint uses BOS as a separator."""
     ids = set(config.eos_ids)
-    if config.stop_at_bos:
+    if config.stop_at_bos and config.bos_id is not None:
         ids.add(config.bos_id)
     return frozenset(ids)
 

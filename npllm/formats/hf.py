@@ -26,6 +26,7 @@ from . import expected_shapes
 from .safetensors import read_safetensors
 
 CONFIG_FILE = "config.json"
+GENERATION_FILE = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -147,24 +148,33 @@ def _sliding_window(cfg: dict, arch: str, n_layers: int, source: str) -> int | N
     return None
 
 
-def _token_ids(cfg: dict, source: str) -> tuple[int, tuple[int, ...]]:
-    eos = cfg.get("eos_token_id")
+def _eos_ids(eos, source: str) -> tuple[int, ...]:
     if isinstance(eos, int) and not isinstance(eos, bool):
-        eos_ids = (eos,)
-    elif isinstance(eos, list) and eos and all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
-        eos_ids = tuple(eos)
-    else:
-        raise ConfigError(f"{source}: 'eos_token_id' must be an integer or a non-empty list of them, got {eos!r}")
+        return (eos,)
+    if isinstance(eos, list) and eos and all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+        return tuple(eos)
+    raise ConfigError(f"{source}: 'eos_token_id' must be an integer or a non-empty list of them, got {eos!r}")
+
+
+def _token_ids(cfg: dict, source: str, generation: dict | None) -> tuple[int | None, tuple[int, ...]]:
+    """(bos id or None, end-of-sequence ids). A null or missing eos_token_id (transformers writes null for a Qwen2
+    config without one) is taken from generation_config.json; absent there too, the model has no end token and
+    generation stops at its length limit."""
+    eos = cfg.get("eos_token_id")
+    if eos is None and generation is not None:
+        eos, source = generation.get("eos_token_id"), GENERATION_FILE
+    eos_ids = () if eos is None else _eos_ids(eos, source)
     bos = cfg.get("bos_token_id")
-    if bos is None:
-        # ModelConfig needs an id; vocabularies without a BOS (GPT-2 style) use their end-of-text token for both.
+    if bos is None and eos_ids:
+        # Vocabularies without a BOS (GPT-2 style) use their end-of-text token for both.
         bos = eos_ids[0]
-    bos = _field({"bos_token_id": bos}, "bos_token_id", source)
+    bos = _field({"bos_token_id": bos}, "bos_token_id", source, required=False)
     return bos, eos_ids
 
 
-def config_from_hf(cfg: dict, source: str = CONFIG_FILE) -> ModelConfig:
-    """Map a parsed config.json onto ModelConfig (rope_layout "half": HF's q/k row order)."""
+def config_from_hf(cfg: dict, source: str = CONFIG_FILE, generation: dict | None = None) -> ModelConfig:
+    """Map a parsed config.json onto ModelConfig (rope_layout "half": HF's q/k row order); `generation`, the parsed
+    generation_config.json, supplies the end token when config.json has none."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{source}: not a JSON object")
     arch = cfg.get("model_type")
@@ -182,7 +192,7 @@ def config_from_hf(cfg: dict, source: str = CONFIG_FILE) -> ModelConfig:
     n_layers = _field(cfg, "num_hidden_layers", source)
     n_heads = _field(cfg, "num_attention_heads", source)
     theta, scaling = _rope_settings(cfg, source)
-    bos, eos_ids = _token_ids(cfg, source)
+    bos, eos_ids = _token_ids(cfg, source, generation)
     return ModelConfig(
         dim=_field(cfg, "hidden_size", source),
         hidden_dim=_field(cfg, "intermediate_size", source),
@@ -205,16 +215,25 @@ def config_from_hf(cfg: dict, source: str = CONFIG_FILE) -> ModelConfig:
     )
 
 
-def read_config_json(path: str | os.PathLike) -> ModelConfig:
-    path = os.fspath(path)
+def _read_json(path: str):
     try:
         with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        raise FormatError(f"{path}: not found (a Hugging Face checkpoint needs config.json)") from None
+            return json.load(f)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FormatError(f"{path}: cannot read as JSON: {e}") from None
-    return config_from_hf(cfg, path)
+
+
+def read_config_json(path: str | os.PathLike) -> ModelConfig:
+    """config.json, with generation_config.json beside it when there is one."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FormatError(f"{path}: not found (a Hugging Face checkpoint needs config.json)")
+    cfg = _read_json(path)
+    generation_path = os.path.join(os.path.dirname(path), GENERATION_FILE)
+    generation = _read_json(generation_path) if os.path.isfile(generation_path) else None
+    if generation is not None and not isinstance(generation, dict):
+        raise FormatError(f"{generation_path}: not a JSON object")
+    return config_from_hf(cfg, path, generation)
 
 
 # ----------------------------------------------------------------------------------------------------------------
