@@ -18,6 +18,11 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
+# Plausibility bounds, far above any published model (the deepest have ~130 layers, the longest contexts ~10M
+# tokens): a header claiming more is corrupt, and believing it would mean allocating tables of that size.
+MAX_LAYERS = 1 << 12
+MAX_CONTEXT = 1 << 24
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -79,6 +84,11 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_layers > MAX_LAYERS:
+            raise ConfigError(f"n_layers {self.n_layers} is implausible (more than {MAX_LAYERS}): a corrupt header?")
+        if self.max_seq_len > MAX_CONTEXT:
+            raise ConfigError(f"a context of {self.max_seq_len} tokens is implausible (more than {MAX_CONTEXT}): "
+                              "a corrupt header?")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:

@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from ..config import ModelConfig, RopeScaling
+from ..config import MAX_LAYERS, ModelConfig, RopeScaling
 from ..errors import ConfigError, FormatError
 from . import expected_shapes
 from .safetensors import read_safetensors
@@ -127,16 +127,18 @@ def _sliding_window(cfg: dict, arch: str, n_layers: int, source: str) -> int | N
         return None
     window = _field(cfg, "sliding_window", source, required=False)
     layer_types = cfg.get("layer_types")
-    if layer_types is None:
+    if layer_types is None:  # the set of kinds, without a list as long as a (maybe corrupt) layer count
         if arch == "qwen2":
             use = bool(cfg.get("use_sliding_window", False)) and window is not None
             first = _field(cfg, "max_window_layers", source, default=0) if use else n_layers
-            layer_types = ["full_attention"] * min(first, n_layers) + ["sliding_attention"] * max(n_layers - first, 0)
+            kinds = {"full_attention"} if min(first, n_layers) > 0 else set()
+            kinds |= {"sliding_attention"} if n_layers - first > 0 else set()
         else:
-            layer_types = ["full_attention" if window is None else "sliding_attention"] * n_layers
-    if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+            kinds = {"full_attention" if window is None else "sliding_attention"}
+    elif not isinstance(layer_types, list) or len(layer_types) != n_layers:
         raise ConfigError(f"{source}: 'layer_types' must list one type per layer ({n_layers})")
-    kinds = set(layer_types)
+    else:
+        kinds = set(map(str, layer_types))
     if not kinds <= {"full_attention", "sliding_attention"}:
         raise ConfigError(f"{source}: unknown layer types {sorted(map(str, kinds))}")
     if len(kinds) > 1:
@@ -190,6 +192,8 @@ def config_from_hf(cfg: dict, source: str = CONFIG_FILE, generation: dict | None
         raise ConfigError(f"{source}: Llama attention_bias (which also biases o_proj) is not supported")
 
     n_layers = _field(cfg, "num_hidden_layers", source)
+    if not 0 < n_layers <= MAX_LAYERS:  # before anything is sized by it
+        raise ConfigError(f"{source}: num_hidden_layers {n_layers} is not a plausible layer count (1..{MAX_LAYERS})")
     n_heads = _field(cfg, "num_attention_heads", source)
     theta, scaling = _rope_settings(cfg, source)
     bos, eos_ids = _token_ids(cfg, source, generation)
