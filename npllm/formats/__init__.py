@@ -56,7 +56,16 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.
 
             config, weights = read_llama2c(path)
     check_token_ids(config, path)
+    check_finite(weights, path)
     return config, weights
+
+
+def check_finite(weights: dict[str, np.ndarray], source) -> None:
+    """Every weight a finite number. NaN or infinity in a checkpoint (a corrupt file, F16 bits read as BF16) would
+    only show up later as NaN logits, after the prompt was echoed; one pass over the weights catches it at load."""
+    for name, array in weights.items():
+        if not np.isfinite(array).all():
+            raise FormatError(f"{source}: weight {name!r} holds NaN or infinite values (a corrupt checkpoint?)")
 
 
 def check_token_ids(config: ModelConfig, source) -> None:
