@@ -97,8 +97,10 @@ class ModelConfig:
             raise ConfigError(f"rope_layout must be 'interleaved' or 'half', got {self.rope_layout!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
-        if not self.norm_eps > 0:
-            raise ConfigError(f"norm_eps must be > 0, got {self.norm_eps}")
+        if not 0 < self.norm_eps < float("inf"):
+            raise ConfigError(f"norm_eps must be a finite number > 0, got {self.norm_eps}")
+        if not 0 < self.rope_theta < float("inf"):
+            raise ConfigError(f"rope_theta must be a finite number > 0, got {self.rope_theta}")
 
     @property
     def kv_group(self) -> int:

@@ -62,7 +62,9 @@ def generate_steps(model, prompt_ids, max_new_tokens: int, params: SamplingParam
     check_request(config, prompt_ids, max_new_tokens)
     rng = np.random.default_rng(params.seed) if rng is None else rng
     stops = stop_ids(config)
-    cache = model.new_cache()
+    # room for every position this request can reach, not the whole context: a model claiming a huge context
+    # still serves a short request (the last token is never fed back, so len(prompt) + max_new_tokens suffices)
+    cache = model.new_cache(min(config.max_seq_len, len(prompt_ids) + max(max_new_tokens, 1)))
     history = [int(t) for t in prompt_ids]
     hidden = model.forward(history, np.arange(len(history)), cache)[-1:]  # prefill: [T, D] -> last [1, D]
     for _ in range(max_new_tokens):
