@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-repeat-ngram", type=count(0), default=0, help="forbid repeating any n-gram of this size")
     gen.add_argument("--stop", action="append", default=[], metavar="STR",
                      help="end the completion before this text (repeatable; may span tokens)")
-    gen.add_argument("--logprobs", type=count(0), default=0, metavar="N",
+    gen.add_argument("--logprobs", type=count(0, MOST_LOGPROBS), default=0, metavar="N",
                      help="print each token's log-probability and the top N alternatives to stderr")
     gen.add_argument("--prompt-file", default=None,
                      help="a file with one prompt per line (blank lines skipped), all generated as one batch")
@@ -61,22 +61,26 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="prefill and decode throughput against the memory bandwidth")
     bench.add_argument("--model", "-m", default="stories15M",
                        help="checkpoint path, known name on disk, or a shape with random weights (default stories15M)")
-    bench.add_argument("--batch", type=count(1), nargs="+", default=[1, 8], help="sequences decoded together (default 1 8)")
-    bench.add_argument("--prompt-len", type=count(1), nargs="+", default=[128, 512], help="prompt tokens (default 128 512)")
-    bench.add_argument("--gen-len", type=count(1), default=256, help="decode steps (default 256)")
+    bench.add_argument("--batch", type=count(1, MOST_BATCH), nargs="+", default=[1, 8], help="sequences decoded together (default 1 8)")
+    bench.add_argument("--prompt-len", type=count(1, MOST_TOKENS), nargs="+", default=[128, 512], help="prompt tokens (default 128 512)")
+    bench.add_argument("--gen-len", type=count(1, MOST_TOKENS), default=256, help="decode steps (default 256)")
     bench.add_argument("--backend", nargs="+", default=["numba"], help="numba, numpy, or both (default numba)")
-    bench.add_argument("--threads", type=count(1), default=None, help="cores to use (default: all)")
+    bench.add_argument("--threads", type=count(1, MOST_THREADS), default=None, help="cores to use (default: all)")
     bench.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                        help="cpu (the --backend models), cuda (the GPU model) or auto (CUDA when usable)")
-    bench.add_argument("--repeat", type=count(1), default=3, help="runs per figure; medians are reported (default 3)")
-    bench.add_argument("--bandwidth-mib", type=count(1), default=512, help="size of the bandwidth probe (default 512)")
+    bench.add_argument("--repeat", type=count(1, MOST_REPEAT), default=3, help="runs per figure; medians are reported (default 3)")
+    bench.add_argument("--bandwidth-mib", type=count(1, MOST_MIB), default=512, help="size of the bandwidth probe (default 512)")
     bench.add_argument("--json", action="store_true", help="one JSON object per line")
     bench.set_defaults(run=run_bench)
     return parser
 
 
-def count(least: int):
-    """argparse type: an integer >= least (a count, a length, a number of threads), refused at parse time."""
+# Upper bounds on counts, far above any sensible use, so a typo cannot ask for a petabyte or a year of work.
+MOST_THREADS, MOST_BATCH, MOST_TOKENS, MOST_REPEAT, MOST_MIB, MOST_LOGPROBS = 1 << 12, 1 << 12, 1 << 24, 1000, 1 << 20, 1 << 20
+
+
+def count(least: int, most: int | None = None):
+    """argparse type: an integer in [least, most] (a count, a length, a number of threads), refused at parse time."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -84,6 +88,8 @@ def count(least: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < least:
             raise argparse.ArgumentTypeError(f"{value} is below the minimum {least}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"{value} is above the maximum {most}")
         return value
 
     parse.__name__ = f"integer >= {least}"
@@ -95,7 +101,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint path or known name (stories260K, stories15M, stories42M, stories110M)")
     parser.add_argument("--tokenizer", "-z", default=None, help="tokenizer path (default: found beside the model)")
     parser.add_argument("--backend", default="numba", help="numba (compiled kernels, default) or numpy (reference)")
-    parser.add_argument("--threads", type=count(1), default=None, help="cores to use (default: all)")
+    parser.add_argument("--threads", type=count(1, MOST_THREADS), default=None, help="cores to use (default: all)")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                         help="cpu, cuda (an NVIDIA GPU through numba.cuda) or auto (CUDA when usable; default cpu)")
 
@@ -246,6 +252,10 @@ def main(argv=None) -> int:
         return args.run(args)
     except NpllmError as e:
         print(f"npllm: error: {e}", file=sys.stderr)
+        return 2
+    except MemoryError as e:  # a request larger than this machine: one line, not a traceback
+        print(f"npllm: error: out of memory ({e or 'an allocation failed'}): ask for less (a shorter context, "
+              f"fewer tokens or sequences)", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # The reader went away (`| head`): nothing more can be shown. Point stdout at /dev/null so the interpreter's
