@@ -33,20 +33,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", default="",
                      help="text to continue ('-': read it from stdin; default: start from BOS)")
     add_model_arguments(gen)
-    gen.add_argument("--max-new-tokens", type=count(0), default=256, help="most tokens to generate (default 256)")
+    gen.add_argument("--max-new-tokens", type=whole(0), default=256, help="most tokens to generate (default 256)")
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     gen.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (default 0.9)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    gen.add_argument("--top-k", type=count(0), default=0, help="keep the k most probable tokens (0: off)")
+    gen.add_argument("--top-k", type=whole(0), default=0, help="keep the k most probable tokens (0: off)")
     gen.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * p_max (0: off)")
     gen.add_argument("--typical-p", type=float, default=1.0, help="locally typical sampling mass (1: off)")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL penalty on seen tokens (1: off)")
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this from seen tokens' logits")
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract this times each token's count")
-    gen.add_argument("--no-repeat-ngram", type=count(0), default=0, help="forbid repeating any n-gram of this size")
+    gen.add_argument("--no-repeat-ngram", type=whole(0), default=0,
+                     help="forbid repeating any n-gram of this size")
     gen.add_argument("--stop", action="append", default=[], metavar="STR",
                      help="end the completion before this text (repeatable; may span tokens)")
-    gen.add_argument("--logprobs", type=count(0, MOST_LOGPROBS), default=0, metavar="N",
+    gen.add_argument("--logprobs", type=whole(0, MOST_LOGPROBS), default=0, metavar="N",
                      help="print each token's log-probability and the top N alternatives to stderr")
     gen.add_argument("--prompt-file", default=None,
                      help="a file with one prompt per line (blank lines skipped), all generated as one batch")
@@ -61,25 +62,32 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="prefill and decode throughput against the memory bandwidth")
     bench.add_argument("--model", "-m", default="stories15M",
                        help="checkpoint path, known name on disk, or a shape with random weights (default stories15M)")
-    bench.add_argument("--batch", type=count(1, MOST_BATCH), nargs="+", default=[1, 8], help="sequences decoded together (default 1 8)")
-    bench.add_argument("--prompt-len", type=count(1, MOST_TOKENS), nargs="+", default=[128, 512], help="prompt tokens (default 128 512)")
-    bench.add_argument("--gen-len", type=count(1, MOST_TOKENS), default=256, help="decode steps (default 256)")
+    bench.add_argument("--batch", type=whole(1, MOST_BATCH), nargs="+", default=[1, 8],
+                       help="sequences decoded together (default 1 8)")
+    bench.add_argument("--prompt-len", type=whole(1, MOST_TOKENS), nargs="+", default=[128, 512],
+                       help="prompt tokens (default 128 512)")
+    bench.add_argument("--gen-len", type=whole(1, MOST_TOKENS), default=256, help="decode steps (default 256)")
     bench.add_argument("--backend", nargs="+", default=["numba"], help="numba, numpy, or both (default numba)")
-    bench.add_argument("--threads", type=count(1, MOST_THREADS), default=None, help="cores to use (default: all)")
+    bench.add_argument("--threads", type=whole(1, MOST_THREADS), default=None, help="cores to use (default: all)")
     bench.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                        help="cpu (the --backend models), cuda (the GPU model) or auto (CUDA when usable)")
-    bench.add_argument("--repeat", type=count(1, MOST_REPEAT), default=3, help="runs per figure; medians are reported (default 3)")
-    bench.add_argument("--bandwidth-mib", type=count(1, MOST_MIB), default=512, help="size of the bandwidth probe (default 512)")
+    bench.add_argument("--repeat", type=whole(1, MOST_REPEAT), default=3,
+                       help="runs per figure; medians are reported (default 3)")
+    bench.add_argument("--bandwidth-mib", type=whole(1, MOST_MIB), default=512,
+                       help="size of the bandwidth probe (default 512)")
     bench.add_argument("--json", action="store_true", help="one JSON object per line")
     bench.set_defaults(run=run_bench)
     return parser
 
 
 # Upper bounds on counts, far above any sensible use, so a typo cannot ask for a petabyte or a year of work.
-MOST_THREADS, MOST_BATCH, MOST_TOKENS, MOST_REPEAT, MOST_MIB, MOST_LOGPROBS = 1 << 12, 1 << 12, 1 << 24, 1000, 1 << 20, 1 << 20
+MOST_THREADS = MOST_BATCH = 1 << 12
+MOST_TOKENS = 1 << 24  # ModelConfig's MAX_CONTEXT
+MOST_REPEAT = 1000
+MOST_MIB = MOST_LOGPROBS = 1 << 20
 
 
-def count(least: int, most: int | None = None):
+def whole(least: int, most: int | None = None):
     """argparse type: an integer in [least, most] (a count, a length, a number of threads), refused at parse time."""
     def parse(text: str) -> int:
         try:
@@ -101,7 +109,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint path or known name (stories260K, stories15M, stories42M, stories110M)")
     parser.add_argument("--tokenizer", "-z", default=None, help="tokenizer path (default: found beside the model)")
     parser.add_argument("--backend", default="numba", help="numba (compiled kernels, default) or numpy (reference)")
-    parser.add_argument("--threads", type=count(1, MOST_THREADS), default=None, help="cores to use (default: all)")
+    parser.add_argument("--threads", type=whole(1, MOST_THREADS), default=None, help="cores to use (default: all)")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                         help="cpu, cuda (an NVIDIA GPU through numba.cuda) or auto (CUDA when usable; default cpu)")
 

@@ -445,7 +445,8 @@ def prompt_cases(out: Path) -> list[Case]:
                               ("encoded surrogate", b"a\xed\xa0\x80b", "error"), ("overlong", b"\xc0\xaf", "error"),
                               ("escape sequence", "\x1b[31mred\x1b[0m", "ok"), ("bell", "\x07", "ok"),
                               ("crlf", "a\r\nb", "ok"), ("tab", "\t", "ok"), ("space", " ", "ok"), ("empty", "", "ok"),
-                              ("rtl override", "\u202eabc", "ok"), ("emoji", "😀" * 10, "ok"), ("bom", "\ufeffOnce", "ok"),
+                              ("rtl override", "\u202eabc", "ok"), ("emoji", "😀" * 10, "ok"),
+                              ("bom", "\ufeffOnce", "ok"),
                               ("combining", "e\u0301" * 50, "ok"), ("100 kB", "a " * 50_000, "error"),
                               ("nul escape", "\\x00", "ok"), ("dash dash", "--", "ok")):
         cases.append(Case("prompt", f"argv {name}", ["generate", arg, *GEN], expect=expect))

@@ -21,7 +21,8 @@ class FakeHub:
     truncate: paths that announce their full length but send half of it; redirects: {path: target path}, answered
     302 with an absolute Location (the hub sends files to a CDN this way); stall: paths that send half the body and
     then nothing until the server closes; no_range: paths that ignore Range requests (200, whole body); slow: paths
-    sent in 16 pieces with a pause between them, once `gate` is set. Every GET is logged as (path, Range header or None).
+    sent in 16 pieces with a pause between them, once `gate` is set. Every GET is logged as (path, Range header or
+    None).
     """
 
     def __init__(self):
