@@ -448,8 +448,10 @@ def prompt_cases(out: Path) -> list[Case]:
                               ("rtl override", "\u202eabc", "ok"), ("emoji", "😀" * 10, "ok"),
                               ("bom", "\ufeffOnce", "ok"),
                               ("combining", "e\u0301" * 50, "ok"), ("100 kB", "a " * 50_000, "error"),
-                              ("nul escape", "\\x00", "ok"), ("dash dash", "--", "ok")):
+                              ("nul escape", "\\x00", "ok"), ("dash x", "-x", "error")):
         cases.append(Case("prompt", f"argv {name}", ["generate", arg, *GEN], expect=expect))
+    # "--" ends the options (argparse), so a prompt "--" comes after one
+    cases.append(Case("prompt", "argv '--' after '--'", ["generate", *GEN, "--", "--"], expect="ok"))
     for name, data, expect in (("nul and controls", b"\x00\x01\x02\x7f", "ok"), ("1 MB", b"a " * 500_000, "error"),
                                ("invalid utf8", b"\xff\xfe", "error"), ("empty", b"", "ok"), ("newline", b"\n", "ok"),
                                ("crlf", b"Once\r\n", "ok"), ("utf16", "Once".encode("utf-16"), "error")):
@@ -475,15 +477,17 @@ def flag_cases(out: Path) -> list[Case]:
     numbers = ["-1", "0", "1000000000", "nan", "inf", "-inf", "abc", "", "99999999999999999999", "1e-300"]
     ranges = {  # value -> allowed?  (None: either is fine, e.g. a huge token limit ends at the context)
         "--max-new-tokens": {"0": True, "1000000000": None, "99999999999999999999": None},
-        "--temperature": {"0": True, "1000000000": True, "inf": None, "1e-300": True},
+        "--temperature": {"0": True, "1000000000": True, "99999999999999999999": True},
         "--top-p": {"1e-300": True},
         "--seed": {"0": True, "1000000000": True, "-1": None, "99999999999999999999": None},
         "--top-k": {"0": True, "1000000000": True, "99999999999999999999": None},
         "--min-p": {"0": True, "1e-300": True},
         "--typical-p": {"1e-300": True},
-        "--repetition-penalty": {"1000000000": True, "1e-300": None},
-        "--presence-penalty": {"-1": True, "0": True, "1000000000": True, "1e-300": True},
-        "--frequency-penalty": {"-1": True, "0": True, "1000000000": True, "1e-300": True},
+        "--repetition-penalty": {"1000000000": True, "99999999999999999999": True, "1e-300": None},
+        "--presence-penalty": {"-1": True, "0": True, "1000000000": True, "99999999999999999999": True,
+                               "1e-300": True},
+        "--frequency-penalty": {"-1": True, "0": True, "1000000000": True, "99999999999999999999": True,
+                                "1e-300": True},
         "--no-repeat-ngram": {"0": True, "1000000000": True, "99999999999999999999": None},
         "--logprobs": {"0": True, "1000000000": None, "99999999999999999999": None},
         "--threads": {"1000000000": None, "99999999999999999999": None},
