@@ -23,9 +23,15 @@ class RingKVCache:
             raise GenerationError(f"KV cache capacity and slots must be positive, got {capacity} and {slots}")
         self.capacity, self.slots = capacity, slots
         shape = (config.n_layers, slots, capacity, config.n_kv_heads, config.head_dim)
-        self.k = np.zeros(shape, dtype)  # [L, B, C, K, Dh]
-        self.v = np.zeros(shape, dtype)  # [L, B, C, K, Dh]
-        self.positions = np.full((slots, capacity), -1, np.int64)  # [B, C]
+        try:
+            self.k = np.zeros(shape, dtype)  # [L, B, C, K, Dh]
+            self.v = np.zeros(shape, dtype)  # [L, B, C, K, Dh]
+            self.positions = np.full((slots, capacity), -1, np.int64)  # [B, C]
+        except MemoryError:
+            gib = 2 * np.prod(shape, dtype=np.float64) * np.dtype(dtype).itemsize / 2**30
+            raise GenerationError(f"a KV cache of {capacity:,} positions x {slots} slots needs {gib:,.1f} GiB, more "
+                                  f"than this machine can allocate (context {config.max_seq_len:,} tokens, "
+                                  f"{config.n_layers} layers)") from None
         self.lengths = np.zeros(slots, np.int64)  # [B] next position of each slot
 
     @property

@@ -12,13 +12,18 @@
     npllm info [MODEL]                         architecture, size, context and tokenizer of a checkpoint
 
 stdout gets the prompt followed by the completion and nothing else (with --prompt-file, each prompt and its
-completion, separated by blank lines); timings go to stderr.
+completion, separated by blank lines); timings go to stderr. PROMPT "-" reads the prompt from stdin.
+
+Every input is checked before anything reaches stdout: a bad request prints one `npllm: error:` line on stderr and
+exits 2. A reader that closes the pipe early (`| head`) ends the run quietly with status 141 (128 + SIGPIPE, what
+the shell reports for a program the closed pipe stopped); Ctrl-C ends the line it interrupted and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -30,22 +35,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npllm", description="A readable NumPy Llama inference engine.")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="continue a prompt, streaming text to stdout")
-    gen.add_argument("prompt", nargs="?", default="", help="text to continue (default: start from BOS)")
+    gen.add_argument("prompt", nargs="?", default="",
+                     help="text to continue ('-': read it from stdin; default: start from BOS)")
     add_model_arguments(gen)
-    gen.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    gen.add_argument("--max-new-tokens", type=whole(0), default=256, help="most tokens to generate (default 256)")
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     gen.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (default 0.9)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k most probable tokens (0: off)")
+    gen.add_argument("--top-k", type=whole(0), default=0, help="keep the k most probable tokens (0: off)")
     gen.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * p_max (0: off)")
     gen.add_argument("--typical-p", type=float, default=1.0, help="locally typical sampling mass (1: off)")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL penalty on seen tokens (1: off)")
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this from seen tokens' logits")
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract this times each token's count")
-    gen.add_argument("--no-repeat-ngram", type=int, default=0, help="forbid repeating any n-gram of this size")
+    gen.add_argument("--no-repeat-ngram", type=whole(0), default=0,
+                     help="forbid repeating any n-gram of this size")
     gen.add_argument("--stop", action="append", default=[], metavar="STR",
                      help="end the completion before this text (repeatable; may span tokens)")
-    gen.add_argument("--logprobs", type=int, default=0, metavar="N",
+    gen.add_argument("--logprobs", type=whole(0, MOST_LOGPROBS), default=0, metavar="N",
                      help="print each token's log-probability and the top N alternatives to stderr")
     gen.add_argument("--prompt-file", default=None,
                      help="a file with one prompt per line (blank lines skipped), all generated as one batch")
@@ -60,16 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="prefill and decode throughput against the memory bandwidth")
     bench.add_argument("--model", "-m", default="stories15M",
                        help="checkpoint path, known name on disk, or a shape with random weights (default stories15M)")
-    bench.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="sequences decoded together (default 1 8)")
-    bench.add_argument("--prompt-len", type=int, nargs="+", default=[128, 512], help="prompt tokens (default 128 512)")
-    bench.add_argument("--gen-len", type=int, default=256, help="decode steps (default 256)")
+    bench.add_argument("--batch", type=whole(1, MOST_BATCH), nargs="+", default=[1, 8],
+                       help="sequences decoded together (default 1 8)")
+    bench.add_argument("--prompt-len", type=whole(1, MOST_TOKENS), nargs="+", default=[128, 512],
+                       help="prompt tokens (default 128 512)")
+    bench.add_argument("--gen-len", type=whole(1, MOST_TOKENS), default=256, help="decode steps (default 256)")
     bench.add_argument("--backend", nargs="+", default=["numba"],
                        help="one or more of numba, numpy, cuda, auto (default numba)")
-    bench.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
+    bench.add_argument("--threads", type=whole(1, MOST_THREADS), default=None, help="cores to use (default: all)")
     bench.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32",
                        help="float16: the cuda backend stores matrices in half precision (default float32)")
-    bench.add_argument("--repeat", type=int, default=3, help="runs per figure; medians are reported (default 3)")
-    bench.add_argument("--bandwidth-mib", type=int, default=512, help="size of the bandwidth probe (default 512)")
+    bench.add_argument("--repeat", type=whole(1, MOST_REPEAT), default=3,
+                       help="runs per figure; medians are reported (default 3)")
+    bench.add_argument("--bandwidth-mib", type=whole(1, MOST_MIB), default=512,
+                       help="size of the bandwidth probe (default 512)")
     bench.add_argument("--json", action="store_true", help="one JSON object per line")
     bench.set_defaults(run=run_bench)
 
@@ -87,6 +98,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Upper bounds on counts, far above any sensible use, so a typo cannot ask for a petabyte or a year of work.
+MOST_THREADS = MOST_BATCH = 1 << 12
+MOST_TOKENS = 1 << 24  # ModelConfig's MAX_CONTEXT
+MOST_REPEAT = 1000
+MOST_MIB = MOST_LOGPROBS = 1 << 20
+
+
+def whole(least: int, most: int | None = None):
+    """argparse type: an integer in [least, most] (a count, a length, a number of threads), refused at parse time."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is below the minimum {least}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"{value} is above the maximum {most}")
+        return value
+
+    parse.__name__ = f"integer >= {least}"
+    return parse
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", default="stories260K",
                         help="checkpoint path or known name (stories260K, stories15M, stories42M, stories110M)")
@@ -94,7 +129,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="numba",
                         help="numba (compiled CPU kernels, default), numpy (the reference), cuda (an NVIDIA GPU) or "
                              "auto (cuda when a GPU is usable, else numba)")
-    parser.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
+    parser.add_argument("--threads", type=whole(1, MOST_THREADS), default=None, help="cores to use (default: all)")
     parser.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32",
                         help="float16: the cuda backend stores matrices in half precision (default float32)")
 
@@ -115,6 +150,7 @@ def as_keywords(params) -> dict:
 
 def run_generate(args) -> int:
     from . import load
+    from .generate import check_request
 
     if args.json and not args.explain:
         raise GenerationError("--json is the machine-readable form of --explain: pass both")
@@ -122,16 +158,19 @@ def run_generate(args) -> int:
         raise GenerationError("--explain follows a single prompt: give a PROMPT, not --prompt-file")
     if args.prompt_file is not None:
         return run_generate_batch(args)
+    prompt = read_prompt(args.prompt)
+    params = sampling_params(args)
     llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
                weight_dtype=args.weight_dtype)
-    prompt_ids = llm.tokenizer.encode(args.prompt, bos=True)
+    if llm.tokenizer is None:
+        raise GenerationError(f"no tokenizer was found beside {args.model}: pass --tokenizer PATH")
+    prompt_ids = llm.tokenizer.encode(prompt, bos=True)
+    check_request(llm.config, prompt_ids, args.max_new_tokens)
     if args.explain:
         from .explain import print_explained
 
-        params = sampling_params(args)
         print_explained(llm, prompt_ids, args.max_new_tokens, params, as_json=args.json)
         return 0
-    params = sampling_params(args)
     start, first, count = time.perf_counter(), None, 0
 
     def on_step(step) -> None:
@@ -141,16 +180,46 @@ def run_generate(args) -> int:
         if params.logprobs:
             print_logprobs(llm.tokenizer, step)
 
-    for piece in llm.stream(args.prompt, args.max_new_tokens, echo=True, on_step=on_step, **as_keywords(params)):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    for piece in llm.stream(prompt, args.max_new_tokens, echo=True, on_step=on_step, **as_keywords(params)):
+        write_out(piece)
+    write_out("\n")
     end = time.perf_counter()
     rate = (count - 1) / (end - first) if count > 1 else float("nan")
     print(f"[npllm] {len(prompt_ids)} prompt + {count} new tokens; first token {1e3 * ((first or end) - start):.1f} ms;"
           f" {rate:.1f} tok/s after it", file=sys.stderr)
     return 0
+
+
+def read_prompt(prompt: str) -> str:
+    """The prompt as valid text: "-" reads stdin (one trailing newline dropped). Bytes that are not UTF-8 (which
+    Python hands over from argv as lone surrogates) are refused here, not deep inside the tokenizer."""
+    if prompt == "-":
+        data = sys.stdin.buffer.read()
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise GenerationError(f"the prompt read from stdin is not UTF-8 (byte {data[e.start]:#04x} at offset "
+                                  f"{e.start})") from None
+        prompt = prompt.removesuffix("\n").removesuffix("\r")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GenerationError(f"the prompt is not valid UTF-8 text (character {e.start}: "
+                              f"{ascii(prompt[e.start])}); pass text, or '-' to read it from stdin") from None
+    return prompt
+
+
+# Whether the last text written to stdout left a line open, so an interruption can end it.
+_open_line = False
+
+
+def write_out(text: str) -> None:
+    """Write to stdout at once (a token is shown as soon as it is decoded)."""
+    global _open_line
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        _open_line = not text.endswith("\n")
 
 
 def print_logprobs(tokenizer, step) -> None:
@@ -179,13 +248,13 @@ def run_generate_batch(args) -> int:
     if args.prompt:
         raise GenerationError("give either a PROMPT or --prompt-file, not both")
     prompts = read_prompt_file(args.prompt_file)
+    params = sampling_params(args)
     llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
                weight_dtype=args.weight_dtype)
     start = time.perf_counter()
-    completions = llm.generate(prompts, args.max_new_tokens, **as_keywords(sampling_params(args)))
+    completions = llm.generate(prompts, args.max_new_tokens, **as_keywords(params))
     seconds = time.perf_counter() - start
-    sys.stdout.write("\n\n".join(p + c for p, c in zip(prompts, completions)) + "\n")
-    sys.stdout.flush()
+    write_out("\n\n".join(p + c for p, c in zip(prompts, completions)) + "\n")
     print(f"[npllm] {len(prompts)} prompts completed together in {seconds:.2f} s", file=sys.stderr)
     return 0
 
@@ -249,7 +318,22 @@ def main(argv=None) -> int:
     except NpllmError as e:
         print(f"npllm: error: {e}", file=sys.stderr)
         return 2
+    except MemoryError as e:  # a request larger than this machine: one line, not a traceback
+        print(f"npllm: error: out of memory ({e or 'an allocation failed'}): ask for less (a shorter context, "
+              f"fewer tokens or sequences)", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader went away (`| head`): nothing more can be shown. Point stdout at /dev/null so the interpreter's
+        # final flush does not fail again, and exit as a program stopped by SIGPIPE would.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
+        try:
+            if _open_line:
+                write_out("\n")
+            print("npllm: interrupted", file=sys.stderr)
+        except BrokenPipeError:
+            pass
         return 130
 
 

@@ -18,6 +18,11 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
+# Plausibility bounds, far above any published model (the deepest have ~130 layers, the longest contexts ~10M
+# tokens): a header claiming more is corrupt, and believing it would mean allocating tables of that size.
+MAX_LAYERS = 1 << 12
+MAX_CONTEXT = 1 << 24
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -60,8 +65,8 @@ class ModelConfig:
     tied_embeddings: bool = False  # LM head reuses the token embedding matrix
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     sliding_window: int | None = None  # attend to at most this many most recent positions (Mistral)
-    bos_id: int = 1
-    eos_ids: tuple[int, ...] = (2,)
+    bos_id: int | None = 1  # None: the vocabulary has no BOS
+    eos_ids: tuple[int, ...] = (2,)  # empty: no end token, generation stops at its length limit
     # llama2.c's TinyStories convention: a generated BOS ends the story (run.c stops on it).
     stop_at_bos: bool = False
     arch: str = "llama"
@@ -79,6 +84,11 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_layers > MAX_LAYERS:
+            raise ConfigError(f"n_layers {self.n_layers} is implausible (more than {MAX_LAYERS}): a corrupt header?")
+        if self.max_seq_len > MAX_CONTEXT:
+            raise ConfigError(f"a context of {self.max_seq_len} tokens is implausible (more than {MAX_CONTEXT}): "
+                              "a corrupt header?")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
@@ -87,8 +97,10 @@ class ModelConfig:
             raise ConfigError(f"rope_layout must be 'interleaved' or 'half', got {self.rope_layout!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
-        if not self.norm_eps > 0:
-            raise ConfigError(f"norm_eps must be > 0, got {self.norm_eps}")
+        if not 0 < self.norm_eps < float("inf"):
+            raise ConfigError(f"norm_eps must be a finite number > 0, got {self.norm_eps}")
+        if not 0 < self.rope_theta < float("inf"):
+            raise ConfigError(f"rope_theta must be a finite number > 0, got {self.rope_theta}")
 
     @property
     def kv_group(self) -> int:

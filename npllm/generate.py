@@ -20,7 +20,7 @@ from .sampling import Sampled, SamplingParams, sample_step
 def stop_ids(config) -> frozenset[int]:
     """Token ids that end a generation: the EOS ids, plus BOS where the checkpoint uses BOS as a separator."""
     ids = set(config.eos_ids)
-    if config.stop_at_bos:
+    if config.stop_at_bos and config.bos_id is not None:
         ids.add(config.bos_id)
     return frozenset(ids)
 
@@ -34,6 +34,13 @@ def check_prompt(config, prompt_ids) -> None:
     bad = [t for t in prompt_ids if not 0 <= int(t) < config.vocab_size]
     if bad:
         raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size})")
+
+
+def check_request(config, prompt_ids, max_new_tokens: int) -> None:
+    """A generation request the model can serve: a prompt that fits (check_prompt) and a token limit >= 0."""
+    check_prompt(config, prompt_ids)
+    if max_new_tokens < 0:
+        raise GenerationError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
 
 
 def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
@@ -52,12 +59,12 @@ def generate_steps(model, prompt_ids, max_new_tokens: int, params: SamplingParam
     """generate_ids, yielding each step's whole draw: the id, its log-probability and (with params.logprobs = N)
     the N most probable alternatives."""
     config = model.config
-    check_prompt(config, prompt_ids)
-    if max_new_tokens < 0:
-        raise GenerationError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_request(config, prompt_ids, max_new_tokens)
     rng = np.random.default_rng(params.seed) if rng is None else rng
     stops = stop_ids(config)
-    cache = model.new_cache()
+    # room for every position this request can reach, not the whole context: a model claiming a huge context
+    # still serves a short request (the last token is never fed back, so len(prompt) + max_new_tokens suffices)
+    cache = model.new_cache(min(config.max_seq_len, len(prompt_ids) + max(max_new_tokens, 1)))
     history = [int(t) for t in prompt_ids]
     hidden = model.forward(history, np.arange(len(history)), cache)[-1:]  # prefill: [T, D] -> last [1, D]
     for _ in range(max_new_tokens):

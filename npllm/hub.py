@@ -1,12 +1,20 @@
-"""Model names -> files on disk, downloading the known models from the Hugging Face hub when they are absent.
+"""Model names -> files on disk: the embedded default model, then local folders, then the Hugging Face hub.
 
-A name resolves to $NPLLM_WEIGHTS/<name>/, else ./weights/<name>/. A download streams into a temporary file in the
-destination folder, checks its length and sha256, and only then renames it into place, so an interrupted or
-corrupted transfer never leaves a file that looks complete.
+"stories260K" ships inside the package (npllm/data/stories260K, see its NOTICE), so the default model needs no
+network and no weights folder. Other known names resolve to $NPLLM_WEIGHTS/<name>/, else to the user cache
+($XDG_CACHE_HOME/npllm/<name>/, or ~/.cache/npllm/<name>/), and are downloaded into the cache when absent — never
+into the current directory.
+
+A download streams into <dest>.part beside its destination, follows the hub's redirects (it answers 302 to a CDN),
+resumes a .part left by an interrupted run with an HTTP Range request (or restarts it when the server will not
+resume), ends with a DownloadError when no byte arrives for `timeout` seconds, checks the length and sha256, and
+only then renames the file into place. One process at a time fetches a given file: the others wait on a lock file
+and then find it complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import os
@@ -15,6 +23,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 from .errors import DownloadError, FormatError
 
@@ -58,15 +71,32 @@ KNOWN_MODELS = {
 }
 
 TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model", "tokenizer.bin")
+# Known models shipped as package data: name -> (checkpoint, tokenizer) file names in npllm/data/<name>/.
+EMBEDDED = {"stories260K": ("stories260K.bin", "tok512.bin")}
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
+def cache_dir() -> Path:
+    """The user cache downloads go to: $XDG_CACHE_HOME/npllm, else ~/.cache/npllm."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "npllm"
 
 
 def weights_dirs() -> list[Path]:
-    """Where named models are looked for, in order."""
+    """Where named models are looked for, in order: $NPLLM_WEIGHTS, then the user cache."""
     dirs = []
     if os.environ.get("NPLLM_WEIGHTS"):
         dirs.append(Path(os.environ["NPLLM_WEIGHTS"]))
-    dirs.append(Path("weights"))
+    dirs.append(cache_dir())
     return dirs
+
+
+def embedded(name: str) -> tuple[Path, Path] | None:
+    """(checkpoint, tokenizer) of a model shipped inside the package, or None."""
+    if name not in EMBEDDED:
+        return None
+    checkpoint, tokenizer = (DATA_DIR / name / f for f in EMBEDDED[name])
+    return (checkpoint, tokenizer) if checkpoint.is_file() and tokenizer.is_file() else None
 
 
 def resolve(model: str | os.PathLike, download_missing: bool = True) -> tuple[Path, Path | None]:
@@ -75,9 +105,13 @@ def resolve(model: str | os.PathLike, download_missing: bool = True) -> tuple[Pa
     if name not in KNOWN_MODELS:
         path = Path(model)
         if path.exists():
+            check_readable(path, "model")
             return path, find_tokenizer(path)
         known = ", ".join(KNOWN_MODELS)
         raise FormatError(f"model {name!r} is neither an existing path nor a known model name ({known})")
+    shipped = embedded(name)
+    if shipped is not None:
+        return shipped
     known_model = KNOWN_MODELS[name]
     for folder in weights_dirs():
         checkpoint = folder / name / known_model.checkpoint.name
@@ -86,9 +120,16 @@ def resolve(model: str | os.PathLike, download_missing: bool = True) -> tuple[Pa
             return checkpoint, tokenizer
     if not download_missing:
         raise FormatError(f"model {name!r} is not in {', '.join(str(d) for d in weights_dirs())}")
-    folder = weights_dirs()[0] / name
+    folder = cache_dir() / name
     return (fetch(known_model.checkpoint, folder / known_model.checkpoint.name),
             fetch(known_model.tokenizer, folder / known_model.tokenizer.name))
+
+
+def check_readable(path: Path, what: str) -> None:
+    """A checkpoint or tokenizer must be a regular file or a directory: reading a FIFO or a device would block
+    or never end."""
+    if not (path.is_file() or path.is_dir()):
+        raise FormatError(f"{what} {path} is not a regular file or a directory")
 
 
 def find_tokenizer(checkpoint: Path) -> Path | None:
@@ -113,36 +154,126 @@ def fetch(remote: RemoteFile, dest: Path) -> Path:
 
 
 def download(url: str, dest: Path, sha256: str | None, progress: bool = True, timeout: float = 60.0) -> Path:
-    """Stream url into dest atomically: a .part file in the same folder, length and sha256 checked, then renamed."""
+    """Fetch url into dest: resumable .part file, redirects followed, stall timeout, sha256 checked, atomic rename.
+
+    Concurrent calls for the same dest (threads or processes) take turns on a lock file; the ones that wait find
+    the file complete and return it. A .part whose resumed bytes fail the checksum is discarded and fetched afresh
+    once. On failure dest is absent; a .part is kept only when the transfer broke off (to resume next time).
+    """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+    part = dest.with_name(dest.name + ".part")
+    with _exclusive(dest.with_name(f".{dest.name}.lock")):
+        if dest.exists():  # another process finished it while this one waited
+            return dest
+        try:
+            try:
+                _transfer(url, part, sha256, progress, timeout)
+            except _ResumedBadChecksum:
+                part.unlink(missing_ok=True)
+                _transfer(url, part, sha256, progress, timeout)
+        except _BadChecksum as e:
+            part.unlink(missing_ok=True)
+            raise DownloadError(str(e)) from None
+        os.replace(part, dest)
+    return dest
+
+
+class _BadChecksum(Exception):
+    pass
+
+
+class _ResumedBadChecksum(_BadChecksum):
+    pass
+
+
+def _transfer(url: str, part: Path, sha256: str | None, progress: bool, timeout: float) -> None:
+    """Bring `part` to the complete, verified file: resume from its current length when the server agrees
+    (206 with a matching Content-Range), else start over."""
+    have = part.stat().st_size if part.exists() else 0
+    headers = {"Range": f"bytes={have}-"} if have else {}
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response, open(part, "wb") as out:
-            expected_size = int(response.headers.get("Content-Length") or 0) or None
-            expected_sha = sha256 or _hub_sha256(response.headers)
-            digest, received = hashlib.sha256(), 0
-            with _progress_bar(expected_size, dest.name, progress) as bar:
+        response = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
+    except urllib.error.HTTPError as e:
+        if e.code == 416 and have:  # the .part is as long as the file or longer: not resumable, start over
+            part.unlink()
+            return _transfer(url, part, sha256, progress, timeout)
+        raise DownloadError(f"could not download {url}: HTTP {e.code} {e.reason}") from None
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+        raise DownloadError(f"could not download {url}: {getattr(e, 'reason', e)}") from None
+    with response:
+        resumed = have > 0 and response.status == 206 and _range_start(response.headers) == have
+        digest = hashlib.sha256()
+        if resumed:
+            with open(part, "rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+        else:
+            have = 0
+        length = int(response.headers.get("Content-Length") or 0) or None
+        expected_size = None if length is None else have + length
+        expected_sha = sha256 or _hub_sha256(response.headers)
+        if expected_sha is None:
+            raise DownloadError(f"no sha256 is known for {url}: refusing to keep an unverified file")
+        received = have
+        try:
+            with open(part, "ab" if resumed else "wb") as out, \
+                    _progress_bar(expected_size, part.name.removesuffix(".part"), progress) as bar:
+                bar.update(have)
                 while chunk := response.read(1 << 20):
                     out.write(chunk)
                     digest.update(chunk)
                     received += len(chunk)
                     bar.update(len(chunk))
-        if expected_size is not None and received != expected_size:
-            raise DownloadError(f"download of {url} was truncated: {received:,} of {expected_size:,} bytes")
-        if expected_sha is None:
-            raise DownloadError(f"no sha256 is known for {url}: refusing to keep an unverified file")
-        if digest.hexdigest() != expected_sha.lower():
-            raise DownloadError(f"download of {url} does not match its checksum: sha256 {digest.hexdigest()}, "
-                                f"expected {expected_sha}")
-        os.replace(part, dest)
-        return dest
-    except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
-        if isinstance(e, DownloadError):
-            raise
-        raise DownloadError(f"could not download {url} to {dest}: {e}") from e
-    finally:
-        part.unlink(missing_ok=True)
+        except TimeoutError:
+            raise DownloadError(f"download of {url} stalled: no data for {timeout:g} s ({received:,} bytes kept in "
+                                f"{part} to resume from)") from None
+        except (http.client.HTTPException, OSError) as e:
+            raise DownloadError(f"download of {url} was truncated: the connection broke off after {received:,} bytes "
+                                f"({e}; kept in {part} to resume from)") from None
+    if expected_size is not None and received != expected_size:
+        raise DownloadError(f"download of {url} was truncated: {received:,} of {expected_size:,} bytes "
+                            f"(kept in {part} to resume from)")
+    if digest.hexdigest() != expected_sha.lower():
+        error = _ResumedBadChecksum if resumed else _BadChecksum
+        raise error(f"download of {url} does not match its checksum: sha256 {digest.hexdigest()}, "
+                    f"expected {expected_sha}")
+
+
+def _range_start(headers) -> int | None:
+    """The first byte a 206 answer holds, from `Content-Range: bytes START-END/TOTAL`."""
+    value = headers.get("Content-Range") or ""
+    unit, _, span = value.partition(" ")
+    start = span.split("-", 1)[0]
+    return int(start) if unit == "bytes" and start.isdigit() else None
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """Hold an exclusive lock on lock_path (created if needed, removed when released).
+
+    The holder unlinks the file before letting go, so a waiter that then gets the lock checks it still holds the
+    file at that name, and otherwise tries again on the new one.
+    """
+    if fcntl is None:  # no flock (Windows): callers still never see a half-written dest (atomic rename)
+        yield
+        return
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                try:
+                    yield
+                finally:
+                    lock_path.unlink(missing_ok=True)
+                return
+        finally:
+            os.close(fd)
 
 
 def _hub_sha256(headers) -> str | None:

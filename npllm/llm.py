@@ -11,13 +11,54 @@ import numpy as np
 
 from . import batching
 from .config import ModelConfig
-from .errors import FormatError
+from .errors import FormatError, TokenizerError
 from .stop import StopStrings, cut_at_stop
-from .generate import check_prompt, generate_ids, generate_steps
+from .generate import check_prompt, check_request, generate_ids, generate_steps
 from .hub import resolve
 from .models import Model
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
+
+
+class PaddedVocab:
+    """A model whose embedding has rows past the tokenizer's last id (Qwen2 pads its vocabulary to a round size):
+    those ids are padding, so their logits are set to -inf where logits leave the model and they are never sampled.
+    Everything else is the wrapped model's.  lm_head: [T, D] -> [T, V], columns n_tokens.. = -inf
+    """
+
+    sample_next = None  # a sampler on the device would not see the mask: the masked logits are sampled on the host
+
+    def __init__(self, model, n_tokens: int):
+        self.model, self.n_tokens = model, n_tokens
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def lm_head(self, hidden) -> np.ndarray:
+        logits = np.array(self.model.lm_head(hidden), dtype=np.float32)  # a copy: the model's buffer stays as is
+        logits[..., self.n_tokens:] = -np.inf
+        return logits
+
+    def logits(self, tokens, positions=None, cache=None) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        positions = np.arange(len(tokens)) if positions is None else positions
+        return self.lm_head(self.forward(tokens, positions, self.new_cache() if cache is None else cache))
+
+
+# A padded vocabulary adds a few rows (Qwen2.5: 151,665 tokens, 151,936 rows); a tokenizer much smaller than the
+# embedding belongs to another model.
+MIN_TOKENIZER_SHARE = 0.9
+
+
+def fit_tokenizer(tokenizer: Tokenizer, config: ModelConfig, path) -> int | None:
+    """How many ids the model may produce when its embedding is padded past the tokenizer; None when they match.
+    A tokenizer with more ids than the embedding has rows, or far fewer, belongs to another model."""
+    n = tokenizer.vocab_size
+    if n == config.vocab_size:
+        return None
+    if n > config.vocab_size or n < MIN_TOKENIZER_SHARE * config.vocab_size:
+        raise TokenizerError(f"tokenizer {path} has {n} pieces but the model's vocabulary is {config.vocab_size}")
+    return n
 
 
 class LLM:
@@ -51,6 +92,7 @@ class LLM:
         """
         params = SamplingParams(**sampling)
         prompt_ids = self._require_tokenizer().encode(prompt, bos=True)
+        check_request(self.config, prompt_ids, max_new_tokens)  # before the echo: a bad request prints nothing
         decoder = self.tokenizer.stream_decoder()
         prompt_text = "".join(decoder.feed(t) for t in prompt_ids)
         if echo:
@@ -120,7 +162,14 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
     checkpoint, found_tokenizer = resolve(model)
     config, weights = read_checkpoint(checkpoint)
     tok_path = tokenizer if tokenizer is not None else found_tokenizer
-    tok = None
+    tok, n_tokens = None, None
     if tok_path is not None:
-        tok = load_tokenizer(Path(tok_path), vocab_size=config.vocab_size)
-    return LLM(make_model(config, weights, backend, threads, weight_dtype), tok, str(checkpoint))
+        tok_path = Path(tok_path)
+        if tok_path.exists() and not tok_path.is_file():
+            raise TokenizerError(f"tokenizer {tok_path} is not a regular file")
+        # a llama2.c .bin does not record its size: it is read for exactly the model's ids (a padded llama2.c
+        # vocabulary does not exist); other tokenizers know their size and may be smaller than a padded embedding
+        tok = load_tokenizer(tok_path, vocab_size=config.vocab_size if tok_path.suffix.lower() == ".bin" else None)
+        n_tokens = fit_tokenizer(tok, config, tok_path)
+    model = make_model(config, weights, backend, threads, weight_dtype)
+    return LLM(model if n_tokens is None else PaddedVocab(model, n_tokens), tok, str(checkpoint))

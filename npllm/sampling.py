@@ -126,6 +126,8 @@ def _temperature_value(value) -> float:
     t = _real("temperature", value)
     if not (0.0 <= t < math.inf):
         raise GenerationError(f"temperature must be finite and >= 0 (0 means greedy), got {value!r}")
+    if 0.0 < t < np.finfo(np.float32).tiny:  # it would round to 0 against float32 logits and divide by zero
+        raise GenerationError(f"temperature {value!r} is below float32's smallest normal number: use 0 for greedy")
     return t
 
 

@@ -52,3 +52,80 @@ def test_logprobs_go_to_stderr_and_match_the_model(stories260k):
 
 def npllm_cli_text(stories260k):
     return run_npllm("generate", "Lily", "--model", str(stories260k), "--temperature", "0", "--max-new-tokens", "6").stdout
+
+
+# --------------------------------------------------------------------------------------------------------------
+# I/O behaviour: closed pipes, input checked before output, Ctrl-C, the prompt from stdin
+
+
+def npllm_process(*args, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "npllm", *args], cwd=REPO, **kwargs)
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`npllm generate ... | head -c 20`: the reader leaves after 20 bytes; no traceback, status 141 (SIGPIPE)."""
+    proc = npllm_process("generate", "Once upon", "--max-new-tokens", "400", "--seed", "1",
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    head = proc.stdout.read(20)
+    proc.stdout.close()
+    _, stderr = proc.communicate(timeout=120)
+    assert head.startswith(b"Once upon")
+    assert proc.returncode == 141, stderr
+    assert b"Traceback" not in stderr and b"Exception" not in stderr, stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["generate", "once " * 1000],  # longer than the 512-token context
+    ["generate", "hi", "--max-new-tokens", "-1"],
+    ["generate", "hi", "--top-p", "0"],
+    ["generate", "hi", "--threads", "0"],
+])
+def test_bad_input_writes_nothing_to_stdout(args):
+    result = run_npllm(*args)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr and "error" in result.stderr
+
+
+def test_invalid_utf8_prompts_are_clear_errors():
+    """$'\\xff' from the shell reaches Python as a lone surrogate; piped bytes that are not UTF-8 likewise."""
+    result = subprocess.run([sys.executable, "-m", "npllm", "generate", b"\xff"], capture_output=True, cwd=REPO,
+                            timeout=120)
+    assert result.returncode == 2 and result.stdout == b"", result.stderr
+    assert result.stderr.startswith(b"npllm: error: the prompt is not valid UTF-8")
+    result = subprocess.run([sys.executable, "-m", "npllm", "generate", "-"], input=b"Lily \xc3", capture_output=True,
+                            cwd=REPO, timeout=120)
+    assert result.returncode == 2 and result.stdout == b"" and b"not UTF-8" in result.stderr, result.stderr
+
+
+def test_dash_reads_the_prompt_from_stdin():
+    common = ["--temperature", "0", "--max-new-tokens", "12"]
+    piped = subprocess.run([sys.executable, "-m", "npllm", "generate", "-", *common], input="Lily and Ben\n",
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    direct = run_npllm("generate", "Lily and Ben", *common)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == direct.stdout and piped.stdout.startswith("Lily and Ben")
+
+
+def test_ctrl_c_ends_the_line_and_exits_130(tmp_path, stories260k):
+    """SIGINT in the middle of a long generation (a random model with a long context, slow enough to be caught
+    mid-way): the line is ended, stderr says so in one line, status 130."""
+    import signal
+
+    from npllm.config import ModelConfig
+    from npllm.formats.llama2c import write_llama2c
+    from npllm.formats.random import random_weights
+
+    config = ModelConfig(dim=64, hidden_dim=172, n_layers=5, n_heads=8, n_kv_heads=4, vocab_size=512,
+                         max_seq_len=1 << 16)
+    write_llama2c(tmp_path / "long.bin", config, random_weights(config, seed=1))
+    proc = npllm_process("generate", "Once", "--model", str(tmp_path / "long.bin"), "--tokenizer",
+                         str(stories260k.parent / "tok512.model"), "--max-new-tokens", "60000", "--backend", "numpy",
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.read(40)  # generation is under way
+    proc.send_signal(signal.SIGINT)
+    rest, stderr = proc.communicate(timeout=120)
+    out = first + rest
+    assert proc.returncode == 130, stderr
+    assert out.startswith(b"Once") and out.endswith(b"\n")
+    assert b"Traceback" not in stderr and stderr.decode().strip().endswith("npllm: interrupted"), stderr

@@ -24,9 +24,9 @@ def hardware_env():
 
 def test_every_kernel_compiles_for_the_gpu():
     probe = subprocess.run([sys.executable, "-c", "from numba.cuda.cudadrv import nvvm; print(nvvm.is_available())"],
-                           env=hardware_env(), capture_output=True, text=True)
+                           env=hardware_env(), capture_output=True, text=True, timeout=120)
     if probe.stdout.strip() != "True":
         pytest.skip("numba's CUDA compiler (NVVM, from the CUDA toolkit) is not installed: pip install '.[cuda]'")
     run = subprocess.run([sys.executable, str(REPO / "scripts" / "compile_cuda_kernels.py"), "--cc", "9.0", "--quick"],
-                         env=hardware_env(), capture_output=True, text=True)
+                         env=hardware_env(), capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]

@@ -195,10 +195,17 @@ def test_bad_input_is_refused_before_the_device_sees_it():
         device.forward([1, 2], [0], cache)
 
 
+def gpu_present() -> bool:
+    """An NVIDIA GPU is attached: its device nodes exist (Linux; /dev/dxg under WSL), whatever numba is set to."""
+    import glob
+
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/dxg")
+
+
 def test_device_selection_without_a_gpu_names_what_is_missing():
     """Outside the simulator, on a machine without a GPU: backend "cuda" raises DeviceError naming the driver,
     "auto" falls back to numba. (In the simulator "auto" never picks CUDA either.)"""
-    if not cuda_simulated():
+    if gpu_present():
         pytest.skip("this machine has a GPU")
     assert resolve_backend("auto") == "numba"
     assert resolve_backend("cuda") == "cuda"  # the simulator runs explicit requests
@@ -208,7 +215,8 @@ def test_device_selection_without_a_gpu_names_what_is_missing():
             "print(resolve_backend('auto'))\n"
             "try:\n    resolve_backend('cuda')\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         timeout=300).stdout
     auto, error = out.splitlines()[:2]
     assert auto == "numba"
     assert error.startswith("DeviceError") and "driver" in error

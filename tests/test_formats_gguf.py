@@ -262,8 +262,15 @@ def test_gguf_f32_gives_the_safetensors_logits(tmp_path, name):
     path = write_gguf(tmp_path / "m.gguf", config, weights, Q.F32)
     g_config, g_weights = read_gguf(path)
     assert g_config.rope_layout == ("half" if name == "qwen2_bias" else "interleaved")
-    assert g_config.tied_embeddings == config.tied_embeddings and g_config.rope_scaling == (
-        None if config.rope_scaling is None else g_config.rope_scaling)
+    assert g_config.tied_embeddings == config.tied_embeddings
+    if config.rope_scaling is None:
+        assert g_config.rope_scaling is None
+    else:  # stored as per-frequency divisors (rope_freqs): the recovered rule must give the same divisors
+        assert g_config.rope_scaling.kind == config.rope_scaling.kind == "llama3"
+        assert g_config.rope_scaling.factor == pytest.approx(config.rope_scaling.factor)
+        np.testing.assert_allclose(llama3_rope_factors(g_config.rope_scaling, config.rope_theta, config.head_dim),
+                                   llama3_rope_factors(config.rope_scaling, config.rope_theta, config.head_dim),
+                                   rtol=1e-5)
     got = logits(g_config, g_weights, ref["tokens"])
     assert np.abs(got - logits(config, weights, ref["tokens"])).max() < 1e-4
     assert np.abs(got - ref["logits"]).max() < 1e-4

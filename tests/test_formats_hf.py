@@ -92,7 +92,6 @@ def test_mistral_window_and_qwen2_bias():
     ({"num_hidden_layers": None}, "num_hidden_layers"),
     ({"hidden_size": "64"}, "hidden_size"),
     ({"rms_norm_eps": None}, "rms_norm_eps"),
-    ({"eos_token_id": None}, "eos_token_id"),
     ({"eos_token_id": []}, "eos_token_id"),
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
     ({"rope_scaling": {"type": "yarn", "factor": 4}}, "yarn"),

@@ -199,5 +199,6 @@ def test_the_avx2_tiles_on_a_machine_without_avx512(tmp_path):
     kernel cache: products within the float32 bound, prefill == decode bit for bit after the ring wraps."""
     env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CACHE_DIR=str(tmp_path),
                PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    result = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True,
+                            timeout=540)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,5 +1,28 @@
 """Helpers shared by test modules (imported by name: pytest puts tests/ on sys.path)."""
 
+import os
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
+
+
+def weights_root() -> Path:
+    """Where reference weights are: $NPLLM_WEIGHTS, else the repo's weights/ folder."""
+    return Path(os.environ["NPLLM_WEIGHTS"]) if os.environ.get("NPLLM_WEIGHTS") else REPO / "weights"
+
+
+def under_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def require(relative: str) -> Path:
+    """The reference file at weights_root()/relative; absent, the test skips (fails under CI)."""
+    path = weights_root() / relative
+    if not path.exists():
+        message = f"reference file {path} is absent (set NPLLM_WEIGHTS or fill weights/)"
+        if under_ci():
+            pytest.fail(message + " and CI=true: a CI run needs every reference file", pytrace=False)
+        pytest.skip(message)
+    return path

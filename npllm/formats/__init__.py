@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import FormatError
+from ..errors import ConfigError, FormatError
 
 GGUF_MAGIC = b"GGUF"
 
@@ -38,19 +38,42 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.
     path = Path(path)
     if not path.exists():
         raise FormatError(f"checkpoint {path} does not exist")
+    if not (path.is_file() or path.is_dir()):  # a FIFO or a device would block or never end
+        raise FormatError(f"checkpoint {path} is not a regular file or a directory")
     if path.is_dir() or path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"):
         from .hf import read_hf
 
-        return read_hf(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic == GGUF_MAGIC:
-        from .gguf import read_gguf
+        config, weights = read_hf(path)
+    else:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == GGUF_MAGIC:
+            from .gguf import read_gguf
 
-        return read_gguf(path)
-    from .llama2c import read_llama2c
+            config, weights = read_gguf(path)
+        else:
+            from .llama2c import read_llama2c
 
-    return read_llama2c(path)
+            config, weights = read_llama2c(path)
+    check_token_ids(config, path)
+    check_finite(weights, path)
+    return config, weights
+
+
+def check_finite(weights: dict[str, np.ndarray], source) -> None:
+    """Every weight a finite number. NaN or infinity in a checkpoint (a corrupt file, F16 bits read as BF16) would
+    only show up later as NaN logits, after the prompt was echoed; one pass over the weights catches it at load."""
+    for name, array in weights.items():
+        if not np.isfinite(array).all():
+            raise FormatError(f"{source}: weight {name!r} holds NaN or infinite values (a corrupt checkpoint?)")
+
+
+def check_token_ids(config: ModelConfig, source) -> None:
+    """BOS and end ids must name rows of the embedding: an id past the vocabulary is a broken checkpoint."""
+    named = ([("bos", config.bos_id)] if config.bos_id is not None else []) + [("eos", e) for e in config.eos_ids]
+    for what, token in named:
+        if not 0 <= token < config.vocab_size:
+            raise ConfigError(f"{source}: {what} token id {token} is outside the vocabulary [0, {config.vocab_size})")
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

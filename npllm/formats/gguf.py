@@ -283,7 +283,7 @@ def read_gguf_file(path: str | os.PathLike) -> GGUFFile:
         if name in tensors:
             raise FormatError(f"{path}: tensor {name!r} appears twice")
         tensors[name] = _tensor_info(path, name, ne, type_id, offset, alignment, data_size)
-    _check_no_overlap(path, tensors)
+    _check_extents(path, tensors, alignment, data_size)
     return GGUFFile(path, version, metadata, tensors, alignment, data_start, buffer)
 
 
@@ -307,12 +307,22 @@ def _tensor_info(path, name, ne, type_id, offset, alignment, data_size) -> Tenso
     return TensorInfo(name, tuple(reversed(ne)), type_id, offset, nbytes)
 
 
-def _check_no_overlap(path: str, tensors: dict[str, TensorInfo]) -> None:
+def _check_extents(path: str, tensors: dict[str, TensorInfo], alignment: int, data_size: int) -> None:
+    """The tensors tile the data section exactly as GGUF writers lay it out: in offset order, each one starts at the
+    previous one's end rounded up to the alignment, the first at 0, and the section ends within one alignment of
+    the last one's end. A tensor whose type or shape field was altered changes its byte size, so it leaves a gap or
+    an overlap here instead of being read as the wrong numbers."""
     end, last = 0, None
     for info in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
         if info.offset < end:
             raise FormatError(f"{path}: tensors {last!r} and {info.name!r} overlap")
+        if info.offset != -(-end // alignment) * alignment:
+            raise FormatError(f"{path}: bytes [{end}, {info.offset}) of the data section belong to no tensor "
+                              f"(after {last!r}): a tensor's type or shape does not match its data")
         end, last = info.offset + info.nbytes, info.name
+    if tensors and data_size - end >= alignment:
+        raise FormatError(f"{path}: {data_size - end} bytes after the last tensor ({last!r}) belong to no tensor: "
+                          "a tensor's type or shape does not match its data")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -20,12 +20,13 @@ import re
 
 import numpy as np
 
-from ..config import ModelConfig, RopeScaling
+from ..config import MAX_LAYERS, ModelConfig, RopeScaling
 from ..errors import ConfigError, FormatError
 from . import check_weights
 from .safetensors import read_safetensors
 
 CONFIG_FILE = "config.json"
+GENERATION_FILE = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -126,16 +127,18 @@ def _sliding_window(cfg: dict, arch: str, n_layers: int, source: str) -> int | N
         return None
     window = _field(cfg, "sliding_window", source, required=False)
     layer_types = cfg.get("layer_types")
-    if layer_types is None:
+    if layer_types is None:  # the set of kinds, without a list as long as a (maybe corrupt) layer count
         if arch == "qwen2":
             use = bool(cfg.get("use_sliding_window", False)) and window is not None
             first = _field(cfg, "max_window_layers", source, default=0) if use else n_layers
-            layer_types = ["full_attention"] * min(first, n_layers) + ["sliding_attention"] * max(n_layers - first, 0)
+            kinds = {"full_attention"} if min(first, n_layers) > 0 else set()
+            kinds |= {"sliding_attention"} if n_layers - first > 0 else set()
         else:
-            layer_types = ["full_attention" if window is None else "sliding_attention"] * n_layers
-    if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+            kinds = {"full_attention" if window is None else "sliding_attention"}
+    elif not isinstance(layer_types, list) or len(layer_types) != n_layers:
         raise ConfigError(f"{source}: 'layer_types' must list one type per layer ({n_layers})")
-    kinds = set(layer_types)
+    else:
+        kinds = set(map(str, layer_types))
     if not kinds <= {"full_attention", "sliding_attention"}:
         raise ConfigError(f"{source}: unknown layer types {sorted(map(str, kinds))}")
     if len(kinds) > 1:
@@ -147,24 +150,33 @@ def _sliding_window(cfg: dict, arch: str, n_layers: int, source: str) -> int | N
     return None
 
 
-def _token_ids(cfg: dict, source: str) -> tuple[int, tuple[int, ...]]:
-    eos = cfg.get("eos_token_id")
+def _eos_ids(eos, source: str) -> tuple[int, ...]:
     if isinstance(eos, int) and not isinstance(eos, bool):
-        eos_ids = (eos,)
-    elif isinstance(eos, list) and eos and all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
-        eos_ids = tuple(eos)
-    else:
-        raise ConfigError(f"{source}: 'eos_token_id' must be an integer or a non-empty list of them, got {eos!r}")
+        return (eos,)
+    if isinstance(eos, list) and eos and all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+        return tuple(eos)
+    raise ConfigError(f"{source}: 'eos_token_id' must be an integer or a non-empty list of them, got {eos!r}")
+
+
+def _token_ids(cfg: dict, source: str, generation: dict | None) -> tuple[int | None, tuple[int, ...]]:
+    """(bos id or None, end-of-sequence ids). A null or missing eos_token_id (transformers writes null for a Qwen2
+    config without one) is taken from generation_config.json; absent there too, the model has no end token and
+    generation stops at its length limit."""
+    eos = cfg.get("eos_token_id")
+    if eos is None and generation is not None:
+        eos, source = generation.get("eos_token_id"), GENERATION_FILE
+    eos_ids = () if eos is None else _eos_ids(eos, source)
     bos = cfg.get("bos_token_id")
-    if bos is None:
-        # ModelConfig needs an id; vocabularies without a BOS (GPT-2 style) use their end-of-text token for both.
+    if bos is None and eos_ids:
+        # Vocabularies without a BOS (GPT-2 style) use their end-of-text token for both.
         bos = eos_ids[0]
-    bos = _field({"bos_token_id": bos}, "bos_token_id", source)
+    bos = _field({"bos_token_id": bos}, "bos_token_id", source, required=False)
     return bos, eos_ids
 
 
-def config_from_hf(cfg: dict, source: str = CONFIG_FILE) -> ModelConfig:
-    """Map a parsed config.json onto ModelConfig (rope_layout "half": HF's q/k row order)."""
+def config_from_hf(cfg: dict, source: str = CONFIG_FILE, generation: dict | None = None) -> ModelConfig:
+    """Map a parsed config.json onto ModelConfig (rope_layout "half": HF's q/k row order); `generation`, the parsed
+    generation_config.json, supplies the end token when config.json has none."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{source}: not a JSON object")
     arch = cfg.get("model_type")
@@ -180,9 +192,11 @@ def config_from_hf(cfg: dict, source: str = CONFIG_FILE) -> ModelConfig:
         raise ConfigError(f"{source}: Llama attention_bias (which also biases o_proj) is not supported")
 
     n_layers = _field(cfg, "num_hidden_layers", source)
+    if not 0 < n_layers <= MAX_LAYERS:  # before anything is sized by it
+        raise ConfigError(f"{source}: num_hidden_layers {n_layers} is not a plausible layer count (1..{MAX_LAYERS})")
     n_heads = _field(cfg, "num_attention_heads", source)
     theta, scaling = _rope_settings(cfg, source)
-    bos, eos_ids = _token_ids(cfg, source)
+    bos, eos_ids = _token_ids(cfg, source, generation)
     return ModelConfig(
         dim=_field(cfg, "hidden_size", source),
         hidden_dim=_field(cfg, "intermediate_size", source),
@@ -205,16 +219,25 @@ def config_from_hf(cfg: dict, source: str = CONFIG_FILE) -> ModelConfig:
     )
 
 
-def read_config_json(path: str | os.PathLike) -> ModelConfig:
-    path = os.fspath(path)
+def _read_json(path: str):
     try:
         with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        raise FormatError(f"{path}: not found (a Hugging Face checkpoint needs config.json)") from None
+            return json.load(f)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FormatError(f"{path}: cannot read as JSON: {e}") from None
-    return config_from_hf(cfg, path)
+
+
+def read_config_json(path: str | os.PathLike) -> ModelConfig:
+    """config.json, with generation_config.json beside it when there is one."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FormatError(f"{path}: not found (a Hugging Face checkpoint needs config.json)")
+    cfg = _read_json(path)
+    generation_path = os.path.join(os.path.dirname(path), GENERATION_FILE)
+    generation = _read_json(generation_path) if os.path.isfile(generation_path) else None
+    if generation is not None and not isinstance(generation, dict):
+        raise FormatError(f"{generation_path}: not a JSON object")
+    return config_from_hf(cfg, path, generation)
 
 
 # ----------------------------------------------------------------------------------------------------------------

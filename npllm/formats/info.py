@@ -111,5 +111,7 @@ def describe(config: ModelConfig, weights: dict[str, np.ndarray], path: str | os
         f"memory:       {_size(weight_bytes)} weights as float32 + {_size(cache_bytes)} KV cache at full context "
         f"= {_size(weight_bytes + cache_bytes)}",
         f"tokenizer:    {tokenizer}",
+        f"end tokens:   {', '.join(map(str, c.eos_ids))}" if c.eos_ids else
+        "end tokens:   none: generation stops only at its length limit (--max-new-tokens or the context)",
     ]
     return "\n".join(lines)

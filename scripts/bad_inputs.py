@@ -1,0 +1,581 @@
+"""Bad-input campaign: malformed checkpoints of every format, broken tokenizer files, awkward prompts and every CLI
+flag out of range, each run through the real command line in its own process.
+
+    python scripts/bad_inputs.py [--weights DIR] [--jobs 2] [--timeout 60] [--sample N] [--kinds K ...] [--json]
+
+For every case it records: a Python traceback on stderr, a hang (no exit within --timeout), an exit status other than
+0, 2 (npllm's and argparse's errors), 130 or 141, text on stdout from a run that failed, and a run that succeeded on
+input that must be refused. The summary gives, per kind, how many cases were tried and how many of each problem
+were seen; the exit status is 1 when any problem was seen. Children run with a 6 GiB address-space limit, so a
+runaway allocation fails fast instead of swapping the machine.
+
+Inputs are derived from stories260K (llama2.c .bin, and written here as GGUF) and the qwen2_bias HF fixture in
+tests/fixtures/hf; --sample N runs a deterministic sample of N cases (tests/test_bad_inputs.py runs a small one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE = REPO / "tests" / "fixtures" / "hf" / "qwen2_bias"
+MEMORY_LIMIT = 6 << 30
+GEN = ["--max-new-tokens", "4", "--temperature", "0"]  # a short greedy run after any model loads
+
+
+@dataclass
+class Case:
+    kind: str
+    name: str
+    args: list  # str or bytes items (bytes: raw argv, e.g. invalid UTF-8)
+    stdin: bytes | None = None
+    expect: str = "error"  # "error": must be refused (exit 2, nothing on stdout); "ok": must run; "any": either
+
+
+@dataclass
+class Result:
+    case: Case
+    status: int | None
+    traceback: bool
+    hang: bool
+    stdout_on_error: bool
+    bad_status: bool
+    accepted: bool  # "error" expected, but it ran
+    refused: bool  # "ok" expected, but it failed
+    stderr_tail: str
+
+    @property
+    def problems(self) -> list[str]:
+        return [p for p in ("traceback", "hang", "stdout_on_error", "bad_status", "accepted", "refused")
+                if getattr(self, p)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running
+
+
+def limit_memory():
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
+def run_case(case: Case, timeout: float, cwd: Path) -> Result:
+    argv = [sys.executable, "-m", "npllm", *case.args]
+    env = dict(os.environ, PYTHONPATH=str(REPO), NPLLM_HUB_URL="http://127.0.0.1:9", HOME=str(cwd),
+               XDG_CACHE_HOME=str(cwd / "cache"))
+    env.pop("NPLLM_WEIGHTS", None)
+    try:
+        done = subprocess.run(argv, input=case.stdin if case.stdin is not None else b"", capture_output=True,
+                              cwd=cwd, env=env, timeout=timeout, preexec_fn=limit_memory)
+    except subprocess.TimeoutExpired as e:
+        return Result(case, None, b"Traceback" in (e.stderr or b""), True, False, False, False, False,
+                      (e.stderr or b"")[-300:].decode(errors="replace"))
+    status, out, err = done.returncode, done.stdout, done.stderr
+    failed = status != 0
+    return Result(
+        case, status,
+        traceback=b"Traceback" in err,
+        hang=False,
+        stdout_on_error=failed and bool(out),
+        bad_status=status not in (0, 2, 130, 141),
+        accepted=case.expect == "error" and not failed,
+        refused=case.expect == "ok" and failed,
+        stderr_tail=err[-300:].decode(errors="replace"),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# llama2.c checkpoints
+
+
+def llama2c_cases(out: Path, weights: Path) -> list[Case]:
+    src = (weights / "stories260K" / "stories260K.bin").read_bytes()
+    tok = str(weights / "stories260K" / "tok512.bin")
+    cases = []
+
+    def case(name, data, expect="error"):
+        path = out / f"l2c_{name}.bin"
+        path.write_bytes(data)
+        cases.append(Case("llama2c", name, ["generate", "Once", "--model", str(path), "--tokenizer", tok, *GEN],
+                          expect=expect))
+
+    fields = ["dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len"]
+    for i, field in enumerate(fields):
+        for value in (0, -1, 3, 1 << 24, (1 << 31) - 1, -(1 << 31)):
+            case(f"{field}={value}", src[:4 * i] + struct.pack("<i", value) + src[4 * i + 4:])
+    for size in (0, 1, 27, 28, 29, 256, len(src) // 2, len(src) - 1):
+        case(f"truncated@{size}", src[:size])
+    case("one_extra_byte", src + b"\0")
+    case("four_extra_bytes", src + b"\0" * 4)
+    v1 = struct.pack("<Ii", 0x616B3432, 1) + src[:28] + b"\1"
+    for version in (0, 2, -1):
+        case(f"v1_version={version}", struct.pack("<Ii", 0x616B3432, version) + v1[8:].ljust(248, b"\0") + src[28:])
+    case("v1_header_truncated", v1[:100])
+    case("v1_header_only", v1.ljust(256, b"\0"))
+    rng = np.random.default_rng(0)
+    case("random_bytes", rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    floats = np.frombuffer(src[28:], "<f4").copy()
+    for label, value in (("nan", np.nan), ("inf", np.inf)):
+        bad = floats.copy()
+        bad[::97] = value
+        case(f"{label}_weights", src[:28] + bad.tobytes())
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hugging Face directories: config.json, safetensors, tokenizer.json
+
+
+def hf_copy(out: Path, name: str) -> Path:
+    folder = out / f"hf_{name}"
+    if folder.exists():
+        shutil.rmtree(folder)
+    shutil.copytree(FIXTURE, folder)
+    return folder
+
+
+def safetensors_parts(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def safetensors_bytes(header, body: bytes, length: int | None = None) -> bytes:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(text) if length is None else length) + text + body
+
+
+def hf_cases(out: Path) -> list[Case]:
+    cases = []
+
+    def case(kind, name, folder, expect="error", extra=()):
+        cases.append(Case(kind, name, ["generate", "Once", "--model", str(folder), *GEN, *extra], expect=expect))
+
+    config = json.loads((FIXTURE / "config.json").read_text())
+    fields = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "vocab_size", "max_position_embeddings", "rms_norm_eps", "bos_token_id", "eos_token_id", "head_dim",
+              "sliding_window", "tie_word_embeddings"]
+    values = [0, -1, 1 << 24, 1 << 31, 1 << 32, 1 << 63, "7", None, True, 1.5, [], {}]
+    for field in fields:
+        for value in values:
+            folder = hf_copy(out, f"cfg_{field}_{values.index(value)}")
+            changed = dict(config, **{field: value})
+            (folder / "config.json").write_text(json.dumps(changed))
+            case("config.json", f"{field}={value!r}", folder, expect="any")
+    for name, text in (("not_json", "{"), ("empty", ""), ("array", "[]"), ("deep", "[" * 100_000),
+                       ("model_type", json.dumps(dict(config, model_type="gpt2"))),
+                       ("layer_types", json.dumps(dict(config, layer_types=[1, {}]))),
+                       ("rope_params", json.dumps(dict(config, rope_parameters=[1]))),
+                       ("rope_theta_nan", json.dumps(dict(config, rope_parameters={"rope_theta": "nan"}))),
+                       ("invalid_utf8", b"\xff\xfe")):
+        folder = hf_copy(out, f"cfg_{name}")
+        (folder / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+        case("config.json", name, folder)
+    folder = hf_copy(out, "gen_config_garbage")
+    (folder / "config.json").write_text(json.dumps(dict(config, eos_token_id=None)))
+    (folder / "generation_config.json").write_text("{{{")
+    case("config.json", "generation_config_garbage", folder)
+
+    header, body = safetensors_parts(FIXTURE / "model.safetensors")
+    first = next(k for k in header if k != "__metadata__")
+
+    def st_case(name, data, expect="error"):
+        folder = hf_copy(out, f"st_{name}")
+        (folder / "model.safetensors").write_bytes(data)
+        case("safetensors", name, folder, expect)
+
+    for dtype in ("F16", "BF16", "I8", "Q4", 7):
+        st_case(f"dtype={dtype}", safetensors_bytes({**header, first: {**header[first], "dtype": dtype}}, body))
+    for shape in ([], [1], [0, 64], [-1, 64], [1 << 62, 1 << 62], ["a"]):
+        st_case(f"shape={shape}", safetensors_bytes({**header, first: {**header[first], "shape": shape}}, body))
+    begin, end = header[first]["data_offsets"]
+    for offsets in ([end, begin], [0, 1 << 62], [begin, end + 4], [-4, end], [begin]):
+        st_case(f"offsets={offsets}",
+                safetensors_bytes({**header, first: {**header[first], "data_offsets": offsets}}, body))
+    for length in (0, 1 << 40, len(json.dumps(header)) + 1):
+        st_case(f"header_length={length}", safetensors_bytes(header, body, length))
+    st_case("header_garbage", safetensors_bytes(b"not json at all", body))
+    st_case("header_array", safetensors_bytes(b"[1, 2, 3]", body))
+    st_case("header_deep", safetensors_bytes(b"[" * 50_000, body))
+    st_case("metadata_not_strings", safetensors_bytes({**header, "__metadata__": {"a": 1}}, body))
+    st_case("duplicate_key", safetensors_bytes(json.dumps(header).replace("{", '{"x": 1, "x": 2, ', 1).encode(),
+                                               body))
+    st_case("truncated", safetensors_bytes(header, body[: len(body) // 2]))
+    st_case("trailing_bytes", safetensors_bytes(header, body + b"\0" * 8))
+    st_case("empty_file", b"")
+    st_case("seven_bytes", b"\0" * 7)
+    missing = {k: v for k, v in header.items() if k != first}
+    st_case("missing_tensor", safetensors_bytes(missing, body))
+    st_case("unknown_tensor", safetensors_bytes({("model.extra" if k == first else k): v for k, v in header.items()},
+                                                body))
+    entry = header[first]
+    nan_body = bytearray(body)
+    nan_body[entry["data_offsets"][0]:entry["data_offsets"][0] + 4] = struct.pack("<f", math.nan)
+    st_case("nan_weight", safetensors_bytes(header, bytes(nan_body)))
+
+    for name, text in (("absent", None), ("not_json", b"{"), ("empty_object", b"{}"), ("invalid_utf8", b"\xff"),
+                       ("vocab_list", json.dumps({"model": {"type": "BPE", "vocab": [1], "merges": []}}).encode()),
+                       ("truncated", (FIXTURE / "tokenizer.json").read_bytes()[:5000])):
+        folder = hf_copy(out, f"tok_{name}")
+        if text is None:
+            (folder / "tokenizer.json").unlink()
+        else:
+            (folder / "tokenizer.json").write_bytes(text)
+        case("tokenizer", f"tokenizer.json {name}", folder)
+    index = {"weight_map": {k: "../../etc/passwd" for k in header if k != "__metadata__"}}
+    folder = hf_copy(out, "index_escape")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    case("safetensors", "index_path_escape", folder)
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GGUF, written here field by field so every field can be bent
+
+
+GGUF_TYPES = {"u32": 4, "i32": 5, "f32": 6, "bool": 7, "str": 8, "arr": 9, "u64": 10}
+
+
+def gguf_string(text: str | bytes) -> bytes:
+    data = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(data)) + data
+
+
+def gguf_value(kind: str, value) -> bytes:
+    if kind == "str":
+        return struct.pack("<I", 8) + gguf_string(value)
+    if kind == "arr":
+        etype, items = value
+        if etype == "str":
+            body = b"".join(gguf_string(v) for v in items)
+        else:
+            body = np.asarray(items, {"f32": "<f4", "i32": "<i4"}[etype]).tobytes()
+        return struct.pack("<IIQ", 9, GGUF_TYPES[etype], len(items)) + body
+    fmt = {"u32": "<I", "i32": "<i", "f32": "<f", "bool": "<?", "u64": "<Q"}[kind]
+    return struct.pack("<I", GGUF_TYPES[kind]) + struct.pack(fmt, value)
+
+
+def write_gguf(path: Path, metadata: dict, tensors: list, version=3, alignment=32, n_tensors=None, n_kv=None):
+    """metadata: key -> (kind, value); tensors: (name, numpy shape, type id, data bytes, offset or None)."""
+    head = b"GGUF" + struct.pack("<IQQ", version, len(tensors) if n_tensors is None else n_tensors,
+                                 len(metadata) if n_kv is None else n_kv)
+    head += b"".join(gguf_string(k) + gguf_value(*v) for k, v in metadata.items())
+    data, offsets = b"", []
+    for _, _, _, blob, offset in tensors:
+        offsets.append(len(data) if offset is None else offset)
+        data += blob + b"\0" * (-len(blob) % alignment)
+    for (name, shape, type_id, _, _), offset in zip(tensors, offsets):
+        ne = list(reversed(shape))
+        head += gguf_string(name) + struct.pack("<I", len(ne)) + struct.pack(f"<{len(ne)}Q", *ne)
+        head += struct.pack("<IQ", type_id, offset)
+    head += b"\0" * (-len(head) % alignment)
+    path.write_bytes(head + data)
+
+
+def stories_gguf(weights: Path):
+    """(metadata, tensors) of stories260K as an F32 GGUF with its vocabulary embedded."""
+    import sentencepiece as spm
+
+    sys.path.insert(0, str(REPO))
+    from npllm.formats import read_checkpoint
+
+    config, w = read_checkpoint(weights / "stories260K" / "stories260K.bin")
+    sp = spm.SentencePieceProcessor(model_file=str(weights / "stories260K" / "tok512.model"))
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1
+             for i in range(sp.get_piece_size())]
+    metadata = {
+        "general.architecture": ("str", "llama"),
+        "llama.context_length": ("u32", config.max_seq_len),
+        "llama.embedding_length": ("u32", config.dim),
+        "llama.block_count": ("u32", config.n_layers),
+        "llama.feed_forward_length": ("u32", config.hidden_dim),
+        "llama.attention.head_count": ("u32", config.n_heads),
+        "llama.attention.head_count_kv": ("u32", config.n_kv_heads),
+        "llama.attention.layer_norm_rms_epsilon": ("f32", 1e-5),
+        "llama.rope.freq_base": ("f32", 10000.0),
+        "tokenizer.ggml.model": ("str", "llama"),
+        "tokenizer.ggml.tokens": ("arr", ("str", [sp.id_to_piece(i) for i in range(sp.get_piece_size())])),
+        "tokenizer.ggml.scores": ("arr", ("f32", [sp.get_score(i) for i in range(sp.get_piece_size())])),
+        "tokenizer.ggml.token_type": ("arr", ("i32", types)),
+        "tokenizer.ggml.bos_token_id": ("u32", 1),
+        "tokenizer.ggml.eos_token_id": ("u32", 2),
+    }
+    names = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight", "attention_norm": "attn_norm.weight",
+             "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight", "wo": "attn_output.weight",
+             "ffn_norm": "ffn_norm.weight", "w1": "ffn_gate.weight", "w2": "ffn_down.weight", "w3": "ffn_up.weight"}
+    tensors = []
+    for name, array in w.items():
+        parts = name.split(".")
+        gguf_name = names[parts[-1]] if len(parts) == 1 else f"blk.{parts[1]}.{names[parts[2]]}"
+        array = np.ascontiguousarray(array, np.float32)
+        tensors.append((gguf_name, array.shape, 0, array.tobytes(), None))
+    return metadata, tensors
+
+
+def gguf_cases(out: Path, weights: Path) -> list[Case]:
+    metadata, tensors = stories_gguf(weights)
+    cases = []
+
+    def case(name, expect="error", meta=None, tens=None, **kwargs):
+        path = out / f"gguf_{len(cases)}.gguf"
+        write_gguf(path, metadata if meta is None else meta, tensors if tens is None else tens, **kwargs)
+        cases.append(Case("gguf", name, ["generate", "Once", "--model", str(path), *GEN], expect=expect))
+
+    case("valid", expect="ok")
+    for key, kind, bad in (("llama.block_count", "u32", (0, 6, 1 << 24, 1 << 31, (1 << 32) - 1)),
+                           ("llama.context_length", "u64", (0, 1 << 32, 1 << 40, (1 << 64) - 1)),
+                           ("llama.embedding_length", "u32", (0, 1, 63, 1 << 31)),
+                           ("llama.attention.head_count", "u32", (0, 3, 1 << 31)),
+                           ("llama.attention.head_count_kv", "u32", (0, 3, 1 << 31)),
+                           ("llama.feed_forward_length", "u32", (0, 1 << 31)),
+                           ("llama.attention.layer_norm_rms_epsilon", "f32", (0.0, -1.0, math.nan, math.inf)),
+                           ("llama.rope.freq_base", "f32", (0.0, -1.0, math.nan, math.inf)),
+                           ("tokenizer.ggml.bos_token_id", "u32", (512, 1 << 31)),
+                           ("tokenizer.ggml.eos_token_id", "u32", (512, (1 << 32) - 1)),
+                           ("general.alignment", "u32", (0, 3, 1 << 31)),
+                           ("general.architecture", "str", ("gpt2", "")),
+                           ("llama.context_length", "str", ("512",))):
+        for value in bad:
+            case(f"{key}={value}", meta={**metadata, key: (kind, value)})
+    tokens = metadata["tokenizer.ggml.tokens"][1][1]
+    case("tokens_shortened", meta={**metadata, "tokenizer.ggml.tokens": ("arr", ("str", tokens[:100]))})
+    case("scores_shortened", meta={**metadata, "tokenizer.ggml.scores": ("arr", ("f32", [0.0] * 10))})
+    case("token_invalid_utf8", meta={**metadata, "tokenizer.ggml.tokens": ("arr", ("str", [b"\xff"] + tokens[1:]))})
+    case("tokenizer_model_unknown", meta={**metadata, "tokenizer.ggml.model": ("str", "t5")})
+    # A changed type field: 6 tensors x 10 type ids (the data stays F32).
+    chosen = [0, 1, 2, 5, 9, len(tensors) - 1]
+    for t in chosen:
+        for type_id in (1, 30, 8, 2, 14, 24, 26, 28, 12, 99):
+            bent = list(tensors)
+            name, shape, _, blob, offset = bent[t]
+            bent[t] = (name, shape, type_id, blob, offset)
+            case(f"{name} type={type_id}", tens=bent)
+    q = next(i for i, t in enumerate(tensors) if t[0].endswith("attn_q.weight"))
+    name, shape, type_id, blob, _ = tensors[q]
+    for label, new_shape in (("wider", (shape[0], shape[1] * 2)), ("narrower", (shape[0], shape[1] // 2)),
+                             ("huge", (1 << 31, 1 << 31)), ("zero", (0, shape[1]))):
+        bent = list(tensors)
+        bent[q] = (name, new_shape, type_id, blob, None)
+        case(f"{name} shape {label}", tens=bent)
+    bent = list(tensors)
+    bent[q] = (name, shape, type_id, blob, 4)
+    case("misaligned_offset", tens=bent)
+    bent[q] = (name, shape, type_id, blob, 0)
+    case("overlapping_offset", tens=bent)
+    bent[q] = (name, shape, type_id, blob, 1 << 40)
+    case("offset_past_end", tens=bent)
+    case("duplicate_tensor", tens=tensors + [tensors[0]])
+    case("missing_tensor", tens=tensors[:-1])
+    for version in (1, 4, 1 << 24):
+        case(f"version={version}", version=version)
+    case("n_tensors_huge", n_tensors=1 << 60)
+    case("n_kv_huge", n_kv=1 << 60)
+    case("n_kv_short", n_kv=3)
+    nan_tensors = list(tensors)
+    blob = bytearray(nan_tensors[0][3])
+    blob[:4] = struct.pack("<f", math.nan)
+    nan_tensors[0] = (*nan_tensors[0][:3], bytes(blob), None)
+    case("nan_weight", tens=nan_tensors)
+    full = (out / f"gguf_0.gguf").read_bytes()
+    for size in (0, 3, 8, 24, 100, 5000, len(full) // 2, len(full) - 1):
+        path = out / f"gguf_trunc_{size}.gguf"
+        path.write_bytes(full[:size])
+        cases.append(Case("gguf", f"truncated@{size}", ["generate", "Once", "--model", str(path), *GEN]))
+    info = [Case("gguf", f"info {c.name}", ["info", c.args[3]], expect=c.expect) for c in cases[::3]]
+    return cases + info
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer files given with --tokenizer
+
+
+def tokenizer_cases(out: Path, weights: Path) -> list[Case]:
+    model = str(weights / "stories260K" / "stories260K.bin")
+    tok_bin = (weights / "stories260K" / "tok512.bin").read_bytes()
+    tok_model = (weights / "stories260K" / "tok512.model").read_bytes()
+    cases = []
+
+    def case(name, filename, data):
+        path = out / filename
+        path.write_bytes(data)
+        cases.append(Case("tokenizer", name, ["generate", "Once", "--model", model, "--tokenizer", str(path), *GEN]))
+
+    for size in (0, 3, 4, 100, len(tok_bin) // 2, len(tok_bin) - 1):
+        case(f"tok512.bin truncated@{size}", f"t{size}.bin", tok_bin[:size])
+    case("tok512.bin extra record", "extra.bin", tok_bin + struct.pack("<fi", 0.0, 3) + b"abc")
+    case("tok512.bin negative length", "neg.bin", tok_bin[:4] + struct.pack("<fi", 0.0, -5) + tok_bin[12:])
+    case("tok512.bin huge length", "huge.bin", tok_bin[:4] + struct.pack("<fi", 0.0, 1 << 30) + tok_bin[12:])
+    case("tok512.bin nan score", "nan.bin", tok_bin[:4] + struct.pack("<f", math.nan) + tok_bin[8:])
+    for size in (0, 10, len(tok_model) // 2):
+        case(f"tok512.model truncated@{size}", f"m{size}.model", tok_model[:size])
+    case("tok512.model garbage", "garbage.model", b"\xff" * 1000)
+    case("unknown suffix", "tok.txt", b"hello")
+    case("tokenizer.json garbage", "tokenizer.json", b"{]")
+    case("gguf no vocab", "novocab.gguf", b"GGUF" + struct.pack("<IQQ", 3, 0, 0))
+    llama_tok = weights / "llama2-tokenizer" / "tokenizer.model"
+    if llama_tok.exists():  # a real tokenizer of another size
+        cases.append(Case("tokenizer", "llama2 tokenizer (32000) for a 512 model",
+                          ["generate", "Once", "--model", model, "--tokenizer", str(llama_tok), *GEN]))
+    cases.append(Case("tokenizer", "directory", ["generate", "Once", "--model", model, "--tokenizer", str(out), *GEN]))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def prompt_cases(out: Path) -> list[Case]:
+    cases = []
+    for name, arg, expect in (("invalid_utf8 \\xff", b"\xff", "error"), ("lone lead byte", b"Once \xc3", "error"),
+                              ("encoded surrogate", b"a\xed\xa0\x80b", "error"), ("overlong", b"\xc0\xaf", "error"),
+                              ("escape sequence", "\x1b[31mred\x1b[0m", "ok"), ("bell", "\x07", "ok"),
+                              ("crlf", "a\r\nb", "ok"), ("tab", "\t", "ok"), ("space", " ", "ok"), ("empty", "", "ok"),
+                              ("rtl override", "\u202eabc", "ok"), ("emoji", "😀" * 10, "ok"),
+                              ("bom", "\ufeffOnce", "ok"),
+                              ("combining", "e\u0301" * 50, "ok"), ("100 kB", "a " * 50_000, "error"),
+                              ("nul escape", "\\x00", "ok"), ("dash x", "-x", "error")):
+        cases.append(Case("prompt", f"argv {name}", ["generate", arg, *GEN], expect=expect))
+    # "--" ends the options (argparse), so a prompt "--" comes after one
+    cases.append(Case("prompt", "argv '--' after '--'", ["generate", *GEN, "--", "--"], expect="ok"))
+    for name, data, expect in (("nul and controls", b"\x00\x01\x02\x7f", "ok"), ("1 MB", b"a " * 500_000, "error"),
+                               ("invalid utf8", b"\xff\xfe", "error"), ("empty", b"", "ok"), ("newline", b"\n", "ok"),
+                               ("crlf", b"Once\r\n", "ok"), ("utf16", "Once".encode("utf-16"), "error")):
+        cases.append(Case("prompt", f"stdin {name}", ["generate", "-", *GEN], stdin=data, expect=expect))
+    files = {"invalid_utf8": b"\xff\n", "empty": b"", "blank": b"\n \n\n", "1 MB line": b"a " * 500_000 + b"\n",
+             "nul": b"a\x00b\n"}
+    for name, data in files.items():
+        path = out / f"prompts_{name.replace(' ', '_')}.txt"
+        path.write_bytes(data)
+        cases.append(Case("prompt", f"--prompt-file {name}", ["generate", "--prompt-file", str(path), *GEN],
+                          expect="ok" if name == "nul" else "error"))
+    cases.append(Case("prompt", "--prompt-file directory", ["generate", "--prompt-file", str(out), *GEN]))
+    cases.append(Case("prompt", "--prompt-file missing", ["generate", "--prompt-file", str(out / "absent"), *GEN]))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Flags
+
+
+def flag_cases(out: Path) -> list[Case]:
+    cases = []
+    numbers = ["-1", "0", "1000000000", "nan", "inf", "-inf", "abc", "", "99999999999999999999", "1e-300"]
+    ranges = {  # value -> allowed?  (None: either is fine, e.g. a huge token limit ends at the context)
+        "--max-new-tokens": {"0": True, "1000000000": None, "99999999999999999999": None},
+        "--temperature": {"0": True, "1000000000": True, "99999999999999999999": True},
+        "--top-p": {"1e-300": True},
+        "--seed": {"0": True, "1000000000": True, "-1": None, "99999999999999999999": None},
+        "--top-k": {"0": True, "1000000000": True, "99999999999999999999": None},
+        "--min-p": {"0": True, "1e-300": True},
+        "--typical-p": {"1e-300": True},
+        "--repetition-penalty": {"1000000000": True, "99999999999999999999": True, "1e-300": None},
+        "--presence-penalty": {"-1": True, "0": True, "1000000000": True, "99999999999999999999": True,
+                               "1e-300": True},
+        "--frequency-penalty": {"-1": True, "0": True, "1000000000": True, "99999999999999999999": True,
+                                "1e-300": True},
+        "--no-repeat-ngram": {"0": True, "1000000000": True, "99999999999999999999": None},
+        "--logprobs": {"0": True, "1000000000": None, "99999999999999999999": None},
+        "--threads": {"1000000000": None, "99999999999999999999": None},
+    }
+    for flag, allowed in ranges.items():
+        for value in numbers:
+            ok = allowed.get(value, False)
+            expect = "any" if ok is None else "ok" if ok else "error"
+            cases.append(Case("flag", f"generate {flag} {value!r}", ["generate", "Once", *GEN, flag, value],
+                              expect=expect))
+    for name, args, expect in (("--backend bad", ["--backend", "gpu"], "error"),
+                               ("--backend bad", ["--backend", "tpu"], "error"),
+                               ("--backend cuda", ["--backend", "cuda"], "any"),
+                               ("--stop empty", ["--stop", ""], "any"),
+                               ("--json alone", ["--json"], "error"),
+                               ("--model fifo", ["--model", str(out / "fifo")], "error"),
+                               ("--model /dev/zero", ["--model", "/dev/zero"], "error"),
+                               ("--model directory", ["--model", str(out / "fifo_dir")], "error"),
+                               ("--tokenizer fifo", ["--tokenizer", str(out / "fifo")], "error"),
+                               ("--model unknown name", ["--model", "stories1B"], "error")):
+        cases.append(Case("flag", f"generate {name}", ["generate", *GEN, *args],
+                          expect=expect))
+    base = ["bench", "--model", "stories260K", "--batch", "1", "--prompt-len", "8", "--gen-len", "4", "--repeat",
+            "1", "--bandwidth-mib", "8"]
+    for flag in ("--batch", "--prompt-len", "--gen-len", "--threads", "--repeat", "--bandwidth-mib"):
+        for value in ("-1", "0", "abc", "1000000000", "99999999999999999999"):
+            expect = "any" if value in ("1000000000", "99999999999999999999") else "error"
+            cases.append(Case("flag", f"bench {flag} {value}", [*base, flag, value], expect=expect))
+    cases.append(Case("flag", "bench --backend bad", [*base, "--backend", "gpu"]))
+    cases.append(Case("flag", "bench --model fifo", [*base, "--model", str(out / "fifo")]))
+    cases.append(Case("flag", "info fifo", ["info", str(out / "fifo")]))
+    cases.append(Case("flag", "info missing", ["info", str(out / "absent.bin")]))
+    return cases
+
+
+def all_cases(out: Path, weights: Path) -> list[Case]:
+    os.mkfifo(out / "fifo")
+    (out / "fifo_dir").mkdir()
+    return (llama2c_cases(out, weights) + hf_cases(out) + gguf_cases(out, weights) + tokenizer_cases(out, weights)
+            + prompt_cases(out) + flag_cases(out))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_weights = Path(os.environ.get("NPLLM_WEIGHTS") or REPO / "weights")
+    parser.add_argument("--weights", type=Path, default=default_weights, help="reference weights folder")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a case counts as a hang")
+    parser.add_argument("--sample", type=int, default=0, help="run a deterministic sample of this many cases")
+    parser.add_argument("--kinds", nargs="+", default=None, help="only these kinds")
+    parser.add_argument("--json", action="store_true", help="one JSON object per problem case, then the summary")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="npllm-bad-") as tmp:
+        out = Path(tmp)
+        (out / "files").mkdir()
+        cases = all_cases(out / "files", args.weights)
+        if args.kinds:
+            cases = [c for c in cases if c.kind in args.kinds]
+        if args.sample:
+            cases = random.Random(0).sample(cases, min(args.sample, len(cases)))
+        with ThreadPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(lambda c: run_case(c, args.timeout, out), cases))
+    return report(results, args.json)
+
+
+def report(results: list[Result], as_json: bool) -> int:
+    per_kind = collections.defaultdict(collections.Counter)
+    for r in results:
+        counts = per_kind[r.case.kind]
+        counts["tried"] += 1
+        counts["refused (exit 2)"] += r.status == 2
+        counts["ran (exit 0)"] += r.status == 0
+        for p in r.problems:
+            counts[p] += 1
+        if r.problems:
+            line = {"kind": r.case.kind, "case": r.case.name, "status": r.status, "problems": r.problems,
+                    "stderr": r.stderr_tail.strip().splitlines()[-1:] }
+            print(json.dumps(line) if as_json else f"PROBLEM {line}")
+    columns = ["tried", "refused (exit 2)", "ran (exit 0)", "traceback", "hang", "stdout_on_error", "bad_status",
+               "accepted", "refused"]
+    print(f"{'kind':12}" + "".join(f"{c:>18}" for c in columns))
+    total = collections.Counter()
+    for kind, counts in sorted(per_kind.items()):
+        total.update(counts)
+        print(f"{kind:12}" + "".join(f"{counts[c]:>18}" for c in columns))
+    print(f"{'total':12}" + "".join(f"{total[c]:>18}" for c in columns))
+    return 1 if any(r.problems for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
