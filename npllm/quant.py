@@ -368,7 +368,8 @@ def _rows_of_blocks(values: np.ndarray, block_size: int) -> np.ndarray:
 
 def _as_half(d: np.ndarray) -> np.ndarray:
     """float32 scales [nb, 1] stored as float16 bytes [nb, 2]; a scale beyond float16's range is refused."""
-    half = d.astype(np.float16)
+    with np.errstate(over="ignore"):  # an overflow becomes inf, refused just below
+        half = d.astype(np.float16)
     if not np.all(np.isfinite(half)):
         raise QuantizationError("values too large for a float16 block scale (|x| must stay below about 4e6)")
     return half.view(np.uint8).reshape(-1, 2)
@@ -446,7 +447,8 @@ def quantize_q5_1(values: np.ndarray) -> np.ndarray:
 
 def _half_at_least(v: np.ndarray) -> np.ndarray:
     """The smallest float16 >= v (v >= 0), as float32: a super-scale that never shrinks the range it must cover."""
-    half = v.astype(np.float16)
+    with np.errstate(over="ignore"):  # an overflow becomes inf, refused just below
+        half = v.astype(np.float16)
     half = np.where(half.astype(np.float64) < v, np.nextafter(half, np.float16(np.inf)), half)
     if not np.all(np.isfinite(half)):
         raise QuantizationError("values too large for a float16 super-block scale (|x| must stay below about 1e6)")
