@@ -177,3 +177,8 @@ def test_cli_quantize_writes_a_file_both_readers_load(tmp_path, stories260k, cap
     assert types["output_norm.weight"] == Q.F32
     text = npllm.load(out).generate("Once upon a time", max_new_tokens=20, temperature=0)
     assert text.strip()
+    capsys.readouterr()
+    assert main(["info", str(out)]) == 0
+    on_disk = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("on disk:"))
+    q4_bytes = sum(t.n_bytes for t in gguf.GGUFReader(str(out)).tensors if t.tensor_type == Q.Q4_0)
+    assert f"Q4_0 x" in on_disk and f"({q4_bytes / 2**20:.1f} MiB)" in on_disk

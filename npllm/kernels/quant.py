@@ -21,9 +21,12 @@ bit for bit; tests hold each kernel to the reference under Hypothesis.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from ..quant import QK_K, TYPES, QuantizationError
+from .simd import _vector, f32x8, vadd, vfma, vfmav, vload, vsum, vzero
 
 REASSOC = {"reassoc", "contract", "nsz", "nnan", "arcp"}
 
@@ -32,14 +35,86 @@ REASSOC = {"reassoc", "contract", "nsz", "nnan", "arcp"}
 _HALF_SCALE = np.array([2.0**-24] + [2.0 ** (e - 25) for e in range(1, 31)] + [np.inf], dtype=np.float32)
 
 
+# ---------------------------------------------------------------------------------------------- byte vectors
+# Eight weight bytes widened to eight float32 lanes in registers (simd.py's f32x8). Written as LLVM vector
+# operations because Numba's indexing of a byte array, one element at a time, keeps the loop from vectorising.
+
+
+def _byte_lanes(builder, context, array_type, array, index):
+    """The 8 bytes at array.flat[index] as an <8 x i8> vector (array: C-contiguous uint8 or int8, any rank)."""
+    data = context.make_array(array_type)(context, builder, array).data
+    pointer = builder.bitcast(builder.gep(data, [index]), ir.VectorType(ir.IntType(8), 8).as_pointer())
+    return builder.load(pointer, align=1)
+
+
+def _is_byte_c_array(ty) -> bool:
+    return isinstance(ty, types.Array) and ty.dtype in (types.uint8, types.int8) and ty.layout == "C"
+
+
+@intrinsic
+def vload_int8(typingctx, array, index):
+    """f32x8 of the 8 bytes at array.flat[index] read as int8 (-128..127)."""
+    if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.sitofp(_byte_lanes(builder, context, signature.args[0], args[0], args[1]), _vector(8))
+
+    return f32x8(array, index), codegen
+
+
+def _nibbles(high: bool):
+    def typer(typingctx, array, index):
+        if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            lanes = _byte_lanes(builder, context, signature.args[0], args[0], args[1])
+            i8x8 = ir.VectorType(ir.IntType(8), 8)
+            nibble = (builder.lshr(lanes, ir.Constant(i8x8, [4] * 8)) if high
+                      else builder.and_(lanes, ir.Constant(i8x8, [15] * 8)))
+            return builder.uitofp(nibble, _vector(8))
+
+        return f32x8(array, index), codegen
+
+    return typer
+
+
+vload_low_nibbles = intrinsic(_nibbles(high=False))  # f32x8 of (byte & 15) for the 8 bytes at array.flat[index]
+vload_high_nibbles = intrinsic(_nibbles(high=True))  # f32x8 of (byte >> 4)
+
+
+@intrinsic
+def vload_two_bits(typingctx, array, index, shift):
+    """f32x8 of (byte >> shift) & 3 for the 8 bytes at array.flat[index]."""
+    if not (_is_byte_c_array(array) and isinstance(index, types.Integer) and isinstance(shift, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        lanes = _byte_lanes(builder, context, signature.args[0], args[0], args[1])
+        i8x8 = ir.VectorType(ir.IntType(8), 8)
+        amount = builder.trunc(args[2], ir.IntType(8))
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(i8x8, ir.Undefined), amount,
+                                                              ir.Constant(ir.IntType(32), 0)),
+                                       ir.Constant(i8x8, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 8),
+                                                                                    [0] * 8))
+        bits = builder.and_(builder.lshr(lanes, splat), ir.Constant(i8x8, [3] * 8))
+        return builder.uitofp(bits, _vector(8))
+
+    return f32x8(array, index, shift), codegen
+
+
 @njit(inline="always")
 def _half(lo, hi):
-    """The float16 stored as bytes (lo, hi), as float32 (inf for an all-ones exponent; NaNs read as inf)."""
+    """The float16 stored as bytes (lo, hi), as float32 (inf for an all-ones exponent; NaNs read as inf).
+
+    Branch-free: a sign that flips at random from block to block would otherwise cost a mispredicted jump each.
+    """
     h = np.int32(lo) | (np.int32(hi) << 8)
     e = (h >> 10) & 0x1F
-    m = h & 0x3FF
-    value = np.float32(m + (1024 if e > 0 else 0)) * _HALF_SCALE[e]
-    return -value if h & 0x8000 else value
+    implicit = ((e + 31) >> 5) << 10  # 1024 for a normal number (e > 0), 0 for a subnormal
+    sign = np.float32(1 - ((h >> 14) & 2))  # +1 or -1
+    return sign * np.float32((h & 0x3FF) + implicit) * _HALF_SCALE[e]
 
 
 @njit(inline="always")
@@ -48,50 +123,55 @@ def _int8(byte):
     return v - ((v >> 7) << 8)
 
 
-# ---------------------------------------------------------------------------------------------- Q8_0
+# ---------------------------------------------------------------------------------------------- block kernels
+# For each type: _acc_<type>(acc, w, n, b, x) adds block b of row n times x (as eight lanes of partial sums) to the
+# f32x8 accumulator `acc`; _decode_<type>(w, n, b, buf, at) writes the block's values to buf[at : at + block_size].
+# `w` is [N, row bytes] C-contiguous, so row n's block b starts at flat byte n * w.shape[1] + b * block_bytes.
+
 
 @njit(fastmath=REASSOC, inline="always")
-def _dot_q8_0(w, n, b, x):
-    """Block b of row n (34 bytes: f16 d, 32 int8) dotted with x[32 b : 32 b + 32]."""
-    at, k = 34 * b, 32 * b
-    s = np.float32(0)
-    for j in range(32):
-        s += np.float32(_int8(w[n, at + 2 + j])) * x[k + j]
-    return _half(w[n, at], w[n, at + 1]) * s
+def _acc_q8_0(acc, w, n, b, x):
+    """Q8_0 (34 bytes: f16 d, 32 int8 q): acc += d * q * x[32 b:][:32]."""
+    at, k = n * w.shape[1] + 34 * b, 32 * b
+    qx = vzero()
+    for j in range(0, 32, 8):
+        qx = vfmav(qx, vload_int8(w, at + 2 + j), vload(x, k + j))
+    return vfma(acc, _half(w[n, 34 * b], w[n, 34 * b + 1]), qx)
 
 
 @njit(inline="always")
-def _decode_q8_0(w, n, b, buf):
-    at = 34 * b
-    d = _half(w[n, at], w[n, at + 1])
+def _decode_q8_0(w, n, b, buf, at):
+    base = 34 * b
+    d = _half(w[n, base], w[n, base + 1])
     for j in range(32):
-        buf[j] = np.float32(_int8(w[n, at + 2 + j])) * d
+        buf[at + j] = np.float32(_int8(w[n, base + 2 + j])) * d
 
-
-# ---------------------------------------------------------------------------------------------- Q4_0
 
 @njit(fastmath=REASSOC, inline="always")
-def _dot_q4_0(w, n, b, x):
-    """Block b of row n (18 bytes: f16 d, 16 bytes; byte j holds values j (low) and j + 16 (high), offset 8)."""
-    at, k = 18 * b, 32 * b
-    s = np.float32(0)
-    for j in range(16):
-        byte = np.int32(w[n, at + 2 + j])
-        s += np.float32((byte & 15) - 8) * x[k + j] + np.float32((byte >> 4) - 8) * x[k + j + 16]
-    return _half(w[n, at], w[n, at + 1]) * s
+def _acc_q4_0(acc, w, n, b, x):
+    """Q4_0 (18 bytes: f16 d, 16 bytes; byte j holds values j (low nibble) and j + 16 (high), offset by 8):
+    acc += d * (q x - 8 x)."""
+    at, k = n * w.shape[1] + 18 * b + 2, 32 * b
+    qx = vzero()
+    xs = vzero()
+    for j in range(0, 16, 8):
+        low, high = vload(x, k + j), vload(x, k + 16 + j)
+        qx = vfmav(qx, vload_low_nibbles(w, at + j), low)
+        qx = vfmav(qx, vload_high_nibbles(w, at + j), high)
+        xs = vadd(xs, vadd(low, high))
+    d = _half(w[n, 18 * b], w[n, 18 * b + 1])
+    return vfma(vfma(acc, d, qx), np.float32(-8) * d, xs)
 
 
 @njit(inline="always")
-def _decode_q4_0(w, n, b, buf):
-    at = 18 * b
-    d = _half(w[n, at], w[n, at + 1])
+def _decode_q4_0(w, n, b, buf, at):
+    base = 18 * b
+    d = _half(w[n, base], w[n, base + 1])
     for j in range(16):
-        byte = np.int32(w[n, at + 2 + j])
-        buf[j] = np.float32((byte & 15) - 8) * d
-        buf[j + 16] = np.float32((byte >> 4) - 8) * d
+        byte = np.int32(w[n, base + 2 + j])
+        buf[at + j] = np.float32((byte & 15) - 8) * d
+        buf[at + j + 16] = np.float32((byte >> 4) - 8) * d
 
-
-# ---------------------------------------------------------------------------------------------- Q4_K
 
 @njit(inline="always")
 def _scale_min_q4_k(w, n, at, s):
@@ -105,45 +185,68 @@ def _scale_min_q4_k(w, n, at, s):
 
 
 @njit(fastmath=REASSOC, inline="always")
-def _dot_q4_k(w, n, b, x):
-    """Super-block b of row n (144 bytes): sum over 8 sub-blocks of (d sc) sum q x - (dmin mn) sum x."""
-    at, k = 144 * b, QK_K * b
-    d, dmin = _half(w[n, at], w[n, at + 1]), _half(w[n, at + 2], w[n, at + 3])
-    total = np.float32(0)
+def _acc_q4_k(acc, w, n, b, x):
+    """Q4_K (144 bytes): for each sub-block s of 32, acc += (d sc_s) q x - (dmin mn_s) x."""
+    base = 144 * b
+    flat, k = n * w.shape[1] + base + 16, QK_K * b
+    d, dmin = _half(w[n, base], w[n, base + 1]), _half(w[n, base + 2], w[n, base + 3])
     for r in range(4):  # run r of 32 bytes: sub-block 2r in the low nibbles, 2r + 1 in the high ones
-        sc0, mn0 = _scale_min_q4_k(w, n, at + 4, 2 * r)
-        sc1, mn1 = _scale_min_q4_k(w, n, at + 4, 2 * r + 1)
-        qx0 = qx1 = x0 = x1 = np.float32(0)
-        base, k0 = at + 16 + 32 * r, k + 64 * r
-        for j in range(32):
-            byte = np.int32(w[n, base + j])
-            a, c = x[k0 + j], x[k0 + 32 + j]
-            qx0 += np.float32(byte & 15) * a
-            qx1 += np.float32(byte >> 4) * c
-            x0 += a
-            x1 += c
-        total += d * np.float32(sc0) * qx0 - dmin * np.float32(mn0) * x0
-        total += d * np.float32(sc1) * qx1 - dmin * np.float32(mn1) * x1
-    return total
+        sc0, mn0 = _scale_min_q4_k(w, n, base + 4, 2 * r)
+        sc1, mn1 = _scale_min_q4_k(w, n, base + 4, 2 * r + 1)
+        qx0, qx1, x0, x1 = vzero(), vzero(), vzero(), vzero()
+        for j in range(0, 32, 8):
+            a, c = vload(x, k + 64 * r + j), vload(x, k + 64 * r + 32 + j)
+            qx0 = vfmav(qx0, vload_low_nibbles(w, flat + 32 * r + j), a)
+            qx1 = vfmav(qx1, vload_high_nibbles(w, flat + 32 * r + j), c)
+            x0, x1 = vadd(x0, a), vadd(x1, c)
+        acc = vfma(acc, d * np.float32(sc0), qx0)
+        acc = vfma(acc, -dmin * np.float32(mn0), x0)
+        acc = vfma(acc, d * np.float32(sc1), qx1)
+        acc = vfma(acc, -dmin * np.float32(mn1), x1)
+    return acc
 
 
 @njit(inline="always")
-def _decode_q4_k(w, n, b, buf):
-    at = 144 * b
-    d, dmin = _half(w[n, at], w[n, at + 1]), _half(w[n, at + 2], w[n, at + 3])
+def _decode_q4_k(w, n, b, buf, at):
+    base = 144 * b
+    d, dmin = _half(w[n, base], w[n, base + 1]), _half(w[n, base + 2], w[n, base + 3])
     for r in range(4):
-        sc0, mn0 = _scale_min_q4_k(w, n, at + 4, 2 * r)
-        sc1, mn1 = _scale_min_q4_k(w, n, at + 4, 2 * r + 1)
+        sc0, mn0 = _scale_min_q4_k(w, n, base + 4, 2 * r)
+        sc1, mn1 = _scale_min_q4_k(w, n, base + 4, 2 * r + 1)
         s0, m0 = d * np.float32(sc0), dmin * np.float32(mn0)
         s1, m1 = d * np.float32(sc1), dmin * np.float32(mn1)
-        base = at + 16 + 32 * r
         for j in range(32):
-            byte = np.int32(w[n, base + j])
-            buf[64 * r + j] = s0 * np.float32(byte & 15) - m0
-            buf[64 * r + 32 + j] = s1 * np.float32(byte >> 4) - m1
+            byte = np.int32(w[n, base + 16 + 32 * r + j])
+            buf[at + 64 * r + j] = s0 * np.float32(byte & 15) - m0
+            buf[at + 64 * r + 32 + j] = s1 * np.float32(byte >> 4) - m1
 
 
-# ---------------------------------------------------------------------------------------------- Q6_K
+@njit(fastmath=REASSOC, inline="always")
+def _acc_q6_k(acc, w, n, b, x):
+    """Q6_K (210 bytes): for each sub-block s of 16, acc += (d sc_s) (low + 16 high - 32) x, where value l + 32 g of
+    half h has its low 4 bits in ql (nibble g // 2 of byte 32 (g % 2) + l) and its high 2 in bits 2 g of qh[l]."""
+    base = 210 * b
+    flat, k = n * w.shape[1] + base, QK_K * b
+    d = _half(w[n, base + 208], w[n, base + 209])
+    for h in range(2):
+        for g in range(4):
+            ql = flat + 64 * h + 32 * (g & 1)
+            qh = flat + 128 + 32 * h
+            first = k + 128 * h + 32 * g
+            for half in range(2):  # sub-blocks 8h + 2g and 8h + 2g + 1, 16 values each
+                lx, hx, xs = vzero(), vzero(), vzero()
+                for j in range(16 * half, 16 * half + 16, 8):
+                    xv = vload(x, first + j)
+                    low = vload_high_nibbles(w, ql + j) if g >= 2 else vload_low_nibbles(w, ql + j)
+                    lx = vfmav(lx, low, xv)
+                    hx = vfmav(hx, vload_two_bits(w, qh + j, 2 * g), xv)
+                    xs = vadd(xs, xv)
+                scale = d * np.float32(_int8(w[n, base + 192 + 8 * h + 2 * g + half]))
+                acc = vfma(acc, scale, lx)
+                acc = vfma(acc, np.float32(16) * scale, hx)
+                acc = vfma(acc, np.float32(-32) * scale, xs)
+    return acc
+
 
 @njit(inline="always")
 def _q6_k(w, n, at, h, g, l):
@@ -154,41 +257,26 @@ def _q6_k(w, n, at, h, g, l):
     return low | (high << 4)
 
 
-@njit(fastmath=REASSOC, inline="always")
-def _dot_q6_k(w, n, b, x):
-    """Super-block b of row n (210 bytes): sum over 16 sub-blocks of (d sc) sum (q - 32) x."""
-    at, k = 210 * b, QK_K * b
-    d = _half(w[n, at + 208], w[n, at + 209])
-    total = np.float32(0)
-    for h in range(2):
-        for g in range(4):
-            first = k + 128 * h + 32 * g  # 32 values: sub-blocks 8h + 2g and 8h + 2g + 1
-            s0 = s1 = np.float32(0)
-            for l in range(16):
-                s0 += np.float32(_q6_k(w, n, at, h, g, l) - 32) * x[first + l]
-                s1 += np.float32(_q6_k(w, n, at, h, g, l + 16) - 32) * x[first + 16 + l]
-            sub = 8 * h + 2 * g
-            total += d * np.float32(_int8(w[n, at + 192 + sub])) * s0
-            total += d * np.float32(_int8(w[n, at + 192 + sub + 1])) * s1
-    return total
-
-
 @njit(inline="always")
-def _decode_q6_k(w, n, b, buf):
-    at = 210 * b
-    d = _half(w[n, at + 208], w[n, at + 209])
+def _decode_q6_k(w, n, b, buf, at):
+    base = 210 * b
+    d = _half(w[n, base + 208], w[n, base + 209])
     for h in range(2):
         for g in range(4):
             for l in range(32):
                 i = 128 * h + 32 * g + l
-                scale = d * np.float32(_int8(w[n, at + 192 + i // 16]))
-                buf[i] = scale * np.float32(_q6_k(w, n, at, h, g, l) - 32)
+                scale = d * np.float32(_int8(w[n, base + 192 + i // 16]))
+                buf[at + i] = scale * np.float32(_q6_k(w, n, base, h, g, l) - 32)
 
 
 # ---------------------------------------------------------------------------------------------- the products
 
-def _kernels(dot, decode, block_size: int):
-    """matvec and matmul over the rows of a block type, from its block dot product and its block decoder."""
+GROUP_VALUES = 256  # matmul decodes this many values of a row at a time (8 Q8_0 blocks, 1 K-quant block)
+
+
+def _kernels(acc_block, decode, block_size: int):
+    """matvec and matmul over the rows of a block type, from its block accumulator and its block decoder."""
+    group = max(1, GROUP_VALUES // block_size)
 
     @njit(parallel=True, fastmath=REASSOC, cache=True)
     def matvec(w, x, threads):
@@ -198,10 +286,10 @@ def _kernels(dot, decode, block_size: int):
         chunks = max(1, min(N, threads))
         for c in prange(chunks):
             for n in range(c * N // chunks, (c + 1) * N // chunks):
-                acc = np.float32(0)
+                acc = vzero()
                 for b in range(nb):
-                    acc += dot(w, n, b, x)
-                out[n] = acc
+                    acc = acc_block(acc, w, n, b, x)
+                out[n] = vsum(acc)
         return out
 
     @njit(parallel=True, fastmath=REASSOC, cache=True)
@@ -211,19 +299,22 @@ def _kernels(dot, decode, block_size: int):
         nb = K // block_size
         out = np.empty((T, N), np.float32)
         chunks = max(1, min(N, threads))
+        flat_x = x.reshape(T * K)
         for c in prange(chunks):
-            buf = np.empty(block_size, np.float32)
+            buf = np.empty(group * block_size, np.float32)
             acc = np.empty(T, np.float32)
             for n in range(c * N // chunks, (c + 1) * N // chunks):
                 acc[:] = 0
-                for b in range(nb):
-                    decode(w, n, b, buf)
-                    k = b * block_size
+                for b0 in range(0, nb, group):
+                    blocks = min(group, nb - b0)
+                    for i in range(blocks):
+                        decode(w, n, b0 + i, buf, i * block_size)
+                    k, length = b0 * block_size, blocks * block_size
                     for t in range(T):
-                        s = np.float32(0)
-                        for j in range(block_size):
-                            s += buf[j] * x[t, k + j]
-                        acc[t] += s
+                        s = vzero()
+                        for j in range(0, length, 8):
+                            s = vfmav(s, vload(buf, j), vload(flat_x, t * K + k + j))
+                        acc[t] += vsum(s)
                 for t in range(T):
                     out[t, n] = acc[t]
         return out
@@ -232,9 +323,9 @@ def _kernels(dot, decode, block_size: int):
 
 
 _MATVEC, _MATMUL = {}, {}
-for _name, _dot, _decode in [("Q8_0", _dot_q8_0, _decode_q8_0), ("Q4_0", _dot_q4_0, _decode_q4_0),
-                             ("Q4_K", _dot_q4_k, _decode_q4_k), ("Q6_K", _dot_q6_k, _decode_q6_k)]:
-    _MATVEC[_name], _MATMUL[_name] = _kernels(_dot, _decode, TYPES[_name].block_size)
+for _name, _acc, _decode in [("Q8_0", _acc_q8_0, _decode_q8_0), ("Q4_0", _acc_q4_0, _decode_q4_0),
+                             ("Q4_K", _acc_q4_k, _decode_q4_k), ("Q6_K", _acc_q6_k, _decode_q6_k)]:
+    _MATVEC[_name], _MATMUL[_name] = _kernels(_acc, _decode, TYPES[_name].block_size)
 
 KERNEL_TYPES = tuple(_MATVEC)
 
