@@ -9,7 +9,8 @@ weights' own and the float32 sums). Each kernel is the NumPy reference `x @ dequ
 regrouped:
 
     matvec (decode, one token): out[n] = sum_b  d_b * sum_j q_bj x_bj       the block scale leaves the inner sum
-                                (K-quants: sum_s (d sc_s) sum_j q x - (dmin mn_s) sum_j x per sub-block s)
+                                (K-quants: sum_s (d sc_s) sum_j q x - (dmin mn_s) sum_j x per sub-block s, the
+                                sums of x taken once per product, not once per row)
     matmul (prefill, T tokens): each block of a row is decoded once into a float32 buffer (32 or 256 values,
                                 in L1), then every token's dot product with it is taken.
 
@@ -29,11 +30,6 @@ from ..quant import QK_K, TYPES, QuantizationError
 from .simd import _vector, f32x8, vadd, vfma, vfmav, vload, vsum, vzero
 
 REASSOC = {"reassoc", "contract", "nsz", "nnan", "arcp"}
-
-# 2^(e - 25) for a float16 exponent field e (e = 0: subnormal, 2^-24 per mantissa unit): with the implicit bit,
-# |h| = (mantissa + 1024 [e > 0]) * _HALF_SCALE[e], exact in float32.
-_HALF_SCALE = np.array([2.0**-24] + [2.0 ** (e - 25) for e in range(1, 31)] + [np.inf], dtype=np.float32)
-
 
 # ---------------------------------------------------------------------------------------------- byte vectors
 # Eight weight bytes widened to eight float32 lanes in registers (simd.py's f32x8). Written as LLVM vector
@@ -104,17 +100,18 @@ def vload_two_bits(typingctx, array, index, shift):
     return f32x8(array, index, shift), codegen
 
 
-@njit(inline="always")
-def _half(lo, hi):
-    """The float16 stored as bytes (lo, hi), as float32 (inf for an all-ones exponent; NaNs read as inf).
+@intrinsic
+def load_half(typingctx, array, index):
+    """The float16 at bytes array.flat[index : index + 2], widened to float32 (one vcvtph2ps where the CPU has F16C)."""
+    if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
+        return None
 
-    Branch-free: a sign that flips at random from block to block would otherwise cost a mispredicted jump each.
-    """
-    h = np.int32(lo) | (np.int32(hi) << 8)
-    e = (h >> 10) & 0x1F
-    implicit = ((e + 31) >> 5) << 10  # 1024 for a normal number (e > 0), 0 for a subnormal
-    sign = np.float32(1 - ((h >> 14) & 2))  # +1 or -1
-    return sign * np.float32((h & 0x3FF) + implicit) * _HALF_SCALE[e]
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        pointer = builder.bitcast(builder.gep(data, [args[1]]), ir.HalfType().as_pointer())
+        return builder.fpext(builder.load(pointer, align=1), ir.FloatType())
+
+    return types.float32(array, index), codegen
 
 
 @njit(inline="always")
@@ -124,49 +121,49 @@ def _int8(byte):
 
 
 # ---------------------------------------------------------------------------------------------- block kernels
-# For each type: _acc_<type>(acc, w, n, b, x) adds block b of row n times x (as eight lanes of partial sums) to the
-# f32x8 accumulator `acc`; _decode_<type>(w, n, b, buf, at) writes the block's values to buf[at : at + block_size].
-# `w` is [N, row bytes] C-contiguous, so row n's block b starts at flat byte n * w.shape[1] + b * block_bytes.
+# For each type: _acc_<type>(acc, w, n, b, x, sums) adds block b of row n times x to the f32x8 accumulator `acc`
+# and returns it with a scalar part; _decode_<type>(w, n, b, buf, at) writes the block's values to
+# buf[at : at + block_size]. `w` is [N, row bytes] C-contiguous, so row n's block b starts at flat byte
+# n * w.shape[1] + b * block_bytes. `sums[i]` = x[16 i : 16 i + 16].sum(), computed once per product: the terms of
+# an offset (Q4_0's -8, a K-quant's min, Q6_K's -32) are (offset * sum of x), one multiply per sub-block instead of
+# one add per value.
 
 
 @njit(fastmath=REASSOC, inline="always")
-def _acc_q8_0(acc, w, n, b, x):
+def _acc_q8_0(acc, w, n, b, x, sums):
     """Q8_0 (34 bytes: f16 d, 32 int8 q): acc += d * q * x[32 b:][:32]."""
     at, k = n * w.shape[1] + 34 * b, 32 * b
     qx = vzero()
     for j in range(0, 32, 8):
         qx = vfmav(qx, vload_int8(w, at + 2 + j), vload(x, k + j))
-    return vfma(acc, _half(w[n, 34 * b], w[n, 34 * b + 1]), qx)
+    return vfma(acc, load_half(w, n * w.shape[1] + 34 * b), qx), np.float32(0)
 
 
 @njit(inline="always")
 def _decode_q8_0(w, n, b, buf, at):
     base = 34 * b
-    d = _half(w[n, base], w[n, base + 1])
+    d = load_half(w, n * w.shape[1] + base)
     for j in range(32):
         buf[at + j] = np.float32(_int8(w[n, base + 2 + j])) * d
 
 
 @njit(fastmath=REASSOC, inline="always")
-def _acc_q4_0(acc, w, n, b, x):
+def _acc_q4_0(acc, w, n, b, x, sums):
     """Q4_0 (18 bytes: f16 d, 16 bytes; byte j holds values j (low nibble) and j + 16 (high), offset by 8):
-    acc += d * (q x - 8 x)."""
+    d q x in the lanes, -8 d (sum of x) as the scalar part."""
     at, k = n * w.shape[1] + 18 * b + 2, 32 * b
     qx = vzero()
-    xs = vzero()
     for j in range(0, 16, 8):
-        low, high = vload(x, k + j), vload(x, k + 16 + j)
-        qx = vfmav(qx, vload_low_nibbles(w, at + j), low)
-        qx = vfmav(qx, vload_high_nibbles(w, at + j), high)
-        xs = vadd(xs, vadd(low, high))
-    d = _half(w[n, 18 * b], w[n, 18 * b + 1])
-    return vfma(vfma(acc, d, qx), np.float32(-8) * d, xs)
+        qx = vfmav(qx, vload_low_nibbles(w, at + j), vload(x, k + j))
+        qx = vfmav(qx, vload_high_nibbles(w, at + j), vload(x, k + 16 + j))
+    d = load_half(w, n * w.shape[1] + 18 * b)
+    return vfma(acc, d, qx), np.float32(-8) * d * (sums[2 * b] + sums[2 * b + 1])
 
 
 @njit(inline="always")
 def _decode_q4_0(w, n, b, buf, at):
     base = 18 * b
-    d = _half(w[n, base], w[n, base + 1])
+    d = load_half(w, n * w.shape[1] + base)
     for j in range(16):
         byte = np.int32(w[n, base + 2 + j])
         buf[at + j] = np.float32((byte & 15) - 8) * d
@@ -185,31 +182,29 @@ def _scale_min_q4_k(w, n, at, s):
 
 
 @njit(fastmath=REASSOC, inline="always")
-def _acc_q4_k(acc, w, n, b, x):
-    """Q4_K (144 bytes): for each sub-block s of 32, acc += (d sc_s) q x - (dmin mn_s) x."""
+def _acc_q4_k(acc, w, n, b, x, sums):
+    """Q4_K (144 bytes): for each sub-block s of 32, (d sc_s) q x in the lanes, -(dmin mn_s) (sum of x) scalar."""
     base = 144 * b
     flat, k = n * w.shape[1] + base + 16, QK_K * b
-    d, dmin = _half(w[n, base], w[n, base + 1]), _half(w[n, base + 2], w[n, base + 3])
+    d, dmin = load_half(w, n * w.shape[1] + base), load_half(w, n * w.shape[1] + base + 2)
+    offset = np.float32(0)
     for r in range(4):  # run r of 32 bytes: sub-block 2r in the low nibbles, 2r + 1 in the high ones
         sc0, mn0 = _scale_min_q4_k(w, n, base + 4, 2 * r)
         sc1, mn1 = _scale_min_q4_k(w, n, base + 4, 2 * r + 1)
-        qx0, qx1, x0, x1 = vzero(), vzero(), vzero(), vzero()
+        qx0, qx1 = vzero(), vzero()
         for j in range(0, 32, 8):
-            a, c = vload(x, k + 64 * r + j), vload(x, k + 64 * r + 32 + j)
-            qx0 = vfmav(qx0, vload_low_nibbles(w, flat + 32 * r + j), a)
-            qx1 = vfmav(qx1, vload_high_nibbles(w, flat + 32 * r + j), c)
-            x0, x1 = vadd(x0, a), vadd(x1, c)
-        acc = vfma(acc, d * np.float32(sc0), qx0)
-        acc = vfma(acc, -dmin * np.float32(mn0), x0)
-        acc = vfma(acc, d * np.float32(sc1), qx1)
-        acc = vfma(acc, -dmin * np.float32(mn1), x1)
-    return acc
+            qx0 = vfmav(qx0, vload_low_nibbles(w, flat + 32 * r + j), vload(x, k + 64 * r + j))
+            qx1 = vfmav(qx1, vload_high_nibbles(w, flat + 32 * r + j), vload(x, k + 64 * r + 32 + j))
+        acc = vfma(vfma(acc, d * np.float32(sc0), qx0), d * np.float32(sc1), qx1)
+        s = 16 * b + 4 * r  # sums of 16: sub-block 2r is s, s + 1; sub-block 2r + 1 is s + 2, s + 3
+        offset -= dmin * (np.float32(mn0) * (sums[s] + sums[s + 1]) + np.float32(mn1) * (sums[s + 2] + sums[s + 3]))
+    return acc, offset
 
 
 @njit(inline="always")
 def _decode_q4_k(w, n, b, buf, at):
     base = 144 * b
-    d, dmin = _half(w[n, base], w[n, base + 1]), _half(w[n, base + 2], w[n, base + 3])
+    d, dmin = load_half(w, n * w.shape[1] + base), load_half(w, n * w.shape[1] + base + 2)
     for r in range(4):
         sc0, mn0 = _scale_min_q4_k(w, n, base + 4, 2 * r)
         sc1, mn1 = _scale_min_q4_k(w, n, base + 4, 2 * r + 1)
@@ -222,30 +217,39 @@ def _decode_q4_k(w, n, b, buf, at):
 
 
 @njit(fastmath=REASSOC, inline="always")
-def _acc_q6_k(acc, w, n, b, x):
-    """Q6_K (210 bytes): for each sub-block s of 16, acc += (d sc_s) (low + 16 high - 32) x, where value l + 32 g of
-    half h has its low 4 bits in ql (nibble g // 2 of byte 32 (g % 2) + l) and its high 2 in bits 2 g of qh[l]."""
-    base = 210 * b
-    flat, k = n * w.shape[1] + base, QK_K * b
-    d = _half(w[n, base + 208], w[n, base + 209])
+def _acc_q6_k_group(acc, offset, w, n, b, x, sums, d, h, g, high_nibbles):
+    """Values 32 g .. 32 g + 31 of half h (sub-blocks 8h + 2g, 8h + 2g + 1) of Q6_K block b: low 4 bits from the
+    low (g < 2) or high (g >= 2) nibbles of ql[32 (g % 2):], high 2 bits from bits 2g of qh. Called with g and
+    high_nibbles as constants, so the compiler sees constant shifts."""
+    flat = n * w.shape[1] + 210 * b
+    ql = flat + 64 * h + 32 * (g & 1)
+    qh = flat + 128 + 32 * h
+    first = QK_K * b + 128 * h + 32 * g
+    for half in range(2):
+        qx = vzero()
+        for j in range(16 * half, 16 * half + 16, 8):
+            low = vload_high_nibbles(w, ql + j) if high_nibbles else vload_low_nibbles(w, ql + j)
+            q = vfma(low, np.float32(16), vload_two_bits(w, qh + j, 2 * g))
+            qx = vfmav(qx, q, vload(x, first + j))
+        sub = 8 * h + 2 * g + half
+        scale = d * np.float32(_int8(w[n, 210 * b + 192 + sub]))
+        acc = vfma(acc, scale, qx)
+        offset -= np.float32(32) * scale * sums[16 * b + sub]
+    return acc, offset
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_q6_k(acc, w, n, b, x, sums):
+    """Q6_K (210 bytes): for each sub-block s of 16, (d sc_s) (low + 16 high) x in the lanes, -32 (d sc_s) (sum of
+    x) as the scalar part (see _acc_q6_k_group for where each value's bits are)."""
+    d = load_half(w, n * w.shape[1] + 210 * b + 208)
+    offset = np.float32(0)
     for h in range(2):
-        for g in range(4):
-            ql = flat + 64 * h + 32 * (g & 1)
-            qh = flat + 128 + 32 * h
-            first = k + 128 * h + 32 * g
-            for half in range(2):  # sub-blocks 8h + 2g and 8h + 2g + 1, 16 values each
-                lx, hx, xs = vzero(), vzero(), vzero()
-                for j in range(16 * half, 16 * half + 16, 8):
-                    xv = vload(x, first + j)
-                    low = vload_high_nibbles(w, ql + j) if g >= 2 else vload_low_nibbles(w, ql + j)
-                    lx = vfmav(lx, low, xv)
-                    hx = vfmav(hx, vload_two_bits(w, qh + j, 2 * g), xv)
-                    xs = vadd(xs, xv)
-                scale = d * np.float32(_int8(w[n, base + 192 + 8 * h + 2 * g + half]))
-                acc = vfma(acc, scale, lx)
-                acc = vfma(acc, np.float32(16) * scale, hx)
-                acc = vfma(acc, np.float32(-32) * scale, xs)
-    return acc
+        acc, offset = _acc_q6_k_group(acc, offset, w, n, b, x, sums, d, h, 0, False)
+        acc, offset = _acc_q6_k_group(acc, offset, w, n, b, x, sums, d, h, 1, False)
+        acc, offset = _acc_q6_k_group(acc, offset, w, n, b, x, sums, d, h, 2, True)
+        acc, offset = _acc_q6_k_group(acc, offset, w, n, b, x, sums, d, h, 3, True)
+    return acc, offset
 
 
 @njit(inline="always")
@@ -260,7 +264,7 @@ def _q6_k(w, n, at, h, g, l):
 @njit(inline="always")
 def _decode_q6_k(w, n, b, buf, at):
     base = 210 * b
-    d = _half(w[n, base + 208], w[n, base + 209])
+    d = load_half(w, n * w.shape[1] + base + 208)
     for h in range(2):
         for g in range(4):
             for l in range(32):
@@ -282,14 +286,17 @@ def _kernels(acc_block, decode, block_size: int):
     def matvec(w, x, threads):
         N = w.shape[0]
         nb = x.shape[0] // block_size
+        sums = x.reshape(-1, 16).sum(axis=1).astype(np.float32)  # [K / 16]
         out = np.empty(N, np.float32)
         chunks = max(1, min(N, threads))
         for c in prange(chunks):
             for n in range(c * N // chunks, (c + 1) * N // chunks):
                 acc = vzero()
+                offset = np.float32(0)
                 for b in range(nb):
-                    acc = acc_block(acc, w, n, b, x)
-                out[n] = vsum(acc)
+                    acc, part = acc_block(acc, w, n, b, x, sums)
+                    offset += part
+                out[n] = vsum(acc) + offset
         return out
 
     @njit(parallel=True, fastmath=REASSOC, cache=True)
