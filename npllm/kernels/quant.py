@@ -11,8 +11,9 @@ regrouped:
     matvec (decode, one token): out[n] = sum_b  d_b * sum_j q_bj x_bj       the block scale leaves the inner sum
                                 (K-quants: sum_s (d sc_s) sum_j q x - (dmin mn_s) sum_j x per sub-block s, the
                                 sums of x taken once per product, not once per row)
-    matmul (prefill, T tokens): each block of a row is decoded once into a float32 buffer (32 or 256 values,
-                                in L1), then every token's dot product with it is taken.
+    matmul (prefill, T tokens): 16 rows at a time are decoded into one float32 panel (K x 16, the layout of
+                                kernels/cpu.py), which cpu.py's register tile then multiplies by every token: the
+                                decoding is paid once per row, the arithmetic runs at the float32 kernel's rate.
 
 Rows are split into `threads` contiguous ranges run in parallel (numba.prange), so each weight byte is read once per
 product. Sums are reassociated by the compiler (fastmath), so results match the reference to float32 rounding, not
@@ -27,7 +28,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ..quant import QK_K, TYPES, QuantizationError
-from .simd import _vector, f32x8, vadd, vfma, vfmav, vload, vsum, vzero
+from .cpu import PANEL, TILE_T, _tile_6x16
+from .simd import _vector, f32x8, vfma, vfmav, vload, vsum, vzero
 
 REASSOC = {"reassoc", "contract", "nsz", "nnan", "arcp"}
 
@@ -275,12 +277,8 @@ def _decode_q6_k(w, n, b, buf, at):
 
 # ---------------------------------------------------------------------------------------------- the products
 
-GROUP_VALUES = 256  # matmul decodes this many values of a row at a time (8 Q8_0 blocks, 1 K-quant block)
-
-
 def _kernels(acc_block, decode, block_size: int):
     """matvec and matmul over the rows of a block type, from its block accumulator and its block decoder."""
-    group = max(1, GROUP_VALUES // block_size)
 
     @njit(parallel=True, fastmath=REASSOC, cache=True)
     def matvec(w, x, threads):
@@ -304,26 +302,28 @@ def _kernels(acc_block, decode, block_size: int):
         N = w.shape[0]
         T, K = x.shape
         nb = K // block_size
+        P = -(-N // PANEL)
         out = np.empty((T, N), np.float32)
-        chunks = max(1, min(N, threads))
-        flat_x = x.reshape(T * K)
+        chunks = max(1, min(P, threads))
         for c in prange(chunks):
-            buf = np.empty(group * block_size, np.float32)
-            acc = np.empty(T, np.float32)
-            for n in range(c * N // chunks, (c + 1) * N // chunks):
-                acc[:] = 0
-                for b0 in range(0, nb, group):
-                    blocks = min(group, nb - b0)
-                    for i in range(blocks):
-                        decode(w, n, b0 + i, buf, i * block_size)
-                    k, length = b0 * block_size, blocks * block_size
-                    for t in range(T):
-                        s = vzero()
-                        for j in range(0, length, 8):
-                            s = vfmav(s, vload(buf, j), vload(flat_x, t * K + k + j))
-                        acc[t] += vsum(s)
+            panel = np.zeros(K * PANEL, np.float32)  # rows 16p .. 16p+15 decoded, as cpu.pack_panels lays them out
+            row = np.empty(K, np.float32)
+            tile = np.empty((T, PANEL), np.float32)
+            for p in range(c * P // chunks, (c + 1) * P // chunks):
+                rows = min(PANEL, N - PANEL * p)
+                for j in range(rows):
+                    for b in range(nb):
+                        decode(w, PANEL * p + j, b, row, b * block_size)
+                    for k in range(K):
+                        panel[k * PANEL + j] = row[k]
+                for j in range(rows, PANEL):  # past the last row: zeros, computed and not stored
+                    for k in range(K):
+                        panel[k * PANEL + j] = 0
+                for t in range(0, T, TILE_T):
+                    _tile_6x16(x, t, min(TILE_T, T - t), panel, 0, K, tile, 0)
                 for t in range(T):
-                    out[t, n] = acc[t]
+                    for j in range(rows):
+                        out[t, PANEL * p + j] = tile[t, j]
         return out
 
     return matvec, matmul
