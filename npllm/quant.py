@@ -561,3 +561,49 @@ def quantize(values: np.ndarray, qtype: str) -> np.ndarray:
     if qtype not in QUANTIZE:
         raise QuantizationError(f"npllm cannot write type {qtype} (it writes {', '.join(QUANTIZE)})")
     return QUANTIZE[qtype](values)
+
+
+# ---------------------------------------------------------------------------------------------------- matrices
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """A weight matrix W [N, K] kept in its file type: N rows of K / block_size blocks, no float copy.
+
+    `raw` is [N, K / block_size * block_bytes] uint8, typically a read-only view of a memory-mapped file. The
+    NumPy reference multiplies by dequantizing (`matmul_t`); kernels/quant.py reads the same bytes directly.
+    """
+
+    raw: np.ndarray
+    qtype: str
+    shape: tuple[int, int]
+
+    def __post_init__(self):
+        t = TYPES.get(self.qtype)
+        N, K = self.shape
+        if t is None or self.qtype not in DEQUANTIZE:
+            raise QuantizationError(f"npllm cannot compute with type {self.qtype}")
+        if K % t.block_size or self.raw.dtype != np.uint8 or self.raw.shape != (N, K // t.block_size * t.block_bytes):
+            raise QuantizationError(f"{self.qtype} bytes of shape {self.raw.shape} do not hold a [{N}, {K}] matrix")
+
+    @classmethod
+    def from_values(cls, values: np.ndarray, qtype: str) -> "QuantizedMatrix":
+        """Quantize a float matrix.  # [N, K] -> QuantizedMatrix"""
+        N, K = values.shape
+        return cls(quantize(values, qtype).reshape(N, -1), qtype, (N, K))
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        """W as float32.  # -> [N, K]"""
+        return dequantize(self.raw, self.qtype, self.shape)
+
+    def rows(self, ids) -> np.ndarray:
+        """Only the rows asked for, as float32 (an embedding lookup reads no other row).  # [T] -> [T, K]"""
+        ids = np.asarray(ids, dtype=np.int64)
+        return dequantize(self.raw[ids], self.qtype, (*ids.shape, self.shape[1]))
+
+    def matmul_t(self, x: np.ndarray) -> np.ndarray:
+        """x @ W.T, the reference: dequantize, then multiply.  # [T, K] -> [T, N]"""
+        return np.asarray(x, dtype=np.float32) @ self.dequantize().T

@@ -182,3 +182,15 @@ def test_cli_quantize_writes_a_file_both_readers_load(tmp_path, stories260k, cap
     on_disk = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("on disk:"))
     q4_bytes = sum(t.n_bytes for t in gguf.GGUFReader(str(out)).tensors if t.tensor_type == Q.Q4_0)
     assert f"Q4_0 x" in on_disk and f"({q4_bytes / 2**20:.1f} MiB)" in on_disk
+
+
+def test_gguf_matrices_stay_quantized_over_the_memory_map(tmp_path):
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((4, 256)).astype(np.float32)
+    path = tmp_path / "q.gguf"
+    write_gguf_file(path, {}, [TensorData("w", values.shape, "Q4_K", quant.quantize(values, "Q4_K"))])
+    g = read_gguf_file(path)
+    m = g.quantized("w")
+    assert m.qtype == "Q4_K" and m.shape == (4, 256) and m.nbytes == 4 * 144
+    assert not m.raw.flags.owndata and not m.raw.flags.writeable  # a view of the file, not a copy
+    assert same_bits(m.dequantize(), g.tensor("w"))

@@ -152,3 +152,16 @@ def test_quantize_refuses_what_it_cannot_store(name):
         quant.quantize(np.full((1, 256), 1e30, np.float32), name)
     with pytest.raises(QuantizationError, match="blocks"):
         quant.quantize(np.ones((2, 100), np.float32), "Q8_0" if name == "F16" else name)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "F16"])
+def test_quantized_matrix_reference_products_and_rows(name):
+    rng = np.random.default_rng(2)
+    W, x = rng.standard_normal((6, 512)).astype(np.float32), rng.standard_normal((3, 512)).astype(np.float32)
+    m = quant.QuantizedMatrix.from_values(W, name)
+    dense = m.dequantize()
+    assert m.nbytes == quant.TYPES[name].nbytes(W.shape) and dense.shape == W.shape
+    assert same_bits(m.matmul_t(x), x @ dense.T)
+    assert same_bits(m.rows([4, 0, 4]), dense[[4, 0, 4]])
+    with pytest.raises(QuantizationError, match="do not hold"):
+        quant.QuantizedMatrix(m.raw[:, 1:], name, W.shape)

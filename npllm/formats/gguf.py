@@ -106,6 +106,15 @@ class GGUFFile:
         values.flags.writeable = False
         return values
 
+    def quantized(self, name: str):
+        """A 2-D tensor kept in its file type, over the memory map: a quant.QuantizedMatrix [rows, values per row]."""
+        from ..quant import QuantizedMatrix
+
+        info = self.tensors.get(name)
+        if info is None or len(info.shape) != 2:
+            raise FormatError(f"{self.path}: no matrix named {name!r}")
+        return QuantizedMatrix(self.raw(name).reshape(info.shape[0], -1), info.type.name, info.shape)
+
     def raw(self, name: str) -> np.ndarray:
         """The named tensor's bytes as stored, a read-only view of the memory map (no copy).  # [nbytes] uint8"""
         info = self.tensors.get(name)
