@@ -571,7 +571,14 @@ class QuantizedMatrix:
 
     `raw` is [N, K / block_size * block_bytes] uint8, typically a read-only view of a memory-mapped file. The
     NumPy reference multiplies by dequantizing (`matmul_t`); kernels/quant.py reads the same bytes directly.
+
+    It stands in for a float32 weight array where the NumPy model uses one: `x @ W.T` (through `.T`), `W[ids]`
+    (rows), `.shape`, `.dtype` (float32, the type it computes in); `np.asarray(W)` dequantizes it whole.
     """
+
+    __array_ufunc__ = None  # `x @ W` and ufuncs defer to this class instead of converting it
+    dtype = np.dtype(np.float32)
+    ndim = 2
 
     raw: np.ndarray
     qtype: str
@@ -607,3 +614,27 @@ class QuantizedMatrix:
     def matmul_t(self, x: np.ndarray) -> np.ndarray:
         """x @ W.T, the reference: dequantize, then multiply.  # [T, K] -> [T, N]"""
         return np.asarray(x, dtype=np.float32) @ self.dequantize().T
+
+    @property
+    def T(self) -> "_TransposedMatrix":
+        return _TransposedMatrix(self)
+
+    def __getitem__(self, ids) -> np.ndarray:
+        return self.rows(ids)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        dense = self.dequantize()
+        return dense if dtype is None else dense.astype(dtype)
+
+
+class _TransposedMatrix:
+    """W.T of a QuantizedMatrix, only for `x @ W.T`."""
+
+    __array_ufunc__ = None
+
+    def __init__(self, matrix: QuantizedMatrix):
+        self.matrix = matrix
+        self.shape = matrix.shape[::-1]
+
+    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
+        return self.matrix.matmul_t(x)

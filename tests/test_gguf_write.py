@@ -194,3 +194,22 @@ def test_gguf_matrices_stay_quantized_over_the_memory_map(tmp_path):
     assert m.qtype == "Q4_K" and m.shape == (4, 256) and m.nbytes == 4 * 144
     assert not m.raw.flags.owndata and not m.raw.flags.writeable  # a view of the file, not a copy
     assert same_bits(m.dequantize(), g.tensor("w"))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K"])
+def test_reference_model_runs_on_weights_kept_quantized(tmp_path, qtype):
+    """The NumPy model over QuantizedMatrix weights (dequantized one product at a time) computes the same logits
+    as over the whole file dequantized on load, and keeps only the file's bytes for its matrices."""
+    from npllm.formats.gguf import read_gguf_quantized
+
+    config, weights = read_hf(FIXTURES / "llama_gqa")
+    tokens = np.load(FIXTURES / "llama_gqa" / "reference.npz")["tokens"]
+    path = tmp_path / "m.gguf"
+    write_gguf(path, config, weights, qtype)
+    dense_config, dense = read_gguf(path)
+    q_config, kept = read_gguf_quantized(path)
+    matrices = [w for w in kept.values() if isinstance(w, quant.QuantizedMatrix)]
+    assert matrices and all(not m.raw.flags.owndata for m in matrices)
+    assert {m.qtype for m in matrices} <= {qtype, "Q8_0", "F16"}
+    np.testing.assert_allclose(logits(q_config, kept, tokens), logits(dense_config, dense, tokens),
+                               rtol=1e-5, atol=1e-5)

@@ -455,6 +455,24 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
     return config, check_weights(config, weights, g.path)
 
 
+def read_gguf_quantized(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
+    """Read a GGUF checkpoint keeping every block-quantized matrix in its file type, over the memory map
+    (quant.QuantizedMatrix); F32/F16/BF16 tensors and vectors are read as read_gguf reads them."""
+    g = read_gguf_file(path)
+    config = config_from_gguf(g)
+    weights = {}
+    for name, info in g.tensors.items():
+        if name == ROPE_FREQS:
+            continue
+        try:
+            canonical = canonical_name(name)
+        except FormatError as e:
+            raise FormatError(f"{g.path}: {e}") from None
+        blocks = info.type.block_size > 1 and len(info.shape) == 2
+        weights[canonical] = g.quantized(name) if blocks else g.tensor(name)
+    return config, check_weights(config, weights, g.path)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer metadata
 
