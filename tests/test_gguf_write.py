@@ -213,3 +213,25 @@ def test_reference_model_runs_on_weights_kept_quantized(tmp_path, qtype):
     assert {m.qtype for m in matrices} <= {qtype, "Q8_0", "F16"}
     np.testing.assert_allclose(logits(q_config, kept, tokens), logits(dense_config, dense, tokens),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_quantize_checkpoint_from_hf_and_from_gguf(tmp_path, source):
+    """A Hugging Face directory (half-split RoPE rows, a byte-level tokenizer npllm does not write yet) and a GGUF
+    file both become Q8_0 files computing the model of their Q8_0-rounded weights."""
+    from npllm.formats.gguf import quantize_checkpoint
+
+    src = FIXTURES / "llama_gqa"
+    config, weights = read_hf(src)
+    if source == "gguf":
+        src = tmp_path / "f32.gguf"
+        write_gguf(src, config, weights, "F32")
+    out = tmp_path / "q8.gguf"
+    tensors, tokenizer = quantize_checkpoint(src, out, "Q8_0")
+    assert tokenizer is None and read_vocab(read_gguf_file(out)) is None
+    tokens = np.load(FIXTURES / "llama_gqa" / "reference.npz")["tokens"]
+    rounded = {k: quant.dequantize(quant.quantize(v, "Q8_0"), "Q8_0", v.shape) if v.ndim == 2 else v
+               for k, v in weights.items()}
+    g_config, g_weights = read_gguf(out)
+    np.testing.assert_allclose(logits(g_config, g_weights, tokens), logits(config, rounded, tokens),
+                               rtol=1e-4, atol=1e-4)

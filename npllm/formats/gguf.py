@@ -771,6 +771,8 @@ def quantize_checkpoint(model: str | os.PathLike, out: str | os.PathLike, type_n
 
     checkpoint, found = resolve(model)
     config, weights = read_checkpoint(checkpoint)
+    if tokenizer is None and found == checkpoint and read_vocab(read_gguf_file(checkpoint)) is None:
+        found = None  # a GGUF input without a vocabulary: the output has none either
     tok_path = tokenizer if tokenizer is not None else found
     tok = None if tok_path is None else load_tokenizer(tok_path, vocab_size=config.vocab_size)
     if tok is not None and not hasattr(tok, "score"):
