@@ -43,6 +43,11 @@ def test_type_table_agrees_with_the_gguf_package():
         assert Q[name] == t.type_id
         assert gguf.GGML_QUANT_SIZES[Q[name]] == (t.block_size, t.block_bytes)
         assert quant.TYPES_BY_ID[t.type_id] is t
+    from npllm.formats.gguf import GGML_TYPES
+
+    for t in quant.TYPES.values():  # the reader's layout table (every ggml type) agrees on the ones npllm computes
+        assert (GGML_TYPES[t.type_id].name, GGML_TYPES[t.type_id].block_size, GGML_TYPES[t.type_id].block_bytes) == (
+            t.name, t.block_size, t.block_bytes)
     assert quant.TYPES["Q4_K"].bits_per_value == 4.5 and quant.TYPES["Q8_0"].nbytes((3, 64)) == 3 * 2 * 34
 
 

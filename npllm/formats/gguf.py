@@ -55,7 +55,7 @@ class GGMLType:
 
 
 # ggml tensor types by id. Sizes are listed for every type npllm can lay out (to validate a file and describe it);
-# DEQUANTIZE below says which ones it can turn into numbers.
+# npllm.quant.DEQUANTIZE says which ones it can turn into numbers.
 GGML_TYPES = {
     0: GGMLType("F32", 1, 4), 1: GGMLType("F16", 1, 2), 2: GGMLType("Q4_0", 32, 18), 3: GGMLType("Q4_1", 32, 20),
     6: GGMLType("Q5_0", 32, 22), 7: GGMLType("Q5_1", 32, 24), 8: GGMLType("Q8_0", 32, 34),

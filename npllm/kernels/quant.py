@@ -28,10 +28,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ..quant import QK_K, TYPES, QuantizationError
-from .cpu import PANEL, TILE_T, _tile_6x16
+from .cpu import PANEL, REASSOC, TILE_T, _tile_6x16
 from .simd import _vector, f32x8, vfma, vfmav, vload, vsum, vzero
-
-REASSOC = {"reassoc", "contract", "nsz", "nnan", "arcp"}
 
 # ---------------------------------------------------------------------------------------------- byte vectors
 # Eight weight bytes widened to eight float32 lanes in registers (simd.py's f32x8). Written as LLVM vector
