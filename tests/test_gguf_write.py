@@ -82,7 +82,7 @@ def test_fallback_types():
 
 
 def logits(config, weights, tokens):
-    from npllm.model import Transformer
+    from npllm.models.reference import Transformer
 
     return Transformer(config, weights).logits(tokens)
 
@@ -139,7 +139,7 @@ def agreement(a: list[int], b: list[int]) -> int:
 
 
 def test_stories260k_q8_0_matches_golden_as_long_as_its_dequantized_model(tmp_path, stories260k, golden_200):
-    from npllm.backends import make_model
+    from npllm.models import make_model
     from npllm.formats.llama2c import read_llama2c
     from npllm.tokenizer import load_tokenizer
 
