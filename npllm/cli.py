@@ -6,6 +6,7 @@
                             --backend numba|numpy|cuda|auto --threads N --weight-dtype float32|float16
     npllm generate --prompt-file FILE ...      one prompt per line, generated together (ragged batching)
     npllm generate [PROMPT] ... --explain [--json]     (each token's candidates through the sampling pipeline)
+    npllm quantize IN OUT --type q8_0|q4_0|q4_k|q6_k|f16|...     any checkpoint npllm reads, written as GGUF
     npllm perplexity --model M --text FILE [--ctx N] [--batch B] [--stride S] [--kl-divergence BASE] [--json]
     npllm bench --model NAME_OR_PATH [--batch B ...] [--prompt-len N ...] [--gen-len N] [--backend B ...]
                 [--threads T] [--weight-dtype D] [--repeat R] [--json]
@@ -63,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="describe a checkpoint: architecture, size, context, tokenizer")
     info.add_argument("model", nargs="?", default="stories260K", help="checkpoint path or known name")
     info.set_defaults(run=run_info)
+
+    quantize = commands.add_parser("quantize", help="write a checkpoint as a GGUF file of a quantized type")
+    quantize.add_argument("input", help="checkpoint path or known name (llama2.c .bin, HF directory, GGUF)")
+    quantize.add_argument("output", help="the GGUF file to write")
+    quantize.add_argument("--type", "-t", default="q8_0", choices=QUANTIZE_TYPES,
+                          help="type of the weight matrices (default q8_0); norms stay f32, rows that do not split "
+                               "into the type's blocks fall back to q8_0 or f16")
+    quantize.add_argument("--tokenizer", "-z", default=None, help="vocabulary to embed (default: found beside IN)")
+    quantize.set_defaults(run=run_quantize)
 
     bench = commands.add_parser("bench", help="prefill and decode throughput against the memory bandwidth")
     bench.add_argument("--model", "-m", default="stories15M",
@@ -267,6 +277,24 @@ def run_info(args) -> int:
     checkpoint, _ = resolve(args.model)
     config, weights = read_checkpoint(checkpoint)
     print(describe(config, weights, checkpoint))
+    return 0
+
+
+QUANTIZE_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "f32")
+
+
+def run_quantize(args) -> int:
+    from collections import Counter
+
+    from .formats.gguf import quantize_checkpoint
+
+    tensors, tokenizer = quantize_checkpoint(args.input, args.output, args.type.upper(), args.tokenizer)
+    counts, sizes = Counter(t.type_name for t in tensors), Counter()
+    for t in tensors:
+        sizes[t.type_name] += t.raw.size
+    parts = ", ".join(f"{name} x{counts[name]} ({sizes[name] / 2**20:.2f} MiB)" for name in sorted(counts))
+    vocab = f"vocabulary of {tokenizer.name}" if tokenizer is not None else "no vocabulary (pass --tokenizer)"
+    print(f"[npllm] wrote {args.output}: {len(tensors)} tensors: {parts}; {vocab}", file=sys.stderr)
     return 0
 
 

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 import npllm
 from npllm.config import RopeScaling
 from npllm.errors import ConfigError, FormatError, NpllmError, TokenizerError
-from npllm.formats.gguf import (dequantize_q4_0, dequantize_q8_0, gguf_tokenizer, llama3_scaling_from_freq_factors,
-                                read_gguf, read_gguf_file, read_vocab)
+from npllm.formats.gguf import gguf_tokenizer, llama3_scaling_from_freq_factors, read_gguf, read_gguf_file, read_vocab
 from npllm.formats.hf import read_hf
+from npllm.quant import dequantize_q4_0, dequantize_q8_0
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -233,15 +233,15 @@ def test_q4_0_bit_exact_on_arbitrary_blocks(blocks):
 def test_unsupported_tensor_type_names_itself(tmp_path):
     path = tmp_path / "k.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    raw = np.zeros((2, 144), dtype=np.uint8)  # two Q4_K blocks of 256 values
-    w.add_tensor("x", raw, raw_shape=raw.shape, raw_dtype=Q.Q4_K)
+    raw = np.zeros((2, 292), dtype=np.uint8)  # two Q8_K blocks of 256 values (llama.cpp's activation type)
+    w.add_tensor("x", raw, raw_shape=raw.shape, raw_dtype=Q.Q8_K)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     g = read_gguf_file(path)
     assert g.tensors["x"].shape == (2, 256)
-    with pytest.raises(FormatError, match="Q4_K"):
+    with pytest.raises(FormatError, match="Q8_K"):
         g.tensor("x")
 
 

@@ -61,7 +61,11 @@ def test_gguf_counts_tensor_types_and_embedded_vocab(tmp_path):
 
     path = write_gguf(tmp_path / "m.gguf", config, weights, gguf.GGMLQuantizationType.Q8_0, vocab=vocab)
     text = info(path)[2]
-    assert field(text, "on disk") == "Q8_0 x16, F32 x5"
+    sizes = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        sizes[t.tensor_type.name] = sizes.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    assert field(text, "on disk") == (f"Q8_0 x16 ({sizes['Q8_0'] / 2**20:.1f} MiB), "
+                                      f"F32 x5 ({sizes['F32'] / 1024:.1f} KiB)")
     assert field(text, "tokenizer") == "SentencePiece-style BPE, 320 tokens, embedded in the GGUF metadata"
 
 

@@ -9,13 +9,12 @@ File layout (little-endian; "str" is a u64 byte length followed by that many UTF
     tensor data: each tensor at data_start + offset (a multiple of the alignment)
 
 ggml lists dimensions fastest-varying first, so ne = [in, out] is the NumPy shape (out, in). Quantized types pack
-blocks of 32 values along ne[0]:
-
-    Q8_0  34 bytes: f16 d, 32 x int8 q                 x[j] = d * q[j]
-    Q4_0  18 bytes: f16 d, 16 bytes of nibbles         x[j] = d * ((b[j] & 15) - 8),  x[j+16] = d * ((b[j] >> 4) - 8)
+blocks of 32 or 256 values along ne[0]; npllm.quant draws each block and holds the dequantizers. Each tensor has its
+own type (a "Q4_K_M" file mixes Q4_K, Q6_K and F32 tensors).
 
 Every count, size and offset is checked against the file before it is believed. Tensors are read through a memory map
-and widened or dequantized to float32 on load.
+(`GGUFFile.raw` gives a tensor's bytes without copying) and widened or dequantized to float32 by `GGUFFile.tensor`.
+`write_gguf` writes a model back out in llama.cpp's names and layout.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ import numpy as np
 
 from ..config import ModelConfig, RopeScaling
 from ..errors import ConfigError, FormatError
+from ..quant import DEQUANTIZE
 from .hf import check_weights
 
 MAGIC = b"GGUF"
@@ -55,7 +55,7 @@ class GGMLType:
 
 
 # ggml tensor types by id. Sizes are listed for every type npllm can lay out (to validate a file and describe it);
-# DEQUANTIZE below says which ones it can turn into numbers.
+# npllm.quant.DEQUANTIZE says which ones it can turn into numbers.
 GGML_TYPES = {
     0: GGMLType("F32", 1, 4), 1: GGMLType("F16", 1, 2), 2: GGMLType("Q4_0", 32, 18), 3: GGMLType("Q4_1", 32, 20),
     6: GGMLType("Q5_0", 32, 22), 7: GGMLType("Q5_1", 32, 24), 8: GGMLType("Q8_0", 32, 34),
@@ -101,53 +101,26 @@ class GGUFFile:
                 f"{self.path}: tensor {name!r} has type {info.type.name}, which npllm cannot read yet "
                 f"(it reads {', '.join(DEQUANTIZE)})"
             )
-        raw = np.frombuffer(self.buffer, dtype=np.uint8, count=info.nbytes, offset=self.data_start + info.offset)
-        values = DEQUANTIZE[info.type.name](raw)  # [n] float32
+        values = DEQUANTIZE[info.type.name](self.raw(name))  # [n] float32
         values = values.reshape(info.shape)
         values.flags.writeable = False
         return values
 
+    def quantized(self, name: str):
+        """A 2-D tensor kept in its file type, over the memory map: a quant.QuantizedMatrix [rows, values per row]."""
+        from ..quant import QuantizedMatrix
 
-# ----------------------------------------------------------------------------------------------------------------
-# Tensor data -> float32
+        info = self.tensors.get(name)
+        if info is None or len(info.shape) != 2:
+            raise FormatError(f"{self.path}: no matrix named {name!r}")
+        return QuantizedMatrix(self.raw(name).reshape(info.shape[0], -1), info.type.name, info.shape)
 
-
-def _f32(raw: np.ndarray) -> np.ndarray:
-    out = raw.view("<f4")
-    return out if out.flags.aligned else out.copy()
-
-
-def _f16(raw: np.ndarray) -> np.ndarray:
-    return raw.view("<f2").astype(np.float32)
-
-
-def _bf16(raw: np.ndarray) -> np.ndarray:
-    """bfloat16 is the high half of a float32: shift the 16-bit word up."""
-    return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-
-
-def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
-    """Q8_0 blocks [nb, 34] -> [nb * 32] float32: x = d * q with d the block's f16 scale and q int8."""
-    blocks = raw.reshape(-1, 34)
-    d = blocks[:, :2].copy().view("<f2").astype(np.float32)  # [nb, 1]
-    q = blocks[:, 2:].view(np.int8).astype(np.float32)  # [nb, 32]
-    return (d * q).reshape(-1)
-
-
-def dequantize_q4_0(raw: np.ndarray) -> np.ndarray:
-    """Q4_0 blocks [nb, 18] -> [nb * 32] float32.
-
-    Byte j (0 <= j < 16) of a block's 16 data bytes holds value j in its low nibble and value j + 16 in its high
-    nibble, each stored offset by 8: x = d * (nibble - 8).
-    """
-    blocks = raw.reshape(-1, 18)
-    d = blocks[:, :2].copy().view("<f2").astype(np.float32)  # [nb, 1]
-    packed = blocks[:, 2:]  # [nb, 16]
-    q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.int8) - 8  # [nb, 32]
-    return (d * q.astype(np.float32)).reshape(-1)
-
-
-DEQUANTIZE = {"F32": _f32, "F16": _f16, "BF16": _bf16, "Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0}
+    def raw(self, name: str) -> np.ndarray:
+        """The named tensor's bytes as stored, a read-only view of the memory map (no copy).  # [nbytes] uint8"""
+        info = self.tensors.get(name)
+        if info is None:
+            raise FormatError(f"{self.path}: no tensor named {name!r}")
+        return np.frombuffer(self.buffer, dtype=np.uint8, count=info.nbytes, offset=self.data_start + info.offset)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -492,6 +465,24 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
     return config, check_weights(config, weights, g.path)
 
 
+def read_gguf_quantized(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
+    """Read a GGUF checkpoint keeping every block-quantized matrix in its file type, over the memory map
+    (quant.QuantizedMatrix); F32/F16/BF16 tensors and vectors are read as read_gguf reads them."""
+    g = read_gguf_file(path)
+    config = config_from_gguf(g)
+    weights = {}
+    for name, info in g.tensors.items():
+        if name == ROPE_FREQS:
+            continue
+        try:
+            canonical = canonical_name(name)
+        except FormatError as e:
+            raise FormatError(f"{g.path}: {e}") from None
+        blocks = info.type.block_size > 1 and len(info.shape) == 2
+        weights[canonical] = g.quantized(name) if blocks else g.tensor(name)
+    return config, check_weights(config, weights, g.path)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer metadata
 
@@ -584,3 +575,217 @@ def gguf_tokenizer(path: str | os.PathLike):
         return from_gguf_vocab(vocab.tokens, vocab.merges, vocab.token_types, vocab.pre, vocab.bos_id, vocab.eos_id,
                                vocab.add_bos, g.path)
     raise TokenizerError(f"{g.path}: tokenizer model {vocab.model!r} is not supported (npllm reads llama and gpt2)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Writing: npllm models as GGUF files in llama.cpp's names and layout
+
+
+@dataclass(frozen=True)
+class TensorData:
+    """One tensor to write: its bytes already in `type_name` (a name in npllm.quant.TYPES)."""
+
+    name: str
+    shape: tuple[int, ...]  # NumPy order: (rows, values per row)
+    type_name: str
+    raw: np.ndarray  # [nbytes] uint8
+
+
+_ARRAY_TYPES = {np.dtype(d): t for t, d in SCALAR_TYPES.items() if t != BOOL}
+
+
+def _encode_value(key: str, value) -> bytes:
+    """A metadata value with its GGUF type tag: bool, int (u32, or i64 beyond it), float (f32), str, list of str,
+    or a NumPy array of a fixed-size type."""
+    if isinstance(value, (bool, np.bool_)):
+        return struct.pack("<IB", BOOL, bool(value))
+    if isinstance(value, (int, np.integer)):
+        if 0 <= value < 2**32:
+            return struct.pack("<II", UINT32, int(value))
+        return struct.pack("<Iq", INT64, int(value))
+    if isinstance(value, (float, np.floating)):
+        return struct.pack("<If", FLOAT32, float(value))
+    if isinstance(value, str):
+        return struct.pack("<I", STRING) + _encode_string(value)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return struct.pack("<IIQ", ARRAY, STRING, len(value)) + b"".join(_encode_string(v) for v in value)
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.newbyteorder("<") in _ARRAY_TYPES:
+        dtype = value.dtype.newbyteorder("<")
+        return struct.pack("<IIQ", ARRAY, _ARRAY_TYPES[dtype], len(value)) + value.astype(dtype).tobytes()
+    raise ConfigError(f"metadata {key!r}: cannot store a {type(value).__name__} in GGUF")
+
+
+def _encode_string(text: str) -> bytes:
+    data = text.encode("utf-8")
+    return struct.pack("<Q", len(data)) + data
+
+
+def write_gguf_file(path: str | os.PathLike, metadata: dict, tensors: list[TensorData],
+                    alignment: int = DEFAULT_ALIGNMENT) -> None:
+    """Write a GGUF version 3 file: header, metadata, tensor table, then each tensor's bytes at an aligned offset.
+
+    The file appears under `path` only once complete (written beside it, then renamed).
+    """
+    path = os.fspath(path)
+    header = [MAGIC, struct.pack("<IQQ", 3, len(tensors), len(metadata))]
+    header += [_encode_string(key) + _encode_value(key, value) for key, value in metadata.items()]
+    offset = 0
+    offsets = []
+    for t in tensors:
+        ggml_type = quant_type(t.type_name)
+        if t.raw.size != ggml_type.nbytes(t.shape) or t.shape[-1] % ggml_type.block_size:
+            raise FormatError(f"tensor {t.name!r}: {t.raw.size} bytes of {t.type_name} do not hold shape {t.shape}")
+        offsets.append(offset)
+        ne = tuple(reversed(t.shape))
+        header.append(_encode_string(t.name) + struct.pack(f"<I{len(ne)}QIQ", len(ne), *ne, ggml_type.type_id,
+                                                          offset))
+        offset += -(-t.raw.size // alignment) * alignment
+    head = b"".join(header)
+    partial = path + ".partial"
+    with open(partial, "wb") as f:
+        f.write(head + bytes(-len(head) % alignment))
+        for t, start in zip(tensors, offsets):
+            f.write(np.ascontiguousarray(t.raw, dtype=np.uint8).tobytes())
+            f.write(bytes(-t.raw.size % alignment))
+    os.replace(partial, path)
+
+
+def quant_type(name: str):
+    from ..quant import TYPES
+
+    if name not in TYPES:
+        raise FormatError(f"unknown tensor type {name!r} (npllm knows {', '.join(TYPES)})")
+    return TYPES[name]
+
+
+def model_metadata(config: ModelConfig, name: str) -> dict:
+    """llama.cpp's metadata keys for a ModelConfig; refuses what a GGUF 'llama'/'qwen2' model cannot express."""
+    gguf_arch = "qwen2" if config.arch == "qwen2" else "llama"  # llama2c, llama and mistral are all 'llama'
+    if config.sliding_window is not None:
+        raise ConfigError("GGUF 'llama' models carry no sliding window: this model cannot be written faithfully")
+    if config.attention_bias != (gguf_arch == "qwen2"):
+        raise ConfigError(f"q/k/v biases {'present' if config.attention_bias else 'absent'}: not a {gguf_arch} model")
+    if len(config.eos_ids) > 3:
+        raise ConfigError(f"GGUF stores at most three end tokens (eos, eot, eom), the model has {config.eos_ids}")
+    p = gguf_arch + "."
+    meta = {
+        "general.architecture": gguf_arch, "general.name": name,
+        p + "context_length": config.max_seq_len, p + "embedding_length": config.dim,
+        p + "block_count": config.n_layers, p + "feed_forward_length": config.hidden_dim,
+        p + "attention.head_count": config.n_heads, p + "attention.head_count_kv": config.n_kv_heads,
+        p + "attention.layer_norm_rms_epsilon": np.float32(config.norm_eps),
+        p + "rope.freq_base": np.float32(config.rope_theta), p + "rope.dimension_count": config.head_dim,
+    }
+    if config.head_dim != config.dim // config.n_heads:
+        meta[p + "attention.key_length"] = meta[p + "attention.value_length"] = config.head_dim
+    if config.rope_scaling is not None and config.rope_scaling.kind == "linear":
+        meta[p + "rope.scaling.type"] = "linear"
+        meta[p + "rope.scaling.factor"] = np.float32(config.rope_scaling.factor)
+    meta["tokenizer.ggml.bos_token_id"] = config.bos_id
+    for key, eos in zip(("eos", "eot", "eom"), config.eos_ids):
+        meta[f"tokenizer.ggml.{key}_token_id"] = eos
+    return meta
+
+
+def vocab_metadata(tokenizer) -> dict:
+    """tokenizer.ggml.* keys for a SentencePiece-style vocabulary (pieces, scores, token types): what
+    gguf_tokenizer reads back as a BPETokenizer. Byte-level (tokenizer.json) vocabularies are not written yet."""
+    if not hasattr(tokenizer, "score"):
+        raise ConfigError(f"tokenizer {tokenizer.name}: npllm writes only SentencePiece-style vocabularies to GGUF")
+    ids = range(tokenizer.vocab_size)
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": [tokenizer.id_to_piece(i) for i in ids],
+        "tokenizer.ggml.scores": np.array([tokenizer.score(i) for i in ids], dtype=np.float32),
+        "tokenizer.ggml.token_type": np.array([int(tokenizer.token_type(i)) for i in ids], dtype=np.int32),
+        "tokenizer.ggml.unknown_token_id": tokenizer.unk_id,
+        "tokenizer.ggml.add_space_prefix": bool(tokenizer.add_dummy_prefix),
+    }
+
+
+def gguf_name(canonical: str) -> str:
+    """Inverse of canonical_name: 'layers.3.wq' -> 'blk.3.attn_q.weight'."""
+    for gguf, ours in GLOBAL_NAMES.items():
+        if ours == canonical:
+            return gguf
+    parts = canonical.split(".")
+    if len(parts) == 3 and parts[0] == "layers":
+        for gguf, ours in LAYER_NAMES.items():
+            if ours == parts[2]:
+                return f"blk.{parts[1]}.{gguf}"
+    raise FormatError(f"weight {canonical!r} has no GGUF name")
+
+
+def half_to_interleaved(w: np.ndarray, heads: int) -> np.ndarray:
+    """Reorder q/k projection rows from the half-split RoPE layout to interleaved pairs (llama.cpp's 'llama').
+
+    Within each head, output rows [a_0 .. a_{n-1}, b_0 .. b_{n-1}] become [a_0, b_0, a_1, b_1, ...].
+    # [H*Dh, ...] -> [H*Dh, ...]
+    """
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tensor_type_for(shape: tuple[int, ...], wanted: str) -> str:
+    """The type a tensor is stored in: vectors (norms, biases) stay F32 as llama.cpp keeps them; a matrix whose rows
+    do not split into `wanted`'s blocks falls back to Q8_0 (a K-quant's rows that split into 32s), else F16."""
+    if len(shape) == 1:
+        return "F32"
+    row = shape[-1]
+    if row % quant_type(wanted).block_size == 0:
+        return wanted
+    if quant_type(wanted).block_size == 256 and row % 32 == 0:
+        return "Q8_0"
+    return "F16"
+
+
+def model_tensors(config: ModelConfig, weights: dict[str, np.ndarray], wanted: str) -> list[TensorData]:
+    """Canonical float32 weights as GGUF tensors of type `wanted` (see tensor_type_for), in llama.cpp's names and
+    RoPE layout, plus rope_freqs for Llama 3 scaling."""
+    from ..quant import quantize
+
+    tensors = []
+    if config.rope_scaling is not None and config.rope_scaling.kind == "llama3":
+        factors = llama3_factors(config.rope_scaling, config.rope_theta, config.head_dim).astype(np.float32)
+        tensors.append(TensorData(ROPE_FREQS, factors.shape, "F32", quantize(factors, "F32")))
+    for name, array in weights.items():
+        array = np.asarray(array, dtype=np.float32)
+        short = name.rsplit(".", 1)[-1]
+        if config.arch != "qwen2" and config.rope_layout == "half" and short in ("wq", "wk", "bq", "bk"):
+            array = half_to_interleaved(array, config.n_heads if short in ("wq", "bq") else config.n_kv_heads)
+        type_name = tensor_type_for(array.shape, wanted)
+        tensors.append(TensorData(gguf_name(name), array.shape, type_name, quantize(array, type_name)))
+    return tensors
+
+
+def write_gguf(path: str | os.PathLike, config: ModelConfig, weights: dict[str, np.ndarray], type_name: str = "F32",
+               tokenizer=None, name: str | None = None) -> list[TensorData]:
+    """Write a model as a GGUF file that llama.cpp and npllm read: matrices in `type_name` (F32, F16, Q8_0, Q4_0,
+    Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; fallbacks in tensor_type_for), vectors in F32, and the tokenizer's vocabulary
+    when one is given. Returns the tensors written (for a summary)."""
+    meta = model_metadata(config, name or os.path.splitext(os.path.basename(os.fspath(path)))[0])
+    if tokenizer is not None:
+        meta.update(vocab_metadata(tokenizer))
+    tensors = model_tensors(config, weights, type_name)
+    write_gguf_file(path, meta, tensors)
+    return tensors
+
+
+def quantize_checkpoint(model: str | os.PathLike, out: str | os.PathLike, type_name: str,
+                        tokenizer: str | os.PathLike | None = None) -> tuple[list[TensorData], object]:
+    """Any checkpoint npllm reads (llama2.c .bin, HF directory, GGUF; a path or a known name) written as a GGUF file
+    of `type_name`, with the vocabulary of its tokenizer (given, or found beside it) when npllm can write it.
+    Returns (tensors written, the tokenizer embedded or None)."""
+    from ..hub import resolve
+    from ..tokenizer import load_tokenizer
+    from . import read_checkpoint
+
+    checkpoint, found = resolve(model)
+    config, weights = read_checkpoint(checkpoint)
+    if tokenizer is None and found == checkpoint and read_vocab(read_gguf_file(checkpoint)) is None:
+        found = None  # a GGUF input without a vocabulary: the output has none either
+    tok_path = tokenizer if tokenizer is not None else found
+    tok = None if tok_path is None else load_tokenizer(tok_path, vocab_size=config.vocab_size)
+    if tok is not None and not hasattr(tok, "score"):
+        tok = None  # byte-level vocabularies are not written yet; the GGUF then needs a tokenizer beside it
+    tensors = write_gguf(out, config, weights, type_name, tok)
+    return tensors, tok

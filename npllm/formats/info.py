@@ -47,6 +47,16 @@ def disk_dtypes(path: Path) -> Counter:
     return Counter({"F32": -1})  # llama2.c checkpoints are float32 throughout
 
 
+def gguf_type_bytes(path: Path) -> Counter:
+    """Bytes per tensor type of a GGUF file (each tensor keeps its own type)."""
+    from .gguf import read_gguf_file
+
+    sizes = Counter()
+    for info in read_gguf_file(path).tensors.values():
+        sizes[info.type.name] += info.nbytes
+    return sizes
+
+
 def kv_cache_bytes(config: ModelConfig, positions: int, itemsize: int = 4) -> int:
     """Keys and values for `positions` positions in every layer: 2 * L * S * K * Dh elements."""
     return 2 * config.n_layers * positions * config.n_kv_heads * config.head_dim * itemsize
@@ -93,7 +103,9 @@ def describe(config: ModelConfig, weights: dict[str, np.ndarray], path: str | os
     features.append("tied embeddings" if c.tied_embeddings else "separate LM head")
     try:
         dtypes = disk_dtypes(path)
-        on_disk = ", ".join(f"{name} x{n}" if n > 0 else name for name, n in dtypes.most_common())
+        sizes = gguf_type_bytes(path) if path.suffix == ".gguf" else {}
+        on_disk = ", ".join((f"{name} x{n}" if n > 0 else name) + (f" ({_size(sizes[name])})" if name in sizes else "")
+                            for name, n in dtypes.most_common())
     except NpllmError as e:
         on_disk = f"unknown ({e})"
     try:

@@ -43,6 +43,10 @@ class SentencePieceTokenizer(Tokenizer):
         """The piece of `token_id` as the model stores it."""
         return self._sp.id_to_piece(self._check_id(token_id))
 
+    def score(self, token_id: int) -> float:
+        """The piece's score (its merge priority; higher merges first)."""
+        return self._sp.get_score(self._check_id(token_id))
+
     def token_type(self, token_id: int) -> TokenType:
         """The TokenType of `token_id` (sentencepiece exposes no user-defined flag: those read as NORMAL)."""
         token_id = self._check_id(token_id)

@@ -1,0 +1,357 @@
+"""Matrix products on quantized weights, reading the blocks of npllm.quant straight from their bytes.
+
+A weight matrix W [N, K] of a block type is held as its bytes, one row of blocks per output:
+
+    w [N, K / block_size * block_bytes] uint8        (a view of the memory map: no float copy anywhere)
+
+Activations stay float32 (npllm's choice: no 8-bit activation blocks as llama.cpp uses, so the only rounding is the
+weights' own and the float32 sums). Each kernel is the NumPy reference `x @ dequantize(w).T` with the sums
+regrouped:
+
+    matvec (decode, one token): out[n] = sum_b  d_b * sum_j q_bj x_bj       the block scale leaves the inner sum
+                                (K-quants: sum_s (d sc_s) sum_j q x - (dmin mn_s) sum_j x per sub-block s, the
+                                sums of x taken once per product, not once per row)
+    matmul (prefill, T tokens): 16 rows at a time are decoded into one float32 panel (K x 16, the layout of
+                                kernels/cpu.py), which cpu.py's register tile then multiplies by every token: the
+                                decoding is paid once per row, the arithmetic runs at the float32 kernel's rate.
+
+Rows are split into `threads` contiguous ranges run in parallel (numba.prange), so each weight byte is read once per
+product. Sums are reassociated by the compiler (fastmath), so results match the reference to float32 rounding, not
+bit for bit; tests hold each kernel to the reference under Hypothesis.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from ..quant import QK_K, TYPES, QuantizationError
+from .cpu import PANEL, REASSOC, TILE_T, _tile_6x16
+from .simd import _vector, f32x8, vfma, vfmav, vload, vsum, vzero
+
+# ---------------------------------------------------------------------------------------------- byte vectors
+# Eight weight bytes widened to eight float32 lanes in registers (simd.py's f32x8). Written as LLVM vector
+# operations because Numba's indexing of a byte array, one element at a time, keeps the loop from vectorising.
+
+
+def _byte_lanes(builder, context, array_type, array, index):
+    """The 8 bytes at array.flat[index] as an <8 x i8> vector (array: C-contiguous uint8 or int8, any rank)."""
+    data = context.make_array(array_type)(context, builder, array).data
+    pointer = builder.bitcast(builder.gep(data, [index]), ir.VectorType(ir.IntType(8), 8).as_pointer())
+    return builder.load(pointer, align=1)
+
+
+def _is_byte_c_array(ty) -> bool:
+    return isinstance(ty, types.Array) and ty.dtype in (types.uint8, types.int8) and ty.layout == "C"
+
+
+@intrinsic
+def vload_int8(typingctx, array, index):
+    """f32x8 of the 8 bytes at array.flat[index] read as int8 (-128..127)."""
+    if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.sitofp(_byte_lanes(builder, context, signature.args[0], args[0], args[1]), _vector(8))
+
+    return f32x8(array, index), codegen
+
+
+def _nibbles(high: bool):
+    def typer(typingctx, array, index):
+        if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            lanes = _byte_lanes(builder, context, signature.args[0], args[0], args[1])
+            i8x8 = ir.VectorType(ir.IntType(8), 8)
+            nibble = (builder.lshr(lanes, ir.Constant(i8x8, [4] * 8)) if high
+                      else builder.and_(lanes, ir.Constant(i8x8, [15] * 8)))
+            return builder.uitofp(nibble, _vector(8))
+
+        return f32x8(array, index), codegen
+
+    return typer
+
+
+vload_low_nibbles = intrinsic(_nibbles(high=False))  # f32x8 of (byte & 15) for the 8 bytes at array.flat[index]
+vload_high_nibbles = intrinsic(_nibbles(high=True))  # f32x8 of (byte >> 4)
+
+
+@intrinsic
+def vload_two_bits(typingctx, array, index, shift):
+    """f32x8 of (byte >> shift) & 3 for the 8 bytes at array.flat[index]."""
+    if not (_is_byte_c_array(array) and isinstance(index, types.Integer) and isinstance(shift, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        lanes = _byte_lanes(builder, context, signature.args[0], args[0], args[1])
+        i8x8 = ir.VectorType(ir.IntType(8), 8)
+        amount = builder.trunc(args[2], ir.IntType(8))
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(i8x8, ir.Undefined), amount,
+                                                              ir.Constant(ir.IntType(32), 0)),
+                                       ir.Constant(i8x8, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 8),
+                                                                                    [0] * 8))
+        bits = builder.and_(builder.lshr(lanes, splat), ir.Constant(i8x8, [3] * 8))
+        return builder.uitofp(bits, _vector(8))
+
+    return f32x8(array, index, shift), codegen
+
+
+@intrinsic
+def load_half(typingctx, array, index):
+    """The float16 at bytes array.flat[index : index + 2], widened to float32 (one vcvtph2ps where the CPU has F16C)."""
+    if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        pointer = builder.bitcast(builder.gep(data, [args[1]]), ir.HalfType().as_pointer())
+        return builder.fpext(builder.load(pointer, align=1), ir.FloatType())
+
+    return types.float32(array, index), codegen
+
+
+@njit(inline="always")
+def _int8(byte):
+    v = np.int32(byte)
+    return v - ((v >> 7) << 8)
+
+
+# ---------------------------------------------------------------------------------------------- block kernels
+# For each type: _acc_<type>(acc, w, n, b, x, sums) adds block b of row n times x to the f32x8 accumulator `acc`
+# and returns it with a scalar part; _decode_<type>(w, n, b, buf, at) writes the block's values to
+# buf[at : at + block_size]. `w` is [N, row bytes] C-contiguous, so row n's block b starts at flat byte
+# n * w.shape[1] + b * block_bytes. `sums[i]` = x[16 i : 16 i + 16].sum(), computed once per product: the terms of
+# an offset (Q4_0's -8, a K-quant's min, Q6_K's -32) are (offset * sum of x), one multiply per sub-block instead of
+# one add per value.
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_q8_0(acc, w, n, b, x, sums):
+    """Q8_0 (34 bytes: f16 d, 32 int8 q): acc += d * q * x[32 b:][:32]."""
+    at, k = n * w.shape[1] + 34 * b, 32 * b
+    qx = vzero()
+    for j in range(0, 32, 8):
+        qx = vfmav(qx, vload_int8(w, at + 2 + j), vload(x, k + j))
+    return vfma(acc, load_half(w, n * w.shape[1] + 34 * b), qx), np.float32(0)
+
+
+@njit(inline="always")
+def _decode_q8_0(w, n, b, buf, at):
+    base = 34 * b
+    d = load_half(w, n * w.shape[1] + base)
+    for j in range(32):
+        buf[at + j] = np.float32(_int8(w[n, base + 2 + j])) * d
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_q4_0(acc, w, n, b, x, sums):
+    """Q4_0 (18 bytes: f16 d, 16 bytes; byte j holds values j (low nibble) and j + 16 (high), offset by 8):
+    d q x in the lanes, -8 d (sum of x) as the scalar part."""
+    at, k = n * w.shape[1] + 18 * b + 2, 32 * b
+    qx = vzero()
+    for j in range(0, 16, 8):
+        qx = vfmav(qx, vload_low_nibbles(w, at + j), vload(x, k + j))
+        qx = vfmav(qx, vload_high_nibbles(w, at + j), vload(x, k + 16 + j))
+    d = load_half(w, n * w.shape[1] + 18 * b)
+    return vfma(acc, d, qx), np.float32(-8) * d * (sums[2 * b] + sums[2 * b + 1])
+
+
+@njit(inline="always")
+def _decode_q4_0(w, n, b, buf, at):
+    base = 18 * b
+    d = load_half(w, n * w.shape[1] + base)
+    for j in range(16):
+        byte = np.int32(w[n, base + 2 + j])
+        buf[at + j] = np.float32((byte & 15) - 8) * d
+        buf[at + j + 16] = np.float32((byte >> 4) - 8) * d
+
+
+@njit(inline="always")
+def _scale_min_q4_k(w, n, at, s):
+    """6-bit scale and min of sub-block s from the 12 scale bytes at w[n, at:] (see quant._scales_6bit)."""
+    if s < 4:
+        return np.int32(w[n, at + s]) & 63, np.int32(w[n, at + 4 + s]) & 63
+    c = np.int32(w[n, at + 4 + s])
+    sc = (c & 15) | ((np.int32(w[n, at + s - 4]) >> 6) << 4)
+    mn = (c >> 4) | ((np.int32(w[n, at + s]) >> 6) << 4)
+    return sc, mn
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_q4_k(acc, w, n, b, x, sums):
+    """Q4_K (144 bytes): for each sub-block s of 32, (d sc_s) q x in the lanes, -(dmin mn_s) (sum of x) scalar."""
+    base = 144 * b
+    flat, k = n * w.shape[1] + base + 16, QK_K * b
+    d, dmin = load_half(w, n * w.shape[1] + base), load_half(w, n * w.shape[1] + base + 2)
+    offset = np.float32(0)
+    for r in range(4):  # run r of 32 bytes: sub-block 2r in the low nibbles, 2r + 1 in the high ones
+        sc0, mn0 = _scale_min_q4_k(w, n, base + 4, 2 * r)
+        sc1, mn1 = _scale_min_q4_k(w, n, base + 4, 2 * r + 1)
+        qx0, qx1 = vzero(), vzero()
+        for j in range(0, 32, 8):
+            qx0 = vfmav(qx0, vload_low_nibbles(w, flat + 32 * r + j), vload(x, k + 64 * r + j))
+            qx1 = vfmav(qx1, vload_high_nibbles(w, flat + 32 * r + j), vload(x, k + 64 * r + 32 + j))
+        acc = vfma(vfma(acc, d * np.float32(sc0), qx0), d * np.float32(sc1), qx1)
+        s = 16 * b + 4 * r  # sums of 16: sub-block 2r is s, s + 1; sub-block 2r + 1 is s + 2, s + 3
+        offset -= dmin * (np.float32(mn0) * (sums[s] + sums[s + 1]) + np.float32(mn1) * (sums[s + 2] + sums[s + 3]))
+    return acc, offset
+
+
+@njit(inline="always")
+def _decode_q4_k(w, n, b, buf, at):
+    base = 144 * b
+    d, dmin = load_half(w, n * w.shape[1] + base), load_half(w, n * w.shape[1] + base + 2)
+    for r in range(4):
+        sc0, mn0 = _scale_min_q4_k(w, n, base + 4, 2 * r)
+        sc1, mn1 = _scale_min_q4_k(w, n, base + 4, 2 * r + 1)
+        s0, m0 = d * np.float32(sc0), dmin * np.float32(mn0)
+        s1, m1 = d * np.float32(sc1), dmin * np.float32(mn1)
+        for j in range(32):
+            byte = np.int32(w[n, base + 16 + 32 * r + j])
+            buf[at + 64 * r + j] = s0 * np.float32(byte & 15) - m0
+            buf[at + 64 * r + 32 + j] = s1 * np.float32(byte >> 4) - m1
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_q6_k_group(acc, offset, w, n, b, x, sums, d, h, g, high_nibbles):
+    """Values 32 g .. 32 g + 31 of half h (sub-blocks 8h + 2g, 8h + 2g + 1) of Q6_K block b: low 4 bits from the
+    low (g < 2) or high (g >= 2) nibbles of ql[32 (g % 2):], high 2 bits from bits 2g of qh. Called with g and
+    high_nibbles as constants, so the compiler sees constant shifts."""
+    flat = n * w.shape[1] + 210 * b
+    ql = flat + 64 * h + 32 * (g & 1)
+    qh = flat + 128 + 32 * h
+    first = QK_K * b + 128 * h + 32 * g
+    for half in range(2):
+        qx = vzero()
+        for j in range(16 * half, 16 * half + 16, 8):
+            low = vload_high_nibbles(w, ql + j) if high_nibbles else vload_low_nibbles(w, ql + j)
+            q = vfma(low, np.float32(16), vload_two_bits(w, qh + j, 2 * g))
+            qx = vfmav(qx, q, vload(x, first + j))
+        sub = 8 * h + 2 * g + half
+        scale = d * np.float32(_int8(w[n, 210 * b + 192 + sub]))
+        acc = vfma(acc, scale, qx)
+        offset -= np.float32(32) * scale * sums[16 * b + sub]
+    return acc, offset
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_q6_k(acc, w, n, b, x, sums):
+    """Q6_K (210 bytes): for each sub-block s of 16, (d sc_s) (low + 16 high) x in the lanes, -32 (d sc_s) (sum of
+    x) as the scalar part (see _acc_q6_k_group for where each value's bits are)."""
+    d = load_half(w, n * w.shape[1] + 210 * b + 208)
+    offset = np.float32(0)
+    for h in range(2):
+        acc, offset = _acc_q6_k_group(acc, offset, w, n, b, x, sums, d, h, 0, False)
+        acc, offset = _acc_q6_k_group(acc, offset, w, n, b, x, sums, d, h, 1, False)
+        acc, offset = _acc_q6_k_group(acc, offset, w, n, b, x, sums, d, h, 2, True)
+        acc, offset = _acc_q6_k_group(acc, offset, w, n, b, x, sums, d, h, 3, True)
+    return acc, offset
+
+
+@njit(inline="always")
+def _q6_k(w, n, at, h, g, l):
+    """6-bit value (0..63) of group g (0..3), lane l (0..31) of half h of the Q6_K block at w[n, at:]."""
+    ql = np.int32(w[n, at + 64 * h + 32 * (g & 1) + l])
+    low = (ql >> 4) if g >= 2 else (ql & 15)
+    high = (np.int32(w[n, at + 128 + 32 * h + l]) >> (2 * g)) & 3
+    return low | (high << 4)
+
+
+@njit(inline="always")
+def _decode_q6_k(w, n, b, buf, at):
+    base = 210 * b
+    d = load_half(w, n * w.shape[1] + base + 208)
+    for h in range(2):
+        for g in range(4):
+            for l in range(32):
+                i = 128 * h + 32 * g + l
+                scale = d * np.float32(_int8(w[n, base + 192 + i // 16]))
+                buf[at + i] = scale * np.float32(_q6_k(w, n, base, h, g, l) - 32)
+
+
+# ---------------------------------------------------------------------------------------------- the products
+
+def _kernels(acc_block, decode, block_size: int):
+    """matvec and matmul over the rows of a block type, from its block accumulator and its block decoder."""
+
+    @njit(parallel=True, fastmath=REASSOC, cache=True)
+    def matvec(w, x, threads):
+        N = w.shape[0]
+        nb = x.shape[0] // block_size
+        sums = x.reshape(-1, 16).sum(axis=1).astype(np.float32)  # [K / 16]
+        out = np.empty(N, np.float32)
+        chunks = max(1, min(N, threads))
+        for c in prange(chunks):
+            for n in range(c * N // chunks, (c + 1) * N // chunks):
+                acc = vzero()
+                offset = np.float32(0)
+                for b in range(nb):
+                    acc, part = acc_block(acc, w, n, b, x, sums)
+                    offset += part
+                out[n] = vsum(acc) + offset
+        return out
+
+    @njit(parallel=True, fastmath=REASSOC, cache=True)
+    def matmul(w, x, threads):
+        N = w.shape[0]
+        T, K = x.shape
+        nb = K // block_size
+        P = -(-N // PANEL)
+        out = np.empty((T, N), np.float32)
+        chunks = max(1, min(P, threads))
+        for c in prange(chunks):
+            panel = np.zeros(K * PANEL, np.float32)  # rows 16p .. 16p+15 decoded, as cpu.pack_panels lays them out
+            row = np.empty(K, np.float32)
+            tile = np.empty((T, PANEL), np.float32)
+            for p in range(c * P // chunks, (c + 1) * P // chunks):
+                rows = min(PANEL, N - PANEL * p)
+                for j in range(rows):
+                    for b in range(nb):
+                        decode(w, PANEL * p + j, b, row, b * block_size)
+                    for k in range(K):
+                        panel[k * PANEL + j] = row[k]
+                for j in range(rows, PANEL):  # past the last row: zeros, computed and not stored
+                    for k in range(K):
+                        panel[k * PANEL + j] = 0
+                for t in range(0, T, TILE_T):
+                    _tile_6x16(x, t, min(TILE_T, T - t), panel, 0, K, tile, 0)
+                for t in range(T):
+                    for j in range(rows):
+                        out[t, PANEL * p + j] = tile[t, j]
+        return out
+
+    return matvec, matmul
+
+
+_MATVEC, _MATMUL = {}, {}
+for _name, _acc, _decode in [("Q8_0", _acc_q8_0, _decode_q8_0), ("Q4_0", _acc_q4_0, _decode_q4_0),
+                             ("Q4_K", _acc_q4_k, _decode_q4_k), ("Q6_K", _acc_q6_k, _decode_q6_k)]:
+    _MATVEC[_name], _MATMUL[_name] = _kernels(_acc, _decode, TYPES[_name].block_size)
+
+KERNEL_TYPES = tuple(_MATVEC)
+
+
+def _check(w: np.ndarray, qtype: str, K: int) -> None:
+    if qtype not in _MATVEC:
+        raise QuantizationError(f"no kernel for {qtype} weights (npllm has {', '.join(KERNEL_TYPES)})")
+    t = TYPES[qtype]
+    if w.dtype != np.uint8 or w.ndim != 2 or K % t.block_size or w.shape[1] != K // t.block_size * t.block_bytes:
+        raise QuantizationError(f"{qtype} weights of shape {w.shape} do not hold rows of {K} values")
+
+
+def matvec(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> np.ndarray:
+    """W x for W given as its rows of `qtype` blocks.  # [N, row bytes] uint8, [K] float32 -> [N] float32"""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    _check(w, qtype, x.shape[0])
+    return _MATVEC[qtype](w, x, threads)
+
+
+def matmul(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> np.ndarray:
+    """x W^T for W given as its rows of `qtype` blocks.  # [N, row bytes] uint8, [T, K] float32 -> [T, N] float32"""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    _check(w, qtype, x.shape[1])
+    return _MATMUL[qtype](w, x, threads)

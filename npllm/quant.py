@@ -1,0 +1,640 @@
+"""GGUF weight types as readable NumPy: what each block of bytes means, and how numbers become blocks again.
+
+A quantized matrix keeps its rows as runs of blocks. Each block stores `block_size` consecutive values of a row in
+`block_bytes` bytes: a few float16 scales and the small integers they multiply. All scales and integers are
+little-endian. Every `dequantize_*` function maps raw bytes [nb * block_bytes] (uint8) to [nb * block_size] float32
+values, vectorised over blocks, and computes in float32 in the order llama.cpp's reference does, so the results are
+the same bits (tests hold each one to the `gguf` package's dequantizers).
+
+    type   id  values  bytes  bits/value  formula (q: the stored integer of one value)
+    F32     0      1      4     32        x
+    F16     1      1      2     16        x
+    BF16   30      1      2     16        x (the high half of a float32)
+    Q8_0    8     32     34      8.5      d * q                      q int8
+    Q4_0    2     32     18      4.5      d * (q - 8)                q 0..15
+    Q4_1    3     32     20      5        d * q + m                  q 0..15
+    Q5_0    6     32     22      5.5      d * (q - 16)               q 0..31
+    Q5_1    7     32     24      6        d * q + m                  q 0..31
+    Q2_K   10    256     84      2.625    (d * sc) * q - dmin * mn   16 sub-blocks of 16, 4-bit sc and mn
+    Q3_K   11    256    110      3.4375   (d * (sc - 32)) * (q - 4)  16 sub-blocks of 16, 6-bit sc, q 0..7
+    Q4_K   12    256    144      4.5      (d * sc) * q - dmin * mn   8 sub-blocks of 32, 6-bit sc and mn
+    Q5_K   13    256    176      5.5      (d * sc) * q - dmin * mn   8 sub-blocks of 32, 6-bit sc and mn
+    Q6_K   14    256    210      6.5625   (d * sc) * (q - 32)        16 sub-blocks of 16, int8 sc
+
+The quantizers (`quantize_*`) for Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 make the same bytes as llama.cpp's reference
+quantizers. Those for Q4_K, Q5_K and Q6_K are npllm's own, simpler than llama.cpp's (see quantize_q4_k): they cover
+each sub-block's range exactly, so no value is ever clipped and every error is at most half a quantization step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import NpllmError
+
+QK_K = 256  # values per K-quant super-block
+
+
+class QuantizationError(NpllmError, ValueError):
+    """Values cannot be stored in the requested type (not finite, rows not a whole number of blocks, too large)."""
+
+
+@dataclass(frozen=True)
+class QuantType:
+    name: str
+    type_id: int  # GGML type id, as stored in a GGUF tensor table
+    block_size: int  # values per block
+    block_bytes: int  # bytes per block
+
+    @property
+    def bits_per_value(self) -> float:
+        return 8 * self.block_bytes / self.block_size
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes of a tensor of this type in NumPy shape (..., row); rows must be whole blocks."""
+        count = int(np.prod(shape, dtype=np.int64))
+        return count // self.block_size * self.block_bytes
+
+
+TYPES = {t.name: t for t in [
+    QuantType("F32", 0, 1, 4), QuantType("F16", 1, 1, 2), QuantType("BF16", 30, 1, 2),
+    QuantType("Q8_0", 8, 32, 34), QuantType("Q4_0", 2, 32, 18), QuantType("Q4_1", 3, 32, 20),
+    QuantType("Q5_0", 6, 32, 22), QuantType("Q5_1", 7, 32, 24),
+    QuantType("Q2_K", 10, QK_K, 84), QuantType("Q3_K", 11, QK_K, 110), QuantType("Q4_K", 12, QK_K, 144),
+    QuantType("Q5_K", 13, QK_K, 176), QuantType("Q6_K", 14, QK_K, 210),
+]}
+TYPES_BY_ID = {t.type_id: t for t in TYPES.values()}
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
+    """Raw bytes as one row per block.  # [nb * block_bytes] uint8 -> [nb, block_bytes]"""
+    raw = np.asarray(raw)
+    if raw.dtype != np.uint8:
+        raw = raw.view(np.uint8)
+    if raw.size % block_bytes:
+        raise QuantizationError(f"{raw.size} bytes are not a whole number of {block_bytes}-byte blocks")
+    return raw.reshape(-1, block_bytes)
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 stored at byte `at` of every block, widened to float32.  # [nb, bytes] -> [nb, 1]"""
+    bits = blocks[:, at].astype(np.uint16) | (blocks[:, at + 1].astype(np.uint16) << 8)
+    return bits.view(np.float16).astype(np.float32)[:, None]
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """Low nibbles then high nibbles of each run of bytes.  # [..., n] uint8 -> [..., 2, n]"""
+    return np.stack([packed & 0x0F, packed >> 4], axis=-2)
+
+
+def _bits(mask: np.ndarray, count: int) -> np.ndarray:
+    """Bit i of each byte, for i < count.  # [..., n] uint8 -> [..., count, n] in {0, 1}"""
+    shifts = np.arange(count, dtype=np.uint8)[:, None]
+    return (mask[..., None, :] >> shifts) & 1
+
+
+# ---------------------------------------------------------------------------------------------------- float types
+
+def dequantize_f32(raw: np.ndarray) -> np.ndarray:
+    out = np.asarray(raw).view("<f4")
+    return out if out.flags.aligned else out.copy()
+
+
+def dequantize_f16(raw: np.ndarray) -> np.ndarray:
+    """IEEE half precision: sign, 5-bit exponent, 10-bit mantissa; widening to float32 is exact."""
+    return np.asarray(raw).view("<f2").astype(np.float32)
+
+
+def dequantize_bf16(raw: np.ndarray) -> np.ndarray:
+    """bfloat16 is the high half of a float32: shift the 16-bit word up."""
+    return (np.asarray(raw).view("<u2").astype(np.uint32) << 16).view(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------- 32-value blocks
+
+def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Q8_0: 34 bytes per 32 values.
+
+        bytes 0-1    d      float16 scale
+        bytes 2-33   q[32]  int8, value j in byte 2 + j
+
+        x[j] = d * q[j]                                           # [nb * 34] -> [nb * 32]
+    """
+    blocks = _blocks(raw, 34)
+    d = _half(blocks, 0)  # [nb, 1]
+    q = blocks[:, 2:].view(np.int8).astype(np.float32)  # [nb, 32]
+    return (q * d).reshape(-1)
+
+
+def dequantize_q4_0(raw: np.ndarray) -> np.ndarray:
+    """Q4_0: 18 bytes per 32 values.
+
+        bytes 0-1    d       float16 scale
+        bytes 2-17   qs[16]  byte j: low nibble = value j, high nibble = value j + 16
+
+        x[j] = d * (q[j] - 8)        q[j] in 0..15                # [nb * 18] -> [nb * 32]
+    """
+    blocks = _blocks(raw, 18)
+    d = _half(blocks, 0)
+    q = _nibbles(blocks[:, 2:]).reshape(-1, 32).astype(np.int8) - np.int8(8)  # [nb, 32]
+    return (d * q.astype(np.float32)).reshape(-1)
+
+
+def dequantize_q4_1(raw: np.ndarray) -> np.ndarray:
+    """Q4_1: 20 bytes per 32 values; an offset m instead of Q4_0's fixed -8.
+
+        bytes 0-1    d       float16 scale
+        bytes 2-3    m       float16 offset (the block's minimum)
+        bytes 4-19   qs[16]  byte j: low nibble = value j, high nibble = value j + 16
+
+        x[j] = d * q[j] + m          q[j] in 0..15                # [nb * 20] -> [nb * 32]
+    """
+    blocks = _blocks(raw, 20)
+    d, m = _half(blocks, 0), _half(blocks, 2)
+    q = _nibbles(blocks[:, 4:]).reshape(-1, 32).astype(np.float32)
+    return (d * q + m).reshape(-1)
+
+
+def _five_bit(blocks: np.ndarray, qh_at: int) -> np.ndarray:
+    """5-bit integers of a Q5_0/Q5_1 block: 4 low bits from the nibbles, the fifth from bit j of the u32 qh.
+
+    # [nb, bytes] -> [nb, 32] in 0..31
+    """
+    low = _nibbles(blocks[:, qh_at + 4 : qh_at + 20]).reshape(-1, 32)
+    high = _bits(blocks[:, qh_at : qh_at + 4], 8).transpose(0, 2, 1).reshape(-1, 32)  # byte k bit i -> value 8k+i
+    return low | (high << 4)
+
+
+def dequantize_q5_0(raw: np.ndarray) -> np.ndarray:
+    """Q5_0: 22 bytes per 32 values.
+
+        bytes 0-1    d       float16 scale
+        bytes 2-5    qh      uint32 (little-endian): bit j = fifth (high) bit of value j
+        bytes 6-21   qs[16]  byte j: low nibble = low 4 bits of value j, high nibble = those of value j + 16
+
+        x[j] = d * (q[j] - 16)       q[j] = low4[j] | (bit j of qh) << 4, in 0..31      # [nb * 22] -> [nb * 32]
+    """
+    blocks = _blocks(raw, 22)
+    d = _half(blocks, 0)
+    q = _five_bit(blocks, 2).astype(np.int8) - np.int8(16)
+    return (d * q.astype(np.float32)).reshape(-1)
+
+
+def dequantize_q5_1(raw: np.ndarray) -> np.ndarray:
+    """Q5_1: 24 bytes per 32 values.
+
+        bytes 0-1    d       float16 scale
+        bytes 2-3    m       float16 offset (the block's minimum)
+        bytes 4-7    qh      uint32: bit j = fifth bit of value j
+        bytes 8-23   qs[16]  byte j: low nibble = value j, high nibble = value j + 16 (low 4 bits)
+
+        x[j] = d * q[j] + m          q[j] in 0..31                # [nb * 24] -> [nb * 32]
+    """
+    blocks = _blocks(raw, 24)
+    d, m = _half(blocks, 0), _half(blocks, 2)
+    q = _five_bit(blocks, 4).astype(np.float32)
+    return (d * q + m).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------------- K-quants
+
+def _scales_6bit(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eight 6-bit scales and eight 6-bit mins from the 12 scale bytes of Q4_K/Q5_K.  # [nb, 12] -> 2 x [nb, 8]
+
+        byte  0..3   sc[0..3] in bits 0-5; bits 6-7 = high 2 bits of sc[4..7]
+        byte  4..7   mn[0..3] in bits 0-5; bits 6-7 = high 2 bits of mn[4..7]
+        byte  8..11  low nibble = low 4 bits of sc[4..7], high nibble = low 4 bits of mn[4..7]
+    """
+    a, b, c = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], axis=1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], axis=1)
+    return sc, mn
+
+
+def dequantize_q4_k(raw: np.ndarray) -> np.ndarray:
+    """Q4_K: 144 bytes per 256 values, eight sub-blocks of 32 each with its own 6-bit scale and min.
+
+        bytes 0-1     d        float16 super-scale of the scales
+        bytes 2-3     dmin     float16 super-scale of the mins
+        bytes 4-15    scales   sc[8], mn[8], 6 bits each (see _scales_6bit)
+        bytes 16-143  qs[128]  four runs of 32 bytes; run r: low nibbles = sub-block 2r, high = sub-block 2r + 1
+
+        x[32 s + j] = (d * sc[s]) * q[32 s + j] - dmin * mn[s]     q in 0..15    # [nb * 144] -> [nb * 256]
+    """
+    blocks = _blocks(raw, 144)
+    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    sc, mn = _scales_6bit(blocks[:, 4:16])
+    scale = (d * sc.astype(np.float32))[:, :, None]  # [nb, 8, 1]
+    offset = (dmin * mn.astype(np.float32))[:, :, None]
+    q = _nibbles(blocks[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32).astype(np.float32)
+    return (scale * q - offset).reshape(-1)
+
+
+def dequantize_q5_k(raw: np.ndarray) -> np.ndarray:
+    """Q5_K: 176 bytes per 256 values; Q4_K plus a fifth bit per value.
+
+        bytes 0-1     d        float16 super-scale of the scales
+        bytes 2-3     dmin     float16 super-scale of the mins
+        bytes 4-15    scales   sc[8], mn[8], 6 bits each (see _scales_6bit)
+        bytes 16-47   qh[32]   bit s of qh[j] = fifth bit of value j of sub-block s
+        bytes 48-175  qs[128]  four runs of 32 bytes; run r: low nibbles = sub-block 2r, high = sub-block 2r + 1
+
+        x[32 s + j] = (d * sc[s]) * q[32 s + j] - dmin * mn[s]     q in 0..31    # [nb * 176] -> [nb * 256]
+    """
+    blocks = _blocks(raw, 176)
+    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    sc, mn = _scales_6bit(blocks[:, 4:16])
+    scale = (d * sc.astype(np.float32))[:, :, None]
+    offset = (dmin * mn.astype(np.float32))[:, :, None]
+    low = _nibbles(blocks[:, 48:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    high = _bits(blocks[:, 16:48], 8)  # [nb, 8, 32]
+    q = (low | (high << 4)).astype(np.float32)
+    return (scale * q - offset).reshape(-1)
+
+
+def dequantize_q6_k(raw: np.ndarray) -> np.ndarray:
+    """Q6_K: 210 bytes per 256 values, sixteen sub-blocks of 16 each with an int8 scale.
+
+        bytes 0-127    ql[128]  low 4 bits; two halves of 64 bytes, one per 128 values
+        bytes 128-191  qh[64]   high 2 bits; two halves of 32 bytes
+        bytes 192-207  sc[16]   int8 scale of each sub-block of 16 values
+        bytes 208-209  d        float16 super-scale
+
+        Within half h (values 128 h + i), for l in 0..31, with ql = ql[64 h:], qh = qh[32 h:]:
+            value l      : low nibble of ql[l]       | bits 0-1 of qh[l] << 4
+            value l + 32 : low nibble of ql[l + 32]  | bits 2-3 of qh[l] << 4
+            value l + 64 : high nibble of ql[l]      | bits 4-5 of qh[l] << 4
+            value l + 96 : high nibble of ql[l + 32] | bits 6-7 of qh[l] << 4
+
+        x[16 s + j] = (d * sc[s]) * (q[16 s + j] - 32)     q in 0..63    # [nb * 210] -> [nb * 256]
+    """
+    blocks = _blocks(raw, 210)
+    d = _half(blocks, 208)
+    sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
+    scale = (d * sc)[:, :, None]  # [nb, 16, 1]
+    ql = blocks[:, :128].reshape(-1, 2, 2, 32)  # [nb, half, run of 32, l]
+    low = _nibbles(ql).swapaxes(2, 3).reshape(-1, 2, 4, 32)  # [nb, half, nibble, run, l]: group = 2 nibble + run
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    high = (blocks[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3  # [nb, half, group, l]
+    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
+    return (scale * q.reshape(-1, 16, 16).astype(np.float32)).reshape(-1)
+
+
+def _sixteen_by_two_bits(qs: np.ndarray) -> np.ndarray:
+    """2-bit fields of Q2_K/Q3_K: sub-block s (of 16) = bits 2 k of bytes 32 n + 16 h .. + 15, s = 8 n + 2 k + h.
+
+    # [nb, 64] -> [nb, 16, 16] in 0..3
+    """
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    return ((qs.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16)
+
+
+def dequantize_q2_k(raw: np.ndarray) -> np.ndarray:
+    """Q2_K: 84 bytes per 256 values, sixteen sub-blocks of 16 with a 4-bit scale and a 4-bit min.
+
+        bytes 0-15   scales[16]  low nibble = sc[s], high nibble = mn[s]
+        bytes 16-79  qs[64]      2 bits per value: two runs of 32 bytes (128 values each); within run n, the
+                                 shift 2 k picks sub-blocks 8 n + 2 k (bytes 0-15) and 8 n + 2 k + 1 (bytes 16-31)
+        bytes 80-81  d           float16 super-scale of the scales
+        bytes 82-83  dmin        float16 super-scale of the mins
+
+        x[16 s + j] = (d * sc[s]) * q[16 s + j] - dmin * mn[s]     q in 0..3    # [nb * 84] -> [nb * 256]
+    """
+    blocks = _blocks(raw, 84)
+    d, dmin = _half(blocks, 80), _half(blocks, 82)
+    scales = blocks[:, :16]
+    scale = (d * (scales & 0x0F).astype(np.float32))[:, :, None]
+    offset = (dmin * (scales >> 4).astype(np.float32))[:, :, None]
+    q = _sixteen_by_two_bits(blocks[:, 16:80]).astype(np.float32)
+    return (scale * q - offset).reshape(-1)
+
+
+def dequantize_q3_k(raw: np.ndarray) -> np.ndarray:
+    """Q3_K: 110 bytes per 256 values, sixteen sub-blocks of 16 with a 6-bit scale stored offset by 32.
+
+        bytes 0-31    hmask[32]  bit b of hmask[16 h + j] = third bit of value j of sub-block 2 b + h
+        bytes 32-95   qs[64]     low 2 bits, laid out as in Q2_K
+        bytes 96-107  scales     sc[s] low 4 bits: byte s (s < 8, low nibble) or byte s - 8 (high nibble);
+                                 high 2 bits: bits 2 (s // 4) of byte 8 + s % 4
+        bytes 108-109 d          float16 super-scale
+
+        x[16 s + j] = (d * (sc[s] - 32)) * (q2 - (0 if the hmask bit is set else 4))    # [nb * 110] -> [nb * 256]
+    """
+    blocks = _blocks(raw, 110)
+    d = _half(blocks, 108)
+    packed = blocks[:, 96:108]
+    low4 = _nibbles(packed[:, :8]).reshape(-1, 16)  # s < 8: low nibbles of bytes 0..7, s >= 8: high nibbles
+    high2 = ((packed[:, 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3)  # [nb, s % 4, s // 4]
+    high2 = high2.transpose(0, 2, 1).reshape(-1, 16)
+    sc = (low4 | (high2 << 4)).astype(np.int8) - np.int8(32)
+    scale = (d * sc.astype(np.float32))[:, :, None]
+    low = _sixteen_by_two_bits(blocks[:, 32:96]).astype(np.int8)
+    missing = (_bits(blocks[:, :32], 8).reshape(-1, 16, 16) ^ 1).astype(np.int8) << 2  # 4 where the bit is clear
+    return (scale * (low - missing).astype(np.float32)).reshape(-1)
+
+
+DEQUANTIZE = {
+    "F32": dequantize_f32, "F16": dequantize_f16, "BF16": dequantize_bf16,
+    "Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1,
+    "Q5_0": dequantize_q5_0, "Q5_1": dequantize_q5_1,
+    "Q2_K": dequantize_q2_k, "Q3_K": dequantize_q3_k, "Q4_K": dequantize_q4_k,
+    "Q5_K": dequantize_q5_k, "Q6_K": dequantize_q6_k,
+}
+
+
+def dequantize(raw: np.ndarray, qtype: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """Raw bytes of a tensor of type `qtype` (a name in TYPES) as float32, reshaped to `shape` when given."""
+    if qtype not in DEQUANTIZE:
+        raise QuantizationError(f"npllm cannot read type {qtype} (it reads {', '.join(DEQUANTIZE)})")
+    values = DEQUANTIZE[qtype](raw)
+    return values if shape is None else values.reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------------- quantizers
+
+def _rows_of_blocks(values: np.ndarray, block_size: int) -> np.ndarray:
+    """Finite float32 values as one row per block.  # [..., n] -> [n_total / block_size, block_size]"""
+    values = np.asarray(values, dtype=np.float32)
+    if values.ndim == 0 or values.shape[-1] % block_size:
+        raise QuantizationError(f"rows of {values.shape[-1:]} values do not split into blocks of {block_size}")
+    if not np.all(np.isfinite(values)):
+        raise QuantizationError("cannot quantize values that are not finite (inf or NaN)")
+    return values.reshape(-1, block_size)
+
+
+def _as_half(d: np.ndarray) -> np.ndarray:
+    """float32 scales [nb, 1] stored as float16 bytes [nb, 2]; a scale beyond float16's range is refused."""
+    with np.errstate(over="ignore"):  # an overflow becomes inf, refused just below
+        half = d.astype(np.float16)
+    if not np.all(np.isfinite(half)):
+        raise QuantizationError("values too large for a float16 block scale (|x| must stay below about 4e6)")
+    return half.view(np.uint8).reshape(-1, 2)
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    """1 / d, and 0 for an all-zero block (every q then encodes 0)."""
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+
+
+def _round_half_away(v: np.ndarray) -> np.ndarray:
+    """C's roundf: halves round away from zero (float64 so that |v| + 0.5 is exact for these magnitudes)."""
+    v = v.astype(np.float64)
+    return np.sign(v) * np.floor(np.abs(v) + 0.5)
+
+
+def _signed_absmax(blocks: np.ndarray) -> np.ndarray:
+    """The value of largest magnitude in each block, with its sign (the first one on ties).  # [nb, n] -> [nb, 1]"""
+    return np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Values j and j + 16 of each 32 into byte j (low, high nibble).  # [nb, 32] in 0..15 (low 4 bits) -> [nb, 16]"""
+    return (q[:, :16] & 0x0F) | (q[:, 16:] << 4)
+
+
+def _pack_fifth_bits(q: np.ndarray) -> np.ndarray:
+    """Bit 4 of value j into bit j of a little-endian u32.  # [nb, 32] in 0..31 -> [nb, 4]"""
+    return np.packbits((q >> 4).astype(np.uint8), axis=1, bitorder="little")
+
+
+def quantize_q8_0(values: np.ndarray) -> np.ndarray:
+    """[..., n] float32 -> Q8_0 bytes [nb * 34]: d = max|x| / 127, q = round(x / d) (halves away from zero)."""
+    x = _rows_of_blocks(values, 32)
+    d = (np.abs(x).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
+    q = _round_half_away(x * _inverse(d)).astype(np.int8).view(np.uint8)
+    return np.concatenate([_as_half(d), q], axis=1).reshape(-1)
+
+
+def quantize_q4_0(values: np.ndarray) -> np.ndarray:
+    """[..., n] -> Q4_0 bytes: d = -m / 8 with m the block's value of largest magnitude (so m itself maps to q = 0,
+    the far end of 0..15), q = min(15, trunc(x / d + 8.5))."""
+    x = _rows_of_blocks(values, 32)
+    d = (_signed_absmax(x) / np.float32(-8)).astype(np.float32)
+    q = np.minimum(np.trunc(x * _inverse(d) + np.float32(8.5)), 15).astype(np.uint8)
+    return np.concatenate([_as_half(d), _pack_nibbles(q)], axis=1).reshape(-1)
+
+
+def quantize_q4_1(values: np.ndarray) -> np.ndarray:
+    """[..., n] -> Q4_1 bytes: m = min x, d = (max x - m) / 15, q = min(15, trunc((x - m) / d + 0.5))."""
+    x = _rows_of_blocks(values, 32)
+    lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
+    d = ((hi - lo) / np.float32(15)).astype(np.float32)
+    q = np.minimum(np.trunc((x - lo) * _inverse(d) + np.float32(0.5)), 15).astype(np.uint8)
+    return np.concatenate([_as_half(d), _as_half(lo), _pack_nibbles(q)], axis=1).reshape(-1)
+
+
+def quantize_q5_0(values: np.ndarray) -> np.ndarray:
+    """[..., n] -> Q5_0 bytes: d = -m / 16 (m: value of largest magnitude), q = min(31, trunc(x / d + 16.5))."""
+    x = _rows_of_blocks(values, 32)
+    d = (_signed_absmax(x) / np.float32(-16)).astype(np.float32)
+    q = np.minimum(np.trunc(x * _inverse(d) + np.float32(16.5)), 31).astype(np.uint8)
+    return np.concatenate([_as_half(d), _pack_fifth_bits(q), _pack_nibbles(q)], axis=1).reshape(-1)
+
+
+def quantize_q5_1(values: np.ndarray) -> np.ndarray:
+    """[..., n] -> Q5_1 bytes: m = min x, d = (max x - m) / 31, q = min(31, trunc((x - m) / d + 0.5))."""
+    x = _rows_of_blocks(values, 32)
+    lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
+    d = ((hi - lo) / np.float32(31)).astype(np.float32)
+    q = np.minimum(np.trunc((x - lo) * _inverse(d) + np.float32(0.5)), 31).astype(np.uint8)
+    return np.concatenate([_as_half(d), _as_half(lo), _pack_fifth_bits(q), _pack_nibbles(q)], axis=1).reshape(-1)
+
+
+def _half_at_least(v: np.ndarray) -> np.ndarray:
+    """The smallest float16 >= v (v >= 0), as float32: a super-scale that never shrinks the range it must cover."""
+    with np.errstate(over="ignore"):  # an overflow becomes inf, refused just below
+        half = v.astype(np.float16)
+    half = np.where(half.astype(np.float64) < v, np.nextafter(half, np.float16(np.inf)), half)
+    if not np.all(np.isfinite(half)):
+        raise QuantizationError("values too large for a float16 super-block scale (|x| must stay below about 1e6)")
+    return half.astype(np.float32)
+
+
+def _scales_on_grid(needed: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Round each sub-block's needed scale up onto the grid d * k, k in 0..top, with d a float16 >= max / top.
+
+    Rounding up keeps every sub-block's range covered. d * k is exact in float32 (11 + 7 significant bits), so the
+    decoder's float32 product gives back exactly the scale used here.  # [nb, S] -> d [nb, 1], k [nb, S] uint8
+    """
+    d = _half_at_least(needed.max(axis=1, keepdims=True).astype(np.float64) / top)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.where(d > 0, np.ceil(needed / d.astype(np.float64)), 0)
+    return d, np.clip(k, 0, top).astype(np.uint8)
+
+
+def _pack_scales_6bit(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Inverse of _scales_6bit.  # [nb, 8] x2 in 0..63 -> [nb, 12]"""
+    a = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
+    b = (mn[:, :4] & 0x3F) | ((mn[:, 4:] >> 4) << 6)
+    c = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    return np.concatenate([a, b, c], axis=1).astype(np.uint8)
+
+
+def _quantize_scale_min(values: np.ndarray, top: int):
+    """The K-quant rule for x = (d sc) q - dmin mn, q in 0..top, sub-blocks of 32 (Q4_K: top 15, Q5_K: 31).
+
+    npllm's scale choice, per sub-block, is plain min/max covering rather than llama.cpp's iterative search:
+      1. mn_needed = -min(0, min x): the offset that brings the smallest value to q = 0;
+         dmin = smallest float16 >= max(mn_needed) / 63, mn = ceil(mn_needed / dmin)  (so dmin mn >= mn_needed);
+      2. sc_needed = (max x + dmin mn) / top: the step that reaches the largest value at q = top;
+         d = smallest float16 >= max(sc_needed) / 63, sc = ceil(sc_needed / d);
+      3. q = clip(round((x + dmin mn) / (d sc)), 0, top).
+    The grid [-dmin mn, top d sc - dmin mn] contains every value of the sub-block, so nothing is clipped and each
+    error is at most half a step d sc / 2. llama.cpp's search trades some clipping for a lower mean error.
+    # [..., n] -> d, dmin [nb, 1]; sc, mn [nb, 8]; q [nb, 8, 32]
+    """
+    x = _rows_of_blocks(values, QK_K).reshape(-1, 8, 32).astype(np.float64)
+    mn_needed = -np.minimum(x.min(axis=2), 0.0)
+    dmin, mn = _scales_on_grid(mn_needed, 63)
+    offset = (dmin * mn.astype(np.float32)).astype(np.float64)  # exactly what the decoder computes
+    sc_needed = (x.max(axis=2) + offset) / top
+    d, sc = _scales_on_grid(sc_needed, 63)
+    step = (d * sc.astype(np.float32)).astype(np.float64)[:, :, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step > 0, np.round((x + offset[:, :, None]) / step), 0)
+    return d, dmin, sc, mn, np.clip(q, 0, top).astype(np.uint8)
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """[..., n] (n a multiple of 256) -> Q4_K bytes [nb * 144]; scales chosen as in _quantize_scale_min."""
+    d, dmin, sc, mn, q = _quantize_scale_min(values, 15)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # run r: sub-block 2r low, 2r + 1 high
+    return np.concatenate([_as_half(d), _as_half(dmin), _pack_scales_6bit(sc, mn), qs], axis=1).reshape(-1)
+
+
+def quantize_q5_k(values: np.ndarray) -> np.ndarray:
+    """[..., n] (n a multiple of 256) -> Q5_K bytes [nb * 176]; scales chosen as in _quantize_scale_min."""
+    d, dmin, sc, mn, q = _quantize_scale_min(values, 31)
+    qh = np.zeros((q.shape[0], 32), dtype=np.uint8)
+    for s in range(8):  # bit s of qh[j]: fifth bit of value j of sub-block s
+        qh |= ((q[:, s] >> 4) & 1) << s
+    low = q & 0x0F
+    qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)
+    return np.concatenate([_as_half(d), _as_half(dmin), _pack_scales_6bit(sc, mn), qh, qs], axis=1).reshape(-1)
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """[..., n] (n a multiple of 256) -> Q6_K bytes [nb * 210].
+
+    npllm's scale choice: each sub-block of 16 needs step max|x| / 31 (so +-max|x| lie within q - 32 in -31..31);
+    d = smallest float16 >= max(step) / 127, sc = ceil(step / d) (int8, 0..127); q = clip(round(x / (d sc)) + 32,
+    0, 63). Nothing is clipped and each error is at most d sc / 2.
+    """
+    x = _rows_of_blocks(values, QK_K).reshape(-1, 16, 16).astype(np.float64)
+    d, sc = _scales_on_grid(np.abs(x).max(axis=2) / 31, 127)
+    step = (d * sc.astype(np.float32)).astype(np.float64)[:, :, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step > 0, np.round(x / step), 0)
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [nb, half, group, l]
+    low, high = q & 0x0F, q >> 4
+    ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2)
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.int8).view(np.uint8),
+                           _as_half(d)], axis=1).reshape(-1)
+
+
+def quantize_f16(values: np.ndarray) -> np.ndarray:
+    values = np.asarray(values, dtype=np.float32)
+    if not np.all(np.isfinite(values)) or np.abs(values).max(initial=0) > np.finfo(np.float16).max:
+        raise QuantizationError("values are not finite or beyond float16's range (65504)")
+    return values.astype("<f2").view(np.uint8).reshape(-1)
+
+
+def quantize_f32(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype="<f4").view(np.uint8).reshape(-1)
+
+
+QUANTIZE = {
+    "F32": quantize_f32, "F16": quantize_f16, "Q8_0": quantize_q8_0, "Q4_0": quantize_q4_0,
+    "Q4_1": quantize_q4_1, "Q5_0": quantize_q5_0, "Q5_1": quantize_q5_1,
+    "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k,
+}
+
+
+def quantize(values: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 values [..., n] as the raw bytes of type `qtype` (rows of n values are whole blocks)."""
+    if qtype not in QUANTIZE:
+        raise QuantizationError(f"npllm cannot write type {qtype} (it writes {', '.join(QUANTIZE)})")
+    return QUANTIZE[qtype](values)
+
+
+# ---------------------------------------------------------------------------------------------------- matrices
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """A weight matrix W [N, K] kept in its file type: N rows of K / block_size blocks, no float copy.
+
+    `raw` is [N, K / block_size * block_bytes] uint8, typically a read-only view of a memory-mapped file. The
+    NumPy reference multiplies by dequantizing (`matmul_t`); kernels/quant.py reads the same bytes directly.
+
+    It stands in for a float32 weight array where the NumPy model uses one: `x @ W.T` (through `.T`), `W[ids]`
+    (rows), `.shape`, `.dtype` (float32, the type it computes in); `np.asarray(W)` dequantizes it whole.
+    """
+
+    __array_ufunc__ = None  # `x @ W` and ufuncs defer to this class instead of converting it
+    dtype = np.dtype(np.float32)
+    ndim = 2
+
+    raw: np.ndarray
+    qtype: str
+    shape: tuple[int, int]
+
+    def __post_init__(self):
+        t = TYPES.get(self.qtype)
+        N, K = self.shape
+        if t is None or self.qtype not in DEQUANTIZE:
+            raise QuantizationError(f"npllm cannot compute with type {self.qtype}")
+        if K % t.block_size or self.raw.dtype != np.uint8 or self.raw.shape != (N, K // t.block_size * t.block_bytes):
+            raise QuantizationError(f"{self.qtype} bytes of shape {self.raw.shape} do not hold a [{N}, {K}] matrix")
+
+    @classmethod
+    def from_values(cls, values: np.ndarray, qtype: str) -> "QuantizedMatrix":
+        """Quantize a float matrix.  # [N, K] -> QuantizedMatrix"""
+        N, K = values.shape
+        return cls(quantize(values, qtype).reshape(N, -1), qtype, (N, K))
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        """W as float32.  # -> [N, K]"""
+        return dequantize(self.raw, self.qtype, self.shape)
+
+    def rows(self, ids) -> np.ndarray:
+        """Only the rows asked for, as float32 (an embedding lookup reads no other row).  # [T] -> [T, K]"""
+        ids = np.asarray(ids, dtype=np.int64)
+        return dequantize(self.raw[ids], self.qtype, (*ids.shape, self.shape[1]))
+
+    def matmul_t(self, x: np.ndarray) -> np.ndarray:
+        """x @ W.T, the reference: dequantize, then multiply.  # [T, K] -> [T, N]"""
+        return np.asarray(x, dtype=np.float32) @ self.dequantize().T
+
+    @property
+    def T(self) -> "_TransposedMatrix":
+        return _TransposedMatrix(self)
+
+    def __getitem__(self, ids) -> np.ndarray:
+        return self.rows(ids)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        dense = self.dequantize()
+        return dense if dtype is None else dense.astype(dtype)
+
+
+class _TransposedMatrix:
+    """W.T of a QuantizedMatrix, only for `x @ W.T`."""
+
+    __array_ufunc__ = None
+
+    def __init__(self, matrix: QuantizedMatrix):
+        self.matrix = matrix
+        self.shape = matrix.shape[::-1]
+
+    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
+        return self.matrix.matmul_t(x)

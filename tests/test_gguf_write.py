@@ -1,0 +1,237 @@
+"""npllm's GGUF writer and `npllm quantize`: files the `gguf` package (llama.cpp's reader) reads back tensor for
+tensor, mixtures of every type read by npllm as the reference dequantizes them, and stories260K in Q8_0 generating
+the golden text for as long as its dequantized float model does."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import npllm
+from npllm import quant
+from npllm.cli import main
+from npllm.errors import ConfigError
+from npllm.formats.gguf import (TensorData, read_gguf, read_gguf_file, read_vocab, tensor_type_for, write_gguf,
+                                write_gguf_file)
+from npllm.formats.hf import read_hf
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+WRITABLE = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def same_bits(a, b) -> bool:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_every_type_written_reads_back_in_the_reference_reader_and_in_npllm(tmp_path):
+    rng = np.random.default_rng(0)
+    values = {name: rng.standard_normal((3, 512)).astype(np.float32) for name in WRITABLE}
+    tensors = [TensorData(f"t.{name}", v.shape, name, quant.quantize(v, name)) for name, v in values.items()]
+    meta = {"general.architecture": "llama", "t.u32": 7, "t.i64": -(2**40), "t.f32": np.float32(0.5), "t.flag": True,
+            "t.words": ["a", "bé", ""], "t.scores": np.arange(3, dtype=np.float32), "t.ids": np.arange(4, dtype=np.int32)}
+    path = tmp_path / "all.gguf"
+    write_gguf_file(path, meta, tensors)
+    reference = gguf.GGUFReader(str(path))
+    assert reference.fields["t.u32"].parts[-1][0] == 7 and reference.fields["t.i64"].parts[-1][0] == -(2**40)
+    ours = read_gguf_file(path)
+    assert {k: ours.metadata[k] for k in ("t.u32", "t.i64", "t.f32", "t.flag", "t.words")} == {
+        "t.u32": 7, "t.i64": -(2**40), "t.f32": 0.5, "t.flag": True, "t.words": ["a", "bé", ""]}
+    assert ours.metadata["t.ids"].dtype == np.int32 and ours.metadata["t.ids"].tolist() == [0, 1, 2, 3]
+    for t in reference.tensors:
+        name = t.name.split(".")[1]
+        assert t.tensor_type == Q[name] and tuple(int(n) for n in t.shape) == (512, 3)
+        expected = gguf.quants.dequantize(t.data, t.tensor_type).reshape(3, 512)
+        assert same_bits(ours.tensor(t.name), expected)
+        assert same_bits(expected, quant.dequantize(quant.quantize(values[name], name), name, (3, 512)))
+        assert np.array_equal(ours.raw(t.name), quant.quantize(values[name], name))  # the bytes, unchanged
+
+
+def test_npllm_reads_every_type_llama_cpp_writes_bit_exactly(tmp_path):
+    """A mixture, as llama.cpp's Q4_K_M is: each tensor in its own type, arbitrary blocks (finite scales)."""
+    rng = np.random.default_rng(1)
+    path = tmp_path / "mix.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name in ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]:
+        t = quant.TYPES[name]
+        raw = rng.integers(0, 256, size=(2, 2 * t.block_bytes), dtype=np.uint8)
+        halves = np.array([quant.quantize(np.float32([s]), "F16") for s in rng.uniform(-2, 2, size=raw.size)])
+        for at in {"Q2_K": [80, 82], "Q3_K": [108], "Q6_K": [208]}.get(name, [0, 2] if name[-1] in "1K" else [0]):
+            blocks = raw.reshape(-1, t.block_bytes)  # a view: write finite float16 scales into every block
+            blocks[:, at : at + 2] = halves[: blocks.shape[0]]
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=Q[name])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = read_gguf_file(path)
+    for t in gguf.GGUFReader(str(path)).tensors:
+        assert ours.tensors[t.name].type.name == t.name
+        assert same_bits(ours.tensor(t.name), gguf.quants.dequantize(t.data, t.tensor_type))
+
+
+def test_fallback_types():
+    assert tensor_type_for((64,), "Q4_K") == "F32"
+    assert tensor_type_for((8, 512), "Q4_K") == "Q4_K"
+    assert tensor_type_for((8, 64), "Q4_K") == "Q8_0"  # rows of 64 do not fill a 256-value super-block
+    assert tensor_type_for((8, 172), "Q8_0") == "F16"
+    assert tensor_type_for((8, 172), "F16") == "F16"
+
+
+def logits(config, weights, tokens):
+    from npllm.models.reference import Transformer
+
+    return Transformer(config, weights).logits(tokens)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "llama3_tied", "qwen2_bias"])
+def test_written_f32_gguf_gives_the_checkpoints_logits(tmp_path, name):
+    """HF's half-split q/k rows are permuted to llama.cpp's interleaved layout (not for qwen2), Llama 3 scaling
+    becomes rope_freqs, a tied head writes no output.weight: the model read back computes the same logits."""
+    config, weights = read_hf(FIXTURES / name)
+    ref = np.load(FIXTURES / name / "reference.npz")
+    path = tmp_path / "m.gguf"
+    write_gguf(path, config, weights, "F32")
+    assert {t.name for t in gguf.GGUFReader(str(path)).tensors} >= {"token_embd.weight", "blk.0.attn_q.weight"}
+    g_config, g_weights = read_gguf(path)
+    assert g_config.rope_scaling == config.rope_scaling or config.rope_scaling.kind == "llama3"
+    assert g_config.tied_embeddings == config.tied_embeddings
+    assert np.abs(logits(g_config, g_weights, ref["tokens"]) - ref["logits"]).max() < 1e-4
+
+
+def test_writer_refuses_what_gguf_cannot_say(tmp_path):
+    config, weights = read_hf(FIXTURES / "mistral_window")
+    with pytest.raises(ConfigError, match="sliding window"):
+        write_gguf(tmp_path / "m.gguf", config, weights)
+    assert not (tmp_path / "m.gguf").exists()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# stories260K, FFN zero-padded to 192 (hidden_dim 172 is not a multiple of 32), in Q8_0
+
+
+def pad_ffn(config, weights, hidden: int):
+    """The same function with a wider FFN: extra gate/up rows and down columns of zeros add silu(0) * 0 = 0."""
+    padded = dict(weights)
+    extra = hidden - config.hidden_dim
+    for l in range(config.n_layers):
+        for name in ("w1", "w3"):
+            w = weights[f"layers.{l}.{name}"]
+            padded[f"layers.{l}.{name}"] = np.concatenate([w, np.zeros((extra, w.shape[1]), np.float32)])
+        w2 = weights[f"layers.{l}.w2"]
+        padded[f"layers.{l}.w2"] = np.concatenate([w2, np.zeros((w2.shape[0], extra), np.float32)], axis=1)
+    return config.replace(hidden_dim=hidden), padded
+
+
+def greedy_ids(llm, n: int) -> list[int]:
+    return list(llm.generate_ids([llm.config.bos_id], n, temperature=0))
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two generations share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_stories260k_q8_0_matches_golden_as_long_as_its_dequantized_model(tmp_path, stories260k, golden_200):
+    from npllm.models import make_model
+    from npllm.formats.llama2c import read_llama2c
+    from npllm.tokenizer import load_tokenizer
+
+    config, weights = read_llama2c(stories260k)
+    tokenizer = load_tokenizer(stories260k.parent / "tok512.bin")
+    config, weights = pad_ffn(config, weights, 192)
+    float_llm = npllm.LLM(make_model(config, weights, "numba", None), tokenizer)
+    golden_ids = greedy_ids(float_llm, 200)
+    assert tokenizer.decode(golden_ids) == golden_200  # padding kept the function
+
+    path = tmp_path / "stories260K-q8_0.gguf"
+    tensors = write_gguf(path, config, weights, "Q8_0", tokenizer)
+    assert {t.type_name for t in tensors} == {"Q8_0", "F32"}  # every matrix quantized, no fallback
+    assert gguf.GGUFReader(str(path)).tensors[0].tensor_type == Q.Q8_0
+    quantized = npllm.load(path)  # tokenizer from the file's own vocabulary
+    assert read_vocab(read_gguf_file(path)).tokens == [tokenizer.id_to_piece(i) for i in range(config.vocab_size)]
+
+    rounded = {k: quant.dequantize(quant.quantize(v, "Q8_0"), "Q8_0", v.shape) if v.ndim == 2 else v
+               for k, v in weights.items()}
+    dequantized = npllm.LLM(make_model(config, rounded, "numba", None), tokenizer)
+    expected = agreement(greedy_ids(dequantized, 200), golden_ids)
+    got = agreement(greedy_ids(quantized, 200), golden_ids)
+    print(f"stories260K Q8_0 (FFN padded to 192): {got} of 200 greedy tokens match greedy_200.txt "
+          f"(dequantized float model: {expected})")
+    assert got == expected
+    assert got >= 10  # and Q8_0 is close enough to follow the golden text for a while
+
+
+def test_cli_quantize_writes_a_file_both_readers_load(tmp_path, stories260k, capsys):
+    out = tmp_path / "s.gguf"
+    assert main(["quantize", str(stories260k), str(out), "--type", "q4_0"]) == 0
+    assert "Q4_0 x" in capsys.readouterr().err
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(out)).tensors}
+    assert types["token_embd.weight"] == Q.Q4_0 and types["blk.0.ffn_down.weight"] == Q.F16  # rows of 172
+    assert types["output_norm.weight"] == Q.F32
+    text = npllm.load(out).generate("Once upon a time", max_new_tokens=20, temperature=0)
+    assert text.strip()
+    capsys.readouterr()
+    assert main(["info", str(out)]) == 0
+    on_disk = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("on disk:"))
+    q4_bytes = sum(t.n_bytes for t in gguf.GGUFReader(str(out)).tensors if t.tensor_type == Q.Q4_0)
+    assert f"Q4_0 x" in on_disk and f"({q4_bytes / 2**20:.1f} MiB)" in on_disk
+
+
+def test_gguf_matrices_stay_quantized_over_the_memory_map(tmp_path):
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((4, 256)).astype(np.float32)
+    path = tmp_path / "q.gguf"
+    write_gguf_file(path, {}, [TensorData("w", values.shape, "Q4_K", quant.quantize(values, "Q4_K"))])
+    g = read_gguf_file(path)
+    m = g.quantized("w")
+    assert m.qtype == "Q4_K" and m.shape == (4, 256) and m.nbytes == 4 * 144
+    assert not m.raw.flags.owndata and not m.raw.flags.writeable  # a view of the file, not a copy
+    assert same_bits(m.dequantize(), g.tensor("w"))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K"])
+def test_reference_model_runs_on_weights_kept_quantized(tmp_path, qtype):
+    """The NumPy model over QuantizedMatrix weights (dequantized one product at a time) computes the same logits
+    as over the whole file dequantized on load, and keeps only the file's bytes for its matrices."""
+    from npllm.formats.gguf import read_gguf_quantized
+
+    config, weights = read_hf(FIXTURES / "llama_gqa")
+    tokens = np.load(FIXTURES / "llama_gqa" / "reference.npz")["tokens"]
+    path = tmp_path / "m.gguf"
+    write_gguf(path, config, weights, qtype)
+    dense_config, dense = read_gguf(path)
+    q_config, kept = read_gguf_quantized(path)
+    matrices = [w for w in kept.values() if isinstance(w, quant.QuantizedMatrix)]
+    assert matrices and all(not m.raw.flags.owndata for m in matrices)
+    assert {m.qtype for m in matrices} <= {qtype, "Q8_0", "F16"}
+    np.testing.assert_allclose(logits(q_config, kept, tokens), logits(dense_config, dense, tokens),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_quantize_checkpoint_from_hf_and_from_gguf(tmp_path, source):
+    """A Hugging Face directory (half-split RoPE rows, a byte-level tokenizer npllm does not write yet) and a GGUF
+    file both become Q8_0 files computing the model of their Q8_0-rounded weights."""
+    from npllm.formats.gguf import quantize_checkpoint
+
+    src = FIXTURES / "llama_gqa"
+    config, weights = read_hf(src)
+    if source == "gguf":
+        src = tmp_path / "f32.gguf"
+        write_gguf(src, config, weights, "F32")
+    out = tmp_path / "q8.gguf"
+    tensors, tokenizer = quantize_checkpoint(src, out, "Q8_0")
+    assert tokenizer is None and read_vocab(read_gguf_file(out)) is None
+    tokens = np.load(FIXTURES / "llama_gqa" / "reference.npz")["tokens"]
+    rounded = {k: quant.dequantize(quant.quantize(v, "Q8_0"), "Q8_0", v.shape) if v.ndim == 2 else v
+               for k, v in weights.items()}
+    g_config, g_weights = read_gguf(out)
+    np.testing.assert_allclose(logits(g_config, g_weights, tokens), logits(config, rounded, tokens),
+                               rtol=1e-4, atol=1e-4)

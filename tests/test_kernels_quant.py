@@ -1,0 +1,82 @@
+"""The Numba kernels on quantized blocks against the NumPy reference (dequantize, then @), under Hypothesis over
+shapes, thread counts, arbitrary block bytes and activations."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from npllm import quant
+from npllm.kernels import quant as kq
+from npllm.quant import QuantizationError
+
+HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+
+
+@st.composite
+def quantized_matrix(draw, qtype):
+    """Arbitrary bytes for N rows of `qtype` blocks, every float16 scale finite (subnormals included)."""
+    t = quant.TYPES[qtype]
+    N = draw(st.integers(1, 24), label="N")
+    blocks = draw(st.integers(1, 3 if t.block_size == 256 else 6), label="blocks per row")
+    raw = draw(hnp.arrays(np.uint8, (N * blocks, t.block_bytes)))
+    for at in HALF_FIELDS[qtype]:
+        scale = draw(hnp.arrays(np.float16, N * blocks, elements=st.floats(-4, 4, width=16)))
+        raw[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(N, -1), blocks * t.block_size
+
+
+def activations(draw, shape):
+    return draw(hnp.arrays(np.float32, shape, elements=st.floats(-8, 8, width=32)))
+
+
+def close(got, reference_w, x):
+    """Within float32 rounding of sums of |w x| (the kernels regroup the sums)."""
+    exact = x.astype(np.float64) @ reference_w.astype(np.float64).T
+    scale = np.abs(x.astype(np.float64)) @ np.abs(reference_w.astype(np.float64)).T
+    return got.dtype == np.float32 and got.shape == exact.shape and np.all(np.abs(got - exact) <= 2e-5 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("qtype", kq.KERNEL_TYPES)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_matvec_is_the_reference(qtype, data):
+    w, K = data.draw(quantized_matrix(qtype))
+    x = activations(data.draw, (K,))
+    threads = data.draw(st.integers(1, 3), label="threads")
+    reference = quant.dequantize(w, qtype, (w.shape[0], K))
+    assert close(kq.matvec(w, qtype, x, threads), reference, x)
+
+
+@pytest.mark.parametrize("qtype", kq.KERNEL_TYPES)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_matmul_is_the_reference(qtype, data):
+    w, K = data.draw(quantized_matrix(qtype))
+    T = data.draw(st.integers(1, 7), label="T")
+    x = activations(data.draw, (T, K))
+    threads = data.draw(st.integers(1, 3), label="threads")
+    reference = quant.dequantize(w, qtype, (w.shape[0], K))
+    got = kq.matmul(w, qtype, x, threads)
+    assert close(got, reference, x)
+    np.testing.assert_allclose(got[0], kq.matvec(w, qtype, x[0], threads), rtol=1e-4, atol=1e-4)
+
+
+def test_kernels_on_quantized_weights():
+    """The path a model takes: float weights quantized by npllm, then multiplied."""
+    rng = np.random.default_rng(0)
+    W, x = rng.standard_normal((40, 512)).astype(np.float32), rng.standard_normal((3, 512)).astype(np.float32)
+    for qtype in kq.KERNEL_TYPES:
+        w = quant.quantize(W, qtype).reshape(40, -1)
+        reference = quant.dequantize(w, qtype, W.shape)
+        assert close(kq.matmul(w, qtype, x, 2), reference, x)
+        assert close(kq.matvec(w, qtype, x[1], 2), reference, x[1])
+
+
+def test_kernels_refuse_mismatched_shapes_and_types():
+    w = quant.quantize(np.ones((2, 64), np.float32), "Q8_0").reshape(2, -1)
+    with pytest.raises(QuantizationError, match="rows of 32"):
+        kq.matvec(w, "Q8_0", np.ones(32, np.float32))
+    with pytest.raises(QuantizationError, match="no kernel for Q5_1"):
+        kq.matvec(w, "Q5_1", np.ones(64, np.float32))

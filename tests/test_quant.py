@@ -1,0 +1,172 @@
+"""npllm.quant against the `gguf` package (the llama.cpp project's reference): every dequantizer bit-exact on
+arbitrary blocks, the legacy quantizers byte-exact, and the K-quant quantizers within their proven error bound."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from npllm import quant
+from npllm.quant import QK_K, QuantizationError
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+# byte offsets of the float16 scales in each block: the only fields whose bits can spell inf or NaN
+HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82],
+               "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+QUANTIZED = list(HALF_FIELDS)
+
+
+def same_bits(a, b) -> bool:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def finite_halves(raw: np.ndarray, offsets, stride: int) -> np.ndarray:
+    """Clear one exponent bit of every float16 field whose exponent is all ones (inf/NaN), keeping it finite."""
+    raw = raw.copy().reshape(-1, stride)
+    for at in offsets:
+        high = raw[:, at + 1]
+        raw[:, at + 1] = np.where((high & 0x7C) == 0x7C, high & ~np.uint8(0x40), high)
+    return raw.reshape(-1)
+
+
+def reference_dequantize(raw: np.ndarray, name: str) -> np.ndarray:
+    t = quant.TYPES[name]
+    return gguf.quants.dequantize(raw.reshape(-1, t.block_bytes) if t.block_size > 1 else raw, Q[name]).reshape(-1)
+
+
+def test_type_table_agrees_with_the_gguf_package():
+    for name, t in quant.TYPES.items():
+        assert Q[name] == t.type_id
+        assert gguf.GGML_QUANT_SIZES[Q[name]] == (t.block_size, t.block_bytes)
+        assert quant.TYPES_BY_ID[t.type_id] is t
+    from npllm.formats.gguf import GGML_TYPES
+
+    for t in quant.TYPES.values():  # the reader's layout table (every ggml type) agrees on the ones npllm computes
+        assert (GGML_TYPES[t.type_id].name, GGML_TYPES[t.type_id].block_size, GGML_TYPES[t.type_id].block_bytes) == (
+            t.name, t.block_size, t.block_bytes)
+    assert quant.TYPES["Q4_K"].bits_per_value == 4.5 and quant.TYPES["Q8_0"].nbytes((3, 64)) == 3 * 2 * 34
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_dequantize_is_bit_exact_on_arbitrary_blocks(name, data):
+    t = quant.TYPES[name]
+    n_blocks = data.draw(st.integers(1, 6), label="blocks")
+    raw = np.frombuffer(data.draw(st.binary(min_size=n_blocks * t.block_bytes, max_size=n_blocks * t.block_bytes)),
+                        dtype=np.uint8)
+    raw = finite_halves(raw, HALF_FIELDS[name], t.block_bytes)
+    ours = quant.dequantize(raw, name)
+    assert ours.dtype == np.float32 and ours.shape == (n_blocks * t.block_size,)
+    assert same_bits(ours, reference_dequantize(raw, name))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("name", ["F16", "BF16"])
+@given(raw=st.binary(min_size=2, max_size=64).filter(lambda b: len(b) % 2 == 0))
+def test_float_types_are_bit_exact(name, raw):
+    raw = np.frombuffer(raw, dtype=np.uint8)
+    assert same_bits(quant.dequantize(raw, name), reference_dequantize(raw, name))
+
+
+def test_dequantize_reshapes_and_refuses_partial_blocks():
+    raw = quant.quantize(np.ones((2, 64), np.float32), "Q8_0")
+    assert quant.dequantize(raw, "Q8_0", (2, 64)).shape == (2, 64)
+    with pytest.raises(QuantizationError, match="whole number"):
+        quant.dequantize(raw[:-1], "Q8_0")
+    with pytest.raises(QuantizationError, match="cannot read type IQ2_XS"):
+        quant.dequantize(raw, "IQ2_XS")
+
+
+@st.composite
+def weight_rows(draw, block_size):
+    """Rows of realistic weights: values in [-1, 1] at a scale from 1e-3 to 1e3, some exact zeros, some blocks
+    all zero (scale 0), none so small that 1 / scale overflows."""
+    rows = draw(st.integers(1, 4))
+    blocks = draw(st.integers(1, 3))
+    x = draw(hnp.arrays(np.float32, (rows, blocks * block_size),
+                        elements=st.floats(-1, 1, width=32) | st.just(np.float32(0))))
+    scale = np.float32(10.0 ** draw(st.integers(-3, 3)))
+    x = np.where(np.abs(x) < 1e-6, np.float32(0), x * scale).astype(np.float32)
+    if draw(st.booleans()):
+        x[0, :block_size] = 0
+    return x
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_quantize_matches_the_reference_quantizer_byte_for_byte(name, data):
+    x = data.draw(weight_rows(32))
+    ours = quant.quantize(x, name)
+    expected = gguf.quants.quantize(x, Q[name]).reshape(-1)
+    assert ours.dtype == np.uint8 and np.array_equal(ours, expected)
+
+
+def k_quant_bound(x: np.ndarray, name: str) -> np.ndarray:
+    """The largest error npllm's K-quant scale choice allows, per value (see quant._quantize_scale_min):
+    half a step, where the step exceeds the sub-block's covering step by at most one grid unit of each scale."""
+    slack, tiny = 1 + 2.0**-10, 2.0**-24  # float16 rounding up of a super-scale: relative, or subnormal spacing
+    x = x.astype(np.float64)
+    if name == "Q6_K":
+        sub = x.reshape(-1, QK_K // 16, 16)
+        needed = np.abs(sub).max(axis=2) / 31
+        d = needed.max(axis=1, keepdims=True) / 127 * slack + tiny
+        step = needed + d
+    else:
+        top = 15 if name == "Q4_K" else 31
+        sub = x.reshape(-1, 8, 32)
+        mn = -np.minimum(sub.min(axis=2), 0)
+        dmin = mn.max(axis=1, keepdims=True) / 63 * slack + tiny
+        needed = (sub.max(axis=2) + mn + dmin) / top
+        d = needed.max(axis=1, keepdims=True) / 63 * slack + tiny
+        step = needed + d
+    return np.repeat(step / 2, sub.shape[2], axis=1).reshape(x.shape) * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_k_quant_round_trip_error_is_within_half_a_step(name, data):
+    x = data.draw(weight_rows(QK_K))
+    raw = quant.quantize(x, name)
+    assert raw.size == x.size // QK_K * quant.TYPES[name].block_bytes
+    y = quant.dequantize(raw, name).reshape(x.shape)
+    assert same_bits(y.reshape(-1), reference_dequantize(raw, name))  # the bytes mean what the reference reads
+    error = np.abs(y.astype(np.float64) - x)
+    assert np.all(error <= k_quant_bound(x, name))
+
+
+@pytest.mark.parametrize("name,worst", [("Q4_K", 0.10), ("Q5_K", 0.05), ("Q6_K", 0.025), ("Q8_0", 0.01)])
+def test_relative_error_on_gaussian_weights(name, worst):
+    """On weight-like data each type lands where its bits put it (relative RMS error ~ 2^-bits)."""
+    x = np.random.default_rng(0).standard_normal((64, 1024)).astype(np.float32)
+    y = quant.dequantize(quant.quantize(x, name), name).reshape(x.shape)
+    assert np.sqrt(np.mean((x - y) ** 2) / np.mean(x**2)) < worst
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "F16"])
+def test_quantize_refuses_what_it_cannot_store(name):
+    with pytest.raises(QuantizationError, match="not finite"):
+        quant.quantize(np.full((1, 256), np.nan, np.float32), name)
+    with pytest.raises(QuantizationError):
+        quant.quantize(np.full((1, 256), 1e30, np.float32), name)
+    with pytest.raises(QuantizationError, match="blocks"):
+        quant.quantize(np.ones((2, 100), np.float32), "Q8_0" if name == "F16" else name)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "F16"])
+def test_quantized_matrix_reference_products_and_rows(name):
+    rng = np.random.default_rng(2)
+    W, x = rng.standard_normal((6, 512)).astype(np.float32), rng.standard_normal((3, 512)).astype(np.float32)
+    m = quant.QuantizedMatrix.from_values(W, name)
+    dense = m.dequantize()
+    assert m.nbytes == quant.TYPES[name].nbytes(W.shape) and dense.shape == W.shape
+    assert same_bits(m.matmul_t(x), x @ dense.T)
+    assert same_bits(m.rows([4, 0, 4]), dense[[4, 0, 4]])
+    with pytest.raises(QuantizationError, match="do not hold"):
+        quant.QuantizedMatrix(m.raw[:, 1:], name, W.shape)
