@@ -72,29 +72,35 @@ class Row:
 def draw(rows: list[Row], logits: np.ndarray, report: bool) -> Sampled:
     """One token per row, row i drawn for rows[i].                                      # [B, V] -> Sampled of [B]
 
-    Rows with equal params are drawn in one call, each from its own generator and history, so
-    a row's draw never depends on its neighbours. With `report`, each row's log-probability and its
-    params.logprobs alternatives come too (sample_step); otherwise only the ids (sample_with), the log-probabilities
-    NaN and no alternatives.
+    Rows with equal params are drawn in one call, each from its own generator and history, so a row's draw never
+    depends on its neighbours. With `report`, each row's log-probability and its params.logprobs alternatives come
+    too (sample_step); otherwise only the ids (sample_with), the log-probabilities NaN and no alternatives.
     """
-    B = len(rows)
     groups: dict[SamplingParams, list[int]] = {}
     for i, row in enumerate(rows):
         groups.setdefault(row.params, []).append(i)
-    width = max(p.logprobs for p in groups) if report else 0
+    if len(groups) == 1:  # the common case: no gathering and scattering of rows
+        return _draw_group(next(iter(groups)), rows, logits, report)
+    B, width = len(rows), max(p.logprobs for p in groups) if report else 0
     ids, lp = np.empty(B, np.int64), np.full(B, np.nan)
     top_ids, top_lp = np.full((B, width), -1, np.int64), np.full((B, width), -np.inf)
     for params, members in groups.items():
-        rngs = [rows[i].rng for i in members]
-        rng = None if all(g is None for g in rngs) else rngs
-        histories = [rows[i].history for i in members]
-        if report:
-            got = sample_step(params, logits[members], rng, histories)
-            ids[members], lp[members] = got.token_ids, got.logprobs
-            top_ids[members, :params.logprobs], top_lp[members, :params.logprobs] = got.top_ids, got.top_logprobs
-        else:
-            ids[members] = sample_with(params, logits[members], rng, histories)
+        got = _draw_group(params, [rows[i] for i in members], logits[members], report)
+        n = got.top_ids.shape[1]
+        ids[members], lp[members], top_ids[members, :n], top_lp[members, :n] = got
     return Sampled(ids, lp, top_ids, top_lp)
+
+
+def _draw_group(params: SamplingParams, rows: list[Row], logits: np.ndarray, report: bool) -> Sampled:
+    """draw() for rows that share params.                                              # [B, V] -> Sampled of [B]"""
+    rngs = [row.rng for row in rows]
+    rng = None if all(g is None for g in rngs) else rngs
+    histories = [row.history for row in rows]
+    if report:
+        return sample_step(params, logits, rng, histories)
+    B = len(rows)
+    return Sampled(sample_with(params, logits, rng, histories), np.full(B, np.nan), np.empty((B, 0), np.int64),
+                   np.empty((B, 0)))
 
 
 # observe(rows, logits [B, V], drawn Sampled of [B]): called after each draw made from host logits.

@@ -30,6 +30,7 @@ Dimension letters: V vocabulary, B batch rows, C candidate tokens kept after the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -611,20 +612,10 @@ PIPELINE = (
 )
 
 
-def _active(params: SamplingParams, kind: str) -> list[Stage]:
-    """The stages of one kind that params switches on, in pipeline order."""
-    return [stage for stage in PIPELINE if stage.kind == kind and stage.active(params)]
-
-
-def _penalised(x2: np.ndarray, params: SamplingParams, history: list[np.ndarray]) -> np.ndarray:
-    """[B, V] raw logits -> [B, V] logits after every active penalty stage, on one copy (x2 itself when none is)."""
-    stages = _active(params, "penalty")
-    if not stages:
-        return x2
-    out = x2.copy()
-    for stage in stages:
-        stage.rule(out, history, *stage.values(params))
-    return out
+@functools.lru_cache(maxsize=256)
+def _active(params: SamplingParams, kind: str) -> tuple[Stage, ...]:
+    """The stages of one kind that params switches on, in pipeline order (remembered: a loop asks at every step)."""
+    return tuple(stage for stage in PIPELINE if stage.kind == kind and stage.active(params))
 
 
 def _check_rng(rng, B: int, batched: bool) -> None:
@@ -645,13 +636,20 @@ def _uniforms(rng, B: int) -> np.ndarray:
 
 
 def _prepared(params: SamplingParams, logits, rng, token_ids) -> tuple[np.ndarray, np.ndarray]:
-    """Checked logits and generator(s), and the penalised [B, V] logits a step chooses from."""
+    """Checked logits and generator(s), and the [B, V] logits after every active penalty stage, applied in order
+    to one copy (the logits themselves when none is active; the histories are then not even read)."""
     x = _as_logits(logits)
     x2 = _rows(x)
     if rng is not None or not params.is_greedy:
         _check_rng(rng, x2.shape[0], x.ndim == 2)
-    z = _penalised(x2, params, _history(token_ids, x))  # [B, V]
-    if z is not x2 and np.isneginf(z.max(axis=1)).any():
+    stages = _active(params, "penalty")
+    if not stages:
+        return x, x2
+    history = _history(token_ids, x)
+    z = x2.copy()
+    for stage in stages:
+        stage.rule(z, history, *stage.values(params))
+    if np.isneginf(z.max(axis=1)).any():
         row = int(np.flatnonzero(np.isneginf(z.max(axis=1)))[0])
         raise GenerationError(
             f"logits row {row}: the penalties (logit_bias / no_repeat_ngram) masked every token, nothing to sample"
@@ -712,8 +710,9 @@ def sample_step(params: SamplingParams, logits, rng, token_ids=None) -> Sampled:
     logits [V] or [B, V]; token_ids the past tokens (one sequence, or B of them; None: no history) that the
     penalties look at; rng a numpy Generator, or for [B, V] a list of B generators so that a row's draws do not
     depend on its neighbours (rng may be None for greedy decoding). A sampled step consumes exactly one
-    `rng.random()` per row, a greedy step none. Raises GenerationError when the penalties leave a row with no
-    allowed token. `params.logprobs` sets how many alternatives are reported.
+    `rng.random()` per row, a greedy step none. token_ids are read (and checked) only when a penalty is active.
+    Raises GenerationError when the penalties leave a row with no allowed token. `params.logprobs` sets how many
+    alternatives are reported.
     """
     x, z = _prepared(params, logits, rng, token_ids)
     ids, lp, top_ids, top_lp = _greedy_draw(z, params) if params.is_greedy else _sampled_draw(z, params, rng)
