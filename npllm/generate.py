@@ -19,6 +19,7 @@ token limit, or when the next token would fall outside the model's context.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from itertools import accumulate
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -76,10 +77,12 @@ def draw(rows: list[Row], logits: np.ndarray, report: bool) -> Sampled:
     depends on its neighbours. With `report`, each row's log-probability and its params.logprobs alternatives come
     too (sample_step); otherwise only the ids (sample_with), the log-probabilities NaN and no alternatives.
     """
+    if len(rows) == 1:  # one sequence: no grouping, gathering and scattering of rows
+        return _draw_group(rows[0].params, rows, logits, report)
     groups: dict[SamplingParams, list[int]] = {}
     for i, row in enumerate(rows):
         groups.setdefault(row.params, []).append(i)
-    if len(groups) == 1:  # the common case: no gathering and scattering of rows
+    if len(groups) == 1:
         return _draw_group(next(iter(groups)), rows, logits, report)
     B, width = len(rows), max(p.logprobs for p in groups) if report else 0
     ids, lp = np.empty(B, np.int64), np.full(B, np.nan)
@@ -93,8 +96,7 @@ def draw(rows: list[Row], logits: np.ndarray, report: bool) -> Sampled:
 
 def _draw_group(params: SamplingParams, rows: list[Row], logits: np.ndarray, report: bool) -> Sampled:
     """draw() for rows that share params.                                              # [B, V] -> Sampled of [B]"""
-    rngs = [row.rng for row in rows]
-    rng = None if all(g is None for g in rngs) else rngs
+    rng = None if params.is_greedy else [row.rng for row in rows]  # a greedy draw consumes no uniform
     histories = [row.history for row in rows]
     if report:
         return sample_step(params, logits, rng, histories)
@@ -119,7 +121,7 @@ def step(model, cache, tokens, positions, slots, ends, rows: list[Row], report: 
     nobody needs the logits (no report, no observer): only the id travels back, the same id draw() would pick.
     """
     hidden = model.forward(tokens, positions, cache, slots)
-    last = hidden[np.asarray(ends)]  # [B, D]
+    last = hidden[ends]  # [B, D]
     sample_next = getattr(model, "sample_next", None)
     if sample_next is not None and len(rows) == 1 and not report and observe is None:
         row = rows[0]
@@ -223,23 +225,18 @@ def advance(model, cache, starting: list[Sequence], running: list[Sequence], wor
     batching.Work) records the call; `report` and `observe` are step's.
     """
     sequences = starting + running
-    feeds = [s.history for s in starting] + [s.history[-1:] for s in running]
+    sizes = [len(s.history) for s in starting] + [1] * len(running)
     firsts = [0] * len(starting) + [len(s.history) - 1 for s in running]
-    sizes = np.array([len(f) for f in feeds])
-    tokens = np.concatenate([np.asarray(f, np.int64) for f in feeds])  # [T]
-    positions = np.concatenate([np.arange(a, a + n) for a, n in zip(firsts, sizes)])  # [T]
-    slots = np.repeat([s.slot for s in sequences], sizes)  # [T]
-    ends = np.cumsum(sizes) - 1
+    tokens = [t for s in starting for t in s.history] + [s.history[-1] for s in running]  # [T]
+    positions = [p for s in starting for p in range(len(s.history))] + firsts[len(starting):]  # [T]
+    slots = [s.slot for s, n in zip(sequences, sizes) for _ in range(n)]  # [T]
+    ends = [end - 1 for end in accumulate(sizes)]  # each sequence's last token in the call
     scored = {}  # row -> log p(drawn token) at temperature 1, for the sequences that asked (Meta's logprobs)
     wanted = [i for i, s in enumerate(sequences) if s.logprobs is not None]
-
-    def record(rows, logits, drawn):
-        scored.update(zip(wanted, token_logprobs(logits[wanted], drawn.token_ids[wanted])))
-        if observe is not None:
-            observe(rows, logits, drawn)
-
-    hidden, drawn = step(model, cache, tokens, positions, slots, ends, [s.row for s in sequences], report,
-                         record if wanted or observe is not None else None)
+    if wanted:
+        observe = _scoring(wanted, scored, observe)
+    hidden, drawn = step(model, cache, np.array(tokens, np.int64), np.array(positions, np.int64),
+                         np.array(slots, np.int64), ends, [s.row for s in sequences], report, observe)
     for s, end, n in zip(starting, ends, sizes):
         if s.request.prompt_logprobs:  # rows 0 .. n-2 of the prompt predict prompt tokens 1 .. n-1
             s.prompt_logprobs = [float(x) for x in token_logprobs(model.lm_head(hidden[end - n + 1:end]),
@@ -248,6 +245,17 @@ def advance(model, cache, starting: list[Sequence], running: list[Sequence], wor
         work.record([(s.id, a, int(n), False) for s, a, n in zip(sequences, firsts, sizes)])
     kept = [(i, s) for i, s in enumerate(sequences) if s.accept(int(drawn.token_ids[i]), scored.get(i))]
     return [(s, row_of(drawn, i)) for i, s in kept]
+
+
+def _scoring(wanted: list[int], scored: dict, observe: Observer | None) -> Observer:
+    """An observer that puts log p(drawn token) under softmax(logits) of the rows `wanted` into `scored`, then
+    calls `observe`."""
+    def record(rows, logits, drawn):
+        scored.update(zip(wanted, token_logprobs(logits[wanted], drawn.token_ids[wanted])))
+        if observe is not None:
+            observe(rows, logits, drawn)
+
+    return record
 
 
 # ----------------------------------------------------------------------------------------------------------------

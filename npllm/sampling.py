@@ -209,10 +209,10 @@ def _normalisable(x2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     z = x2
     m = z.max(axis=1)  # [B]
-    if np.isneginf(m).any():
-        row = int(np.flatnonzero(np.isneginf(m))[0])
+    if (m == -np.inf).any():
+        row = int(np.flatnonzero(m == -np.inf)[0])
         raise GenerationError(f"logits row {row}: every token is -inf (masked), so there is nothing to sample")
-    inf_rows = np.isposinf(m)
+    inf_rows = m == np.inf
     if inf_rows.any():
         z = z.copy()
         z[inf_rows] = np.where(np.isposinf(z[inf_rows]), 0.0, -np.inf)
