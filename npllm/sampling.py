@@ -555,7 +555,9 @@ class SamplingParams:
 
 
 class Sampled(NamedTuple):
-    """What `sample` and `sample_step` return. For [V] logits: a Python int and float, and [N] arrays; for [B, V]: [B], [B, N].
+    """What `sample` and `sample_step` return: for [V] logits a Python int and float and [N] arrays; for [B, V]
+    logits [B], [B], [B, N], [B, N]. (A generation step that was asked for ids only carries NaN log-probabilities
+    and no alternatives.)
 
     logprobs are the chosen tokens' log-probabilities under the distribution they were drawn from: the penalised,
     temperature-scaled, filtered one. Under greedy decoding (temperature 0) that distribution is a point mass, so
