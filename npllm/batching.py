@@ -63,6 +63,12 @@ class Completion:
         return len(self.tokens) + (self.finish_reason == "stop")
 
 
+def completion(sequence: Sequence) -> Completion:
+    """What a finished (or stopped) sequence produced."""
+    return Completion(sequence.request.prompt, list(sequence.tokens), sequence.logprobs, sequence.prompt_logprobs,
+                      sequence.finish_reason)
+
+
 def needed_rows(prompt_len: int, sampled: int) -> int:
     """Token-positions a sequence needs computed: its prompt and every drawn token but the last (the last one is
     never fed back), i.e. positions 0 .. prompt_len + sampled - 2. Nothing at all when nothing was drawn."""
@@ -231,12 +237,6 @@ def _cut_row(prompt, row: np.ndarray, row_logprobs, max_gen_len: int, stops: np.
     lp = None if row_logprobs is None else [float(x) for x in row_logprobs[P:P + len(new)]]
     prompt_lp = None if row_logprobs is None else [float(x) for x in row_logprobs[1:P]]
     return Completion(tuple(int(t) for t in prompt), new, lp, prompt_lp, reason)
-
-
-def completion(sequence: Sequence) -> Completion:
-    """What a finished (or stopped) sequence produced."""
-    return Completion(sequence.request.prompt, list(sequence.tokens), sequence.logprobs, sequence.prompt_logprobs,
-                      sequence.finish_reason)
 
 
 # ----------------------------------------------------------------------------------------------------------------

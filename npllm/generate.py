@@ -62,10 +62,10 @@ def token_logprobs(logits: np.ndarray, ids) -> np.ndarray:
 
 @dataclass
 class Row:
-    """What drawing one sequence's next token needs: its parameters, its own generator (None when greedy) and its
-    history (prompt + tokens so far, which the penalties look at)."""
+    """What drawing one sequence's next token needs: its parameters, its own generator (may be None when greedy)
+    and its history (prompt + tokens so far, which the penalties look at)."""
 
-    params: SamplingParams  # rows with equal params are drawn together, so the seed is left out (rng carries it)
+    params: SamplingParams  # rows with equal params are drawn in one call; a Sequence leaves the seed out (rng has it)
     rng: np.random.Generator | None
     history: list[int] | np.ndarray
 
