@@ -18,8 +18,10 @@ put into each forward call:
 
 docs/batching.md draws what each one computes at each step.
 
-Only model.forward(tokens, positions, cache, slots), model.lm_head(h), model.new_cache(capacity, slots),
-model.config and cache.reset(slot) are used, so every backend with that interface batches the same way.
+All three draw through npllm.generate's step (one forward call, one draw per sequence); ragged and continuous
+batching advance Sequences exactly as a lone prompt is generated. Only model.forward(tokens, positions, cache,
+slots), model.lm_head(h), model.new_cache(capacity, slots), model.config and cache.reset(slot) are used, so every
+backend with that interface batches the same way.
 
 Dimension letters: B sequences in a call, T tokens in a call, D model width, V vocabulary.
 """
@@ -28,13 +30,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import GenerationError
-from .generate import check_prompt, stop_ids
-from .sampling import SamplingParams, log_softmax, sample_with
+from .generate import Request, Row, Sequence, advance, check_prompt, step, stop_ids, token_logprobs
+from .sampling import SamplingParams
 
 STRATEGIES = ("static", "ragged", "continuous")
 
@@ -42,35 +44,6 @@ STRATEGIES = ("static", "ragged", "continuous")
 # ----------------------------------------------------------------------------------------------------------------
 # Requests, results, and the accounting of work
 # ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Request:
-    """One generation job: a prompt (token ids), how to sample, and when to stop.
-
-    The request's generator is seeded with params.seed, so its draws are the same whatever else runs beside it.
-    Generation ends at a model stop id or one of `stop_ids` (neither is returned), after `max_new_tokens`, or when
-    the context is full, exactly as npllm.generate.generate_ids does for one prompt.
-    """
-
-    prompt: tuple[int, ...]
-    max_new_tokens: int = 256
-    params: SamplingParams = field(default_factory=SamplingParams)
-    stop_ids: frozenset[int] = frozenset()  # ends the generation besides the model's own stop ids
-    logprobs: bool = False  # record log p(token | everything before it) of each new token
-    prompt_logprobs: bool = False  # ... and of each prompt token after the first
-
-    def __post_init__(self):
-        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
-        object.__setattr__(self, "stop_ids", frozenset(int(t) for t in self.stop_ids))
-        if int(self.max_new_tokens) < 0:
-            raise GenerationError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
-        if not isinstance(self.params, SamplingParams):
-            raise GenerationError(f"params must be a SamplingParams, got {type(self.params).__name__}")
-        if self.params.stop:  # stop strings are text: the token-level engine would silently ignore them
-            raise GenerationError(f"params.stop {self.params.stop!r}: a Request stops on token ids (stop_ids); "
-                                  f"stop strings are handled by LLM.generate / LLM.stream")
 
 
 @dataclass
@@ -88,6 +61,12 @@ class Completion:
     def sampled(self) -> int:
         """Tokens drawn that the result depends on: the returned ones, plus the stop token when there was one."""
         return len(self.tokens) + (self.finish_reason == "stop")
+
+
+def completion(sequence: Sequence) -> Completion:
+    """What a finished (or stopped) sequence produced."""
+    return Completion(sequence.request.prompt, list(sequence.tokens), sequence.logprobs, sequence.prompt_logprobs,
+                      sequence.finish_reason)
 
 
 def needed_rows(prompt_len: int, sampled: int) -> int:
@@ -136,14 +115,6 @@ class Work:
             self.needed_samples += c.sampled
 
 
-def token_logprobs(logits: np.ndarray, ids) -> np.ndarray:
-    """log p(ids[t]) under softmax(logits[t]), in float64.   # [T, V], [T] -> [T]"""
-    if len(logits) == 0:
-        return np.zeros(0)
-    logp = log_softmax(np.asarray(logits, dtype=np.float64))  # [T, V]
-    return logp[np.arange(len(logp)), np.asarray(ids, dtype=np.int64)]
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Static batching: Meta's generate() loop
 # ----------------------------------------------------------------------------------------------------------------
@@ -166,54 +137,68 @@ def static_generate(model, prompts: list[list[int]], max_gen_len: int, params: S
     len(prompt) + max_gen_len and at its first stop id. rngs holds one generator per row (None when greedy);
     logprobs also computes, as Meta does, the log-probability of every buffer position after the first.
     """
-    config = model.config
     B = len(prompts)
     if B == 0:
         return []
     for p in prompts:
-        check_prompt(config, p)
+        check_prompt(model.config, p)
     if max_gen_len < 0:
         raise GenerationError(f"max_gen_len must be >= 0, got {max_gen_len}")
-    lengths = np.array([len(p) for p in prompts])
-    min_len, max_len = int(lengths.min()), int(lengths.max())
-    total_len = min(config.max_seq_len, max_gen_len + max_len)
-    pad = -1
-    tokens = np.full((B, total_len), pad, np.int64)  # [B, total_len]
-    for b, p in enumerate(prompts):
-        tokens[b, :len(p)] = p
-    is_prompt = tokens != pad  # [B, total_len]
-    buffer_logprobs = np.zeros((B, total_len)) if logprobs else None
-    stops = np.array(sorted(stop_ids(config)))
-    ended = np.zeros(B, bool)
-    cache = model.new_cache(total_len, B)
+    grid = Grid(prompts, min(model.config.max_seq_len, max_gen_len + max(len(p) for p in prompts)), logprobs)
+    cache = model.new_cache(grid.total_len, B)
     work = Work() if work is None else work
-
-    if min_len == total_len:  # every prompt already fills the buffer: nothing to generate, only to score
-        h = _forward_grid(model, cache, tokens, 0)  # [B, total_len, D]
-        work.steps, work.rows = work.steps + 1, work.rows + B * total_len
+    rows = [Row(params, None if rngs is None else rngs[b], grid.tokens[b, :0]) for b in range(B)]
+    stops = np.array(sorted(stop_ids(model.config)))
+    if grid.min_len == grid.total_len:  # every prompt already fills the buffer: nothing to generate, only to score
+        h = _forward_grid(model, cache, grid.tokens, 0)  # [B, total_len, D]
+        work.steps, work.rows = work.steps + 1, work.rows + B * grid.total_len
         if logprobs:
-            buffer_logprobs[:, 1:] = _grid_logprobs(_grid_logits(model, h[:, :-1]), tokens[:, 1:])
+            grid.logprobs[:, 1:] = _grid_logprobs(_grid_logits(model, h[:, :-1]), grid.tokens[:, 1:])
+    ended = np.zeros(B, bool)
     prev_pos = 0
-    for cur_pos in range(min_len, total_len):
-        h = _forward_grid(model, cache, tokens[:, prev_pos:cur_pos], prev_pos)  # [B, n, D]
-        all_logits = _grid_logits(model, h) if logprobs else None  # [B, n, V]: Meta scores every position
-        logits = all_logits[:, -1] if logprobs else model.lm_head(h[:, -1])  # [B, V]
-        drawn = sample_with(params, logits, rngs, [row[:cur_pos] for row in tokens])  # [B]
-        forced = is_prompt[:, cur_pos]
-        tokens[:, cur_pos] = np.where(forced, tokens[:, cur_pos], drawn)
-        if logprobs:
-            scored = slice(prev_pos + 1, cur_pos + 1)  # each fed position scores the token after it
-            buffer_logprobs[:, scored] = _grid_logprobs(all_logits, tokens[:, scored])
+    for cur_pos in range(grid.min_len, grid.total_len):
+        forced = _static_step(model, cache, grid, rows, prev_pos, cur_pos)
         work.record([(b, prev_pos, cur_pos - prev_pos, bool(forced[b])) for b in range(B)])
-        ended |= ~forced & np.isin(tokens[:, cur_pos], stops)
+        ended |= ~forced & np.isin(grid.tokens[:, cur_pos], stops)
         prev_pos = cur_pos
         if ended.all():
             break
-
-    completions = [_cut_row(prompts[b], tokens[b], None if buffer_logprobs is None else buffer_logprobs[b],
+    completions = [_cut_row(prompts[b], grid.tokens[b], None if grid.logprobs is None else grid.logprobs[b],
                             max_gen_len, stops) for b in range(B)]
     work.count_needed(completions)
     return completions
+
+
+class Grid:
+    """Meta's [B, total_len] token buffer: each prompt written at the start of its row, pad (-1) after it."""
+
+    def __init__(self, prompts: list[list[int]], total_len: int, logprobs: bool):
+        lengths = [len(p) for p in prompts]
+        self.min_len, self.total_len = min(lengths), total_len
+        self.tokens = np.full((len(prompts), total_len), -1, np.int64)  # [B, total_len]
+        for b, p in enumerate(prompts):
+            self.tokens[b, :len(p)] = p
+        self.is_prompt = self.tokens != -1  # [B, total_len]
+        self.logprobs = np.zeros((len(prompts), total_len)) if logprobs else None  # log p of each position
+
+
+def _static_step(model, cache, grid: Grid, rows: list[Row], prev_pos: int, cur_pos: int) -> np.ndarray:
+    """Feed every row positions prev_pos .. cur_pos - 1, draw position cur_pos, keep the prompt's token where the
+    row's prompt is still running there. Returns which rows were forced.                            # -> [B] bool"""
+    B, n = len(rows), cur_pos - prev_pos
+    for b, row in enumerate(rows):
+        row.history = grid.tokens[b, :cur_pos]  # what the penalties see: the buffer up to the drawn position
+    positions = np.tile(np.arange(prev_pos, cur_pos), B)  # [B * n], row-major like the grid block
+    slots = np.repeat(np.arange(B), n)
+    ends = np.arange(1, B + 1) * n - 1  # each row's last fed token
+    hidden, drawn = step(model, cache, grid.tokens[:, prev_pos:cur_pos].reshape(-1), positions, slots, ends, rows)
+    forced = grid.is_prompt[:, cur_pos]
+    grid.tokens[:, cur_pos] = np.where(forced, grid.tokens[:, cur_pos], drawn.token_ids)
+    if grid.logprobs is not None:  # Meta scores every fed position by the token after it
+        scored = slice(prev_pos + 1, cur_pos + 1)
+        all_logits = _grid_logits(model, hidden.reshape(B, n, -1))  # [B, n, V]
+        grid.logprobs[:, scored] = _grid_logprobs(all_logits, grid.tokens[:, scored])
+    return forced
 
 
 def _forward_grid(model, cache, grid: np.ndarray, start: int) -> np.ndarray:
@@ -255,102 +240,6 @@ def _cut_row(prompt, row: np.ndarray, row_logprobs, max_gen_len: int, stops: np.
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Sequences and the shared step of ragged and continuous batching
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class Sequence:
-    """A request being generated: its history (prompt + new tokens), its own generator, its cache slot."""
-
-    def __init__(self, request: Request, config, id: int, slot: int | None = None):
-        self.request, self.id, self.slot = request, id, slot
-        self.history = list(request.prompt)
-        self.tokens: list[int] = []
-        self.logprobs: list[float] | None = [] if request.logprobs else None
-        self.prompt_logprobs: list[float] | None = None
-        self.rng = np.random.default_rng(request.params.seed)
-        # Rows that share everything but the seed are drawn in one call (each with its own generator).
-        self.shared_params = replace(request.params, seed=None)
-        self.stops = stop_ids(config) | request.stop_ids
-        self.max_seq_len = config.max_seq_len
-        self.finish_reason: str | None = None if request.max_new_tokens > 0 else "length"
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def accept(self, token: int, logprob: float | None) -> bool:
-        """Take a drawn token; False when it is a stop id (which ends the sequence and is not kept)."""
-        if token in self.stops:
-            self.finish_reason = "stop"
-            return False
-        self.tokens.append(token)
-        self.history.append(token)
-        if self.logprobs is not None:
-            self.logprobs.append(logprob)
-        if len(self.tokens) == self.request.max_new_tokens:
-            self.finish_reason = "length"
-        elif len(self.history) - 1 >= self.max_seq_len:  # its position is outside the context: it cannot be fed
-            self.finish_reason = "context"
-        return True
-
-    def completion(self) -> Completion:
-        return Completion(self.request.prompt, list(self.tokens), self.logprobs, self.prompt_logprobs,
-                          self.finish_reason)
-
-
-def choose(sequences: list[Sequence], logits: np.ndarray) -> tuple[np.ndarray, list[float | None]]:
-    """One token per row, row i drawn for sequences[i].                            # [B, V] -> [B] ids, [B] logprobs
-
-    Rows whose sampling parameters agree (seeds aside) are drawn in one sample_with call, each row from its own
-    generator and history, so a row's draw never depends on its neighbours.
-    """
-    ids = np.empty(len(sequences), np.int64)
-    groups: dict[SamplingParams, list[int]] = {}
-    for i, s in enumerate(sequences):
-        groups.setdefault(s.shared_params, []).append(i)
-    for params, rows in groups.items():
-        ids[rows] = sample_with(params, logits[rows], [sequences[i].rng for i in rows],
-                                [sequences[i].history for i in rows])
-    logprobs: list[float | None] = [None] * len(sequences)
-    wanted = [i for i, s in enumerate(sequences) if s.logprobs is not None]
-    if wanted:
-        for i, lp in zip(wanted, token_logprobs(logits[wanted], ids[wanted])):
-            logprobs[i] = float(lp)
-    return ids, logprobs
-
-
-def advance(model, cache, starting: list[Sequence], running: list[Sequence], work: Work) -> list[tuple[Sequence, int]]:
-    """One forward call: the whole prompt of each starting sequence, the last token of each running one; then one
-    drawn token for each. Returns the (sequence, token) pairs kept (stop ids end a sequence and are not returned).
-
-        tokens    = prompt_1 ++ ... ++ prompt_m ++ [last_1, ..., last_r]                   # [T]
-        positions = 0..len_1-1 ++ ... ++ [len(history_1) - 1, ...]                         # [T]
-        slots     = each token's sequence slot                                             # [T]
-        hidden    = forward(tokens, positions, slots)                                      # [T, D]
-        logits    = lm_head(hidden at each sequence's last row)                            # [m + r, V]
-
-    Attention runs per slot, so no sequence sees another's keys and no padding is computed.
-    """
-    sequences = starting + running
-    feeds = [s.history for s in starting] + [s.history[-1:] for s in running]
-    firsts = [0] * len(starting) + [len(s.history) - 1 for s in running]
-    sizes = np.array([len(f) for f in feeds])
-    tokens = np.concatenate([np.asarray(f, np.int64) for f in feeds])  # [T]
-    positions = np.concatenate([np.arange(a, a + n) for a, n in zip(firsts, sizes)])  # [T]
-    slots = np.repeat([s.slot for s in sequences], sizes)  # [T]
-    hidden = model.forward(tokens, positions, cache, slots)  # [T, D]
-    ends = np.cumsum(sizes) - 1
-    for s, end, n in zip(starting, ends, sizes):
-        if s.request.prompt_logprobs:  # rows 0 .. n-2 of the prompt predict prompt tokens 1 .. n-1
-            s.prompt_logprobs = [float(x) for x in token_logprobs(model.lm_head(hidden[end - n + 1:end]),
-                                                                  s.history[1:n])]
-    ids, logprobs = choose(sequences, model.lm_head(hidden[ends]))  # [m + r, V] -> [m + r]
-    work.record([(s.id, a, int(n), False) for s, a, n in zip(sequences, firsts, sizes)])
-    return [(s, int(t)) for s, t, lp in zip(sequences, ids, logprobs) if s.accept(int(t), lp)]
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Ragged batching
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -375,7 +264,7 @@ def ragged_generate(model, requests: list[Request], work: Work | None = None) ->
         advance(model, cache, starting, [], work)
     while running := [s for s in sequences if not s.done]:
         advance(model, cache, [], running, work)
-    completions = [s.completion() for s in sequences]
+    completions = [completion(s) for s in sequences]
     work.count_needed(completions)
     return completions
 
@@ -437,7 +326,7 @@ class Handle:
         """Step the engine until this request is done; its completion."""
         while not self.done:
             self.engine.step()
-        return self.sequence.completion()
+        return completion(self.sequence)
 
 
 class ContinuousEngine:
@@ -496,7 +385,7 @@ class ContinuousEngine:
         for h in [h for h in self.running if h.done]:
             self._release(h)
         self.running = [h for h in self.running if not h.done]
-        events = [(handles[s.id], t) for s, t in kept]
+        events = [(handles[s.id], drawn.token_ids) for s, drawn in kept]
         for h, t in events:
             if h.on_token is not None:
                 h.on_token(h, t)
@@ -527,7 +416,7 @@ class ContinuousEngine:
         self.cache.reset(h.sequence.slot)
         self.free.append(h.sequence.slot)
         h.finished_at = self.steps
-        self.work.count_needed([h.sequence.completion()])
+        self.work.count_needed([completion(h.sequence)])
 
 
 def continuous_generate(model, requests: list[Request], slots: int | None = None,

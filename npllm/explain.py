@@ -12,8 +12,9 @@ whether the filters kept them, and the token the sampler drew with the log-proba
       ...
       the filters kept 2 tokens, 94.7% of the probability before filtering
 
-The loop is generate_ids' loop (prefill, then one decode step per token, the same stop rules and the same random
-draws), so a seeded run explains exactly the tokens `npllm generate` prints; the tests hold the two to that.
+The loop is generate_ids' own loop (npllm.generate.decode: prefill, then one decode step per token, the same stop
+rules and the same random draws), watched through the step's observe hook, so a seeded run explains exactly the
+tokens `npllm generate` prints; the tests hold the two to that.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TextIO
 
 import numpy as np
 
-from .generate import check_prompt, stop_ids
-from .sampling import SamplingParams, explain_steps, sample_step
+from .generate import Request, check_prompt, decode, stop_ids
+from .sampling import SamplingParams, explain_steps
 
 FILTERS = ("top_k", "top_p", "min_p", "typical_p")
 BANS = FILTERS + ("logit_bias", "no_repeat_ngram")  # the stages that can remove a token (give it -inf)
@@ -81,31 +82,30 @@ class Step:
 
 def explain_ids(model, tokenizer, prompt_ids, max_new_tokens: int, params: SamplingParams,
                 top: int = 8) -> Iterator[Step]:
-    """Yield one Step per generated token, the stopping token included (with stop=True)."""
-    config = model.config
-    check_prompt(config, prompt_ids)
-    rng = params.generator()
-    stops = stop_ids(config)
+    """Yield one Step per generated token, the stopping token included (with stop=True).
+
+    The generation is generate_steps' own (npllm.generate.decode); this only watches each step's logits and draw.
+    """
+    check_prompt(model.config, prompt_ids)
     decoder = tokenizer.stream_decoder()
-    history = [int(t) for t in prompt_ids]
-    for t in history:
-        decoder.feed(t)
-    cache = model.new_cache()
-    logits = model.lm_head(model.forward(history, np.arange(len(history)), cache)[-1:])[0]  # prefill: [V]
-    for index in range(max_new_tokens):
-        sampled = sample_step(params, logits, rng, history)
-        token = int(sampled.token_ids)
+    for t in prompt_ids:
+        decoder.feed(int(t))
+    steps: list[Step] = []
+
+    def observe(rows, logits, drawn):  # one row: [1, V] logits and its draw, before the token joins the history
+        history, token = rows[0].history, int(drawn.token_ids[0])
         stop = token in stops
         text = "" if stop else decoder.feed(token)
-        yield describe(index, len(history), logits, params, history, token, float(sampled.logprobs), text, stop,
-                       tokenizer, top)
-        if stop:
-            return
-        history.append(token)
-        position = len(history) - 1
-        if position >= config.max_seq_len:  # no room to feed it back: the context is full
-            return
-        logits = model.lm_head(model.forward([token], [position], cache))[0]  # decode: [V]
+        steps.append(describe(len(steps), len(history), logits[0], params, history, token,
+                              float(drawn.logprobs[0]), text, stop, tokenizer, top))
+
+    stops = stop_ids(model.config)
+    request = Request(prompt_ids, max_new_tokens, replace(params, stop=()))
+    shown = 0
+    for _ in decode(model, request, params.generator(), report=True, observe=observe):
+        yield from steps[shown:]
+        shown = len(steps)
+    yield from steps[shown:]  # the stop token's step, which decode does not yield
 
 
 def describe(index, position, logits, params, history, token, logprob, text, stop, tokenizer, top) -> Step:

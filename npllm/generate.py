@@ -1,20 +1,31 @@
-"""The autoregressive loop: prefill the prompt once, then decode one token at a time against the cache.
+"""The generation step every loop is built on, and the loop for one prompt.
 
-    prompt ids --prefill (one [T, D] forward)--> logits of the last token --sample--> id
-    id --decode (one [1, D] forward at the next position)--> logits --sample--> id --> ...
+    step       one forward call and one draw per sequence:
+                   hidden = forward(tokens, positions, cache, slots)      # [T, D]
+                   logits = lm_head(hidden at each sequence's last token)  # [B, V]
+                   ids    = the sampling pipeline on each row              # [B]
+    advance    a step over Sequences: the whole prompt of each starting one, the last token of each running one;
+               each drawn token is kept, or ends its sequence (a stop id, the token limit, a full context)
+    generate   one prompt: prefill once, then one decode step per token, all through `advance`
 
-It stops at an end-of-sequence id (and at BOS for llama2.c's TinyStories checkpoints, as run.c does), at the token
-limit, or when the next token would fall outside the model's context.
+Every loop uses these: `generate_steps` and `explain_ids` (one sequence), ragged and continuous batching (many
+sequences, batching.py), and static batching (Meta's grid, which calls `step` directly). A loop watches a step
+through its `observe` hook, which sees the logits and the draws; explain builds its tables there.
+
+A stop happens at an end-of-sequence id (and at BOS for llama2.c's TinyStories checkpoints, as run.c does), at the
+token limit, or when the next token would fall outside the model's context.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from itertools import accumulate
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from .errors import GenerationError
-from .sampling import Sampled, SamplingParams, sample_step
+from .sampling import Sampled, SamplingParams, log_softmax, sample_step, sample_with
 
 
 def stop_ids(config) -> frozenset[int]:
@@ -43,6 +54,238 @@ def check_request(config, prompt_ids, max_new_tokens: int) -> None:
         raise GenerationError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
 
 
+def token_logprobs(logits: np.ndarray, ids) -> np.ndarray:
+    """log p(ids[t]) under softmax(logits[t]), in float64.   # [T, V], [T] -> [T]"""
+    if len(logits) == 0:
+        return np.zeros(0)
+    logp = log_softmax(np.asarray(logits, dtype=np.float64))  # [T, V]
+    return logp[np.arange(len(logp)), np.asarray(ids, dtype=np.int64)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The step
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """What drawing one sequence's next token needs: its parameters, its own generator (may be None when greedy)
+    and its history (prompt + tokens so far, which the penalties look at)."""
+
+    params: SamplingParams  # rows with equal params are drawn in one call; a Sequence leaves the seed out (rng has it)
+    rng: np.random.Generator | None
+    history: list[int] | np.ndarray
+
+
+def draw(rows: list[Row], logits: np.ndarray, report: bool) -> Sampled:
+    """One token per row, row i drawn for rows[i].                                      # [B, V] -> Sampled of [B]
+
+    Rows with equal params are drawn in one call, each from its own generator and history, so a row's draw never
+    depends on its neighbours. With `report`, each row's log-probability and its params.logprobs alternatives come
+    too (sample_step); otherwise only the ids (sample_with), the log-probabilities NaN and no alternatives.
+    """
+    if len(rows) == 1:  # one sequence: no grouping, gathering and scattering of rows
+        return _draw_group(rows[0].params, rows, logits, report)
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(row.params, []).append(i)
+    if len(groups) == 1:
+        return _draw_group(next(iter(groups)), rows, logits, report)
+    B, width = len(rows), max(p.logprobs for p in groups) if report else 0
+    ids, lp = np.empty(B, np.int64), np.full(B, np.nan)
+    top_ids, top_lp = np.full((B, width), -1, np.int64), np.full((B, width), -np.inf)
+    for params, members in groups.items():
+        got = _draw_group(params, [rows[i] for i in members], logits[members], report)
+        n = got.top_ids.shape[1]
+        ids[members], lp[members], top_ids[members, :n], top_lp[members, :n] = got
+    return Sampled(ids, lp, top_ids, top_lp)
+
+
+def _draw_group(params: SamplingParams, rows: list[Row], logits: np.ndarray, report: bool) -> Sampled:
+    """draw() for rows that share params.                                              # [B, V] -> Sampled of [B]"""
+    rng = None if params.is_greedy else [row.rng for row in rows]  # a greedy draw consumes no uniform
+    histories = [row.history for row in rows]
+    if report:
+        return sample_step(params, logits, rng, histories)
+    B = len(rows)
+    return Sampled(sample_with(params, logits, rng, histories), np.full(B, np.nan), np.empty((B, 0), np.int64),
+                   np.empty((B, 0)))
+
+
+# observe(rows, logits [B, V], drawn Sampled of [B]): called after each draw made from host logits.
+Observer = Callable[[list[Row], np.ndarray, Sampled], None]
+
+
+def step(model, cache, tokens, positions, slots, ends, rows: list[Row], report: bool = False,
+         observe: Observer | None = None) -> tuple[object, Sampled]:
+    """One forward call and one draw per row: (hidden [T, D], Sampled of [B]).
+
+        hidden = model.forward(tokens, positions, cache, slots)       # [T], [T], [T] -> [T, D]
+        logits = model.lm_head(hidden[ends])                          # ends[b]: row b's last token -> [B, V]
+        drawn  = draw(rows, logits, report);  observe(rows, logits, drawn)
+
+    A model with its own sampler (CudaTransformer.sample_next) draws a lone row where its activations live when
+    nobody needs the logits (no report, no observer): only the id travels back, the same id draw() would pick.
+    """
+    hidden = model.forward(tokens, positions, cache, slots)
+    last = hidden[ends]  # [B, D]
+    sample_next = getattr(model, "sample_next", None)
+    if sample_next is not None and len(rows) == 1 and not report and observe is None:
+        row = rows[0]
+        token = int(sample_next(last, row.params, row.rng, row.history))
+        return hidden, Sampled(np.array([token]), np.full(1, np.nan), np.empty((1, 0), np.int64), np.empty((1, 0)))
+    logits = model.lm_head(last)  # [B, V]
+    drawn = draw(rows, logits, report)
+    if observe is not None:
+        observe(rows, logits, drawn)
+    return hidden, drawn
+
+
+def row_of(drawn: Sampled, i: int) -> Sampled:
+    """Row i of a batched Sampled, as sample_step returns it for [V] logits."""
+    return Sampled(int(drawn.token_ids[i]), float(drawn.logprobs[i]), drawn.top_ids[i], drawn.top_logprobs[i])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Requests and sequences
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation job: a prompt (token ids), how to sample, and when to stop.
+
+    The request's generator is seeded with params.seed, so its draws are the same whatever else runs beside it.
+    Generation ends at a model stop id or one of `stop_ids` (neither is returned), after `max_new_tokens`, or when
+    the context is full, whether the request runs alone (generate_steps) or batched (npllm.batching).
+    """
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int = 256
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: frozenset[int] = frozenset()  # ends the generation besides the model's own stop ids
+    logprobs: bool = False  # record log p(token | everything before it) of each new token
+    prompt_logprobs: bool = False  # ... and of each prompt token after the first
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+        object.__setattr__(self, "stop_ids", frozenset(int(t) for t in self.stop_ids))
+        if int(self.max_new_tokens) < 0:
+            raise GenerationError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+        if not isinstance(self.params, SamplingParams):
+            raise GenerationError(f"params must be a SamplingParams, got {type(self.params).__name__}")
+        if self.params.stop:  # stop strings are text: the token-level engine would silently ignore them
+            raise GenerationError(f"params.stop {self.params.stop!r}: a Request stops on token ids (stop_ids); "
+                                  f"stop strings are handled by LLM.generate / LLM.stream")
+
+
+class Sequence:
+    """A request being generated: its Row (params, generator, history), its new tokens, its cache slot."""
+
+    def __init__(self, request: Request, config, id: int, slot: int | None = None,
+                 rng: np.random.Generator | None = None):
+        self.request, self.id, self.slot = request, id, slot
+        rng = np.random.default_rng(request.params.seed) if rng is None else rng
+        self.row = Row(replace(request.params, seed=None), rng, list(request.prompt))
+        self.tokens: list[int] = []
+        self.logprobs: list[float] | None = [] if request.logprobs else None
+        self.prompt_logprobs: list[float] | None = None
+        self.stops = stop_ids(config) | request.stop_ids
+        self.max_seq_len = config.max_seq_len
+        self.finish_reason: str | None = None if request.max_new_tokens > 0 else "length"
+
+    @property
+    def history(self) -> list[int]:
+        return self.row.history
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def accept(self, token: int, logprob: float | None) -> bool:
+        """Take a drawn token; False when it is a stop id (which ends the sequence and is not kept)."""
+        if token in self.stops:
+            self.finish_reason = "stop"
+            return False
+        self.tokens.append(token)
+        self.history.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
+        if len(self.tokens) == self.request.max_new_tokens:
+            self.finish_reason = "length"
+        elif len(self.history) - 1 >= self.max_seq_len:  # its position is outside the context: it cannot be fed
+            self.finish_reason = "context"
+        return True
+
+
+def advance(model, cache, starting: list[Sequence], running: list[Sequence], work=None, report: bool = False,
+            observe: Observer | None = None) -> list[tuple[Sequence, Sampled]]:
+    """One step: the whole prompt of each starting sequence, the last token of each running one; then one drawn
+    token for each. Returns the (sequence, its draw) pairs kept (stop ids end a sequence and are not returned).
+
+        tokens    = prompt_1 ++ ... ++ prompt_m ++ [last_1, ..., last_r]                   # [T]
+        positions = 0..len_1-1 ++ ... ++ [len(history_1) - 1, ...]                         # [T]
+        slots     = each token's sequence slot                                             # [T]
+
+    Attention runs per slot, so no sequence sees another's keys and no padding is computed. `work` (a
+    batching.Work) records the call; `report` and `observe` are step's.
+    """
+    sequences = starting + running
+    sizes = [len(s.history) for s in starting] + [1] * len(running)
+    firsts = [0] * len(starting) + [len(s.history) - 1 for s in running]
+    tokens = [t for s in starting for t in s.history] + [s.history[-1] for s in running]  # [T]
+    positions = [p for s in starting for p in range(len(s.history))] + firsts[len(starting):]  # [T]
+    slots = [s.slot for s, n in zip(sequences, sizes) for _ in range(n)]  # [T]
+    ends = [end - 1 for end in accumulate(sizes)]  # each sequence's last token in the call
+    scored = {}  # row -> log p(drawn token) at temperature 1, for the sequences that asked (Meta's logprobs)
+    wanted = [i for i, s in enumerate(sequences) if s.logprobs is not None]
+    if wanted:
+        observe = _scoring(wanted, scored, observe)
+    hidden, drawn = step(model, cache, np.array(tokens, np.int64), np.array(positions, np.int64),
+                         np.array(slots, np.int64), ends, [s.row for s in sequences], report, observe)
+    for s, end, n in zip(starting, ends, sizes):
+        if s.request.prompt_logprobs:  # rows 0 .. n-2 of the prompt predict prompt tokens 1 .. n-1
+            s.prompt_logprobs = [float(x) for x in token_logprobs(model.lm_head(hidden[end - n + 1:end]),
+                                                                  s.history[1:n])]
+    if work is not None:
+        work.record([(s.id, a, int(n), False) for s, a, n in zip(sequences, firsts, sizes)])
+    kept = [(i, s) for i, s in enumerate(sequences) if s.accept(int(drawn.token_ids[i]), scored.get(i))]
+    return [(s, row_of(drawn, i)) for i, s in kept]
+
+
+def _scoring(wanted: list[int], scored: dict, observe: Observer | None) -> Observer:
+    """An observer that puts log p(drawn token) under softmax(logits) of the rows `wanted` into `scored`, then
+    calls `observe`."""
+    def record(rows, logits, drawn):
+        scored.update(zip(wanted, token_logprobs(logits[wanted], drawn.token_ids[wanted])))
+        if observe is not None:
+            observe(rows, logits, drawn)
+
+    return record
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One prompt
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def decode(model, request: Request, rng: np.random.Generator | None = None, report: bool = False,
+           observe: Observer | None = None) -> Iterator[Sampled]:
+    """Run one request alone on a fresh cache: the prompt's prefill, then one decode step per token. Yields each
+    kept draw (stop ids are not yielded; `observe` sees them). rng: the sequence's generator (default: seeded
+    from params.seed)."""
+    sequence = Sequence(request, model.config, id=0, slot=0, rng=rng)
+    # room for every position this request can reach, not the whole context: a model claiming a huge context
+    # still serves a short request (the last token is never fed back, so len(prompt) + max_new_tokens suffices)
+    cache = model.new_cache(min(model.config.max_seq_len, len(request.prompt) + max(request.max_new_tokens, 1)))
+    starting, running = [sequence], []
+    while not sequence.done:
+        for _, drawn in advance(model, cache, starting, running, report=report, observe=observe):
+            yield drawn
+        starting, running = [], [sequence]
+
+
 def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
                  rng: np.random.Generator | None = None) -> Iterator[int]:
     """Yield new token ids one by one (stop tokens are not yielded).
@@ -50,42 +293,14 @@ def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
     The last sampled token is yielded without being fed back, so a context of N positions yields up to
     N - len(prompt) + 1 tokens, as llama2.c's run.c does.
     """
-    for step in generate_steps(model, prompt_ids, max_new_tokens, params, rng):
-        yield step.token_ids
+    for drawn in generate_steps(model, prompt_ids, max_new_tokens, params, rng):
+        yield drawn.token_ids
 
 
 def generate_steps(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
                    rng: np.random.Generator | None = None) -> Iterator[Sampled]:
-    """generate_ids, yielding each step's whole draw: the id, its log-probability and (with params.logprobs = N)
-    the N most probable alternatives."""
-    config = model.config
-    check_request(config, prompt_ids, max_new_tokens)
-    rng = np.random.default_rng(params.seed) if rng is None else rng
-    stops = stop_ids(config)
-    # room for every position this request can reach, not the whole context: a model claiming a huge context
-    # still serves a short request (the last token is never fed back, so len(prompt) + max_new_tokens suffices)
-    cache = model.new_cache(min(config.max_seq_len, len(prompt_ids) + max(max_new_tokens, 1)))
-    history = [int(t) for t in prompt_ids]
-    hidden = model.forward(history, np.arange(len(history)), cache)[-1:]  # prefill: [T, D] -> last [1, D]
-    for _ in range(max_new_tokens):
-        step = next_step(model, hidden, params, rng, history)
-        if step.token_ids in stops:
-            return
-        yield step
-        history.append(step.token_ids)
-        position = len(history) - 1
-        if position >= config.max_seq_len:  # no room to feed it back: the context is full
-            return
-        hidden = model.forward([step.token_ids], [position], cache)  # decode: [1, D]
-
-
-def next_step(model, hidden, params: SamplingParams, rng: np.random.Generator, history) -> Sampled:
-    """The draw after final hidden state `hidden` [1, D]. A model with its own sampler (CudaTransformer's
-    sample_next) picks the id where its activations live, so only the id travels (its log-probability is then
-    not computed: NaN); when log-probabilities are asked for, or the model has no sampler, the logits are
-    sampled here."""
-    sample_next = getattr(model, "sample_next", None)
-    if sample_next is not None and params.logprobs == 0:
-        token = int(sample_next(hidden, params, rng, history))
-        return Sampled(token, float("nan"), np.empty(0, np.int64), np.empty(0))
-    return sample_step(params, model.lm_head(hidden)[0], rng, history)
+    """generate_ids, yielding each step's whole draw. Its log-probability and (params.logprobs = N) the N most
+    probable alternatives are computed only when N >= 1; otherwise the step draws the id alone (logprob NaN)."""
+    check_request(model.config, prompt_ids, max_new_tokens)
+    request = Request(prompt_ids, max_new_tokens, replace(params, stop=()))  # stop strings: the caller's (text)
+    return decode(model, request, rng, report=params.logprobs > 0)

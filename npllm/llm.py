@@ -88,7 +88,7 @@ class LLM:
         Text is released only once whole UTF-8 characters are known, so a character split over byte tokens is
         never printed broken, and only once it cannot be the start of a stop string (`stop=`), which ends the
         completion and is not part of it. on_step(Sampled) is called for every generated token with its draw: the id,
-        its log-probability and, with logprobs=N, the N most probable alternatives.
+        and with logprobs=N >= 1 its log-probability and the N most probable alternatives (else NaN and none).
         """
         params = SamplingParams(**sampling)
         prompt_ids = self._require_tokenizer().encode(prompt, bos=True)

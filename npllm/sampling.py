@@ -5,12 +5,19 @@ never mutates its arguments, and returns a new array of the same shape and dtype
 removed entries are -inf and whose kept entries are unchanged. Work over the whole vocabulary stays in the
 logits' dtype; cumulative sums and the final draw are computed in float64.
 
-The pipeline of `sample` (docs/sampling.md states every definition and how other engines differ):
+The pipeline is one table, PIPELINE, read by `sample_step`, `sample_with` and `explain_steps` alike
+(docs/sampling.md states every definition and how other engines differ):
 
     penalties    repetition_penalty -> presence_frequency_penalty -> logit_bias -> no_repeat_ngram
     temperature  z = (x - max x) / T      (T = 0 is greedy: argmax of the penalised logits, ties to the lowest id)
     filters      top_k -> top_p -> min_p -> typical_p   (each sees the distribution the previous one left)
     draw         inverse CDF over ascending token ids, one uniform from the row's generator
+
+Each stage's rule is defined once, below, and its public function (top_p, repetition_penalty, ...) applies exactly
+that rule. `explain_steps` runs the public definitions stage by stage over the whole vocabulary. `sample_step` and
+`sample_with` run the same rules in the same order, with the shortcuts of the private module npllm._sampling_fast
+(filters on a compact array of candidates, top-p without a full sort, block-wise running sums), each equivalent to
+the definition here and tested against it (tests/test_sampling_fast.py).
 
 Special values. NaN anywhere raises GenerationError. A row holding +inf entries is the limit of those logits
 growing together: its +inf tokens share the mass equally and every other token gets probability 0. A row whose
@@ -22,15 +29,18 @@ Dimension letters: V vocabulary, B batch rows, C candidate tokens kept after the
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
 
+from . import _sampling_fast as fast
 from .errors import GenerationError
 
 __all__ = [
@@ -47,6 +57,8 @@ __all__ = [
     "greedy",
     "SamplingParams",
     "Sampled",
+    "Stage",
+    "PIPELINE",
     "sample",
     "sample_step",
     "sample_with",
@@ -199,10 +211,10 @@ def _normalisable(x2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     z = x2
     m = z.max(axis=1)  # [B]
-    if np.isneginf(m).any():
-        row = int(np.flatnonzero(np.isneginf(m))[0])
+    if (m == -np.inf).any():
+        row = int(np.flatnonzero(m == -np.inf)[0])
         raise GenerationError(f"logits row {row}: every token is -inf (masked), so there is nothing to sample")
-    inf_rows = np.isposinf(m)
+    inf_rows = m == np.inf
     if inf_rows.any():
         z = z.copy()
         z[inf_rows] = np.where(np.isposinf(z[inf_rows]), 0.0, -np.inf)
@@ -274,18 +286,10 @@ def log_softmax(logits, temperature: float = 1.0) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Filters. Each _keep function maps [B, C] logits to a [B, C] boolean mask of the tokens kept, or None when the
-# filter keeps everything. They depend only on the values of a row, not on positions, so `sample` can run them
-# on a compact [B, C] array of the candidates that survived the first filter.
+# Filters. Each _keep rule maps [B, C] logits and its parameter to a [B, C] boolean mask of the tokens kept, or
+# None when the filter keeps everything. They depend only on the values of a row, not on positions, so a step can
+# run them on a compact [B, C] array of the candidates that survived the first filter.
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def _masked(s: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """s where keep, -inf elsewhere, for s without +inf: s + (0 or -inf) by table lookup.
-
-    About three times faster than np.where on the irregular masks filters produce.
-    """
-    return s + np.take(np.array([-np.inf, 0.0], s.dtype), keep.view(np.uint8))
 
 
 def _filtered(x: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
@@ -316,75 +320,20 @@ def top_k(logits, k: int) -> np.ndarray:
     return _filtered(x, _top_k_keep(_rows(x), k))
 
 
-# Running sums over a whole row are taken block by block: float64 sums of _BLOCK entries, then a cumulative sum
-# inside the one block that matters. A float64 cumulative sum of a float32 [32, 32000] array costs more than
-# everything else in the pipeline together.
-_BLOCK = 256
-
-
-def _running_search(values: np.ndarray, target: np.ndarray, side: str) -> np.ndarray:
-    """np.searchsorted on each row's running sum: [R, n] values >= 0, [R] float64 targets -> [R] indices.
-
-    The first index i whose running sum Σ_{j<=i} values_j is >= target (side "left") or > target (side "right");
-    n when there is none. The index always lands on an entry with values_i > 0.
-    """
-    R, n = values.shape
-    bs = min(n, _BLOCK)
-    nb = -(-n // bs)
-    if nb * bs != n:
-        values = np.concatenate([values, np.zeros((R, nb * bs - n), values.dtype)], axis=1)
-    blocks = values.reshape(R, nb, bs)
-    ends = np.cumsum(blocks.sum(axis=2, dtype=np.float64), axis=1)  # [R, nb] running sum at each block's end
-    t = target[:, None]
-    b = np.sum(ends < t if side == "left" else ends <= t, axis=1)  # [R] first block that gets there
-    found = b < nb
-    b = np.minimum(b, nb - 1)
-    rows = np.arange(R)
-    block = blocks[rows, b].astype(np.float64)  # [R, bs]
-    inner = np.where(b > 0, ends[rows, b - 1], 0.0)[:, None] + np.cumsum(block, axis=1)  # [R, bs]
-    j = np.sum(inner < t if side == "left" else inner <= t, axis=1)
-    last_live = bs - 1 - np.argmax(block[:, ::-1] > 0, axis=1)  # when block sum and cumsum round apart
-    return np.where(found, b * bs + np.where(j < bs, j, last_live), n)
-
-
-# Rows whose nucleus lies inside their largest _NUCLEUS_CANDIDATES probabilities are never sorted in full.
-# A multiple of _BLOCK, so both routes add the same numbers in the same order.
-_NUCLEUS_CANDIDATES = 4 * _BLOCK
-
-
-def _nucleus_floor(e: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Per row, the largest value τ in e with Σ_{e_j >= τ} e_j >= target: [B, V], [B] -> [B].
-
-    e holds unnormalised probabilities. The descending running sum (float64) first reaches the target at some
-    entry; τ is that entry's value. Only the largest _NUCLEUS_CANDIDATES values are partitioned out and sorted; the
-    rows whose target lies beyond them (flat distributions) are sorted in full. Both routes give identical bits,
-    because the running sums of a descending prefix do not depend on what follows it. When rounding keeps the sum
-    below the target, τ is the row's smallest value (everything is kept).
-    """
-    B, V = e.shape
-    m = min(V, _NUCLEUS_CANDIDATES)
-    head = e if m == V else np.partition(e, V - m, axis=1)[:, V - m :]  # [B, m] the m largest, unordered
-    tau = _sorted_reach(head, target)
-    short = np.flatnonzero(np.isnan(tau))
-    if m < V and short.size:
-        tau[short] = _sorted_reach(e[short], target[short])
-    return np.where(np.isnan(tau), e.min(axis=1), tau).astype(e.dtype)
-
-
-def _sorted_reach(values: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Sort each row descending; the value where the running sum first reaches target, else NaN: [R, n] -> [R]."""
-    ordered = np.sort(values, axis=1)[:, ::-1]  # [R, n] descending (a view)
-    j = _running_search(ordered, target, "left")
-    reached = j < values.shape[1]
-    return np.where(reached, ordered[np.arange(len(values)), np.minimum(j, values.shape[1] - 1)], np.nan)
-
-
 def _top_p_keep(x2: np.ndarray, p: float) -> np.ndarray | None:
-    """Keep π_i >= τ, τ the largest probability whose upper set {π >= τ} holds mass >= p."""
+    """Keep π_i >= τ, τ the largest probability whose upper set {π >= τ} holds mass >= p.
+
+    The most probable tokens first: the running sum of the descending probabilities (float64) reaches p · total
+    at some entry, whose value is τ. When rounding keeps the sum below the target, τ is the smallest value.
+    """
     if p >= 1.0:
         return None
     e = np.exp(_shifted(x2, 1.0))  # [B, V] unnormalised probabilities, row max 1
-    tau = _nucleus_floor(e, p * e.sum(axis=1, dtype=np.float64))
+    target = p * e.sum(axis=1, dtype=np.float64)  # [B]
+    descending = -np.sort(-e, axis=1)  # [B, V]
+    reach = np.cumsum(descending, axis=1, dtype=np.float64)  # [B, V] mass of the i + 1 most probable tokens
+    first = np.minimum((reach < target[:, None]).sum(axis=1), e.shape[1] - 1)  # [B] where it reaches p
+    tau = descending[np.arange(len(e)), first]
     return e >= tau[:, None]
 
 
@@ -448,8 +397,8 @@ def typical_p(logits, p: float) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Penalties. Public functions copy once and call an in-place helper on the copy; `sample` chains the helpers on
-# one copy.
+# Penalties. Each _rule edits [B, V] logits in place given the rows' histories and its parameters; the public
+# function applies it to a copy, and a step applies every active one to a single copy.
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -460,19 +409,27 @@ def _history_counts(history: list[np.ndarray], V: int) -> tuple[tuple[np.ndarray
     return (pairs // V, pairs % V), counts
 
 
-def _repetition_inplace(out: np.ndarray, positions, penalty: float) -> None:
-    """CTRL rule on the listed positions: x / penalty where x > 0, x · penalty otherwise."""
+def _repetition_rule(out: np.ndarray, history: list[np.ndarray], penalty: float) -> None:
+    """CTRL rule on every (row, token) seen: x / penalty where x > 0, x · penalty otherwise."""
+    if penalty == 1.0 or not any(len(h) for h in history):
+        return
+    positions, _ = _history_counts(history, out.shape[1])
     v = out[positions]
     out[positions] = np.where(v > 0, v / penalty, v * penalty)
 
 
-def _presence_frequency_inplace(out, positions, counts, presence: float, frequency: float) -> None:
-    """x_t -= presence + frequency · count_t on the listed positions (all of them have count >= 1)."""
+def _presence_frequency_rule(out: np.ndarray, history: list[np.ndarray], presence: float, frequency: float) -> None:
+    """x_t -= presence + frequency · count_t on every (row, token) seen (all of them have count >= 1)."""
+    if not (presence or frequency) or not any(len(h) for h in history):
+        return
+    positions, counts = _history_counts(history, out.shape[1])
     out[positions] -= presence + frequency * counts
 
 
-def _bias_inplace(out: np.ndarray, bias: Mapping[int, float]) -> None:
-    """x_t += bias_t in every row; a -inf bias bans the token even where its logit is +inf."""
+def _bias_rule(out: np.ndarray, history: list[np.ndarray], bias: Mapping[int, float] | None) -> None:
+    """x_t += bias_t in every row (the history plays no part); a -inf bias bans the token even where x_t is +inf."""
+    if not bias:
+        return
     V = out.shape[1]
     ids = np.fromiter(bias.keys(), np.int64, len(bias))
     values = np.fromiter(bias.values(), np.float64, len(bias))
@@ -490,9 +447,20 @@ def _ngram_banned(ids: np.ndarray, n: int) -> np.ndarray:
     return windows[(windows[:, :-1] == prefix).all(axis=1), -1]
 
 
-def _ngram_inplace(out: np.ndarray, history: list[np.ndarray], n: int) -> None:
-    for b, ids in enumerate(history):
-        out[b, _ngram_banned(ids, n)] = -np.inf
+def _ngram_rule(out: np.ndarray, history: list[np.ndarray], n: int) -> None:
+    """-inf on every token that would complete an n-gram already in the row's history (n = 0: nothing)."""
+    if n:
+        for b, ids in enumerate(history):
+            out[b, _ngram_banned(ids, n)] = -np.inf
+
+
+def _penalise(logits, token_ids, rule: Callable, *values) -> np.ndarray:
+    """A public penalty: `rule` applied to a copy of the logits.                       # [V] or [B, V] -> same"""
+    x = _as_logits(logits)
+    history = _history(token_ids, x)
+    out = _rows(x).copy()
+    rule(out, history, *values)
+    return out.reshape(x.shape)
 
 
 def repetition_penalty(logits, token_ids, penalty: float) -> np.ndarray:
@@ -502,14 +470,7 @@ def repetition_penalty(logits, token_ids, penalty: float) -> np.ndarray:
     them, 1 is the identity. Dividing positive and multiplying negative logits makes a penalty > 1 always lower
     the logit (x = 0 stays 0). token_ids: one sequence for [V] logits, B sequences for [B, V].
     """
-    x = _as_logits(logits)
-    penalty = _penalty_value(penalty)
-    history = _history(token_ids, x)
-    out = _rows(x).copy()
-    if penalty != 1.0 and any(len(h) for h in history):
-        positions, _ = _history_counts(history, out.shape[1])
-        _repetition_inplace(out, positions, penalty)
-    return out.reshape(x.shape)
+    return _penalise(logits, token_ids, _repetition_rule, _penalty_value(penalty))
 
 
 def presence_frequency_penalty(logits, token_ids, presence: float, frequency: float) -> np.ndarray:
@@ -517,15 +478,9 @@ def presence_frequency_penalty(logits, token_ids, presence: float, frequency: fl
 
     Tokens absent from token_ids are untouched; negative values reward repeats instead.
     """
-    x = _as_logits(logits)
     presence = _finite_value("presence_penalty", presence)
     frequency = _finite_value("frequency_penalty", frequency)
-    history = _history(token_ids, x)
-    out = _rows(x).copy()
-    if (presence or frequency) and any(len(h) for h in history):
-        positions, counts = _history_counts(history, out.shape[1])
-        _presence_frequency_inplace(out, positions, counts, presence, frequency)
-    return out.reshape(x.shape)
+    return _penalise(logits, token_ids, _presence_frequency_rule, presence, frequency)
 
 
 def no_repeat_ngram(logits, token_ids, n: int) -> np.ndarray:
@@ -535,23 +490,12 @@ def no_repeat_ngram(logits, token_ids, n: int) -> np.ndarray:
     h[i + n - 1] == t. n = 1 bans every token seen; n = 0 disables. This filter alone can mask a whole row (tiny
     vocabularies); `sample` then raises rather than sample from nothing.
     """
-    x = _as_logits(logits)
-    n = _integer("no_repeat_ngram", n)
-    history = _history(token_ids, x)
-    out = _rows(x).copy()
-    if n:
-        _ngram_inplace(out, history, n)
-    return out.reshape(x.shape)
+    return _penalise(logits, token_ids, _ngram_rule, _integer("no_repeat_ngram", n))
 
 
 def logit_bias(logits, bias: Mapping[int, float] | None) -> np.ndarray:
     """x_t + bias[t] for every listed token, in every row. A -inf bias bans a token; +inf is refused."""
-    x = _as_logits(logits)
-    bias = _bias_value(bias)
-    out = _rows(x).copy()
-    if bias:
-        _bias_inplace(out, bias)
-    return out.reshape(x.shape)
+    return _penalise(logits, None, _bias_rule, _bias_value(bias))
 
 
 def greedy(logits) -> int | np.ndarray:
@@ -562,11 +506,6 @@ def greedy(logits) -> int | np.ndarray:
     x = _as_logits(logits)
     ids = np.argmax(_normalisable(_rows(x))[0], axis=1)  # argmax returns the first maximum
     return int(ids[0]) if x.ndim == 1 else ids.astype(np.int64)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Parameters and the pipeline
-# ----------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -618,7 +557,9 @@ class SamplingParams:
 
 
 class Sampled(NamedTuple):
-    """What `sample` and `sample_step` return. For [V] logits: a Python int and float, and [N] arrays; for [B, V]: [B], [B, N].
+    """What `sample` and `sample_step` return: for [V] logits a Python int and float and [N] arrays; for [B, V]
+    logits [B], [B], [B, N], [B, N]. (A generation step that was asked for ids only carries NaN log-probabilities
+    and no alternatives.)
 
     logprobs are the chosen tokens' log-probabilities under the distribution they were drawn from: the penalised,
     temperature-scaled, filtered one. Under greedy decoding (temperature 0) that distribution is a point mass, so
@@ -633,113 +574,52 @@ class Sampled(NamedTuple):
     top_logprobs: np.ndarray
 
 
-def _penalised(x2: np.ndarray, params: SamplingParams, history: list[np.ndarray]) -> np.ndarray:
-    """[B, V] raw logits -> [B, V] logits after the penalty stages (x2 itself when none is active; never mutated)."""
-    pairs_needed = params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
-    has_history = any(len(h) for h in history)
-    if not (params.logit_bias or (has_history and (pairs_needed or params.no_repeat_ngram))):
-        return x2
-    out = x2.copy()
-    if has_history and pairs_needed:
-        positions, counts = _history_counts(history, out.shape[1])
-        if params.repetition_penalty != 1.0:
-            _repetition_inplace(out, positions, params.repetition_penalty)
-        if params.presence_penalty or params.frequency_penalty:
-            _presence_frequency_inplace(out, positions, counts, params.presence_penalty, params.frequency_penalty)
-    if params.logit_bias:
-        _bias_inplace(out, params.logit_bias)
-    if has_history and params.no_repeat_ngram:
-        _ngram_inplace(out, history, params.no_repeat_ngram)
-    return out
+# ----------------------------------------------------------------------------------------------------------------
+# The pipeline: one ordered table of stages, read by sample_step, sample_with and explain_steps
+# ----------------------------------------------------------------------------------------------------------------
 
 
-def _filter_stages(params: SamplingParams) -> list[tuple[str, object]]:
-    """The active filters in pipeline order, as (name, keep function of [B, C] logits)."""
-    stages = []
-    if params.top_k:
-        stages.append(("top_k", lambda s: _top_k_keep(s, params.top_k)))
-    if params.top_p < 1.0:
-        stages.append(("top_p", lambda s: _top_p_keep(s, params.top_p)))
-    if params.min_p > 0.0:
-        stages.append(("min_p", lambda s: _min_p_keep(s, params.min_p)))
-    if params.typical_p < 1.0:
-        stages.append(("typical_p", lambda s: _typical_keep(s, params.typical_p)))
-    return stages
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the pipeline: its name, the SamplingParams fields it reads, and its rule.
 
-
-# The first filter's survivors are gathered into a compact [B, C] array when C <= V / _COMPACT_RATIO; otherwise
-# gathering would cost more than running the later stages on the whole (masked) vocabulary.
-_COMPACT_RATIO = 8
-
-
-def _gather(keep: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[B, V] mask and logits -> ([B, C] ids, [B, C] logits) of the kept tokens in ascending id order.
-
-    Rows with fewer than C survivors are padded with id -1 and logit -inf. When many tokens survive, the whole
-    vocabulary is kept with the removed entries set to -inf instead (C = V, ids 0..V-1).
+    kind "penalty": rule(out [B, V], histories, *values) edits raw logits in place.
+    kind "temperature": z = (x - max x) / T, no rule (T = 0 ends the pipeline: greedy decoding).
+    kind "filter": rule([B, C] logits, value) -> [B, C] mask of the tokens kept, or None when it keeps all.
+    A stage whose fields all hold SamplingParams' defaults (its neutral values) is skipped.
     """
-    B, V = s.shape
-    counts = keep.sum(axis=1)
-    C = int(counts.max())
-    if C > V // _COMPACT_RATIO:
-        return np.broadcast_to(np.arange(V), (B, V)), _masked(s, keep)
-    ids = np.full((B, C), -1, np.int64)
-    vals = np.full((B, C), -np.inf, s.dtype)
-    for b in range(B):
-        kept = np.flatnonzero(keep[b])
-        ids[b, : kept.size] = kept
-        vals[b, : kept.size] = s[b, kept]
-    return ids, vals
+
+    name: str
+    kind: str
+    fields: tuple[str, ...]
+    rule: Callable | None = None
+
+    def active(self, params: SamplingParams) -> bool:
+        return any(getattr(params, f) != _DEFAULTS[f] for f in self.fields)
+
+    def values(self, params: SamplingParams) -> tuple:
+        return tuple(getattr(params, f) for f in self.fields)
 
 
-def _top_k_floor(s: np.ndarray, k: int) -> np.ndarray:
-    """A value <= the k-th largest logit of each row, read off block maxima: [B, V] -> [B] (needs V >= 4k).
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
-    The row is cut into at least 4k blocks; any k block maxima are k distinct entries, so the k-th largest block
-    maximum cannot exceed the k-th largest entry. One pass over the row and a partition of ~4k maxima replace a
-    partition of the whole row; typically only a few more than k entries lie above the floor.
-    """
-    B, V = s.shape
-    size = V // (4 * k)  # block length
-    n = V // size  # number of whole blocks (>= 4k); the tail is left out, which only lowers the floor
-    maxima = s[:, : n * size].reshape(B, n, size).max(axis=2)  # [B, n]
-    return np.partition(maxima, n - k, axis=1)[:, n - k]
-
-
-def _top_k_gather(s: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """top_k as the first filter: [B, V] -> ([B, C] ids, [B, C] logits), the survivors of _top_k_keep.
-
-    The entries above a floor (_top_k_floor) are gathered first and the exact rule runs on those few.
-    """
-    V = s.shape[1]
-    candidates = s >= _top_k_floor(s, k)[:, None] if V >= 4 * k else _top_k_keep(s, k)
-    ids, vals = _gather(candidates, s)
-    keep = _top_k_keep(vals, k)
-    return ids, vals if keep is None else _masked(vals, keep)
+PIPELINE = (
+    Stage("repetition_penalty", "penalty", ("repetition_penalty",), _repetition_rule),
+    Stage("presence_frequency_penalty", "penalty", ("presence_penalty", "frequency_penalty"), _presence_frequency_rule),
+    Stage("logit_bias", "penalty", ("logit_bias",), _bias_rule),
+    Stage("no_repeat_ngram", "penalty", ("no_repeat_ngram",), _ngram_rule),
+    Stage("temperature", "temperature", ("temperature",)),
+    Stage("top_k", "filter", ("top_k",), _top_k_keep),
+    Stage("top_p", "filter", ("top_p",), _top_p_keep),
+    Stage("min_p", "filter", ("min_p",), _min_p_keep),
+    Stage("typical_p", "filter", ("typical_p",), _typical_keep),
+)
 
 
-def _candidates(s: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """[B, V] tempered logits (no +inf) -> ([B, C] ids, [B, C] logits) after every filter; removed entries -inf.
-
-    The first filter that removes anything runs on the whole vocabulary; the rest run on its survivors only.
-    Candidates are always listed in ascending token id order.
-    """
-    ids = None
-    for name, keep_of in _filter_stages(params):
-        if name == "top_k":  # always the first filter
-            if params.top_k < s.shape[1]:
-                ids, s = _top_k_gather(s, params.top_k)
-            continue
-        keep = keep_of(s)
-        if keep is None:
-            continue
-        if ids is None:
-            ids, s = _gather(keep, s)
-        else:
-            s = _masked(s, keep)
-    if ids is None:
-        ids = np.broadcast_to(np.arange(s.shape[1]), s.shape)
-    return ids, s
+@functools.lru_cache(maxsize=256)
+def _active(params: SamplingParams, kind: str) -> tuple[Stage, ...]:
+    """The stages of one kind that params switches on, in pipeline order (remembered: a loop asks at every step)."""
+    return tuple(stage for stage in PIPELINE if stage.kind == kind and stage.active(params))
 
 
 def _check_rng(rng, B: int, batched: bool) -> None:
@@ -759,45 +639,73 @@ def _uniforms(rng, B: int) -> np.ndarray:
     return np.array([g.random() for g in rng])
 
 
-def _draw(vals: np.ndarray, uniforms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Inverse CDF: per row, the first slot whose cumulative probability exceeds u.
+def _prepared(params: SamplingParams, logits, rng, token_ids) -> tuple[np.ndarray, np.ndarray]:
+    """Checked logits and generator(s), and the [B, V] logits after every active penalty stage, applied in order
+    to one copy (the logits themselves when none is active; the histories are then not even read)."""
+    x = _as_logits(logits)
+    x2 = _rows(x)
+    if rng is not None or not params.is_greedy:
+        _check_rng(rng, x2.shape[0], x.ndim == 2)
+    stages = _active(params, "penalty")
+    if not stages:
+        return x, x2
+    history = _history(token_ids, x)
+    z = x2.copy()
+    for stage in stages:
+        stage.rule(z, history, *stage.values(params))
+    if np.isneginf(z.max(axis=1)).any():
+        row = int(np.flatnonzero(np.isneginf(z.max(axis=1)))[0])
+        raise GenerationError(
+            f"logits row {row}: the penalties (logit_bias / no_repeat_ngram) masked every token, nothing to sample"
+        )
+    return x, z
 
-    vals [B, C] logits (row max finite), uniforms [B] -> chosen slots [B], log Z [B] with Z = Σ exp(vals - max).
-    With q = softmax(vals) in slot order, slot j is chosen when Σ_{i<j} q_i <= u < Σ_{i<=j} q_i, so slot j has
-    probability q_j; a slot with q_j = 0 is never chosen. Exponentials in the logits' dtype, sums in float64.
+
+def _candidates(z: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """Penalised [B, V] -> ([B, C] ids, [B, C] tempered logits) left by the filter stages (-inf where removed)."""
+    filters = [(stage.name, stage.rule, *stage.values(params)) for stage in _active(params, "filter")]
+    return fast.candidates(_shifted(z, params.temperature), filters)
+
+
+def sample_with(params: SamplingParams, logits, rng, token_ids=None) -> int | np.ndarray:
+    """Only the chosen token id(s) of `sample_step`: an int for [V] logits, [B] int64 for [B, V].
+
+    The call a generation loop makes when nobody asked for log-probabilities: it computes none, and no
+    alternatives. The same draws as sample_step (the same uniforms, the same candidates).
     """
-    e = np.exp(vals - vals.max(axis=1, keepdims=True))  # [B, C] unnormalised, row max 1
-    total = e.sum(axis=1, dtype=np.float64)  # [B]
-    slot = _running_search(e, uniforms * total, "right")
-    last_live = e.shape[1] - 1 - np.argmax(e[:, ::-1] > 0, axis=1)  # u · total may round past the running sum
-    return np.minimum(slot, last_live), np.log(total)
+    x, z = _prepared(params, logits, rng, token_ids)
+    if params.is_greedy:
+        ids = np.argmax(_normalisable(z)[0], axis=1)  # ties: the first maximum, i.e. the lowest id
+    else:
+        candidates, vals = _candidates(z, params)
+        slot, _ = fast.draw(vals, _uniforms(rng, len(z)))
+        ids = candidates[np.arange(len(z)), slot]
+    return int(ids[0]) if x.ndim == 1 else ids.astype(np.int64)
 
 
-def _top_n(ids: np.ndarray, logq_of, n: int, B: int) -> tuple[np.ndarray, np.ndarray]:
-    """The n most probable tokens per row, ties to the lower id -> [B, n] ids, [B, n] log-probs (-1 / -inf pads).
-
-    ids [B, C]; logq_of(b) gives row b's [C] float64 log-probabilities (computed only when asked).
-    """
-    top_ids = np.full((B, n), -1, np.int64)
-    top_lp = np.full((B, n), -np.inf)
-    if n == 0:
-        return top_ids, top_lp
-    for b in range(B):
-        logq = logq_of(b)
-        live = np.flatnonzero(logq > -np.inf)
-        if live.size > n:  # narrow to the values >= the n-th largest (ties included) before ordering
-            nth = np.partition(logq[live], live.size - n)[live.size - n]
-            live = live[logq[live] >= nth]
-        order = live[np.lexsort((ids[b, live], -logq[live]))][:n]
-        top_ids[b, : order.size] = ids[b, order]
-        top_lp[b, : order.size] = logq[order]
-    return top_ids, top_lp
+def _greedy_draw(z: np.ndarray, params: SamplingParams) -> tuple:
+    """argmax of the penalised [B, V] logits, its log-softmax at T = 1, and the top alternatives under it."""
+    B, V = z.shape
+    zr, m = _normalisable(z)
+    chosen = np.argmax(zr, axis=1)  # ties: the first maximum, i.e. the lowest id
+    shifted = zr - m[:, None]  # [B, V]
+    log_total = np.log(np.exp(shifted).sum(axis=1, dtype=np.float64))  # [B]
+    logq_of = lambda b: shifted[b].astype(np.float64) - log_total[b]  # noqa: E731  [V] row b's log-probabilities
+    top_ids, top_lp = fast.top_n(np.broadcast_to(np.arange(V), (B, V)), logq_of, params.logprobs, B)
+    return chosen, shifted[np.arange(B), chosen].astype(np.float64) - log_total, top_ids, top_lp
 
 
-def _shaped(x: np.ndarray, token_ids, logprobs, top_ids, top_lp) -> Sampled:
-    if x.ndim == 1:
-        return Sampled(int(token_ids[0]), float(logprobs[0]), top_ids[0], top_lp[0])
-    return Sampled(np.asarray(token_ids, np.int64), np.asarray(logprobs, np.float64), top_ids, top_lp)
+def _sampled_draw(z: np.ndarray, params: SamplingParams, rng) -> tuple:
+    """The draw from the filtered, tempered distribution, its log-probability there, and the top alternatives."""
+    B = len(z)
+    ids, vals = _candidates(z, params)  # [B, C]
+    slot, log_total = fast.draw(vals, _uniforms(rng, B))
+    vmax = vals.max(axis=1).astype(np.float64)
+    logq_of = lambda b: vals[b].astype(np.float64) - vmax[b] - log_total[b]  # noqa: E731  [C] of row b
+    rows = np.arange(B)
+    chosen_lp = vals[rows, slot].astype(np.float64) - vmax - log_total
+    top_ids, top_lp = fast.top_n(ids, logq_of, params.logprobs, B)
+    return ids[rows, slot], chosen_lp, top_ids, top_lp
 
 
 def sample_step(params: SamplingParams, logits, rng, token_ids=None) -> Sampled:
@@ -806,125 +714,55 @@ def sample_step(params: SamplingParams, logits, rng, token_ids=None) -> Sampled:
     logits [V] or [B, V]; token_ids the past tokens (one sequence, or B of them; None: no history) that the
     penalties look at; rng a numpy Generator, or for [B, V] a list of B generators so that a row's draws do not
     depend on its neighbours (rng may be None for greedy decoding). A sampled step consumes exactly one
-    `rng.random()` per row, a greedy step none. Raises GenerationError when the penalties leave a row with no
-    allowed token. `params.logprobs` sets how many alternatives are reported.
+    `rng.random()` per row, a greedy step none. token_ids are read (and checked) only when a penalty is active.
+    Raises GenerationError when the penalties leave a row with no allowed token. `params.logprobs` sets how many
+    alternatives are reported.
     """
-    x = _as_logits(logits)
-    x2 = _rows(x)
-    B, V = x2.shape
-    if rng is not None or not params.is_greedy:
-        _check_rng(rng, B, x.ndim == 2)
-    z = _penalised(x2, params, _history(token_ids, x))  # [B, V]
-    if z is not x2 and np.isneginf(z.max(axis=1)).any():
-        row = int(np.flatnonzero(np.isneginf(z.max(axis=1)))[0])
-        raise GenerationError(
-            f"logits row {row}: the penalties (logit_bias / no_repeat_ngram) masked every token, nothing to sample"
-        )
-    rows = np.arange(B)
-    if params.is_greedy:
-        zr, m = _normalisable(z)
-        chosen = np.argmax(zr, axis=1)  # ties: the first maximum, i.e. the lowest id
-        shifted = zr - m[:, None]  # [B, V]
-        log_total = np.log(np.exp(shifted).sum(axis=1, dtype=np.float64))  # [B]
-        top_ids, top_lp = _top_n(
-            np.broadcast_to(np.arange(V), (B, V)),
-            lambda b: shifted[b].astype(np.float64) - log_total[b],
-            params.logprobs,
-            B,
-        )
-        return _shaped(x, chosen, shifted[rows, chosen].astype(np.float64) - log_total, top_ids, top_lp)
-
-    ids, vals = _candidates(_shifted(z, params.temperature), params)  # [B, C]
-    slot, log_total = _draw(vals, _uniforms(rng, B))
-    vmax = vals.max(axis=1).astype(np.float64)
-
-    def logq_of(b):  # [C] float64 log-probabilities of row b's candidates
-        return vals[b].astype(np.float64) - vmax[b] - log_total[b]
-
-    chosen_lp = vals[rows, slot].astype(np.float64) - vmax - log_total
-    top_ids, top_lp = _top_n(ids, logq_of, params.logprobs, B)
-    return _shaped(x, ids[rows, slot], chosen_lp, top_ids, top_lp)
+    x, z = _prepared(params, logits, rng, token_ids)
+    ids, lp, top_ids, top_lp = _greedy_draw(z, params) if params.is_greedy else _sampled_draw(z, params, rng)
+    if x.ndim == 1:
+        return Sampled(int(ids[0]), float(lp[0]), top_ids[0], top_lp[0])
+    return Sampled(np.asarray(ids, np.int64), np.asarray(lp, np.float64), top_ids, top_lp)
 
 
-def sample_with(params: SamplingParams, logits, rng, token_ids=None) -> int | np.ndarray:
-    """Only the chosen token id(s) of `sample_step`: an int for [V] logits, [B] int64 for [B, V].
-
-    The call the generation loop makes at every step when it needs no log-probabilities.
-    """
-    return sample_step(params, logits, rng, token_ids).token_ids
-
-
-def sample(
-    logits,
-    rng,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    typical_p: float = 1.0,
-    repetition_penalty: float = 1.0,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    no_repeat_ngram: int = 0,
-    logit_bias: Mapping[int, float] | None = None,
-    token_ids=None,
-    logprobs: int = 0,
-) -> Sampled:
+def sample(logits, rng, token_ids=None, **params) -> Sampled:
     """Choose the next token of each row: penalties -> temperature -> top-k -> top-p -> min-p -> typical-p -> draw.
 
-    Keyword arguments are those of SamplingParams (validated the same way); see `sample_step` and `Sampled`.
-    Temperature 0 is greedy: the argmax of the penalised logits, ties to the lowest id, filters not applied.
+    Keyword arguments are the fields of SamplingParams (validated the same way; logprobs=N reports N alternatives);
+    see `sample_step` and `Sampled`. Temperature 0 is greedy: the argmax of the penalised logits, ties to the
+    lowest id, filters not applied.
     """
-    params = SamplingParams(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        typical_p=typical_p,
-        repetition_penalty=repetition_penalty,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        no_repeat_ngram=no_repeat_ngram,
-        logit_bias=logit_bias,
-        logprobs=logprobs,
-    )
-    return sample_step(params, logits, rng, token_ids)
+    return sample_step(SamplingParams(**params), logits, rng, token_ids)
 
 
 def explain_steps(logits, params: SamplingParams, token_ids=None) -> list[tuple[str, np.ndarray]]:
     """The probability vector after each active pipeline stage, for `--explain`: [(stage name, [V] or [B, V])].
 
     Starts with ("logits", softmax of the raw logits) and ends with the distribution `sample_step` draws from (for
-    greedy decoding, ("greedy", a point mass on the chosen token)). Probabilities are float64.
+    greedy decoding, ("greedy", a point mass on the chosen token)). Each stage is its public definition applied to
+    the whole vocabulary. Probabilities are float64.
     """
     x = _as_logits(logits)
     history = _history(token_ids, x)
-    seqs = history if x.ndim == 2 else history[0]
-    steps = [("logits", softmax(x.astype(np.float64)))]
-    z = x
-    if params.repetition_penalty != 1.0:
-        z = repetition_penalty(z, seqs, params.repetition_penalty)
-        steps.append(("repetition_penalty", softmax(z.astype(np.float64))))
-    if params.presence_penalty or params.frequency_penalty:
-        z = presence_frequency_penalty(z, seqs, params.presence_penalty, params.frequency_penalty)
-        steps.append(("presence_frequency_penalty", softmax(z.astype(np.float64))))
-    if params.logit_bias:
-        z = logit_bias(z, params.logit_bias)
-        steps.append(("logit_bias", softmax(z.astype(np.float64))))
-    if params.no_repeat_ngram:
-        z = no_repeat_ngram(z, seqs, params.no_repeat_ngram)
-        steps.append(("no_repeat_ngram", softmax(z.astype(np.float64))))
+    z = _rows(x)
+    steps = [("logits", _softmax_rows(z.astype(np.float64), 1.0))]
+    for stage in _active(params, "penalty"):
+        z = z.copy()
+        stage.rule(z, history, *stage.values(params))
+        steps.append((stage.name, _softmax_rows(z.astype(np.float64), 1.0)))
     if params.is_greedy:
-        z2 = _rows(z)
-        point = np.zeros(z2.shape)
-        point[np.arange(z2.shape[0]), np.argmax(z2, axis=1)] = 1.0
-        steps.append(("greedy", point.reshape(x.shape)))
-        return steps
-    s = _shifted(_rows(z), params.temperature).reshape(x.shape)
-    if params.temperature != 1.0:
-        steps.append(("temperature", softmax(s)))
-    filters = {"top_k": top_k, "top_p": top_p, "min_p": min_p, "typical_p": typical_p}
-    for name, _ in _filter_stages(params):
-        s = filters[name](s, getattr(params, name))
-        steps.append((name, softmax(s)))
+        point = np.zeros(z.shape)
+        point[np.arange(len(z)), greedy(z)] = 1.0
+        steps.append(("greedy", point))
+    else:
+        steps += _filter_steps(_shifted(z, params.temperature), params)
+    return [(name, p.reshape(x.shape)) for name, p in steps]
+
+
+def _filter_steps(s: np.ndarray, params: SamplingParams) -> list[tuple[str, np.ndarray]]:
+    """explain_steps after the temperature stage: tempered [B, V] logits -> the distribution after each stage."""
+    steps = [("temperature", _softmax_rows(s, 1.0))] if _active(params, "temperature") else []
+    for stage in _active(params, "filter"):
+        s = _filtered(s, stage.rule(s, *stage.values(params)))
+        steps.append((stage.name, _softmax_rows(s, 1.0)))
     return steps

@@ -92,3 +92,28 @@ def test_logits_api(stories260k):
     logits = llm.logits(ids)
     assert logits.shape == (len(ids), 512) and logits.dtype == np.float32
     assert int(np.argmax(logits[-1])) == next(llm.generate_ids(ids, 1, temperature=0))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_p=0.9, seed=4),
+                                    SamplingParams(temperature=0.8, top_k=20, repetition_penalty=1.2, seed=9)],
+                         ids=["greedy", "top_p", "top_k+penalty"])
+def test_asking_for_logprobs_changes_no_token(stories260k, params):
+    """Without logprobs a step draws the id alone (log-probability NaN); with logprobs=N the same ids come with the
+    sampler's log-probability of each and N alternatives, the drawn token among them when it is the most likely."""
+    from dataclasses import replace
+
+    from npllm.generate import generate_steps
+    from npllm.sampling import sample_step
+
+    model = npllm.load(stories260k).model
+    prompt = [1, 365, 108]
+    plain = list(generate_steps(model, prompt, 40, params))
+    reported = list(generate_steps(model, prompt, 40, replace(params, logprobs=3)))
+    assert [s.token_ids for s in plain] == [s.token_ids for s in reported]
+    assert all(np.isnan(s.logprobs) and s.top_ids.size == 0 for s in plain)
+    history, rng = list(prompt), params.generator()
+    for s in reported:  # the reported figures are sample_step's for the same logits, history and generator
+        expected = sample_step(replace(params, logprobs=3), model.logits(history)[-1], rng, history)
+        assert s.token_ids == expected.token_ids and s.logprobs == pytest.approx(expected.logprobs, rel=1e-6)
+        np.testing.assert_array_equal(s.top_ids, expected.top_ids)
+        history.append(s.token_ids)
