@@ -1,7 +1,7 @@
 """`npllm bench`: prefill and decode throughput of a model, set against the memory bandwidth measured in the same run.
 
     npllm bench --model NAME_OR_PATH [--batch B ...] [--prompt-len N ...] [--gen-len N] [--backend B ...]
-                [--threads T] [--repeat R] [--json]
+                [--threads T] [--weight-dtype D] [--repeat R] [--json]
 
 A model is a checkpoint path, a known name found on disk, or a shape from formats/random.py (stories15M,
 stories110M, tinyllama-1.1B, ...) filled with random weights: the arithmetic, and so the speed, is the same.
@@ -38,7 +38,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .backends import check_backend, limit_blas_threads, make_model
+from .models import limit_blas_threads, make_model, resolve_backend
 from .config import ModelConfig
 from .errors import ConfigError, FormatError
 from .kernels.simd import LANES, vadd, vload, vsum, vzero
@@ -151,27 +151,22 @@ class Session:
     def greedy(self, hidden) -> np.ndarray:
         """The argmax ids of hidden states' logits: on the GPU for the CUDA model (only ids come back, which also
         waits for the device), else from host logits."""
-        sample = getattr(self.model, "sample", None)
-        return sample(hidden) if sample is not None else np.argmax(self.model.lm_head(hidden), axis=-1)
+        if self.model.sample is not None:
+            return self.model.sample(hidden)
+        return np.argmax(self.model.lm_head(hidden), axis=-1)
 
     def synchronize(self) -> None:
         """Wait for work queued on a GPU (its launches return at once); nothing to wait for on the CPU."""
-        synchronize = getattr(self.model, "synchronize", None)
-        if synchronize is not None:
-            synchronize()
+        self.model.synchronize()
 
 
 def bench_backend(model_name: str, backend: str, threads: int | None, batches, prompt_lens, gen_len: int,
-                  repeat: int, bandwidth_mib: int = 512, device: str = "cpu"):
-    """Yield one result dict per (batch, prompt length) for one backend (or the GPU), in this process."""
+                  repeat: int, bandwidth_mib: int = 512, weight_dtype: str = "float32"):
+    """Yield one result dict per (batch, prompt length) for one backend, in this process."""
+    backend = resolve_backend(backend)
     config, weights, kind = load_weights(model_name)
     start = time.perf_counter()
-    if device == "cuda":
-        from .cuda_model import CudaTransformer
-
-        model, backend = CudaTransformer(config, weights), "cuda"
-    else:
-        model = make_model(config, weights, backend, threads)
+    model = make_model(config, weights, backend, threads, weight_dtype)
     load_s = time.perf_counter() - start
     del weights  # the Numba backend keeps its own packed copy
     used_threads = getattr(model, "threads", threads) or _blas_threads()
@@ -204,8 +199,8 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
                             "decode_cpu_cores": round(sum(decode_cpu_s) / sum(decode_s), 2),
                             "load_avg": round(load, 2)})
     peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # before the 512 MiB probe
-    if device == "cuda":  # the GPU's memory, which its decode steps stream
-        from .cuda_model import device_bandwidth_gb_s
+    if backend == "cuda":  # the GPU's memory, which its decode steps stream
+        from .models.cuda import device_bandwidth_gb_s
 
         bandwidth = {"bandwidth_gb_s": round(device_bandwidth_gb_s(4 * bandwidth_mib), 1)}
     else:
@@ -223,27 +218,19 @@ def _blas_threads() -> int:
 def run(args) -> int:
     """The `npllm bench` command: each backend in a fresh process (own memory peak, own thread pools)."""
     for backend in args.backend:
-        check_backend(backend)
-    if args.device != "cpu":
-        from .device import resolve_device
-
-        if resolve_device(args.device) == "cuda":  # the GPU runs the one model npllm has for it
-            for result in bench_backend(args.model, "cuda", None, args.batch, args.prompt_len, args.gen_len,
-                                        args.repeat, args.bandwidth_mib, device="cuda"):
-                print_result(result, args.json)
-            return 0
+        resolve_backend(backend)
     if len(args.backend) == 1:
         if args.threads is not None and args.backend[0] == "numpy":
             limit_blas_threads(args.threads)
         for result in bench_backend(args.model, args.backend[0], args.threads, args.batch, args.prompt_len,
-                                    args.gen_len, args.repeat, args.bandwidth_mib):
+                                    args.gen_len, args.repeat, args.bandwidth_mib, args.weight_dtype):
             print_result(result, args.json)
         return 0
     for backend in args.backend:
         command = [sys.executable, "-m", "npllm", "bench", "--model", args.model, "--backend", backend,
                    "--batch", *map(str, args.batch), "--prompt-len", *map(str, args.prompt_len),
                    "--gen-len", str(args.gen_len), "--repeat", str(args.repeat),
-                   "--bandwidth-mib", str(args.bandwidth_mib), "--json"]
+                   "--bandwidth-mib", str(args.bandwidth_mib), "--weight-dtype", args.weight_dtype, "--json"]
         if args.threads is not None:
             command += ["--threads", str(args.threads)]
         child = subprocess.run(command, stdout=subprocess.PIPE, env=os.environ.copy(), text=True)

@@ -59,6 +59,20 @@ class RingKVCache:
             self.positions[slot, index] = positions
             self.lengths[slot] = max(self.lengths[slot], int(positions[-1]) + 1)
 
+    def reorder(self, parents) -> None:
+        """Slot b takes over the contents of slot parents[b], for every b at once (beam search forks and drops
+        sequences this way).   # parents [B] -> k, v [L, B, C, K, Dh], positions, lengths reordered in place
+
+        In place, so a compiled model holding these arrays sees the new contents."""
+        parents = np.asarray(parents, dtype=np.int64)
+        if parents.shape != (self.slots,) or (parents.size and not (0 <= parents.min() and
+                                                                   parents.max() < self.slots)):
+            raise GenerationError(f"reorder needs one parent slot in [0, {self.slots}) per slot, got {parents}")
+        self.k[:] = self.k[:, parents]
+        self.v[:] = self.v[:, parents]
+        self.positions[:] = self.positions[parents]
+        self.lengths[:] = self.lengths[parents]
+
     def reset(self, slot: int | None = None) -> None:
         """Forget one slot (or all): its entries become empty and its next position 0."""
         if slot is None:

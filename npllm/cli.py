@@ -1,11 +1,15 @@
 """npllm's command line: it parses arguments and calls the Python API, nothing more.
 
     npllm generate [PROMPT] --model M --tokenizer T --max-new-tokens N --temperature T --top-p P --seed S
-                            --backend numba|numpy --threads N
+                            --top-k K --min-p P --typical-p P --repetition-penalty R --presence-penalty A
+                            --frequency-penalty A --no-repeat-ngram N --stop STR --logprobs N
+                            --backend numba|numpy|cuda|auto --threads N --weight-dtype float32|float16
     npllm generate --prompt-file FILE ...      one prompt per line, generated together (ragged batching)
     npllm generate [PROMPT] ... --explain [--json]     (each token's candidates through the sampling pipeline)
+    npllm perplexity --model M --text FILE [--ctx N] [--batch B] [--stride S] [--kl-divergence BASE] [--json]
     npllm bench --model NAME_OR_PATH [--batch B ...] [--prompt-len N ...] [--gen-len N] [--backend B ...]
-                [--threads T] [--repeat R] [--json]
+                [--threads T] [--weight-dtype D] [--repeat R] [--json]
+    npllm info [MODEL]                         architecture, size, context and tokenizer of a checkpoint
 
 stdout gets the prompt followed by the completion and nothing else (with --prompt-file, each prompt and its
 completion, separated by blank lines); timings go to stderr.
@@ -19,6 +23,7 @@ import sys
 import time
 
 from .errors import GenerationError, NpllmError
+from .models import WEIGHT_DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,14 +63,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="sequences decoded together (default 1 8)")
     bench.add_argument("--prompt-len", type=int, nargs="+", default=[128, 512], help="prompt tokens (default 128 512)")
     bench.add_argument("--gen-len", type=int, default=256, help="decode steps (default 256)")
-    bench.add_argument("--backend", nargs="+", default=["numba"], help="numba, numpy, or both (default numba)")
+    bench.add_argument("--backend", nargs="+", default=["numba"],
+                       help="one or more of numba, numpy, cuda, auto (default numba)")
     bench.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
-    bench.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                       help="cpu (the --backend models), cuda (the GPU model) or auto (CUDA when usable)")
+    bench.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32",
+                       help="float16: the cuda backend stores matrices in half precision (default float32)")
     bench.add_argument("--repeat", type=int, default=3, help="runs per figure; medians are reported (default 3)")
     bench.add_argument("--bandwidth-mib", type=int, default=512, help="size of the bandwidth probe (default 512)")
     bench.add_argument("--json", action="store_true", help="one JSON object per line")
     bench.set_defaults(run=run_bench)
+
+    ppl = commands.add_parser("perplexity", help="perplexity of a text (llama.cpp's method), or KL to a base model")
+    add_model_arguments(ppl)
+    ppl.add_argument("--text", "-f", required=True, help="a UTF-8 text file")
+    ppl.add_argument("--ctx", type=int, default=None, help="tokens per chunk (default: min(512, the context))")
+    ppl.add_argument("--batch", type=int, default=1, help="chunks run together, one cache slot each (default 1)")
+    ppl.add_argument("--stride", type=int, default=None,
+                     help="Hugging Face's strided method instead: windows of --ctx tokens, this many apart")
+    ppl.add_argument("--kl-divergence", metavar="BASE_MODEL", default=None,
+                     help="mean KL(base || model) and top-1 agreement against this model (same tokenizer)")
+    ppl.add_argument("--json", action="store_true", help="one JSON object instead of a sentence")
+    ppl.set_defaults(run=run_perplexity)
     return parser
 
 
@@ -73,10 +91,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", default="stories260K",
                         help="checkpoint path or known name (stories260K, stories15M, stories42M, stories110M)")
     parser.add_argument("--tokenizer", "-z", default=None, help="tokenizer path (default: found beside the model)")
-    parser.add_argument("--backend", default="numba", help="numba (compiled kernels, default) or numpy (reference)")
+    parser.add_argument("--backend", default="numba",
+                        help="numba (compiled CPU kernels, default), numpy (the reference), cuda (an NVIDIA GPU) or "
+                             "auto (cuda when a GPU is usable, else numba)")
     parser.add_argument("--threads", type=int, default=None, help="cores to use (default: all)")
-    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                        help="cpu, cuda (an NVIDIA GPU through numba.cuda) or auto (CUDA when usable; default cpu)")
+    parser.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32",
+                        help="float16: the cuda backend stores matrices in half precision (default float32)")
 
 
 def sampling_params(args):
@@ -102,7 +122,8 @@ def run_generate(args) -> int:
         raise GenerationError("--explain follows a single prompt: give a PROMPT, not --prompt-file")
     if args.prompt_file is not None:
         return run_generate_batch(args)
-    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads, device=args.device)
+    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
+               weight_dtype=args.weight_dtype)
     prompt_ids = llm.tokenizer.encode(args.prompt, bos=True)
     if args.explain:
         from .explain import print_explained
@@ -158,7 +179,8 @@ def run_generate_batch(args) -> int:
     if args.prompt:
         raise GenerationError("give either a PROMPT or --prompt-file, not both")
     prompts = read_prompt_file(args.prompt_file)
-    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads, device=args.device)
+    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
+               weight_dtype=args.weight_dtype)
     start = time.perf_counter()
     completions = llm.generate(prompts, args.max_new_tokens, **as_keywords(sampling_params(args)))
     seconds = time.perf_counter() - start
@@ -176,6 +198,41 @@ def run_info(args) -> int:
     checkpoint, _ = resolve(args.model)
     config, weights = read_checkpoint(checkpoint)
     print(describe(config, weights, checkpoint))
+    return 0
+
+
+def run_perplexity(args) -> int:
+    import json
+
+    from . import load
+    from .evaluate import kl_divergence, perplexity, strided_perplexity
+
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise GenerationError(f"--text {args.text}: cannot read it ({e})") from None
+    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
+               weight_dtype=args.weight_dtype)
+    ids = llm._require_tokenizer().encode(text, bos=True)
+    ctx = args.ctx or min(512, llm.config.max_seq_len)
+    progress = sys.stderr.isatty()
+    if args.kl_divergence is not None:
+        base = load(args.kl_divergence, args.tokenizer, backend=args.backend, threads=args.threads,
+                    weight_dtype=args.weight_dtype)
+        result = kl_divergence(llm.model, base.model, ids, ctx, args.batch, progress=progress)
+        sentence = (f"mean KL = {result.mean_kl:.6f} +/- {result.kl_stderr:.6f} nats, top-1 agreement "
+                    f"{100 * result.top1_agreement:.2f}% over {result.tokens} tokens; PPL {result.ppl:.4f} "
+                    f"(base {result.base_ppl:.4f})")
+    elif args.stride is not None:
+        result = strided_perplexity(llm.model, ids, ctx, args.stride, progress=progress)
+        sentence = f"PPL = {result.ppl:.4f} over {result.tokens} tokens in {result.chunks} windows (strided)"
+    else:
+        result = perplexity(llm.model, ids, ctx, args.batch, progress=progress)
+        sentence = (f"PPL = {result.ppl:.4f} +/- {result.ppl_stderr:.5f} over {result.tokens} tokens in "
+                    f"{result.chunks} chunks of {ctx}")
+    print(json.dumps(result.as_dict()) if args.json else sentence)
+    print(f"[npllm] {result.seconds:.2f} s", file=sys.stderr)
     return 0
 
 

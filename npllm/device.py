@@ -1,11 +1,11 @@
-"""Where a model runs: "cpu", "cuda" (an NVIDIA GPU through numba.cuda), or "auto" (CUDA when usable, else CPU).
+"""Whether numba.cuda can run here: what the cuda backend needs (models/__init__.py: resolve_backend picks it).
 
 numba.cuda needs three things that a CPU machine usually lacks: the CUDA target itself (the `numba-cuda` package,
 npllm's `cuda` extra), an NVIDIA driver with a GPU, and the CUDA toolkit's NVVM compiler library (brought by the
 extra's `cuda-toolkit` wheels). `cuda_problem()` names the first one missing.
 
 numba can also *simulate* CUDA on the CPU (NUMBA_ENABLE_CUDASIM=1: every GPU thread becomes a Python thread). The
-simulator runs the same kernels, thousands of times slower: tests use it, "auto" never picks it.
+simulator runs the same kernels, thousands of times slower: tests use it, backend "auto" never picks it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import sys
 
 from .errors import DeviceError
 
-DEVICES = ("cpu", "cuda", "auto")
 INSTALL_HINT = "pip install 'npllm-engine[cuda]'"
 
 
@@ -54,19 +53,6 @@ def cuda_problem() -> str | None:
 def cuda_available() -> bool:
     """True when a real GPU can run npllm's CUDA kernels (the simulator does not count)."""
     return cuda_problem() is None and not cuda_simulated()
-
-
-def resolve_device(device: str) -> str:
-    """"cpu" or "cuda" for a requested device; "cuda" without CUDA raises DeviceError saying what is missing."""
-    if device not in DEVICES:
-        raise DeviceError(f"device must be one of {', '.join(map(repr, DEVICES))}, got {device!r}")
-    if device == "auto":
-        return "cuda" if cuda_available() else "cpu"
-    if device == "cuda":
-        problem = cuda_problem()
-        if problem is not None:
-            raise DeviceError(f"device='cuda' was asked for but {problem}; use device='cpu' or 'auto'")
-    return device
 
 
 def use_cuda_simulator() -> None:

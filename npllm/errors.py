@@ -27,3 +27,7 @@ class DownloadError(NpllmError, OSError):
 
 class DeviceError(NpllmError, RuntimeError):
     """The requested device cannot be used here (no GPU, no driver, numba's CUDA target not installed)."""
+
+
+class ChatTemplateError(NpllmError, ValueError):
+    """A chat template cannot be found, does not compile, or raised an error while rendering (its message kept)."""

@@ -11,18 +11,17 @@ import numpy as np
 
 from . import batching
 from .config import ModelConfig
-from .device import resolve_device
 from .errors import FormatError
 from .stop import StopStrings, cut_at_stop
 from .generate import check_prompt, generate_ids, generate_steps
 from .hub import resolve
-from .model import Transformer
+from .models import Model
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
 
 
 class LLM:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer | None, source: str = ""):
+    def __init__(self, model: Model, tokenizer: Tokenizer | None, source: str = ""):
         self.model = model
         self.tokenizer = tokenizer
         self.source = source
@@ -107,26 +106,21 @@ class LLM:
 
 
 def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None,
-         backend: str = "numba", threads: int | None = None, device: str = "cpu") -> LLM:
+         backend: str = "numba", threads: int | None = None, weight_dtype: str = "float32") -> LLM:
     """Load a checkpoint (a path or a known name such as "stories260K") and its tokenizer.
 
-    backend "numba" (compiled CPU kernels, the default) or "numpy" (the reference); threads: cores to use.
-    device "cpu", "cuda" (an NVIDIA GPU through numba.cuda; backend and threads do not apply; a DeviceError says
-    what is missing when it cannot run) or "auto" (CUDA when a GPU is usable, else the CPU backend).
+    backend: "numba" (compiled CPU kernels, the default), "numpy" (the reference), "cuda" (an NVIDIA GPU through
+    numba.cuda; a DeviceError says what is missing when it cannot run) or "auto" (cuda when a GPU is usable, else
+    numba). threads: CPU cores to use. weight_dtype "float16": the cuda backend stores matrices in half precision.
     """
-    from .backends import check_backend, make_model
     from .formats import read_checkpoint
+    from .models import make_model, resolve_backend
 
-    check_backend(backend)
-    device = resolve_device(device)  # before reading weights: a missing GPU is reported at once
+    backend = resolve_backend(backend)  # before reading weights: a missing GPU is reported at once
     checkpoint, found_tokenizer = resolve(model)
     config, weights = read_checkpoint(checkpoint)
     tok_path = tokenizer if tokenizer is not None else found_tokenizer
     tok = None
     if tok_path is not None:
         tok = load_tokenizer(Path(tok_path), vocab_size=config.vocab_size)
-    if device == "cuda":
-        from .cuda_model import CudaTransformer
-
-        return LLM(CudaTransformer(config, weights), tok, str(checkpoint))
-    return LLM(make_model(config, weights, backend, threads), tok, str(checkpoint))
+    return LLM(make_model(config, weights, backend, threads, weight_dtype), tok, str(checkpoint))

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 import npllm  # noqa: E402
 from npllm.batching import ContinuousEngine, Request, Work, ragged_generate, static_generate  # noqa: E402
 from npllm.formats.random import NAMED_SHAPES, random_weights  # noqa: E402
-from npllm.model import Transformer  # noqa: E402
+from npllm.models.reference import Transformer  # noqa: E402
 from npllm.sampling import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)

@@ -2,6 +2,8 @@
 
     python scripts/cuda_timing.py --model tinyllama-1.1B --dtype float16 --batch 1 32 --prompt-len 128
 
+(`npllm bench --backend cuda --weight-dtype float16` gives the same timings without the roofline columns.)
+
 The timing is `npllm bench`'s (bench.Session: random prompts prefilled in one call, greedy decode steps with the
 argmax on the device); this script adds the weight storage type and the roofline: a decode step streams every
 weight once for the B tokens of the batch, so bandwidth / step bytes * B is the most tokens per second memory
@@ -13,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-
-import numpy as np
 
 
 def main() -> None:
@@ -29,11 +29,12 @@ def main() -> None:
     args = parser.parse_args()
 
     from npllm.bench import Session, load_weights
-    from npllm.cuda_model import CudaTransformer, device_bandwidth_gb_s
+    from npllm.models import make_model
+    from npllm.models.cuda import device_bandwidth_gb_s
 
     config, weights, kind = load_weights(args.model)
     start = time.perf_counter()
-    model = CudaTransformer(config, weights, dtype=np.dtype(args.dtype), one_launch=not args.stage_by_stage)
+    model = make_model(config, weights, "cuda", weight_dtype=args.dtype, one_launch=not args.stage_by_stage)
     load_s = time.perf_counter() - start
     del weights
     bandwidth = device_bandwidth_gb_s()

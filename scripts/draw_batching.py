@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 from npllm.batching import ContinuousEngine, Request, Work, needed_rows, ragged_generate, static_generate  # noqa: E402
 from npllm.config import ModelConfig  # noqa: E402
 from npllm.formats.random import random_weights  # noqa: E402
-from npllm.model import Transformer  # noqa: E402
+from npllm.models.reference import Transformer  # noqa: E402
 from npllm.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = [[1], [1, 5, 6, 7, 8, 9], [1, 9, 8, 7, 6, 5], [1, 4, 4, 5, 5, 6]]

@@ -2,7 +2,7 @@
 # npllm on a real NVIDIA GPU, everything written to one file:
 #   1. the environment (driver, GPU, numba / numba-cuda / toolkit versions, what npllm.device says)
 #   2. the CUDA tests without the simulator, the stories260K golden text in full (200 tokens)
-#   3. `npllm bench --device cuda` on the stories15M, stories110M and tinyllama-1.1B shapes (random weights):
+#   3. `npllm bench --backend cuda` on the stories15M, stories110M and tinyllama-1.1B shapes (random weights):
 #      prefill tok/s (prompts of 128 and 512), decode tok/s at batch 1 and 32, GPU bandwidth measured in the run
 #   4. scripts/cuda_timing.py on tinyllama-1.1B: float16 weight storage, and one launch per stage instead of one
 #      per forward call, each against the bandwidth roofline
@@ -60,7 +60,7 @@ step 900 "CUDA tests on the GPU, golden in full" env NPLLM_CUDA_GOLDEN_FULL=1 \
 MODELS="stories15M stories110M tinyllama-1.1B"; PROMPTS="128 512"
 if [ -n "${QUICK:-}" ]; then MODELS="tinyllama-1.1B"; PROMPTS="128"; fi
 for model in $MODELS; do
-  step 600 "npllm bench --device cuda $model" "$PY" -m npllm bench --device cuda --model "$model" \
+  step 600 "npllm bench --backend cuda $model" "$PY" -m npllm bench --backend cuda --model "$model" \
     --batch 1 32 --prompt-len $PROMPTS --gen-len 64 --repeat 2 --json
 done
 step 600 "cuda_timing tinyllama-1.1B float16 storage" "$PY" scripts/cuda_timing.py --model tinyllama-1.1B \

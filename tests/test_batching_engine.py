@@ -12,7 +12,7 @@ from npllm.config import ModelConfig
 from npllm.errors import GenerationError
 from npllm.formats.random import random_weights
 from npllm.generate import generate_ids
-from npllm.model import Transformer
+from npllm.models.reference import Transformer
 from npllm.sampling import SamplingParams, log_softmax
 
 

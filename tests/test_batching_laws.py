@@ -10,7 +10,7 @@ from npllm.batching import STRATEGIES, Request, Work, continuous_generate, gener
 from npllm.config import ModelConfig
 from npllm.formats.random import random_weights
 from npllm.generate import generate_ids
-from npllm.model import Transformer
+from npllm.models.reference import Transformer
 from npllm.sampling import SamplingParams
 
 CONTEXT = 40

@@ -134,7 +134,7 @@ def test_swiglu():
 
 
 def reference_attention(config, cache, layer, q, k, v, positions, slots, window):
-    """model.Transformer's attention: per slot, the ring as read before the call, then the chunk's keys."""
+    """The reference Transformer's attention: per slot, the ring as read before the call, then the chunk's keys."""
     out = np.empty_like(q)
     for slot in np.unique(slots):
         idx = np.flatnonzero(slots == slot)

@@ -1,4 +1,5 @@
 """CudaTransformer against the NumPy Transformer, and stories260K's greedy golden text through the device path.
+Every CUDA model here is built as users get one: make_model / npllm.load with backend="cuda".
 
 Without a GPU the device is numba's CUDA simulator (see test_cuda_kernels.py): a stories260K token takes about two
 seconds there, so CI checks the golden text's first GOLDEN_PREFIX tokens; NPLLM_CUDA_GOLDEN_FULL=1 (set by
@@ -18,13 +19,15 @@ use_cuda_simulator()
 if cuda_problem() is not None:
     pytest.skip(f"CUDA unavailable: {cuda_problem()}", allow_module_level=True)
 
+import npllm  # noqa: E402
 from npllm import LLM, batching  # noqa: E402
 from npllm.config import ModelConfig  # noqa: E402
-from npllm.cuda_model import CudaTransformer, on_device  # noqa: E402
-from npllm.errors import DeviceError, GenerationError  # noqa: E402
+from npllm.errors import ConfigError, DeviceError, GenerationError  # noqa: E402
 from npllm.formats import read_checkpoint  # noqa: E402
 from npllm.formats.random import random_weights  # noqa: E402
-from npllm.model import Transformer  # noqa: E402
+from npllm.models import make_model, resolve_backend  # noqa: E402
+from npllm.models.cuda import CudaTransformer, on_device  # noqa: E402
+from npllm.models.reference import Transformer  # noqa: E402
 from npllm.tokenizer import load_tokenizer  # noqa: E402
 from npllm.sampling import SamplingParams, sample_with  # noqa: E402
 
@@ -53,7 +56,7 @@ def test_prefill_and_decode_match_numpy(config):
     """A 10-token prefill (the per-stage path), then single-token decode steps (the one-launch path) over a ring
     smaller than the sequence, so it wraps; hidden states, logits and the cache all as the NumPy model."""
     weights = random_weights(config, seed=3)
-    host, device = Transformer(config, weights), CudaTransformer(config, weights)
+    host, device = Transformer(config, weights), make_model(config, weights, "cuda")
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.vocab_size, 14)
     host_cache, device_cache = host.new_cache(capacity=8), device.new_cache(capacity=8)
@@ -77,7 +80,7 @@ def test_ragged_batch_in_one_call(one_launch):
     call, each token in its own cache slot: through the one-launch kernels (matrix-vector, then tiled products)
     and stage by stage."""
     weights = random_weights(GQA, seed=4)
-    host, device = Transformer(GQA, weights), CudaTransformer(GQA, weights, one_launch=one_launch)
+    host, device = Transformer(GQA, weights), make_model(GQA, weights, "cuda", one_launch=one_launch)
     host_cache, device_cache = host.new_cache(slots=3), device.new_cache(slots=3)
     tokens, positions, slots = [3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 0, 1, 0, 1], [0, 0, 0, 1, 1, 2, 2]
     assert_hidden_close(device.forward(tokens, positions, device_cache, slots),
@@ -96,7 +99,7 @@ def test_hidden_states_index_like_numpy_arrays():
     """What generation code does with hidden states (rows by index, reshape, strided views) works on the device
     and gives the host's values."""
     weights = random_weights(GQA, seed=8)
-    device = CudaTransformer(GQA, weights)
+    device = make_model(GQA, weights, "cuda")
     hidden = device.forward(list(range(1, 13)), list(range(12)), device.new_cache())  # [12, D]
     host = hidden.copy_to_host()
     np.testing.assert_array_equal(np.asarray(hidden[[3, -1, 0]]), host[[3, -1, 0]])
@@ -116,7 +119,7 @@ def test_batched_generation_on_the_device(strategy):
     weights = random_weights(GQA, seed=9)
     prompts = [[1, 5, 9], [1], [1, 7, 3, 8, 20, 6, 4, 10, 11, 12]]
     host = batching.generate_tokens(Transformer(GQA, weights), prompts, 5, 0.0, 1.0, True, False, strategy)
-    device = batching.generate_tokens(CudaTransformer(GQA, weights), prompts, 5, 0.0, 1.0, True, False, strategy)
+    device = batching.generate_tokens(make_model(GQA, weights, "cuda"), prompts, 5, 0.0, 1.0, True, False, strategy)
     assert device[0] == host[0]
     for got, expected in zip(device[1], host[1]):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
@@ -124,14 +127,14 @@ def test_batched_generation_on_the_device(strategy):
 
 def test_a_failed_one_launch_falls_back_to_stage_by_stage(monkeypatch):
     """Where a cooperative launch cannot run, the model warns once and gives the same results stage by stage."""
-    import npllm.cuda_model
+    import npllm.models.cuda
 
     def refuse(*args):
         raise RuntimeError("cooperative launches unsupported here")
 
-    monkeypatch.setattr(npllm.cuda_model, "cooperative_blocks", refuse)
+    monkeypatch.setattr(npllm.models.cuda, "cooperative_blocks", refuse)
     weights = random_weights(GQA, seed=10)
-    host, device = Transformer(GQA, weights), CudaTransformer(GQA, weights)
+    host, device = Transformer(GQA, weights), make_model(GQA, weights, "cuda")
     host_cache, device_cache = host.new_cache(), device.new_cache()
     with pytest.warns(RuntimeWarning, match="stage"):
         assert_hidden_close(device.forward([3, 4], [0, 1], device_cache), host.forward([3, 4], [0, 1], host_cache))
@@ -144,7 +147,7 @@ def test_float16_storage_is_the_rounded_model():
     and biases, tiny, stay float32)."""
     weights = random_weights(GQA, seed=5)
     rounded = {name: w.astype(np.float16).astype(np.float32) if w.ndim == 2 else w for name, w in weights.items()}
-    host, device = Transformer(GQA, rounded), CudaTransformer(GQA, weights, dtype=np.float16)
+    host, device = Transformer(GQA, rounded), make_model(GQA, weights, "cuda", weight_dtype="float16")
     tokens = [1, 7, 9, 30]
     np.testing.assert_allclose(device.logits(tokens), host.logits(tokens), rtol=1e-4, atol=1e-4)
 
@@ -152,7 +155,7 @@ def test_float16_storage_is_the_rounded_model():
 def test_device_sampling_draws_what_the_host_draws():
     """sample_next on the device picks the id sampling.sample_with picks from the host logits, for the same rng."""
     weights = random_weights(GQA, seed=6)
-    device = CudaTransformer(GQA, weights)
+    device = make_model(GQA, weights, "cuda")
     hidden = device.forward([4, 5, 6], [0, 1, 2], device.new_cache())[-1:]
     logits = device.lm_head(hidden)[0]
     for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=10, top_p=0.9, seed=1),
@@ -171,7 +174,7 @@ def test_sampling_options_the_device_lacks_go_to_the_host():
     for name, value in host_only.items():
         assert not on_device(SamplingParams(**{name: value})), name
     weights = random_weights(GQA, seed=6)
-    device = CudaTransformer(GQA, weights)
+    device = make_model(GQA, weights, "cuda")
     hidden = device.forward([4, 5, 6], [0, 1, 2], device.new_cache())[-1:]
     logits = device.lm_head(hidden)[0]
     history = [4, 5, 6]
@@ -182,34 +185,32 @@ def test_sampling_options_the_device_lacks_go_to_the_host():
 
 
 def test_bad_input_is_refused_before_the_device_sees_it():
-    device = CudaTransformer(GQA, random_weights(GQA, seed=7))
+    device = make_model(GQA, random_weights(GQA, seed=7), "cuda")
     cache = device.new_cache(slots=2)
     with pytest.raises(GenerationError, match="token ids"):
         device.forward([50], [0], cache)
     with pytest.raises(GenerationError, match="slots"):
         device.forward([1], [0], cache, [2])
-    with pytest.raises(GenerationError, match="as many positions"):
+    with pytest.raises(GenerationError, match="one length"):
         device.forward([1, 2], [0], cache)
 
 
 def test_device_selection_without_a_gpu_names_what_is_missing():
-    """Outside the simulator, on a machine without a GPU: "cuda" raises DeviceError naming the driver, "auto"
-    falls back to the CPU. (In the simulator "auto" never picks CUDA either.)"""
+    """Outside the simulator, on a machine without a GPU: backend "cuda" raises DeviceError naming the driver,
+    "auto" falls back to numba. (In the simulator "auto" never picks CUDA either.)"""
     if not cuda_simulated():
         pytest.skip("this machine has a GPU")
-    from npllm.device import resolve_device
-
-    assert resolve_device("auto") == "cpu"
-    assert resolve_device("cuda") == "cuda"  # the simulator runs explicit requests
-    with pytest.raises(DeviceError, match="device must be one of"):
-        resolve_device("tpu")
-    code = ("from npllm.device import resolve_device\n"
-            "print(resolve_device('auto'))\n"
-            "try:\n    resolve_device('cuda')\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    assert resolve_backend("auto") == "numba"
+    assert resolve_backend("cuda") == "cuda"  # the simulator runs explicit requests
+    with pytest.raises(ConfigError, match="unknown backend"):
+        resolve_backend("tpu")
+    code = ("from npllm.models import resolve_backend\n"
+            "print(resolve_backend('auto'))\n"
+            "try:\n    resolve_backend('cuda')\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     auto, error = out.splitlines()[:2]
-    assert auto == "cpu"
+    assert auto == "numba"
     assert error.startswith("DeviceError") and "driver" in error
 
 
@@ -226,8 +227,10 @@ def test_a_missing_cuda_target_is_named(monkeypatch):
     monkeypatch.setattr(importlib, "import_module", no_cuda)
     assert "npllm-engine[cuda]" in device.cuda_problem()
     with pytest.raises(DeviceError, match="CUDA target cannot be imported"):
-        device.resolve_device("cuda")
-    assert device.resolve_device("auto") == "cpu"
+        resolve_backend("cuda")
+    with pytest.raises(DeviceError, match="CUDA target cannot be imported"):
+        npllm.load("stories260K", backend="cuda")
+    assert resolve_backend("auto") == "numba"
 
 
 def test_stories260k_greedy_golden_through_the_device(stories260k, golden_200, weights_dir):
@@ -235,8 +238,24 @@ def test_stories260k_greedy_golden_through_the_device(stories260k, golden_200, w
     config, weights = read_checkpoint(stories260k)
     tokenizer = load_tokenizer(weights_dir / "stories260K" / "tok512.bin", vocab_size=config.vocab_size)
     n = 200 if os.environ.get("NPLLM_CUDA_GOLDEN_FULL") == "1" else GOLDEN_PREFIX
-    text = LLM(CudaTransformer(config, weights), tokenizer).generate("", n, temperature=0)
+    text = LLM(make_model(config, weights, "cuda"), tokenizer).generate("", n, temperature=0)
     assert text == LLM(Transformer(config, weights), tokenizer).generate("", n, temperature=0)
     assert golden_200.startswith(text)
     if n == 200:
         assert text == golden_200
+
+
+def test_one_switch_gives_the_same_logits_on_every_backend(stories260k):
+    """npllm.load(stories260K, backend=b).logits(ids) agrees across numpy, numba and cuda; float16 storage is
+    reachable from the same switch and stays close."""
+    llms = {b: npllm.load(stories260k, backend=b) for b in ("numpy", "numba", "cuda")}
+    assert isinstance(llms["cuda"].model, CudaTransformer)
+    ids = llms["numpy"].tokenizer.encode("Lily and Ben", bos=True)
+    want = llms["numpy"].logits(ids)
+    for backend in ("numba", "cuda"):
+        np.testing.assert_allclose(llms[backend].logits(ids), want, atol=1e-4 * np.abs(want).max(), err_msg=backend)
+    half = npllm.load(stories260k, backend="cuda", weight_dtype="float16")
+    assert half.model.weight_dtype == np.float16
+    np.testing.assert_allclose(half.logits(ids), want, atol=2e-2 * np.abs(want).max())
+    with pytest.raises(ConfigError, match="weight_dtype"):
+        npllm.load(stories260k, backend="numba", weight_dtype="float16")

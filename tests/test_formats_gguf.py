@@ -250,7 +250,7 @@ def test_unsupported_tensor_type_names_itself(tmp_path):
 
 
 def logits(config, weights, tokens):
-    from npllm.model import Transformer
+    from npllm.models.reference import Transformer
 
     return Transformer(config, weights).logits(tokens)
 

@@ -17,7 +17,7 @@ from npllm.errors import ConfigError, FormatError
 from npllm.formats import read_checkpoint
 from npllm.formats.hf import (config_from_hf, permute_qk_half_to_interleaved, permute_qk_interleaved_to_half,
                               read_hf, to_interleaved)
-from npllm.model import Transformer
+from npllm.models.reference import Transformer
 from test_formats_safetensors import encode
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"

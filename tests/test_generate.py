@@ -8,7 +8,7 @@ from npllm.config import ModelConfig
 from npllm.errors import GenerationError, NpllmError, TokenizerError
 from npllm.formats.random import random_weights
 from npllm.generate import generate_ids
-from npllm.model import Transformer
+from npllm.models.reference import Transformer
 from npllm.sampling import SamplingParams
 
 TINY = ModelConfig(dim=16, hidden_dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=8, max_seq_len=6,

@@ -1,5 +1,8 @@
 """Each Numba kernel of npllm/kernels/cpu.py against its NumPy reference in ops.py, over shapes drawn by Hypothesis.
 
+The model calls most kernels on buffers it owns (`*_into`) and inlined into its forward pass; the small compiled
+functions below call them as the model does and return new arrays, for comparison.
+
 Tolerances, float32 kernels against float64 references:
 - matrix products: |error| <= 2 D u (|x| |W|^T), u = 2^-24, the classic bound for a sum of D products;
 - RMSNorm, RoPE, SwiGLU: relative 1e-5 of the output's scale;
@@ -11,11 +14,81 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from numba import njit
+
 from npllm import ops
 from npllm.kernels import cpu
+from npllm.models.weights import LayerWeights, fused_gate_up
 
 seeds = st.integers(0, 2**32 - 1)
 U = 2.0**-24  # float32 unit roundoff
+
+
+@njit
+def rms_norm(x, weight, eps):
+    """RMSNorm over the last axis, as ops.rms_norm.   # [T, D], [D] -> [T, D]"""
+    out = np.empty_like(x)
+    cpu.rms_norm_into(x, weight, eps, out, x.shape[0])
+    return out
+
+
+@njit
+def rope_interleaved(x, cos, sin):
+    """RoPE on adjacent pairs, as ops.rope_interleaved.   # [T, n, Dh], [T, Dh/2] x2 -> [T, n, Dh]"""
+    T, n, Dh = x.shape
+    out = x.copy().reshape(T, n * Dh)
+    cpu.rope_interleaved_into(out, n, Dh, cos, sin, T)
+    return out.reshape(T, n, Dh)
+
+
+@njit
+def swiglu(x, w13_panels, w2_panels, threads):
+    """SwiGLU feed-forward (silu(x W1^T) * (x W3^T)) W2^T, the model's three calls.   # [T, D] -> [T, D]
+
+    w13_panels = pack_panels(fused_gate_up(layer, 16)); w2_panels = pack_panels(W2).
+    """
+    T = x.shape[0]
+    gate_up = np.empty((T, w13_panels.shape[0] * cpu.PANEL), np.float32)
+    cpu.matmul_into(x, w13_panels, gate_up, T, threads)
+    hidden = np.empty((T, gate_up.shape[1] // 2), np.float32)
+    cpu.swiglu_hidden_into(gate_up, hidden, T)
+    out = np.empty((T, w2_panels.shape[0] * cpu.PANEL), np.float32)
+    cpu.matmul_into(hidden, w2_panels, out, T, threads)
+    return out[:, :x.shape[1]].copy()
+
+
+@njit
+def attention(q, k, v, mask):
+    """Grouped-query attention through the kernels' online softmax (blocks of KEY_BLOCK keys folded into a running
+    max and sum), as ops.attention.      # [T, H, Dh], [S, K, Dh], [S, K, Dv], [T, S] -> [T, H, Dv]"""
+    T, H, Dh = q.shape
+    S, K, Dv = v.shape
+    scale = np.float32(1.0 / np.sqrt(Dh))
+    qf, kf, vf = q.copy().reshape(T * H * Dh), k.copy().reshape(S * K * Dh), v.copy().reshape(S * K * Dv)
+    out = np.zeros(T * H * Dv, np.float32)
+    scores, bases = np.empty(cpu.KEY_BLOCK, np.float32), np.empty(cpu.KEY_BLOCK, np.int64)
+    bits = np.empty(cpu.KEY_BLOCK, np.int32)
+    for t in range(T):
+        for h in range(H):
+            m, l = np.float32(-np.inf), np.float32(0.0)
+            for j0 in range(0, S, cpu.KEY_BLOCK):
+                n = min(cpu.KEY_BLOCK, S - j0)
+                for j in range(n):
+                    key = (j0 + j) * K + h // (H // K)
+                    bases[j] = key * Dv
+                    scores[j] = cpu._dot(qf, (t * H + h) * Dh, kf, key * Dh, Dh) * scale + mask[t, j0 + j]
+                m, l = cpu._online_softmax_block(scores, bases, n, vf, out, (t * H + h) * Dv, Dv, m, l, bits)
+            for d in range(Dv):
+                out[(t * H + h) * Dv + d] /= l
+    return out.reshape(T, H, Dv)
+
+
+@njit
+def exp(x):
+    """exp of a float32 vector through the kernels' polynomial.  # [n] -> [n]"""
+    out = x.astype(np.float32)
+    cpu._exp_into(out, out.shape[0], np.empty(out.shape[0], np.int32))
+    return out
 
 
 def normal(rng, *shape):
@@ -55,10 +128,15 @@ def test_pack_panels_layout():
     assert panels[1, 2, 3] == w[19, 2] and np.all(panels[1, :, 4:] == 0)  # zero rows pad 20 up to 32
 
 
-def test_interleave_panels_alternates_blocks_of_16():
+def ffn_layer(w1, w2, w3) -> LayerWeights:
+    """A layer holding only the feed-forward matrices (what fused_gate_up reads)."""
+    return LayerWeights(None, None, None, None, None, None, w1, w2, w3)
+
+
+def test_fused_gate_up_alternates_blocks_of_16():
     a = np.full((20, 2), 1, np.float32)
     b = np.full((20, 2), 2, np.float32)
-    rows = cpu.interleave_panels(a, b)[:, 0]
+    rows = fused_gate_up(ffn_layer(a, None, b), cpu.PANEL)[:, 0]
     np.testing.assert_array_equal(rows, [1] * 16 + [2] * 16 + [1] * 4 + [0] * 12 + [2] * 4 + [0] * 12)
 
 
@@ -66,7 +144,7 @@ def test_interleave_panels_alternates_blocks_of_16():
 def test_rms_norm_matches_ops(seed, T, D, eps):
     rng = np.random.default_rng(seed)
     x, g = normal(rng, T, D) * 3, normal(rng, D)
-    np.testing.assert_allclose(cpu.rms_norm(x, g, eps), ops.rms_norm(x.astype(np.float64), g, eps),
+    np.testing.assert_allclose(rms_norm(x, g, eps), ops.rms_norm(x.astype(np.float64), g, eps),
                                rtol=1e-5, atol=1e-5 * np.abs(g).max())
 
 
@@ -82,15 +160,14 @@ def test_rope_matches_ops(seed, T, heads, Dh, start, theta):
     cpu.rope_angles_into(positions, inv_freq, kcos, ksin, T)
     np.testing.assert_allclose(kcos, cos, atol=1e-7)
     np.testing.assert_allclose(ksin, sin, atol=1e-7)
-    np.testing.assert_allclose(cpu.rope_interleaved(x, cos, sin), ops.rope_interleaved(x, cos, sin), atol=1e-6)
-    np.testing.assert_allclose(cpu.rope_half(x, cos, sin), ops.rope_half(x, cos, sin), atol=1e-6)
+    np.testing.assert_allclose(rope_interleaved(x, cos, sin), ops.rope_interleaved(x, cos, sin), atol=1e-6)
 
 
 @given(seeds, st.integers(1, 12), st.integers(1, 40), st.integers(1, 60))
 def test_swiglu_matches_ops(seed, T, D, F):
     rng = np.random.default_rng(seed)
     x, w1, w2, w3 = normal(rng, T, D), normal(rng, F, D), normal(rng, D, F), normal(rng, F, D)
-    got = cpu.swiglu(x, cpu.pack_panels(cpu.interleave_panels(w1, w3)), cpu.pack_panels(w2), 2)
+    got = swiglu(x, cpu.pack_panels(fused_gate_up(ffn_layer(w1, w2, w3), cpu.PANEL)), cpu.pack_panels(w2), 2)
     want = ops.swiglu(*(a.astype(np.float64) for a in (x, w1, w2, w3)))
     scale = ops.swiglu(np.abs(x).astype(np.float64), np.abs(w1), np.abs(w2), np.abs(w3)).max() + 1
     np.testing.assert_allclose(got, want, atol=1e-5 * scale)
@@ -105,7 +182,7 @@ def test_attention_matches_ops(seed, T, S_past, group, K, Dh, window):
     q, k, v = normal(rng, T, H, Dh), normal(rng, S, K, Dh), normal(rng, S, K, Dh)
     mask = ops.attention_mask(np.arange(S_past, S), np.arange(S), window)
     want = ops.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask)
-    np.testing.assert_allclose(cpu.attention(q, k, v, mask), want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(attention(q, k, v, mask), want, atol=1e-5, rtol=1e-5)
 
 
 @given(seeds, st.integers(1, 6), st.integers(1, 30), st.integers(1, 200))
@@ -123,7 +200,7 @@ def test_attention_softmax_survives_huge_scores():
     q = np.full((1, 1, 4), 100.0, np.float32)
     k = np.array([[[100.0] * 4], [[-100.0] * 4], [[99.0] * 4]], np.float32)
     v = np.arange(12, dtype=np.float32).reshape(3, 1, 4)
-    got = cpu.attention(q, k, v, np.zeros((1, 3), np.float32))
+    got = attention(q, k, v, np.zeros((1, 3), np.float32))
     np.testing.assert_allclose(got, ops.attention(q.astype(np.float64), k, v, np.zeros((1, 3))), atol=1e-6)
     assert np.all(np.isfinite(got))
 
@@ -135,13 +212,13 @@ def test_attention_with_masked_blocks(masked):
     S = masked + 5
     q, k, v = normal(rng, 1, 2, 8), normal(rng, S, 1, 8), normal(rng, S, 1, 8)
     mask = ops.attention_mask(np.array([S - 1]), np.arange(S), 5)
-    np.testing.assert_allclose(cpu.attention(q, k, v, mask),
+    np.testing.assert_allclose(attention(q, k, v, mask),
                                ops.attention(q.astype(np.float64), k, v, mask), atol=1e-6)
 
 
 def test_exp_matches_numpy_within_2e_7_relative():
     x = np.concatenate([np.linspace(-86.99, 88, 100_001), [-np.inf, 0.0]]).astype(np.float32)
-    got, want = cpu.exp(x), np.exp(x.astype(np.float64))
+    got, want = exp(x), np.exp(x.astype(np.float64))
     np.testing.assert_allclose(got[:-2], want[:-2], rtol=2e-7)
     assert got[-2] == 0.0 and got[-1] == 1.0
-    assert cpu.exp(np.array([-200.0], np.float32))[0] == 0.0  # under float32's normal range: exactly 0
+    assert exp(np.array([-200.0], np.float32))[0] == 0.0  # under float32's normal range: exactly 0

@@ -23,8 +23,9 @@ from npllm.cache import RingKVCache
 from npllm.config import ModelConfig
 from npllm.errors import ConfigError, GenerationError
 from npllm.formats.random import NAMED_SHAPES, random_weights
-from npllm.model import Transformer
-from npllm.numba_model import NumbaTransformer
+from npllm.models import make_model
+from npllm.models.numba import NumbaTransformer
+from npllm.models.reference import Transformer
 
 seeds = st.integers(0, 2**32 - 1)
 
@@ -140,6 +141,8 @@ def test_bad_calls_raise_the_numpy_models_errors():
         NumbaTransformer(config, random_weights(config), threads=10_000)
     with pytest.raises(ConfigError, match="backend"):
         npllm.load("stories260K", backend="fortran")
+    with pytest.raises(ConfigError, match="weight_dtype"):  # float16 storage is the CUDA model's option
+        make_model(config, random_weights(config), "numba", weight_dtype="float16")
 
 
 def test_two_slots_positions_and_lengths_are_committed():
@@ -174,7 +177,7 @@ AVX2_CHECK = """
 import numpy as np
 from npllm.kernels import cpu, simd
 from npllm.formats.random import NAMED_SHAPES, random_weights
-from npllm.numba_model import NumbaTransformer
+from npllm.models.numba import NumbaTransformer
 assert not simd.WIDE
 rng = np.random.default_rng(0)
 x, w = rng.standard_normal((13, 37)).astype(np.float32), rng.standard_normal((70, 37)).astype(np.float32)

@@ -9,7 +9,7 @@ from npllm.config import ModelConfig
 from npllm.errors import FormatError
 from npllm.formats.llama2c import read_llama2c
 from npllm.formats.random import random_weights
-from npllm.model import Transformer
+from npllm.models.reference import Transformer
 
 GQA = ModelConfig(dim=32, hidden_dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=64)
 
@@ -84,11 +84,11 @@ def test_slots_are_independent_sequences():
 
 
 def test_cache_holds_rotated_keys():
-    model = Transformer(GQA, as_float64(random_weights(GQA, seed=7)))
+    w = as_float64(random_weights(GQA, seed=7))
+    model = Transformer(GQA, w)
     cache = model.new_cache()
     tokens = [1, 2, 3]
     model.forward(tokens, np.arange(3), cache)
-    w = model.weights
     x = ops.embed(w["tok_embeddings"], np.array(tokens))
     h = ops.rms_norm(x, w["layers.0.attention_norm"], GQA.norm_eps)
     k = (h @ w["layers.0.wk"].T).reshape(3, GQA.n_kv_heads, GQA.head_dim)

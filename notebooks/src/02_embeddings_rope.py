@@ -17,7 +17,7 @@ from IPython.display import Markdown, display
 import npllm
 from npllm import ops
 from npllm.formats import read_checkpoint
-from npllm.model import Transformer
+from npllm.models.reference import Transformer
 from npllm.tokenizer import load_tokenizer
 
 WEIGHTS = Path(os.environ.get("NPLLM_WEIGHTS") or "../weights")
@@ -28,11 +28,11 @@ def show(obj):
     display(Markdown(f"```python\n{inspect.getsource(obj)}```"))
 
 
-# The NumPy reference model (ops.py's stages wired together by model.py): the code these notebooks read.
+# The NumPy reference model (ops.py's stages wired together in models/reference.py): what these notebooks read.
 config, weights = read_checkpoint(WEIGHTS / "stories260K/stories260K.bin")
 llm = npllm.LLM(Transformer(config, weights), load_tokenizer(WEIGHTS / "stories260K/tok512.model"))
 model, cfg = llm.model, llm.config
-E = model.weights["tok_embeddings"]  # [V, D]
+E = weights["tok_embeddings"]  # [V, D], from the checkpoint's tensors by name
 print(cfg)
 print("embedding matrix", E.shape, E.dtype)
 
@@ -127,7 +127,7 @@ plt.show()
 # tabulate the score for all $m, n < 64$ (in float64, so equality is to rounding):
 
 # %%
-w = model.weights
+w = weights  # the checkpoint's tensors by name: "layers.0.wq", ...
 token = llm.tokenizer.encode("cat", bos=False)[0]
 h = ops.rms_norm(E[[token]].astype(np.float64), w["layers.0.attention_norm"], cfg.norm_eps)  # [1, D]
 q = (h @ w["layers.0.wq"].T).reshape(cfg.n_heads, cfg.head_dim)[0]  # head 0's query, [Dh]

@@ -20,7 +20,7 @@ from IPython.display import Markdown, display
 import npllm
 from npllm import ops
 from npllm.formats import read_checkpoint
-from npllm.model import Transformer
+from npllm.models.reference import Transformer
 from npllm.tokenizer import load_tokenizer
 
 WEIGHTS = Path(os.environ.get("NPLLM_WEIGHTS") or "../weights")
@@ -31,11 +31,11 @@ def show(obj):
     display(Markdown(f"```python\n{inspect.getsource(obj)}```"))
 
 
-# The NumPy reference model (ops.py's stages wired together by model.py): the code these notebooks read.
+# The NumPy reference model (ops.py's stages wired together in models/reference.py): what these notebooks read.
 config, weights = read_checkpoint(WEIGHTS / "stories260K/stories260K.bin")
 llm = npllm.LLM(Transformer(config, weights), load_tokenizer(WEIGHTS / "stories260K/tok512.model"))
 model, cfg = llm.model, llm.config
-w = model.weights
+w = weights  # the checkpoint's tensors by name: "layers.0.wq", ...
 
 # %% [markdown]
 # ## The shapes, and where the 260K parameters are

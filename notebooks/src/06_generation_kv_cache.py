@@ -27,7 +27,7 @@ import npllm
 from npllm import generate
 from npllm.cache import RingKVCache
 from npllm.formats import read_checkpoint
-from npllm.model import Transformer
+from npllm.models.reference import Transformer
 from npllm.tokenizer import load_tokenizer
 
 WEIGHTS = Path(os.environ.get("NPLLM_WEIGHTS") or "../weights")
@@ -38,7 +38,7 @@ def show(obj):
     display(Markdown(f"```python\n{inspect.getsource(obj)}```"))
 
 
-# The NumPy reference model (ops.py's stages wired together by model.py): the code these notebooks read.
+# The NumPy reference model (ops.py's stages wired together in models/reference.py): what these notebooks read.
 config, weights = read_checkpoint(WEIGHTS / "stories260K/stories260K.bin")
 llm = npllm.LLM(Transformer(config, weights), load_tokenizer(WEIGHTS / "stories260K/tok512.model"))
 model, cfg = llm.model, llm.config
@@ -78,7 +78,7 @@ def prefill_and_decode(m, ids):
 
 
 ids = llm.tokenizer.encode(golden, bos=True)[:128]
-model64 = Transformer(cfg, {name: t.astype(np.float64) for name, t in model.weights.items()})
+model64 = Transformer(cfg, {name: t.astype(np.float64) for name, t in weights.items()})
 for name, m in (("float32", model), ("float64", model64)):
     prefill, decode = prefill_and_decode(m, ids)
     print(f"{name}: max |prefill - decode| over {len(ids)} positions x {cfg.vocab_size} logits = "

@@ -36,7 +36,7 @@ import npllm
 from npllm import batching
 from npllm.formats import read_checkpoint
 from npllm.generate import generate_ids
-from npllm.model import Transformer
+from npllm.models.reference import Transformer
 from npllm.sampling import SamplingParams
 from npllm.tokenizer import load_tokenizer
 
@@ -48,7 +48,7 @@ def show(obj):
     display(Markdown(f"```python\n{inspect.getsource(obj)}```"))
 
 
-# The NumPy reference model (ops.py's stages wired together by model.py): the code these notebooks read.
+# The NumPy reference model (ops.py's stages wired together in models/reference.py): what these notebooks read.
 config, weights = read_checkpoint(WEIGHTS / "stories260K/stories260K.bin")
 llm = npllm.LLM(Transformer(config, weights), load_tokenizer(WEIGHTS / "stories260K/tok512.model"))
 model = llm.model

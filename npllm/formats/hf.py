@@ -22,7 +22,7 @@ import numpy as np
 
 from ..config import ModelConfig, RopeScaling
 from ..errors import ConfigError, FormatError
-from . import expected_shapes
+from . import check_weights
 from .safetensors import read_safetensors
 
 CONFIG_FILE = "config.json"
@@ -274,29 +274,6 @@ def canonical_name(hf_name: str) -> str | None:
     if m and m.group(2) in LAYER_NAMES:
         return f"layers.{int(m.group(1))}.{LAYER_NAMES[m.group(2)]}"
     raise FormatError(f"unexpected tensor {hf_name!r}: not a parameter of a Llama-family model npllm knows")
-
-
-def check_weights(config: ModelConfig, weights: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
-    """Every needed weight present with the shape the config implies, nothing left over; returns the needed set.
-
-    A stored lm_head equal in role to the tied embedding is dropped for tied models (some exports save both).
-    """
-    shapes = expected_shapes(config)
-    missing = [n for n in shapes if n not in weights]
-    if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise FormatError(f"{source}: missing weight {missing[0]!r}{more}")
-    extra = [n for n in weights if n not in shapes and not (n == "output" and config.tied_embeddings)]
-    if extra:
-        raise FormatError(f"{source}: weight {extra[0]!r} does not belong to a model with this config")
-    for name, shape in shapes.items():
-        if tuple(weights[name].shape) != shape:
-            what = "vocabulary size" if name in ("tok_embeddings", "output") else "shape"
-            raise FormatError(
-                f"{source}: weight {name!r} has shape {tuple(weights[name].shape)}, but the config implies {shape} "
-                f"(wrong {what}?)"
-            )
-    return {name: weights[name] for name in shapes}
 
 
 def _shard_files(directory: str) -> tuple[list[str], dict | None]:

@@ -1,4 +1,5 @@
-"""Compiled kernels for the stages of ops.py: cpu.py (Numba, multicore CPU) and simd.py (its vector types).
+"""Compiled kernels for the stages of ops.py: cpu.py (Numba, multicore CPU; models/numba.py runs them), simd.py (its
+vector types) and cuda.py (numba.cuda, NVIDIA GPUs; models/cuda.py runs them, imported only there).
 
 Numba's OpenMP threads sleep as soon as a parallel region ends (OMP_WAIT_POLICY=PASSIVE), unless the environment
 already says otherwise. Threads that spin while they wait (the OpenMP default, ~5 ms) hold a core that the main

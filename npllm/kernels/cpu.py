@@ -1,11 +1,8 @@
 """The stages of ops.py as Numba CPU kernels: same math, loops instead of array expressions.
 
-Two families live here:
-
-- Mirrors of ops.py that return new arrays (rms_norm, rope_interleaved, rope_half, attention, swiglu, lm_head,
-  matmul). Tests hold each one against its NumPy reference.
-- `*_into` kernels that write into buffers the caller owns; numba_model.py strings them into one compiled forward
-  pass so that a decode step never returns to Python between layers.
+The kernels write into buffers the caller owns (`*_into`); models/numba.py strings them into one compiled
+forward pass, so that a decode step never returns to Python between layers. matmul and lm_head return new arrays
+(the LM head runs after the forward pass). Tests hold each kernel to its NumPy reference in ops.py.
 
 Weight matrices are repacked once into panels (see pack_panels): 16 output rows interleaved along the input axis,
 so a kernel streams each weight exactly once, in address order, and keeps a tile of partial sums in registers.
@@ -46,19 +43,6 @@ def pack_panels(w: np.ndarray) -> np.ndarray:
     padded = np.zeros((P * PANEL, D), np.float32)
     padded[:N] = w
     return np.ascontiguousarray(padded.reshape(P, PANEL, D).transpose(0, 2, 1))
-
-
-def interleave_panels(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Rows of two matrices in alternating blocks of 16: a[0:16], b[0:16], a[16:32], ...  # [F, D] x2 -> [2 Fp, D]
-
-    Packed, the SwiGLU gate (W1) and up (W3) projections become one matrix read in one pass, and each gate output
-    lands 16 columns before its up partner (see swiglu_hidden_into).
-    """
-    F, D = a.shape
-    Fp = -(-F // PANEL) * PANEL
-    padded = np.zeros((2, Fp, D), np.float32)
-    padded[0, :F], padded[1, :F] = a, b
-    return padded.reshape(2, Fp // PANEL, PANEL, D).transpose(1, 0, 2, 3).reshape(2 * Fp, D)
 
 
 # ----------------------------------------------------------------------------------------------- matrix products
@@ -240,14 +224,6 @@ def _exp_into(x, n, bits):
         x[j] *= powers[j]
 
 
-@njit(cache=True)
-def exp(x):
-    """exp of a float32 vector, as np.exp to ~1e-7 relative (the kernels' softmax and SiLU use it).  # [n] -> [n]"""
-    out = x.astype(np.float32)
-    _exp_into(out, out.shape[0], np.empty(out.shape[0], np.int32))
-    return out
-
-
 # ------------------------------------------------------------------------------------------ norms and activations
 
 @njit(fastmath=REASSOC, inline="always")
@@ -269,20 +245,12 @@ def rms_norm_into(x, weight, eps, out, T):
 
 
 @njit(cache=True)
-def rms_norm(x, weight, eps):
-    """RMSNorm over the last axis, as ops.rms_norm.   # [T, D], [D] -> [T, D]"""
-    out = np.empty_like(x)
-    rms_norm_into(x, weight, eps, out, x.shape[0])
-    return out
-
-
-@njit(cache=True)
 def swiglu_hidden_into(gate_up, out, T):
     """out[t, 16i + j] = silu(gate) * up = gate / (1 + e^-gate) * up, gate and up read from their interleaved
     panels.                                                                      # [>=T, 2Fp] -> [>=T, Fp]
 
-    gate_up is x @ interleave_panels(W1, W3).T: columns 32i .. 32i+15 hold gate outputs 16i .. 16i+15 and
-    columns 32i+16 .. 32i+31 the matching up outputs.
+    gate_up is x @ fused_gate_up(layer, 16).T (models/weights.py): columns 32i .. 32i+15 hold gate outputs
+    16i .. 16i+15 and columns 32i+16 .. 32i+31 the matching up outputs.
     """
     Fp = out.shape[1]
     e = np.empty(Fp, np.float32)
@@ -296,23 +264,6 @@ def swiglu_hidden_into(gate_up, out, T):
             for j in range(PANEL):
                 gate, up = gate_up[t, 2 * PANEL * i + j], gate_up[t, 2 * PANEL * i + PANEL + j]
                 out[t, PANEL * i + j] = gate / (np.float32(1.0) + e[PANEL * i + j]) * up
-
-
-@njit(cache=True)
-def swiglu(x, w13_panels, w2_panels, threads):
-    """SwiGLU feed-forward (silu(x W1^T) * (x W3^T)) W2^T with W1, W3 packed together.   # [T, D] -> [T, D]
-
-    w13_panels = pack_panels(interleave_panels(W1, W3)); w2_panels = pack_panels(W2).
-    """
-    T = x.shape[0]
-    D = w2_panels.shape[0] * PANEL
-    gate_up = np.empty((T, w13_panels.shape[0] * PANEL), np.float32)
-    matmul_into(x, w13_panels, gate_up, T, threads)
-    hidden = np.empty((T, gate_up.shape[1] // 2), np.float32)
-    swiglu_hidden_into(gate_up, hidden, T)
-    out = np.empty((T, D), np.float32)
-    matmul_into(hidden, w2_panels, out, T, threads)
-    return out[:, :x.shape[1]].copy()
 
 
 # --------------------------------------------------------------------------------------------------------- RoPE
@@ -337,33 +288,6 @@ def rope_interleaved_into(x, heads, Dh, cos, sin, T):
                 even, odd = x[t, base + 2 * i], x[t, base + 2 * i + 1]
                 x[t, base + 2 * i] = even * cos[t, i] - odd * sin[t, i]
                 x[t, base + 2 * i + 1] = even * sin[t, i] + odd * cos[t, i]
-
-
-@njit(cache=True)
-def rope_interleaved(x, cos, sin):
-    """RoPE on adjacent pairs, as ops.rope_interleaved.   # [T, n, Dh], [T, Dh/2] x2 -> [T, n, Dh]"""
-    T, n, Dh = x.shape
-    out = x.copy().reshape(T, n * Dh)
-    rope_interleaved_into(out, n, Dh, cos, sin, T)
-    return out.reshape(T, n, Dh)
-
-
-@njit(cache=True)
-def rope_half(x, cos, sin):
-    """RoPE on pairs (i, i + Dh/2), as ops.rope_half.   # [T, n, Dh], [T, Dh/2] x2 -> [T, n, Dh]
-
-    The fast model never calls this: it permutes Hugging Face q/k rows into the interleaved layout at load time.
-    """
-    T, n, Dh = x.shape
-    half = Dh // 2
-    out = np.empty_like(x)
-    for t in range(T):
-        for h in range(n):
-            for i in range(half):
-                first, second = x[t, h, i], x[t, h, i + half]
-                out[t, h, i] = first * cos[t, i] - second * sin[t, i]
-                out[t, h, i + half] = first * sin[t, i] + second * cos[t, i]
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------- attention
@@ -467,40 +391,6 @@ def _online_softmax_block(scores, bases, n, values, out, col, Dv, m, l, bits):
     l += _sum(scores, n)
     _accumulate_values(scores, bases, n, values, out, col, Dv)
     return new_m, l
-
-
-@njit(cache=True)
-def attention(q, k, v, mask):
-    """Causal grouped-query attention with an online softmax, as ops.attention.
-                                                       # [T, H, Dh], [S, K, Dh], [S, K, Dv], [T, S] -> [T, H, Dv]
-    Keys are scored KEY_BLOCK at a time and folded into a running max and sum, so no [T, S] score matrix exists;
-    masked keys (-inf) get weight 0.
-    """
-    T, H, Dh = q.shape
-    S, K, Dv = v.shape
-    G = H // K
-    scale = np.float32(1.0 / np.sqrt(Dh))
-    qf = np.ascontiguousarray(q).reshape(T * H * Dh)
-    kf = np.ascontiguousarray(k).reshape(S * K * Dh)
-    vf = np.ascontiguousarray(v).reshape(S * K * Dv)
-    out = np.zeros(T * H * Dv, np.float32)
-    scores = np.empty(KEY_BLOCK, np.float32)
-    bases = np.empty(KEY_BLOCK, np.int64)
-    bits = np.empty(KEY_BLOCK, np.int32)
-    for t in range(T):
-        for h in range(H):
-            g = h // G
-            m, l = np.float32(-np.inf), np.float32(0.0)
-            for j0 in range(0, S, KEY_BLOCK):
-                n = min(KEY_BLOCK, S - j0)
-                for j in range(n):
-                    key = (j0 + j) * K + g
-                    bases[j] = key * Dv
-                    scores[j] = _dot(qf, (t * H + h) * Dh, kf, key * Dh, Dh) * scale + mask[t, j0 + j]
-                m, l = _online_softmax_block(scores, bases, n, vf, out, (t * H + h) * Dv, Dv, m, l, bits)
-            for d in range(Dv):
-                out[(t * H + h) * Dv + d] /= l
-    return out.reshape(T, H, Dv)
 
 
 @njit(inline="always")

@@ -96,7 +96,8 @@ SIMULATOR = Geometry(threads=8, lanes=8, tile=(8, 8, 8, 2, 4), sampler_threads=8
 
 @cuda.jit(device=True)
 def block_sum(value, red):
-    """Sum of `value` over the block.  red: shared [threads] float32, free on entry and on exit."""
+    """Sum of `value` over the block.  red: shared [threads] of value's type (float32 sums, int32 counts), free on
+    entry and on exit."""
     tid = cuda.threadIdx.x
     red[tid] = value
     cuda.syncthreads()
@@ -449,8 +450,9 @@ def attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos,
                                              # qkv [T, W], ring [B, C, K, Dh] x2, ring_pos [B, C] -> out [T, H Dh]
     The keys of token t are those its slot's ring held before this call (ring indices below meta[RING, t]: a
     slot fills its ring from index 0), then the keys of this call's tokens of the same slot up to t itself
-    (already rotated in qkv; later ones are in its future): the concatenation model.Transformer attends to. A key at
-    position k is seen by a query at p when p - window < k <= p (empty ring entries hold -1 and are never seen).
+    (already rotated in qkv; later ones are in its future): the concatenation the reference Transformer attends to.
+    A key at position k is seen by a query at p when p - window < k <= p (empty ring entries hold -1 and are never
+    seen).
 
     Parallel online softmax: each thread scores its share of the keys (thread j takes keys j, j + threads, ...)
     keeping its own running max and sum of exponentials; the block merges those states (block_softmax_merge),
@@ -541,23 +543,6 @@ def commit_positions(meta, ring_pos, block, nblocks):
 # ---------------------------------------------------------------------------------------------------------------
 
 @cuda.jit(device=True)
-def block_count(count, redi):
-    """Sum of an integer `count` over the block.  redi: shared [threads] int32."""
-    tid = cuda.threadIdx.x
-    redi[tid] = count
-    cuda.syncthreads()
-    step = cuda.blockDim.x // 2
-    while step > 0:
-        if tid < step:
-            redi[tid] += redi[tid + step]
-        cuda.syncthreads()
-        step //= 2
-    total = redi[0]
-    cuda.syncthreads()
-    return total
-
-
-@cuda.jit(device=True)
 def mass_from(probs, b, v, red, redi):
     """(count, sum) of the probabilities p[b, i] >= v."""
     count = 0
@@ -567,7 +552,7 @@ def mass_from(probs, b, v, red, redi):
         if p >= v:
             count += 1
             mass += p
-    return block_count(count, redi), block_sum(mass, red)
+    return block_sum(count, redi), block_sum(mass, red)
 
 
 @cuda.jit(device=True)
@@ -846,7 +831,7 @@ def compact_kernel(ndim: int):
 def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool):
     """A whole forward pass of up to `rows` tokens (all layers, then the final norm) in one cooperative launch.
 
-    The stages are the device functions above, in the order model.Transformer runs them, separated by grid-wide
+    The stages are the device functions above, in the order the reference Transformer runs them, separated by grid-wide
     barriers (every block finishes a stage before any starts the next):
         embed | per layer: [norm + qkv] [bias + rope] [attention] [kv write + wo + residual]
                            [norm + gate/up + SwiGLU] [w2 + residual] | final norm + commit positions

@@ -5,8 +5,9 @@
     load_tokenizer("tokenizer.json") -> ByteLevelBPE           (Hugging Face byte-level BPE: Llama 3, Qwen2, SmolLM)
     load_tokenizer("model.gguf")    -> the vocabulary the GGUF file embeds (BPETokenizer or ByteLevelBPE)
 
-Both spell pieces the SentencePiece way (U+2581 for a space, <0xXX> for a byte) and decode through the same
-StreamDecoder, so text printed token by token never shows half a character.
+SentencePieceTokenizer and BPETokenizer spell pieces the SentencePiece way (U+2581 for a space, <0xXX> for a byte)
+and decode through the same StreamDecoder; ByteLevelBPE spells every byte as a printable character and has its own
+ByteStreamDecoder. Either way, text printed token by token never shows half a character.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ __all__ = [
 
 
 def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None) -> Tokenizer:
-    """Open a tokenizer file, choosing the reader by its suffix: `.model` SentencePiece, `.bin` llama2.c.
+    """Open a tokenizer file, choosing the reader by its suffix: `.model` SentencePiece, `.bin` llama2.c,
+    `.json` Hugging Face byte-level BPE, `.gguf` the vocabulary a GGUF file embeds.
 
     With `vocab_size` (the model's), the tokenizer must have exactly that many ids (check_vocab); for a `.bin`, which
     does not record its own size, this also catches a file cut off between two records.

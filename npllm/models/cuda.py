@@ -1,6 +1,6 @@
-"""CudaTransformer: model.Transformer on an NVIDIA GPU, through the numba.cuda kernels of npllm/kernels/cuda.py.
+"""CudaTransformer: the reference Transformer on an NVIDIA GPU, through the numba.cuda kernels of kernels/cuda.py.
 
-Same interface as model.Transformer (config, new_cache, forward, lm_head, logits), same arithmetic in float32:
+Same interface (models/base.py), same arithmetic in float32; what differs:
     weights      uploaded once, stacked over layers (float32, or float16 storage read into float32 sums)
     KV cache     CudaKVCache: RingKVCache's layout, resident on the device
     forward      returns the final hidden states as a *device* array [T, D]: activations never leave the GPU
@@ -19,12 +19,13 @@ import warnings
 
 import numpy as np
 
-from . import ops
-from .config import ModelConfig
-from .device import cuda_problem, cuda_simulated
-from .errors import ConfigError, DeviceError, GenerationError
-from .model import check_weights
-from .sampling import SamplingParams, sample_with
+from .. import ops
+from ..config import ModelConfig
+from ..device import cuda_problem, cuda_simulated
+from ..errors import ConfigError, DeviceError, GenerationError
+from ..sampling import SamplingParams, sample_with
+from .base import Model
+from .weights import Weights, fused_gate_up, fused_qkv
 
 DTYPES = (np.float32, np.float16)
 # What kernels.sample_rows does (stop strings are the generation loop's business); any other option in use sends
@@ -38,7 +39,7 @@ def _cuda():
         raise DeviceError(f"the CUDA model cannot run: {problem}")
     from numba import cuda
 
-    from .kernels import cuda as kernels
+    from ..kernels import cuda as kernels
 
     return cuda, kernels
 
@@ -77,7 +78,7 @@ class CudaKVCache:
 
     def to_host(self):
         """A RingKVCache holding a copy of this one (for inspection and tests)."""
-        from .cache import RingKVCache
+        from ..cache import RingKVCache
 
         host = RingKVCache(self.config, self.capacity, self.slots, np.float32)
         host.positions[:] = self.positions.copy_to_host()
@@ -162,8 +163,8 @@ class _Workspace:
     scores: object  # [blocks, C + T] attention scratch
 
 
-class CudaTransformer:
-    """model.Transformer on the GPU. dtype: how matrices are stored (float32, or float16 read into float32 sums).
+class CudaTransformer(Model):
+    """The Transformer on the GPU. dtype: how matrices are stored (float32, or float16 read into float32 sums).
     geometry: kernels.Geometry (block sizes; the default suits the hardware or the simulator, whichever runs).
     one_launch: run each forward call as one cooperative launch (kernels.decode_step_kernel for up to 8 tokens,
     kernels.batch_step_kernel for more); when the device or toolkit cannot (no cooperative launch, no cudadevrt
@@ -171,17 +172,17 @@ class CudaTransformer:
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype=np.float32, geometry=None,
                  one_launch: bool = True):
-        check_weights(config, weights)
+        named = Weights.from_checkpoint(config, weights)
         if np.dtype(dtype) not in [np.dtype(d) for d in DTYPES]:
             raise ConfigError(f"CudaTransformer stores weights as float32 or float16, got dtype {np.dtype(dtype)}")
         self.cuda, self.kernels = _cuda()
-        self.config = config
-        self.dtype = np.dtype(dtype)
+        super().__init__(config)
+        self.weight_dtype = np.dtype(dtype)  # matrices' storage; forward computes in float32 (Model.dtype)
         self.geometry = geometry or (self.kernels.SIMULATOR if cuda_simulated() else self.kernels.HARDWARE)
         if config.head_dim > self.kernels.MAX_HEAD_DIM:
             raise ConfigError(f"head_dim {config.head_dim} is above the CUDA kernels' limit "
                               f"{self.kernels.MAX_HEAD_DIM}")
-        self._upload(weights)
+        self._upload(named)
         self.inv_freq = ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)  # [Dh/2]
         self._rope_table(config.max_seq_len)
         self._workspaces: dict[tuple[int, int], _Workspace] = {}
@@ -190,36 +191,32 @@ class CudaTransformer:
 
     # -- weights ------------------------------------------------------------------------------------------------
 
-    def _upload(self, weights: dict[str, np.ndarray]) -> None:
+    def _upload(self, weights: Weights) -> None:
         """Stack each kind of tensor over the layers and copy it to the device, one layer at a time (no host copy
-        of the whole model): wqkv = [wq; wk; wv] so one pass computes q, k and v, w13 = (w1, w3) for SwiGLU."""
+        of the whole model): wqkv = fused_qkv so one pass computes q, k and v (RoPE layout kept: the kernels know
+        both), w13 = fused_gate_up in blocks of F, i.e. [w1; w3], for SwiGLU."""
         c, cuda = self.config, self.cuda
         L, D, F = c.n_layers, c.dim, c.hidden_dim
         HDh, KDh = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         W = HDh + 2 * KDh
-        matrix = self.dtype
+        matrix = self.weight_dtype
 
         def stacked(shape, dtype, layer_tensor):
             dev = cuda.device_array((L, *shape), dtype)
-            for l in range(L):
-                dev[l].copy_to_device(np.ascontiguousarray(layer_tensor(f"layers.{l}."), dtype=dtype))
+            for l, layer in enumerate(weights.layers):
+                dev[l].copy_to_device(np.ascontiguousarray(layer_tensor(layer), dtype=dtype).reshape(shape))
             return dev
 
-        self.tok_embeddings = cuda.to_device(np.asarray(weights["tok_embeddings"], dtype=matrix))
+        self.tok_embeddings = cuda.to_device(np.asarray(weights.tok_embeddings, dtype=matrix))
         self.output = (self.tok_embeddings if c.tied_embeddings
-                       else cuda.to_device(np.asarray(weights["output"], dtype=matrix)))
-        self.norms = stacked((2, D), np.float32, lambda p: np.stack([weights[p + "attention_norm"],
-                                                                     weights[p + "ffn_norm"]]))
-        self.final_norm = cuda.to_device(np.asarray(weights["norm"], np.float32))
-        self.wqkv = stacked((W, D), matrix, lambda p: np.concatenate([weights[p + "wq"], weights[p + "wk"],
-                                                                      weights[p + "wv"]]))
-        no_bias = np.zeros(W, np.float32)  # Llama's projections have none; adding zeros changes nothing
-        self.bqkv = stacked((W,), np.float32, lambda p: np.concatenate([weights[p + "bq"], weights[p + "bk"],
-                                                                        weights[p + "bv"]])
-                            if c.attention_bias else no_bias)
-        self.wo = stacked((D, HDh), matrix, lambda p: weights[p + "wo"])
-        self.w13 = stacked((2, F, D), matrix, lambda p: np.stack([weights[p + "w1"], weights[p + "w3"]]))
-        self.w2 = stacked((D, F), matrix, lambda p: weights[p + "w2"])
+                       else cuda.to_device(np.asarray(weights.output, dtype=matrix)))
+        self.norms = stacked((2, D), np.float32, lambda w: np.stack([w.attention_norm, w.ffn_norm]))
+        self.final_norm = cuda.to_device(np.asarray(weights.norm, np.float32))
+        self.wqkv = stacked((W, D), matrix, lambda w: fused_qkv(c, w, interleave_rope=False)[0])
+        self.bqkv = stacked((W,), np.float32, lambda w: fused_qkv(c, w, interleave_rope=False)[1])
+        self.wo = stacked((D, HDh), matrix, lambda w: w.wo)
+        self.w13 = stacked((2, F, D), matrix, lambda w: fused_gate_up(w, F))
+        self.w2 = stacked((D, F), matrix, lambda w: w.w2)
         layers = sum(a.nbytes for a in (self.norms, self.final_norm, self.wqkv, self.bqkv, self.wo, self.w13, self.w2))
         # A decode step streams every layer and the LM head; of the embedding it reads only the tokens' rows.
         self.step_weight_bytes = layers + self.output.nbytes
@@ -236,14 +233,10 @@ class CudaTransformer:
     def new_cache(self, capacity: int | None = None, slots: int = 1) -> CudaKVCache:
         return CudaKVCache(self.config, capacity, slots)
 
-    def window(self, cache: CudaKVCache) -> int:
-        """How many most recent positions a query sees: the model's sliding window, capped by the ring's size."""
-        return min(self.config.sliding_window or cache.capacity, cache.capacity)
-
     def forward(self, tokens, positions, cache: CudaKVCache, slots=None) -> DeviceArray:
         """Final-norm hidden states of the given tokens, updating the cache.      # [T], [T], [T] -> [T, D] on the GPU
 
-        As model.Transformer.forward: slots[t] is the cache slot of token t (all 0 when omitted); within a slot,
+        As Model.forward: slots[t] is the cache slot of token t (all 0 when omitted); within a slot,
         tokens come in increasing position order and follow what the slot's cache already holds.
         """
         meta = self._meta(tokens, positions, slots, cache)
@@ -262,18 +255,11 @@ class CudaTransformer:
     def _meta(self, tokens, positions, slots, cache: CudaKVCache) -> np.ndarray:
         """[6, T] int32 rows TOKEN, POS, SLOT, KEEP, RING, FIRST (see kernels/cuda.py), checked: out-of-range
         indices on a GPU read or write other memory silently, so they are refused here."""
-        c = self.config
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
-        slots = np.zeros_like(tokens) if slots is None else np.asarray(slots, dtype=np.int64).reshape(-1)
-        if not len(tokens) == len(positions) == len(slots) or len(tokens) == 0:
-            raise GenerationError(f"forward needs as many positions and slots as tokens (at least one), got "
-                                  f"{len(tokens)} tokens, {len(positions)} positions, {len(slots)} slots")
-        if tokens.min() < 0 or tokens.max() >= c.vocab_size:
-            raise GenerationError(f"token ids must lie in [0, {c.vocab_size}), got {tokens.min()}..{tokens.max()}")
-        if slots.min() < 0 or slots.max() >= cache.slots:
-            raise GenerationError(f"slots must lie in [0, {cache.slots}), got {slots.min()}..{slots.max()}")
-        if positions.min() < 0 or positions.max() >= np.iinfo(np.int32).max:
+        tokens, positions, slots = self.call_arrays(tokens, positions, slots)
+        if len(tokens) == 0:
+            raise GenerationError("a forward call on the GPU needs at least one token")
+        self.check_call(tokens, positions, slots, cache)
+        if positions.max() >= np.iinfo(np.int32).max:
             raise GenerationError(f"positions must lie in [0, 2^31 - 1), got {positions.min()}..{positions.max()}")
         if positions.max() >= self.rope_positions:
             self._rope_table(max(int(positions.max()) + 1, 2 * self.rope_positions))
@@ -343,7 +329,7 @@ class CudaTransformer:
         self._grids[key] = blocks
 
     def _stages(self, ws: _Workspace, cache: CudaKVCache, hidden) -> None:
-        """One launch per stage, in model.Transformer's order."""
+        """One launch per stage, in the reference Transformer's order."""
         c, k, g = self.config, self.kernels, self.geometry
         T, D, F = ws.x.shape[0], c.dim, c.hidden_dim
         eps = np.float32(c.norm_eps)
@@ -404,14 +390,6 @@ class CudaTransformer:
     def lm_head(self, h) -> np.ndarray:
         """Logits from final hidden states, on the host.  # [T, D] -> [T, V]"""
         return self._device_logits(h).copy_to_host()
-
-    def logits(self, tokens, positions=None, cache: CudaKVCache | None = None) -> np.ndarray:
-        """Logits of every token of one sequence on a fresh cache (or the given one).  # [T] -> [T, V]"""
-        tokens = np.asarray(tokens, dtype=np.int64)
-        if positions is None:
-            positions = np.arange(len(tokens))
-        cache = self.new_cache() if cache is None else cache
-        return self.lm_head(self.forward(tokens, positions, cache))
 
     def sample(self, h, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, uniforms=0.0) -> np.ndarray:
         """Token ids chosen on the device from final hidden states, one per row: greedy at temperature 0, else

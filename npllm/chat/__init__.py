@@ -1,0 +1,13 @@
+"""Chat: Hugging Face chat templates rendered as transformers renders them, and the built-in ones.
+
+    render_chat_template(template, messages, add_generation_prompt=False, bos_token=..., eos_token=...) -> str
+    BUILTIN_TEMPLATES                    llama2, llama3, chatml, zephyr
+    find_chat_template(checkpoint)       tokenizer_config.json's or GGUF's template of a checkpoint, else None
+    resolve_chat_template(spec, found)   a --chat-template NAME|FILE, else the model's own
+"""
+
+from .templates import (BUILTIN_TEMPLATES, find_chat_template, render_chat_template, resolve_chat_template,
+                        select_template)
+
+__all__ = ["BUILTIN_TEMPLATES", "find_chat_template", "render_chat_template", "resolve_chat_template",
+           "select_template"]

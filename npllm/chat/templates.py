@@ -1,0 +1,289 @@
+"""Chat templates: a conversation (a list of {"role", "content"} messages) -> the one string the model was trained on.
+
+Instruct models answer well only inside the exact text layout they were tuned with, and Hugging Face ships that
+layout as a Jinja template (tokenizer_config.json's `chat_template`, GGUF's `tokenizer.chat_template`). npllm renders
+it the way transformers' `apply_chat_template(..., tokenize=False)` does, so the same template and messages give the
+same string, byte for byte:
+
+    environment   Jinja's *immutable sandbox* (a template from the internet is untrusted code), with trim_blocks
+                  (a newline right after a {% tag %} is dropped) and lstrip_blocks (spaces before a tag on its line
+                  are dropped), loop controls ({% break %}, {% continue %}), and `{% generation %}` accepted
+    globals       raise_exception(msg) (ends the render with msg), strftime_now(fmt), namespace(...) whose
+                  attributes may not start with "_"
+    filters       tojson: json.dumps without HTML escaping and without ASCII escaping
+    variables     messages (None-valued keys dropped), add_generation_prompt, tools, documents, bos_token,
+                  eos_token (the tokenizer's special pieces; unset ones are left undefined), and any extra keyword
+
+A template that fails to compile or raises while rendering ends in a ChatTemplateError (a ValueError) carrying the
+template's own message.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ..errors import ChatTemplateError
+
+# Built-in templates, for models that ship none (`--chat-template NAME`). Each writes its family's published layout.
+LLAMA2 = (
+    # [INST] ... [/INST] around every user turn, the system prompt folded into the first one between <<SYS>> marks,
+    # each exchange closed by EOS and the next one opened by BOS. Roles must alternate user/assistant.
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set system = messages[0]['content'] %}{% set turns = messages[1:] %}"
+    "{% else %}{% set system = none %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}"
+    "{% if (message['role'] == 'user') != (loop.index0 is even) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% set content = message['content'] %}"
+    "{% if loop.first and system is not none %}"
+    "{% set content = '<<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n' + content %}"
+    "{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% else %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+LLAMA3 = (
+    # BOS once, then per message a header naming the role, two newlines, the stripped content and <|eot_id|>.
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim }}"
+    "{{ '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+CHATML = (
+    # <|im_start|>role\ncontent<|im_end|>\n per message; no BOS.
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+ZEPHYR = (
+    # <|role|>\ncontent</s>\n per message.
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+BUILTIN_TEMPLATES = {"llama2": LLAMA2, "llama3": LLAMA3, "chatml": CHATML, "zephyr": ZEPHYR}
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = False,
+                         bos_token: str | None = None, eos_token: str | None = None, **extra: Any) -> str:
+    """The text of `messages` laid out by `template`, as transformers' apply_chat_template(tokenize=False) gives it.
+
+    add_generation_prompt: end with the header that opens an assistant turn (what a model answering needs).
+    bos_token, eos_token: the tokenizer's special pieces, as text (e.g. "<s>", "</s>"); None leaves them undefined.
+    extra: further variables for the template (tools=, documents=, date_string=, ...).
+    """
+    variables = {"tools": None, "documents": None, **_defined(bos_token=bos_token, eos_token=eos_token), **extra}
+    variables = {key: _plain(value) for key, value in variables.items()}
+    compiled = _compile(template)
+    try:
+        return compiled.render(messages=_normalized(messages), add_generation_prompt=bool(add_generation_prompt),
+                               **variables)
+    except _jinja().TemplateError as e:  # raise_exception(), a sandbox refusal, an undefined attribute called, ...
+        raise ChatTemplateError(f"the chat template raised: {e}") from None
+
+
+def select_template(chat_template: str | list, name: str | None = None) -> str:
+    """The template to use from a tokenizer_config.json `chat_template` value: a string, or a list of
+    {"name", "template"} entries, of which `name` (default: "default") is taken."""
+    if isinstance(chat_template, str):
+        return chat_template
+    if isinstance(chat_template, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                               and isinstance(t.get("template"), str) for t in chat_template):
+        named = {t["name"]: t["template"] for t in chat_template}
+        wanted = name or "default"
+        if wanted not in named:
+            raise ChatTemplateError(f"no chat template named {wanted!r}; this model has {', '.join(named)}")
+        return named[wanted]
+    raise ChatTemplateError("chat_template must be a string or a list of {name, template} entries, got "
+                            f"{type(chat_template).__name__}")
+
+
+def find_chat_template(checkpoint: str | os.PathLike) -> str | None:
+    """The chat template a checkpoint ships: GGUF metadata `tokenizer.chat_template`, or beside a Hugging Face
+    checkpoint chat_template.jinja, chat_template.json or tokenizer_config.json's `chat_template`. None if none."""
+    path = Path(checkpoint)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from ..formats.gguf import read_gguf_file
+
+        found = read_gguf_file(path).metadata.get("tokenizer.chat_template")
+        return found if isinstance(found, str) else None
+    folder = path if path.is_dir() else path.parent
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            found = _json(folder / name).get("chat_template")
+            if found is not None:
+                return select_template(found)
+    return None
+
+
+def resolve_chat_template(spec: str | None, found: str | None) -> str:
+    """The template to render with: `spec` (a built-in name or a file: .jinja/.txt as is, .json as
+    tokenizer_config.json) when given, else the model's own `found` one."""
+    if spec is None:
+        if found is None:
+            raise ChatTemplateError("this model ships no chat template; choose one with --chat-template NAME|FILE "
+                                    f"(built-in: {', '.join(BUILTIN_TEMPLATES)})")
+        return found
+    if spec in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise ChatTemplateError(f"chat template {spec!r} is neither a built-in ({', '.join(BUILTIN_TEMPLATES)}) "
+                                "nor a file")
+    if path.suffix.lower() == ".json":
+        found = _json(path).get("chat_template")
+        if found is None:
+            raise ChatTemplateError(f"{path} has no chat_template entry")
+        return select_template(found)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ChatTemplateError(f"chat template file {path} is not UTF-8 text ({e})") from None
+
+
+# -- the environment ------------------------------------------------------------------------------------------------
+
+
+def _jinja():
+    try:
+        import jinja2
+    except ImportError:  # a runtime dependency; a broken install still deserves a sentence, not a traceback
+        raise ChatTemplateError("chat templates need the jinja2 package (pip install jinja2)") from None
+    return jinja2
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(template: str):
+    """The compiled template (cached: a chat renders the same template every turn)."""
+    if not isinstance(template, str):
+        raise ChatTemplateError(f"a chat template is a string, got {type(template).__name__}")
+    jinja2 = _jinja()
+    try:
+        return _environment().from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e.message} (line {e.lineno})") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _environment():
+    jinja2 = _jinja()
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, _generation_extension(jinja2)])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["namespace"] = _namespace_class(jinja2)
+    return env
+
+
+def _raise_exception(message):
+    raise _jinja().TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """JSON as json.dumps writes it: Jinja's own tojson escapes <, >, & and ' for HTML, which a prompt must not."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _generation_extension(jinja2):
+    """`{% generation %}...{% endgeneration %}` marks the assistant's text (training masks use it); rendering
+    outputs its body unchanged, in a scope of its own."""
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return Generation
+
+
+def _namespace_class(jinja2):
+    """Jinja's namespace(), refusing attribute names that start with "_" (a way toward Python internals)."""
+
+    def check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
+
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):  # Jinja's own signature trick: `self` may also be an attribute name
+            self, rest = args[0], args[1:]
+            attributes = dict(*rest, **kwargs)
+            for name in attributes:
+                check(name)
+            jinja2.utils.Namespace.__init__(self, attributes)
+
+        def __setitem__(self, name, value):
+            check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    return Namespace
+
+
+# -- inputs ---------------------------------------------------------------------------------------------------------
+
+
+def _normalized(messages) -> list[dict]:
+    """Messages as plain dicts with None-valued keys dropped (an API's content=None or tool_calls=None would
+    otherwise render as the word "None")."""
+    if isinstance(messages, dict) or not isinstance(messages, (list, tuple)):
+        raise ChatTemplateError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ChatTemplateError("cannot render an empty conversation: give at least one message")
+    plain = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ChatTemplateError(f"message {i} must be a dict with 'role' and 'content', got {message!r}")
+        plain.append({key: _plain(value) for key, value in message.items() if value is not None})
+    return plain
+
+
+def _plain(value):
+    """A copy built from JSON's types only (str, int, float, bool, None, dict, list), so a template sees data, not
+    objects whose methods the sandbox does not know."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    for kind in (bool, str, int, float):  # subclasses (enums, NumPy scalars) back to the base type
+        if isinstance(value, kind):
+            return kind(value)
+    if hasattr(value, "item"):  # NumPy scalars that are not float subclasses
+        return _plain(value.item())
+    return f"<{type(value).__name__}>"
+
+
+def _defined(**values) -> dict:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ChatTemplateError(f"{path} cannot be read as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ChatTemplateError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data

@@ -1,0 +1,195 @@
+"""Evaluation: how well a model predicts a text (perplexity), and how far one model's predictions are from another's.
+
+Perplexity is exp(mean negative log-likelihood) of the text's tokens, each predicted from the tokens before it:
+
+    PPL = exp( -1/N * sum_i log p(x_i | x_<i) )
+
+Which tokens are scored, with how much context, decides the number, so two engines agree only if they cut the text
+the same way. npllm follows llama.cpp's `llama-perplexity` exactly:
+
+    tokens = tokenize(text) with BOS in front
+    chunks = tokens cut into n = len(tokens) // ctx pieces of ctx tokens (the tail is dropped)
+    each chunk: its first token is replaced by BOS, the chunk runs on a fresh cache, and only the second half is
+                scored: logits at positions first .. ctx-2 (first = ctx // 2) predict tokens first+1 .. ctx-1
+    PPL = exp(mean nll),  stderr = PPL * sqrt((mean(nll^2) - mean(nll)^2) / (N - 1))
+
+Scoring only the second half means every scored token sees at least ctx/2 tokens of context. The Hugging Face
+"strided" method (`strided_perplexity`) instead slides a window of max_length tokens by `stride` and scores the
+tokens each window adds, so a token sees up to max_length - stride tokens of context.
+
+The KL divergence between a base model P and a model Q (a quantized file, say) at each scored position is
+    KL(P || Q) = sum_v P(v) * (log P(v) - log Q(v)),
+averaged over positions, with the share of positions where both models' most probable tokens agree (top-1
+agreement): the figures llama.cpp's `--kl-divergence` reports.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .errors import GenerationError
+from .sampling import log_softmax
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    ppl: float
+    ppl_stderr: float
+    tokens: int  # tokens scored (the N of the mean)
+    chunks: int  # chunks (llama.cpp method) or windows (strided method)
+    seconds: float
+    method: str  # "llama.cpp" or "strided"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    mean_kl: float  # mean over scored positions of KL(base || model), in nats
+    kl_stderr: float
+    top1_agreement: float  # share of positions where both argmaxes agree
+    ppl: float  # the model's perplexity on the same positions
+    base_ppl: float
+    tokens: int
+    chunks: int
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def llama_cpp_chunks(token_ids, ctx: int, bos_id: int) -> np.ndarray:
+    """The text cut as llama.cpp cuts it: [n_chunks, ctx] token ids, each chunk's first id replaced by BOS."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    if ctx < 4:
+        raise GenerationError(f"ctx must be at least 4 tokens (half of each chunk is scored), got {ctx}")
+    if len(tokens) < 2 * ctx:
+        raise GenerationError(f"the text has {len(tokens)} tokens; perplexity with ctx {ctx} needs at least "
+                              f"{2 * ctx} (two chunks): give a longer text or a smaller --ctx")
+    chunks = tokens[: len(tokens) // ctx * ctx].reshape(-1, ctx).copy()
+    chunks[:, 0] = bos_id
+    return chunks
+
+
+def scored_logits(model, chunks: np.ndarray, batch: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """For groups of `batch` chunks run together (one cache slot each): the logits at the scored positions and the
+    tokens they predict.        # [n_chunks, ctx] -> yields ([b * n, V], [b * n]), n = ctx - 1 - ctx // 2"""
+    n_chunks, ctx = chunks.shape
+    first = ctx // 2
+    if batch < 1:
+        raise GenerationError(f"batch must be at least 1, got {batch}")
+    if ctx > model.config.max_seq_len:
+        raise GenerationError(f"ctx {ctx} is longer than the model's context ({model.config.max_seq_len})")
+    for start in range(0, n_chunks, batch):
+        group = chunks[start: start + batch]  # [b, ctx]
+        b = len(group)
+        cache = model.new_cache(capacity=ctx, slots=b)
+        positions = np.tile(np.arange(ctx), b)  # [b * ctx]
+        slots = np.repeat(np.arange(b), ctx)
+        hidden = model.forward(group.reshape(-1), positions, cache, slots)  # [b * ctx, D]
+        rows = (np.arange(b)[:, None] * ctx + np.arange(first, ctx - 1)[None, :]).reshape(-1)  # scored positions
+        yield np.asarray(model.lm_head(hidden[rows]), dtype=np.float64), group.reshape(-1)[rows + 1]
+
+
+def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """-log softmax(logits)[target] per row.       # [N, V], [N] -> [N] float64"""
+    return -log_softmax(logits)[np.arange(len(targets)), targets]
+
+
+def _mean_and_stderr(values: np.ndarray) -> tuple[float, float]:
+    """Mean and its standard error, sqrt((E[x^2] - E[x]^2) / (N - 1)) as llama.cpp states it; the variance is
+    summed as E[(x - mean)^2], the same number without the cancellation of two large terms."""
+    mean = float(values.mean())
+    variance = float(((values - mean) ** 2).mean())
+    return mean, (float(np.sqrt(variance / (len(values) - 1))) if len(values) > 1 else 0.0)
+
+
+def perplexity(model, token_ids, ctx: int, batch: int = 1, bos_id: int | None = None,
+               progress: bool = False) -> Perplexity:
+    """Perplexity of a tokenized text by llama.cpp's method (see the module docstring)."""
+    start = time.perf_counter()
+    bos = model.config.bos_id if bos_id is None else bos_id
+    chunks = llama_cpp_chunks(token_ids, ctx, bos)
+    nll = np.concatenate([_nll(logits, targets) for logits, targets in
+                          _progress(scored_logits(model, chunks, batch), len(chunks), batch, progress)])
+    mean, stderr = _mean_and_stderr(nll)
+    ppl = float(np.exp(mean))
+    return Perplexity(ppl, ppl * stderr, len(nll), len(chunks), time.perf_counter() - start, "llama.cpp")
+
+
+def kl_divergence(model, base, token_ids, ctx: int, batch: int = 1, bos_id: int | None = None,
+                  progress: bool = False) -> Divergence:
+    """KL(base || model) and top-1 agreement over the positions perplexity() scores."""
+    if model.config.vocab_size != base.config.vocab_size:
+        raise GenerationError(f"the models' vocabularies differ ({model.config.vocab_size} and "
+                              f"{base.config.vocab_size} ids): their distributions cannot be compared")
+    start = time.perf_counter()
+    chunks = llama_cpp_chunks(token_ids, ctx, base.config.bos_id if bos_id is None else bos_id)
+    kl, agree, nll, base_nll = [], [], [], []
+    pairs = zip(scored_logits(model, chunks, batch), scored_logits(base, chunks, batch))
+    for (q_logits, targets), (p_logits, _) in _progress(pairs, len(chunks), batch, progress):
+        log_q, log_p = log_softmax(q_logits), log_softmax(p_logits)  # [N, V] each
+        kl.append((np.exp(log_p) * (log_p - log_q)).sum(axis=-1))
+        agree.append(q_logits.argmax(axis=-1) == p_logits.argmax(axis=-1))
+        nll.append(-log_q[np.arange(len(targets)), targets])
+        base_nll.append(-log_p[np.arange(len(targets)), targets])
+    kl_all = np.concatenate(kl)
+    mean, stderr = _mean_and_stderr(kl_all)
+    return Divergence(mean, stderr, float(np.concatenate(agree).mean()), float(np.exp(np.concatenate(nll).mean())),
+                      float(np.exp(np.concatenate(base_nll).mean())), len(kl_all), len(chunks),
+                      time.perf_counter() - start)
+
+
+def strided_windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
+    """Hugging Face's sliding windows: (begin, end, first scored position) for each window. Window w covers
+    tokens [begin, end) and scores the tokens it adds beyond the previous window's end, except its first token,
+    which nothing in the window predicts: with stride < max_length every token after the first is scored once;
+    with stride == max_length (windows that do not overlap) each window's first token goes unscored, as in
+    Hugging Face's own loop."""
+    if max_length < 2:
+        raise GenerationError(f"windows need at least 2 tokens (one predicts the next), got {max_length}")
+    if not 1 <= stride <= max_length:
+        raise GenerationError(f"stride must lie in [1, max_length = {max_length}], got {stride}")
+    if n_tokens < 2:
+        raise GenerationError(f"the text has {n_tokens} tokens; at least 2 are needed to score one")
+    windows, previous_end = [], 0
+    for begin in range(0, n_tokens, stride):
+        end = min(begin + max_length, n_tokens)
+        windows.append((begin, end, max(previous_end, begin + 1)))
+        previous_end = end
+        if end == n_tokens:
+            break
+    return windows
+
+
+def strided_perplexity(model, token_ids, max_length: int, stride: int, progress: bool = False) -> Perplexity:
+    """Perplexity by Hugging Face's strided method: windows of max_length tokens, `stride` apart."""
+    start = time.perf_counter()
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    if max_length > model.config.max_seq_len:
+        raise GenerationError(f"max_length {max_length} is longer than the model's context "
+                              f"({model.config.max_seq_len})")
+    windows = strided_windows(len(tokens), max_length, stride)
+    nll = []
+    for begin, end, first in _progress(windows, len(windows), 1, progress):
+        hidden = model.forward(tokens[begin:end], np.arange(end - begin), model.new_cache(capacity=end - begin))
+        rows = np.arange(first - 1, end - 1) - begin  # logits at t - 1 predict token t
+        nll.append(_nll(np.asarray(model.lm_head(hidden[rows]), np.float64), tokens[first:end]))
+    values = np.concatenate(nll)
+    mean, stderr = _mean_and_stderr(values)
+    ppl = float(np.exp(mean))
+    return Perplexity(ppl, ppl * stderr, len(values), len(windows), time.perf_counter() - start, "strided")
+
+
+def _progress(items, chunks: int, batch: int, enabled: bool):
+    """A tqdm bar on stderr counting chunks, when enabled."""
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, total=-(-chunks // batch), unit="batch", desc=f"{chunks} chunks", leave=False)

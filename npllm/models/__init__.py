@@ -1,0 +1,74 @@
+"""The transformer behind one interface (base.Model), run by one of three backends:
+
+    numpy  reference.Transformer      the readable reference (float32 or float64, BLAS matrix products)
+    numba  numba.NumbaTransformer     compiled CPU kernels (float32), the default on a CPU
+    cuda   cuda.CudaTransformer       numba.cuda kernels on an NVIDIA GPU (float32 sums; float32 or float16 storage)
+    auto   cuda where a real GPU is usable, else numba
+
+make_model is the one place a model is built; weights.py names the tensors every backend starts from.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import ConfigError, DeviceError
+from .base import Model
+
+BACKENDS = ("numba", "numpy", "cuda", "auto")
+WEIGHT_DTYPES = ("float32", "float16")
+
+
+def resolve_backend(backend: str) -> str:
+    """"numba", "numpy" or "cuda" for a requested backend ("auto": cuda when a real GPU is usable, else numba).
+    "cuda" without what CUDA needs raises DeviceError naming the missing piece, before any weight is read."""
+    from ..device import cuda_available, cuda_problem
+
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r} (npllm has {', '.join(BACKENDS)})")
+    if backend == "auto":
+        return "cuda" if cuda_available() else "numba"
+    if backend == "cuda":
+        problem = cuda_problem()
+        if problem is not None:
+            raise DeviceError(f"backend='cuda' was asked for but {problem}; use backend='numba' or 'auto'")
+    return backend
+
+
+def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str = "numba",
+               threads: int | None = None, weight_dtype: str = "float32", **options) -> Model:
+    """A model over `weights` (a format reader's dict) run by `backend`, on `threads` CPU cores (default: all).
+
+    weight_dtype "float16" stores the CUDA model's matrices in half precision (float32 sums); the CPU backends
+    compute in the checkpoint's precision (numpy) or float32 (numba). options go to the CUDA model (geometry,
+    one_launch: see cuda.CudaTransformer).
+    """
+    backend = resolve_backend(backend)
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    if backend != "cuda" and (weight_dtype != "float32" or options):
+        given = ["weight_dtype"] * (weight_dtype != "float32") + sorted(options)
+        raise ConfigError(f"{', '.join(given)}: options of the cuda backend, not of {backend}")
+    if backend == "cuda":
+        from .cuda import CudaTransformer
+
+        return CudaTransformer(config, weights, np.dtype(weight_dtype), **options)
+    if backend == "numba":
+        from .numba import NumbaTransformer
+
+        return NumbaTransformer(config, weights, threads)
+    from .reference import Transformer
+
+    if threads is not None:
+        limit_blas_threads(threads)
+    return Transformer(config, weights)
+
+
+def limit_blas_threads(threads: int) -> None:
+    """Make NumPy's BLAS use `threads` threads from now on (threadpoolctl reaches OpenBLAS/MKL at run time)."""
+    from threadpoolctl import threadpool_limits
+
+    if threads < 1:
+        raise ConfigError(f"threads must be >= 1, got {threads}")
+    threadpool_limits(threads, user_api="blas")

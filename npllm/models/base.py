@@ -1,0 +1,84 @@
+"""Model: what every backend's transformer shares, and the contract generation code relies on.
+
+    config      ModelConfig
+    forward(tokens, positions, cache, slots)   final-norm hidden states [T, D] of any set of tokens, each at its
+                own position in its own cache slot (prefill, batched decode and ragged batches are all one call)
+    lm_head(h)  logits on the host                                                    # [T, D] -> [T, V]
+    new_cache(capacity, slots)   a KV cache this model's forward fills
+    window(cache)  how many recent positions a query sees
+    logits(tokens) every position's logits of one sequence                            # [T] -> [T, V]
+    sample, sample_next   on-device sampling where a backend has it (None otherwise: callers sample on the host)
+
+A backend subclass lays out its weights its own way from the named weights (weights.Weights, built from a format
+reader's dict) and implements forward and lm_head (and new_cache where its cache is not a host RingKVCache); the
+rest lives here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..cache import RingKVCache
+from ..config import ModelConfig
+from ..errors import GenerationError
+
+
+class Model:
+    dtype = np.dtype(np.float32)  # what forward computes in
+    sample = None  # sample(h, temperature, top_k, top_p, min_p, uniforms) -> ids, where the hidden states live
+    sample_next = None  # sample_next(h, params, rng, history) -> id, as sampling.sample_with would draw it
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+
+    def forward(self, tokens, positions, cache, slots=None):
+        """Final-norm hidden states of the given tokens, updating the cache.     # [T], [T], [T] -> [T, D]
+
+        slots[t] is the cache slot (sequence) of token t (all 0 when omitted). Within a slot, tokens come in
+        increasing position order and follow what the slot's cache already holds.
+        """
+        raise NotImplementedError
+
+    def lm_head(self, h) -> np.ndarray:
+        """Logits from final hidden states, on the host.  # [T, D] -> [T, V]"""
+        raise NotImplementedError
+
+    def new_cache(self, capacity: int | None = None, slots: int = 1) -> RingKVCache:
+        return RingKVCache(self.config, capacity, slots, self.dtype)
+
+    def window(self, cache) -> int:
+        """How many most recent positions a query sees: the model's sliding window, capped by the ring's size."""
+        return min(self.config.sliding_window or cache.capacity, cache.capacity)
+
+    def logits(self, tokens, positions=None, cache=None) -> np.ndarray:
+        """Logits of every token of one sequence on a fresh cache (or the given one).  # [T] -> [T, V]"""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if positions is None:
+            positions = np.arange(len(tokens))
+        cache = self.new_cache() if cache is None else cache
+        return self.lm_head(self.forward(tokens, positions, cache))
+
+    def synchronize(self) -> None:
+        """Wait until queued work is done (a GPU's launches return at once; on the CPU nothing is queued)."""
+
+    def call_arrays(self, tokens, positions, slots) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """tokens, positions and slots of a forward call as int64 arrays (slots all 0 when omitted), with one
+        position and one slot per token."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        positions = np.asarray(positions, dtype=np.int64)
+        slots = np.zeros_like(tokens) if slots is None else np.asarray(slots, dtype=np.int64)
+        if tokens.ndim != 1 or tokens.shape != positions.shape or tokens.shape != slots.shape:
+            raise GenerationError(f"forward needs 1-D tokens, positions and slots of one length, got shapes "
+                                  f"{tokens.shape}, {positions.shape}, {slots.shape}")
+        return tokens, positions, slots
+
+    def check_call(self, tokens, positions, slots, cache) -> None:
+        """Ids inside the vocabulary, positions >= 0, slots inside the cache (the compiled backends check the
+        same in their own way, on every decode step)."""
+        V = self.config.vocab_size
+        if tokens.size and not (0 <= tokens.min() and tokens.max() < V):
+            raise GenerationError(f"token ids must lie in [0, {V}), got {tokens.min()}..{tokens.max()}")
+        if slots.size and not (0 <= slots.min() and slots.max() < cache.slots):
+            raise GenerationError(f"slots must lie in [0, {cache.slots}), got {slots.min()}..{slots.max()}")
+        if positions.size and positions.min() < 0:
+            raise GenerationError(f"positions must be >= 0, got {positions.min()}")
