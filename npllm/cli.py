@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--explain", action="store_true",
                      help="for each token, a table of the top candidates through every sampling stage")
     gen.add_argument("--json", action="store_true", help="with --explain: one JSON object per token instead")
+    gen.add_argument("--draft", default=None, metavar="MODEL",
+                     help="speculative decoding: a smaller model with the same vocabulary proposes tokens")
+    gen.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                     help="speculative decoding with this model's first N layers as the draft")
+    gen.add_argument("--num-draft", type=int, default=4, metavar="K", help="tokens drafted per round (default 4)")
+    gen.add_argument("--num-beams", type=int, default=1, metavar="B",
+                     help="beam search with B beams (greedy, deterministic): prints the best hypothesis")
     gen.set_defaults(run=run_generate)
     info = commands.add_parser("info", help="describe a checkpoint: architecture, size, context, tokenizer")
     info.add_argument("model", nargs="?", default="stories260K", help="checkpoint path or known name")
@@ -131,7 +138,10 @@ def run_generate(args) -> int:
         params = sampling_params(args)
         print_explained(llm, prompt_ids, args.max_new_tokens, params, as_json=args.json)
         return 0
+    if args.num_beams > 1:
+        return run_beam_search(args, llm, prompt_ids)
     params = sampling_params(args)
+    speculation = speculation_options(args)
     start, first, count = time.perf_counter(), None, 0
 
     def on_step(step) -> None:
@@ -141,7 +151,8 @@ def run_generate(args) -> int:
         if params.logprobs:
             print_logprobs(llm.tokenizer, step)
 
-    for piece in llm.stream(args.prompt, args.max_new_tokens, echo=True, on_step=on_step, **as_keywords(params)):
+    for piece in llm.stream(args.prompt, args.max_new_tokens, echo=True, on_step=on_step, **speculation,
+                            **as_keywords(params)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -150,6 +161,36 @@ def run_generate(args) -> int:
     rate = (count - 1) / (end - first) if count > 1 else float("nan")
     print(f"[npllm] {len(prompt_ids)} prompt + {count} new tokens; first token {1e3 * ((first or end) - start):.1f} ms;"
           f" {rate:.1f} tok/s after it", file=sys.stderr)
+    if speculation:
+        stats = speculation["speculation"]
+        print(f"[npllm] speculative: {stats.accepted}/{stats.drafted} drafted tokens accepted (acceptance "
+              f"{stats.acceptance_rate:.2f}); {count / max(stats.rounds, 1):.2f} tokens per forward call of the model "
+              f"({stats.rounds} calls, {stats.draft_calls} draft calls)", file=sys.stderr)
+    return 0
+
+
+def speculation_options(args) -> dict:
+    """llm.stream's speculative-decoding keywords from --draft / --draft-layers / --num-draft (empty: off)."""
+    if args.draft is None and args.draft_layers is None:
+        return {}
+    from .speculative import SpeculationStats
+
+    return {"draft": args.draft, "draft_layers": args.draft_layers, "num_draft": args.num_draft,
+            "speculation": SpeculationStats()}
+
+
+def run_beam_search(args, llm, prompt_ids) -> int:
+    """--num-beams: the prompt and the best hypothesis's text on stdout, every hypothesis's score on stderr."""
+    found = llm.beam_search(prompt_ids, args.num_beams, args.max_new_tokens)
+    decoder = llm.tokenizer.stream_decoder()
+    prompt_text = "".join(decoder.feed(t) for t in prompt_ids)
+    from .generate import stop_ids
+
+    best = [t for t in found[0].tokens if t not in stop_ids(llm.config)]
+    sys.stdout.write(prompt_text + "".join(decoder.feed(t) for t in best) + decoder.flush() + "\n")
+    sys.stdout.flush()
+    for rank, h in enumerate(found):
+        print(f"[beam {rank}] score {h.score:.4f} over {len(h.tokens)} tokens", file=sys.stderr)
     return 0
 
 
