@@ -79,6 +79,15 @@ class RingKVCache:
         self.positions[:] = self.positions[parents]
         self.lengths[:] = self.lengths[parents]
 
+    def rewind(self, slot: int, length: int) -> None:
+        """Forget positions >= length of one slot, as if they had never been written (speculative decoding drops
+        the keys of rejected draft tokens this way). Entries the ring overwrote on the way are not brought back:
+        rewind within the last `capacity` positions."""
+        if not 0 <= slot < self.slots or length < 0:
+            raise GenerationError(f"rewind needs a slot in [0, {self.slots}) and a length >= 0, got {slot}, {length}")
+        self.positions[slot, self.positions[slot] >= length] = -1
+        self.lengths[slot] = min(int(self.lengths[slot]), length)
+
     def reset(self, slot: int | None = None) -> None:
         """Forget one slot (or all): its entries become empty and its next position 0."""
         if slot is None:

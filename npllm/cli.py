@@ -60,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--explain", action="store_true",
                      help="for each token, a table of the top candidates through every sampling stage")
     gen.add_argument("--json", action="store_true", help="with --explain: one JSON object per token instead")
+    gen.add_argument("--draft", default=None, metavar="MODEL",
+                     help="speculative decoding: a smaller model with the same vocabulary proposes tokens")
+    gen.add_argument("--draft-layers", type=whole(1, MOST_LAYERS), default=None, metavar="N",
+                     help="speculative decoding with this model's first N layers as the draft")
+    gen.add_argument("--num-draft", type=whole(1, MOST_DRAFT), default=4, metavar="K",
+                     help="tokens drafted per round (default 4)")
+    gen.add_argument("--num-beams", type=whole(1, MOST_BEAMS), default=1, metavar="B",
+                     help="beam search with B beams (greedy, deterministic): prints the best hypothesis")
     gen.set_defaults(run=run_generate)
     info = commands.add_parser("info", help="describe a checkpoint: architecture, size, context, tokenizer")
     info.add_argument("model", nargs="?", default="stories260K", help="checkpoint path or known name")
@@ -97,9 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = commands.add_parser("perplexity", help="perplexity of a text (llama.cpp's method), or KL to a base model")
     add_model_arguments(ppl)
     ppl.add_argument("--text", "-f", required=True, help="a UTF-8 text file")
-    ppl.add_argument("--ctx", type=int, default=None, help="tokens per chunk (default: min(512, the context))")
-    ppl.add_argument("--batch", type=int, default=1, help="chunks run together, one cache slot each (default 1)")
-    ppl.add_argument("--stride", type=int, default=None,
+    ppl.add_argument("--ctx", type=whole(4, MOST_TOKENS), default=None, help="tokens per chunk (default: min(512, the context))")
+    ppl.add_argument("--batch", type=whole(1, MOST_BATCH), default=1, help="chunks run together, one cache slot each (default 1)")
+    ppl.add_argument("--stride", type=whole(1, MOST_TOKENS), default=None,
                      help="Hugging Face's strided method instead: windows of --ctx tokens, this many apart")
     ppl.add_argument("--kl-divergence", metavar="BASE_MODEL", default=None,
                      help="mean KL(base || model) and top-1 agreement against this model (same tokenizer)")
@@ -112,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
 MOST_THREADS = MOST_BATCH = 1 << 12
 MOST_TOKENS = 1 << 24  # ModelConfig's MAX_CONTEXT
 MOST_REPEAT = 1000
+MOST_LAYERS = 1 << 12  # ModelConfig's layer cap
+MOST_DRAFT = MOST_BEAMS = 64
 MOST_MIB = MOST_LOGPROBS = 1 << 20
 
 
@@ -181,6 +191,9 @@ def run_generate(args) -> int:
 
         print_explained(llm, prompt_ids, args.max_new_tokens, params, as_json=args.json)
         return 0
+    if args.num_beams > 1:
+        return run_beam_search(args, llm, prompt_ids)
+    speculation = speculation_options(args)
     start, first, count = time.perf_counter(), None, 0
 
     def on_step(step) -> None:
@@ -190,13 +203,44 @@ def run_generate(args) -> int:
         if params.logprobs:
             print_logprobs(llm.tokenizer, step)
 
-    for piece in llm.stream(prompt, args.max_new_tokens, echo=True, on_step=on_step, **as_keywords(params)):
+    for piece in llm.stream(prompt, args.max_new_tokens, echo=True, on_step=on_step, **speculation,
+                            **as_keywords(params)):
         write_out(piece)
     write_out("\n")
     end = time.perf_counter()
     rate = (count - 1) / (end - first) if count > 1 else float("nan")
     print(f"[npllm] {len(prompt_ids)} prompt + {count} new tokens; first token {1e3 * ((first or end) - start):.1f} ms;"
           f" {rate:.1f} tok/s after it", file=sys.stderr)
+    if speculation:
+        stats = speculation["speculation"]
+        print(f"[npllm] speculative: {stats.accepted}/{stats.drafted} drafted tokens accepted (acceptance "
+              f"{stats.acceptance_rate:.2f}); {count / max(stats.rounds, 1):.2f} tokens per forward call of the model "
+              f"({stats.rounds} calls, {stats.draft_calls} draft calls)", file=sys.stderr)
+    return 0
+
+
+def speculation_options(args) -> dict:
+    """llm.stream's speculative-decoding keywords from --draft / --draft-layers / --num-draft (empty: off)."""
+    if args.draft is None and args.draft_layers is None:
+        return {}
+    from .speculative import SpeculationStats
+
+    return {"draft": args.draft, "draft_layers": args.draft_layers, "num_draft": args.num_draft,
+            "speculation": SpeculationStats()}
+
+
+def run_beam_search(args, llm, prompt_ids) -> int:
+    """--num-beams: the prompt and the best hypothesis's text on stdout, every hypothesis's score on stderr."""
+    found = llm.beam_search(prompt_ids, args.num_beams, args.max_new_tokens)
+    decoder = llm.tokenizer.stream_decoder()
+    prompt_text = "".join(decoder.feed(t) for t in prompt_ids)
+    from .generate import stop_ids
+
+    best = [t for t in found[0].tokens if t not in stop_ids(llm.config)]
+    sys.stdout.write(prompt_text + "".join(decoder.feed(t) for t in best) + decoder.flush() + "\n")
+    sys.stdout.flush()
+    for rank, h in enumerate(found):
+        print(f"[beam {rank}] score {h.score:.4f} over {len(h.tokens)} tokens", file=sys.stderr)
     return 0
 
 

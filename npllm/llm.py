@@ -11,7 +11,7 @@ import numpy as np
 
 from . import batching
 from .config import ModelConfig
-from .errors import FormatError, TokenizerError
+from .errors import FormatError, GenerationError, TokenizerError
 from .stop import StopStrings, cut_at_stop
 from .generate import check_prompt, check_request, generate_ids, generate_steps
 from .hub import resolve
@@ -62,10 +62,13 @@ def fit_tokenizer(tokenizer: Tokenizer, config: ModelConfig, path) -> int | None
 
 
 class LLM:
-    def __init__(self, model: Model, tokenizer: Tokenizer | None, source: str = ""):
+    def __init__(self, model: Model, tokenizer: Tokenizer | None, source: str = "", backend: str = "numba",
+                 threads: int | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.source = source
+        self.backend, self.threads = backend, threads  # how drafts for speculative decoding are built
+        self._drafts: dict = {}
 
     @property
     def config(self) -> ModelConfig:
@@ -82,6 +85,7 @@ class LLM:
         return generate_ids(self.model, list(prompt_ids), max_new_tokens, SamplingParams(**sampling))
 
     def stream(self, prompt: str = "", max_new_tokens: int = 256, echo: bool = False, on_step=None,
+               draft=None, draft_layers: int | None = None, num_draft: int = 4, speculation=None,
                **sampling) -> Iterator[str]:
         """Yield the completion's text as it is produced (with echo, the prompt's text first).
 
@@ -89,16 +93,24 @@ class LLM:
         never printed broken, and only once it cannot be the start of a stop string (`stop=`), which ends the
         completion and is not part of it. on_step(Sampled) is called for every generated token with its draw: the id,
         and with logprobs=N >= 1 its log-probability and the N most probable alternatives (else NaN and none).
+
+        Speculative decoding (npllm.speculative): draft= another LLM (or a checkpoint path) with the same vocabulary,
+        or draft_layers=N (this model's first N layers) proposes num_draft tokens a round; the output keeps the
+        model's distribution (greedy: the very same tokens). speculation: a SpeculationStats to fill in.
         """
         params = SamplingParams(**sampling)
         prompt_ids = self._require_tokenizer().encode(prompt, bos=True)
         check_request(self.config, prompt_ids, max_new_tokens)  # before the echo: a bad request prints nothing
+        steps = (self._speculative_steps(prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft,
+                                         speculation)
+                 if draft is not None or draft_layers is not None
+                 else generate_steps(self.model, prompt_ids, max_new_tokens, params))
         decoder = self.tokenizer.stream_decoder()
         prompt_text = "".join(decoder.feed(t) for t in prompt_ids)
         if echo:
             yield prompt_text
         stops = StopStrings(params.stop)
-        for step in generate_steps(self.model, prompt_ids, max_new_tokens, params):
+        for step in steps:
             if on_step is not None:
                 on_step(step)
             piece = stops.feed(decoder.feed(step.token_ids))
@@ -141,6 +153,54 @@ class LLM:
         return batching.generate_tokens(self.model, prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo,
                                         strategy, seed)
 
+    def beam_search(self, prompt_ids, num_beams: int, max_new_tokens: int, length_penalty: float = 1.0,
+                    early_stopping: bool | str = True, eos_token_id=None, num_return_sequences: int | None = None):
+        """The best continuations of prompt_ids by beam search, best first (npllm.search.beam_search):
+        hypotheses with .tokens (new tokens, the ending EOS included) and .score (summed log-probability /
+        len(tokens) ** length_penalty), as transformers' generate(num_beams=...) finds them."""
+        from .search import beam_search
+
+        return beam_search(self.model, list(prompt_ids), num_beams, max_new_tokens, length_penalty, early_stopping,
+                           eos_token_id, num_return_sequences)
+
+    def draft_model(self, draft=None, draft_layers: int | None = None) -> Model:
+        """The draft for speculative decoding: another LLM's model, a checkpoint loaded on this backend, or this
+        checkpoint's first `draft_layers` layers (built once, then kept)."""
+        if (draft is None) == (draft_layers is None):
+            raise GenerationError("give either draft (a model) or draft_layers (this model's first N layers)")
+        if isinstance(draft, LLM):
+            return draft.model
+        key = ("layers", int(draft_layers)) if draft is None else ("model", str(draft))
+        if key not in self._drafts:
+            if draft is not None:
+                self._drafts[key] = load(draft, backend=self.backend, threads=self.threads).model
+            else:
+                from .formats import read_checkpoint
+                from .models import make_model
+                from .speculative import first_layers
+
+                config, weights = first_layers(*read_checkpoint(self.source), int(draft_layers))
+                self._drafts[key] = make_model(config, weights, self.backend, self.threads)
+        return self._drafts[key]
+
+    def _speculative_steps(self, prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft,
+                           speculation) -> Iterator:
+        """speculative_decode's ids as the Sampled records generate_steps yields (no log-probabilities). The request
+        and the draft are checked (and the draft built) here, before anything is generated."""
+        from .generate import Request
+        from .sampling import Sampled
+        from .speculative import speculative_decode
+
+        if params.logprobs:
+            raise GenerationError("log-probabilities (logprobs) are not available with speculative decoding")
+        if not isinstance(num_draft, (int, np.integer)) or num_draft < 1:
+            raise GenerationError(f"num_draft must be a positive integer, got {num_draft!r}")
+        request = Request(prompt_ids, max_new_tokens, dataclasses.replace(params, stop=()))
+        tokens = speculative_decode(self.model, self.draft_model(draft, draft_layers), request, num_draft,
+                                    stats=speculation)
+        nothing = np.empty(0, np.int64), np.empty(0)
+        return (Sampled(token, float("nan"), *nothing) for token in tokens)
+
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise FormatError(f"no tokenizer was found for {self.source}: pass tokenizer=PATH")
@@ -172,4 +232,4 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
         tok = load_tokenizer(tok_path, vocab_size=config.vocab_size if tok_path.suffix.lower() == ".bin" else None)
         n_tokens = fit_tokenizer(tok, config, tok_path)
     model = make_model(config, weights, backend, threads, weight_dtype)
-    return LLM(model if n_tokens is None else PaddedVocab(model, n_tokens), tok, str(checkpoint))
+    return LLM(model if n_tokens is None else PaddedVocab(model, n_tokens), tok, str(checkpoint), backend, threads)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import GenerationError
+from .generate import stop_ids
 from .sampling import log_softmax
 
 NEG = -1.0e9  # the score transformers gives a beam or candidate that must never be chosen
@@ -62,7 +63,7 @@ def beam_search(model, prompt_ids, num_beams: int, max_new_tokens: int, length_p
                 num_return_sequences: int | None = None) -> list[Hypothesis]:
     """The best hypotheses continuing `prompt_ids`, best first (see the module docstring).
 
-    eos_token_id: an id or a list of ids that end a hypothesis (default: the model's end ids).
+    eos_token_id: an id or a list of ids that end a hypothesis (default: the model's stop ids, generate.stop_ids).
     early_stopping: True, False or "never", as in transformers. num_return_sequences: how many to return
     (default: num_beams).
     """
@@ -155,7 +156,7 @@ def _check(model, prompt_ids, num_beams, max_new_tokens, early_stopping, eos_tok
     if len(prompt_ids) + max_new_tokens > config.max_seq_len:
         raise GenerationError(f"{len(prompt_ids)} prompt + {max_new_tokens} new tokens exceed the model's context "
                               f"of {config.max_seq_len}")
-    eos = config.eos_ids if eos_token_id is None else np.atleast_1d(eos_token_id).tolist()
+    eos = stop_ids(config) if eos_token_id is None else np.atleast_1d(eos_token_id).tolist()
     ids = [int(t) for t in eos] + [int(t) for t in prompt_ids]
     if any(not 0 <= t < config.vocab_size for t in ids):
         raise GenerationError(f"prompt and EOS ids must lie in [0, {config.vocab_size})")
