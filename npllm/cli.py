@@ -35,11 +35,35 @@ from .models import WEIGHT_DTYPES
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npllm", description="A readable NumPy Llama inference engine.")
     commands = parser.add_subparsers(dest="command", required=True)
+    for add in (add_generate, add_info, add_quantize, add_bench, add_perplexity):
+        add(commands)
+    return parser
+
+
+def add_generate(commands) -> None:
     gen = commands.add_parser("generate", help="continue a prompt, streaming text to stdout")
     gen.add_argument("prompt", nargs="?", default="",
                      help="text to continue ('-': read it from stdin; default: start from BOS)")
     add_model_arguments(gen)
     gen.add_argument("--max-new-tokens", type=whole(0), default=256, help="most tokens to generate (default 256)")
+    add_sampling_arguments(gen)
+    gen.add_argument("--prompt-file", default=None,
+                     help="a file with one prompt per line (blank lines skipped), all generated as one batch")
+    gen.add_argument("--explain", action="store_true",
+                     help="for each token, a table of the top candidates through every sampling stage")
+    gen.add_argument("--json", action="store_true", help="with --explain: one JSON object per token instead")
+    gen.add_argument("--draft", default=None, metavar="MODEL",
+                     help="speculative decoding: a smaller model with the same vocabulary proposes tokens")
+    gen.add_argument("--draft-layers", type=whole(1, MOST_LAYERS), default=None, metavar="N",
+                     help="speculative decoding with this model's first N layers as the draft")
+    gen.add_argument("--num-draft", type=whole(1, MOST_DRAFT), default=4, metavar="K",
+                     help="tokens drafted per round (default 4)")
+    gen.add_argument("--num-beams", type=whole(1, MOST_BEAMS), default=1, metavar="B",
+                     help="beam search with B beams (greedy, deterministic): prints the best hypothesis")
+    gen.set_defaults(run=run_generate)
+
+
+def add_sampling_arguments(gen) -> None:
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     gen.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (default 0.9)")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
@@ -55,24 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="end the completion before this text (repeatable; may span tokens)")
     gen.add_argument("--logprobs", type=whole(0, MOST_LOGPROBS), default=0, metavar="N",
                      help="print each token's log-probability and the top N alternatives to stderr")
-    gen.add_argument("--prompt-file", default=None,
-                     help="a file with one prompt per line (blank lines skipped), all generated as one batch")
-    gen.add_argument("--explain", action="store_true",
-                     help="for each token, a table of the top candidates through every sampling stage")
-    gen.add_argument("--json", action="store_true", help="with --explain: one JSON object per token instead")
-    gen.add_argument("--draft", default=None, metavar="MODEL",
-                     help="speculative decoding: a smaller model with the same vocabulary proposes tokens")
-    gen.add_argument("--draft-layers", type=whole(1, MOST_LAYERS), default=None, metavar="N",
-                     help="speculative decoding with this model's first N layers as the draft")
-    gen.add_argument("--num-draft", type=whole(1, MOST_DRAFT), default=4, metavar="K",
-                     help="tokens drafted per round (default 4)")
-    gen.add_argument("--num-beams", type=whole(1, MOST_BEAMS), default=1, metavar="B",
-                     help="beam search with B beams (greedy, deterministic): prints the best hypothesis")
-    gen.set_defaults(run=run_generate)
+
+
+def add_info(commands) -> None:
     info = commands.add_parser("info", help="describe a checkpoint: architecture, size, context, tokenizer")
     info.add_argument("model", nargs="?", default="stories260K", help="checkpoint path or known name")
     info.set_defaults(run=run_info)
 
+
+def add_quantize(commands) -> None:
     quantize = commands.add_parser("quantize", help="write a checkpoint as a GGUF file of a quantized type")
     quantize.add_argument("input", help="checkpoint path or known name (llama2.c .bin, HF directory, GGUF)")
     quantize.add_argument("output", help="the GGUF file to write")
@@ -82,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--tokenizer", "-z", default=None, help="vocabulary to embed (default: found beside IN)")
     quantize.set_defaults(run=run_quantize)
 
+
+def add_bench(commands) -> None:
     bench = commands.add_parser("bench", help="prefill and decode throughput against the memory bandwidth")
     bench.add_argument("--model", "-m", default="stories15M",
                        help="checkpoint path, known name on disk, or a shape with random weights (default stories15M)")
@@ -102,18 +119,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="one JSON object per line")
     bench.set_defaults(run=run_bench)
 
+
+def add_perplexity(commands) -> None:
     ppl = commands.add_parser("perplexity", help="perplexity of a text (llama.cpp's method), or KL to a base model")
     add_model_arguments(ppl)
     ppl.add_argument("--text", "-f", required=True, help="a UTF-8 text file")
-    ppl.add_argument("--ctx", type=whole(4, MOST_TOKENS), default=None, help="tokens per chunk (default: min(512, the context))")
-    ppl.add_argument("--batch", type=whole(1, MOST_BATCH), default=1, help="chunks run together, one cache slot each (default 1)")
+    ppl.add_argument("--ctx", type=whole(4, MOST_TOKENS), default=None,
+                     help="tokens per chunk (default: min(512, the context))")
+    ppl.add_argument("--batch", type=whole(1, MOST_BATCH), default=1,
+                     help="chunks run together, one cache slot each (default 1)")
     ppl.add_argument("--stride", type=whole(1, MOST_TOKENS), default=None,
                      help="Hugging Face's strided method instead: windows of --ctx tokens, this many apart")
     ppl.add_argument("--kl-divergence", metavar="BASE_MODEL", default=None,
                      help="mean KL(base || model) and top-1 agreement against this model (same tokenizer)")
     ppl.add_argument("--json", action="store_true", help="one JSON object instead of a sentence")
     ppl.set_defaults(run=run_perplexity)
-    return parser
 
 
 # Upper bounds on counts, far above any sensible use, so a typo cannot ask for a petabyte or a year of work.

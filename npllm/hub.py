@@ -203,34 +203,14 @@ def _transfer(url: str, part: Path, sha256: str | None, progress: bool, timeout:
         raise DownloadError(f"could not download {url}: {getattr(e, 'reason', e)}") from None
     with response:
         resumed = have > 0 and response.status == 206 and _range_start(response.headers) == have
-        digest = hashlib.sha256()
-        if resumed:
-            with open(part, "rb") as f:
-                while block := f.read(1 << 20):
-                    digest.update(block)
-        else:
-            have = 0
+        digest = _digest_of(part) if resumed else hashlib.sha256()
+        have = have if resumed else 0
         length = int(response.headers.get("Content-Length") or 0) or None
         expected_size = None if length is None else have + length
         expected_sha = sha256 or _hub_sha256(response.headers)
         if expected_sha is None:
             raise DownloadError(f"no sha256 is known for {url}: refusing to keep an unverified file")
-        received = have
-        try:
-            with open(part, "ab" if resumed else "wb") as out, \
-                    _progress_bar(expected_size, part.name.removesuffix(".part"), progress) as bar:
-                bar.update(have)
-                while chunk := response.read(1 << 20):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    received += len(chunk)
-                    bar.update(len(chunk))
-        except TimeoutError:
-            raise DownloadError(f"download of {url} stalled: no data for {timeout:g} s ({received:,} bytes kept in "
-                                f"{part} to resume from)") from None
-        except (http.client.HTTPException, OSError) as e:
-            raise DownloadError(f"download of {url} was truncated: the connection broke off after {received:,} bytes "
-                                f"({e}; kept in {part} to resume from)") from None
+        received = _receive(url, response, part, resumed, have, expected_size, digest, progress, timeout)
     if expected_size is not None and received != expected_size:
         raise DownloadError(f"download of {url} was truncated: {received:,} of {expected_size:,} bytes "
                             f"(kept in {part} to resume from)")
@@ -238,6 +218,37 @@ def _transfer(url: str, part: Path, sha256: str | None, progress: bool, timeout:
         error = _ResumedBadChecksum if resumed else _BadChecksum
         raise error(f"download of {url} does not match its checksum: sha256 {digest.hexdigest()}, "
                     f"expected {expected_sha}")
+
+
+def _digest_of(part: Path):
+    """A sha256 already fed with the bytes a resumed download keeps."""
+    digest = hashlib.sha256()
+    with open(part, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest
+
+
+def _receive(url, response, part: Path, resumed: bool, have: int, expected_size, digest, progress: bool,
+             timeout: float) -> int:
+    """Append (resumed) or write the response's body to `part`, feeding `digest`; returns the bytes `part` holds."""
+    received = have
+    try:
+        with open(part, "ab" if resumed else "wb") as out, \
+                _progress_bar(expected_size, part.name.removesuffix(".part"), progress) as bar:
+            bar.update(have)
+            while chunk := response.read(1 << 20):
+                out.write(chunk)
+                digest.update(chunk)
+                received += len(chunk)
+                bar.update(len(chunk))
+    except TimeoutError:
+        raise DownloadError(f"download of {url} stalled: no data for {timeout:g} s ({received:,} bytes kept in "
+                            f"{part} to resume from)") from None
+    except (http.client.HTTPException, OSError) as e:
+        raise DownloadError(f"download of {url} was truncated: the connection broke off after {received:,} bytes "
+                            f"({e}; kept in {part} to resume from)") from None
+    return received
 
 
 def _range_start(headers) -> int | None:

@@ -225,28 +225,11 @@ def read_gguf_file(path: str | os.PathLike) -> GGUFFile:
     if n_kv > cur.size // 13 or n_tensors > cur.size // 24:
         raise FormatError(f"{path}: header claims {n_tensors} tensors and {n_kv} metadata entries, more than fit")
 
-    metadata = {}
-    for i in range(n_kv):
-        key = cur.string(f"metadata key #{i}")
-        if key in metadata:
-            raise FormatError(f"{path}: metadata key {key!r} appears twice")
-        metadata[key] = cur.value(cur.u32(f"type of {key!r}"), f"metadata {key!r}")
-
+    metadata = _read_metadata(cur, n_kv, path)
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
         raise FormatError(f"{path}: general.alignment must be a positive power of two, got {alignment!r}")
-
-    infos = []
-    for i in range(n_tensors):
-        name = cur.string(f"tensor #{i} name")
-        n_dims = cur.u32(f"tensor {name!r} dimension count")
-        if not 1 <= n_dims <= MAX_DIMS:
-            raise FormatError(f"{path}: tensor {name!r} has {n_dims} dimensions (ggml allows 1 to {MAX_DIMS})")
-        ne = [cur.u64(f"tensor {name!r} dimension") for _ in range(n_dims)]
-        type_id = cur.u32(f"tensor {name!r} type")
-        offset = cur.u64(f"tensor {name!r} offset")
-        infos.append((name, ne, type_id, offset))
-
+    infos = _read_tensor_table(cur, n_tensors, path)
     data_start = -(-cur.pos // alignment) * alignment
     data_size = cur.size - data_start
     if data_size < 0:
@@ -258,6 +241,32 @@ def read_gguf_file(path: str | os.PathLike) -> GGUFFile:
         tensors[name] = _tensor_info(path, name, ne, type_id, offset, alignment, data_size)
     _check_extents(path, tensors, alignment, data_size)
     return GGUFFile(path, version, metadata, tensors, alignment, data_start, buffer)
+
+
+def _read_metadata(cur: "_Cursor", n_kv: int, path: str) -> dict:
+    """The n_kv (key, typed value) pairs after the header; a key may appear once."""
+    metadata = {}
+    for i in range(n_kv):
+        key = cur.string(f"metadata key #{i}")
+        if key in metadata:
+            raise FormatError(f"{path}: metadata key {key!r} appears twice")
+        metadata[key] = cur.value(cur.u32(f"type of {key!r}"), f"metadata {key!r}")
+    return metadata
+
+
+def _read_tensor_table(cur: "_Cursor", n_tensors: int, path: str) -> list[tuple]:
+    """The tensor infos as (name, ne, type id, offset), checked only for their dimension count here."""
+    infos = []
+    for i in range(n_tensors):
+        name = cur.string(f"tensor #{i} name")
+        n_dims = cur.u32(f"tensor {name!r} dimension count")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise FormatError(f"{path}: tensor {name!r} has {n_dims} dimensions (ggml allows 1 to {MAX_DIMS})")
+        ne = [cur.u64(f"tensor {name!r} dimension") for _ in range(n_dims)]
+        type_id = cur.u32(f"tensor {name!r} type")
+        offset = cur.u64(f"tensor {name!r} offset")
+        infos.append((name, ne, type_id, offset))
+    return infos
 
 
 def _tensor_info(path, name, ne, type_id, offset, alignment, data_size) -> TensorInfo:
@@ -390,6 +399,31 @@ def llama3_factors(scaling: RopeScaling, theta: float, head_dim: int) -> np.ndar
     return 1 / ((1 - s) / factor + s)
 
 
+def _rope_scaling(g: GGUFFile, p: str, theta: float, head_dim: int) -> RopeScaling | None:
+    """Linear scaling from the metadata, or Llama 3's, recovered from the rope_freqs tensor; None without either."""
+    scaling = None
+    kind = _meta(g, p + "rope.scaling.type", str, default="none")
+    if kind == "linear":
+        scaling = RopeScaling("linear", _meta(g, p + "rope.scaling.factor", float))
+    elif kind != "none":
+        raise ConfigError(f"{g.path}: RoPE scaling type {kind!r} is not supported (npllm knows linear and llama3)")
+    if ROPE_FREQS in g.tensors:
+        if scaling is not None:
+            raise ConfigError(f"{g.path}: both rope_freqs and {kind} RoPE scaling are given")
+        scaling = llama3_scaling_from_freq_factors(g.tensor(ROPE_FREQS), theta, head_dim, g.path)
+    return scaling
+
+
+def _eos_ids(g: GGUFFile) -> list[int]:
+    """The end-of-sequence id, then end-of-turn and end-of-message ids where given (chat turn ends stop too)."""
+    eos_ids = [_meta(g, "tokenizer.ggml.eos_token_id", default=2)]
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        extra = _meta(g, key, required=False)
+        if extra is not None and extra not in eos_ids:
+            eos_ids.append(extra)
+    return eos_ids
+
+
 def config_from_gguf(g: GGUFFile) -> ModelConfig:
     gguf_arch = g.metadata.get("general.architecture")
     if gguf_arch not in ARCHITECTURES:
@@ -406,28 +440,13 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
     if _meta(g, p + "rope.dimension_count", default=head_dim) != head_dim:
         raise ConfigError(f"{g.path}: RoPE rotates only part of each head; npllm rotates whole heads")
     theta = _meta(g, p + "rope.freq_base", float, default=10000.0)
-
-    scaling = None
-    kind = _meta(g, p + "rope.scaling.type", str, default="none")
-    if kind == "linear":
-        scaling = RopeScaling("linear", _meta(g, p + "rope.scaling.factor", float))
-    elif kind != "none":
-        raise ConfigError(f"{g.path}: RoPE scaling type {kind!r} is not supported (npllm knows linear and llama3)")
-    if ROPE_FREQS in g.tensors:
-        if scaling is not None:
-            raise ConfigError(f"{g.path}: both rope_freqs and {kind} RoPE scaling are given")
-        scaling = llama3_scaling_from_freq_factors(g.tensor(ROPE_FREQS), theta, head_dim, g.path)
-
+    scaling = _rope_scaling(g, p, theta, head_dim)
     if "token_embd.weight" not in g.tensors:
         raise FormatError(f"{g.path}: no token_embd.weight tensor")
     vocab_size = g.tensors["token_embd.weight"].shape[0]
     if _meta(g, p + "vocab_size", default=vocab_size) != vocab_size:
         raise ConfigError(f"{g.path}: {p}vocab_size disagrees with token_embd.weight's {vocab_size} rows")
-    eos_ids = [_meta(g, "tokenizer.ggml.eos_token_id", default=2)]
-    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):  # chat turn ends stop too
-        extra = _meta(g, key, required=False)
-        if extra is not None and extra not in eos_ids:
-            eos_ids.append(extra)
+    eos_ids = _eos_ids(g)
     return ModelConfig(
         dim=dim,
         hidden_dim=_meta(g, p + "feed_forward_length"),
@@ -451,23 +470,21 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
 
 def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read a GGUF checkpoint into (config, canonical float32 weights)."""
-    g = read_gguf_file(path)
-    config = config_from_gguf(g)
-    weights = {}
-    for name in g.tensors:
-        if name == ROPE_FREQS:
-            continue
-        try:
-            canonical = canonical_name(name)
-        except FormatError as e:
-            raise FormatError(f"{g.path}: {e}") from None
-        weights[canonical] = g.tensor(name)
-    return config, check_weights(config, weights, g.path)
+    return _read_weights(path, lambda g, name, info: g.tensor(name))
 
 
 def read_gguf_quantized(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
     """Read a GGUF checkpoint keeping every block-quantized matrix in its file type, over the memory map
     (quant.QuantizedMatrix); F32/F16/BF16 tensors and vectors are read as read_gguf reads them."""
+    def read(g, name, info):
+        blocks = info.type.block_size > 1 and len(info.shape) == 2
+        return g.quantized(name) if blocks else g.tensor(name)
+
+    return _read_weights(path, read)
+
+
+def _read_weights(path, read) -> tuple[ModelConfig, dict]:
+    """(config, weights under canonical names), each tensor read by read(g, gguf name, TensorInfo)."""
     g = read_gguf_file(path)
     config = config_from_gguf(g)
     weights = {}
@@ -478,8 +495,7 @@ def read_gguf_quantized(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
             canonical = canonical_name(name)
         except FormatError as e:
             raise FormatError(f"{g.path}: {e}") from None
-        blocks = info.type.block_size > 1 and len(info.shape) == 2
-        weights[canonical] = g.quantized(name) if blocks else g.tensor(name)
+        weights[canonical] = read(g, name, info)
     return config, check_weights(config, weights, g.path)
 
 
