@@ -118,3 +118,15 @@ def test_bad_arguments(llm):
         llm.generate("Once", 10, temperature=0, draft_layers=2, num_draft=0)
     with pytest.raises(GenerationError):
         llm.generate("Once", 10, temperature=0, draft_layers=2, logprobs=3)
+
+
+def test_a_draft_model_given_by_path_or_llm(llm, stories260k):
+    """--draft MODEL: the same checkpoint as its own draft accepts every proposal, by path or as an LLM."""
+    plain = llm.generate("Once upon a time", 40, temperature=0)
+    for draft in (str(stories260k), llm):
+        stats = SpeculationStats()
+        assert llm.generate("Once upon a time", 40, temperature=0, draft=draft, num_draft=3,
+                            speculation=stats) == plain
+        assert stats.acceptance_rate == 1.0
+    with pytest.raises(GenerationError):
+        llm.generate("Once", 5, temperature=0, draft=llm, draft_layers=2)
