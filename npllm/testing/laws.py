@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -298,6 +299,14 @@ def _upper_set(x, keep, opts, case, what="logit"):
                                  f"kept (ties='keep' keeps or removes a tie whole)\n  {case}")
 
 
+def _two_passes(fn, x, param):
+    """The kept masks of fn applied to x and then to its own output (each checked for the filter's form)."""
+    once = _call(fn, x, param)
+    k1 = _kept(x, once, _case(x, (param,)))
+    y = once.astype(x.dtype)
+    return k1, _kept(y, _call(fn, y, param), _case(y, (param,)))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # temperature: fn(x, T) -> logits with softmax(out) = softmax(x / T)
 # ---------------------------------------------------------------------------------------------------------------
@@ -324,58 +333,62 @@ def _temperature_ratios(x, out, T, opts, case):
         )
 
 
+def _temperature_divides(fn, case, opts):
+    x, T = case
+    _temperature_ratios(x, _call(fn, x, T), T, opts, _case(x, (T,)))
+
+
+def _temperature_identity(fn, case, opts):
+    (x,) = case
+    _temperature_ratios(x, _call(fn, x, 1.0), 1.0, opts, _case(x, (1.0,)))
+
+
+def _temperature_masked(fn, case, opts):
+    x, T = case
+    out = _call(fn, x, T)
+    bad = np.isneginf(x) & ~np.isneginf(out)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise AssertionError(f"token {i} was -inf and came out as {out[i]!r}\n  {_case(x, (T,))}")
+
+
+def _temperature_order(fn, case, opts):
+    x, T = case
+    out = _call(fn, x, T)
+    x64 = x.astype(np.float64)
+    order = np.argsort(x64, kind="stable")
+    xs, os = x64[order], out[order]
+    bad = (xs[:-1] < xs[1:]) & (os[:-1] > os[1:])
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        i, k = int(order[j]), int(order[j + 1])
+        raise AssertionError(f"x_{i} < x_{k} but out_{i} = {out[i]!r} > out_{k} = {out[k]!r}\n  {_case(x, (T,))}")
+
+
+def _temperature_sharpening(fn, case, opts):
+    x, t1, t2 = case
+    low, high = sorted((t1, t2))
+    top_low = _probs(_call(fn, x, low)).max()
+    top_high = _probs(_call(fn, x, high)).max()
+    if top_low < top_high - opts.rtol:
+        raise AssertionError(f"top probability {top_low!r} at T = {low!r} is below {top_high!r} at T = {high!r}"
+                             f"\n  {_case(x, ())}")
+
+
 def _temperature_laws():
     kind = "temperature"
-
-    def ratios(fn, case, opts):
-        x, T = case
-        _temperature_ratios(x, _call(fn, x, T), T, opts, _case(x, (T,)))
-
-    def identity(fn, case, opts):
-        (x,) = case
-        _temperature_ratios(x, _call(fn, x, 1.0), 1.0, opts, _case(x, (1.0,)))
-
-    def masked(fn, case, opts):
-        x, T = case
-        out = _call(fn, x, T)
-        bad = np.isneginf(x) & ~np.isneginf(out)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise AssertionError(f"token {i} was -inf and came out as {out[i]!r}\n  {_case(x, (T,))}")
-
-    def order(fn, case, opts):
-        x, T = case
-        out = _call(fn, x, T)
-        x64 = x.astype(np.float64)
-        order = np.argsort(x64, kind="stable")
-        xs, os = x64[order], out[order]
-        bad = (xs[:-1] < xs[1:]) & (os[:-1] > os[1:])
-        if bad.any():
-            j = int(np.flatnonzero(bad)[0])
-            i, k = int(order[j]), int(order[j + 1])
-            raise AssertionError(f"x_{i} < x_{k} but out_{i} = {out[i]!r} > out_{k} = {out[k]!r}\n  {_case(x, (T,))}")
-
-    def sharpening(fn, case, opts):
-        x, t1, t2 = case
-        low, high = sorted((t1, t2))
-        top_low = _probs(_call(fn, x, low)).max()
-        top_high = _probs(_call(fn, x, high)).max()
-        if top_low < top_high - opts.rtol:
-            raise AssertionError(f"top probability {top_low!r} at T = {low!r} is below {top_high!r} at T = {high!r}"
-                                 f"\n  {_case(x, ())}")
-
     T = nps.temperatures()
     return [
         Law(kind, "temperature.divides_logits", "log-probability differences are divided by T: out_i - out_j = "
-            "(x_i - x_j) / T", lambda o: st.tuples(_rows(o), T), ratios, pointwise=True),
+            "(x_i - x_j) / T", lambda o: st.tuples(_rows(o), T), _temperature_divides, pointwise=True),
         Law(kind, "temperature.one_is_identity", "T = 1 leaves the distribution unchanged",
-            lambda o: st.tuples(_rows(o)), identity),
+            lambda o: st.tuples(_rows(o)), _temperature_identity),
         Law(kind, "temperature.keeps_masked_tokens_masked", "a -inf logit stays -inf",
-            lambda o: st.tuples(_rows(o), T), masked, pointwise=True),
+            lambda o: st.tuples(_rows(o), T), _temperature_masked, pointwise=True),
         Law(kind, "temperature.keeps_the_order", "x_i < x_j implies out_i <= out_j, so the argmax stays the argmax",
-            lambda o: st.tuples(_rows(o), T), order, pointwise=True),
+            lambda o: st.tuples(_rows(o), T), _temperature_order, pointwise=True),
         Law(kind, "temperature.lower_sharpens", "a lower T never lowers the top probability",
-            lambda o: st.tuples(_rows(o), T, T), sharpening),
+            lambda o: st.tuples(_rows(o), T, T), _temperature_sharpening),
     ]
 
 
@@ -390,64 +403,68 @@ def _kth(x64: np.ndarray, k: int) -> float:
     return f[min(k, len(f)) - 1]
 
 
+def _top_k_of(x):
+    return nps.top_k_values(len(x))
+
+
+def _top_k_top_set(fn, case, opts):
+    x, k = case
+    c = _case(x, (k,))
+    keep = _kept(x, _call(fn, x, k), c)
+    x64 = x.astype(np.float64)
+    dropped = (x64 > -np.inf) & ~keep
+    if dropped.any() and x64[dropped].max() > x64[keep].min():
+        j = int(np.flatnonzero(dropped & (x64 > x64[keep].min()))[0])
+        raise AssertionError(f"token {j} (logit {x64[j]!r}) was removed while logit {x64[keep].min()!r} was kept"
+                             f"\n  {c}")
+
+
+def _top_k_count(fn, case, opts):
+    x, k = case
+    c = _case(x, (k,))
+    keep = _kept(x, _call(fn, x, k), c)
+    x64 = x.astype(np.float64)
+    finite = x64 > -np.inf
+    with_ties = int((finite & (x64 >= _kth(x64, k))).sum())
+    n = int(keep.sum())
+    if opts.ties == "keep" and n != with_ties:
+        raise AssertionError(f"kept {n} tokens {np.flatnonzero(keep).tolist()}; the {with_ties} tokens with logit "
+                             f">= the k-th largest ({_kth(x64, k)!r}) must survive, no others\n  {c}")
+    if opts.ties == "any" and not (min(k, int(finite.sum())) <= n <= with_ties):
+        raise AssertionError(f"kept {n} tokens {np.flatnonzero(keep).tolist()}; expected between "
+                             f"min(k, finite tokens) = {min(k, int(finite.sum()))} and {with_ties} (k plus ties)"
+                             f"\n  {c}")
+
+
+def _top_k_idempotent(fn, case, opts):
+    x, k = case
+    once = _call(fn, x, k)
+    _kept(x, once, _case(x, (k,)))
+    y = once.astype(x.dtype)
+    twice = _call(fn, y, k)
+    if not np.array_equal(once, twice):
+        raise AssertionError(f"a second pass changed the output: {_show(once)} -> {_show(twice)}\n  "
+                             f"{_case(x, (k,))}")
+
+
+def _top_k_idempotent_cases(opts):
+    return _row_then(_rows(opts, ties=opts.ties == "keep"), _top_k_of)
+
+
 def _top_k_laws():
     kind = "top_k"
-
-    def k_of(x):
-        return nps.top_k_values(len(x))
-
-    def top_set(fn, case, opts):
-        x, k = case
-        c = _case(x, (k,))
-        keep = _kept(x, _call(fn, x, k), c)
-        x64 = x.astype(np.float64)
-        dropped = (x64 > -np.inf) & ~keep
-        if dropped.any() and x64[dropped].max() > x64[keep].min():
-            j = int(np.flatnonzero(dropped & (x64 > x64[keep].min()))[0])
-            raise AssertionError(f"token {j} (logit {x64[j]!r}) was removed while logit {x64[keep].min()!r} was kept"
-                                 f"\n  {c}")
-
-    def count(fn, case, opts):
-        x, k = case
-        c = _case(x, (k,))
-        keep = _kept(x, _call(fn, x, k), c)
-        x64 = x.astype(np.float64)
-        finite = x64 > -np.inf
-        with_ties = int((finite & (x64 >= _kth(x64, k))).sum())
-        n = int(keep.sum())
-        if opts.ties == "keep" and n != with_ties:
-            raise AssertionError(f"kept {n} tokens {np.flatnonzero(keep).tolist()}; the {with_ties} tokens with logit "
-                                 f">= the k-th largest ({_kth(x64, k)!r}) must survive, no others\n  {c}")
-        if opts.ties == "any" and not (min(k, int(finite.sum())) <= n <= with_ties):
-            raise AssertionError(f"kept {n} tokens {np.flatnonzero(keep).tolist()}; expected between "
-                                 f"min(k, finite tokens) = {min(k, int(finite.sum()))} and {with_ties} (k plus ties)"
-                                 f"\n  {c}")
-
-    def idempotent(fn, case, opts):
-        x, k = case
-        once = _call(fn, x, k)
-        _kept(x, once, _case(x, (k,)))
-        y = once.astype(x.dtype)
-        twice = _call(fn, y, k)
-        if not np.array_equal(once, twice):
-            raise AssertionError(f"a second pass changed the output: {_show(once)} -> {_show(twice)}\n  "
-                                 f"{_case(x, (k,))}")
-
-    def idempotent_cases(opts):
-        return _row_then(_rows(opts, ties=opts.ties == "keep"), k_of)
-
     return [
-        _form_law(kind, k_of),
+        _form_law(kind, _top_k_of),
         Law(kind, "top_k.keeps_a_top_set", "no removed token has a larger logit than a kept one",
-            lambda o: _with_param(o, k_of), top_set, pointwise=True),
+            lambda o: _with_param(o, _top_k_of), _top_k_top_set, pointwise=True),
         Law(kind, "top_k.keeps_k", "ties='keep': exactly the tokens with logit >= the k-th largest survive (exactly k "
-            "without ties, everything when k >= V); ties='any': between k and that many", lambda o: _with_param(o, k_of),
-            count, pointwise=True),
-        _argmax_law(kind, k_of),
-        _monotone_law(kind, k_of, smaller_keeps_less=True, needs_unique_under_any=True),
-        Law(kind, "top_k.idempotent", "applying it twice gives the same result as once", idempotent_cases,
-            idempotent),
-        _shift_law(kind, k_of),
+            "without ties, everything when k >= V); ties='any': between k and that many",
+            lambda o: _with_param(o, _top_k_of), _top_k_count, pointwise=True),
+        _argmax_law(kind, _top_k_of),
+        _monotone_law(kind, _top_k_of, smaller_keeps_less=True, needs_unique_under_any=True),
+        Law(kind, "top_k.idempotent", "applying it twice gives the same result as once", _top_k_idempotent_cases,
+            _top_k_idempotent),
+        _shift_law(kind, _top_k_of),
     ]
 
 
@@ -456,68 +473,70 @@ def _top_k_laws():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _p_of(x):
+    return nps.p_values()
+
+
+def _reaches_p(fn, case, opts):
+    x, p = case
+    c = _case(x, (p,))
+    keep = _kept(x, _call(fn, x, p), c)
+    got = _mass(_probs(x), keep)
+    if got < p - opts.rtol:
+        raise AssertionError(f"kept mass {got!r} < p = {p!r} (kept {np.flatnonzero(keep).tolist()})\n  {c}")
+
+
+def _top_p_minimal(fn, case, opts):
+    x, p = case
+    c = _case(x, (p,))
+    keep = _kept(x, _call(fn, x, p), c)
+    prob, x64 = _probs(x), x.astype(np.float64)
+    low = x64[keep].min()
+    above = x64 > low + _slack(opts, low - x64.max())
+    whole = not ((x64 == low) & ~keep).any()  # the least probable kept value's tie group is kept whole
+    if whole and _mass(prob, above) < p + opts.rtol:
+        return
+    if opts.ties == "any":
+        least = np.flatnonzero(keep)[np.argmin(x64[keep])]
+        if _mass(prob, keep) - prob[least] < p + opts.rtol:
+            return
+    raise AssertionError(
+        f"kept {np.flatnonzero(keep).tolist()} (mass {_mass(prob, keep)!r}), but the tokens more probable than the "
+        f"least probable kept one already hold mass {_mass(prob, above)!r} >= p = {p!r}\n  {c}")
+
+
+def _top_p_top_set(fn, case, opts):
+    x, p = case
+    c = _case(x, (p,))
+    _upper_set(x, _kept(x, _call(fn, x, p), c), opts, c)
+
+
+def _top_p_second_pass(fn, case, opts):
+    x, p = case
+    k1, k2 = _two_passes(fn, x, p)
+    if (k2 & ~k1).any() or not k2[_top(x, opts)].any():
+        raise AssertionError(f"a second pass kept {np.flatnonzero(k2).tolist()}, the first "
+                             f"{np.flatnonzero(k1).tolist()}: it must keep a subset holding the argmax\n  "
+                             f"{_case(x, (p,))}")
+
+
 def _top_p_laws():
     kind = "top_p"
-
-    def p_of(x):
-        return nps.p_values()
-
-    def reaches(fn, case, opts):
-        x, p = case
-        c = _case(x, (p,))
-        keep = _kept(x, _call(fn, x, p), c)
-        got = _mass(_probs(x), keep)
-        if got < p - opts.rtol:
-            raise AssertionError(f"kept mass {got!r} < p = {p!r} (kept {np.flatnonzero(keep).tolist()})\n  {c}")
-
-    def minimal(fn, case, opts):
-        x, p = case
-        c = _case(x, (p,))
-        keep = _kept(x, _call(fn, x, p), c)
-        prob, x64 = _probs(x), x.astype(np.float64)
-        low = x64[keep].min()
-        above = x64 > low + _slack(opts, low - x64.max())
-        whole = not ((x64 == low) & ~keep).any()  # the least probable kept value's tie group is kept whole
-        if whole and _mass(prob, above) < p + opts.rtol:
-            return
-        if opts.ties == "any":
-            least = np.flatnonzero(keep)[np.argmin(x64[keep])]
-            if _mass(prob, keep) - prob[least] < p + opts.rtol:
-                return
-        raise AssertionError(
-            f"kept {np.flatnonzero(keep).tolist()} (mass {_mass(prob, keep)!r}), but the tokens more probable than the "
-            f"least probable kept one already hold mass {_mass(prob, above)!r} >= p = {p!r}\n  {c}")
-
-    def top_set(fn, case, opts):
-        x, p = case
-        c = _case(x, (p,))
-        _upper_set(x, _kept(x, _call(fn, x, p), c), opts, c)
-
-    def second_pass(fn, case, opts):
-        x, p = case
-        once = _call(fn, x, p)
-        k1 = _kept(x, once, _case(x, (p,)))
-        y = once.astype(x.dtype)
-        k2 = _kept(y, _call(fn, y, p), _case(y, (p,)))
-        if (k2 & ~k1).any() or not k2[_top(x, opts)].any():
-            raise AssertionError(f"a second pass kept {np.flatnonzero(k2).tolist()}, the first "
-                                 f"{np.flatnonzero(k1).tolist()}: it must keep a subset holding the argmax\n  "
-                                 f"{_case(x, (p,))}")
-
     return [
-        _form_law(kind, p_of),
-        Law(kind, "top_p.reaches_p", "the kept tokens hold probability mass >= p", lambda o: _with_param(o, p_of),
-            reaches, pointwise=True),
+        _form_law(kind, _p_of),
+        Law(kind, "top_p.reaches_p", "the kept tokens hold probability mass >= p", lambda o: _with_param(o, _p_of),
+            _reaches_p, pointwise=True),
         Law(kind, "top_p.minimal", "the tokens more probable than the least probable kept one hold mass < p (without "
-            "ties: removing the last kept token falls below p)", lambda o: _with_param(o, p_of), minimal,
+            "ties: removing the last kept token falls below p)", lambda o: _with_param(o, _p_of), _top_p_minimal,
             pointwise=True),
         Law(kind, "top_p.keeps_a_top_set", "no removed token is more probable than a kept one (ties='keep': a tie is "
-            "kept whole)", lambda o: _with_param(o, p_of), top_set, pointwise=True),
-        _argmax_law(kind, p_of),
-        _monotone_law(kind, p_of, smaller_keeps_less=True),
+            "kept whole)", lambda o: _with_param(o, _p_of), _top_p_top_set, pointwise=True),
+        _argmax_law(kind, _p_of),
+        _monotone_law(kind, _p_of, smaller_keeps_less=True),
         Law(kind, "top_p.second_pass_keeps_a_subset", "applied twice it keeps a subset of one pass that still holds "
-            "the argmax (not idempotent: the second pass renormalises)", lambda o: _with_param(o, p_of), second_pass),
-        _shift_law(kind, p_of),
+            "the argmax (not idempotent: the second pass renormalises)", lambda o: _with_param(o, _p_of),
+            _top_p_second_pass),
+        _shift_law(kind, _p_of),
     ]
 
 
@@ -561,10 +580,7 @@ def _min_p_laws():
 
     def idempotent(fn, case, opts):
         x, p = case
-        once = _call(fn, x, p)
-        k1 = _kept(x, once, _case(x, (p,)))
-        y = once.astype(x.dtype)
-        k2 = _kept(y, _call(fn, y, p), _case(y, (p,)))
+        k1, k2 = _two_passes(fn, x, p)
         lost = k1 & ~k2
         x64 = x.astype(np.float64)
         s = np.where(x64 > -np.inf, x64 - x64.max(), 0.0)
@@ -600,79 +616,72 @@ def _typicality(x):
     return prob, np.abs(-logp - entropy), live, entropy
 
 
+def _typical_bound(x, keep, opts):
+    prob, d, live, entropy = _typicality(x)
+    kl = keep & live
+    if not kl.any():
+        return None
+    j = np.flatnonzero(kl)[np.argmax(d[kl])]
+    logp = _log_probs(x)
+    return prob, d, live, j, opts.rtol * max(1.0, abs(logp[j]), entropy)
+
+
+def _typical_call(fn, case, opts):
+    """(x, p, the case line, the kept mask, _typical_bound of it) for fn applied to the case."""
+    x, p = case
+    c = _case(x, (p,))
+    keep = _kept(x, _call(fn, x, p), c)
+    return x, p, c, keep, _typical_bound(x, keep, opts)
+
+
+def _typical_minimal(fn, case, opts):
+    x, p, c, keep, b = _typical_call(fn, case, opts)
+    if b is None:
+        return  # only dead tokens kept: typical_p.reaches_p reports it
+    prob, d, live, j, slack = b
+    x64 = x.astype(np.float64)
+    closer = live & (d < d[j] - slack)
+    whole = not ((x64 == x64[j]) & ~keep).any()
+    if whole and _mass(prob, closer) < p + opts.rtol:
+        return
+    if opts.ties == "any" and _mass(prob, keep) - prob[j] < p + opts.rtol:
+        return
+    raise AssertionError(f"kept {np.flatnonzero(keep).tolist()}, but the tokens more typical than the least "
+                         f"typical kept one ({int(j)}) already hold mass {_mass(prob, closer)!r} >= p = {p!r}\n"
+                         f"  {c}")
+
+
+def _typical_closed(fn, case, opts):
+    x, p, c, keep, b = _typical_call(fn, case, opts)
+    if b is None:
+        return
+    prob, d, live, j, slack = b
+    over = live & ~keep & (d < d[j] - slack)
+    if over.any():
+        i = int(np.flatnonzero(over)[0])
+        raise AssertionError(f"token {i} (|-log pi - H| = {d[i]!r}) was removed while the less typical token "
+                             f"{int(j)} ({d[j]!r}) was kept\n  {c}")
+    x64 = x.astype(np.float64)
+    if opts.ties == "keep":
+        split = (x64 > -np.inf) & ~keep & np.isin(x64, x64[keep])
+        if split.any():
+            i = int(np.flatnonzero(split)[0])
+            raise AssertionError(f"a tie was split: token {i} (logit {x64[i]!r}) was removed while an equal logit "
+                                 f"was kept (ties='keep')\n  {c}")
+
+
 def _typical_laws():
     kind = "typical_p"
-
-    def p_of(x):
-        return nps.p_values()
-
-    def reaches(fn, case, opts):
-        x, p = case
-        c = _case(x, (p,))
-        keep = _kept(x, _call(fn, x, p), c)
-        got = _mass(_probs(x), keep)
-        if got < p - opts.rtol:
-            raise AssertionError(f"kept mass {got!r} < p = {p!r} (kept {np.flatnonzero(keep).tolist()})\n  {c}")
-
-    def bound(x, keep, opts):
-        prob, d, live, entropy = _typicality(x)
-        kl = keep & live
-        if not kl.any():
-            return None
-        j = np.flatnonzero(kl)[np.argmax(d[kl])]
-        logp = _log_probs(x)
-        return prob, d, live, j, opts.rtol * max(1.0, abs(logp[j]), entropy)
-
-    def minimal(fn, case, opts):
-        x, p = case
-        c = _case(x, (p,))
-        keep = _kept(x, _call(fn, x, p), c)
-        b = bound(x, keep, opts)
-        if b is None:
-            return  # only dead tokens kept: typical_p.reaches_p reports it
-        prob, d, live, j, slack = b
-        x64 = x.astype(np.float64)
-        closer = live & (d < d[j] - slack)
-        whole = not ((x64 == x64[j]) & ~keep).any()
-        if whole and _mass(prob, closer) < p + opts.rtol:
-            return
-        if opts.ties == "any" and _mass(prob, keep) - prob[j] < p + opts.rtol:
-            return
-        raise AssertionError(f"kept {np.flatnonzero(keep).tolist()}, but the tokens more typical than the least "
-                             f"typical kept one ({int(j)}) already hold mass {_mass(prob, closer)!r} >= p = {p!r}\n"
-                             f"  {c}")
-
-    def closed(fn, case, opts):
-        x, p = case
-        c = _case(x, (p,))
-        keep = _kept(x, _call(fn, x, p), c)
-        b = bound(x, keep, opts)
-        if b is None:
-            return
-        prob, d, live, j, slack = b
-        over = live & ~keep & (d < d[j] - slack)
-        if over.any():
-            i = int(np.flatnonzero(over)[0])
-            raise AssertionError(f"token {i} (|-log pi - H| = {d[i]!r}) was removed while the less typical token "
-                                 f"{int(j)} ({d[j]!r}) was kept\n  {c}")
-        x64 = x.astype(np.float64)
-        if opts.ties == "keep":
-            split = (x64 > -np.inf) & ~keep & np.isin(x64, x64[keep])
-            if split.any():
-                i = int(np.flatnonzero(split)[0])
-                raise AssertionError(f"a tie was split: token {i} (logit {x64[i]!r}) was removed while an equal logit "
-                                     f"was kept (ties='keep')\n  {c}")
-
     return [
-        _form_law(kind, p_of),
+        _form_law(kind, _p_of),
         Law(kind, "typical_p.reaches_p", "the kept tokens hold probability mass >= p",
-            lambda o: _with_param(o, p_of), reaches, pointwise=True),
+            lambda o: _with_param(o, _p_of), _reaches_p, pointwise=True),
         Law(kind, "typical_p.minimal", "the tokens more typical (|-log pi_i - H| smaller) than the least typical kept "
-            "one hold mass < p", lambda o: _with_param(o, p_of), minimal, pointwise=True),
+            "one hold mass < p", lambda o: _with_param(o, _p_of), _typical_minimal, pointwise=True),
         Law(kind, "typical_p.keeps_the_most_typical", "no removed token is more typical than a kept one (ties='keep':"
-            " equal logits share one decision)", lambda o: _with_param(o, p_of), closed, pointwise=True),
-        _monotone_law(kind, p_of, smaller_keeps_less=True),
-        _shift_law(kind, p_of),
+            " equal logits share one decision)", lambda o: _with_param(o, _p_of), _typical_closed, pointwise=True),
+        _monotone_law(kind, _p_of, smaller_keeps_less=True),
+        _shift_law(kind, _p_of),
     ]
 
 
@@ -694,91 +703,144 @@ def _close(got, expected, rtol, scale) -> np.ndarray:
     return (got == expected) | near
 
 
+def _repetition_ctrl(x, history, penalty):
+    out = x.astype(np.float64)
+    for t in set(history):
+        out[t] = out[t] / penalty if out[t] > 0 else out[t] * penalty
+    return out
+
+
+def _repetition_rule(fn, case, opts):
+    x, h, pen = case
+    c = _case(x, (pen,), h)
+    out = _call(fn, x, pen, history=h)
+    expected = _repetition_ctrl(x, h, pen)
+    ok = _close(out, expected, opts.rtol, np.abs(expected))
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        raise AssertionError(f"token {i}: {x[i]!r} became {out[i]!r}, expected {expected[i]!r}\n  {c}")
+
+
+def _repetition_once(fn, case, opts):
+    x, h, pen = case
+    a = _call(fn, x, pen, history=h)
+    distinct = sorted(set(h))
+    b = _call(fn, x, pen, history=distinct)
+    if not np.array_equal(a, b):
+        raise AssertionError(f"history {h} gave {_show(a)} but its distinct tokens {distinct} gave {_show(b)}\n"
+                             f"  {_case(x, (pen,), h)}")
+
+
+def _repetition_identity(fn, case, opts):
+    x, h = case
+    out = _call(fn, x, 1.0, history=h)
+    if not np.array_equal(out, x.astype(np.float64)):
+        raise AssertionError(f"penalty 1 changed the logits to {_show(out)}\n  {_case(x, (1.0,), h)}")
+
+
+def _repetition_untouched(fn, case, opts):
+    x, h, pen = case
+    out = _call(fn, x, pen, history=h)
+    other = np.ones(len(x), bool)
+    other[list(set(h))] = False
+    bad = other & (out != x.astype(np.float64))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise AssertionError(f"token {i} is not in the history but changed from {x[i]!r} to {out[i]!r}\n"
+                             f"  {_case(x, (pen,), h)}")
+
+
+def _repetition_never_favours(fn, case, opts):
+    x, h, pen = case
+    c = _case(x, (pen,), h)
+    out = _call(fn, x, pen, history=h)
+    listed = np.zeros(len(x), bool)
+    listed[list(set(h))] = True
+    x64 = x.astype(np.float64)
+    up = listed & (out > x64)
+    if up.any():
+        i = int(np.flatnonzero(up)[0])
+        raise AssertionError(f"penalty {pen!r} >= 1 raised token {i}'s logit from {x64[i]!r} to {out[i]!r}\n  {c}")
+    before, after = _probs(x64), _probs(out)
+    rtol = max(opts.rtol, 1e-12)  # probabilities carry float64 rounding even when the logits are exact
+    down = ~listed & (after < before * (1 - rtol) - TINY)
+    if down.any():
+        i = int(np.flatnonzero(down)[0])
+        raise AssertionError(f"token {i} is not in the history but its probability fell from {before[i]!r} to "
+                             f"{after[i]!r}\n  {c}")
+    if _mass(after, listed) > _mass(before, listed) + rtol:
+        raise AssertionError(f"the penalised tokens' mass rose from {_mass(before, listed)!r} to "
+                             f"{_mass(after, listed)!r}\n  {c}")
+    if listed.sum() == 1 and after[listed][0] > before[listed][0] * (1 + rtol) + TINY:
+        raise AssertionError(f"the only penalised token's probability rose from {before[listed][0]!r} to "
+                             f"{after[listed][0]!r}\n  {c}")
+
+
 def _repetition_laws():
     kind = "repetition_penalty"
-
-    def ctrl(x, history, penalty):
-        out = x.astype(np.float64)
-        for t in set(history):
-            out[t] = out[t] / penalty if out[t] > 0 else out[t] * penalty
-        return out
-
-    def rule(fn, case, opts):
-        x, h, pen = case
-        c = _case(x, (pen,), h)
-        out = _call(fn, x, pen, history=h)
-        expected = ctrl(x, h, pen)
-        ok = _close(out, expected, opts.rtol, np.abs(expected))
-        if not ok.all():
-            i = int(np.flatnonzero(~ok)[0])
-            raise AssertionError(f"token {i}: {x[i]!r} became {out[i]!r}, expected {expected[i]!r}\n  {c}")
-
-    def once(fn, case, opts):
-        x, h, pen = case
-        a = _call(fn, x, pen, history=h)
-        distinct = sorted(set(h))
-        b = _call(fn, x, pen, history=distinct)
-        if not np.array_equal(a, b):
-            raise AssertionError(f"history {h} gave {_show(a)} but its distinct tokens {distinct} gave {_show(b)}\n"
-                                 f"  {_case(x, (pen,), h)}")
-
-    def identity(fn, case, opts):
-        x, h = case
-        out = _call(fn, x, 1.0, history=h)
-        if not np.array_equal(out, x.astype(np.float64)):
-            raise AssertionError(f"penalty 1 changed the logits to {_show(out)}\n  {_case(x, (1.0,), h)}")
-
-    def untouched(fn, case, opts):
-        x, h, pen = case
-        out = _call(fn, x, pen, history=h)
-        other = np.ones(len(x), bool)
-        other[list(set(h))] = False
-        bad = other & (out != x.astype(np.float64))
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise AssertionError(f"token {i} is not in the history but changed from {x[i]!r} to {out[i]!r}\n"
-                                 f"  {_case(x, (pen,), h)}")
-
-    def never_favours(fn, case, opts):
-        x, h, pen = case
-        c = _case(x, (pen,), h)
-        out = _call(fn, x, pen, history=h)
-        listed = np.zeros(len(x), bool)
-        listed[list(set(h))] = True
-        x64 = x.astype(np.float64)
-        up = listed & (out > x64)
-        if up.any():
-            i = int(np.flatnonzero(up)[0])
-            raise AssertionError(f"penalty {pen!r} >= 1 raised token {i}'s logit from {x64[i]!r} to {out[i]!r}\n  {c}")
-        before, after = _probs(x64), _probs(out)
-        rtol = max(opts.rtol, 1e-12)  # probabilities carry float64 rounding even when the logits are exact
-        down = ~listed & (after < before * (1 - rtol) - TINY)
-        if down.any():
-            i = int(np.flatnonzero(down)[0])
-            raise AssertionError(f"token {i} is not in the history but its probability fell from {before[i]!r} to "
-                                 f"{after[i]!r}\n  {c}")
-        if _mass(after, listed) > _mass(before, listed) + rtol:
-            raise AssertionError(f"the penalised tokens' mass rose from {_mass(before, listed)!r} to "
-                                 f"{_mass(after, listed)!r}\n  {c}")
-        if listed.sum() == 1 and after[listed][0] > before[listed][0] * (1 + rtol) + TINY:
-            raise AssertionError(f"the only penalised token's probability rose from {before[listed][0]!r} to "
-                                 f"{after[listed][0]!r}\n  {c}")
-
     pen = nps.penalties()
     return [
         Law(kind, "repetition_penalty.ctrl_rule", "each distinct token of the history: x / penalty if x > 0, else "
-            "x * penalty", lambda o: _history_cases(o, pen), rule, pointwise=True),
+            "x * penalty", lambda o: _history_cases(o, pen), _repetition_rule, pointwise=True),
         Law(kind, "repetition_penalty.once_per_token", "a token is penalised once however often it occurs",
-            lambda o: _history_cases(o, pen), once, pointwise=True),
+            lambda o: _history_cases(o, pen), _repetition_once, pointwise=True),
         Law(kind, "repetition_penalty.unlisted_untouched", "tokens absent from the history keep their logits exactly",
-            lambda o: _history_cases(o, pen), untouched, pointwise=True),
+            lambda o: _history_cases(o, pen), _repetition_untouched, pointwise=True),
         Law(kind, "repetition_penalty.one_is_identity", "penalty 1 changes nothing",
-            lambda o: _history_cases(o), identity),
+            lambda o: _history_cases(o), _repetition_identity),
         Law(kind, "repetition_penalty.never_favours_repeats", "penalty >= 1: listed logits never rise, unlisted "
             "tokens' probabilities never fall, the listed tokens' total probability (and a lone listed token's) never "
             "rises",
-            lambda o: _history_cases(o, nps.penalties(low=1.0)), never_favours),
+            lambda o: _history_cases(o, nps.penalties(low=1.0)), _repetition_never_favours),
     ]
+
+
+def _pf_call(kind, fn, x, h, pr, fr):
+    if kind == "presence_penalty":
+        return _call(fn, x, pr, history=h)
+    if kind == "frequency_penalty":
+        return _call(fn, x, fr, history=h)
+    return _call(fn, x, pr, fr, history=h)
+
+
+def _pf_params(kind, pr, fr):
+    return {"presence_penalty": (pr,), "frequency_penalty": (fr,)}.get(kind, (pr, fr))
+
+
+def _pf_formula(kind, fn, case, opts):
+    x, h, pr, fr = case
+    out = _pf_call(kind, fn, x, h, pr, fr)
+    counts = Counter(h)
+    x64 = x.astype(np.float64)
+    expected = x64.copy()
+    scale = np.abs(x64)
+    for t, n in counts.items():
+        expected[t] = x64[t] - (pr + fr * n)
+        scale[t] = max(abs(x64[t]), abs(pr) + abs(fr) * n)
+    ok = _close(out, expected, opts.rtol, scale)
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        raise AssertionError(f"token {i} (seen {counts.get(i, 0)} times): {x64[i]!r} became {out[i]!r}, expected "
+                             f"{expected[i]!r}\n  {_case(x, _pf_params(kind, pr, fr), h)}")
+
+
+def _pf_identity(kind, fn, case, opts):
+    x, h = case
+    out = _pf_call(kind, fn, x, h, 0.0, 0.0)
+    if not np.array_equal(out, x.astype(np.float64)):
+        raise AssertionError(f"zero penalties changed the logits to {_show(out)}\n"
+                             f"  {_case(x, _pf_params(kind, 0.0, 0.0), h)}")
+
+
+def _pf_never_raises(kind, fn, case, opts):
+    x, h, pr, fr = case
+    pr, fr = abs(pr), abs(fr)
+    out = _pf_call(kind, fn, x, h, pr, fr)
+    up = out > x.astype(np.float64)
+    if up.any():
+        i = int(np.flatnonzero(up)[0])
+        raise AssertionError(f"non-negative penalties raised token {i} from {x[i]!r} to {out[i]!r}\n"
+                             f"  {_case(x, _pf_params(kind, pr, fr), h)}")
 
 
 def _presence_frequency_laws(kind):
@@ -788,57 +850,16 @@ def _presence_frequency_laws(kind):
     presence = values if kind != "frequency_penalty" else zero
     frequency = values if kind != "presence_penalty" else zero
 
-    def call(fn, x, h, pr, fr):
-        if kind == "presence_penalty":
-            return _call(fn, x, pr, history=h)
-        if kind == "frequency_penalty":
-            return _call(fn, x, fr, history=h)
-        return _call(fn, x, pr, fr, history=h)
-
-    def params(pr, fr):
-        return {"presence_penalty": (pr,), "frequency_penalty": (fr,)}.get(kind, (pr, fr))
-
-    def formula(fn, case, opts):
-        x, h, pr, fr = case
-        out = call(fn, x, h, pr, fr)
-        counts = Counter(h)
-        x64 = x.astype(np.float64)
-        expected = x64.copy()
-        scale = np.abs(x64)
-        for t, n in counts.items():
-            expected[t] = x64[t] - (pr + fr * n)
-            scale[t] = max(abs(x64[t]), abs(pr) + abs(fr) * n)
-        ok = _close(out, expected, opts.rtol, scale)
-        if not ok.all():
-            i = int(np.flatnonzero(~ok)[0])
-            raise AssertionError(f"token {i} (seen {counts.get(i, 0)} times): {x64[i]!r} became {out[i]!r}, expected "
-                                 f"{expected[i]!r}\n  {_case(x, params(pr, fr), h)}")
-
-    def identity(fn, case, opts):
-        x, h = case
-        out = call(fn, x, h, 0.0, 0.0)
-        if not np.array_equal(out, x.astype(np.float64)):
-            raise AssertionError(f"zero penalties changed the logits to {_show(out)}\n  {_case(x, params(0.0, 0.0), h)}")
-
-    def never_raises(fn, case, opts):
-        x, h, pr, fr = case
-        pr, fr = abs(pr), abs(fr)
-        out = call(fn, x, h, pr, fr)
-        up = out > x.astype(np.float64)
-        if up.any():
-            i = int(np.flatnonzero(up)[0])
-            raise AssertionError(f"non-negative penalties raised token {i} from {x[i]!r} to {out[i]!r}\n"
-                                 f"  {_case(x, params(pr, fr), h)}")
-
     what = {"presence_penalty": "x_t - presence for every token in the history",
             "frequency_penalty": "x_t - frequency * count_t for every token in the history"}.get(
         kind, "x_t - presence - frequency * count_t for every token in the history")
     return [
         Law(kind, f"{kind}.formula", f"{what}; other tokens unchanged",
-            lambda o: _history_cases(o, presence, frequency), formula, pointwise=True),
-        Law(kind, f"{kind}.zero_is_identity", "zero penalties change nothing", lambda o: _history_cases(o), identity),
+            lambda o: _history_cases(o, presence, frequency), partial(_pf_formula, kind), pointwise=True),
+        Law(kind, f"{kind}.zero_is_identity", "zero penalties change nothing", lambda o: _history_cases(o),
+            partial(_pf_identity, kind)),
         Law(kind, f"{kind}.never_favours_repeats", "non-negative penalties never raise a logit",
-            lambda o: _history_cases(o, presence, frequency), never_raises),
+            lambda o: _history_cases(o, presence, frequency), partial(_pf_never_raises, kind)),
     ]
 
 
