@@ -121,7 +121,8 @@ def test_temperature_to_zero_concentrates_on_the_argmax(x, t):
     point = np.zeros(len(x))
     point[top] = 1.0
     np.testing.assert_array_equal(S.softmax(x, 0.0), point)
-    np.testing.assert_array_equal(S.softmax(x, gap / 800.0), point)  # exp(-800) underflows: already the limit
+    if gap / 800.0 >= np.finfo(np.float32).tiny:  # smaller temperatures are refused (float32 logits would divide by 0)
+        np.testing.assert_array_equal(S.softmax(x, gap / 800.0), point)  # exp(-800) underflows: already the limit
 
 
 @given(logit_rows(masked=False))
