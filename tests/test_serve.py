@@ -31,13 +31,16 @@ PROMPTS = ["Once upon a time", "The cat", "Lily and Ben went to the park", "One 
 
 
 @contextlib.contextmanager
-def running(server: Server):
-    """The server on 127.0.0.1 at a free port, run by uvicorn in a thread; yields its base URL."""
+def running(server: Server, grace: float = 2.0, control: list | None = None):
+    """The server on 127.0.0.1 at a free port, run by uvicorn in a thread; yields its base URL. `control` receives
+    the uvicorn server and its thread (setting should_exit is what SIGTERM does)."""
     sock = listen("127.0.0.1", 0)
-    uv = make_uvicorn(create_app(server), grace=2.0)
+    uv = make_uvicorn(create_app(server), grace=grace)
     server.start()
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    if control is not None:
+        control += [uv, thread]
     deadline = time.monotonic() + 10
     while not uv.started and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -63,6 +66,16 @@ class SlowModel:
     def forward(self, *args, **kwargs):
         time.sleep(self.delay)
         return self.model.forward(*args, **kwargs)
+
+
+def wait_until(condition, seconds: float = 5.0) -> bool:
+    """Whether condition() holds within `seconds` (the engine thread applies a cancel between two steps)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -241,11 +254,28 @@ def test_a_disconnected_stream_frees_its_slot(llm):
             assert engine.running  # the request holds the only slot ...
             busy = httpx.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 3})
             assert busy.status_code == 429  # ... and no queue is allowed
-        deadline = time.monotonic() + 5  # the client closed the connection: the request is cancelled
-        while (engine.running or server.active) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not engine.running and list(engine.free) == [0]
+        # the client closed the connection: the request is cancelled
+        assert wait_until(lambda: not engine.running and not server.active and list(engine.free) == [0])
         assert httpx.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 3}).status_code == 200
+
+
+def test_past_the_grace_period_shutdown_cancels_what_still_runs(llm):
+    server = Server(npllm.LLM(SlowModel(llm.model, 0.01), llm.tokenizer), MODEL, Limits(max_slots=2))
+    engine, control = server.engine.engine, []
+    with running(server, grace=0.3, control=control) as url:
+        uv, thread = control
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "logit_bias": {"1": -100, "2": -100}}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            started = time.monotonic()
+            uv.should_exit = True  # what SIGTERM does
+            with pytest.raises(httpx.HTTPError):  # the stream is cut: 400 tokens take 4 s, the grace 0.3 s
+                for line in lines:
+                    assert line != "data: [DONE]"
+        thread.join(10)
+        assert not thread.is_alive() and time.monotonic() - started < 3
+        assert wait_until(lambda: not engine.running and sorted(engine.free) == [0, 1])  # cancelled, slot freed
 
 
 def test_sigterm_lets_the_running_request_finish_and_exits_0(stories260k):

@@ -323,6 +323,7 @@ class Piece:
     token: str = ""
     logprob: float | None = None
     top: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+    offset: int = 0  # where `token` starts in the completion's token strings (legacy logprobs' text_offset)
 
 
 class Output:
@@ -340,6 +341,7 @@ class Output:
             self.decoder.feed(t)
         self.stops = StopStrings(spec.stop)
         self.completion_tokens = 0
+        self.token_chars = 0
         self.text = ""
         self.finish_reason: str | None = None
 
@@ -358,6 +360,7 @@ class Output:
         piece = Piece(self.stops.feed(self.decoder.feed(token)))
         if self.spec.logprobs is not None:
             piece.token, piece.logprob = self._token_text(token), float(sampled.logprobs)
+            piece.offset, self.token_chars = self.token_chars, self.token_chars + len(piece.token)
             piece.top = [(self._token_text(int(i)), float(lp))
                          for i, lp in zip(sampled.top_ids[:self.spec.logprobs], sampled.top_logprobs) if i >= 0]
         self.text += piece.text
@@ -390,12 +393,8 @@ def now() -> int:
 
 def completion_logprobs(pieces: list[Piece]) -> dict:
     """Legacy completions' logprobs: parallel lists over the tokens."""
-    offsets, at = [], 0
-    for p in pieces:
-        offsets.append(at)
-        at += len(p.token)
     return {"tokens": [p.token for p in pieces], "token_logprobs": [p.logprob for p in pieces],
-            "top_logprobs": [dict(p.top) for p in pieces], "text_offset": offsets}
+            "top_logprobs": [dict(p.top) for p in pieces], "text_offset": [p.offset for p in pieces]}
 
 
 def chat_logprobs(pieces: list[Piece]) -> dict:
