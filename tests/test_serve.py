@@ -188,7 +188,7 @@ def test_sixteen_concurrent_requests_get_their_solo_answers(client, llm):
 
 @pytest.mark.parametrize("fields, param", [(dict(max_tokens=-5), "max_tokens"), (dict(temperature=-0.5), "temperature"),
                                           (dict(top_p=1.5), "top_p"), (dict(n=2), "n"),
-                                          (dict(logit_bias={"99999": 5}), "logit_bias")])
+                                          (dict(logit_bias={"99999": 5}), "logit_bias"), (dict(seed=-5), "seed")])
 def test_bad_fields_are_400_with_an_openai_error(client, fields, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="The cat", **fields)
@@ -208,6 +208,8 @@ def test_wrong_key_unknown_model_malformed_json_and_size(served, client):
     assert e.value.body["code"] == "model_not_found"
     auth = {"Authorization": f"Bearer {KEY}"}
     for body, status in [(b'{"prompt": "The cat", ', 400), (b"[1, 2]", 400), (b"\xff\xfe", 400),
+                         (b'{"prompt": "a \\ud800"}', 400), (b'{"prompt": "a", "stop": "\\udc00"}', 400),
+                         (b'{"prompt": "a", "stream": "yes"}', 400),
                          (json.dumps({"prompt": "x" * (2 << 20)}).encode(), 413)]:
         r = httpx.post(url + "/v1/completions", content=body, headers=auth)
         assert r.status_code == status

@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ..batching import ContinuousEngine
+from ..errors import NpllmError
 from .engine import EngineThread, Job
 from .protocol import (ApiError, Context, Output, chat_body, chat_chunk, completion_body, completion_chunk, new_id,
                        parse_chat, parse_completion)
@@ -121,7 +122,11 @@ def create_app(server: Server, cors_origins: list[str] | None = None) -> Starlet
 
     async def generation(request, parse):
         server.check_key(request)
-        spec = parse(await server.read_json(request), server.context)
+        body = await server.read_json(request)
+        try:
+            spec = parse(body, server.context)
+        except NpllmError as e:  # a check below the API's own (the tokenizer, the sampler): still the request's fault
+            raise ApiError(400, str(e)) from None
         job, events = server.submit(spec, asyncio.get_running_loop())
         return GenerationResponse(server, spec, job, events)
 

@@ -131,8 +131,8 @@ def _sampling(body: dict, ctx: Context, logprobs: int | None) -> SamplingParams:
     if top_p == 0.0:
         raise ApiError(400, "top_p must be in (0, 1], got 0", "top_p")
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise ApiError(400, f"seed must be an integer, got {seed!r}", "seed")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise ApiError(400, f"seed must be an integer >= 0, got {seed!r}", "seed")
     keywords = dict(temperature=temperature, top_p=top_p, seed=seed,
                     presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, default=0.0),
                     frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, default=0.0),
@@ -169,7 +169,7 @@ def _prompt_ids(prompt, ctx: Context) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        ids = ctx.tokenizer.encode(prompt, bos=True)
+        ids = ctx.tokenizer.encode(_utf8(prompt, "prompt"), bos=True)
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         ids = list(prompt)
     elif prompt is None:
@@ -222,7 +222,7 @@ def _chat_prompt_ids(messages: list[dict], ctx: Context) -> list[int]:
         raise ApiError(400, str(e), "messages") from None
     if bos and text.startswith(bos):
         text = text[len(bos):]
-    ids = tok.encode(text, bos=True)
+    ids = tok.encode(_utf8(text, "messages"), bos=True)
     _check_ids(ids, ctx, "messages")
     return ids
 
@@ -248,7 +248,17 @@ def _stops(stop) -> tuple[str, ...]:
         raise ApiError(400, "stop must be a non-empty string or a list of non-empty strings", "stop")
     if len(stops) > MOST_STOPS:
         raise ApiError(400, f"at most {MOST_STOPS} stop strings, got {len(stops)}", "stop")
-    return tuple(stops)
+    return tuple(_utf8(s, "stop") for s in stops)
+
+
+def _utf8(text: str, param: str) -> str:
+    """text, if it is valid Unicode: JSON's \\ud800 escapes can carry lone surrogates, which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{param} is not valid Unicode text (a lone surrogate at character {e.start})",
+                       param) from None
+    return text
 
 
 def _logit_bias(bias, ctx: Context) -> dict[int, float] | None:
