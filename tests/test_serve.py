@@ -172,6 +172,8 @@ def test_sixteen_concurrent_requests_get_their_solo_answers(client, llm):
     requests[5]["stop"] = [" the"]
     solo = [llm.generate(r["prompt"], r["max_tokens"], **{k: v for k, v in r.items()
                                                             if k not in ("prompt", "max_tokens")}) for r in requests]
+    for r in requests[::5]:  # log-probabilities make every step report its draws: the texts stay the same
+        r["logprobs"] = 2
 
     def ask(r):
         return client.completions.create(model=MODEL, **r).choices[0].text
@@ -257,6 +259,9 @@ def test_a_disconnected_stream_frees_its_slot(llm):
             busy = httpx.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 3})
             assert busy.status_code == 429  # ... and no queue is allowed
         # the client closed the connection: the request is cancelled
+        assert wait_until(lambda: not engine.running and not server.active and list(engine.free) == [0])
+        with pytest.raises(httpx.ReadTimeout):  # a client that gives up on a whole (unstreamed) answer
+            httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
         assert wait_until(lambda: not engine.running and not server.active and list(engine.free) == [0])
         assert httpx.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 3}).status_code == 200
 
