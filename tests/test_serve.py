@@ -235,6 +235,16 @@ def test_full_queue_is_429(served, client):
     assert client.completions.create(model=MODEL, prompt="The cat", max_tokens=3).choices[0].text
 
 
+def test_no_cors_headers_unless_an_origin_is_given(llm):
+    from starlette.testclient import TestClient
+
+    server = Server(llm, MODEL, Limits(max_slots=1))
+    asked = {"Origin": "http://page.example"}
+    assert "access-control-allow-origin" not in TestClient(create_app(server)).get("/health", headers=asked).headers
+    allowed = TestClient(create_app(server, ["http://page.example"])).get("/health", headers=asked)
+    assert allowed.headers["access-control-allow-origin"] == "http://page.example"
+
+
 def test_chat_without_a_template_is_400(llm):
     ctx = Context(MODEL, llm.tokenizer, llm.config, 100, None, "this model ships no chat template")
     with pytest.raises(ApiError) as e:

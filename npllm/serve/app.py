@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ..batching import ContinuousEngine
-from ..errors import NpllmError
+from ..errors import GenerationError, NpllmError
 from .engine import EngineThread, Job
 from .protocol import (ApiError, Context, Output, chat_body, chat_chunk, completion_body, completion_chunk, new_id,
                        parse_chat, parse_completion)
@@ -55,7 +55,7 @@ class Server:
     def __init__(self, llm, model_name: str, limits: Limits, chat_template: str | None = None,
                  template_problem: str = "", api_key: str | None = None):
         if llm.tokenizer is None:
-            raise ApiError(500, "the model has no tokenizer")
+            raise GenerationError("the model has no tokenizer: serving text needs one")
         self.llm, self.limits, self.api_key = llm, limits, api_key
         self.context = Context(model_name, llm.tokenizer, llm.config, limits.max_tokens_limit, chat_template,
                                template_problem)
@@ -98,7 +98,14 @@ class Server:
             raise ApiError(429, f"the server is busy ({self.active} requests running or waiting); retry later",
                            None, "rate_limit_exceeded")
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(spec.request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+
+        def deliver(event) -> None:  # called on the engine thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop has closed (shutdown): nobody is waiting for the event
+                pass
+
+        job = Job(spec.request, deliver)
         self.active += 1
         self.engine.submit(job)
         return job, events
