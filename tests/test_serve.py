@@ -295,17 +295,34 @@ def test_past_the_grace_period_shutdown_cancels_what_still_runs(llm):
         assert wait_until(lambda: not engine.running and sorted(engine.free) == [0, 1])  # cancelled, slot freed
 
 
-def test_sigterm_lets_the_running_request_finish_and_exits_0(stories260k):
+def start_subprocess_server(stories260k) -> tuple[subprocess.Popen, str]:
+    """`npllm serve` in a child process; returns it and its port once it says it is serving."""
     command = [sys.executable, "-m", "npllm", "serve", "--model", str(stories260k), "--port", "0",
                "--backend", "numpy", "--grace", "20"]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    while True:  # the first lines may say that /v1/chat/completions is off (no template)
+        line = proc.stderr.readline()
+        if not line:
+            proc.kill()
+            raise AssertionError(f"the server ended before it listened (status {proc.wait()})")
+        found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        if found:
+            return proc, found.group(1)
+
+
+def test_sigterm_right_after_the_announcement_exits_0(stories260k):
+    proc, _ = start_subprocess_server(stories260k)
+    proc.send_signal(signal.SIGTERM)  # the announcement comes once the handlers are in place
     try:
-        port = None
-        while port is None:  # the first lines may say that /v1/chat/completions is off (no template)
-            line = proc.stderr.readline()
-            assert line, "the server ended before it listened"
-            found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
-            port = found and found.group(1)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_sigterm_lets_the_running_request_finish_and_exits_0(stories260k):
+    proc, port = start_subprocess_server(stories260k)
+    try:
         body = {"prompt": "Once upon a time", "max_tokens": 150, "temperature": 0, "stream": True,
                 "logit_bias": {"1": -100, "2": -100}}  # no stop token: it runs its 150 tokens
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30) as r:

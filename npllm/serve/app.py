@@ -287,13 +287,19 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_uvicorn(app, grace: float, log_level: str = "warning"):
+def make_uvicorn(app, grace: float, log_level: str = "warning", on_started=None):
     """A uvicorn server that, on SIGTERM or Ctrl-C, stops accepting, gives in-flight requests `grace` seconds, then
     cancels them, and returns normally (uvicorn itself re-raises the signal afterwards, which would end the process
-    with the signal's status instead of 0)."""
+    with the signal's status instead of 0). on_started() is called once it accepts connections, its signal handlers
+    in place, so whoever reads that announcement may send SIGTERM at once."""
     import uvicorn
 
     class Quiet(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if on_started is not None and not self.should_exit:
+                on_started()
+
         @contextlib.contextmanager
         def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
@@ -316,10 +322,13 @@ def run(server: Server, host: str, port: int, grace: float, cors_origins=None, a
     """Serve until SIGTERM / Ctrl-C; exit status 0 after a clean shutdown."""
     sock = listen(host, port)
     bound = sock.getsockname()[1]
-    uv = make_uvicorn(create_app(server, cors_origins), grace)
+
+    def started():
+        print(f"[npllm] serving {server.context.model_name} on http://{host}:{bound}/v1 "
+              f"({server.limits.max_slots} slots)", file=announce, flush=True)
+
+    uv = make_uvicorn(create_app(server, cors_origins), grace, on_started=started)
     server.start()
-    print(f"[npllm] serving {server.context.model_name} on http://{host}:{bound}/v1 "
-          f"({server.limits.max_slots} slots)", file=announce, flush=True)
     try:
         uv.run(sockets=[sock])
     finally:
