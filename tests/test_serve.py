@@ -351,3 +351,15 @@ def test_the_core_package_does_not_import_the_server_stack():
             "print(sorted(m for m in ('starlette', 'uvicorn', 'openai') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_template_that_writes_bos_as_text_gets_the_bos_id(llm):
+    ctx = Context(MODEL, llm.tokenizer, llm.config, 100, BUILTIN_TEMPLATES["llama2"])
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    spec = parse_chat({"messages": messages, "max_tokens": 5}, ctx)
+    bos = llm.tokenizer.id_to_piece(llm.config.bos_id)
+    rendered = render_chat_template(BUILTIN_TEMPLATES["llama2"], messages, add_generation_prompt=True,
+                                    bos_token=bos, eos_token="</s>")
+    assert rendered.startswith(bos)
+    assert list(spec.request.prompt) == llm.tokenizer.encode(rendered[len(bos):], bos=True)
+    assert list(spec.request.prompt).count(llm.config.bos_id) == 1 and spec.request.max_new_tokens == 5
