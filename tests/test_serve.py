@@ -277,7 +277,7 @@ def test_a_disconnected_stream_frees_its_slot(llm):
 
 
 def test_past_the_grace_period_shutdown_cancels_what_still_runs(llm):
-    server = Server(npllm.LLM(SlowModel(llm.model, 0.01), llm.tokenizer), MODEL, Limits(max_slots=2))
+    server = Server(npllm.LLM(SlowModel(llm.model, 0.02), llm.tokenizer), MODEL, Limits(max_slots=2))
     engine, control = server.engine.engine, []
     with running(server, grace=0.3, control=control) as url:
         uv, thread = control
@@ -287,11 +287,11 @@ def test_past_the_grace_period_shutdown_cancels_what_still_runs(llm):
             assert next(lines).startswith("data: ")
             started = time.monotonic()
             uv.should_exit = True  # what SIGTERM does
-            with pytest.raises(httpx.HTTPError):  # the stream is cut: 400 tokens take 4 s, the grace 0.3 s
+            with pytest.raises(httpx.HTTPError):  # the stream is cut: 400 tokens take 8 s, the grace 0.3 s
                 for line in lines:
                     assert line != "data: [DONE]"
         thread.join(10)
-        assert not thread.is_alive() and time.monotonic() - started < 3
+        assert not thread.is_alive() and time.monotonic() - started < 6
         assert wait_until(lambda: not engine.running and sorted(engine.free) == [0, 1])  # cancelled, slot freed
 
 
