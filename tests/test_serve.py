@@ -85,7 +85,7 @@ def llm(stories260k):
 
 @pytest.fixture(scope="module")
 def served(llm):
-    server = Server(llm, MODEL, Limits(max_slots=4, max_queue=12, max_tokens_limit=400),
+    server = Server(llm, MODEL, Limits(max_slots=4, max_queue=32, max_tokens_limit=400),
                     BUILTIN_TEMPLATES["chatml"], api_key=KEY)
     with running(server) as url:
         yield server, url
