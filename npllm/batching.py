@@ -28,6 +28,7 @@ Dimension letters: B sequences in a call, T tokens in a call, D model width, V v
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import numpy as np
 
 from .errors import GenerationError
 from .generate import Request, Row, Sequence, advance, check_prompt, step, stop_ids, token_logprobs
-from .sampling import SamplingParams
+from .sampling import Sampled, SamplingParams
 
 STRATEGIES = ("static", "ragged", "continuous")
 
@@ -286,6 +287,7 @@ class Handle:
         self.submitted_at = engine.steps  # engine step counts at each event
         self.started_at: int | None = None
         self.finished_at: int | None = engine.steps if sequence.done else None
+        self.drawn: Sampled | None = None  # the latest kept draw (with log-probabilities when params.logprobs)
 
     @property
     def id(self) -> int:
@@ -336,6 +338,7 @@ class ContinuousEngine:
         step() -> [(handle, token)]     admit waiting requests into free slots, then one forward: the new
                                         requests' prompts and one token of every running request
         run() -> iterator of (handle, token) until nothing is waiting or running
+        cancel(handle) -> bool          end a waiting or running request now ("cancelled"), freeing its slot
 
     A finished request leaves at once and its slot is cleared for the next waiting one. Requests are admitted in
     the order they were submitted, never overtaking one another, so none starves: each step either admits the
@@ -343,6 +346,11 @@ class ContinuousEngine:
     steps. max_step_tokens caps the tokens of one forward (new prompts + one per running request) so that a burst
     of long prompts does not stall the running ones; a prompt longer than the cap runs once nothing else does.
     Each slot keeps the whole context, so a request computes exactly what it would compute alone.
+
+    submit, step and cancel may be called from several threads: one lock makes each of them whole (a step's
+    forward runs under it, so a submit or cancel from another thread waits for the step to end, never lands
+    inside it). A request with params.logprobs >= 1 makes the step report draws (sample_step); its handle's
+    `drawn` then holds the latest token's log-probability and alternatives.
     """
 
     def __init__(self, model, slots: int = 8, max_step_tokens: int | None = None, work: Work | None = None):
@@ -359,6 +367,7 @@ class ContinuousEngine:
         self.steps = 0
         self.submitted = 0
         self.work = Work() if work is None else work
+        self.lock = threading.RLock()  # reentrant: an on_token callback may submit or cancel
 
     @property
     def busy(self) -> bool:
@@ -367,29 +376,52 @@ class ContinuousEngine:
     def submit(self, request: Request, on_token: Callable[[Handle, int], None] | None = None) -> Handle:
         """Queue a request; on_token(handle, token) is called for each of its tokens as it is produced."""
         check_prompt(self.model.config, request.prompt)
-        handle = Handle(self, Sequence(request, self.model.config, id=self.submitted), on_token)
-        self.submitted += 1
-        if not handle.done:  # max_new_tokens == 0 needs no forward
-            self.waiting.append(handle)
-        return handle
+        with self.lock:
+            handle = Handle(self, Sequence(request, self.model.config, id=self.submitted), on_token)
+            self.submitted += 1
+            if not handle.done:  # max_new_tokens == 0 needs no forward
+                self.waiting.append(handle)
+            return handle
 
     def step(self) -> list[tuple[Handle, int]]:
+        with self.lock:
+            return self._step()
+
+    def cancel(self, handle: Handle) -> bool:
+        """End a request that is waiting or running: it leaves the queue or frees its slot at once, keeps the tokens
+        it has, and finishes with reason "cancelled". False (and nothing changes) when it had already finished."""
+        with self.lock:
+            if handle.done:
+                return False
+            handle.sequence.finish_reason = "cancelled"
+            if handle in self.waiting:
+                self.waiting.remove(handle)
+                handle.finished_at = self.steps
+            else:  # running, or admitted by a step that raised before it joined `running`
+                if handle in self.running:
+                    self.running.remove(handle)
+                self._release(handle)
+            return True
+
+    def _step(self) -> list[tuple[Handle, int]]:
         starting = self._admit()
         if not starting and not self.running:
             return []
         handles = {h.sequence.id: h for h in starting + self.running}
+        report = any(h.sequence.row.params.logprobs for h in handles.values())
         kept = advance(self.model, self.cache, [h.sequence for h in starting], [h.sequence for h in self.running],
-                       self.work)
+                       self.work, report=report)
         self.steps += 1
         self.running = starting + self.running
         for h in [h for h in self.running if h.done]:
             self._release(h)
         self.running = [h for h in self.running if not h.done]
-        events = [(handles[s.id], drawn.token_ids) for s, drawn in kept]
-        for h, t in events:
+        events = [(handles[s.id], drawn) for s, drawn in kept]
+        for h, drawn in events:
+            h.drawn = drawn
             if h.on_token is not None:
-                h.on_token(h, t)
-        return events
+                h.on_token(h, drawn.token_ids)
+        return [(h, drawn.token_ids) for h, drawn in events]
 
     def run(self) -> Iterator[tuple[Handle, int]]:
         while self.busy:

@@ -11,6 +11,8 @@
     npllm bench --model NAME_OR_PATH [--batch B ...] [--prompt-len N ...] [--gen-len N] [--backend B ...]
                 [--threads T] [--weight-dtype D] [--repeat R] [--json]
     npllm info [MODEL]                         architecture, size, context and tokenizer of a checkpoint
+    npllm serve --model M [--host H] [--port P] [--api-key K] [--chat-template NAME|FILE] [--max-slots N]
+                [--max-queue N] [--max-tokens-limit N] [--cors-origin URL]   an OpenAI-compatible HTTP server
 
 stdout gets the prompt followed by the completion and nothing else (with --prompt-file, each prompt and its
 completion, separated by blank lines); timings go to stderr. PROMPT "-" reads the prompt from stdin.
@@ -35,7 +37,7 @@ from .models import WEIGHT_DTYPES
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npllm", description="A readable NumPy Llama inference engine.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (add_generate, add_info, add_quantize, add_bench, add_perplexity):
+    for add in (add_generate, add_info, add_quantize, add_bench, add_perplexity, add_serve):
         add(commands)
     return parser
 
@@ -136,6 +138,35 @@ def add_perplexity(commands) -> None:
     ppl.set_defaults(run=run_perplexity)
 
 
+def add_serve(commands) -> None:
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server over continuous batching "
+                                              "(needs the serve extra)")
+    add_model_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to all)")
+    serve.add_argument("--port", type=whole(0, 65535), default=8000, help="TCP port (default 8000; 0: any free one)")
+    serve.add_argument("--api-key", default=os.environ.get("NPLLM_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 (default: $NPLLM_API_KEY, else no key)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id clients send and /v1/models lists (default: the checkpoint's name)")
+    serve.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                       help="template for /v1/chat/completions: a built-in (llama2, llama3, chatml, zephyr) or a "
+                            "file (default: the model's own; without one the chat endpoint answers 400)")
+    serve.add_argument("--max-slots", type=whole(1, MOST_BATCH), default=8,
+                       help="requests decoded together, one cache slot each (default 8)")
+    serve.add_argument("--max-queue", type=whole(0, MOST_QUEUE), default=64,
+                       help="requests waiting for a slot; beyond that the answer is 429 (default 64)")
+    serve.add_argument("--max-tokens-limit", type=whole(1, MOST_TOKENS), default=4096,
+                       help="largest max_tokens a request may ask for (default 4096)")
+    serve.add_argument("--max-body-bytes", type=whole(1, MOST_BODY), default=1 << 20,
+                       help="largest request body; bigger ones get 413 (default 1 MiB)")
+    serve.add_argument("--cors-origin", action="append", default=[], metavar="URL",
+                       help="allow browser pages from this origin (repeatable; default: no CORS headers)")
+    serve.add_argument("--grace", type=float, default=10.0,
+                       help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default 10)")
+    serve.set_defaults(run=run_serve)
+
+
 # Upper bounds on counts, far above any sensible use, so a typo cannot ask for a petabyte or a year of work.
 MOST_THREADS = MOST_BATCH = 1 << 12
 MOST_TOKENS = 1 << 24  # ModelConfig's MAX_CONTEXT
@@ -143,6 +174,8 @@ MOST_REPEAT = 1000
 MOST_LAYERS = 1 << 12  # ModelConfig's layer cap
 MOST_DRAFT = MOST_BEAMS = 64
 MOST_MIB = MOST_LOGPROBS = 1 << 20
+MOST_QUEUE = 1 << 16
+MOST_BODY = 1 << 30
 
 
 def whole(least: int, most: int | None = None):
@@ -395,6 +428,47 @@ def run_perplexity(args) -> int:
     print(json.dumps(result.as_dict()) if args.json else sentence)
     print(f"[npllm] {result.seconds:.2f} s", file=sys.stderr)
     return 0
+
+
+def run_serve(args) -> int:
+    from pathlib import Path
+
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise NpllmError("npllm serve needs the serve extra: pip install 'npllm-engine[serve]' "
+                         "(Starlette and uvicorn)") from None
+    from . import load
+    from .serve.app import Limits, Server, run
+
+    if args.grace < 0:
+        raise GenerationError(f"--grace must be >= 0, got {args.grace}")
+    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
+               weight_dtype=args.weight_dtype)
+    if llm.tokenizer is None:
+        raise GenerationError(f"no tokenizer was found beside {args.model}: pass --tokenizer PATH")
+    template, problem = serve_chat_template(args.chat_template, llm.source)
+    limits = Limits(args.max_slots, args.max_queue, args.max_tokens_limit, args.max_body_bytes)
+    server = Server(llm, args.served_model_name or Path(args.model).stem or str(args.model), limits, template,
+                    problem, args.api_key)
+    return run(server, args.host, args.port, args.grace, args.cors_origin)
+
+
+def serve_chat_template(spec: str | None, checkpoint: str) -> tuple[str | None, str]:
+    """(template, "") for the chat endpoint; (None, why) when the model ships none and none was named, so the
+    server still serves completions and the chat endpoint answers 400 with the reason. A named template that
+    cannot be read stops the server at once."""
+    from .chat import find_chat_template, resolve_chat_template
+    from .errors import ChatTemplateError
+
+    if spec is not None:
+        return resolve_chat_template(spec, None), ""
+    try:
+        return resolve_chat_template(None, find_chat_template(checkpoint)), ""
+    except ChatTemplateError as e:
+        print(f"[npllm] /v1/chat/completions is off: {e}", file=sys.stderr)
+        return None, str(e)
 
 
 def run_bench(args) -> int:

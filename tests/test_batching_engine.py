@@ -188,3 +188,62 @@ def test_a_request_that_fills_the_context_stops_there():
     h = engine.submit(Request([1] + [5] * 9, 50, SamplingParams(temperature=0)))
     assert h.result().tokens == solo(model, h.request)[0]
     assert len(h.tokens) == 16 - 10 + 1 and h.finish_reason == "context"  # the last token is never fed back
+
+
+def test_cancel_frees_the_slot_and_the_others_keep_their_solo_outputs(llm, story_ids):
+    requests = mixed_requests(story_ids, 6, seed=4)
+    requests = [Request(r.prompt, 30, r.params, r.stop_ids) for r in requests]
+    engine = ContinuousEngine(llm.model, slots=2)
+    handles = [engine.submit(r) for r in requests]
+    engine.step()
+    running, waiting = handles[0], handles[4]
+    assert running.slot is not None and waiting in engine.waiting
+    kept = list(running.tokens)
+    assert engine.cancel(running) and engine.cancel(waiting)
+    assert (running.finish_reason, waiting.finish_reason) == ("cancelled", "cancelled")
+    assert running.tokens == kept and waiting not in engine.waiting and running.slot in engine.free
+    assert not engine.cancel(running)  # already over: nothing changes
+    for _ in engine.run():
+        pass
+    for h, r in zip(handles, requests):
+        if h not in (running, waiting):
+            assert (h.tokens, h.finish_reason) == solo(llm.model, r)
+    assert not engine.cancel(handles[1]) and sorted(engine.free) == [0, 1]
+
+
+def test_submit_step_and_cancel_from_several_threads(llm, story_ids):
+    """One thread steps; four others submit (and one cancels): every uncancelled request gets its solo output."""
+    import threading
+
+    requests = [Request(r.prompt, 12, r.params, r.stop_ids) for r in mixed_requests(story_ids, 16, seed=5)]
+    engine = ContinuousEngine(llm.model, slots=3)
+    handles: dict[int, object] = {}
+    submitted = threading.Event()
+
+    def submitter(k):
+        for i in range(k, len(requests), 4):
+            if i == 7:
+                with engine.lock:  # no step between the two: it is cancelled while waiting, never finished
+                    handles[i] = engine.submit(requests[i])
+                    assert engine.cancel(handles[i])
+            else:
+                handles[i] = engine.submit(requests[i])
+
+    def stepper():
+        while not submitted.is_set() or engine.busy:
+            engine.step()
+
+    stepping = threading.Thread(target=stepper)
+    stepping.start()
+    workers = [threading.Thread(target=submitter, args=(k,)) for k in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    submitted.set()
+    stepping.join(60)
+    assert handles[7].finish_reason == "cancelled"
+    for i, r in enumerate(requests):
+        if i != 7:
+            assert (handles[i].tokens, handles[i].finish_reason) == solo(llm.model, r)
+    assert sorted(engine.free) == [0, 1, 2]

@@ -1,0 +1,137 @@
+"""One thread that owns the continuous-batching engine, and the jobs the HTTP side hands it.
+
+The HTTP side runs in an asyncio event loop; a forward call must not run there, or every connection would stall for
+the length of a step. So one thread drives ContinuousEngine.step in a loop while anything is waiting or running,
+and requests reach it through an inbox (a queue of submits and cancels, applied between steps). Each job's tokens go
+back to the event loop through `deliver` (loop.call_soon_threadsafe in the server), one event per token, then one
+event when the job ends:
+
+    ("token", Sampled)          a kept token (its id, and with params.logprobs its log-probability and alternatives)
+    ("done", finish_reason)     "stop", "length", "context" or "cancelled"
+    ("error", message)          the step failed (an out-of-memory, a broken model): the job is over
+
+Every active request shares each forward call, each with its own sampling parameters, generator and stops
+(npllm.batching.ContinuousEngine); a cancel frees its slot before the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from ..batching import ContinuousEngine, Handle
+from ..generate import Request
+
+log = logging.getLogger("npllm.serve")
+
+
+class Job:
+    """A request on its way through the engine thread: what to run and where its events go."""
+
+    def __init__(self, request: Request, deliver: Callable[[tuple], None]):
+        self.request, self.deliver = request, deliver
+        self.handle: Handle | None = None  # set by the engine thread once submitted
+        self.finished = False  # set by the engine thread after the last event
+
+
+class EngineThread:
+    """A ContinuousEngine stepped by a thread of its own, fed through an inbox.
+
+        submit(job)     the job joins the engine before its next step
+        cancel(job)     the job ends ("cancelled") before the next step; its slot is freed
+        close()         cancel everything and end the thread
+    """
+
+    def __init__(self, engine: ContinuousEngine):
+        self.engine = engine
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.live: dict[int, Job] = {}  # handle id -> job, for the jobs submitted and not finished
+        self.closing = False
+        self.thread = threading.Thread(target=self._loop, name="npllm-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        self._post(("submit", job))
+
+    def cancel(self, job: Job) -> None:
+        self._post(("cancel", job))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel every job still in the engine and stop the thread."""
+        self._post(("close", None))
+        self.thread.join(timeout)
+
+    def _post(self, message) -> None:
+        self.inbox.put(message)
+        self.wake.set()
+
+    def _loop(self) -> None:
+        while True:
+            self.wake.clear()  # cleared before the inbox is read: a post after this point wakes the wait below
+            self._drain()
+            if self.closing:
+                return
+            if not self.engine.busy:
+                self.wake.wait()
+                continue
+            try:
+                self.engine.step()
+            except Exception as e:  # a failed step ends every job in it; the server keeps serving
+                log.exception("engine step failed")
+                self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
+            self._finish_done()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, job = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                self._submit(job)
+            elif kind == "cancel":
+                self._cancel(job)
+            else:
+                for job in list(self.live.values()):
+                    self._cancel(job)
+                self.closing = True
+
+    def _submit(self, job: Job) -> None:
+        if job.finished:  # cancelled before it was submitted
+            return
+        try:
+            job.handle = self.engine.submit(job.request, on_token=lambda h, t, job=job: job.deliver(("token", h.drawn)))
+        except Exception as e:  # the HTTP side checks requests first; this is the last line
+            self._end(job, ("error", f"{type(e).__name__}: {e}"))
+            return
+        self.live[job.handle.id] = job
+        if job.handle.done:  # nothing to generate
+            self._end(job, ("done", job.handle.finish_reason))
+
+    def _cancel(self, job: Job) -> None:
+        if job.finished:
+            return
+        if job.handle is not None:
+            self.engine.cancel(job.handle)
+        self._end(job, ("done", "cancelled"))
+
+    def _finish_done(self) -> None:
+        for job in [j for j in self.live.values() if j.handle.done]:
+            self._end(job, ("done", job.handle.finish_reason))
+
+    def _fail_all(self, message: str) -> None:
+        for job in list(self.live.values()):
+            if not job.handle.done:
+                self.engine.cancel(job.handle)
+            self._end(job, ("error", message))
+
+    def _end(self, job: Job, event: tuple) -> None:
+        job.finished = True
+        if job.handle is not None:
+            self.live.pop(job.handle.id, None)
+        job.deliver(event)

@@ -1,0 +1,365 @@
+"""`npllm serve` through the official openai client: the same text as `npllm generate`, every concurrent request its
+solo answer, OpenAI error objects for bad requests, cancel on disconnect, a clean exit on SIGTERM."""
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+import npllm
+from npllm.chat import BUILTIN_TEMPLATES, render_chat_template
+from npllm.cli import main
+from npllm.sampling import log_softmax
+from npllm.serve.app import Limits, Server, create_app, listen, make_uvicorn
+from npllm.serve.protocol import ApiError, Context, parse_chat
+
+KEY = "sk-test-key"
+MODEL = "stories260K"
+PROMPTS = ["Once upon a time", "The cat", "Lily and Ben went to the park", "One day, a little bird",
+           "Tom had a red ball", "The sun was", "Sam wanted to", "There was a big tree"]
+
+
+@contextlib.contextmanager
+def running(server: Server, grace: float = 2.0, control: list | None = None):
+    """The server on 127.0.0.1 at a free port, run by uvicorn in a thread; yields its base URL. `control` receives
+    the uvicorn server and its thread (setting should_exit is what SIGTERM does)."""
+    sock = listen("127.0.0.1", 0)
+    uv = make_uvicorn(create_app(server), grace=grace)
+    server.start()
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    if control is not None:
+        control += [uv, thread]
+    deadline = time.monotonic() + 10
+    while not uv.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+        server.close()
+        sock.close()
+
+
+class SlowModel:
+    """A model whose every forward call takes `delay` seconds longer: a generation that lasts long enough to be
+    interrupted. Everything else is the wrapped model's."""
+
+    def __init__(self, model, delay: float):
+        self.model, self.delay = model, delay
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward(self, *args, **kwargs):
+        time.sleep(self.delay)
+        return self.model.forward(*args, **kwargs)
+
+
+def wait_until(condition, seconds: float = 5.0) -> bool:
+    """Whether condition() holds within `seconds` (the engine thread applies a cancel between two steps)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.fixture(scope="module")
+def llm(stories260k):
+    return npllm.load(stories260k)
+
+
+@pytest.fixture(scope="module")
+def served(llm):
+    server = Server(llm, MODEL, Limits(max_slots=4, max_queue=32, max_tokens_limit=400),
+                    BUILTIN_TEMPLATES["chatml"], api_key=KEY)
+    with running(server) as url:
+        yield server, url
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[1] + "/v1", api_key=KEY, max_retries=0, timeout=30)
+
+
+def streamed_text(stream) -> tuple[str, str | None]:
+    text, finish = "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.text
+            finish = choice.finish_reason or finish
+    return text, finish
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The same text as npllm generate
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_greedy_completion_equals_generate(client, llm, capsys):
+    prompt = "Once upon a time"
+    expected = llm.generate(prompt, 60, temperature=0)
+    assert main(["generate", prompt, "--max-new-tokens", "60", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == prompt + expected + "\n"  # the CLI and LLM.generate agree
+
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0)
+    assert plain.choices[0].text == expected
+    assert plain.choices[0].finish_reason == "length"
+    assert plain.usage.prompt_tokens == len(llm.tokenizer.encode(prompt, bos=True))
+    assert plain.usage.completion_tokens == 60
+
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0, stream=True)
+    assert streamed_text(stream) == (expected, "length")
+
+
+def test_chat_completion_is_the_rendered_conversation_continued(client, llm):
+    messages = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "A story, please."}]
+    rendered = render_chat_template(BUILTIN_TEMPLATES["chatml"], messages, add_generation_prompt=True)
+    expected = llm.generate(rendered, 30, temperature=0)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.usage.prompt_tokens == len(llm.tokenizer.encode(rendered, bos=True))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_stop_strings_and_logprobs(client, llm):
+    prompt = "Once upon a time"
+    full = llm.generate(prompt, 40, temperature=0)
+    stop = full[20:24]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=[stop])
+    assert got.choices[0].text == full[:full.index(stop)]
+    assert got.choices[0].finish_reason == "stop"
+
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    lp = got.choices[0].logprobs
+    ids = llm.tokenizer.encode(prompt, bos=True)
+    new = list(llm.generate_ids(ids, 8, temperature=0))
+    expected = log_softmax(llm.logits(ids + new).astype(np.float64))[len(ids) - 1 + np.arange(8), new]
+    np.testing.assert_allclose(lp.token_logprobs, expected, atol=1e-4)
+    assert all(len(top) == 3 and max(top.values()) == pytest.approx(chosen)  # greedy: the chosen is the best
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Concurrency: every request its solo answer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_sixteen_concurrent_requests_get_their_solo_answers(client, llm):
+    settings = [dict(temperature=0), dict(temperature=1.0, top_p=0.9), dict(temperature=0.7),
+                dict(temperature=1.2, top_p=0.8, presence_penalty=0.5)]
+    requests = [dict(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=20 + 3 * i, seed=100 + i,
+                     **settings[i % len(settings)]) for i in range(16)]
+    requests[5]["stop"] = [" the"]
+    solo = [llm.generate(r["prompt"], r["max_tokens"], **{k: v for k, v in r.items()
+                                                            if k not in ("prompt", "max_tokens")}) for r in requests]
+    for r in requests[::5]:  # log-probabilities make every step report its draws: the texts stay the same
+        r["logprobs"] = 2
+
+    def ask(r):
+        return client.completions.create(model=MODEL, **r).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, requests))
+    assert answers == solo
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad requests: a 4xx with an OpenAI error body, and the server keeps serving
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fields, param", [(dict(max_tokens=-5), "max_tokens"), (dict(temperature=-0.5), "temperature"),
+                                          (dict(top_p=1.5), "top_p"), (dict(n=2), "n"),
+                                          (dict(logit_bias={"99999": 5}), "logit_bias"), (dict(seed=-5), "seed")])
+def test_bad_fields_are_400_with_an_openai_error(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="The cat", **fields)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
+    assert client.completions.create(model=MODEL, prompt="The cat", max_tokens=3).choices[0].text
+
+
+def test_wrong_key_unknown_model_malformed_json_and_size(served, client):
+    url = served[1]
+    wrong = openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        wrong.completions.create(model=MODEL, prompt="The cat", max_tokens=3)
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="The cat", max_tokens=3)
+    assert e.value.body["code"] == "model_not_found"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for body, status in [(b'{"prompt": "The cat", ', 400), (b"[1, 2]", 400), (b"\xff\xfe", 400),
+                         (b'{"prompt": "a \\ud800"}', 400), (b'{"prompt": "a", "stop": "\\udc00"}', 400),
+                         (b'{"prompt": "a", "stream": "yes"}', 400),
+                         (json.dumps({"prompt": "x" * (2 << 20)}).encode(), 413)]:
+        r = httpx.post(url + "/v1/completions", content=body, headers=auth)
+        assert r.status_code == status
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert "Traceback" not in r.text
+    r = httpx.get(url + "/v1/nothing", headers=auth)
+    assert r.status_code == 404 and "error" in r.json()
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_full_queue_is_429(served, client):
+    server = served[0]
+    server.active += server.limits.max_slots + server.limits.max_queue  # as if that many were running or waiting
+    try:
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model=MODEL, prompt="The cat", max_tokens=3)
+        assert e.value.status_code == 429
+    finally:
+        server.active -= server.limits.max_slots + server.limits.max_queue
+    assert client.completions.create(model=MODEL, prompt="The cat", max_tokens=3).choices[0].text
+
+
+def test_no_cors_headers_unless_an_origin_is_given(llm):
+    from starlette.testclient import TestClient
+
+    server = Server(llm, MODEL, Limits(max_slots=1))
+    asked = {"Origin": "http://page.example"}
+    assert "access-control-allow-origin" not in TestClient(create_app(server)).get("/health", headers=asked).headers
+    allowed = TestClient(create_app(server, ["http://page.example"])).get("/health", headers=asked)
+    assert allowed.headers["access-control-allow-origin"] == "http://page.example"
+
+
+def test_chat_without_a_template_is_400(llm):
+    ctx = Context(MODEL, llm.tokenizer, llm.config, 100, None, "this model ships no chat template")
+    with pytest.raises(ApiError) as e:
+        parse_chat({"messages": [{"role": "user", "content": "hi"}]}, ctx)
+    assert e.value.status == 400 and "chat template" in e.value.message
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Disconnects and shutdown
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_a_disconnected_stream_frees_its_slot(llm):
+    server = Server(npllm.LLM(SlowModel(llm.model, 0.01), llm.tokenizer), MODEL, Limits(max_slots=1, max_queue=0))
+    engine = server.engine.engine
+    with running(server) as url:
+        body = {"prompt": "Once upon a time", "max_tokens": 300, "stream": True, "logit_bias": {"1": -100, "2": -100}}
+        with httpx.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert engine.running  # the request holds the only slot ...
+            busy = httpx.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 3})
+            assert busy.status_code == 429  # ... and no queue is allowed
+        # the client closed the connection: the request is cancelled
+        assert wait_until(lambda: not engine.running and not server.active and list(engine.free) == [0])
+        with pytest.raises(httpx.ReadTimeout):  # a client that gives up on a whole (unstreamed) answer
+            httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+        assert wait_until(lambda: not engine.running and not server.active and list(engine.free) == [0])
+        assert httpx.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 3}).status_code == 200
+
+
+def test_past_the_grace_period_shutdown_cancels_what_still_runs(llm):
+    server = Server(npllm.LLM(SlowModel(llm.model, 0.02), llm.tokenizer), MODEL, Limits(max_slots=2))
+    engine, control = server.engine.engine, []
+    with running(server, grace=0.3, control=control) as url:
+        uv, thread = control
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "logit_bias": {"1": -100, "2": -100}}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            started = time.monotonic()
+            uv.should_exit = True  # what SIGTERM does
+            with pytest.raises(httpx.HTTPError):  # the stream is cut: 400 tokens take 8 s, the grace 0.3 s
+                for line in lines:
+                    assert line != "data: [DONE]"
+        thread.join(10)
+        assert not thread.is_alive() and time.monotonic() - started < 6
+        assert wait_until(lambda: not engine.running and sorted(engine.free) == [0, 1])  # cancelled, slot freed
+
+
+def start_subprocess_server(stories260k) -> tuple[subprocess.Popen, str]:
+    """`npllm serve` in a child process; returns it and its port once it says it is serving."""
+    command = [sys.executable, "-m", "npllm", "serve", "--model", str(stories260k), "--port", "0",
+               "--backend", "numpy", "--grace", "20"]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    while True:  # the first lines may say that /v1/chat/completions is off (no template)
+        line = proc.stderr.readline()
+        if not line:
+            proc.kill()
+            raise AssertionError(f"the server ended before it listened (status {proc.wait()})")
+        found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        if found:
+            return proc, found.group(1)
+
+
+def test_sigterm_right_after_the_announcement_exits_0(stories260k):
+    proc, _ = start_subprocess_server(stories260k)
+    proc.send_signal(signal.SIGTERM)  # the announcement comes once the handlers are in place
+    try:
+        assert proc.wait(timeout=15) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_sigterm_lets_the_running_request_finish_and_exits_0(stories260k):
+    proc, port = start_subprocess_server(stories260k)
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 150, "temperature": 0, "stream": True,
+                "logit_bias": {"1": -100, "2": -100}}  # no stop token: it runs its 150 tokens
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)  # in flight: it finishes within the grace period
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=15) == 0
+        with pytest.raises(httpx.ConnectError):  # no longer accepting
+            httpx.get(f"http://127.0.0.1:{port}/health")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn now raises ImportError
+    assert main(["serve"]) == 2
+    assert "pip install 'npllm-engine[serve]'" in capsys.readouterr().err
+
+
+def test_the_core_package_does_not_import_the_server_stack():
+    code = ("import sys, npllm, npllm.cli, npllm.serve.protocol, npllm.serve.engine; "
+            "print(sorted(m for m in ('starlette', 'uvicorn', 'openai') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_template_that_writes_bos_as_text_gets_the_bos_id(llm):
+    ctx = Context(MODEL, llm.tokenizer, llm.config, 100, BUILTIN_TEMPLATES["llama2"])
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    spec = parse_chat({"messages": messages, "max_tokens": 5}, ctx)
+    bos = llm.tokenizer.id_to_piece(llm.config.bos_id)
+    rendered = render_chat_template(BUILTIN_TEMPLATES["llama2"], messages, add_generation_prompt=True,
+                                    bos_token=bos, eos_token="</s>")
+    assert rendered.startswith(bos)
+    assert list(spec.request.prompt) == llm.tokenizer.encode(rendered[len(bos):], bos=True)
+    assert list(spec.request.prompt).count(llm.config.bos_id) == 1 and spec.request.max_new_tokens == 5
