@@ -638,3 +638,67 @@ class _TransposedMatrix:
 
     def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
         return self.matrix.matmul_t(x)
+
+
+# ---------------------------------------------------------------------------------------------------- 8-bit activations
+# The integer-dot path (kernels/quant.py, "8-bit activations"): the activations of a product are quantized per block
+# of 32 to int8 as Q8_0 quantizes weights, and each weight block meets its activation block in an integer dot
+# product. This is the readable reference those kernels are held to.
+
+Q8_BLOCK = 32  # activation values per scale
+
+
+def quantize_activations_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Activations as int8 blocks of 32 with one float32 scale each, and each block's sum of integers.
+
+        d_b = max_j |x_bj| / 127          (float32)
+        q_bj = round(x_bj / d_b)          (float64 quotient, halves away from zero; 0 where d_b = 0), |q| <= 127
+        s_b = sum_j q_bj                  (what an offset type's -8 etc. multiplies)
+
+    so x_bj = d_b (q_bj + e_bj) with |e_bj| <= 1/2: each value is off by at most d_b / 2.
+        # [..., K] float32 -> q [..., K] int8, d [..., K / 32] float32, s [..., K / 32] int32
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim == 0 or x.shape[-1] % Q8_BLOCK:
+        raise QuantizationError(f"activations of {x.shape[-1:]} values do not split into blocks of {Q8_BLOCK}")
+    if not np.all(np.isfinite(x)):
+        raise QuantizationError("cannot quantize activations that are not finite (inf or NaN)")
+    blocks = x.reshape(*x.shape[:-1], -1, Q8_BLOCK)
+    d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(d[..., None] == 0, 0.0, blocks.astype(np.float64) / d[..., None].astype(np.float64))
+    q = np.clip(_round_half_away(ratio), -127, 127).astype(np.int8)
+    return q.reshape(x.shape), d, q.astype(np.int32).sum(axis=-1)
+
+
+def integer_weights(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 or Q4_0 matrix as integers and one scale per block of 32: W[n, 32 b + j] = d[n, b] * q[n, 32 b + j].
+
+    Q8_0: q is the stored int8; Q4_0: q = nibble - 8.   # raw [N, row bytes] -> q [N, K] int32, d [N, K / 32] float32
+    """
+    N, K = shape
+    if qtype not in ("Q8_0", "Q4_0"):
+        raise QuantizationError(f"no integer form of {qtype} weights (Q8_0 and Q4_0 have one)")
+    blocks = _blocks(raw, TYPES[qtype].block_bytes)
+    d = _half(blocks, 0).reshape(N, K // 32)
+    if qtype == "Q8_0":
+        q = blocks[:, 2:].view(np.int8).astype(np.int32)
+    else:
+        q = _nibbles(blocks[:, 2:]).reshape(-1, 32).astype(np.int32) - 8
+    return q.reshape(N, K), d
+
+
+def matmul_t_q8_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int], x: np.ndarray) -> np.ndarray:
+    """x W^T with x quantized to 8-bit blocks: out[t, n] = sum_b d_w[n, b] d_x[t, b] sum_j q_w[n, bj] q_x[t, bj],
+    the integer dot exact, the sum over blocks in float64.            # [T, K] float32 -> [T, N] float64
+
+    Against the exact product x W^T the only difference is the activations' rounding, so
+        |out[t, n] - (x W^T)[t, n]| <= sum_b (d_x[t, b] / 2) sum_j |W[n, bj]|.
+    """
+    N, K = shape
+    q_w, d_w = integer_weights(raw, qtype, shape)
+    q_x, d_x, _ = quantize_activations_q8(np.atleast_2d(x))
+    T = q_x.shape[0]
+    dots = np.einsum("nbj,tbj->tnb", q_w.reshape(N, -1, 32).astype(np.int64),
+                     q_x.reshape(T, -1, 32).astype(np.int64))  # [T, N, K / 32], exact
+    return (dots * d_w[None].astype(np.float64) * d_x[:, None].astype(np.float64)).sum(axis=-1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..quant import QK_K, TYPES, QuantizationError
@@ -355,3 +356,217 @@ def matmul(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> np.nda
     x = np.ascontiguousarray(x, dtype=np.float32)
     _check(w, qtype, x.shape[1])
     return _MATMUL[qtype](w, x, threads)
+
+
+# ================================================================================================================
+# 8-bit activations: integer dot products
+#
+# The activations of a product are quantized to int8 per block of 32 (quant.quantize_activations_q8: d = max|x| / 127,
+# q = round(x / d), s = sum q), and each 32-value weight block meets its activation block in an integer dot product:
+#
+#     Q8_0:  out[t, n] = sum_b (d_w d_x) * sum_j q_w q_x                   q_w int8
+#     Q4_0:  out[t, n] = sum_b (d_w d_x) * (sum_j u q_x - 8 s_b)           u = nibble 0..15, s_b = sum_j q_x
+#
+# The products of 8-bit integers are summed exactly in 32-bit integer lanes; one float multiply-add per block
+# applies d_w d_x. Where the machine has AVX2 the dot of 32 bytes is vpmaddubsw (unsigned byte x signed byte, pairs
+# summed to int16) then vpmaddwd by ones (pairs summed to int32): no pair sum can saturate int16 here, since
+# |q_x| <= 127 and the unsigned factor is at most 128 (|q_w| for Q8_0, with q_x's sign moved onto it) or 15 (a
+# nibble): 2 * 128 * 127 < 32767. Elsewhere the same sums come from plain LLVM integer vectors (slower, same result).
+# Results match quant.matmul_t_q8_activations to float32 rounding of the block sums.
+# ================================================================================================================
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+
+
+def _target_has_avx2() -> bool:
+    import os
+
+    import llvmlite.binding
+
+    if os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES"):
+        return "+avx2" in os.environ.get("NUMBA_CPU_FEATURES", "")
+    return bool(llvmlite.binding.get_host_cpu_features().get("avx2", False))
+
+
+AVX2 = _target_has_avx2()
+
+
+def _ivec(t, lanes):
+    return ir.VectorType(t, lanes)
+
+
+def _x86(builder, name, result, arguments):
+    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, arguments), name)
+    return function
+
+
+def _dot_avx2(builder, unsigned, signed):
+    """<8 x i32> partial sums of unsigned (<32 x i8>, 0..255) times signed (<32 x i8>): vpmaddubsw, vpmaddwd."""
+    pairs16 = builder.call(_x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _ivec(_I16, 16), [_ivec(_I8, 32)] * 2),
+                           [unsigned, signed])
+    return builder.call(_x86(builder, "llvm.x86.avx2.pmadd.wd", _ivec(_I32, 8), [_ivec(_I16, 16)] * 2),
+                        [pairs16, ir.Constant(_ivec(_I16, 16), [1] * 16)])
+
+
+def _dot_generic(builder, a, b, a_signed):
+    """<8 x i32> partial sums of a times b (<32 x i8> each; b signed, a signed or unsigned): lane i sums the
+    products of bytes i, i + 8, i + 16, i + 24."""
+    wide = _ivec(_I32, 32)
+    a32 = builder.sext(a, wide) if a_signed else builder.zext(a, wide)
+    products = builder.mul(a32, builder.sext(b, wide))
+    total = None
+    for quarter in range(4):
+        part = builder.shuffle_vector(products, products, ir.Constant(_ivec(_I32, 8), list(range(8 * quarter,
+                                                                                                8 * quarter + 8))))
+        total = part if total is None else builder.add(total, part)
+    return total
+
+
+def _load_bytes(builder, context, array_type, array, index, count):
+    data = context.make_array(array_type)(context, builder, array).data
+    pointer = builder.bitcast(builder.gep(data, [index]), _ivec(_I8, count).as_pointer())
+    return builder.load(pointer, align=1)
+
+
+def _idot(kind, avx2):
+    """Typer of an integer dot of 32 values: weights at w.flat[iw:], int8 activations at x.flat[ix : ix + 32]; the
+    result is the f32x8 of its eight int32 partial sums (each at most 4 * 128 * 127 in magnitude, so exact)."""
+
+    def typer(typingctx, w, iw, x, ix):
+        if not (_is_byte_c_array(w) and _is_byte_c_array(x) and isinstance(iw, types.Integer)
+                and isinstance(ix, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            xs = _load_bytes(builder, context, signature.args[2], args[2], args[3], 32)
+            if kind == "int8":  # 32 int8 weights
+                ws = _load_bytes(builder, context, signature.args[0], args[0], args[1], 32)
+                if avx2:  # |w| times x with w's sign: the unsigned factor is |w| <= 128
+                    magnitude = builder.call(_x86(builder, "llvm.abs.v32i8", _ivec(_I8, 32),
+                                                  [_ivec(_I8, 32), ir.IntType(1)]), [ws, ir.Constant(ir.IntType(1), 0)])
+                    signed = builder.call(_x86(builder, "llvm.x86.avx2.psign.b", _ivec(_I8, 32), [_ivec(_I8, 32)] * 2),
+                                          [xs, ws])
+                    sums = _dot_avx2(builder, magnitude, signed)
+                else:
+                    sums = _dot_generic(builder, ws, xs, a_signed=True)
+            else:  # 16 bytes of nibbles: low ones are values 0..15, high ones 16..31
+                packed = _load_bytes(builder, context, signature.args[0], args[0], args[1], 16)
+                fifteen = ir.Constant(_ivec(_I8, 16), [15] * 16)
+                low = builder.and_(packed, fifteen)
+                high = builder.and_(builder.lshr(packed, ir.Constant(_ivec(_I8, 16), [4] * 16)), fifteen)
+                nibbles = builder.shuffle_vector(low, high, ir.Constant(_ivec(_I32, 32), list(range(32))))
+                sums = (_dot_avx2(builder, nibbles, xs) if avx2
+                        else _dot_generic(builder, nibbles, xs, a_signed=False))
+            return builder.sitofp(sums, _vector(8))
+
+        return f32x8(w, iw, x, ix), codegen
+
+    return typer
+
+
+idot_int8 = intrinsic(_idot("int8", AVX2))  # f32x8 of partial sums of w.flat[iw:][:32] (int8) . x.flat[ix:][:32]
+idot_nibbles = intrinsic(_idot("nibbles", AVX2))  # the same with 32 nibbles from 16 bytes (low: 0..15, high: 16..31)
+idot_int8_generic = intrinsic(_idot("int8", False))  # the plain-LLVM versions (tests compare them with the above)
+idot_nibbles_generic = intrinsic(_idot("nibbles", False))
+
+
+@njit(fastmath=REASSOC, cache=True)
+def quantize_activations_q8_into(x, T, q, d, s):
+    """quant.quantize_activations_q8 of x[:T], into q [>=T, K] int8, d [>=T, K / 32] float32, s [>=T, K / 32]
+    float32 (the integer sums, exact in float32). Same float64 quotient and rounding, so the same integers."""
+    K = q.shape[1]
+    for t in range(T):
+        for b in range(K // 32):
+            amax = np.float32(0)
+            for j in range(32 * b, 32 * b + 32):
+                amax = max(amax, abs(x[t, j]))
+            scale = amax / np.float32(127)
+            d[t, b] = scale
+            total = 0
+            for j in range(32 * b, 32 * b + 32):
+                v = 0.0 if scale == 0 else np.float64(x[t, j]) / np.float64(scale)
+                r = min(127.0, np.floor(abs(v) + 0.5))
+                qj = int(r) if v >= 0 else -int(r)
+                q[t, j] = qj
+                total += qj
+            s[t, b] = total
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _row_int8_q8_0(w, n, q, d, s, t):
+    """Row n of Q8_0 weights times token t's int8 activations: sum_b d_w d_x (q_w . q_x)."""
+    at, xt = n * w.shape[1], t * q.shape[1]
+    acc = vzero()
+    for b in range(d.shape[1]):
+        acc = vfma(acc, load_half(w, at + 34 * b) * d[t, b], idot_int8(w, at + 34 * b + 2, q, xt + 32 * b))
+    return vsum(acc)
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _row_int8_q4_0(w, n, q, d, s, t):
+    """Row n of Q4_0 weights times token t's int8 activations: sum_b d_w d_x (u . q_x - 8 s_b)."""
+    at, xt = n * w.shape[1], t * q.shape[1]
+    acc = vzero()
+    offset = np.float32(0)
+    for b in range(d.shape[1]):
+        scale = load_half(w, at + 18 * b) * d[t, b]
+        acc = vfma(acc, scale, idot_nibbles(w, at + 18 * b + 2, q, xt + 32 * b))
+        offset += scale * s[t, b]
+    return vsum(acc) - np.float32(8) * offset
+
+
+def _int8_kernels(row):
+    """The product workers of one weight type on int8 activations, from its row dot product."""
+
+    @njit(fastmath=REASSOC, cache=True)
+    def rows_into(w, q, d, s, out, T, n0, n1):
+        """out[t, n] for t < T, n0 <= n < n1: one thread's share (each weight row read once, for every token)."""
+        for n in range(n0, n1):
+            for t in range(T):
+                out[t, n] = row(w, n, q, d, s, t)
+
+    @njit(parallel=True, fastmath=REASSOC, cache=True)
+    def matmul_into(x, w, out, T, threads):
+        """out[:T, :N] = x[:T] W^T with x quantized to 8-bit blocks.  # [>=T, K], [N, row bytes] -> [>=T, >=N]"""
+        N, K = w.shape[0], x.shape[1]
+        q = np.empty((T, K), np.int8)
+        d = np.empty((T, K // 32), np.float32)
+        s = np.empty((T, K // 32), np.float32)
+        quantize_activations_q8_into(x, T, q, d, s)
+        chunks = max(1, min(N, threads))
+        for c in prange(chunks):
+            rows_into(w, q, d, s, out, T, c * N // chunks, (c + 1) * N // chunks)
+
+    return rows_into, matmul_into
+
+
+INT8_ROWS_INTO, INT8_MATMUL_INTO = {}, {}
+for _name, _row in [("Q8_0", _row_int8_q8_0), ("Q4_0", _row_int8_q4_0)]:
+    INT8_ROWS_INTO[_name], INT8_MATMUL_INTO[_name] = _int8_kernels(_row)
+
+INT8_KERNEL_TYPES = tuple(INT8_MATMUL_INTO)
+
+
+def _check_int8(w: np.ndarray, qtype: str, K: int) -> None:
+    if qtype not in INT8_MATMUL_INTO:
+        raise QuantizationError(f"no 8-bit-activation kernel for {qtype} weights (npllm has "
+                                f"{', '.join(INT8_KERNEL_TYPES)})")
+    _check(w, qtype, K)
+
+
+def matvec_int8(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> np.ndarray:
+    """W x with x quantized to 8-bit blocks (integer dot products).  # [N, row bytes] uint8, [K] float32 -> [N]"""
+    return matmul_int8(w, qtype, np.asarray(x)[None, :], threads)[0]
+
+
+def matmul_int8(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> np.ndarray:
+    """x W^T with x quantized to 8-bit blocks.  # [N, row bytes] uint8, [T, K] float32 -> [T, N] float32"""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise QuantizationError(f"activations must be [T, K], not of shape {x.shape}")
+    _check_int8(w, qtype, x.shape[1])
+    if not np.all(np.isfinite(x)):
+        raise QuantizationError("cannot quantize activations that are not finite (inf or NaN)")
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    INT8_MATMUL_INTO[qtype](x, w, out, x.shape[0], threads)
+    return out
