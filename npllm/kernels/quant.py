@@ -492,38 +492,42 @@ def quantize_activations_q8_into(x, T, q, d, s):
             s[t, b] = total
 
 
-@njit(fastmath=REASSOC, inline="always")
-def _row_int8_q8_0(w, n, q, d, s, t):
-    """Row n of Q8_0 weights times token t's int8 activations: sum_b d_w d_x (q_w . q_x)."""
-    at, xt = n * w.shape[1], t * q.shape[1]
-    acc = vzero()
-    for b in range(d.shape[1]):
-        acc = vfma(acc, load_half(w, at + 34 * b) * d[t, b], idot_int8(w, at + 34 * b + 2, q, xt + 32 * b))
-    return vsum(acc)
-
+# For each type: _acc_int8_<type>(acc, w, at, b, q, xt, dx, sx) adds block b of the weight row at flat byte `at`
+# times the int8 activations at q.flat[xt + 32 b:][:32] (scale dx, integer sum sx) to the f32x8 `acc`, and returns
+# it with a scalar part (an offset's term).
 
 @njit(fastmath=REASSOC, inline="always")
-def _row_int8_q4_0(w, n, q, d, s, t):
-    """Row n of Q4_0 weights times token t's int8 activations: sum_b d_w d_x (u . q_x - 8 s_b)."""
-    at, xt = n * w.shape[1], t * q.shape[1]
-    acc = vzero()
-    offset = np.float32(0)
-    for b in range(d.shape[1]):
-        scale = load_half(w, at + 18 * b) * d[t, b]
-        acc = vfma(acc, scale, idot_nibbles(w, at + 18 * b + 2, q, xt + 32 * b))
-        offset += scale * s[t, b]
-    return vsum(acc) - np.float32(8) * offset
+def _acc_int8_q8_0(acc, w, at, b, q, xt, dx, sx):
+    """Q8_0: acc += (d_w d_x) (q_w . q_x)."""
+    return vfma(acc, load_half(w, at + 34 * b) * dx, idot_int8(w, at + 34 * b + 2, q, xt + 32 * b)), np.float32(0)
 
 
-def _int8_kernels(row):
-    """The product workers of one weight type on int8 activations, from its row dot product."""
+@njit(fastmath=REASSOC, inline="always")
+def _acc_int8_q4_0(acc, w, at, b, q, xt, dx, sx):
+    """Q4_0: acc += (d_w d_x) (u . q_x), and -8 (d_w d_x) s_x as the scalar part."""
+    scale = load_half(w, at + 18 * b) * dx
+    return vfma(acc, scale, idot_nibbles(w, at + 18 * b + 2, q, xt + 32 * b)), np.float32(-8) * scale * sx
+
+
+def _int8_kernels(acc_block):
+    """The product workers of one weight type on int8 activations, from its block accumulator."""
+
+    @njit(fastmath=REASSOC, inline="always")
+    def one_row(w, n, q, d, s, t, out):
+        acc, offset = vzero(), np.float32(0)
+        for b in range(d.shape[1]):
+            acc, part = acc_block(acc, w, n * w.shape[1], b, q, t * q.shape[1], d[t, b], s[t, b])
+            offset += part
+        out[t, n] = vsum(acc) + offset
 
     @njit(fastmath=REASSOC, cache=True)
     def rows_into(w, q, d, s, out, T, n0, n1):
-        """out[t, n] for t < T, n0 <= n < n1: one thread's share (each weight row read once, for every token)."""
+        """out[t, n] for t < T, n0 <= n < n1 from the quantized activations (q, d, s): one thread's share, each
+        weight row read from memory once for every token. (Rows go one at a time: interleaving 2 or 4 rows, to run
+        independent sums side by side, was slower here when the weights stream from memory.)"""
         for n in range(n0, n1):
             for t in range(T):
-                out[t, n] = row(w, n, q, d, s, t)
+                one_row(w, n, q, d, s, t, out)
 
     @njit(parallel=True, fastmath=REASSOC, cache=True)
     def matmul_into(x, w, out, T, threads):
@@ -541,8 +545,8 @@ def _int8_kernels(row):
 
 
 INT8_ROWS_INTO, INT8_MATMUL_INTO = {}, {}
-for _name, _row in [("Q8_0", _row_int8_q8_0), ("Q4_0", _row_int8_q4_0)]:
-    INT8_ROWS_INTO[_name], INT8_MATMUL_INTO[_name] = _int8_kernels(_row)
+for _name, _acc in [("Q8_0", _acc_int8_q8_0), ("Q4_0", _acc_int8_q4_0)]:
+    INT8_ROWS_INTO[_name], INT8_MATMUL_INTO[_name] = _int8_kernels(_acc)
 
 INT8_KERNEL_TYPES = tuple(INT8_MATMUL_INTO)
 
