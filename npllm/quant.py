@@ -671,34 +671,20 @@ def quantize_activations_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     return q.reshape(x.shape), d, q.astype(np.int32).sum(axis=-1)
 
 
-def integer_weights(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """A Q8_0 or Q4_0 matrix as integers and one scale per block of 32: W[n, 32 b + j] = d[n, b] * q[n, 32 b + j].
-
-    Q8_0: q is the stored int8; Q4_0: q = nibble - 8.   # raw [N, row bytes] -> q [N, K] int32, d [N, K / 32] float32
-    """
-    N, K = shape
-    if qtype not in ("Q8_0", "Q4_0"):
-        raise QuantizationError(f"no integer form of {qtype} weights (Q8_0 and Q4_0 have one)")
-    blocks = _blocks(raw, TYPES[qtype].block_bytes)
-    d = _half(blocks, 0).reshape(N, K // 32)
-    if qtype == "Q8_0":
-        q = blocks[:, 2:].view(np.int8).astype(np.int32)
-    else:
-        q = _nibbles(blocks[:, 2:]).reshape(-1, 32).astype(np.int32) - 8
-    return q.reshape(N, K), d
+def dequantize_activations_q8(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The values int8 activation blocks stand for: d_b q_bj.   # [..., K] int8, [..., K / 32] -> [..., K] float64"""
+    return (q.reshape(*d.shape, Q8_BLOCK) * d[..., None].astype(np.float64)).reshape(q.shape)
 
 
 def matmul_t_q8_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int], x: np.ndarray) -> np.ndarray:
-    """x W^T with x quantized to 8-bit blocks: out[t, n] = sum_b d_w[n, b] d_x[t, b] sum_j q_w[n, bj] q_x[t, bj],
-    the integer dot exact, the sum over blocks in float64.            # [T, K] float32 -> [T, N] float64
+    """x W^T with x quantized to 8-bit blocks: x^ W^T in float64, x^ = dequantize_activations_q8(q, d), W the
+    dequantized weights.                                              # [T, K] float32 -> [T, N] float64
 
-    Against the exact product x W^T the only difference is the activations' rounding, so
-        |out[t, n] - (x W^T)[t, n]| <= sum_b (d_x[t, b] / 2) sum_j |W[n, bj]|.
+    The kernels compute the same sum block by block in integers: for a weight block stored as W_j = a u_j - m
+    (a scale, u small integers, m an offset; a = d_w, m = 0 for Q8_0), sum_j W_j d_x q_xj = (a d_x) (u . q_x) -
+    (m d_x) s, with u . q_x an exact integer dot product and s = sum_j q_xj. The only rounding against the exact
+    product x W^T is the activations', so
+        |out[t, n] - (x W^T)[t, n]| <= sum_b (d_x[t, b] / 2) sum_j |W[n, 32 b + j]|.
     """
-    N, K = shape
-    q_w, d_w = integer_weights(raw, qtype, shape)
     q_x, d_x, _ = quantize_activations_q8(np.atleast_2d(x))
-    T = q_x.shape[0]
-    dots = np.einsum("nbj,tbj->tnb", q_w.reshape(N, -1, 32).astype(np.int64),
-                     q_x.reshape(T, -1, 32).astype(np.int64))  # [T, N, K / 32], exact
-    return (dots * d_w[None].astype(np.float64) * d_x[:, None].astype(np.float64)).sum(axis=-1)
+    return dequantize_activations_q8(q_x, d_x) @ dequantize(raw, qtype, shape).astype(np.float64).T

@@ -409,17 +409,30 @@ def _dot_avx2(builder, unsigned, signed):
 
 
 def _dot_generic(builder, a, b, a_signed):
-    """<8 x i32> partial sums of a times b (<32 x i8> each; b signed, a signed or unsigned): lane i sums the
-    products of bytes i, i + 8, i + 16, i + 24."""
+    """The same sums from plain LLVM integer vectors (a signed or unsigned, b signed): lane i sums the products of
+    bytes 4i .. 4i + 3, as vpmaddubsw then vpmaddwd group them."""
     wide = _ivec(_I32, 32)
     a32 = builder.sext(a, wide) if a_signed else builder.zext(a, wide)
     products = builder.mul(a32, builder.sext(b, wide))
     total = None
-    for quarter in range(4):
-        part = builder.shuffle_vector(products, products, ir.Constant(_ivec(_I32, 8), list(range(8 * quarter,
-                                                                                                8 * quarter + 8))))
+    for k in range(4):
+        part = builder.shuffle_vector(products, products, ir.Constant(_ivec(_I32, 8), list(range(k, 32, 4))))
         total = part if total is None else builder.add(total, part)
     return total
+
+
+def _dot(builder, w, x, w_signed: bool, avx2: bool):
+    """<8 x i32>: lane i = sum of w[4i + k] x[4i + k], k < 4, for <32 x i8> w (signed, |w| <= 128, or unsigned <= 63)
+    and x (|x| <= 127)."""
+    if not avx2:
+        return _dot_generic(builder, w, x, w_signed)
+    if not w_signed:
+        return _dot_avx2(builder, w, x)
+    # |w| times x with w's sign moved onto it: the unsigned factor is |w| <= 128
+    magnitude = builder.call(_x86(builder, "llvm.abs.v32i8", _ivec(_I8, 32), [_ivec(_I8, 32), ir.IntType(1)]),
+                             [w, ir.Constant(ir.IntType(1), 0)])
+    signed = builder.call(_x86(builder, "llvm.x86.avx2.psign.b", _ivec(_I8, 32), [_ivec(_I8, 32)] * 2), [x, w])
+    return _dot_avx2(builder, magnitude, signed)
 
 
 def _load_bytes(builder, context, array_type, array, index, count):
@@ -428,46 +441,103 @@ def _load_bytes(builder, context, array_type, array, index, count):
     return builder.load(pointer, align=1)
 
 
-def _idot(kind, avx2):
-    """Typer of an integer dot of 32 values: weights at w.flat[iw:], int8 activations at x.flat[ix : ix + 32]; the
-    result is the f32x8 of its eight int32 partial sums (each at most 4 * 128 * 127 in magnitude, so exact)."""
-
-    def typer(typingctx, w, iw, x, ix):
-        if not (_is_byte_c_array(w) and _is_byte_c_array(x) and isinstance(iw, types.Integer)
-                and isinstance(ix, types.Integer)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            xs = _load_bytes(builder, context, signature.args[2], args[2], args[3], 32)
-            if kind == "int8":  # 32 int8 weights
-                ws = _load_bytes(builder, context, signature.args[0], args[0], args[1], 32)
-                if avx2:  # |w| times x with w's sign: the unsigned factor is |w| <= 128
-                    magnitude = builder.call(_x86(builder, "llvm.abs.v32i8", _ivec(_I8, 32),
-                                                  [_ivec(_I8, 32), ir.IntType(1)]), [ws, ir.Constant(ir.IntType(1), 0)])
-                    signed = builder.call(_x86(builder, "llvm.x86.avx2.psign.b", _ivec(_I8, 32), [_ivec(_I8, 32)] * 2),
-                                          [xs, ws])
-                    sums = _dot_avx2(builder, magnitude, signed)
-                else:
-                    sums = _dot_generic(builder, ws, xs, a_signed=True)
-            else:  # 16 bytes of nibbles: low ones are values 0..15, high ones 16..31
-                packed = _load_bytes(builder, context, signature.args[0], args[0], args[1], 16)
-                fifteen = ir.Constant(_ivec(_I8, 16), [15] * 16)
-                low = builder.and_(packed, fifteen)
-                high = builder.and_(builder.lshr(packed, ir.Constant(_ivec(_I8, 16), [4] * 16)), fifteen)
-                nibbles = builder.shuffle_vector(low, high, ir.Constant(_ivec(_I32, 32), list(range(32))))
-                sums = (_dot_avx2(builder, nibbles, xs) if avx2
-                        else _dot_generic(builder, nibbles, xs, a_signed=False))
-            return builder.sitofp(sums, _vector(8))
-
-        return f32x8(w, iw, x, ix), codegen
-
-    return typer
+def _splat8(builder, value, count):
+    """<count x i8> of an integer value's low byte."""
+    vector = _ivec(_I8, count)
+    lane = builder.insert_element(ir.Constant(vector, ir.Undefined), builder.trunc(value, _I8),
+                                  ir.Constant(_I32, 0))
+    return builder.shuffle_vector(lane, ir.Constant(vector, ir.Undefined), ir.Constant(_ivec(_I32, count), [0] * count))
 
 
-idot_int8 = intrinsic(_idot("int8", AVX2))  # f32x8 of partial sums of w.flat[iw:][:32] (int8) . x.flat[ix:][:32]
-idot_nibbles = intrinsic(_idot("nibbles", AVX2))  # the same with 32 nibbles from 16 bytes (low: 0..15, high: 16..31)
-idot_int8_generic = intrinsic(_idot("int8", False))  # the plain-LLVM versions (tests compare them with the above)
-idot_nibbles_generic = intrinsic(_idot("nibbles", False))
+def _field(builder, bytes_, shift, mask):
+    """(bytes >> shift) & mask per byte, shift a run-time integer."""
+    return builder.and_(builder.lshr(bytes_, _splat8(builder, shift, 32)), ir.Constant(_ivec(_I8, 32), [mask] * 32))
+
+
+# Weight bytes of each layout as the <32 x i8> of 32 values, and whether they are signed. Arguments after (w, ...)
+# and before (x, ix) locate them.
+def _int8_values(builder, context, sig, args):  # (w, iw): 32 int8
+    return _load_bytes(builder, context, sig.args[0], args[0], args[1], 32), True
+
+
+def _q4_0_values(builder, context, sig, args):  # (w, iw): 16 bytes, low nibbles values 0..15, high ones 16..31
+    packed = _load_bytes(builder, context, sig.args[0], args[0], args[1], 16)
+    fifteen = ir.Constant(_ivec(_I8, 16), [15] * 16)
+    low = builder.and_(packed, fifteen)
+    high = builder.and_(builder.lshr(packed, ir.Constant(_ivec(_I8, 16), [4] * 16)), fifteen)
+    return builder.shuffle_vector(low, high, ir.Constant(_ivec(_I32, 32), list(range(32)))), False
+
+
+def _nibbles32_values(builder, context, sig, args):  # (w, iw, shift): (byte >> shift) & 15 of 32 bytes (Q4_K)
+    return _field(builder, _load_bytes(builder, context, sig.args[0], args[0], args[1], 32), args[2], 15), False
+
+
+def _q6_values(builder, context, sig, args):
+    """(w, iql, ql_shift, iqh, qh_shift): ((ql >> ql_shift) & 15 | ((qh >> qh_shift) & 3) << 4) - 32 (Q6_K)."""
+    low = _field(builder, _load_bytes(builder, context, sig.args[0], args[0], args[1], 32), args[2], 15)
+    high = _field(builder, _load_bytes(builder, context, sig.args[0], args[0], args[3], 32), args[4], 3)
+    q = builder.or_(low, builder.shl(high, ir.Constant(_ivec(_I8, 32), [4] * 32)))
+    return builder.sub(q, ir.Constant(_ivec(_I8, 32), [32] * 32)), True
+
+
+def _idot_codegen(values, avx2):
+    def codegen(context, builder, signature, args):
+        ws, signed = values(builder, context, signature, args)
+        xs = _load_bytes(builder, context, signature.args[-2], args[-2], args[-1], 32)
+        return builder.sitofp(_dot(builder, ws, xs, signed, avx2), _vector(8))
+
+    return codegen
+
+
+def _idot_args_ok(w, locators, x, ix) -> bool:
+    return (_is_byte_c_array(w) and _is_byte_c_array(x) and isinstance(ix, types.Integer)
+            and all(isinstance(i, types.Integer) for i in locators))
+
+
+def _idots(avx2):
+    """Integer dots of 32 values: weights located by (w, ...) as each layout says, int8 activations at
+    x.flat[ix : ix + 32]; the result is the f32x8 of the eight int32 partial sums of 4 consecutive products (each at
+    most 4 * 128 * 127 in magnitude, so exact in float32)."""
+
+    def one_locator(values):
+        def typer(typingctx, w, iw, x, ix):
+            if _idot_args_ok(w, (iw,), x, ix):
+                return f32x8(w, iw, x, ix), _idot_codegen(values, avx2)
+
+        return intrinsic(typer)
+
+    def nibbles32(typingctx, w, iw, shift, x, ix):
+        if _idot_args_ok(w, (iw, shift), x, ix):
+            return f32x8(w, iw, shift, x, ix), _idot_codegen(_nibbles32_values, avx2)
+
+    def q6(typingctx, w, iql, ql_shift, iqh, qh_shift, x, ix):
+        if _idot_args_ok(w, (iql, ql_shift, iqh, qh_shift), x, ix):
+            return f32x8(w, iql, ql_shift, iqh, qh_shift, x, ix), _idot_codegen(_q6_values, avx2)
+
+    return one_locator(_int8_values), one_locator(_q4_0_values), intrinsic(nibbles32), intrinsic(q6)
+
+
+# idot_int8(w, iw, x, ix)                          32 int8 at w.flat[iw:]              . x.flat[ix:][:32]
+# idot_q4_0(w, iw, x, ix)                          Q4_0's 16 bytes of nibbles at w.flat[iw:]
+# idot_nibbles32(w, iw, shift, x, ix)              (byte >> shift) & 15 of 32 bytes
+# idot_q6(w, iql, ql_shift, iqh, qh_shift, x, ix)  Q6_K's 6-bit values, minus 32
+idot_int8, idot_q4_0, idot_nibbles32, idot_q6 = _idots(AVX2)
+GENERIC_IDOTS = _idots(False)  # the plain-LLVM versions, which tests compare with the machine's
+
+
+@intrinsic
+def vhalves(typingctx, a, b):
+    """f32x8 (a, a, a, a, b, b, b, b): per-lane scales for two 16-value sub-blocks of one integer dot."""
+    if not (a == types.float32 and b == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        vector = ir.Constant(_vector(8), ir.Undefined)
+        for lane in range(8):
+            vector = builder.insert_element(vector, args[lane // 4], ir.Constant(_I32, lane))
+        return vector
+
+    return f32x8(a, b), codegen
 
 
 @njit(fastmath=REASSOC, cache=True)
@@ -492,31 +562,72 @@ def quantize_activations_q8_into(x, T, q, d, s):
             s[t, b] = total
 
 
-# For each type: _acc_int8_<type>(acc, w, at, b, q, xt, dx, sx) adds block b of the weight row at flat byte `at`
-# times the int8 activations at q.flat[xt + 32 b:][:32] (scale dx, integer sum sx) to the f32x8 `acc`, and returns
-# it with a scalar part (an offset's term).
+# For each type: _acc_int8_<type>(acc, w, n, b, q, d, s, t) adds weight block b of row n times token t's int8
+# activations (q, d, s: quantize_activations_q8_into's arrays; a weight block of 256 meets 8 activation blocks) to the
+# f32x8 `acc`, and returns it with a scalar part (an offset's term).
 
 @njit(fastmath=REASSOC, inline="always")
-def _acc_int8_q8_0(acc, w, at, b, q, xt, dx, sx):
+def _acc_int8_q8_0(acc, w, n, b, q, d, s, t):
     """Q8_0: acc += (d_w d_x) (q_w . q_x)."""
-    return vfma(acc, load_half(w, at + 34 * b) * dx, idot_int8(w, at + 34 * b + 2, q, xt + 32 * b)), np.float32(0)
+    at = n * w.shape[1] + 34 * b
+    return vfma(acc, load_half(w, at) * d[t, b], idot_int8(w, at + 2, q, t * q.shape[1] + 32 * b)), np.float32(0)
 
 
 @njit(fastmath=REASSOC, inline="always")
-def _acc_int8_q4_0(acc, w, at, b, q, xt, dx, sx):
+def _acc_int8_q4_0(acc, w, n, b, q, d, s, t):
     """Q4_0: acc += (d_w d_x) (u . q_x), and -8 (d_w d_x) s_x as the scalar part."""
-    scale = load_half(w, at + 18 * b) * dx
-    return vfma(acc, scale, idot_nibbles(w, at + 18 * b + 2, q, xt + 32 * b)), np.float32(-8) * scale * sx
+    at = n * w.shape[1] + 18 * b
+    scale = load_half(w, at) * d[t, b]
+    return (vfma(acc, scale, idot_q4_0(w, at + 2, q, t * q.shape[1] + 32 * b)),
+            np.float32(-8) * scale * s[t, b])
 
 
-def _int8_kernels(acc_block):
+@njit(fastmath=REASSOC, inline="always")
+def _acc_int8_q4_k(acc, w, n, b, q, d, s, t):
+    """Q4_K: each sub-block i of 32 is activation block j = 8 b + i: acc += (d sc_i d_x) (u . q_x), and
+    -(dmin mn_i d_x) s_x as the scalar part (run r of 32 bytes: sub-block 2r in the low nibbles, 2r + 1 high)."""
+    base = 144 * b
+    at = n * w.shape[1] + base
+    d_w, dmin = load_half(w, at), load_half(w, at + 2)
+    offset = np.float32(0)
+    for r in range(4):
+        sc0, mn0 = _scale_min_q4_k(w, n, base + 4, 2 * r)
+        sc1, mn1 = _scale_min_q4_k(w, n, base + 4, 2 * r + 1)
+        j = 8 * b + 2 * r
+        x0, x1 = t * q.shape[1] + 32 * j, t * q.shape[1] + 32 * (j + 1)
+        acc = vfma(acc, d_w * np.float32(sc0) * d[t, j], idot_nibbles32(w, at + 16 + 32 * r, 0, q, x0))
+        acc = vfma(acc, d_w * np.float32(sc1) * d[t, j + 1], idot_nibbles32(w, at + 16 + 32 * r, 4, q, x1))
+        offset -= dmin * (np.float32(mn0) * d[t, j] * s[t, j] + np.float32(mn1) * d[t, j + 1] * s[t, j + 1])
+    return acc, offset
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_int8_q6_k(acc, w, n, b, q, d, s, t):
+    """Q6_K: the 32 values of group g of half h (activation block j = 8 b + 4 h + g) as signed q - 32 in one
+    integer dot; its lanes 0-3 hold sub-block 8h + 2g, lanes 4-7 sub-block 8h + 2g + 1, each scaled by (d sc d_x)."""
+    base = 210 * b
+    at = n * w.shape[1] + base
+    d_w = load_half(w, at + 208)
+    for h in range(2):
+        for g in range(4):
+            j = 8 * b + 4 * h + g
+            sub = base + 192 + 8 * h + 2 * g
+            scales = vhalves(d_w * np.float32(_int8(w[n, sub])) * d[t, j],
+                             d_w * np.float32(_int8(w[n, sub + 1])) * d[t, j])
+            lanes = idot_q6(w, at + 64 * h + 32 * (g & 1), 4 * (g >> 1), at + 128 + 32 * h, 2 * g, q,
+                            t * q.shape[1] + 32 * j)
+            acc = vfmav(acc, scales, lanes)
+    return acc, np.float32(0)
+
+
+def _int8_kernels(acc_block, block_size: int):
     """The product workers of one weight type on int8 activations, from its block accumulator."""
 
     @njit(fastmath=REASSOC, inline="always")
     def one_row(w, n, q, d, s, t, out):
         acc, offset = vzero(), np.float32(0)
-        for b in range(d.shape[1]):
-            acc, part = acc_block(acc, w, n * w.shape[1], b, q, t * q.shape[1], d[t, b], s[t, b])
+        for b in range(q.shape[1] // block_size):
+            acc, part = acc_block(acc, w, n, b, q, d, s, t)
             offset += part
         out[t, n] = vsum(acc) + offset
 
@@ -545,8 +656,9 @@ def _int8_kernels(acc_block):
 
 
 INT8_ROWS_INTO, INT8_MATMUL_INTO = {}, {}
-for _name, _acc in [("Q8_0", _acc_int8_q8_0), ("Q4_0", _acc_int8_q4_0)]:
-    INT8_ROWS_INTO[_name], INT8_MATMUL_INTO[_name] = _int8_kernels(_acc)
+for _name, _acc in [("Q8_0", _acc_int8_q8_0), ("Q4_0", _acc_int8_q4_0), ("Q4_K", _acc_int8_q4_k),
+                    ("Q6_K", _acc_int8_q6_k)]:
+    INT8_ROWS_INTO[_name], INT8_MATMUL_INTO[_name] = _int8_kernels(_acc, TYPES[_name].block_size)
 
 INT8_KERNEL_TYPES = tuple(INT8_MATMUL_INTO)
 
