@@ -6,7 +6,8 @@ for every weight matrix of a model shape: the weight-reading part of one decode 
 For each type it prints the time of one pass over every matrix of the model (all layers and the LM head, random
 weights; attention, norms and sampling not included), the weight bytes read, the rate in GB/s of those bytes, the
 time per weight, and the speed relative to float32: best of `repeat` passes (wall clock: the best pass is the one
-least disturbed on a machine that other processes share). Each quantized type runs twice: with float32 activations
+least disturbed on a machine that other processes share; the best pass's process CPU time follows in brackets: with
+one thread, the time the pass ran, however long it waited for a core). Each quantized type runs twice: with float32 activations
 (`matvec`) and with activations quantized to 8-bit blocks (`int8`: the integer dot products, the activation
 quantization included in the time); the last column compares the two.
 """
@@ -24,13 +25,15 @@ from npllm.kernels import quant as kq
 
 
 def best(run, repeat):
+    """(best wall-clock seconds, best process CPU seconds) of `repeat` runs after one warm-up run."""
     run()
-    times = []
+    wall, cpu = [], []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return min(wall), min(cpu)
 
 
 def matrices(c):
@@ -74,13 +77,13 @@ def report(c, model, steps, threads, repeat):
             for run, _ in runs:
                 run()
 
-        seconds[kernel] = best(one_pass, repeat)
+        seconds[kernel], cpu_seconds = best(one_pass, repeat)
         nbytes = sum(n for _, n in runs)
         float_act = kernel.removesuffix(" int8")
         versus = f"  {seconds[float_act] / seconds[kernel]:5.2f}x float32 activations" if kernel != float_act else ""
         print(f"  {kernel:10s} {nbytes / 2**20:7.1f} MiB  {seconds[kernel] * 1e3:7.2f} ms  "
               f"{nbytes / seconds[kernel] / 1e9:6.2f} GB/s  {seconds[kernel] / weights * 1e9:6.3f} ns/weight  "
-              f"{seconds['F32'] / seconds[kernel]:5.2f}x F32{versus}")
+              f"{seconds['F32'] / seconds[kernel]:5.2f}x F32{versus}  (CPU {cpu_seconds * 1e3:.2f} ms)")
 
 
 def main():
