@@ -1,7 +1,7 @@
 """Matrix-vector products on quantized weights (npllm/kernels/quant.py) against the float32 kernel of the same shape,
 for every weight matrix of a model shape: the weight-reading part of one decode step.
 
-    python scripts/bench_quant.py [--model stories110M] [--threads 1 2] [--repeat 7]
+    python scripts/bench_quant.py [--model stories110M] [--threads 1 2] [--repeat 7] [--resident]
 
 For each type it prints the time of one pass over every matrix of the model (all layers and the LM head, random
 weights; attention, norms and sampling not included), the weight bytes read, the rate in GB/s of those bytes, the
@@ -43,16 +43,18 @@ def matrices(c):
             ("w2", (c.dim, c.hidden_dim), c.n_layers), ("lm_head", (c.vocab_size, c.dim), 1)]
 
 
-def build_steps(c, types, int8_types, threads):
-    """For each kernel ("F32", a type, or "<type> int8"): (run, weight bytes) per matrix of one decode step."""
+def build_steps(c, types, int8_types, threads, resident=False):
+    """For each kernel ("F32", a type, or "<type> int8"): (run, weight bytes) per matrix of one decode step.
+    resident: one array per layer matrix, multiplied once per layer, and no LM head, so the weights stay in cache
+    and the pass measures the arithmetic rather than the memory."""
     rng = np.random.default_rng(0)
     kernels = ["F32"] + [k for t in types for k in ([t, f"{t} int8"] if t in int8_types else [t])]
     steps = {k: [] for k in kernels}
     # Every matrix of every layer is its own array, so a pass streams the whole model from memory as decode does
     # (timing one matrix again and again would measure it from cache instead).
-    for name, (N, K), count in matrices(c):
+    for name, (N, K), count in matrices(c)[:-1] if resident else matrices(c):
         x = rng.standard_normal(K, dtype=np.float32)
-        for _ in range(count):
+        for _ in range(1 if resident else count):
             w = rng.standard_normal((N, K), dtype=np.float32) * 0.02
             panels = cpu.pack_panels(w)
             out = np.empty((1, panels.shape[0] * cpu.PANEL), np.float32)
@@ -64,12 +66,17 @@ def build_steps(c, types, int8_types, threads):
                     o = np.empty((1, N), np.float32)
                     steps[f"{t} int8"].append((lambda x=x[None, :], r=raw, o=o, f=kq.INT8_MATMUL_INTO[t]:
                                                f(x, r, o, 1, threads), raw.nbytes))
+        if resident:
+            for k in steps:
+                steps[k] += steps[k][-1:] * (count - 1)
     return steps
 
 
-def report(c, model, steps, threads, repeat):
-    weights = sum(N * K * count for _, (N, K), count in matrices(c))
-    print(f"{model}, threads={threads}: every matrix product of one decode step ({c.n_layers} layers + LM head, "
+def report(c, model, steps, threads, repeat, resident=False):
+    shapes = matrices(c)[:-1] if resident else matrices(c)
+    weights = sum(N * K * count for _, (N, K), count in shapes)
+    what = "the layer matrices, one array each, in cache" if resident else f"{c.n_layers} layers + LM head"
+    print(f"{model}, threads={threads}: every matrix product of one decode step ({what}, "
           f"{weights / 1e6:.1f} M weights), best of {repeat} passes")
     seconds = {}
     for kernel, runs in steps.items():
@@ -91,13 +98,14 @@ def main():
     parser.add_argument("--model", default="stories110M", choices=sorted(NAMED_SHAPES))
     parser.add_argument("--threads", type=int, nargs="+", default=[2])
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--resident", action="store_true", help="weights kept in cache: the arithmetic's speed")
     args = parser.parse_args()
     numba.set_num_threads(max(args.threads))
     c = NAMED_SHAPES[args.model]
     blocks_fit = [t for t in kq.KERNEL_TYPES if all(K % quant.TYPES[t].block_size == 0 for _, (_, K), _ in matrices(c))]
     for threads in args.threads:
-        steps = build_steps(c, blocks_fit, kq.INT8_KERNEL_TYPES, threads)
-        report(c, args.model, steps, threads, args.repeat)
+        steps = build_steps(c, blocks_fit, kq.INT8_KERNEL_TYPES, threads, args.resident)
+        report(c, args.model, steps, threads, args.repeat, args.resident)
 
 
 if __name__ == "__main__":
