@@ -142,3 +142,26 @@ def test_stories260k_on_int8_activations_meets_the_quality_bar(stories260k):
         print(f"{qtype}: mean KL {d.mean_kl:.2e}, top-1 {d.top1_agreement:.4f} over {d.tokens} positions")
         assert d.tokens >= 300
         assert d.mean_kl <= 1e-3 and d.top1_agreement >= 0.98
+
+
+@pytest.mark.parametrize("qtype", kq.INT8_KERNEL_TYPES)
+def test_row_range_workers_fill_their_rows_at_their_column(qtype):
+    """The workers a model calls: row ranges written at an offset column, by GGML type id, the same numbers as
+    matmul_int8; an id without a worker is refused."""
+    rng = np.random.default_rng(1)
+    t = quant.TYPES[qtype]
+    N, K, T, col = 9, 2 * max(t.block_size, 64), 3, 5
+    w = quant.quantize(rng.standard_normal((N, K)).astype(np.float32), qtype).reshape(N, -1)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    q, d, s = np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32), np.empty((T, K // 32), np.float32)
+    kq.quantize_activations_q8_into(x, T, q, d, s)
+    out = np.full((T, col + N + 2), np.nan, np.float32)
+    kq.matmul_rows_int8(t.type_id, w, q, d, s, T, out, col, 0, 4)
+    kq.matmul_rows_int8(t.type_id, w, q, d, s, T, out, col, 4, N)
+    np.testing.assert_array_equal(out[:, col: col + N], kq.matmul_int8(w, qtype, x))
+    assert np.isnan(out[:, :col]).all() and np.isnan(out[:, col + N:]).all()
+    vector = np.full(col + N, np.nan, np.float32)
+    kq.matvec_rows_int8(t.type_id, w, q[:1], d[:1], s[:1], vector, col, 0, N)
+    np.testing.assert_array_equal(vector[col:], out[0, col: col + N])
+    with pytest.raises(ValueError, match="no 8-bit-activation kernel"):
+        kq.matmul_rows_int8(quant.TYPES["Q5_1"].type_id, w, q, d, s, T, out, col, 0, N)

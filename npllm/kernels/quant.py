@@ -373,6 +373,12 @@ def matmul(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> np.nda
 # |q_x| <= 127 and the unsigned factor is at most 128 (|q_w| for Q8_0, with q_x's sign moved onto it) or 15 (a
 # nibble): 2 * 128 * 127 < 32767. Elsewhere the same sums come from plain LLVM integer vectors (slower, same result).
 # Results match quant.matmul_t_q8_activations to float32 rounding of the block sums.
+#
+# For a model:  quantize_activations_q8_into(x, T, q, d, s)    once per input x [T, K] (q [T, K] int8, d, s [T, K/32])
+#               matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1)   out[t, col + n], rows n0..n1 (a thread's)
+#               matvec_rows_int8(code, w, q, d, s, out, col, n0, n1)      the same for one token into a vector
+#               INT8_MATMUL_INTO[qtype](x, w, out, T, threads)            the whole product (cpu.matmul_into's order)
+# and from Python: matvec_int8(w, qtype, x, threads), matmul_int8(w, qtype, x, threads).
 # ================================================================================================================
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -624,21 +630,21 @@ def _int8_kernels(acc_block, block_size: int):
     """The product workers of one weight type on int8 activations, from its block accumulator."""
 
     @njit(fastmath=REASSOC, inline="always")
-    def one_row(w, n, q, d, s, t, out):
+    def one_row(w, n, q, d, s, t, out, col):
         acc, offset = vzero(), np.float32(0)
         for b in range(q.shape[1] // block_size):
             acc, part = acc_block(acc, w, n, b, q, d, s, t)
             offset += part
-        out[t, n] = vsum(acc) + offset
+        out[t, col + n] = vsum(acc) + offset
 
     @njit(fastmath=REASSOC, cache=True)
-    def rows_into(w, q, d, s, out, T, n0, n1):
-        """out[t, n] for t < T, n0 <= n < n1 from the quantized activations (q, d, s): one thread's share, each
-        weight row read from memory once for every token. (Rows go one at a time: interleaving 2 or 4 rows, to run
-        independent sums side by side, was slower here when the weights stream from memory.)"""
+    def rows_into(w, q, d, s, T, out, col, n0, n1):
+        """out[t, col + n] for t < T, n0 <= n < n1 from token t's quantized activations (q, d, s): one thread's
+        share, each weight row read from memory once for every token. (Rows go one at a time: interleaving 2 or 4
+        rows, to run independent sums side by side, was slower here when the weights stream from memory.)"""
         for n in range(n0, n1):
             for t in range(T):
-                one_row(w, n, q, d, s, t, out)
+                one_row(w, n, q, d, s, t, out, col)
 
     @njit(parallel=True, fastmath=REASSOC, cache=True)
     def matmul_into(x, w, out, T, threads):
@@ -650,7 +656,7 @@ def _int8_kernels(acc_block, block_size: int):
         quantize_activations_q8_into(x, T, q, d, s)
         chunks = max(1, min(N, threads))
         for c in prange(chunks):
-            rows_into(w, q, d, s, out, T, c * N // chunks, (c + 1) * N // chunks)
+            rows_into(w, q, d, s, T, out, 0, c * N // chunks, (c + 1) * N // chunks)
 
     return rows_into, matmul_into
 
@@ -661,6 +667,32 @@ for _name, _acc in [("Q8_0", _acc_int8_q8_0), ("Q4_0", _acc_int8_q4_0), ("Q4_K",
     INT8_ROWS_INTO[_name], INT8_MATMUL_INTO[_name] = _int8_kernels(_acc, TYPES[_name].block_size)
 
 INT8_KERNEL_TYPES = tuple(INT8_MATMUL_INTO)
+_rows_q8_0, _rows_q4_0, _rows_q4_k, _rows_q6_k = (INT8_ROWS_INTO[t] for t in ("Q8_0", "Q4_0", "Q4_K", "Q6_K"))
+INT8_TYPE_CODES = tuple(TYPES[t].type_id for t in INT8_KERNEL_TYPES)  # GGML type ids with an int8 worker
+
+
+@njit(cache=True)
+def matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1):
+    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1, W of GGML type `code` (Q8_0, Q4_0, Q4_K or Q6_K), x
+    given by quantize_activations_q8_into(x, T, q, d, s) (once per input, shared by every row range and matrix).
+        # q [>=T, K] int8, d, s [>=T, K / 32] float32 -> out [>=T, >=col + n1]"""
+    if code == 8:
+        _rows_q8_0(w, q, d, s, T, out, col, n0, n1)
+    elif code == 2:
+        _rows_q4_0(w, q, d, s, T, out, col, n0, n1)
+    elif code == 12:
+        _rows_q4_k(w, q, d, s, T, out, col, n0, n1)
+    elif code == 14:
+        _rows_q6_k(w, q, d, s, T, out, col, n0, n1)
+    else:
+        raise ValueError("no 8-bit-activation kernel for this GGML type (Q8_0, Q4_0, Q4_K and Q6_K have one)")
+
+
+@njit(cache=True)
+def matvec_rows_int8(code, w, q, d, s, out, col, n0, n1):
+    """out[col + n] = W[n] . x for n0 <= n < n1: matmul_rows_int8 for one token (q [1, K], d, s [1, K / 32]) into
+    a vector out [>=col + n1]."""
+    matmul_rows_int8(code, w, q, d, s, 1, out.reshape(1, out.shape[0]), col, n0, n1)
 
 
 def _check_int8(w: np.ndarray, qtype: str, K: int) -> None:
