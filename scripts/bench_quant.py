@@ -6,10 +6,10 @@ for every weight matrix of a model shape: the weight-reading part of one decode 
 For each type it prints the time of one pass over every matrix of the model (all layers and the LM head, random
 weights; attention, norms and sampling not included), the weight bytes read, the rate in GB/s of those bytes, the
 time per weight, and the speed relative to float32: best of `repeat` passes (wall clock: the best pass is the one
-least disturbed on a machine that other processes share; the best pass's process CPU time follows in brackets: with
-one thread, the time the pass ran, however long it waited for a core). Each quantized type runs twice: with float32 activations
-(`matvec`) and with activations quantized to 8-bit blocks (`int8`: the integer dot products, the activation
-quantization included in the time); the last column compares the two.
+least disturbed on a machine that other processes share; the best pass's process CPU time follows in brackets:
+with one thread, the time the pass ran, however long it waited for a core). Each quantized type with an int8
+kernel runs twice: with float32 activations (`matvec`) and with activations quantized to 8-bit blocks (`int8`:
+the integer dot products, the activation quantization included in the time); a last column compares the two.
 """
 
 import argparse

@@ -22,6 +22,9 @@ bit for bit; tests hold each kernel to the reference under Hypothesis.
 
 from __future__ import annotations
 
+import os
+
+import llvmlite.binding
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -385,10 +388,7 @@ _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 
 
 def _target_has_avx2() -> bool:
-    import os
-
-    import llvmlite.binding
-
+    """Whether the machine Numba compiles for has AVX2 (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES obeyed, as in simd.py)."""
     if os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES"):
         return "+avx2" in os.environ.get("NUMBA_CPU_FEATURES", "")
     return bool(llvmlite.binding.get_host_cpu_features().get("avx2", False))
@@ -402,8 +402,8 @@ def _ivec(t, lanes):
 
 
 def _x86(builder, name, result, arguments):
-    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, arguments), name)
-    return function
+    """An LLVM intrinsic function (x86's, or a generic one such as llvm.abs) declared in the module being built."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, arguments), name)
 
 
 def _dot_avx2(builder, unsigned, signed):
