@@ -638,3 +638,53 @@ class _TransposedMatrix:
 
     def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
         return self.matrix.matmul_t(x)
+
+
+# ---------------------------------------------------------------------------------------------------- 8-bit activations
+# The integer-dot path (kernels/quant.py, "8-bit activations"): the activations of a product are quantized per block
+# of 32 to int8 as Q8_0 quantizes weights, and each weight block meets its activation block in an integer dot
+# product. This is the readable reference those kernels are held to.
+
+Q8_BLOCK = 32  # activation values per scale
+
+
+def quantize_activations_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Activations as int8 blocks of 32 with one float32 scale each, and each block's sum of integers.
+
+        d_b = max_j |x_bj| / 127          (float32)
+        q_bj = round(x_bj / d_b)          (float64 quotient, halves away from zero; 0 where d_b = 0), |q| <= 127
+        s_b = sum_j q_bj                  (what an offset type's -8 etc. multiplies)
+
+    so x_bj = d_b (q_bj + e_bj) with |e_bj| <= 1/2: each value is off by at most d_b / 2.
+        # [..., K] float32 -> q [..., K] int8, d [..., K / 32] float32, s [..., K / 32] int32
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim == 0 or x.shape[-1] % Q8_BLOCK:
+        raise QuantizationError(f"activations of {x.shape[-1:]} values do not split into blocks of {Q8_BLOCK}")
+    if not np.all(np.isfinite(x)):
+        raise QuantizationError("cannot quantize activations that are not finite (inf or NaN)")
+    blocks = x.reshape(*x.shape[:-1], -1, Q8_BLOCK)
+    d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(d[..., None] == 0, 0.0, blocks.astype(np.float64) / d[..., None].astype(np.float64))
+    q = np.clip(_round_half_away(ratio), -127, 127).astype(np.int8)
+    return q.reshape(x.shape), d, q.astype(np.int32).sum(axis=-1)
+
+
+def dequantize_activations_q8(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The values int8 activation blocks stand for: d_b q_bj.   # [..., K] int8, [..., K / 32] -> [..., K] float64"""
+    return (q.reshape(*d.shape, Q8_BLOCK) * d[..., None].astype(np.float64)).reshape(q.shape)
+
+
+def matmul_t_q8_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int], x: np.ndarray) -> np.ndarray:
+    """x W^T with x quantized to 8-bit blocks: x^ W^T in float64, x^ = dequantize_activations_q8(q, d), W the
+    dequantized weights.                                              # [T, K] float32 -> [T, N] float64
+
+    The kernels compute the same sum block by block in integers: for a weight block stored as W_j = a u_j - m
+    (a scale, u small integers, m an offset; a = d_w, m = 0 for Q8_0), sum_j W_j d_x q_xj = (a d_x) (u . q_x) -
+    (m d_x) s, with u . q_x an exact integer dot product and s = sum_j q_xj. The only rounding against the exact
+    product x W^T is the activations', so
+        |out[t, n] - (x W^T)[t, n]| <= sum_b (d_x[t, b] / 2) sum_j |W[n, 32 b + j]|.
+    """
+    q_x, d_x, _ = quantize_activations_q8(np.atleast_2d(x))
+    return dequantize_activations_q8(q_x, d_x) @ dequantize(raw, qtype, shape).astype(np.float64).T

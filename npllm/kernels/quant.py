@@ -22,9 +22,13 @@ bit for bit; tests hold each kernel to the reference under Hypothesis.
 
 from __future__ import annotations
 
+import os
+
+import llvmlite.binding
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..quant import QK_K, TYPES, QuantizationError
@@ -355,3 +359,362 @@ def matmul(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> np.nda
     x = np.ascontiguousarray(x, dtype=np.float32)
     _check(w, qtype, x.shape[1])
     return _MATMUL[qtype](w, x, threads)
+
+
+# ================================================================================================================
+# 8-bit activations: integer dot products
+#
+# The activations of a product are quantized to int8 per block of 32 (quant.quantize_activations_q8: d = max|x| / 127,
+# q = round(x / d), s = sum q), and each 32-value weight block meets its activation block in an integer dot product:
+#
+#     Q8_0:  out[t, n] = sum_b (d_w d_x) * sum_j q_w q_x                   q_w int8
+#     Q4_0:  out[t, n] = sum_b (d_w d_x) * (sum_j u q_x - 8 s_b)           u = nibble 0..15, s_b = sum_j q_x
+#
+# The products of 8-bit integers are summed exactly in 32-bit integer lanes; one float multiply-add per block
+# applies d_w d_x. Where the machine has AVX2 the dot of 32 bytes is vpmaddubsw (unsigned byte x signed byte, pairs
+# summed to int16) then vpmaddwd by ones (pairs summed to int32): no pair sum can saturate int16 here, since
+# |q_x| <= 127 and the unsigned factor is at most 128 (|q_w| for Q8_0, with q_x's sign moved onto it) or 15 (a
+# nibble): 2 * 128 * 127 < 32767. Elsewhere the same sums come from plain LLVM integer vectors (slower, same result).
+# Results match quant.matmul_t_q8_activations to float32 rounding of the block sums.
+#
+# For a model:  quantize_activations_q8_into(x, T, q, d, s)    once per input x [T, K] (q [T, K] int8, d, s [T, K/32])
+#               matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1)   out[t, col + n], rows n0..n1 (a thread's)
+#               matvec_rows_int8(code, w, q, d, s, out, col, n0, n1)      the same for one token into a vector
+#               INT8_MATMUL_INTO[qtype](x, w, out, T, threads)            the whole product (cpu.matmul_into's order)
+# and from Python: matvec_int8(w, qtype, x, threads), matmul_int8(w, qtype, x, threads).
+# ================================================================================================================
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+
+
+def _target_has_avx2() -> bool:
+    """Whether the machine Numba compiles for has AVX2 (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES obeyed, as in simd.py)."""
+    if os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES"):
+        return "+avx2" in os.environ.get("NUMBA_CPU_FEATURES", "")
+    return bool(llvmlite.binding.get_host_cpu_features().get("avx2", False))
+
+
+AVX2 = _target_has_avx2()
+
+
+def _ivec(t, lanes):
+    return ir.VectorType(t, lanes)
+
+
+def _x86(builder, name, result, arguments):
+    """An LLVM intrinsic function (x86's, or a generic one such as llvm.abs) declared in the module being built."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, arguments), name)
+
+
+def _dot_avx2(builder, unsigned, signed):
+    """<8 x i32> partial sums of unsigned (<32 x i8>, 0..255) times signed (<32 x i8>): vpmaddubsw, vpmaddwd."""
+    pairs16 = builder.call(_x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _ivec(_I16, 16), [_ivec(_I8, 32)] * 2),
+                           [unsigned, signed])
+    return builder.call(_x86(builder, "llvm.x86.avx2.pmadd.wd", _ivec(_I32, 8), [_ivec(_I16, 16)] * 2),
+                        [pairs16, ir.Constant(_ivec(_I16, 16), [1] * 16)])
+
+
+def _dot_generic(builder, a, b, a_signed):
+    """The same sums from plain LLVM integer vectors (a signed or unsigned, b signed): lane i sums the products of
+    bytes 4i .. 4i + 3, as vpmaddubsw then vpmaddwd group them."""
+    wide = _ivec(_I32, 32)
+    a32 = builder.sext(a, wide) if a_signed else builder.zext(a, wide)
+    products = builder.mul(a32, builder.sext(b, wide))
+    total = None
+    for k in range(4):
+        part = builder.shuffle_vector(products, products, ir.Constant(_ivec(_I32, 8), list(range(k, 32, 4))))
+        total = part if total is None else builder.add(total, part)
+    return total
+
+
+def _dot(builder, w, x, w_signed: bool, avx2: bool):
+    """<8 x i32>: lane i = sum of w[4i + k] x[4i + k], k < 4, for <32 x i8> w (signed, |w| <= 128, or unsigned <= 63)
+    and x (|x| <= 127)."""
+    if not avx2:
+        return _dot_generic(builder, w, x, w_signed)
+    if not w_signed:
+        return _dot_avx2(builder, w, x)
+    # |w| times x with w's sign moved onto it: the unsigned factor is |w| <= 128
+    magnitude = builder.call(_x86(builder, "llvm.abs.v32i8", _ivec(_I8, 32), [_ivec(_I8, 32), ir.IntType(1)]),
+                             [w, ir.Constant(ir.IntType(1), 0)])
+    signed = builder.call(_x86(builder, "llvm.x86.avx2.psign.b", _ivec(_I8, 32), [_ivec(_I8, 32)] * 2), [x, w])
+    return _dot_avx2(builder, magnitude, signed)
+
+
+def _load_bytes(builder, context, array_type, array, index, count):
+    data = context.make_array(array_type)(context, builder, array).data
+    pointer = builder.bitcast(builder.gep(data, [index]), _ivec(_I8, count).as_pointer())
+    return builder.load(pointer, align=1)
+
+
+def _splat8(builder, value, count):
+    """<count x i8> of an integer value's low byte."""
+    vector = _ivec(_I8, count)
+    lane = builder.insert_element(ir.Constant(vector, ir.Undefined), builder.trunc(value, _I8),
+                                  ir.Constant(_I32, 0))
+    return builder.shuffle_vector(lane, ir.Constant(vector, ir.Undefined), ir.Constant(_ivec(_I32, count), [0] * count))
+
+
+def _field(builder, bytes_, shift, mask):
+    """(bytes >> shift) & mask per byte, shift a run-time integer."""
+    return builder.and_(builder.lshr(bytes_, _splat8(builder, shift, 32)), ir.Constant(_ivec(_I8, 32), [mask] * 32))
+
+
+# Weight bytes of each layout as the <32 x i8> of 32 values, and whether they are signed. Arguments after (w, ...)
+# and before (x, ix) locate them.
+def _int8_values(builder, context, sig, args):  # (w, iw): 32 int8
+    return _load_bytes(builder, context, sig.args[0], args[0], args[1], 32), True
+
+
+def _q4_0_values(builder, context, sig, args):  # (w, iw): 16 bytes, low nibbles values 0..15, high ones 16..31
+    packed = _load_bytes(builder, context, sig.args[0], args[0], args[1], 16)
+    fifteen = ir.Constant(_ivec(_I8, 16), [15] * 16)
+    low = builder.and_(packed, fifteen)
+    high = builder.and_(builder.lshr(packed, ir.Constant(_ivec(_I8, 16), [4] * 16)), fifteen)
+    return builder.shuffle_vector(low, high, ir.Constant(_ivec(_I32, 32), list(range(32)))), False
+
+
+def _nibbles32_values(builder, context, sig, args):  # (w, iw, shift): (byte >> shift) & 15 of 32 bytes (Q4_K)
+    return _field(builder, _load_bytes(builder, context, sig.args[0], args[0], args[1], 32), args[2], 15), False
+
+
+def _q6_values(builder, context, sig, args):
+    """(w, iql, ql_shift, iqh, qh_shift): ((ql >> ql_shift) & 15 | ((qh >> qh_shift) & 3) << 4) - 32 (Q6_K)."""
+    low = _field(builder, _load_bytes(builder, context, sig.args[0], args[0], args[1], 32), args[2], 15)
+    high = _field(builder, _load_bytes(builder, context, sig.args[0], args[0], args[3], 32), args[4], 3)
+    q = builder.or_(low, builder.shl(high, ir.Constant(_ivec(_I8, 32), [4] * 32)))
+    return builder.sub(q, ir.Constant(_ivec(_I8, 32), [32] * 32)), True
+
+
+def _idot_codegen(values, avx2):
+    def codegen(context, builder, signature, args):
+        ws, signed = values(builder, context, signature, args)
+        xs = _load_bytes(builder, context, signature.args[-2], args[-2], args[-1], 32)
+        return builder.sitofp(_dot(builder, ws, xs, signed, avx2), _vector(8))
+
+    return codegen
+
+
+def _idot_args_ok(w, locators, x, ix) -> bool:
+    return (_is_byte_c_array(w) and _is_byte_c_array(x) and isinstance(ix, types.Integer)
+            and all(isinstance(i, types.Integer) for i in locators))
+
+
+def _idots(avx2):
+    """Integer dots of 32 values: weights located by (w, ...) as each layout says, int8 activations at
+    x.flat[ix : ix + 32]; the result is the f32x8 of the eight int32 partial sums of 4 consecutive products (each at
+    most 4 * 128 * 127 in magnitude, so exact in float32)."""
+
+    def one_locator(values):
+        def typer(typingctx, w, iw, x, ix):
+            if _idot_args_ok(w, (iw,), x, ix):
+                return f32x8(w, iw, x, ix), _idot_codegen(values, avx2)
+
+        return intrinsic(typer)
+
+    def nibbles32(typingctx, w, iw, shift, x, ix):
+        if _idot_args_ok(w, (iw, shift), x, ix):
+            return f32x8(w, iw, shift, x, ix), _idot_codegen(_nibbles32_values, avx2)
+
+    def q6(typingctx, w, iql, ql_shift, iqh, qh_shift, x, ix):
+        if _idot_args_ok(w, (iql, ql_shift, iqh, qh_shift), x, ix):
+            return f32x8(w, iql, ql_shift, iqh, qh_shift, x, ix), _idot_codegen(_q6_values, avx2)
+
+    return one_locator(_int8_values), one_locator(_q4_0_values), intrinsic(nibbles32), intrinsic(q6)
+
+
+# idot_int8(w, iw, x, ix)                          32 int8 at w.flat[iw:]              . x.flat[ix:][:32]
+# idot_q4_0(w, iw, x, ix)                          Q4_0's 16 bytes of nibbles at w.flat[iw:]
+# idot_nibbles32(w, iw, shift, x, ix)              (byte >> shift) & 15 of 32 bytes
+# idot_q6(w, iql, ql_shift, iqh, qh_shift, x, ix)  Q6_K's 6-bit values, minus 32
+idot_int8, idot_q4_0, idot_nibbles32, idot_q6 = _idots(AVX2)
+GENERIC_IDOTS = _idots(False)  # the plain-LLVM versions, which tests compare with the machine's
+
+
+@intrinsic
+def vhalves(typingctx, a, b):
+    """f32x8 (a, a, a, a, b, b, b, b): per-lane scales for two 16-value sub-blocks of one integer dot."""
+    if not (a == types.float32 and b == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        vector = ir.Constant(_vector(8), ir.Undefined)
+        for lane in range(8):
+            vector = builder.insert_element(vector, args[lane // 4], ir.Constant(_I32, lane))
+        return vector
+
+    return f32x8(a, b), codegen
+
+
+@njit(fastmath=REASSOC, cache=True)
+def quantize_activations_q8_into(x, T, q, d, s):
+    """quant.quantize_activations_q8 of x[:T], into q [>=T, K] int8, d [>=T, K / 32] float32, s [>=T, K / 32]
+    float32 (the integer sums, exact in float32). Same float64 quotient and rounding, so the same integers."""
+    K = q.shape[1]
+    for t in range(T):
+        for b in range(K // 32):
+            amax = np.float32(0)
+            for j in range(32 * b, 32 * b + 32):
+                amax = max(amax, abs(x[t, j]))
+            scale = amax / np.float32(127)
+            d[t, b] = scale
+            total = 0
+            for j in range(32 * b, 32 * b + 32):
+                v = 0.0 if scale == 0 else np.float64(x[t, j]) / np.float64(scale)
+                r = min(127.0, np.floor(abs(v) + 0.5))
+                qj = int(r) if v >= 0 else -int(r)
+                q[t, j] = qj
+                total += qj
+            s[t, b] = total
+
+
+# For each type: _acc_int8_<type>(acc, w, n, b, q, d, s, t) adds weight block b of row n times token t's int8
+# activations (q, d, s: quantize_activations_q8_into's arrays; a weight block of 256 meets 8 activation blocks) to the
+# f32x8 `acc`, and returns it with a scalar part (an offset's term).
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_int8_q8_0(acc, w, n, b, q, d, s, t):
+    """Q8_0: acc += (d_w d_x) (q_w . q_x)."""
+    at = n * w.shape[1] + 34 * b
+    return vfma(acc, load_half(w, at) * d[t, b], idot_int8(w, at + 2, q, t * q.shape[1] + 32 * b)), np.float32(0)
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_int8_q4_0(acc, w, n, b, q, d, s, t):
+    """Q4_0: acc += (d_w d_x) (u . q_x), and -8 (d_w d_x) s_x as the scalar part."""
+    at = n * w.shape[1] + 18 * b
+    scale = load_half(w, at) * d[t, b]
+    return (vfma(acc, scale, idot_q4_0(w, at + 2, q, t * q.shape[1] + 32 * b)),
+            np.float32(-8) * scale * s[t, b])
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_int8_q4_k(acc, w, n, b, q, d, s, t):
+    """Q4_K: each sub-block i of 32 is activation block j = 8 b + i: acc += (d sc_i d_x) (u . q_x), and
+    -(dmin mn_i d_x) s_x as the scalar part (run r of 32 bytes: sub-block 2r in the low nibbles, 2r + 1 high)."""
+    base = 144 * b
+    at = n * w.shape[1] + base
+    d_w, dmin = load_half(w, at), load_half(w, at + 2)
+    offset = np.float32(0)
+    for r in range(4):
+        sc0, mn0 = _scale_min_q4_k(w, n, base + 4, 2 * r)
+        sc1, mn1 = _scale_min_q4_k(w, n, base + 4, 2 * r + 1)
+        j = 8 * b + 2 * r
+        x0, x1 = t * q.shape[1] + 32 * j, t * q.shape[1] + 32 * (j + 1)
+        acc = vfma(acc, d_w * np.float32(sc0) * d[t, j], idot_nibbles32(w, at + 16 + 32 * r, 0, q, x0))
+        acc = vfma(acc, d_w * np.float32(sc1) * d[t, j + 1], idot_nibbles32(w, at + 16 + 32 * r, 4, q, x1))
+        offset -= dmin * (np.float32(mn0) * d[t, j] * s[t, j] + np.float32(mn1) * d[t, j + 1] * s[t, j + 1])
+    return acc, offset
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_int8_q6_k(acc, w, n, b, q, d, s, t):
+    """Q6_K: the 32 values of group g of half h (activation block j = 8 b + 4 h + g) as signed q - 32 in one
+    integer dot; its lanes 0-3 hold sub-block 8h + 2g, lanes 4-7 sub-block 8h + 2g + 1, each scaled by (d sc d_x)."""
+    base = 210 * b
+    at = n * w.shape[1] + base
+    d_w = load_half(w, at + 208)
+    for h in range(2):
+        for g in range(4):
+            j = 8 * b + 4 * h + g
+            sub = base + 192 + 8 * h + 2 * g
+            scales = vhalves(d_w * np.float32(_int8(w[n, sub])) * d[t, j],
+                             d_w * np.float32(_int8(w[n, sub + 1])) * d[t, j])
+            lanes = idot_q6(w, at + 64 * h + 32 * (g & 1), 4 * (g >> 1), at + 128 + 32 * h, 2 * g, q,
+                            t * q.shape[1] + 32 * j)
+            acc = vfmav(acc, scales, lanes)
+    return acc, np.float32(0)
+
+
+def _int8_kernels(acc_block, block_size: int):
+    """The product workers of one weight type on int8 activations, from its block accumulator."""
+
+    @njit(fastmath=REASSOC, inline="always")
+    def one_row(w, n, q, d, s, t, out, col):
+        acc, offset = vzero(), np.float32(0)
+        for b in range(q.shape[1] // block_size):
+            acc, part = acc_block(acc, w, n, b, q, d, s, t)
+            offset += part
+        out[t, col + n] = vsum(acc) + offset
+
+    @njit(fastmath=REASSOC, cache=True)
+    def rows_into(w, q, d, s, T, out, col, n0, n1):
+        """out[t, col + n] for t < T, n0 <= n < n1 from token t's quantized activations (q, d, s): one thread's
+        share, each weight row read from memory once for every token. (Rows go one at a time: interleaving 2 or 4
+        rows, to run independent sums side by side, was slower here when the weights stream from memory.)"""
+        for n in range(n0, n1):
+            for t in range(T):
+                one_row(w, n, q, d, s, t, out, col)
+
+    @njit(parallel=True, fastmath=REASSOC, cache=True)
+    def matmul_into(x, w, out, T, threads):
+        """out[:T, :N] = x[:T] W^T with x quantized to 8-bit blocks.  # [>=T, K], [N, row bytes] -> [>=T, >=N]"""
+        N, K = w.shape[0], x.shape[1]
+        q = np.empty((T, K), np.int8)
+        d = np.empty((T, K // 32), np.float32)
+        s = np.empty((T, K // 32), np.float32)
+        quantize_activations_q8_into(x, T, q, d, s)
+        chunks = max(1, min(N, threads))
+        for c in prange(chunks):
+            rows_into(w, q, d, s, T, out, 0, c * N // chunks, (c + 1) * N // chunks)
+
+    return rows_into, matmul_into
+
+
+INT8_ROWS_INTO, INT8_MATMUL_INTO = {}, {}
+for _name, _acc in [("Q8_0", _acc_int8_q8_0), ("Q4_0", _acc_int8_q4_0), ("Q4_K", _acc_int8_q4_k),
+                    ("Q6_K", _acc_int8_q6_k)]:
+    INT8_ROWS_INTO[_name], INT8_MATMUL_INTO[_name] = _int8_kernels(_acc, TYPES[_name].block_size)
+
+INT8_KERNEL_TYPES = tuple(INT8_MATMUL_INTO)
+_rows_q8_0, _rows_q4_0, _rows_q4_k, _rows_q6_k = (INT8_ROWS_INTO[t] for t in ("Q8_0", "Q4_0", "Q4_K", "Q6_K"))
+INT8_TYPE_CODES = tuple(TYPES[t].type_id for t in INT8_KERNEL_TYPES)  # GGML type ids with an int8 worker
+
+
+@njit(cache=True)
+def matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1):
+    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1, W of GGML type `code` (Q8_0, Q4_0, Q4_K or Q6_K), x
+    given by quantize_activations_q8_into(x, T, q, d, s) (once per input, shared by every row range and matrix).
+        # q [>=T, K] int8, d, s [>=T, K / 32] float32 -> out [>=T, >=col + n1]"""
+    if code == 8:
+        _rows_q8_0(w, q, d, s, T, out, col, n0, n1)
+    elif code == 2:
+        _rows_q4_0(w, q, d, s, T, out, col, n0, n1)
+    elif code == 12:
+        _rows_q4_k(w, q, d, s, T, out, col, n0, n1)
+    elif code == 14:
+        _rows_q6_k(w, q, d, s, T, out, col, n0, n1)
+    else:
+        raise ValueError("no 8-bit-activation kernel for this GGML type (Q8_0, Q4_0, Q4_K and Q6_K have one)")
+
+
+@njit(cache=True)
+def matvec_rows_int8(code, w, q, d, s, out, col, n0, n1):
+    """out[col + n] = W[n] . x for n0 <= n < n1: matmul_rows_int8 for one token (q [1, K], d, s [1, K / 32]) into
+    a vector out [>=col + n1]."""
+    matmul_rows_int8(code, w, q, d, s, 1, out.reshape(1, out.shape[0]), col, n0, n1)
+
+
+def _check_int8(w: np.ndarray, qtype: str, K: int) -> None:
+    if qtype not in INT8_MATMUL_INTO:
+        raise QuantizationError(f"no 8-bit-activation kernel for {qtype} weights (npllm has "
+                                f"{', '.join(INT8_KERNEL_TYPES)})")
+    _check(w, qtype, K)
+
+
+def matvec_int8(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> np.ndarray:
+    """W x with x quantized to 8-bit blocks (integer dot products).  # [N, row bytes] uint8, [K] float32 -> [N]"""
+    return matmul_int8(w, qtype, np.asarray(x)[None, :], threads)[0]
+
+
+def matmul_int8(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> np.ndarray:
+    """x W^T with x quantized to 8-bit blocks.  # [N, row bytes] uint8, [T, K] float32 -> [T, N] float32"""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise QuantizationError(f"activations must be [T, K], not of shape {x.shape}")
+    _check_int8(w, qtype, x.shape[1])
+    if not np.all(np.isfinite(x)):
+        raise QuantizationError("cannot quantize activations that are not finite (inf or NaN)")
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    INT8_MATMUL_INTO[qtype](x, w, out, x.shape[0], threads)
+    return out

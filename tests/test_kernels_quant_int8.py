@@ -1,0 +1,167 @@
+"""The 8-bit-activation (integer dot product) kernels: the compiled activation quantizer is the NumPy one integer for
+integer; each layout's integer dot is exact, on AVX2 and in plain LLVM; each kernel is the NumPy reference
+(quantized activations times dequantized weights) to float32 rounding, which is the exact product x dequantize(W)^T
+to within the activations' rounding; stories260K on them meets the issue's quality bar."""
+
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from numba import njit
+
+from npllm import quant
+from npllm.kernels import quant as kq
+from npllm.kernels.simd import vstore
+from npllm.quant import QuantizationError
+from test_kernels_quant import activations, quantized_matrix
+from tests_support import REPO
+
+_spec = importlib.util.spec_from_file_location("int8_quality", REPO / "scripts" / "int8_quality.py")
+int8_quality = importlib.util.module_from_spec(_spec)
+sys.modules["int8_quality"] = int8_quality  # dataclasses look their module up by name
+_spec.loader.exec_module(int8_quality)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_compiled_activation_quantizer_is_the_reference(data):
+    T, blocks = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
+    scale = data.draw(st.sampled_from([1e-30, 1e-3, 1.0, 1e4]))
+    x = (activations(data.draw, (T, 32 * blocks)) * np.float32(scale)).astype(np.float32)
+    q, d, s = quant.quantize_activations_q8(x)
+    q2, d2, s2 = np.empty_like(q), np.empty_like(d), np.empty(d.shape, np.float32)
+    kq.quantize_activations_q8_into(x, T, q2, d2, s2)
+    assert np.array_equal(q, q2) and np.array_equal(d, d2) and np.array_equal(s, s2)
+    # the law the error bounds rest on: every value within half a step of d q, |q| <= 127
+    err = np.abs(x.reshape(T, -1, 32).astype(np.float64) - d[..., None].astype(np.float64) * q.reshape(T, -1, 32))
+    assert np.all(np.abs(q.astype(np.int32)) <= 127)
+    assert np.all(err <= d[..., None].astype(np.float64) * (0.5 + 1e-6) + 1e-44)
+
+
+# bytes of each type's small integers: zeroed, a block dequantizes to its offsets (Q4_0's -8 d, Q4_K's -dmin mn)
+INTEGER_BYTES = {"Q4_0": slice(2, 18), "Q4_K": slice(16, 144)}
+
+
+def bounds(w, qtype, K, x):
+    """(float32 rounding bound against the reference, activation rounding bound against x dequantize(W)^T), per
+    output. The kernels sum (a d_x)(u . q_x) and (m d_x) s separately, |a u| <= |W| + |m|, so both parts are within
+    sum_j (|W_j| + 2 |m_j|) |x^_j|; float32 block sums round that by far less than 1e-5 of it."""
+    N = w.shape[0]
+    W = np.abs(quant.dequantize(w, qtype, (N, K)).astype(np.float64))
+    offsets = np.zeros_like(W)
+    if qtype in INTEGER_BYTES:
+        t = quant.TYPES[qtype]
+        zeroed = w.reshape(-1, t.block_bytes).copy()
+        zeroed[:, INTEGER_BYTES[qtype]] = 0
+        offsets = np.abs(quant.dequantize(zeroed, qtype, (N, K)).astype(np.float64))
+    q_x, d_x, _ = quant.quantize_activations_q8(x)
+    x_hat = np.abs(quant.dequantize_activations_q8(q_x, d_x))
+    rounding = np.einsum("tb,nb->tn", d_x / 2.0, W.reshape(N, -1, 32).sum(axis=-1))
+    float32_sums = np.abs(x.astype(np.float64)) @ W.T
+    return 1e-5 * (x_hat @ (W + 2 * offsets).T) + 1e-30, rounding * (1 + 1e-6) + 2e-5 * float32_sums + 1e-30
+
+
+@pytest.mark.parametrize("qtype", kq.INT8_KERNEL_TYPES)
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_int8_kernels_are_the_reference(qtype, data):
+    w, K = data.draw(quantized_matrix(qtype))
+    T = data.draw(st.integers(1, 4), label="T")
+    x = activations(data.draw, (T, K))
+    threads = data.draw(st.integers(1, 3), label="threads")
+    got = kq.matmul_int8(w, qtype, x, threads)
+    reference = quant.matmul_t_q8_activations(w, qtype, (w.shape[0], K), x)
+    exact = x.astype(np.float64) @ quant.dequantize(w, qtype, (w.shape[0], K)).astype(np.float64).T
+    to_reference, to_exact = bounds(w, qtype, K, x)
+    assert got.dtype == np.float32 and got.shape == (T, w.shape[0])
+    assert np.all(np.abs(got - reference) <= to_reference)
+    assert np.all(np.abs(reference - exact) <= to_exact)
+    np.testing.assert_array_equal(kq.matvec_int8(w, qtype, x[0], threads), kq.matmul_int8(w, qtype, x[:1], 1)[0])
+
+
+def _lanes_of(idots):
+    int8, q4_0, nibbles32, q6 = idots
+
+    @njit
+    def lanes(w, x, shift, ql_shift, qh_shift):
+        out = np.empty((4, 8), np.float32)
+        vstore(out, 0, int8(w, 0, x, 0))
+        vstore(out, 8, q4_0(w, 0, x, 0))
+        vstore(out, 16, nibbles32(w, 0, shift, x, 0))
+        vstore(out, 24, q6(w, 0, ql_shift, 32, qh_shift, x, 0))
+        return out
+
+    return lanes
+
+
+machine_lanes, plain_lanes = _lanes_of((kq.idot_int8, kq.idot_q4_0, kq.idot_nibbles32, kq.idot_q6)), \
+    _lanes_of(kq.GENERIC_IDOTS)
+
+
+@settings(max_examples=30, deadline=None)
+@given(w=hnp.arrays(np.uint8, 64), x=hnp.arrays(np.int8, 32, elements=st.integers(-127, 127)),
+       shift=st.sampled_from([0, 4]), qh_shift=st.sampled_from([0, 2, 4, 6]))
+def test_machine_and_plain_integer_dots_are_the_integer_dot(w, x, shift, qh_shift):
+    """Each layout's dot, on AVX2 (where the machine has it) and in plain LLVM: lane i is the exact integer sum of
+    the products of values 4i .. 4i + 3 (Q6_K's per-lane scales rely on that grouping)."""
+    values = [w[:32].view(np.int8), np.concatenate([w[:16] & 15, w[:16] >> 4]), (w[:32] >> shift) & 15,
+              (((w[:32] >> shift) & 15) | (((w[32:] >> qh_shift) & 3) << 4)).astype(np.int64) - 32]
+    expected = np.array([(v.astype(np.int64) * x).reshape(8, 4).sum(axis=1) for v in values], np.float32)
+    np.testing.assert_array_equal(machine_lanes(w, x, shift, shift, qh_shift), expected)
+    np.testing.assert_array_equal(plain_lanes(w, x, shift, shift, qh_shift), expected)
+
+
+def test_int8_kernels_refuse_what_they_cannot_compute():
+    w = quant.quantize(np.ones((2, 64), np.float32), "Q8_0").reshape(2, -1)
+    with pytest.raises(QuantizationError, match="not finite"):
+        kq.matmul_int8(w, "Q8_0", np.full((1, 64), np.inf, np.float32))
+    with pytest.raises(QuantizationError, match="no 8-bit-activation kernel for Q5_1"):
+        kq.matvec_int8(w, "Q5_1", np.ones(64, np.float32))
+    with pytest.raises(QuantizationError, match="rows of 32"):
+        kq.matvec_int8(w, "Q8_0", np.ones(32, np.float32))
+    with pytest.raises(QuantizationError, match="blocks of 32"):
+        quant.quantize_activations_q8(np.ones(40, np.float32))
+
+
+def test_stories260k_on_int8_activations_meets_the_quality_bar(stories260k):
+    """Issue 12's bar, llama.cpp's --kl-divergence measure: mean KL(dequantized || int8 activations) <= 1e-3 and
+    top-1 agreement >= 98%, on stories260K (FFN padded to 192) in Q8_0 and Q4_0 over text sampled from it."""
+    from npllm.evaluate import kl_divergence
+    from npllm.formats.llama2c import read_llama2c
+    from npllm.tokenizer import load_tokenizer
+
+    config, weights = int8_quality.pad_ffn(*read_llama2c(stories260k), 192)
+    ids = int8_quality.sampled_text(config, weights, load_tokenizer(stories260k.parent / "tok512.bin"), 4)
+    for qtype in ("Q8_0", "Q4_0"):  # the 64-wide rows do not split into the K-quants' 256s
+        int8_model, exact_model = int8_quality.models(config, weights, qtype)
+        d = kl_divergence(int8_model, exact_model, ids, 128)
+        print(f"{qtype}: mean KL {d.mean_kl:.2e}, top-1 {d.top1_agreement:.4f} over {d.tokens} positions")
+        assert d.tokens >= 300
+        assert d.mean_kl <= 1e-3 and d.top1_agreement >= 0.98
+
+
+@pytest.mark.parametrize("qtype", kq.INT8_KERNEL_TYPES)
+def test_row_range_workers_fill_their_rows_at_their_column(qtype):
+    """The workers a model calls: row ranges written at an offset column, by GGML type id, the same numbers as
+    matmul_int8; an id without a worker is refused."""
+    rng = np.random.default_rng(1)
+    t = quant.TYPES[qtype]
+    N, K, T, col = 9, 2 * max(t.block_size, 64), 3, 5
+    w = quant.quantize(rng.standard_normal((N, K)).astype(np.float32), qtype).reshape(N, -1)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    q, d, s = np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32), np.empty((T, K // 32), np.float32)
+    kq.quantize_activations_q8_into(x, T, q, d, s)
+    out = np.full((T, col + N + 2), np.nan, np.float32)
+    kq.matmul_rows_int8(t.type_id, w, q, d, s, T, out, col, 0, 4)
+    kq.matmul_rows_int8(t.type_id, w, q, d, s, T, out, col, 4, N)
+    np.testing.assert_array_equal(out[:, col: col + N], kq.matmul_int8(w, qtype, x))
+    assert np.isnan(out[:, :col]).all() and np.isnan(out[:, col + N:]).all()
+    vector = np.full(col + N, np.nan, np.float32)
+    kq.matvec_rows_int8(t.type_id, w, q[:1], d[:1], s[:1], vector, col, 0, N)
+    np.testing.assert_array_equal(vector[col:], out[0, col: col + N])
+    with pytest.raises(ValueError, match="no 8-bit-activation kernel"):
+        kq.matmul_rows_int8(quant.TYPES["Q5_1"].type_id, w, q, d, s, T, out, col, 0, N)
