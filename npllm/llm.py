@@ -147,6 +147,10 @@ class LLM:
         """The completion of one prompt (without the prompt); for a list of prompts, the list of their completions,
         generated together by ragged batching, each one what it would be alone (every prompt uses `seed`)."""
         if not isinstance(prompt, str):
+            if sampling.pop("context_policy", "error") != "error" or sampling.pop("ignore_eos", False):
+                raise GenerationError("a batch of prompts is generated inside the context and stops at EOS: "
+                                      "context_policy and ignore_eos apply to a single prompt")
+            sampling.pop("sinks", None)
             params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, **sampling)
             texts = self._generate_batch(list(prompt), max_new_tokens, dataclasses.replace(params, stop=()))
             return [cut_at_stop(text, params.stop) for text in texts]

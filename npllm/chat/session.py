@@ -58,7 +58,10 @@ class ChatSession:
         self.messages = ([] if self.system is None else [{"role": "system", "content": self.system}]) + rest
 
     def save(self, path) -> None:
-        Path(path).write_text(json.dumps(self.messages, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        try:
+            Path(path).write_text(json.dumps(self.messages, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        except OSError as e:
+            raise GenerationError(f"cannot save the conversation to {path}: {e}") from None
 
     def load(self, path) -> None:
         """Take the conversation from a JSON file of messages (as save writes it)."""
