@@ -157,3 +157,23 @@ def test_cuda_backend_says_sinks_are_not_supported():
 
     with pytest.raises(GenerationError, match="cuda backend"):
         CudaTransformer.move_cached_keys(None, None, 0, [], [], 1)
+
+
+def test_streaming_nll_policies(llm):
+    """recompute is a fresh run over each window; window is the plain ring (a cache of `window` entries, one token
+    at a time); all three agree until the first token leaves the memory; sinks=0 is the plain window."""
+    from npllm.evaluate import _nll, streaming_nll
+
+    model, W = llm.model, 16
+    ids = np.array(story_ids(llm, 70, seed=7))
+    recompute = streaming_nll(model, ids, W, "recompute", batch=5)
+    fresh = [_nll(model.logits(ids[max(0, i - W + 1):i + 1])[-1:], ids[i + 1:i + 2])[0] for i in range(69)]
+    np.testing.assert_allclose(recompute, fresh, rtol=0, atol=1e-5)
+    ring = model.new_cache(W)
+    plain = [_nll(model.lm_head(model.forward([t], [i], ring)), ids[i + 1:i + 2])[0] for i, t in enumerate(ids[:-1])]
+    window = streaming_nll(model, ids, W, "window")
+    np.testing.assert_allclose(window, plain, rtol=0, atol=1e-5)
+    sinks = streaming_nll(model, ids, W, "sinks", sinks=4)
+    np.testing.assert_allclose(sinks[:W], recompute[:W], rtol=0, atol=1e-5)
+    assert np.abs(sinks[W:] - window[W:]).max() > 1e-3  # the sinks change what later tokens see
+    np.testing.assert_array_equal(streaming_nll(model, ids, W, "sinks", sinks=0), window)
