@@ -96,7 +96,7 @@ class Context:
         self.tokens, self.base = [], 0
 
     def prefill(self, ids) -> np.ndarray:
-        """Make the sequence `ids`, reusing the cache for the longest common prefix.  # [N] -> hidden [D]
+        """Make the sequence `ids`, reusing the cache for the longest common prefix.  # [N] -> hidden [1, D]
 
         At least the last token is run again (its hidden state is what the caller samples from)."""
         ids = [int(t) for t in ids]
@@ -121,7 +121,7 @@ class Context:
         del self.tokens[length:]
 
     def feed(self, ids) -> np.ndarray:
-        """Append tokens and run them through the model.               # [n] -> hidden state of the last one [D]"""
+        """Append tokens and run them through the model.               # [n] -> last hidden state [1, D]"""
         ids = [int(t) for t in ids]
         if not ids:
             raise GenerationError("nothing to feed")
@@ -145,7 +145,7 @@ class Context:
         hidden = self.model.forward(np.asarray(ids, np.int64), positions, self.cache)
         self.tokens.extend(ids)
         self.prefilled += len(ids)
-        return hidden[len(ids) - 1]
+        return hidden[len(ids) - 1:len(ids)]  # [1, D]: a slice, so a GPU model keeps it on the device
 
     def _recompute(self, tokens: list[int]) -> np.ndarray:
         """"truncate": an empty cache, then the last capacity // 2 tokens at positions 0, 1, ..."""
@@ -187,7 +187,7 @@ def continue_steps(context: Context, prompt_ids, max_new_tokens: int, params: Sa
     hidden = context.prefill(prompt_ids)
     row = Row(replace(params, seed=None, stop=()), rng, context.tokens)
     for n in range(max_new_tokens):
-        drawn = draw([row], model.lm_head(np.asarray(hidden)[None]), report)
+        drawn = draw([row], model.lm_head(hidden), report)
         token = int(drawn.token_ids[0])
         if token in stops:
             return

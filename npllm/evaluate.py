@@ -232,7 +232,7 @@ def streaming_nll(model, token_ids, window: int, policy: str, sinks: int = 4, ba
     context.feed(ids[:head])
     for i in range(head, len(ids) - 1):
         hidden = context.feed(ids[i:i + 1])
-        nll[i] = _nll(model.lm_head(np.asarray(hidden)[None]), ids[i + 1:i + 2])[0]
+        nll[i] = _nll(model.lm_head(hidden), ids[i + 1:i + 2])[0]
     return nll
 
 

@@ -139,3 +139,14 @@ def test_npllm_chat_script_ends_at_the_first_error(stories260k, monkeypatch, cap
     monkeypatch.setattr(sys, "stdin", io.StringIO("/nonsense\nHi\n"))
     assert main(["chat", "--model", str(stories260k), "--chat-template", "chatml"]) == 2
     assert "unknown command" in capsys.readouterr().err
+
+
+def test_a_reply_cut_short_is_kept_as_far_as_it_went(llm):
+    """What Ctrl-C does in `npllm chat`: the consumer stops reading, the reply so far stays in the conversation."""
+    session = ChatSession(llm, "chatml")
+    reply = session.send("Hi", 50, temperature=0.0)
+    pieces = [next(reply) for _ in range(3)]
+    reply.close()
+    assert session.messages[-1] == {"role": "assistant", "content": "".join(pieces)}
+    "".join(session.send("More", 5, temperature=0.0))  # and the conversation goes on from there
+    assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]

@@ -27,7 +27,7 @@ def story_ids(llm, n, seed=0):
 
 
 def last_logits(model, hidden):
-    return model.lm_head(np.asarray(hidden)[None])[0]
+    return model.lm_head(hidden)[0]
 
 
 def test_common_prefix():
