@@ -238,8 +238,9 @@ def run_generate(args) -> int:
     context = context_options(args)
     if args.context_policy == "error":
         check_request(llm.config, prompt_ids, args.max_new_tokens)
-    elif args.explain or args.num_beams > 1:
-        raise GenerationError("--explain and --num-beams run inside the context: --context-policy error only")
+    if (args.context_policy != "error" or args.ignore_eos) and (args.explain or args.num_beams > 1):
+        raise GenerationError("--explain and --num-beams run inside the context and stop at EOS: they take neither "
+                              "--context-policy nor --ignore-eos")
     if args.explain:
         from .explain import print_explained
 

@@ -121,7 +121,9 @@ class LLM:
         elif context_policy == "error" and not ignore_eos:
             steps = generate_steps(self.model, prompt_ids, max_new_tokens, params)
         else:
-            context = Context(self.model, context_policy, sinks)
+            # "error" never goes past prompt + max_new_tokens positions: a cache that size, not the whole context
+            room = min(self.config.max_seq_len, len(prompt_ids) + max(max_new_tokens, 1))
+            context = Context(self.model, context_policy, sinks, room if context_policy == "error" else None)
             steps = continue_steps(context, prompt_ids, max_new_tokens, params, ignore_eos)
             steps = _started(steps)  # a request refused (ignore_eos past the context) fails before the echo
         decoder = self.tokenizer.stream_decoder()
