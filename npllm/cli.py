@@ -4,8 +4,11 @@
                             --top-k K --min-p P --typical-p P --repetition-penalty R --presence-penalty A
                             --frequency-penalty A --no-repeat-ngram N --stop STR --logprobs N
                             --backend numba|numpy|cuda|auto --threads N --weight-dtype float32|float16
+                            --context-policy error|truncate|sinks --sinks S --ignore-eos
     npllm generate --prompt-file FILE ...      one prompt per line, generated together (ragged batching)
     npllm generate [PROMPT] ... --explain [--json]     (each token's candidates through the sampling pipeline)
+    npllm chat --model M [--system S] [--chat-template NAME|FILE] [sampling options] [--context-policy P]
+                                               a conversation: one user turn per line, replies streamed
     npllm quantize IN OUT --type q8_0|q4_0|q4_k|q6_k|f16|...     any checkpoint npllm reads, written as GGUF
     npllm perplexity --model M --text FILE [--ctx N] [--batch B] [--stride S] [--kl-divergence BASE] [--json]
     npllm bench --model NAME_OR_PATH [--batch B ...] [--prompt-len N ...] [--gen-len N] [--backend B ...]
@@ -37,7 +40,7 @@ from .models import WEIGHT_DTYPES
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npllm", description="A readable NumPy Llama inference engine.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (add_generate, add_info, add_quantize, add_bench, add_perplexity, add_serve):
+    for add in (add_generate, add_chat, add_info, add_quantize, add_bench, add_perplexity, add_serve):
         add(commands)
     return parser
 
@@ -49,6 +52,7 @@ def add_generate(commands) -> None:
     add_model_arguments(gen)
     gen.add_argument("--max-new-tokens", type=whole(0), default=256, help="most tokens to generate (default 256)")
     add_sampling_arguments(gen)
+    add_context_arguments(gen)
     gen.add_argument("--prompt-file", default=None,
                      help="a file with one prompt per line (blank lines skipped), all generated as one batch")
     gen.add_argument("--explain", action="store_true",
@@ -63,6 +67,32 @@ def add_generate(commands) -> None:
     gen.add_argument("--num-beams", type=whole(1, MOST_BEAMS), default=1, metavar="B",
                      help="beam search with B beams (greedy, deterministic): prints the best hypothesis")
     gen.set_defaults(run=run_generate)
+
+
+def add_chat(commands) -> None:
+    chat = commands.add_parser("chat", help="talk with a model in its chat template, replies streamed")
+    add_model_arguments(chat)
+    chat.add_argument("--system", "-s", default=None, help="the system message")
+    chat.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                      help="llama2, llama3, chatml, zephyr, or a .jinja / tokenizer_config.json file "
+                           "(default: the model's own)")
+    chat.add_argument("--max-new-tokens", type=whole(0), default=256, help="most tokens per reply (default 256)")
+    add_sampling_arguments(chat)
+    add_context_arguments(chat)
+    chat.set_defaults(run=run_chat)
+
+
+def add_context_arguments(parser) -> None:
+    parser.add_argument("--context-policy", choices=("error", "truncate", "sinks"), default="error",
+                        help="past the context: error (stop there, the default), truncate (recompute over the "
+                             "most recent half context) or sinks (StreamingLLM: first tokens + recent window)")
+    parser.add_argument("--sinks", type=whole(0, MOST_TOKENS), default=4,
+                        help="attention sinks kept with --context-policy sinks (default 4)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def context_options(args) -> dict:
+    return {"context_policy": args.context_policy, "sinks": args.sinks, "ignore_eos": args.ignore_eos}
 
 
 def add_sampling_arguments(gen) -> None:
@@ -238,7 +268,12 @@ def run_generate(args) -> int:
     if llm.tokenizer is None:
         raise GenerationError(f"no tokenizer was found beside {args.model}: pass --tokenizer PATH")
     prompt_ids = llm.tokenizer.encode(prompt, bos=True)
-    check_request(llm.config, prompt_ids, args.max_new_tokens)
+    context = context_options(args)
+    if args.context_policy == "error":
+        check_request(llm.config, prompt_ids, args.max_new_tokens)
+    if (args.context_policy != "error" or args.ignore_eos) and (args.explain or args.num_beams > 1):
+        raise GenerationError("--explain and --num-beams run inside the context and stop at EOS: they take neither "
+                              "--context-policy nor --ignore-eos")
     if args.explain:
         from .explain import print_explained
 
@@ -256,7 +291,7 @@ def run_generate(args) -> int:
         if params.logprobs:
             print_logprobs(llm.tokenizer, step)
 
-    for piece in llm.stream(prompt, args.max_new_tokens, echo=True, on_step=on_step, **speculation,
+    for piece in llm.stream(prompt, args.max_new_tokens, echo=True, on_step=on_step, **speculation, **context,
                             **as_keywords(params)):
         write_out(piece)
     write_out("\n")
@@ -354,6 +389,9 @@ def run_generate_batch(args) -> int:
 
     if args.prompt:
         raise GenerationError("give either a PROMPT or --prompt-file, not both")
+    if args.context_policy != "error" or args.ignore_eos:
+        raise GenerationError("--prompt-file prompts are generated inside the context and stop at EOS: "
+                              "--context-policy and --ignore-eos apply to a single PROMPT")
     prompts = read_prompt_file(args.prompt_file)
     params = sampling_params(args)
     llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
@@ -364,6 +402,12 @@ def run_generate_batch(args) -> int:
     write_out("\n\n".join(p + c for p, c in zip(prompts, completions)) + "\n")
     print(f"[npllm] {len(prompts)} prompts completed together in {seconds:.2f} s", file=sys.stderr)
     return 0
+
+
+def run_chat(args) -> int:
+    from .chat.repl import run
+
+    return run(args, sampling_params(args), context_options(args))
 
 
 def run_info(args) -> int:

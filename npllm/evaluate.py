@@ -193,3 +193,62 @@ def _progress(items, chunks: int, batch: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(items, total=-(-chunks // batch), unit="batch", desc=f"{chunks} chunks", leave=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Streaming: a text longer than the cache, token by token (StreamingLLM's figure)
+# ----------------------------------------------------------------------------------------------------------------
+
+STREAMING_POLICIES = ("recompute", "window", "sinks")
+
+
+def streaming_nll(model, token_ids, window: int, policy: str, sinks: int = 4, batch: int = 32) -> np.ndarray:
+    """Negative log-likelihood of every token after the first, each predicted with a bounded memory of `window`
+    tokens, the way StreamingLLM (Xiao et al. 2023, figure 3) compares them:     # [N] ids -> [N - 1] nll
+
+        "recompute"  sliding window with recomputation: token i is predicted from a fresh run over the last
+                     `window` tokens (positions 0 .. window-1); exact but O(window) work per token
+        "window"     window attention: the KV cache keeps the last `window` tokens, computed once each (a ring
+                     that overwrites its oldest entry; no sinks)
+        "sinks"      the cache keeps the first `sinks` tokens and the last window - sinks (npllm.context "sinks")
+
+    The first `window` predictions are the same for all three (nothing has left the memory yet). "recompute" runs
+    `batch` windows per forward call, each in its own cache slot (the same numbers, fewer passes over the weights).
+    """
+    from .context import Context
+
+    if policy not in STREAMING_POLICIES:
+        raise GenerationError(f"policy must be one of {', '.join(STREAMING_POLICIES)}, got {policy!r}")
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if len(ids) < 2 or window < 2:
+        raise GenerationError(f"need at least 2 tokens and a window of at least 2, got {len(ids)} and {window}")
+    nll = np.empty(len(ids) - 1)
+    head = min(window, len(ids) - 1)  # predictions made before anything leaves the memory: one causal run
+    nll[:head] = _nll(model.logits(ids[:head]), ids[1:head + 1])
+    if policy == "recompute":
+        nll[head:] = _recomputed_nll(model, ids, window, head, batch)
+        return nll
+    context = Context(model, "sinks", sinks if policy == "sinks" else 0, capacity=window)
+    context.feed(ids[:head])
+    for i in range(head, len(ids) - 1):
+        hidden = context.feed(ids[i:i + 1])
+        nll[i] = _nll(model.lm_head(hidden), ids[i + 1:i + 2])[0]
+    return nll
+
+
+def _recomputed_nll(model, ids: np.ndarray, window: int, first: int, batch: int) -> np.ndarray:
+    """nll of ids[i + 1] from a fresh run over ids[i - window + 1 .. i], for i = first .. len(ids) - 2, `batch`
+    windows per forward call (window b in cache slot b, positions 0 .. window-1).       # -> [len(ids) - 1 - first]"""
+    ends = np.arange(first, len(ids) - 1)
+    out = np.empty(len(ends))
+    cache = model.new_cache(window, slots=min(batch, len(ends)) or 1)
+    for at in range(0, len(ends), batch):
+        group = ends[at:at + batch]
+        tokens = np.concatenate([ids[i - window + 1:i + 1] for i in group])  # [b * window]
+        positions = np.tile(np.arange(window), len(group))
+        slots = np.repeat(np.arange(len(group)), window)
+        cache.reset()
+        hidden = model.forward(tokens, positions, cache, slots)
+        last = np.arange(1, len(group) + 1) * window - 1  # each window's last token
+        out[at:at + len(group)] = _nll(model.lm_head(np.asarray(hidden)[last]), ids[group + 1])
+    return out

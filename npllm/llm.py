@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy as np
 from . import batching
 from .config import ModelConfig
 from .errors import FormatError, GenerationError, TokenizerError
+from .context import DEFAULT_SINKS, Context, check_policy, continue_steps
 from .stop import StopStrings, cut_at_stop
 from .generate import check_prompt, check_request, generate_ids, generate_steps
 from .hub import resolve
@@ -69,6 +71,7 @@ class LLM:
         self.source = source
         self.backend, self.threads = backend, threads  # how drafts for speculative decoding are built
         self._drafts: dict = {}
+        self._chats: dict = {}  # ChatSessions by (template, context policy, sinks), each with its kept cache
 
     @property
     def config(self) -> ModelConfig:
@@ -86,6 +89,7 @@ class LLM:
 
     def stream(self, prompt: str = "", max_new_tokens: int = 256, echo: bool = False, on_step=None,
                draft=None, draft_layers: int | None = None, num_draft: int = 4, speculation=None,
+               context_policy: str = "error", ignore_eos: bool = False, sinks: int = DEFAULT_SINKS,
                **sampling) -> Iterator[str]:
         """Yield the completion's text as it is produced (with echo, the prompt's text first).
 
@@ -97,14 +101,31 @@ class LLM:
         Speculative decoding (npllm.speculative): draft= another LLM (or a checkpoint path) with the same vocabulary,
         or draft_layers=N (this model's first N layers) proposes num_draft tokens a round; the output keeps the
         model's distribution (greedy: the very same tokens). speculation: a SpeculationStats to fill in.
+
+        Past the context (npllm.context): context_policy "error" (never past it: generation ends when the context
+        is full), "truncate" (recompute over the most recent half context) or "sinks" (StreamingLLM: `sinks` first
+        tokens + the most recent window, bounded memory). ignore_eos: end-of-sequence ids do not end the completion.
         """
         params = SamplingParams(**sampling)
         prompt_ids = self._require_tokenizer().encode(prompt, bos=True)
-        check_request(self.config, prompt_ids, max_new_tokens)  # before the echo: a bad request prints nothing
-        steps = (self._speculative_steps(prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft,
-                                         speculation)
-                 if draft is not None or draft_layers is not None
-                 else generate_steps(self.model, prompt_ids, max_new_tokens, params))
+        check_policy(context_policy, sinks)
+        speculative = draft is not None or draft_layers is not None
+        if context_policy == "error":
+            check_request(self.config, prompt_ids, max_new_tokens)  # before the echo: a bad request prints nothing
+        if speculative and (context_policy != "error" or ignore_eos):
+            raise GenerationError("speculative decoding runs inside the context and stops at EOS: it takes neither "
+                                  "context_policy nor ignore_eos")
+        if speculative:
+            steps = self._speculative_steps(prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft,
+                                            speculation)
+        elif context_policy == "error" and not ignore_eos:
+            steps = generate_steps(self.model, prompt_ids, max_new_tokens, params)
+        else:
+            # "error" never goes past prompt + max_new_tokens positions: a cache that size, not the whole context
+            room = min(self.config.max_seq_len, len(prompt_ids) + max(max_new_tokens, 1))
+            context = Context(self.model, context_policy, sinks, room if context_policy == "error" else None)
+            steps = continue_steps(context, prompt_ids, max_new_tokens, params, ignore_eos)
+            steps = _started(steps)  # a request refused (ignore_eos past the context) fails before the echo
         decoder = self.tokenizer.stream_decoder()
         prompt_text = "".join(decoder.feed(t) for t in prompt_ids)
         if echo:
@@ -128,11 +149,47 @@ class LLM:
         """The completion of one prompt (without the prompt); for a list of prompts, the list of their completions,
         generated together by ragged batching, each one what it would be alone (every prompt uses `seed`)."""
         if not isinstance(prompt, str):
+            if sampling.pop("context_policy", "error") != "error" or sampling.pop("ignore_eos", False):
+                raise GenerationError("a batch of prompts is generated inside the context and stops at EOS: "
+                                      "context_policy and ignore_eos apply to a single prompt")
+            sampling.pop("sinks", None)
             params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, **sampling)
             texts = self._generate_batch(list(prompt), max_new_tokens, dataclasses.replace(params, stop=()))
             return [cut_at_stop(text, params.stop) for text in texts]
         return "".join(self.stream(prompt, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                    **sampling))
+
+    def chat_stream(self, messages: list[dict], max_new_tokens: int = 256, chat_template: str | None = None,
+                    context_policy: str = "error", sinks: int = DEFAULT_SINKS, ignore_eos: bool = False,
+                    on_step=None, **sampling) -> Iterator[str]:
+        """The assistant's reply to `messages` ([{"role", "content"}, ...]), streamed as text.
+
+        The conversation is laid out by the model's chat template (tokenizer_config.json, GGUF
+        tokenizer.chat_template) or chat_template= (a built-in name: llama2, llama3, chatml, zephyr; or a file).
+        The reply ends at the model's EOS, at the template's end-of-turn text, at a stop string or after
+        max_new_tokens. The KV cache is kept between calls with the same template and policy: a conversation that
+        grows by a turn runs only the new tokens through the model (npllm.chat.ChatSession, npllm.context).
+        """
+        session = self.chat_session(chat_template, context_policy=context_policy, sinks=sinks)
+        return session.stream(messages, max_new_tokens, ignore_eos=ignore_eos, on_step=on_step, **sampling)
+
+    def chat(self, messages: list[dict], max_new_tokens: int = 256, **options) -> str:
+        """The assistant's reply to `messages`, whole (the keywords of chat_stream)."""
+        return "".join(self.chat_stream(messages, max_new_tokens, **options))
+
+    def chat_session(self, chat_template: str | None = None, system: str | None = None,
+                     context_policy: str = "error", sinks: int = DEFAULT_SINKS):
+        """A ChatSession on this model (one per template and policy, kept: its cache serves the next call too).
+        A new system prompt starts from the same session's cache."""
+        from .chat.session import ChatSession
+
+        key = (chat_template, context_policy, int(sinks))
+        if key not in self._chats:
+            self._chats[key] = ChatSession(self, chat_template, None, context_policy, sinks)
+        session = self._chats[key]
+        session.set_system(system)
+        session.reset()
+        return session
 
     def _generate_batch(self, prompts: list[str], max_new_tokens: int, params: SamplingParams) -> list[str]:
         tokenizer = self._require_tokenizer()
@@ -205,6 +262,16 @@ class LLM:
         if self.tokenizer is None:
             raise FormatError(f"no tokenizer was found for {self.source}: pass tokenizer=PATH")
         return self.tokenizer
+
+
+def _started(steps: Iterator) -> Iterator:
+    """steps with its first item computed now: the prefill runs, and a refused request raises, at the call."""
+    steps = iter(steps)
+    try:
+        first = next(steps)
+    except StopIteration:
+        return iter(())
+    return itertools.chain([first], steps)
 
 
 def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None,

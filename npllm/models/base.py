@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import ops
 from ..cache import RingKVCache
 from ..config import ModelConfig
 from ..errors import GenerationError
@@ -57,6 +58,33 @@ class Model:
             positions = np.arange(len(tokens))
         cache = self.new_cache() if cache is None else cache
         return self.lm_head(self.forward(tokens, positions, cache))
+
+    @property
+    def key_layout(self) -> str:
+        """How the cached keys pair their dimensions for RoPE: "interleaved" (2i, 2i+1) or "half" (i, i + Dh/2).
+        The reference caches keys in the checkpoint's layout; a backend that permutes q/k rows says so."""
+        return self.config.rope_layout
+
+    def move_cached_keys(self, cache, slot: int, src, dst, shift: int) -> None:
+        """Move ring entries src -> dst of one slot in every layer, each key rotated `shift` positions further.
+                                                                                    # src, dst [n] ring indices
+        Keys are cached already rotated by RoPE to their position p. RoPE is a rotation, R(p + d) k = R(d) R(p) k,
+        so the cached key of position p becomes the key of position p + d by one more rotation by d, in the
+        cache's own pairing of dimensions (key_layout), without recomputing its token. Values carry no position
+        and move as they are. The positions table follows: dst now holds src's positions + shift, src is emptied
+        (then refilled where it is also a destination). Attention sinks slide forward this way (npllm.context).
+        """
+        src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        k = cache.k[:, slot, src].astype(np.float64)  # [L, n, K, Dh]
+        Dh = k.shape[-1]
+        cos, sin = ops.rope_angles(np.array([shift]), self.inv_freq, np.float64)  # [1, Dh/2] each
+        rope = ops.rope_interleaved if self.key_layout == "interleaved" else ops.rope_half
+        rotated = rope(k.reshape(-1, 1, Dh), cos, sin).reshape(k.shape)
+        v, moved = cache.v[:, slot, src].copy(), cache.positions[slot, src] + shift
+        cache.positions[slot, src] = -1
+        cache.k[:, slot, dst] = rotated.astype(cache.k.dtype)
+        cache.v[:, slot, dst] = v
+        cache.positions[slot, dst] = moved
 
     def synchronize(self) -> None:
         """Wait until queued work is done (a GPU's launches return at once; on the CPU nothing is queued)."""

@@ -233,6 +233,11 @@ class CudaTransformer(Model):
     def new_cache(self, capacity: int | None = None, slots: int = 1) -> CudaKVCache:
         return CudaKVCache(self.config, capacity, slots)
 
+    def move_cached_keys(self, cache, slot: int, src, dst, shift: int) -> None:
+        """Not on the GPU yet: the ring lives in device memory and no kernel re-rotates its keys."""
+        raise GenerationError("attention sinks (context_policy='sinks') are not supported by the cuda backend "
+                              "(its KV cache lives on the GPU): use backend='numba', or context_policy='truncate'")
+
     def forward(self, tokens, positions, cache: CudaKVCache, slots=None) -> DeviceArray:
         """Final-norm hidden states of the given tokens, updating the cache.      # [T], [T], [T] -> [T, D] on the GPU
 

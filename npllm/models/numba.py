@@ -76,6 +76,9 @@ class NumbaTransformer(Model):
         p = self.packed
         self.layer_bytes = (p.wqkv.nbytes + p.wo.nbytes + p.w13.nbytes + p.w2.nbytes) // config.n_layers
 
+    # fused_qkv(interleave_rope=True) permutes Hugging Face q/k rows, so every cached key pairs (2i, 2i+1)
+    key_layout = "interleaved"
+
     def threads_for(self, T: int, weight_bytes: int, regions: int) -> int:
         """Threads for a call over T tokens that reads weight_bytes in `regions` parallel regions: all of
         self.threads, or one when a region would take less than PARALLEL_MIN_SECONDS on one core, since waking

@@ -1,0 +1,159 @@
+"""A conversation with a model: the template lays the messages out, a Context keeps the cache between turns.
+
+    ChatSession(llm, chat_template=None, system=None, context_policy="error", sinks=4)
+        stream(messages, max_new_tokens, ...)  the assistant's reply to `messages`, as text pieces
+        send(text, ...)                        a user turn appended to .messages, the reply streamed and appended
+        messages, reset(), set_system(text), save(path), load(path)
+
+Every turn renders the whole conversation (add_generation_prompt=True) and tokenizes it; the Context runs only the
+tokens after the longest common prefix with what its cache holds, so a turn costs its new tokens, not the
+conversation's. A reply ends at the model's end-of-sequence ids, at the template's end-of-turn text (what the
+template writes after an assistant message, e.g. "<|im_end|>"), at a stop string, or at max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from ..context import DEFAULT_SINKS, Context, continue_steps
+from ..errors import ChatTemplateError, GenerationError
+from ..sampling import SamplingParams
+from ..stop import StopStrings
+from ..tokenizer.base import TokenType
+from .templates import find_chat_template, render_chat_template, resolve_chat_template
+
+ROLES = ("system", "user", "assistant", "tool")
+_SENTINEL = "\u2063reply\u2063"  # an assistant message no template changes, to find the text written after it
+
+
+class ChatSession:
+    def __init__(self, llm, chat_template: str | None = None, system: str | None = None,
+                 context_policy: str = "error", sinks: int = DEFAULT_SINKS, capacity: int | None = None):
+        self.llm = llm
+        self.tokenizer = llm._require_tokenizer()
+        self.template = resolve_chat_template(chat_template, find_chat_template(llm.source) if llm.source else None)
+        tok = self.tokenizer
+        self.bos_text, self.eos_text = tok.id_to_piece(tok.bos_id), tok.id_to_piece(tok.eos_id)
+        self.end_of_turn = turn_end(self.template, self.bos_text, self.eos_text)
+        end_ids = self.encode(self.end_of_turn) if self.end_of_turn else []
+        self.end_ids = frozenset(end_ids) if len(end_ids) == 1 else frozenset()  # a special token such as <|im_end|>
+        self.context = Context(llm.model, context_policy, sinks, capacity)
+        self.system = system
+        self.messages: list[dict] = []
+        self.reset()
+
+    # -- the conversation ---------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget the conversation (the system message stays). The cache is kept: the next turn reuses its prefix."""
+        self.messages = [] if self.system is None else [{"role": "system", "content": self.system}]
+
+    def set_system(self, text: str | None) -> None:
+        """Replace the system message (None or "" removes it), keeping the rest of the conversation."""
+        self.system = text or None
+        rest = [m for m in self.messages if m["role"] != "system"]
+        self.messages = ([] if self.system is None else [{"role": "system", "content": self.system}]) + rest
+
+    def save(self, path) -> None:
+        try:
+            Path(path).write_text(json.dumps(self.messages, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        except OSError as e:
+            raise GenerationError(f"cannot save the conversation to {path}: {e}") from None
+
+    def load(self, path) -> None:
+        """Take the conversation from a JSON file of messages (as save writes it)."""
+        try:
+            messages = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise GenerationError(f"cannot read a conversation from {path}: {e}") from None
+        self.messages = check_messages(messages)
+        systems = [m["content"] for m in self.messages if m["role"] == "system"]
+        self.system = systems[0] if systems else None
+
+    # -- turns --------------------------------------------------------------------------------------------------
+
+    def prompt_ids(self, messages) -> list[int]:
+        """The token ids of `messages` laid out by the template, opening the assistant's turn."""
+        text = render_chat_template(self.template, check_messages(messages), add_generation_prompt=True,
+                                    bos_token=self.bos_text, eos_token=self.eos_text)
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        """Rendered template text -> ids. The BOS/EOS pieces the template wrote as text become their ids (a
+        SentencePiece encoder would spell "<s>" letter by letter); nothing is added that the template did not write,
+        as transformers' apply_chat_template(tokenize=True) does."""
+        tok = self.tokenizer
+        specials = {tok.id_to_piece(i): i for i in (tok.bos_id, tok.eos_id)
+                    if i is not None and 0 <= i < tok.vocab_size and tok.token_type(i) == TokenType.CONTROL}
+        specials = {piece: i for piece, i in specials.items() if piece}
+        if not specials:
+            return tok.encode(text, bos=False)
+        ids = []
+        for part in re.split("(" + "|".join(map(re.escape, specials)) + ")", text):
+            if part in specials:
+                ids.append(specials[part])
+            elif part:
+                ids.extend(tok.encode(part, bos=False))
+        return ids
+
+    def stream(self, messages, max_new_tokens: int = 256, ignore_eos: bool = False,
+               on_step: Callable | None = None, **sampling) -> Iterator[str]:
+        """The assistant's reply to `messages`, streamed as text (stop strings and the end of turn cut it)."""
+        params = SamplingParams(**sampling)
+        prompt = self.prompt_ids(messages)
+        stops = StopStrings(tuple(params.stop) + ((self.end_of_turn,) if self.end_of_turn else ()))
+        decoder = self.tokenizer.stream_decoder()
+        steps = continue_steps(self.context, prompt, max_new_tokens, params, ignore_eos, self.end_ids)
+        for step in steps:
+            if on_step is not None:
+                on_step(step)
+            piece = stops.feed(decoder.feed(step.token_ids))
+            if piece:
+                yield piece
+            if stops.stopped:
+                return
+        tail = stops.feed(decoder.flush()) + stops.flush()
+        if tail:
+            yield tail
+
+    def send(self, text: str, max_new_tokens: int = 256, **options) -> Iterator[str]:
+        """Append a user message, stream the reply, and append it as the assistant's message. A reply cut short
+        (an exception, Ctrl-C, the caller closing the generator) is kept as far as it went."""
+        self.messages.append({"role": "user", "content": text})
+        pieces = []
+        try:
+            for piece in self.stream(self.messages, max_new_tokens, **options):
+                pieces.append(piece)
+                yield piece
+        except GenerationError:
+            self.messages.pop()  # a turn that could not start (the conversation does not fit) is not kept
+            raise
+        finally:
+            if self.messages and self.messages[-1]["role"] == "user":
+                self.messages.append({"role": "assistant", "content": "".join(pieces)})
+
+
+def check_messages(messages) -> list[dict]:
+    """A list of {"role", "content"} dicts with a known role and text content, or a GenerationError."""
+    if not isinstance(messages, list):
+        raise GenerationError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise GenerationError(f"message {i} must be a dict with a role in {', '.join(ROLES)} and text content, "
+                                  f"got {m!r:.80}")
+    return messages
+
+
+def turn_end(template: str, bos_text: str, eos_text: str) -> str:
+    """The text a template writes right after an assistant message ("<|im_end|>", "</s>", "<|eot_id|>"), found by
+    rendering one exchange with a sentinel reply; "" when it writes none or cannot render one."""
+    exchange = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}]
+    try:
+        text = render_chat_template(template, exchange, bos_token=bos_text, eos_token=eos_text)
+    except ChatTemplateError:
+        return ""
+    at = text.find(_SENTINEL)
+    return text[at + len(_SENTINEL):].strip() if at >= 0 else ""

@@ -1,0 +1,198 @@
+"""One sequence whose KV cache is kept between calls, and what happens when the context is full.
+
+    Context(model, policy, sinks, capacity)
+        tokens      every token the model has been fed for this sequence, in order
+        prefill(ids)  make the sequence equal `ids`: keep the longest common prefix with `tokens` in the cache
+                    (rewound there) and run only the rest through the model -> hidden state of the last token
+        feed(ids)   append tokens -> hidden state of the last one
+    continue_steps(context, prompt_ids, ...)   generation on a Context: prefill, then one draw and one feed per token
+
+A chat sends the whole conversation every turn; everything up to the new user message is already in the cache, so
+a turn costs only its new tokens (`prefilled` counts what went through the model).
+
+Context policies, for a sequence longer than the cache (`capacity` positions, default the model's context):
+
+    "error"     the sequence never passes the context: a prompt that does not fit is an error, generation ends when
+                the context is full (as generate always has), and with ignore_eos a request whose max_new_tokens
+                cannot fit is refused before it starts.
+    "truncate"  when a token does not fit, the cache is emptied and the most recent capacity // 2 tokens are run
+                through the model again at positions 0, 1, ... (the oldest tokens, BOS included, are dropped);
+                generation continues with half a context of room before the next recomputation. A prompt longer
+                than the context keeps its last capacity // 2 tokens the same way.
+    "sinks"     StreamingLLM (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks"): the
+                ring keeps the first `sinks` tokens (the attention sinks) and the most recent capacity - sinks
+                tokens, and every query sees exactly those. Nothing is recomputed; memory stays the cache's.
+
+How "sinks" assigns positions. StreamingLLM numbers positions inside the cache: sink i at i, the window after
+them, so a query is (sinks + its window distance) from sink i. Keys here are cached rotated by their absolute
+position, and within the window absolute distances already are the in-cache ones; only the sinks must look as if
+they sat just before the window's oldest token. So when the ring is full and position P comes in, the window's
+oldest token leaves, and each sink moves one ring entry forward, its key rotated by one more position
+(Model.move_cached_keys: R(p + 1) k = R(1) R(p) k, in the backend's own key layout) and its position entry + 1.
+Sink i then sits at P - capacity + 1 + i, the window at P - capacity + sinks + 1 .. P: every entry of the ring is
+visible to the query at P, and the distance to sink i is capacity - 1 - i, StreamingLLM's. Tokens past the full
+ring are fed one at a time, since each one slides the sinks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+
+from .cache import RingKVCache
+from .errors import GenerationError
+from .generate import Row, check_prompt, draw, stop_ids
+from .sampling import Sampled, SamplingParams
+
+POLICIES = ("error", "truncate", "sinks")
+DEFAULT_SINKS = 4  # StreamingLLM's choice: four initial tokens suffice as attention sinks
+
+
+def check_policy(policy: str, sinks: int = DEFAULT_SINKS) -> None:
+    if policy not in POLICIES:
+        raise GenerationError(f"context_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if not isinstance(sinks, (int, np.integer)) or sinks < 0:
+        raise GenerationError(f"sinks must be an integer >= 0, got {sinks!r}")
+
+
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Context:
+    """One sequence (cache slot 0) of `model`, its tokens and its cache, under a context policy (module docstring).
+
+    tokens[i] sits at position i - base (base > 0 only after "truncate" dropped a head). `prefilled` counts the
+    tokens run through the model, recomputations included.
+    """
+
+    def __init__(self, model, policy: str = "error", sinks: int = DEFAULT_SINKS, capacity: int | None = None):
+        check_policy(policy, sinks)
+        self.model, self.policy, self.sinks = model, policy, int(sinks)
+        self.cache = model.new_cache(model.config.max_seq_len if capacity is None else int(capacity))
+        self.capacity = self.cache.capacity
+        if policy == "sinks" and not isinstance(self.cache, RingKVCache):
+            model.move_cached_keys(self.cache, 0, [], [], 0)  # the backend says why it cannot (cuda)
+        if policy == "sinks" and self.sinks >= self.capacity:
+            raise GenerationError(f"{self.sinks} sinks leave no room for a window in a cache of {self.capacity}")
+        self.tokens: list[int] = []
+        self.base = 0
+        self.prefilled = 0
+
+    @property
+    def positions_held(self) -> int:
+        """How many of the sequence's positions have been written (the next token's position)."""
+        return len(self.tokens) - self.base
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.tokens, self.base = [], 0
+
+    def prefill(self, ids) -> np.ndarray:
+        """Make the sequence `ids`, reusing the cache for the longest common prefix.  # [N] -> hidden [1, D]
+
+        At least the last token is run again (its hidden state is what the caller samples from)."""
+        ids = [int(t) for t in ids]
+        check_prompt(self.model.config, ids if self.policy == "error" else ids[:1])  # the others go past the context
+        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            check_prompt(self.model.config, bad[:1])  # its message names the ids outside the vocabulary
+        keep = min(common_prefix(self.tokens, ids), len(ids) - 1)
+        if keep < len(self.tokens):
+            self._rewind(keep)
+        return self.feed(ids[len(self.tokens):])
+
+    def _rewind(self, length: int) -> None:
+        """Forget tokens[length:]. The ring can go back only while it still holds everything before `length` in
+        the layout a fresh run would give: never wrapped, sinks never moved, the truncation base not passed;
+        otherwise the cache starts over (and the caller feeds the whole sequence again)."""
+        wrapped = len(self.tokens) - self.base > self.capacity
+        if wrapped or length < self.base or not hasattr(self.cache, "rewind"):
+            self.reset()
+            return
+        self.cache.rewind(0, length - self.base)
+        del self.tokens[length:]
+
+    def feed(self, ids) -> np.ndarray:
+        """Append tokens and run them through the model.               # [n] -> last hidden state [1, D]"""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise GenerationError("nothing to feed")
+        room = self.capacity - self.positions_held
+        if len(ids) <= room:
+            return self._forward(ids)
+        if self.policy == "error":
+            raise GenerationError(f"the sequence needs {self.positions_held + len(ids)} positions but the context "
+                                  f"is {self.capacity} tokens (context_policy='truncate' or 'sinks' go past it)")
+        if self.policy == "truncate":
+            return self._recompute(self.tokens + ids)
+        hidden = self._forward(ids[:room]) if room > 0 else None
+        for token in ids[max(room, 0):]:
+            self._slide_sinks()
+            hidden = self._forward([token])
+        return hidden
+
+    def _forward(self, ids) -> np.ndarray:
+        first = self.positions_held
+        positions = np.arange(first, first + len(ids), dtype=np.int64)
+        hidden = self.model.forward(np.asarray(ids, np.int64), positions, self.cache)
+        self.tokens.extend(ids)
+        self.prefilled += len(ids)
+        return hidden[len(ids) - 1:len(ids)]  # [1, D]: a slice, so a GPU model keeps it on the device
+
+    def _recompute(self, tokens: list[int]) -> np.ndarray:
+        """"truncate": an empty cache, then the last capacity // 2 tokens at positions 0, 1, ..."""
+        keep = max(1, self.capacity // 2)
+        self.cache.reset()
+        self.base = len(tokens) - keep
+        self.tokens = tokens[:self.base]
+        return self._forward(tokens[self.base:])
+
+    def _slide_sinks(self) -> None:
+        """Make room for position P = positions_held in a full ring: the window's oldest token leaves, each sink
+        moves one entry forward, its key rotated one position further (see the module docstring)."""
+        P, C, S = self.positions_held, self.capacity, self.sinks
+        if S == 0:
+            return  # a plain sliding window: the ring overwrites its oldest entry by itself
+        src = (P - C + np.arange(S)) % C
+        self.model.move_cached_keys(self.cache, 0, src, (src + 1) % C, 1)
+
+
+def continue_steps(context: Context, prompt_ids, max_new_tokens: int, params: SamplingParams,
+                   ignore_eos: bool = False, extra_stop_ids=(), rng: np.random.Generator | None = None,
+                   report: bool | None = None) -> Iterator[Sampled]:
+    """Generate on a Context: prefill prompt_ids (reusing its cache), then draw a token, yield it, feed it, ...
+
+    Stops at a stop id (not yielded; the model's own unless ignore_eos, and extra_stop_ids always), after
+    max_new_tokens, or under "error" when the context is full (the last token drawn is yielded, not fed). The
+    caller's stop strings are the caller's (text). Draws are sampling's, as in generate.decode: one generator
+    seeded with params.seed, the penalties looking at the whole sequence.
+    """
+    model = context.model
+    if max_new_tokens < 0:
+        raise GenerationError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if context.policy == "error" and ignore_eos and len(prompt_ids) + max_new_tokens - 1 > context.capacity:
+        raise GenerationError(f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new ones do not fit the context of "
+                              f"{context.capacity} (context_policy='truncate' or 'sinks' go past it)")
+    stops = (frozenset() if ignore_eos else stop_ids(model.config)) | frozenset(int(t) for t in extra_stop_ids)
+    report = params.logprobs > 0 if report is None else report
+    rng = np.random.default_rng(params.seed) if rng is None else rng
+    hidden = context.prefill(prompt_ids)
+    row = Row(replace(params, seed=None, stop=()), rng, context.tokens)
+    for n in range(max_new_tokens):
+        drawn = draw([row], model.lm_head(hidden), report)
+        token = int(drawn.token_ids[0])
+        if token in stops:
+            return
+        yield Sampled(token, float(drawn.logprobs[0]), drawn.top_ids[0], drawn.top_logprobs[0])
+        if n == max_new_tokens - 1 or (context.policy == "error" and context.positions_held >= context.capacity):
+            return
+        hidden = context.feed([token])
+        row.history = context.tokens  # "truncate" may have replaced the list

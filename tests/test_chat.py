@@ -1,0 +1,152 @@
+"""LLM.chat and ChatSession: the template's prompt, replies equal to plain generation, the cache reused across
+turns (equal to recomputation, fewer tokens run), the end of turn, /save and /load; `npllm chat` as a script."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import npllm
+from npllm.chat.session import ChatSession, turn_end
+from npllm.chat.templates import BUILTIN_TEMPLATES
+from npllm.errors import ChatTemplateError, GenerationError
+from npllm.generate import generate_ids
+from npllm.sampling import SamplingParams
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def llm(stories260k):
+    return npllm.load(stories260k)
+
+
+def test_turn_end_of_the_builtin_templates():
+    ends = {name: turn_end(t, "<s>", "</s>") for name, t in BUILTIN_TEMPLATES.items()}
+    assert ends == {"llama2": "</s>", "llama3": "<|eot_id|>", "chatml": "<|im_end|>", "zephyr": "</s>"}
+
+
+def test_prompt_is_the_rendered_template_and_specials_become_ids(llm):
+    session = ChatSession(llm, "llama2", system="Be brief.")
+    ids = session.prompt_ids(session.messages + HI)
+    assert ids[0] == llm.tokenizer.bos_id and ids.count(llm.tokenizer.bos_id) == 1  # "<s>" is BOS, not 3 letters
+    assert llm.tokenizer.decode(ids) == "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST]"
+    chatml = ChatSession(llm, "chatml")
+    assert llm.tokenizer.decode(chatml.prompt_ids(HI)) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_reply_is_plain_generation_from_the_rendered_prompt(llm):
+    session = ChatSession(llm, "chatml")
+    reply = llm.chat(HI, chat_template="chatml", max_new_tokens=40, temperature=0.0)
+    ids = list(generate_ids(llm.model, session.prompt_ids(HI), 40, SamplingParams(temperature=0.0)))
+    assert reply == llm.tokenizer.decode(ids) and reply
+
+
+def test_the_cache_survives_turns_and_equals_recomputation(llm):
+    """Turn 3 of a conversation: the reused cache runs only the tokens after the common prefix, and the greedy
+    reply equals one computed on a fresh cache."""
+    session = ChatSession(llm, "chatml", system="Tell stories.")
+    for text in ("Hi", "Tell me a story"):
+        "".join(session.send(text, 30, temperature=0.0))
+    messages = session.messages + [{"role": "user", "content": "Another one"}]
+    prompt = session.prompt_ids(messages)
+    held = list(session.context.tokens)
+    before = session.context.prefilled
+    reused = "".join(session.stream(messages, 30, temperature=0.0))
+    from npllm.context import common_prefix
+
+    shared = common_prefix(held, prompt)
+    assert shared > len(prompt) // 2  # most of the conversation was in the cache
+    fed_by_reply = session.context.prefilled - before - (len(prompt) - shared)
+    assert 0 <= fed_by_reply < 30  # the rest: the reply's tokens fed back, the last one never
+    fresh = ChatSession(llm, "chatml").stream(messages, 30, temperature=0.0)
+    assert reused == "".join(fresh)
+
+
+def test_the_end_of_turn_text_ends_the_reply(llm):
+    """A template whose turns end with "." stops the reply at the model's first period."""
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}.\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    session = ChatSession(llm, template_file(template))
+    assert session.end_of_turn == "."
+    reply = "".join(session.stream(HI, 200, temperature=0.0))
+    ids = list(generate_ids(llm.model, session.prompt_ids(HI), 200, SamplingParams(temperature=0.0)))
+    whole = llm.tokenizer.decode(ids)
+    assert "." in whole and reply == whole[:whole.index(".")]
+
+
+def template_file(text, _n=[0]):
+    import tempfile
+
+    _n[0] += 1
+    path = os.path.join(tempfile.mkdtemp(), f"t{_n[0]}.jinja")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def test_save_load_reset_and_system(llm, tmp_path):
+    session = ChatSession(llm, "chatml", system="S1")
+    "".join(session.send("Hi", 5, temperature=0.0))
+    session.save(tmp_path / "c.json")
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert [m["role"] for m in saved] == ["system", "user", "assistant"]
+    other = ChatSession(llm, "chatml")
+    other.load(tmp_path / "c.json")
+    assert other.messages == saved and other.system == "S1"
+    other.set_system("S2")
+    assert other.messages[0] == {"role": "system", "content": "S2"} and len(other.messages) == 3
+    other.reset()
+    assert other.messages == [{"role": "system", "content": "S2"}]
+    (tmp_path / "bad.json").write_text('[{"role": "wizard", "content": "x"}]')
+    with pytest.raises(GenerationError, match="role"):
+        other.load(tmp_path / "bad.json")
+
+
+def test_a_model_without_a_template_needs_one(llm):
+    with pytest.raises(ChatTemplateError, match="--chat-template"):
+        llm.chat(HI)
+
+
+def test_a_conversation_past_the_context_is_refused_under_error(llm):
+    long = [{"role": "user", "content": "Once upon a time " * 200}]
+    with pytest.raises(GenerationError, match="context"):
+        llm.chat(long, chat_template="chatml")
+    assert llm.chat(long, chat_template="chatml", context_policy="truncate", max_new_tokens=5, temperature=0.0)
+
+
+def test_npllm_chat_answers_one_turn_per_line(stories260k):
+    """The acceptance script: two lines on stdin, two replies, status 0; a command on the way."""
+    run = subprocess.run([sys.executable, "-m", "npllm", "chat", "--model", str(stories260k), "--chat-template",
+                          "chatml", "--max-new-tokens", "40", "--seed", "3"],
+                         input="Hi\n/system You tell stories.\nTell me a story\n", capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert run.returncode == 0, run.stderr
+    turns = [line for line in run.stderr.splitlines() if "prompt tokens prefilled" in line]
+    assert len(turns) == 2 and run.stdout.strip()
+    assert "system message set" in run.stderr
+
+
+def test_npllm_chat_script_ends_at_the_first_error(stories260k, monkeypatch, capsys):
+    import io
+
+    from npllm.cli import main
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/nonsense\nHi\n"))
+    assert main(["chat", "--model", str(stories260k), "--chat-template", "chatml"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+
+
+def test_a_reply_cut_short_is_kept_as_far_as_it_went(llm):
+    """What Ctrl-C does in `npllm chat`: the consumer stops reading, the reply so far stays in the conversation."""
+    session = ChatSession(llm, "chatml")
+    reply = session.send("Hi", 50, temperature=0.0)
+    pieces = [next(reply) for _ in range(3)]
+    reply.close()
+    assert session.messages[-1] == {"role": "assistant", "content": "".join(pieces)}
+    "".join(session.send("More", 5, temperature=0.0))  # and the conversation goes on from there
+    assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]
