@@ -534,8 +534,21 @@ def _decode_q3_k(w, n, b, buf, at):
 
 
 # ---------------------------------------------------------------------------------------------- the workers
+# Kept small on purpose: every function that calls these is compiled with all of them linked in, so the per-type
+# code is only what must differ (a decoder, and a matvec where a type has a block accumulator or plain floats);
+# the rest (decode-then-dot, the prefill panel and its register tile) is one shared function.
 
-def _accumulated_matvec_rows(acc_block, block_size: int, block_bytes: int):
+def _decode_row(decode, block_size: int, block_bytes: int):
+    @njit(cache=True)
+    def decode_row(w, n, out):
+        """Row n of W as float32 into out[:K]."""
+        for b in range(w.shape[1] // block_bytes):
+            decode(w, n, b, out, b * block_size)
+
+    return decode_row
+
+
+def _accumulated_matvec_rows(acc_block, block_bytes: int):
     """matvec_rows from a block accumulator (the types with one)."""
 
     @njit(fastmath=REASSOC, cache=True)
@@ -552,21 +565,6 @@ def _accumulated_matvec_rows(acc_block, block_size: int, block_bytes: int):
     return matvec_rows
 
 
-def _decoded_matvec_rows(decode, block_size: int, block_bytes: int):
-    """matvec_rows from a block decoder: each row decoded into float32 (in cache), then its dot product with x."""
-
-    @njit(fastmath=REASSOC, cache=True)
-    def matvec_rows(w, x, sums, out, col, n0, n1):
-        nb = w.shape[1] // block_bytes
-        row = np.empty(nb * block_size, np.float32)
-        for n in range(n0, n1):
-            for b in range(nb):
-                decode(w, n, b, row, b * block_size)
-            out[col + n] = _dot(row, 0, x, 0, nb * block_size)
-
-    return matvec_rows
-
-
 def _float_matvec_rows(lanes, decode, value_bytes: int):
     """matvec_rows for rows of plain floats (F32, F16, BF16): 8 values at a time from the bytes, then the tail."""
 
@@ -574,7 +572,7 @@ def _float_matvec_rows(lanes, decode, value_bytes: int):
     def matvec_rows(w, x, sums, out, col, n0, n1):
         K = w.shape[1] // value_bytes
         full = K - K % 8
-        tail = np.empty(8, np.float32)
+        tail = np.empty(1, np.float32)
         for n in range(n0, n1):
             acc = vzero()
             for k in range(0, full, 8):
@@ -588,143 +586,30 @@ def _float_matvec_rows(lanes, decode, value_bytes: int):
     return matvec_rows
 
 
-def _decoded_matmul_rows(decode, block_size: int, block_bytes: int):
-    """matmul_rows: 16 rows at a time decoded into one float32 panel (cpu.pack_panels' layout), then cpu.py's
-    register tile over every token."""
+_DECODERS = {"F32": _decode_f32, "F16": _decode_f16, "BF16": _decode_bf16, "Q8_0": _decode_q8_0,
+             "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q5_0": _decode_q5_0, "Q5_1": _decode_q5_1,
+             "Q2_K": _decode_q2_k, "Q3_K": _decode_q3_k, "Q4_K": _decode_q4_k, "Q5_K": _decode_q5_k,
+             "Q6_K": _decode_q6_k}
+(decode_row_f32, decode_row_f16, decode_row_bf16, decode_row_q8_0, decode_row_q4_0, decode_row_q4_1, decode_row_q5_0,
+ decode_row_q5_1, decode_row_q2_k, decode_row_q3_k, decode_row_q4_k, decode_row_q5_k, decode_row_q6_k) = (
+    _decode_row(decode, TYPES[name].block_size, TYPES[name].block_bytes) for name, decode in _DECODERS.items())
+matvec_rows_q8_0 = _accumulated_matvec_rows(_acc_q8_0, 34)
+matvec_rows_q4_0 = _accumulated_matvec_rows(_acc_q4_0, 18)
+matvec_rows_q4_k = _accumulated_matvec_rows(_acc_q4_k, 144)
+matvec_rows_q6_k = _accumulated_matvec_rows(_acc_q6_k, 210)
+matvec_rows_f32 = _float_matvec_rows(vload_f32_bytes, _decode_f32, 4)
+matvec_rows_f16 = _float_matvec_rows(vload_f16_bytes, _decode_f16, 2)
+matvec_rows_bf16 = _float_matvec_rows(vload_bf16_bytes, _decode_bf16, 2)
 
-    @njit(fastmath=REASSOC, cache=True)
-    def matmul_rows(w, x, T, out, col, n0, n1):
-        nb = w.shape[1] // block_bytes
-        K = nb * block_size
-        panel = np.zeros(K * PANEL, np.float32)
-        row = np.empty(K, np.float32)
-        tile = np.empty((T, PANEL), np.float32)
-        for p0 in range(n0, n1, PANEL):
-            rows = min(PANEL, n1 - p0)
-            for j in range(rows):
-                for b in range(nb):
-                    decode(w, p0 + j, b, row, b * block_size)
-                for k in range(K):
-                    panel[k * PANEL + j] = row[k]
-            for j in range(rows, PANEL):  # past the last row: zeros, computed and not stored
-                for k in range(K):
-                    panel[k * PANEL + j] = 0
-            for t in range(0, T, TILE_T):
-                _tile_6x16(x, t, min(TILE_T, T - t), panel, 0, K, tile, 0)
-            for t in range(T):
-                for j in range(rows):
-                    out[t, col + p0 + j] = tile[t, j]
-
-    return matmul_rows
-
-
-def _workers(name: str):
-    t = TYPES[name]
-    acc = {"Q8_0": _acc_q8_0, "Q4_0": _acc_q4_0, "Q4_K": _acc_q4_k, "Q6_K": _acc_q6_k}.get(name)
-    decode = {"F32": _decode_f32, "F16": _decode_f16, "BF16": _decode_bf16, "Q8_0": _decode_q8_0,
-              "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q5_0": _decode_q5_0, "Q5_1": _decode_q5_1,
-              "Q2_K": _decode_q2_k, "Q3_K": _decode_q3_k, "Q4_K": _decode_q4_k, "Q5_K": _decode_q5_k,
-              "Q6_K": _decode_q6_k}[name]
-    lanes = {"F32": vload_f32_bytes, "F16": vload_f16_bytes, "BF16": vload_bf16_bytes}.get(name)
-    if acc is not None:
-        matvec_rows = _accumulated_matvec_rows(acc, t.block_size, t.block_bytes)
-    elif lanes is not None:
-        matvec_rows = _float_matvec_rows(lanes, decode, t.block_bytes)
-    else:
-        matvec_rows = _decoded_matvec_rows(decode, t.block_size, t.block_bytes)
-    decode_row = _decode_row(decode, t.block_size, t.block_bytes)
-    return matvec_rows, _decoded_matmul_rows(decode, t.block_size, t.block_bytes), decode_row
-
-
-def _decode_row(decode, block_size: int, block_bytes: int):
-    @njit(cache=True)
-    def decode_row(w, n, out):
-        """Row n of W as float32 into out[:K] (an embedding lookup)."""
-        for b in range(w.shape[1] // block_bytes):
-            decode(w, n, b, out, b * block_size)
-
-    return decode_row
-
-
-(matvec_rows_f32, matmul_rows_f32, decode_row_f32) = _workers("F32")
-(matvec_rows_f16, matmul_rows_f16, decode_row_f16) = _workers("F16")
-(matvec_rows_bf16, matmul_rows_bf16, decode_row_bf16) = _workers("BF16")
-(matvec_rows_q8_0, matmul_rows_q8_0, decode_row_q8_0) = _workers("Q8_0")
-(matvec_rows_q4_0, matmul_rows_q4_0, decode_row_q4_0) = _workers("Q4_0")
-(matvec_rows_q4_1, matmul_rows_q4_1, decode_row_q4_1) = _workers("Q4_1")
-(matvec_rows_q5_0, matmul_rows_q5_0, decode_row_q5_0) = _workers("Q5_0")
-(matvec_rows_q5_1, matmul_rows_q5_1, decode_row_q5_1) = _workers("Q5_1")
-(matvec_rows_q2_k, matmul_rows_q2_k, decode_row_q2_k) = _workers("Q2_K")
-(matvec_rows_q3_k, matmul_rows_q3_k, decode_row_q3_k) = _workers("Q3_K")
-(matvec_rows_q4_k, matmul_rows_q4_k, decode_row_q4_k) = _workers("Q4_K")
-(matvec_rows_q5_k, matmul_rows_q5_k, decode_row_q5_k) = _workers("Q5_K")
-(matvec_rows_q6_k, matmul_rows_q6_k, decode_row_q6_k) = _workers("Q6_K")
+# values and bytes per block, indexed by GGML type id
+TYPE_BLOCK_SIZE = np.ones(31, np.int64)
+TYPE_BLOCK_BYTES = np.ones(31, np.int64)
+for _t in TYPES.values():
+    TYPE_BLOCK_SIZE[_t.type_id], TYPE_BLOCK_BYTES[_t.type_id] = _t.block_size, _t.block_bytes
 
 # GGML type ids, the codes the dispatchers take (quant.TYPES[name].type_id)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30
-ROW_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-
-
-@njit(cache=True)
-def matvec_rows(code, w, x, sums, out, col, n0, n1):
-    """out[col + n] = W[n] . x for n0 <= n < n1, W of GGML type `code` (one branch per type)."""
-    if code == Q8_0:
-        matvec_rows_q8_0(w, x, sums, out, col, n0, n1)
-    elif code == Q4_0:
-        matvec_rows_q4_0(w, x, sums, out, col, n0, n1)
-    elif code == Q4_K:
-        matvec_rows_q4_k(w, x, sums, out, col, n0, n1)
-    elif code == Q6_K:
-        matvec_rows_q6_k(w, x, sums, out, col, n0, n1)
-    elif code == Q5_K:
-        matvec_rows_q5_k(w, x, sums, out, col, n0, n1)
-    elif code == Q5_0:
-        matvec_rows_q5_0(w, x, sums, out, col, n0, n1)
-    elif code == Q5_1:
-        matvec_rows_q5_1(w, x, sums, out, col, n0, n1)
-    elif code == Q4_1:
-        matvec_rows_q4_1(w, x, sums, out, col, n0, n1)
-    elif code == Q3_K:
-        matvec_rows_q3_k(w, x, sums, out, col, n0, n1)
-    elif code == Q2_K:
-        matvec_rows_q2_k(w, x, sums, out, col, n0, n1)
-    elif code == F16:
-        matvec_rows_f16(w, x, sums, out, col, n0, n1)
-    elif code == BF16:
-        matvec_rows_bf16(w, x, sums, out, col, n0, n1)
-    elif code == F32:
-        matvec_rows_f32(w, x, sums, out, col, n0, n1)
-
-
-@njit(cache=True)
-def matmul_rows(code, w, x, T, out, col, n0, n1):
-    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1, W of GGML type `code`."""
-    if code == Q8_0:
-        matmul_rows_q8_0(w, x, T, out, col, n0, n1)
-    elif code == Q4_0:
-        matmul_rows_q4_0(w, x, T, out, col, n0, n1)
-    elif code == Q4_K:
-        matmul_rows_q4_k(w, x, T, out, col, n0, n1)
-    elif code == Q6_K:
-        matmul_rows_q6_k(w, x, T, out, col, n0, n1)
-    elif code == Q5_K:
-        matmul_rows_q5_k(w, x, T, out, col, n0, n1)
-    elif code == Q5_0:
-        matmul_rows_q5_0(w, x, T, out, col, n0, n1)
-    elif code == Q5_1:
-        matmul_rows_q5_1(w, x, T, out, col, n0, n1)
-    elif code == Q4_1:
-        matmul_rows_q4_1(w, x, T, out, col, n0, n1)
-    elif code == Q3_K:
-        matmul_rows_q3_k(w, x, T, out, col, n0, n1)
-    elif code == Q2_K:
-        matmul_rows_q2_k(w, x, T, out, col, n0, n1)
-    elif code == F16:
-        matmul_rows_f16(w, x, T, out, col, n0, n1)
-    elif code == BF16:
-        matmul_rows_bf16(w, x, T, out, col, n0, n1)
-    elif code == F32:
-        matmul_rows_f32(w, x, T, out, col, n0, n1)
+ROW_TYPES = tuple(_DECODERS)
 
 
 @njit(cache=True)
@@ -756,3 +641,59 @@ def decode_row(code, w, n, out):
         decode_row_bf16(w, n, out)
     elif code == F32:
         decode_row_f32(w, n, out)
+
+
+@njit(fastmath=REASSOC, cache=True)
+def matvec_rows_decoded(code, w, x, sums, out, col, n0, n1):
+    """matvec_rows for a type without its own: each row decoded into float32 (in cache), then dotted with x."""
+    K = w.shape[1] // TYPE_BLOCK_BYTES[code] * TYPE_BLOCK_SIZE[code]
+    row = np.empty(K, np.float32)
+    for n in range(n0, n1):
+        decode_row(code, w, n, row)
+        out[col + n] = _dot(row, 0, x, 0, K)
+
+
+@njit(cache=True)
+def matvec_rows(code, w, x, sums, out, col, n0, n1):
+    """out[col + n] = W[n] . x for n0 <= n < n1, W of GGML type `code` (one branch per type with its own worker)."""
+    if code == Q8_0:
+        matvec_rows_q8_0(w, x, sums, out, col, n0, n1)
+    elif code == Q4_0:
+        matvec_rows_q4_0(w, x, sums, out, col, n0, n1)
+    elif code == Q4_K:
+        matvec_rows_q4_k(w, x, sums, out, col, n0, n1)
+    elif code == Q6_K:
+        matvec_rows_q6_k(w, x, sums, out, col, n0, n1)
+    elif code == F16:
+        matvec_rows_f16(w, x, sums, out, col, n0, n1)
+    elif code == F32:
+        matvec_rows_f32(w, x, sums, out, col, n0, n1)
+    elif code == BF16:
+        matvec_rows_bf16(w, x, sums, out, col, n0, n1)
+    else:  # Q4_1, Q5_0, Q5_1, Q5_K, Q2_K, Q3_K
+        matvec_rows_decoded(code, w, x, sums, out, col, n0, n1)
+
+
+@njit(fastmath=REASSOC, cache=True)
+def matmul_rows(code, w, x, T, out, col, n0, n1):
+    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1 (n0 a multiple of 16), W of GGML type `code`: 16 rows
+    at a time decoded into one float32 panel (cpu.pack_panels' layout), then cpu.py's register tile over every
+    token, so the decoding is paid once per row whatever T is."""
+    K = w.shape[1] // TYPE_BLOCK_BYTES[code] * TYPE_BLOCK_SIZE[code]
+    panel = np.zeros(K * PANEL, np.float32)
+    row = np.empty(K, np.float32)
+    tile = np.empty((T, PANEL), np.float32)
+    for p0 in range(n0, n1, PANEL):
+        rows = min(PANEL, n1 - p0)
+        for j in range(rows):
+            decode_row(code, w, p0 + j, row)
+            for k in range(K):
+                panel[k * PANEL + j] = row[k]
+        for j in range(rows, PANEL):  # past the last row: zeros, computed and not stored
+            for k in range(K):
+                panel[k * PANEL + j] = 0
+        for t in range(0, T, TILE_T):
+            _tile_6x16(x, t, min(TILE_T, T - t), panel, 0, K, tile, 0)
+        for t in range(T):
+            for j in range(rows):
+                out[t, col + p0 + j] = tile[t, j]
