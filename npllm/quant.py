@@ -607,6 +607,11 @@ class QuantizedMatrix:
     def nbytes(self) -> int:
         return self.raw.nbytes
 
+    @property
+    def size(self) -> int:
+        """Values held (N K), as an array's size."""
+        return self.shape[0] * self.shape[1]
+
     def dequantize(self) -> np.ndarray:
         """W as float32.  # -> [N, K]"""
         return dequantize(self.raw, self.qtype, self.shape)

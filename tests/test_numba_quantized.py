@@ -177,3 +177,37 @@ def test_non_finite_scales_are_refused_at_load(tmp_path):
     write_gguf_file(path, model_metadata(config, "nan"), tensors)
     with pytest.raises(npllm.errors.FormatError, match="NaN or infinite"):
         read_checkpoint(path, keep_quantized=True)
+
+
+def test_info_shows_bytes_per_type_and_memory_as_stored(tmp_path, capsys):
+    from npllm.cli import main
+
+    config = tiny()
+    path = tmp_path / "q4.gguf"
+    tensors = write_gguf(path, config, random_weights(config, 6), "Q4_0")
+    assert main(["info", str(path)]) == 0
+    lines = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in capsys.readouterr().out.splitlines()
+             if ":" in line}
+    q4 = sum(t.raw.nbytes for t in tensors if t.type_name == "Q4_0")
+    vectors = sum(t.raw.nbytes for t in tensors if t.type_name == "F32")
+    assert lines["on disk"] == f"Q4_0 x{len(tensors) - 5} ({q4 / 2**20:.1f} MiB), F32 x5 ({vectors / 1024:.1f} KiB)"
+    assert lines["memory"].startswith(f"{(q4 + vectors) / 2**20:.1f} MiB weights in their file types")
+
+
+def test_bench_reports_bytes_in_the_files_types(tmp_path, capsys):
+    import json
+
+    from npllm.cli import main
+
+    config = tiny()
+    path = tmp_path / "q4.gguf"
+    write_gguf(path, config, random_weights(config, 7), "Q4_0")
+    assert main(["bench", "--model", str(path), "--batch", "1", "--prompt-len", "4", "--gen-len", "2", "--repeat",
+                 "1", "--bandwidth-mib", "8", "--threads", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[0])
+    model = load(path).model
+    assert result["dtype"] == "Q4_0" and result["weight_bytes_by_type"] == model.weight_types
+    L, D, Dh = config.n_layers, config.dim, config.head_dim
+    values = L * (D * (config.n_heads + 2 * config.n_kv_heads) * Dh + config.n_heads * Dh * D + 3 * D *
+                  config.hidden_dim) + config.vocab_size * D + D  # layers, LM head, one embedding row
+    assert result["weight_bytes_per_token"] == values // 32 * 18 + 4 * (2 * L * D + D)  # Q4_0 + F32 norms

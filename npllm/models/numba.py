@@ -375,11 +375,14 @@ class QuantizedNumbaTransformer(NumbaTransformer):
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads, in their stored types (layers, LM head, norms)."""
-        mats, L = self.packed.mats, self.config.n_layers
-        head = int(mats[-1, 2] * mats[-1, 4])
-        norms = 4 * (self.packed.attention_norm.size + self.packed.ffn_norm.size + self.config.dim)
-        return self.layer_bytes * L + head + norms
+        """Bytes of weights one decode step reads, in their stored types (layers, LM head, norms, biases and the
+        one embedding row looked up), as bench.decode_weight_bytes counts float32 ones."""
+        p, L = self.packed, self.config.n_layers
+        head, embedding_row = int(p.mats[-1, 2] * p.mats[-1, 4]), int(p.mats[-2, 4])
+        vectors = 4 * (p.attention_norm.size + p.ffn_norm.size + self.config.dim)
+        if self.config.attention_bias:
+            vectors += p.bqkv.nbytes
+        return self.layer_bytes * L + head + embedding_row + vectors
 
     @property
     def weight_types(self) -> dict[str, int]:
