@@ -435,14 +435,14 @@ def _matrix(pool, mats, m):
     return pool[at:at + N * row_bytes].reshape((N, row_bytes))
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def products_into(pool, mats, first, count, x, T, out, threads):
     """out[:T, col_i : col_i + N_i] = x[:T, :K] @ W_i.T for the `count` matrices first .. first + count - 1, which
-    read the same input, side by side (col_i = N_0 + ... + N_{i-1}), in ONE parallel region.
-                                                                      # [>=T, >=K] -> [>=T, >= sum N_i]
+    read the same input, side by side (col_i = N_0 + ... + N_{i-1}).   # [>=T, >=K] -> [>=T, >= sum N_i]
 
     The concatenated rows (one token) or panels of 16 rows (several tokens) are split into one contiguous range per
-    thread; each matrix's part of a range goes to its type's row-range worker (kernels/quant.py).
+    thread, in ONE parallel region (none on one thread: a small model's step is mostly such calls); each matrix's
+    part of a range goes to its type's row-range worker (kernels/quant.py).
     """
     unit = 1 if T == 1 else PANEL
     total = 0
@@ -457,23 +457,36 @@ def products_into(pool, mats, first, count, x, T, out, threads):
                 s += x[0, 16 * g + j]
             sums[g] = s
     chunks = max(1, min(total, threads))
+    if chunks == 1:
+        _product_units(pool, mats, first, count, x, T, out, sums, unit, 0, total)
+    else:
+        _products_parallel(pool, mats, first, count, x, T, out, sums, unit, total, chunks)
+
+
+@njit(parallel=True, cache=True)
+def _products_parallel(pool, mats, first, count, x, T, out, sums, unit, total, chunks):
     for c in prange(chunks):
-        u0, u1 = c * total // chunks, (c + 1) * total // chunks
-        base, col = 0, 0
-        for i in range(count):
-            m = first + i
-            N = mats[m, 2]
-            units = -(-N // unit)
-            lo, hi = max(u0, base), min(u1, base + units)
-            if lo < hi:
-                w = _matrix(pool, mats, m)
-                n0, n1 = (lo - base) * unit, min((hi - base) * unit, N)
-                if T == 1:
-                    qk.matvec_rows(mats[m, 1], w, x[0], sums, out[0], col, n0, n1)
-                else:
-                    qk.matmul_rows(mats[m, 1], w, x, T, out, col, n0, n1)
-            base += units
-            col += N
+        _product_units(pool, mats, first, count, x, T, out, sums, unit, c * total // chunks, (c + 1) * total // chunks)
+
+
+@njit(cache=True)
+def _product_units(pool, mats, first, count, x, T, out, sums, unit, u0, u1):
+    """Units u0 .. u1-1 of the concatenated rows (unit 1) or panels (unit 16) of matrices first .. first+count-1."""
+    base, col = 0, 0
+    for i in range(count):
+        m = first + i
+        N = mats[m, 2]
+        units = -(-N // unit)
+        lo, hi = max(u0, base), min(u1, base + units)
+        if lo < hi:
+            w = _matrix(pool, mats, m)
+            n0, n1 = (lo - base) * unit, min((hi - base) * unit, N)
+            if T == 1:
+                qk.matvec_rows(mats[m, 1], w, x[0], sums, out[0], col, n0, n1)
+            else:
+                qk.matmul_rows(mats[m, 1], w, x, T, out, col, n0, n1)
+        base += units
+        col += N
 
 
 @njit(cache=True)
