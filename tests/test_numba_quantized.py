@@ -22,9 +22,6 @@ from npllm.models.reference import Transformer
 
 # ------------------------------------------------------------------------------------------------ row workers
 
-FLOAT_FIELDS = {**quant.SCALE_FIELDS}
-
-
 @st.composite
 def matrix_bytes(draw, qtype):
     """Arbitrary bytes for N rows of `qtype`, every float field finite (F32/F16/BF16: finite values)."""
@@ -39,7 +36,7 @@ def matrix_bytes(draw, qtype):
         return np.ascontiguousarray(raw).reshape(N, -1), K
     blocks = draw(st.integers(1, 2 if t.block_size == 256 else 4), label="blocks per row")
     raw = draw(hnp.arrays(np.uint8, (N * blocks, t.block_bytes)))
-    for at in FLOAT_FIELDS[qtype]:
+    for at in quant.SCALE_FIELDS[qtype]:
         scale = draw(hnp.arrays(np.float16, N * blocks, elements=st.floats(-2, 2, width=16)))
         raw[:, at:at + 2] = scale.view(np.uint8).reshape(-1, 2)
     return raw.reshape(N, -1), blocks * t.block_size
@@ -161,7 +158,7 @@ def test_float_checkpoints_and_other_backends_keep_float32(tmp_path):
     q8 = tmp_path / "q8.gguf"
     write_gguf(q8, config, random_weights(config, 4), "Q8_0")
     numpy_model = load(q8, backend="numpy").model
-    assert all(isinstance(w, np.ndarray) for w in [numpy_model.weights.tok_embeddings])
+    assert isinstance(numpy_model.weights.tok_embeddings, np.ndarray)
     np.testing.assert_allclose(load(q8).model.logits(TOKENS), numpy_model.logits(TOKENS), rtol=1e-4,
                                atol=2e-5)
 
