@@ -11,12 +11,16 @@ For each backend, batch B and prompt length N it measures (medians of R runs):
     first_token_ms     that prefill plus the LM head and argmax of the last tokens: time to first token, warm
     decode_tok_s       gen_len greedy steps of B tokens (one per sequence) after the prompt, summed over the batch
     ms_per_token       milliseconds per decode step
+    weight_bytes_per_token  weight bytes a decode step reads, per sequence of the batch, in the types the
+                       model holds them (a GGUF file's own types on the numba backend; float32 otherwise)
     achieved_gb_s      weight bytes streamed per decode step / step time (decode at batch 1 reads every weight
                        once per token, so this is the figure to hold against bandwidth_gb_s)
     decode_cpu_cores   CPU time of the process during decode / wall time: the cores it kept busy on average (up to
                        `threads`; less when other processes took cores, or when a call ran on one thread)
     load_avg           the machine's 1-minute load average when the figure was measured
 and once per backend:
+    dtype              the weights' types, largest share first ("Q4_0+Q6_K+F32"; "float32" for float models), with
+                       weight_bytes_by_type where a file's types are kept
     first_token_cold_ms  the first request of the process, JIT compilation or cache loading included
     bandwidth_gb_s     memory read bandwidth: the best of a NumPy sgemv and a Numba streaming sum over 512 MiB
                        (--bandwidth-mib: make it larger than the last-level cache)
@@ -44,17 +48,18 @@ from .errors import ConfigError, FormatError
 from .kernels.simd import LANES, vadd, vload, vsum, vzero
 
 
-def load_weights(model: str) -> tuple[ModelConfig, dict[str, np.ndarray], str]:
-    """(config, weights, "checkpoint" | "random") for a path, a known model on disk, or a named shape."""
+def load_weights(model: str, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray], str]:
+    """(config, weights, "checkpoint" | "random") for a path, a known model on disk, or a named shape.
+    keep_quantized: a GGUF file's matrices in their own types (what npllm.load gives the numba backend)."""
     from .formats import read_checkpoint
     from .formats.random import NAMED_SHAPES, random_weights
     from .hub import resolve
 
     if Path(model).exists():
-        return (*read_checkpoint(model), "checkpoint")
+        return (*read_checkpoint(model, keep_quantized), "checkpoint")
     try:
         checkpoint, _ = resolve(model, download_missing=False)
-        return (*read_checkpoint(checkpoint), "checkpoint")
+        return (*read_checkpoint(checkpoint, keep_quantized), "checkpoint")
     except FormatError:
         if model not in NAMED_SHAPES:
             raise ConfigError(f"--model {model!r} is neither a checkpoint on disk nor a named shape "
@@ -164,7 +169,7 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
                   repeat: int, bandwidth_mib: int = 512, weight_dtype: str = "float32"):
     """Yield one result dict per (batch, prompt length) for one backend, in this process."""
     backend = resolve_backend(backend)
-    config, weights, kind = load_weights(model_name)
+    config, weights, kind = load_weights(model_name, keep_quantized=backend == "numba")
     start = time.perf_counter()
     model = make_model(config, weights, backend, threads, weight_dtype)
     load_s = time.perf_counter() - start
@@ -175,7 +180,12 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
     common = {"model": model_name, "weights": kind, "backend": backend, "threads": used_threads,
               "gen_len": gen_len, "load_s": round(load_s, 3), "first_token_cold_ms": round(1e3 * cold, 2),
               "cold_prompt_len": prompt_lens[0]}
-    step_bytes = decode_weight_bytes(config)
+    step_bytes, types = decode_weight_bytes(config), {weight_dtype: None}
+    if hasattr(model, "weight_types"):  # weights kept in their file types: the bytes a step reads as stored
+        step_bytes, types = model.weight_bytes, model.weight_types
+    common["dtype"] = "+".join(sorted(types, key=lambda name: -(types[name] or 0)))
+    if hasattr(model, "weight_types"):
+        common["weight_bytes_by_type"] = types
     results = []
     for batch in batches:
         for prompt_len in prompt_lens:

@@ -416,7 +416,7 @@ def run_info(args) -> int:
     from .hub import resolve
 
     checkpoint, _ = resolve(args.model)
-    config, weights = read_checkpoint(checkpoint)
+    config, weights = read_checkpoint(checkpoint, keep_quantized=True)  # a GGUF file's matrices as stored
     print(describe(config, weights, checkpoint))
     return 0
 

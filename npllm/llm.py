@@ -287,7 +287,8 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
 
     backend = resolve_backend(backend)  # before reading weights: a missing GPU is reported at once
     checkpoint, found_tokenizer = resolve(model)
-    config, weights = read_checkpoint(checkpoint)
+    # the numba model reads a GGUF file's matrices in their own types, over the memory map (no float32 copy)
+    config, weights = read_checkpoint(checkpoint, keep_quantized=backend == "numba")
     tok_path = tokenizer if tokenizer is not None else found_tokenizer
     tok, n_tokens = None, None
     if tok_path is not None:

@@ -565,6 +565,11 @@ def quantize(values: np.ndarray, qtype: str) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------------- matrices
 
+# Where each block keeps its float16 scales and mins (byte offsets in the block), as the dequantizers read them.
+SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
+                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
 @dataclass(frozen=True)
 class QuantizedMatrix:
     """A weight matrix W [N, K] kept in its file type: N rows of K / block_size blocks, no float copy.
@@ -602,6 +607,11 @@ class QuantizedMatrix:
     def nbytes(self) -> int:
         return self.raw.nbytes
 
+    @property
+    def size(self) -> int:
+        """Values held (N K), as an array's size."""
+        return self.shape[0] * self.shape[1]
+
     def dequantize(self) -> np.ndarray:
         """W as float32.  # -> [N, K]"""
         return dequantize(self.raw, self.qtype, self.shape)
@@ -610,6 +620,17 @@ class QuantizedMatrix:
         """Only the rows asked for, as float32 (an embedding lookup reads no other row).  # [T] -> [T, K]"""
         ids = np.asarray(ids, dtype=np.int64)
         return dequantize(self.raw[ids], self.qtype, (*ids.shape, self.shape[1]))
+
+    def is_finite(self) -> bool:
+        """Whether every value is finite, read from the float fields alone: a block's integers are finite, and a
+        finite float16 scale (or min) times an integer of at most 8 bits stays finite in float32, so only the
+        scales need looking at; F32/F16/BF16 rows are checked value by value, without widening them."""
+        if self.qtype in ("F32", "F16"):
+            return bool(np.isfinite(self.raw.view("<f4" if self.qtype == "F32" else "<f2")).all())
+        if self.qtype == "BF16":
+            return not ((self.raw.view("<u2") & 0x7F80) == 0x7F80).any()  # exponent all ones: inf or NaN
+        blocks = _blocks(self.raw.reshape(-1), TYPES[self.qtype].block_bytes)
+        return all(np.isfinite(_half(blocks, at)).all() for at in SCALE_FIELDS[self.qtype])
 
     def matmul_t(self, x: np.ndarray) -> np.ndarray:
         """x @ W.T, the reference: dequantize, then multiply.  # [T, K] -> [T, N]"""

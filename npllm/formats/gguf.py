@@ -93,14 +93,7 @@ class GGUFFile:
 
     def tensor(self, name: str) -> np.ndarray:
         """The named tensor as float32 in NumPy shape (F32 without copying; others converted)."""
-        info = self.tensors.get(name)
-        if info is None:
-            raise FormatError(f"{self.path}: no tensor named {name!r}")
-        if info.type.name not in DEQUANTIZE:
-            raise FormatError(
-                f"{self.path}: tensor {name!r} has type {info.type.name}, which npllm cannot read yet "
-                f"(it reads {', '.join(DEQUANTIZE)})"
-            )
+        info = self._readable(name)
         values = DEQUANTIZE[info.type.name](self.raw(name))  # [n] float32
         values = values.reshape(info.shape)
         values.flags.writeable = False
@@ -110,10 +103,22 @@ class GGUFFile:
         """A 2-D tensor kept in its file type, over the memory map: a quant.QuantizedMatrix [rows, values per row]."""
         from ..quant import QuantizedMatrix
 
-        info = self.tensors.get(name)
-        if info is None or len(info.shape) != 2:
+        info = self._readable(name)
+        if len(info.shape) != 2:
             raise FormatError(f"{self.path}: no matrix named {name!r}")
         return QuantizedMatrix(self.raw(name).reshape(info.shape[0], -1), info.type.name, info.shape)
+
+    def _readable(self, name: str) -> TensorInfo:
+        """The named tensor's entry, if npllm can turn its type into numbers."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise FormatError(f"{self.path}: no tensor named {name!r}")
+        if info.type.name not in DEQUANTIZE:
+            raise FormatError(
+                f"{self.path}: tensor {name!r} has type {info.type.name}, which npllm cannot read yet "
+                f"(it reads {', '.join(DEQUANTIZE)})"
+            )
+        return info
 
     def raw(self, name: str) -> np.ndarray:
         """The named tensor's bytes as stored, a read-only view of the memory map (no copy).  # [nbytes] uint8"""
@@ -474,11 +479,10 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
 
 
 def read_gguf_quantized(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
-    """Read a GGUF checkpoint keeping every block-quantized matrix in its file type, over the memory map
-    (quant.QuantizedMatrix); F32/F16/BF16 tensors and vectors are read as read_gguf reads them."""
+    """Read a GGUF checkpoint keeping every matrix in its file type (F32, F16 and BF16 included), over the memory
+    map (quant.QuantizedMatrix: no copy); vectors (norms, biases) are read as read_gguf reads them."""
     def read(g, name, info):
-        blocks = info.type.block_size > 1 and len(info.shape) == 2
-        return g.quantized(name) if blocks else g.tensor(name)
+        return g.quantized(name) if len(info.shape) == 2 else g.tensor(name)
 
     return _read_weights(path, read)
 

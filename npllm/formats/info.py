@@ -17,6 +17,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import NpllmError
+from ..quant import QuantizedMatrix
 
 MiB = 1024 * 1024
 
@@ -93,6 +94,8 @@ def describe(config: ModelConfig, weights: dict[str, np.ndarray], path: str | os
     n_params = sum(int(w.size) for w in weights.values())
     weight_bytes = sum(int(w.nbytes) for w in weights.values())
     cache_bytes = kv_cache_bytes(c, c.max_seq_len)
+    kept = any(isinstance(w, QuantizedMatrix) and w.qtype != "F32" for w in weights.values())
+    stored = "in their file types (the numba backend reads them in place)" if kept else "as float32"
     features = [f"RoPE theta {c.rope_theta:g} ({c.rope_layout})"]
     if c.rope_scaling is not None:
         features.append(f"{c.rope_scaling.kind} RoPE scaling x{c.rope_scaling.factor:g}")
@@ -120,7 +123,7 @@ def describe(config: ModelConfig, weights: dict[str, np.ndarray], path: str | os
         f"parameters:   {_count(n_params)} ({n_params:,})",
         f"on disk:      {on_disk}",
         f"context:      {c.max_seq_len} tokens",
-        f"memory:       {_size(weight_bytes)} weights as float32 + {_size(cache_bytes)} KV cache at full context "
+        f"memory:       {_size(weight_bytes)} weights {stored} + {_size(cache_bytes)} KV cache at full context "
         f"= {_size(weight_bytes + cache_bytes)}",
         f"tokenizer:    {tokenizer}",
         f"end tokens:   {', '.join(map(str, c.eos_ids))}" if c.eos_ids else

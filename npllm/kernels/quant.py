@@ -384,6 +384,7 @@ def matmul(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> np.nda
 # and from Python: matvec_int8(w, qtype, x, threads), matmul_int8(w, qtype, x, threads).
 # ================================================================================================================
 
+
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 
 
@@ -718,3 +719,345 @@ def matmul_int8(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> n
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     INT8_MATMUL_INTO[qtype](x, w, out, x.shape[0], threads)
     return out
+
+
+# ================================================================================================================
+# Row-range workers: what npllm's Numba model (models/numba.py) calls, for every weight type a GGUF file holds.
+#
+#     matvec_rows_<type>(w, x, sums, out, col, n0, n1)   out[col + n] = W[n] . x            n0 <= n < n1
+#         one token: w [N, row bytes] uint8, x [>= K] float32, sums [K // 16] float32 (x's sums of 16, taken once
+#         per product: see the block kernels above), out 1-D float32
+#     matmul_rows_<type>(w, x, T, out, col, n0, n1)      out[t, col + n] = W[n] . x[t]       t < T, n0 <= n < n1
+#         T tokens: x [>= T, >= K] float32, out [>= T, >= col + n1] float32, n0 a multiple of PANEL
+#
+# K is the row's width, known from w (row bytes / block bytes * block size): x and out may be wider buffers.
+# A worker runs on the calling thread; the model splits each product's rows over its threads (several matrices
+# that read the same input in one parallel region). `matvec_rows`, `matmul_rows` and `decode_row` dispatch on the
+# GGML type id, one branch per type: another implementation of a type with the same signature (integer dot
+# products on 8-bit activations, say) is swapped in by changing that type's branch.
+#
+# Types with a block accumulator above (Q8_0, Q4_0, Q4_K, Q6_K) use it; the others decode each row into float32
+# (one row at a time, in cache) and take its dot product with x; F32, F16 and BF16 rows are read 8 values at a
+# time straight from their bytes. For T tokens every type decodes 16 rows into a panel and runs cpu.py's tile.
+
+from .cpu import _dot  # noqa: E402  (the vectorised dot product of two float32 rows)
+
+
+def _float_lanes(kind: str):
+    """f32x8 of the 8 values of a float row stored as `kind` ("F32", "F16" or "BF16") at bytes array.flat[index:]."""
+
+    def typer(typingctx, array, index):
+        if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            at = builder.gep(data, [args[1]])
+            if kind == "F32":
+                return builder.load(builder.bitcast(at, _vector(8).as_pointer()), align=1)
+            if kind == "F16":
+                halves = builder.load(builder.bitcast(at, ir.VectorType(ir.HalfType(), 8).as_pointer()), align=1)
+                return builder.fpext(halves, _vector(8))
+            i16x8, i32x8 = ir.VectorType(ir.IntType(16), 8), ir.VectorType(ir.IntType(32), 8)
+            words = builder.zext(builder.load(builder.bitcast(at, i16x8.as_pointer()), align=1), i32x8)
+            return builder.bitcast(builder.shl(words, ir.Constant(i32x8, [16] * 8)), _vector(8))
+
+        return f32x8(array, index), codegen
+
+    return typer
+
+
+def _float_scalar(kind: str):
+    """The one float stored as `kind` ("F32" or "BF16") at bytes array.flat[index:], as float32."""
+
+    def typer(typingctx, array, index):
+        if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            at = builder.gep(data, [args[1]])
+            if kind == "F32":
+                return builder.load(builder.bitcast(at, ir.FloatType().as_pointer()), align=1)
+            word = builder.zext(builder.load(builder.bitcast(at, ir.IntType(16).as_pointer()), align=1),
+                                ir.IntType(32))
+            return builder.bitcast(builder.shl(word, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
+
+        return types.float32(array, index), codegen
+
+    return typer
+
+
+vload_f32_bytes, vload_f16_bytes, vload_bf16_bytes = (intrinsic(_float_lanes(k)) for k in ("F32", "F16", "BF16"))
+load_f32, load_bf16 = intrinsic(_float_scalar("F32")), intrinsic(_float_scalar("BF16"))
+
+
+# ---------------------------------------------------------------------------------- block decoders, more types
+# _decode_<type>(w, n, b, buf, at) as above: block b of row n as float32 in buf[at : at + block_size], in the
+# order and with the formula of npllm.quant's dequantizer.
+
+@njit(inline="always")
+def _decode_f32(w, n, b, buf, at):
+    buf[at] = load_f32(w, n * w.shape[1] + 4 * b)
+
+
+@njit(inline="always")
+def _decode_f16(w, n, b, buf, at):
+    buf[at] = load_half(w, n * w.shape[1] + 2 * b)
+
+
+@njit(inline="always")
+def _decode_bf16(w, n, b, buf, at):
+    buf[at] = load_bf16(w, n * w.shape[1] + 2 * b)
+
+
+@njit(inline="always")
+def _decode_q4_1(w, n, b, buf, at):
+    base = 20 * b
+    d, m = load_half(w, n * w.shape[1] + base), load_half(w, n * w.shape[1] + base + 2)
+    for j in range(16):
+        byte = np.int32(w[n, base + 4 + j])
+        buf[at + j] = d * np.float32(byte & 15) + m
+        buf[at + j + 16] = d * np.float32(byte >> 4) + m
+
+
+@njit(inline="always")
+def _five_bits(w, n, qs, qh, j):
+    """Values j and j + 16 (j < 16) of a Q5_0/Q5_1 block: 4 low bits from byte qs + j, fifth bits j and j + 16 of
+    the little-endian u32 at qh."""
+    byte = np.int32(w[n, qs + j])
+    low = (byte & 15) | (((np.int32(w[n, qh + j // 8]) >> (j % 8)) & 1) << 4)
+    high = (byte >> 4) | (((np.int32(w[n, qh + 2 + j // 8]) >> (j % 8)) & 1) << 4)
+    return low, high
+
+
+@njit(inline="always")
+def _decode_q5_0(w, n, b, buf, at):
+    base = 22 * b
+    d = load_half(w, n * w.shape[1] + base)
+    for j in range(16):
+        low, high = _five_bits(w, n, base + 6, base + 2, j)
+        buf[at + j] = d * np.float32(low - 16)
+        buf[at + j + 16] = d * np.float32(high - 16)
+
+
+@njit(inline="always")
+def _decode_q5_1(w, n, b, buf, at):
+    base = 24 * b
+    d, m = load_half(w, n * w.shape[1] + base), load_half(w, n * w.shape[1] + base + 2)
+    for j in range(16):
+        low, high = _five_bits(w, n, base + 8, base + 4, j)
+        buf[at + j] = d * np.float32(low) + m
+        buf[at + j + 16] = d * np.float32(high) + m
+
+
+@njit(inline="always")
+def _decode_q5_k(w, n, b, buf, at):
+    base = 176 * b
+    d, dmin = load_half(w, n * w.shape[1] + base), load_half(w, n * w.shape[1] + base + 2)
+    for s in range(8):
+        sc, mn = _scale_min_q4_k(w, n, base + 4, s)
+        scale, offset = d * np.float32(sc), dmin * np.float32(mn)
+        r = s // 2
+        for j in range(32):
+            byte = np.int32(w[n, base + 48 + 32 * r + j])
+            low = (byte >> 4) if s % 2 else (byte & 15)
+            q = low | (((np.int32(w[n, base + 16 + j]) >> s) & 1) << 4)
+            buf[at + 32 * s + j] = scale * np.float32(q) - offset
+
+
+@njit(inline="always")
+def _two_bits(w, n, qs, i):
+    """Low 2 bits of value i (0..255) of a Q2_K/Q3_K block whose 64 bytes of 2-bit fields start at byte qs."""
+    return (np.int32(w[n, qs + 32 * (i // 128) + i % 32]) >> (2 * ((i % 128) // 32))) & 3
+
+
+@njit(inline="always")
+def _decode_q2_k(w, n, b, buf, at):
+    base = 84 * b
+    d, dmin = load_half(w, n * w.shape[1] + base + 80), load_half(w, n * w.shape[1] + base + 82)
+    for s in range(16):
+        packed = np.int32(w[n, base + s])
+        scale, offset = d * np.float32(packed & 15), dmin * np.float32(packed >> 4)
+        for j in range(16):
+            buf[at + 16 * s + j] = scale * np.float32(_two_bits(w, n, base + 16, 16 * s + j)) - offset
+
+
+@njit(inline="always")
+def _decode_q3_k(w, n, b, buf, at):
+    base = 110 * b
+    d = load_half(w, n * w.shape[1] + base + 108)
+    for s in range(16):
+        low4 = np.int32(w[n, base + 96 + s % 8]) >> (4 * (s // 8)) & 15
+        high2 = (np.int32(w[n, base + 104 + s % 4]) >> (2 * (s // 4))) & 3
+        scale = d * np.float32((low4 | (high2 << 4)) - 32)
+        for j in range(16):
+            i = 16 * s + j
+            bit = (np.int32(w[n, base + i % 32]) >> (i // 32)) & 1
+            buf[at + i] = scale * np.float32(_two_bits(w, n, base + 32, i) - (1 - bit) * 4)
+
+
+# ---------------------------------------------------------------------------------------------- the workers
+# Kept small on purpose: every function that calls these is compiled with all of them linked in, so the per-type
+# code is only what must differ (a decoder, and a matvec where a type has a block accumulator or plain floats);
+# the rest (decode-then-dot, the prefill panel and its register tile) is one shared function.
+
+def _decode_row(decode, block_size: int, block_bytes: int):
+    @njit(cache=True)
+    def decode_row(w, n, out):
+        """Row n of W as float32 into out[:K]."""
+        for b in range(w.shape[1] // block_bytes):
+            decode(w, n, b, out, b * block_size)
+
+    return decode_row
+
+
+def _accumulated_matvec_rows(acc_block, block_bytes: int):
+    """matvec_rows from a block accumulator (the types with one)."""
+
+    @njit(fastmath=REASSOC, cache=True)
+    def matvec_rows(w, x, sums, out, col, n0, n1):
+        nb = w.shape[1] // block_bytes
+        for n in range(n0, n1):
+            acc = vzero()
+            offset = np.float32(0)
+            for b in range(nb):
+                acc, part = acc_block(acc, w, n, b, x, sums)
+                offset += part
+            out[col + n] = vsum(acc) + offset
+
+    return matvec_rows
+
+
+def _float_matvec_rows(lanes, decode, value_bytes: int):
+    """matvec_rows for rows of plain floats (F32, F16, BF16): 8 values at a time from the bytes, then the tail."""
+
+    @njit(fastmath=REASSOC, cache=True)
+    def matvec_rows(w, x, sums, out, col, n0, n1):
+        K = w.shape[1] // value_bytes
+        full = K - K % 8
+        tail = np.empty(1, np.float32)
+        for n in range(n0, n1):
+            acc = vzero()
+            for k in range(0, full, 8):
+                acc = vfmav(acc, lanes(w, n * w.shape[1] + value_bytes * k), vload(x, k))
+            s = vsum(acc)
+            for k in range(full, K):
+                decode(w, n, k, tail, 0)
+                s += tail[0] * x[k]
+            out[col + n] = s
+
+    return matvec_rows
+
+
+_DECODERS = {"F32": _decode_f32, "F16": _decode_f16, "BF16": _decode_bf16, "Q8_0": _decode_q8_0,
+             "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q5_0": _decode_q5_0, "Q5_1": _decode_q5_1,
+             "Q2_K": _decode_q2_k, "Q3_K": _decode_q3_k, "Q4_K": _decode_q4_k, "Q5_K": _decode_q5_k,
+             "Q6_K": _decode_q6_k}
+(decode_row_f32, decode_row_f16, decode_row_bf16, decode_row_q8_0, decode_row_q4_0, decode_row_q4_1, decode_row_q5_0,
+ decode_row_q5_1, decode_row_q2_k, decode_row_q3_k, decode_row_q4_k, decode_row_q5_k, decode_row_q6_k) = (
+    _decode_row(decode, TYPES[name].block_size, TYPES[name].block_bytes) for name, decode in _DECODERS.items())
+matvec_rows_q8_0 = _accumulated_matvec_rows(_acc_q8_0, 34)
+matvec_rows_q4_0 = _accumulated_matvec_rows(_acc_q4_0, 18)
+matvec_rows_q4_k = _accumulated_matvec_rows(_acc_q4_k, 144)
+matvec_rows_q6_k = _accumulated_matvec_rows(_acc_q6_k, 210)
+matvec_rows_f32 = _float_matvec_rows(vload_f32_bytes, _decode_f32, 4)
+matvec_rows_f16 = _float_matvec_rows(vload_f16_bytes, _decode_f16, 2)
+matvec_rows_bf16 = _float_matvec_rows(vload_bf16_bytes, _decode_bf16, 2)
+
+# values and bytes per block, indexed by GGML type id
+TYPE_BLOCK_SIZE = np.ones(31, np.int64)
+TYPE_BLOCK_BYTES = np.ones(31, np.int64)
+for _t in TYPES.values():
+    TYPE_BLOCK_SIZE[_t.type_id], TYPE_BLOCK_BYTES[_t.type_id] = _t.block_size, _t.block_bytes
+
+# GGML type ids, the codes the dispatchers take (quant.TYPES[name].type_id)
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30
+ROW_TYPES = tuple(_DECODERS)
+
+
+@njit(cache=True)
+def decode_row(code, w, n, out):
+    """Row n of W (GGML type `code`) as float32 into out[:K]: an embedding lookup reads no other row."""
+    if code == Q8_0:
+        decode_row_q8_0(w, n, out)
+    elif code == Q4_0:
+        decode_row_q4_0(w, n, out)
+    elif code == Q4_K:
+        decode_row_q4_k(w, n, out)
+    elif code == Q6_K:
+        decode_row_q6_k(w, n, out)
+    elif code == Q5_K:
+        decode_row_q5_k(w, n, out)
+    elif code == Q5_0:
+        decode_row_q5_0(w, n, out)
+    elif code == Q5_1:
+        decode_row_q5_1(w, n, out)
+    elif code == Q4_1:
+        decode_row_q4_1(w, n, out)
+    elif code == Q3_K:
+        decode_row_q3_k(w, n, out)
+    elif code == Q2_K:
+        decode_row_q2_k(w, n, out)
+    elif code == F16:
+        decode_row_f16(w, n, out)
+    elif code == BF16:
+        decode_row_bf16(w, n, out)
+    elif code == F32:
+        decode_row_f32(w, n, out)
+
+
+@njit(fastmath=REASSOC, cache=True)
+def matvec_rows_decoded(code, w, x, sums, out, col, n0, n1):
+    """matvec_rows for a type without its own: each row decoded into float32 (in cache), then dotted with x."""
+    K = w.shape[1] // TYPE_BLOCK_BYTES[code] * TYPE_BLOCK_SIZE[code]
+    row = np.empty(K, np.float32)
+    for n in range(n0, n1):
+        decode_row(code, w, n, row)
+        out[col + n] = _dot(row, 0, x, 0, K)
+
+
+@njit(cache=True)
+def matvec_rows(code, w, x, sums, out, col, n0, n1):
+    """out[col + n] = W[n] . x for n0 <= n < n1, W of GGML type `code` (one branch per type with its own worker)."""
+    if code == Q8_0:
+        matvec_rows_q8_0(w, x, sums, out, col, n0, n1)
+    elif code == Q4_0:
+        matvec_rows_q4_0(w, x, sums, out, col, n0, n1)
+    elif code == Q4_K:
+        matvec_rows_q4_k(w, x, sums, out, col, n0, n1)
+    elif code == Q6_K:
+        matvec_rows_q6_k(w, x, sums, out, col, n0, n1)
+    elif code == F16:
+        matvec_rows_f16(w, x, sums, out, col, n0, n1)
+    elif code == F32:
+        matvec_rows_f32(w, x, sums, out, col, n0, n1)
+    elif code == BF16:
+        matvec_rows_bf16(w, x, sums, out, col, n0, n1)
+    else:  # Q4_1, Q5_0, Q5_1, Q5_K, Q2_K, Q3_K
+        matvec_rows_decoded(code, w, x, sums, out, col, n0, n1)
+
+
+@njit(fastmath=REASSOC, cache=True)
+def matmul_rows(code, w, x, T, out, col, n0, n1):
+    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1 (n0 a multiple of 16), W of GGML type `code`: 16 rows
+    at a time decoded into one float32 panel (cpu.pack_panels' layout), then cpu.py's register tile over every
+    token, so the decoding is paid once per row whatever T is."""
+    K = w.shape[1] // TYPE_BLOCK_BYTES[code] * TYPE_BLOCK_SIZE[code]
+    panel = np.zeros(K * PANEL, np.float32)
+    row = np.empty(K, np.float32)
+    tile = np.empty((T, PANEL), np.float32)
+    for p0 in range(n0, n1, PANEL):
+        rows = min(PANEL, n1 - p0)
+        for j in range(rows):
+            decode_row(code, w, p0 + j, row)
+            for k in range(K):
+                panel[k * PANEL + j] = row[k]
+        for j in range(rows, PANEL):  # past the last row: zeros, computed and not stored
+            for k in range(K):
+                panel[k * PANEL + j] = 0
+        for t in range(0, T, TILE_T):
+            _tile_6x16(x, t, min(TILE_T, T - t), panel, 0, K, tile, 0)
+        for t in range(T):
+            for j in range(rows):
+                out[t, col + p0 + j] = tile[t, j]

@@ -41,7 +41,9 @@ def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str
     """A model over `weights` (a format reader's dict) run by `backend`, on `threads` CPU cores (default: all).
 
     weight_dtype "float16" stores the CUDA model's matrices in half precision (float32 sums); the CPU backends
-    compute in the checkpoint's precision (numpy) or float32 (numba). options go to the CUDA model (geometry,
+    compute in the checkpoint's precision (numpy) or float32 (numba). Matrices given as quant.QuantizedMatrix
+    (formats.gguf.read_gguf_quantized) stay in their file types in the numba model (npllm.load reads a GGUF file
+    that way for numba only; numpy and cuda get float32). options go to the CUDA model (geometry,
     one_launch: see cuda.CudaTransformer).
     """
     backend = resolve_backend(backend)
@@ -55,14 +57,24 @@ def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str
 
         return CudaTransformer(config, weights, np.dtype(weight_dtype), **options)
     if backend == "numba":
-        from .numba import NumbaTransformer
+        from .numba import NumbaTransformer, QuantizedNumbaTransformer, is_quantized
 
-        return NumbaTransformer(config, weights, threads)
+        if is_quantized(weights):  # matrices kept in their file types: read as stored, no float32 copy
+            return QuantizedNumbaTransformer(config, weights, threads)
+        return NumbaTransformer(config, float_weights(weights), threads)
     from .reference import Transformer
 
     if threads is not None:
         limit_blas_threads(threads)
     return Transformer(config, weights)
+
+
+def float_weights(weights: dict) -> dict:
+    """The weights as arrays: quant.QuantizedMatrix values of type F32 become float32 views of their bytes (the
+    float32 path packs its own panels from them)."""
+    from ..quant import QuantizedMatrix
+
+    return {name: np.asarray(w) if isinstance(w, QuantizedMatrix) else w for name, w in weights.items()}
 
 
 def limit_blas_threads(threads: int) -> None:

@@ -20,13 +20,14 @@ from collections import namedtuple
 
 import numba
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from .. import ops
 from ..cache import RingKVCache
 from ..config import ModelConfig
 from ..errors import ConfigError, GenerationError
 from ..kernels import cpu
+from ..kernels import quant as qk
 from .base import Model
 from .weights import Weights, fused_gate_up, fused_qkv
 
@@ -254,6 +255,302 @@ def _forward(tokens, positions, seqs, w, inv_freq, dims, ring):
         cpu.matmul_into(h, w.w13[l], gate_up, T, threads)
         cpu.swiglu_hidden_into(gate_up, hidden, T)
         cpu.matmul_into(hidden, w.w2[l], o, T, threads)
+        _residual_add(x, o, T, D)
+    cpu.rms_norm_into(x, w.norm, eps, h, T)
+    _commit_positions(positions, seqs, ring)
+    return h
+
+
+# ================================================================================================================
+# Weights kept in their file types (a GGUF checkpoint's quantized blocks, F16, ...): no float32 copy, no repacking.
+#
+# Every matrix is a run of byte rows inside ONE uint8 array, the `pool`: the checkpoint's memory map itself when all
+# matrices lie in it (a GGUF file), else their bytes put together once. A table says where each one is:
+#
+#     mats [7 L + 2, 5] int64: byte offset, GGML type id, rows N, values per row K, bytes per row
+#          rows 7 l + (WQ, WK, WV, WO, W1, W3, W2) for layer l, then the token embeddings and the LM head
+#
+# Nothing is fused at load (fusing would copy): q, k and v (and gate and up), which read the same input, are
+# computed in ONE parallel region over their concatenated rows, each matrix by the row-range worker of its own type
+# (kernels/quant.py), so a file that mixes types (Q4_K_M: Q4_K, Q6_K, Q5_0, ...) runs every matrix as stored.
+
+WQ, WK, WV, WO, W1, W3, W2 = range(7)
+PER_LAYER = 7
+# Quantized forward: the float32 panels of a product over T tokens come from decoding 16 rows; rows of one token
+# are read straight from the blocks (see kernels/quant.py).
+QPacked = namedtuple("QPacked", [
+    "pool",  # [bytes] uint8, read-only
+    "mats",  # [7 L + 2, 5] int64 (see above)
+    "attention_norm",  # [L, D]
+    "bqkv",  # [L, (H + 2K) Dh]      zeros where the model has no biases
+    "ffn_norm",  # [L, D]
+    "norm",  # [D]
+    "qk_perm",  # [(H + K) Dh] int64: column i of q|k takes column qk_perm[i] (rope_layout "half"); empty otherwise
+])
+
+
+def is_quantized(weights) -> bool:
+    """Whether a checkpoint's dict holds matrices kept in a file type other than float32 (quant.QuantizedMatrix)."""
+    from ..quant import QuantizedMatrix
+
+    return any(isinstance(w, QuantizedMatrix) and w.qtype != "F32" for w in weights.values())
+
+
+def _memory_root(a: np.ndarray):
+    """The object whose memory an array views (a memory map, a bytes object), or the array itself if it owns it."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    root = a.base if a.base is not None else a
+    return root.obj if isinstance(root, memoryview) else root
+
+
+def weight_pool(raws: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """One read-only uint8 array holding every matrix's bytes, and each one's offset in it: the memory map they
+    all view (no copy), or, when they do not share one, their bytes concatenated once (each distinct array once)."""
+    roots = {id(_memory_root(r)): _memory_root(r) for r in raws}
+    if len(roots) == 1 and not isinstance(next(iter(roots.values())), np.ndarray):
+        pool = np.frombuffer(next(iter(roots.values())), np.uint8)
+        start = pool.__array_interface__["data"][0]
+        return pool, [r.__array_interface__["data"][0] - start for r in raws]
+    offsets, parts, seen, at = [], [], {}, 0
+    for r in raws:
+        if id(r) not in seen:
+            seen[id(r)] = at
+            parts.append(np.ascontiguousarray(r).reshape(-1))
+            at += r.nbytes
+        offsets.append(seen[id(r)])
+    pool = np.concatenate(parts)
+    pool.flags.writeable = False
+    return pool, offsets
+
+
+def _as_quantized(w):
+    """A matrix as a QuantizedMatrix: as it is, or a float array's float32 bytes (a matrix of a mixed dict)."""
+    from ..quant import QuantizedMatrix
+
+    if isinstance(w, QuantizedMatrix):
+        return w
+    values = np.ascontiguousarray(w, dtype=np.float32)
+    return QuantizedMatrix(values.view(np.uint8).reshape(values.shape[0], -1), "F32", values.shape)
+
+
+def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
+    """The matrices in their own types over one byte pool, the vectors as float32 arrays stacked along L."""
+    from ..formats.hf import permute_qk_half_to_interleaved
+    from ..quant import TYPES
+
+    names = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+    matrices = [_as_quantized(getattr(layer, name)) for layer in weights.layers for name in names]
+    matrices += [_as_quantized(weights.tok_embeddings), _as_quantized(weights.output)]
+    pool, offsets = weight_pool([m.raw for m in matrices])
+    mats = np.array([(at, TYPES[m.qtype].type_id, m.shape[0], m.shape[1], m.raw.shape[1])
+                     for at, m in zip(offsets, matrices)], np.int64)
+    H, K, Dh = c.n_heads, c.n_kv_heads, c.head_dim
+    bqkv = np.zeros((c.n_layers, (H + 2 * K) * Dh), np.float32)
+    if c.attention_bias:
+        for l, layer in enumerate(weights.layers):
+            bqkv[l] = np.concatenate([layer.bq, layer.bk, layer.bv])
+    qk_perm = np.empty(0, np.int64)
+    if c.rope_layout == "half":  # q and k rows in HF's layout: permute their outputs into the interleaved one
+        qk_perm = np.concatenate([permute_qk_half_to_interleaved(np.arange(H * Dh), H, Dh),
+                                  H * Dh + permute_qk_half_to_interleaved(np.arange(K * Dh), K, Dh)])
+    return QPacked(pool, mats, weights.stacked("attention_norm"), bqkv, weights.stacked("ffn_norm"),
+                   np.array(weights.norm, np.float32), qk_perm.astype(np.int64))
+
+
+class QuantizedNumbaTransformer(NumbaTransformer):
+    """NumbaTransformer on weights kept in their checkpoint's types (models/numba.py, below the float32 path):
+    matrices read from the file's bytes, never widened to float32 as a whole."""
+
+    def __init__(self, config: ModelConfig, weights: dict, threads: int | None = None):
+        named = Weights.from_checkpoint(config, weights)
+        if threads is not None and not 1 <= threads <= numba.config.NUMBA_NUM_THREADS:
+            raise ConfigError(f"threads must be in 1 .. {numba.config.NUMBA_NUM_THREADS}, got {threads}")
+        Model.__init__(self, config)
+        self.inv_freq = ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.packed = pack_quantized(config, named)
+        self.threads = threads or numba.config.NUMBA_NUM_THREADS
+        mats, L = self.packed.mats, config.n_layers
+        self.type_bytes = _bytes_by_type(mats)
+        self.layer_bytes = int(mats[:PER_LAYER * L, 2] @ mats[:PER_LAYER * L, 4]) // L
+        # what the thread estimate sees: the kernels' cost follows the values (decoding), not the bytes
+        self.layer_cost_bytes = 4 * int(mats[:PER_LAYER * L, 2] @ mats[:PER_LAYER * L, 3]) // L
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads, in their stored types (layers, LM head, norms, biases and the
+        one embedding row looked up), as bench.decode_weight_bytes counts float32 ones."""
+        p, L = self.packed, self.config.n_layers
+        head, embedding_row = int(p.mats[-1, 2] * p.mats[-1, 4]), int(p.mats[-2, 4])
+        vectors = 4 * (p.attention_norm.size + p.ffn_norm.size + self.config.dim)
+        if self.config.attention_bias:
+            vectors += p.bqkv.nbytes
+        return self.layer_bytes * L + head + embedding_row + vectors
+
+    @property
+    def weight_types(self) -> dict[str, int]:
+        """Bytes of the model's matrices by type, e.g. {"Q4_0": ..., "Q6_K": ...} (the embeddings included)."""
+        return dict(self.type_bytes)
+
+    def forward(self, tokens, positions, cache: RingKVCache, slots=None) -> np.ndarray:
+        tokens, positions, slots = self.call_arrays(tokens, positions, slots)
+        self._check_cache(cache)
+        sequences = self._sequences(tokens, positions, slots, cache)
+        if len(tokens) == 0:
+            return np.zeros((0, self.config.dim), np.float32)
+        threads = self.threads_for(len(tokens), self.layer_cost_bytes, LAYER_REGIONS)
+        numba.set_num_threads(threads)
+        c = self.config
+        dims = Dims(c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps, self.window(cache), threads)
+        ring = Ring(cache.k, cache.v, cache.positions, cache.lengths)
+        return _forward_quantized(tokens, positions, sequences, self.packed, self.inv_freq, dims, ring)
+
+    def lm_head(self, h: np.ndarray) -> np.ndarray:
+        """Logits from final hidden states, the LM head read in its own type.  # [T, D] -> [T, V]"""
+        mats = self.packed.mats
+        threads = self.threads_for(len(h), 4 * int(mats[-1, 2] * mats[-1, 3]), 1)
+        numba.set_num_threads(threads)
+        h = np.ascontiguousarray(h, dtype=np.float32)
+        out = np.empty((len(h), self.config.vocab_size), np.float32)
+        if len(h):
+            products_into(self.packed.pool, mats, len(mats) - 1, 1, h, len(h), out, threads)
+        return out
+
+
+def _bytes_by_type(mats: np.ndarray) -> dict[str, int]:
+    from ..quant import TYPES_BY_ID
+
+    totals: dict[str, int] = {}
+    seen = set()
+    for at, code, N, K, row_bytes in mats.tolist():
+        if at in seen:  # tied embeddings: one matrix, listed twice
+            continue
+        seen.add(at)
+        name = TYPES_BY_ID[code].name
+        totals[name] = totals.get(name, 0) + N * row_bytes
+    return totals
+
+
+@njit(inline="always")
+def _matrix(pool, mats, m):
+    """Matrix m's byte rows, a view of the pool.  # -> [N, row bytes] uint8"""
+    at, N, row_bytes = mats[m, 0], mats[m, 2], mats[m, 4]
+    return pool[at:at + N * row_bytes].reshape((N, row_bytes))
+
+
+@njit(cache=True)
+def products_into(pool, mats, first, count, x, T, out, threads):
+    """out[:T, col_i : col_i + N_i] = x[:T, :K] @ W_i.T for the `count` matrices first .. first + count - 1, which
+    read the same input, side by side (col_i = N_0 + ... + N_{i-1}).   # [>=T, >=K] -> [>=T, >= sum N_i]
+
+    The concatenated rows (one token) or panels of 16 rows (several tokens) are split into one contiguous range per
+    thread, in ONE parallel region (none on one thread: a small model's step is mostly such calls); each matrix's
+    part of a range goes to its type's row-range worker (kernels/quant.py).
+    """
+    unit = 1 if T == 1 else PANEL
+    total = 0
+    for i in range(count):
+        total += -(-mats[first + i, 2] // unit)
+    K = mats[first, 3]
+    sums = np.zeros(K // 16, np.float32)  # x's sums of 16 for the blocks' offsets (one token only)
+    if T == 1:
+        for g in range(K // 16):
+            s = np.float32(0)
+            for j in range(16):
+                s += x[0, 16 * g + j]
+            sums[g] = s
+    chunks = max(1, min(total, threads))
+    if chunks == 1:
+        _product_units(pool, mats, first, count, x, T, out, sums, unit, 0, total)
+    else:
+        _products_parallel(pool, mats, first, count, x, T, out, sums, unit, total, chunks)
+
+
+@njit(parallel=True, cache=True)
+def _products_parallel(pool, mats, first, count, x, T, out, sums, unit, total, chunks):
+    for c in prange(chunks):
+        _product_units(pool, mats, first, count, x, T, out, sums, unit, c * total // chunks, (c + 1) * total // chunks)
+
+
+@njit(cache=True)
+def _product_units(pool, mats, first, count, x, T, out, sums, unit, u0, u1):
+    """Units u0 .. u1-1 of the concatenated rows (unit 1) or panels (unit 16) of matrices first .. first+count-1."""
+    base, col = 0, 0
+    for i in range(count):
+        m = first + i
+        N = mats[m, 2]
+        units = -(-N // unit)
+        lo, hi = max(u0, base), min(u1, base + units)
+        if lo < hi:
+            w = _matrix(pool, mats, m)
+            n0, n1 = (lo - base) * unit, min((hi - base) * unit, N)
+            if T == 1:
+                qk.matvec_rows(mats[m, 1], w, x[0], sums, out[0], col, n0, n1)
+            else:
+                qk.matmul_rows(mats[m, 1], w, x, T, out, col, n0, n1)
+        base += units
+        col += N
+
+
+@njit(cache=True)
+def _swiglu_halves_into(gate_up, F, out, T):
+    """out[t, i] = silu(gate) * up = gate / (1 + e^-gate) * up with gate = gate_up[t, i], up = gate_up[t, F + i].
+                                                                                   # [>=T, 2F] -> [>=T, F]"""
+    e = np.empty(F, np.float32)
+    bits = np.empty(F, np.int32)
+    for t in range(T):
+        for i in range(F):
+            e[i] = -gate_up[t, i]
+        cpu._exp_into(e, F, bits)
+        for i in range(F):
+            out[t, i] = gate_up[t, i] / (np.float32(1.0) + e[i]) * gate_up[t, F + i]
+
+
+@njit(cache=True)
+def _forward_quantized(tokens, positions, seqs, w, inv_freq, dims, ring):
+    """_forward on weights kept in their file types (QPacked): the same layers, each matrix product a
+    products_into over the byte pool, the embedding rows decoded one by one.  # -> [T, D]"""
+    H, K, Dh, eps, window, threads = dims
+    T = tokens.shape[0]
+    L, D = w.attention_norm.shape
+    F = w.mats[W1, 2]
+    x = np.empty((T, D), np.float32)
+    h = np.empty((T, D), np.float32)
+    o = np.empty((T, D), np.float32)
+    qkv = np.empty((T, (H + 2 * K) * Dh), np.float32)
+    attn = np.empty((T, H * Dh), np.float32)
+    gate_up = np.empty((T, 2 * F), np.float32)
+    hidden = np.empty((T, F), np.float32)
+    cos = np.empty((T, Dh // 2), np.float32)
+    sin = np.empty((T, Dh // 2), np.float32)
+    qk_cols = w.qk_perm.shape[0]
+    unpermuted = np.empty(qk_cols, np.float32)
+    cpu.rope_angles_into(positions, inv_freq, cos, sin, T)
+    valid_from = np.empty(seqs.slots.shape[0], np.int64)
+    cpu.valid_from_into(positions, seqs.order, seqs.starts, seqs.slots, ring.positions, window, valid_from)
+    embed = PER_LAYER * L
+    table = _matrix(w.pool, w.mats, embed)
+    for t in range(T):
+        qk.decode_row(w.mats[embed, 1], table, tokens[t], x[t])
+    for l in range(L):
+        m = PER_LAYER * l
+        cpu.rms_norm_into(x, w.attention_norm[l], eps, h, T)
+        products_into(w.pool, w.mats, m + WQ, 3, h, T, qkv, threads)
+        for t in range(T):
+            qkv[t] += w.bqkv[l]
+            if qk_cols:
+                unpermuted[:] = qkv[t, :qk_cols]
+                for i in range(qk_cols):
+                    qkv[t, i] = unpermuted[w.qk_perm[i]]
+        cpu.rope_interleaved_into(qkv, H + K, Dh, cos, sin, T)
+        cpu.attention_ring_into(qkv, H, K, positions, seqs.order, seqs.starts, seqs.slots, valid_from, ring.k[l],
+                                ring.v[l], ring.positions, window, attn)
+        products_into(w.pool, w.mats, m + WO, 1, attn, T, o, threads)
+        _residual_add(x, o, T, D)
+        cpu.rms_norm_into(x, w.ffn_norm[l], eps, h, T)
+        products_into(w.pool, w.mats, m + W1, 2, h, T, gate_up, threads)
+        _swiglu_halves_into(gate_up, F, hidden, T)
+        products_into(w.pool, w.mats, m + W2, 1, hidden, T, o, threads)
         _residual_add(x, o, T, D)
     cpu.rms_norm_into(x, w.norm, eps, h, T)
     _commit_positions(positions, seqs, ring)

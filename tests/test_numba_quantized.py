@@ -1,0 +1,210 @@
+"""The Numba model on weights kept in their GGUF types (models/numba.py: QuantizedNumbaTransformer) against the NumPy
+reference on the same weights dequantized, and the row-range workers it calls (kernels/quant.py) against
+`x @ dequantize(w).T` for every type a GGUF file holds."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import npllm
+from npllm import quant
+from npllm.config import ModelConfig
+from npllm.formats import read_checkpoint
+from npllm.formats.gguf import TensorData, model_metadata, model_tensors, read_gguf, read_gguf_quantized, write_gguf, \
+    write_gguf_file
+from npllm.formats.random import random_weights
+from npllm.kernels import quant as kq
+from npllm.models import make_model
+from npllm.models.numba import NumbaTransformer, QuantizedNumbaTransformer
+from npllm.models.reference import Transformer
+
+# ------------------------------------------------------------------------------------------------ row workers
+
+@st.composite
+def matrix_bytes(draw, qtype):
+    """Arbitrary bytes for N rows of `qtype`, every float field finite (F32/F16/BF16: finite values)."""
+    t = quant.TYPES[qtype]
+    N = draw(st.integers(1, 40), label="N")
+    if t.block_size == 1:
+        K = draw(st.integers(1, 70), label="K")
+        values = draw(hnp.arrays(np.float32, (N, K), elements=st.floats(-4, 4, width=16)))
+        raw = values.astype(np.float32 if qtype == "F32" else np.float16).view(np.uint8)
+        if qtype == "BF16":
+            raw = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        return np.ascontiguousarray(raw).reshape(N, -1), K
+    blocks = draw(st.integers(1, 2 if t.block_size == 256 else 4), label="blocks per row")
+    raw = draw(hnp.arrays(np.uint8, (N * blocks, t.block_bytes)))
+    for at in quant.SCALE_FIELDS[qtype]:
+        scale = draw(hnp.arrays(np.float16, N * blocks, elements=st.floats(-2, 2, width=16)))
+        raw[:, at:at + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(N, -1), blocks * t.block_size
+
+
+def near(got, w, x):
+    """Within float32 rounding of the sums of |w x| (the workers regroup the sums)."""
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
+    return np.all(np.abs(got - exact) <= 2e-5 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("qtype", kq.ROW_TYPES)
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_row_workers_are_the_reference(qtype, data):
+    raw, K = data.draw(matrix_bytes(qtype))
+    raw.flags.writeable = False  # as a memory map gives them
+    N, code = raw.shape[0], quant.TYPES[qtype].type_id
+    w = quant.dequantize(raw, qtype, (N, K))
+    T = data.draw(st.integers(1, 7), label="T")
+    x = data.draw(hnp.arrays(np.float32, (T, K), elements=st.floats(-8, 8, width=32)))
+    n0 = data.draw(st.integers(0, (N - 1) // 16), label="first panel") * 16  # matmul ranges start on a panel
+    n1 = data.draw(st.integers(n0 + 1, N), label="end")
+
+    out = np.full((T, N + 3), np.nan, np.float32)
+    kq.matmul_rows(code, raw, x, T, out, 3, n0, n1)
+    assert near(out[:, 3 + n0:3 + n1], w[n0:n1], x)
+    sums = x[0, :K - K % 16].reshape(-1, 16).sum(axis=1).astype(np.float32)
+    vec = np.full(N + 2, np.nan, np.float32)
+    kq.matvec_rows(code, raw, x[0], sums, vec, 2, n0, n1)
+    assert near(vec[2 + n0:2 + n1], w[n0:n1], x[0])
+    row = np.empty(K, np.float32)
+    kq.decode_row(code, raw, n1 - 1, row)
+    np.testing.assert_array_equal(row, w[n1 - 1])
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+def tiny(rope_layout="interleaved", **changes) -> ModelConfig:
+    """Rows of 256 (the K-quants' block), small everything else."""
+    return ModelConfig(dim=256, hidden_dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96,
+                       max_seq_len=64, tied_embeddings=False, rope_layout=rope_layout).replace(**changes)
+
+
+TOKENS = np.array([1, 5, 7, 9, 3, 2, 60, 11, 90])
+
+
+def load(path, backend="numba"):
+    """The model npllm.load builds (these files carry no tokenizer)."""
+    return npllm.LLM(make_model(*read_checkpoint(path, keep_quantized=backend == "numba"), backend), None)
+
+
+def assert_follows_reference(path):
+    """Prefill logits and token-by-token decode logits of the numba model (weights kept in their types) equal the
+    reference model's on the file dequantized."""
+    llm = load(path)
+    assert isinstance(llm.model, QuantizedNumbaTransformer)
+    reference = Transformer(*read_gguf(path)).logits(TOKENS)
+    np.testing.assert_allclose(llm.model.logits(TOKENS), reference, rtol=1e-4, atol=2e-5)
+    cache = llm.model.new_cache()
+    steps = [llm.model.lm_head(llm.model.forward(TOKENS[i:i + 1], [i], cache))[0] for i in range(len(TOKENS))]
+    np.testing.assert_allclose(np.array(steps), reference, rtol=1e-4, atol=2e-5)
+    return llm
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_quantized_model_is_the_reference_on_each_type(tmp_path, qtype):
+    config = tiny()
+    path = tmp_path / "m.gguf"
+    tensors = write_gguf(path, config, random_weights(config, 1), qtype)
+    assert {t.type_name for t in tensors} == {qtype, "F32"}
+    llm = assert_follows_reference(path)
+    assert set(llm.model.weight_types) == {qtype}
+
+
+MIXED = {"token_embd": "Q6_K", "output": "Q8_0", "attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q5_0",
+         "attn_output": "Q4_1", "ffn_gate": "F16", "ffn_up": "Q4_0", "ffn_down": "Q5_K"}
+
+
+def test_mixed_types_rope_half_and_biases(tmp_path):
+    """One file mixing types as llama.cpp's K-quant presets do (q, k and v of different types: no fused rows), in
+    Qwen2's layout (half-split RoPE, q/k/v biases)."""
+    config = tiny("half", arch="qwen2", attention_bias=True, tied_embeddings=False)
+    tensors = model_tensors(config, random_weights(config, 2), "F32")
+    mixed = []
+    for t in tensors:
+        kind = t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0]
+        qtype = MIXED.get(kind, "F32") if len(t.shape) == 2 else "F32"
+        values = t.raw.view(np.float32).reshape(t.shape)
+        mixed.append(TensorData(t.name, t.shape, qtype, quant.quantize(values, qtype)))
+    path = tmp_path / "mixed.gguf"
+    write_gguf_file(path, model_metadata(config, "mixed"), mixed)
+    llm = assert_follows_reference(path)
+    assert set(llm.model.weight_types) == set(MIXED.values())
+
+
+def test_a_loaded_quantized_model_holds_no_float32_matrix(tmp_path):
+    config = tiny()
+    path = tmp_path / "q4.gguf"
+    write_gguf(path, config, random_weights(config, 3), "Q4_0")
+    model = load(path).model
+    packed = model.packed
+    assert packed.pool.dtype == np.uint8 and not packed.pool.flags.owndata  # the file's memory map, not a copy
+    smallest_matrix = 4 * config.n_kv_heads * config.head_dim * config.dim  # wk as float32
+    for name, array in packed._asdict().items():
+        assert array.dtype != np.float32 or array.nbytes < smallest_matrix, name
+    file_bytes = sum(m.nbytes for m in read_gguf_quantized(path)[1].values() if isinstance(m, quant.QuantizedMatrix))
+    assert model.weight_types == {"Q4_0": file_bytes}
+    assert model.weight_bytes < file_bytes  # decode reads the LM head, not the embedding table
+
+
+def test_float_checkpoints_and_other_backends_keep_float32(tmp_path):
+    """An all-F32 GGUF runs on the float32 panels; the numpy backend dequantizes at load."""
+    config = tiny()
+    path = tmp_path / "f32.gguf"
+    write_gguf(path, config, random_weights(config, 4), "F32")
+    assert type(load(path).model) is NumbaTransformer
+    q8 = tmp_path / "q8.gguf"
+    write_gguf(q8, config, random_weights(config, 4), "Q8_0")
+    numpy_model = load(q8, backend="numpy").model
+    assert isinstance(numpy_model.weights.tok_embeddings, np.ndarray)
+    np.testing.assert_allclose(load(q8).model.logits(TOKENS), numpy_model.logits(TOKENS), rtol=1e-4,
+                               atol=2e-5)
+
+
+def test_non_finite_scales_are_refused_at_load(tmp_path):
+    config = tiny()
+    tensors = model_tensors(config, random_weights(config, 5), "Q8_0")
+    i = next(i for i, t in enumerate(tensors) if t.type_name == "Q8_0")
+    broken = tensors[i].raw.copy()
+    broken[34 + 0:34 + 2] = np.array([np.inf], np.float16).view(np.uint8)  # the second block's scale
+    tensors[i] = TensorData(tensors[i].name, tensors[i].shape, "Q8_0", broken)
+    path = tmp_path / "nan.gguf"
+    write_gguf_file(path, model_metadata(config, "nan"), tensors)
+    with pytest.raises(npllm.errors.FormatError, match="NaN or infinite"):
+        read_checkpoint(path, keep_quantized=True)
+
+
+def test_info_shows_bytes_per_type_and_memory_as_stored(tmp_path, capsys):
+    from npllm.cli import main
+
+    config = tiny()
+    path = tmp_path / "q4.gguf"
+    tensors = write_gguf(path, config, random_weights(config, 6), "Q4_0")
+    assert main(["info", str(path)]) == 0
+    lines = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in capsys.readouterr().out.splitlines()
+             if ":" in line}
+    q4 = sum(t.raw.nbytes for t in tensors if t.type_name == "Q4_0")
+    vectors = sum(t.raw.nbytes for t in tensors if t.type_name == "F32")
+    assert lines["on disk"] == f"Q4_0 x{len(tensors) - 5} ({q4 / 2**20:.1f} MiB), F32 x5 ({vectors / 1024:.1f} KiB)"
+    assert lines["memory"].startswith(f"{(q4 + vectors) / 2**20:.1f} MiB weights in their file types")
+
+
+def test_bench_reports_bytes_in_the_files_types(tmp_path, capsys):
+    import json
+
+    from npllm.cli import main
+
+    config = tiny()
+    path = tmp_path / "q4.gguf"
+    write_gguf(path, config, random_weights(config, 7), "Q4_0")
+    assert main(["bench", "--model", str(path), "--batch", "1", "--prompt-len", "4", "--gen-len", "2", "--repeat",
+                 "1", "--bandwidth-mib", "8", "--threads", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[0])
+    model = load(path).model
+    assert result["dtype"] == "Q4_0" and result["weight_bytes_by_type"] == model.weight_types
+    L, D, Dh = config.n_layers, config.dim, config.head_dim
+    values = L * (D * (config.n_heads + 2 * config.n_kv_heads) * Dh + config.n_heads * Dh * D + 3 * D *
+                  config.hidden_dim) + config.vocab_size * D + D  # layers, LM head, one embedding row
+    assert result["weight_bytes_per_token"] == values // 32 * 18 + 4 * (2 * L * D + D)  # Q4_0 + F32 norms
