@@ -208,12 +208,14 @@ class LLM:
 
 
 def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None,
-         backend: str = "numba", threads: int | None = None, weight_dtype: str = "float32") -> LLM:
+         backend: str = "numba", threads: int | None = None, weight_dtype: str = "float32",
+         kv_dtype: str = "float32") -> LLM:
     """Load a checkpoint (a path or a known name such as "stories260K") and its tokenizer.
 
     backend: "numba" (compiled CPU kernels, the default), "numpy" (the reference), "cuda" (an NVIDIA GPU through
     numba.cuda; a DeviceError says what is missing when it cannot run) or "auto" (cuda when a GPU is usable, else
     numba). threads: CPU cores to use. weight_dtype "float16": the cuda backend stores matrices in half precision.
+    kv_dtype "float16": the KV cache stores keys and values in half precision, half the bytes (numba and numpy).
     """
     from .formats import read_checkpoint
     from .models import make_model, resolve_backend
@@ -231,5 +233,5 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
         # vocabulary does not exist); other tokenizers know their size and may be smaller than a padded embedding
         tok = load_tokenizer(tok_path, vocab_size=config.vocab_size if tok_path.suffix.lower() == ".bin" else None)
         n_tokens = fit_tokenizer(tok, config, tok_path)
-    model = make_model(config, weights, backend, threads, weight_dtype)
+    model = make_model(config, weights, backend, threads, weight_dtype, kv_dtype)
     return LLM(model if n_tokens is None else PaddedVocab(model, n_tokens), tok, str(checkpoint), backend, threads)

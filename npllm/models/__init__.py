@@ -14,7 +14,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import ConfigError, DeviceError
-from .base import Model
+from .base import KV_DTYPES, Model, kv_storage
 
 BACKENDS = ("numba", "numpy", "cuda", "auto")
 WEIGHT_DTYPES = ("float32", "float16")
@@ -37,14 +37,28 @@ def resolve_backend(backend: str) -> str:
 
 
 def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str = "numba",
-               threads: int | None = None, weight_dtype: str = "float32", **options) -> Model:
+               threads: int | None = None, weight_dtype: str = "float32", kv_dtype: str | None = None,
+               **options) -> Model:
     """A model over `weights` (a format reader's dict) run by `backend`, on `threads` CPU cores (default: all).
 
     weight_dtype "float16" stores the CUDA model's matrices in half precision (float32 sums); the CPU backends
-    compute in the checkpoint's precision (numpy) or float32 (numba). options go to the CUDA model (geometry,
-    one_launch: see cuda.CudaTransformer).
+    compute in the checkpoint's precision (numpy) or float32 (numba). kv_dtype "float16" makes the model's caches
+    store keys and values in half precision (numpy and numba backends; None: the compute dtype). options go to
+    the CUDA model (geometry, one_launch: see cuda.CudaTransformer).
     """
     backend = resolve_backend(backend)
+    kv = None if kv_dtype is None else kv_storage(kv_dtype)
+    if backend == "cuda" and kv not in (None, np.float32):
+        raise ConfigError(f"kv_dtype {kv_dtype}: the cuda backend's cache stores float32 (float16 is for the numba "
+                          f"and numpy backends)")
+    model = _make(config, weights, backend, threads, weight_dtype, **options)
+    if kv is not None:
+        model.kv_dtype = kv.name
+    return model
+
+
+def _make(config: ModelConfig, weights: dict[str, np.ndarray], backend: str, threads: int | None,
+          weight_dtype: str, **options) -> Model:
     if weight_dtype not in WEIGHT_DTYPES:
         raise ConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     if backend != "cuda" and (weight_dtype != "float32" or options):

@@ -24,7 +24,7 @@ from ..config import ModelConfig
 from ..device import cuda_problem, cuda_simulated
 from ..errors import ConfigError, DeviceError, GenerationError
 from ..sampling import SamplingParams, sample_with
-from .base import Model
+from .base import Model, kv_storage
 from .weights import Weights, fused_gate_up, fused_qkv
 
 DTYPES = (np.float32, np.float16)
@@ -230,7 +230,9 @@ class CudaTransformer(Model):
 
     # -- the forward pass ---------------------------------------------------------------------------------------
 
-    def new_cache(self, capacity: int | None = None, slots: int = 1) -> CudaKVCache:
+    def new_cache(self, capacity: int | None = None, slots: int = 1, kv_dtype: str | None = None) -> CudaKVCache:
+        if kv_dtype is not None and kv_storage(kv_dtype) != np.float32:
+            raise ConfigError(f"kv_dtype {kv_dtype}: the cuda backend's cache stores float32")
         return CudaKVCache(self.config, capacity, slots)
 
     def forward(self, tokens, positions, cache: CudaKVCache, slots=None) -> DeviceArray:
