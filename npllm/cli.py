@@ -3,7 +3,7 @@
     npllm generate [PROMPT] --model M --tokenizer T --max-new-tokens N --temperature T --top-p P --seed S
                             --top-k K --min-p P --typical-p P --repetition-penalty R --presence-penalty A
                             --frequency-penalty A --no-repeat-ngram N --stop STR --logprobs N
-                            --backend numba|numpy|cuda|auto --threads N --weight-dtype float32|float16
+                            --backend numba|numpy|cuda|auto --threads N --weight-dtype float32|float16|q8_0
                             --kv-dtype float32|float16
     npllm generate --prompt-file FILE ...      one prompt per line, generated together (ragged batching)
     npllm generate [PROMPT] ... --explain [--json]     (each token's candidates through the sampling pipeline)
@@ -112,7 +112,7 @@ def add_bench(commands) -> None:
                        help="one or more of numba, numpy, cuda, auto (default numba)")
     bench.add_argument("--threads", type=whole(1, MOST_THREADS), default=None, help="cores to use (default: all)")
     bench.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32",
-                       help="float16: the cuda backend stores matrices in half precision (default float32)")
+                       help="the cuda backend's matrix storage: float16 or q8_0 blocks (default float32)")
     bench.add_argument("--kv-dtype", choices=KV_DTYPES, nargs="+", default=["float32"],
                        help="KV cache storage, one or more, measured in turn on one model (default float32)")
     bench.add_argument("--repeat", type=whole(1, MOST_REPEAT), default=3,
@@ -174,7 +174,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "auto (cuda when a GPU is usable, else numba)")
     parser.add_argument("--threads", type=whole(1, MOST_THREADS), default=None, help="cores to use (default: all)")
     parser.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32",
-                        help="float16: the cuda backend stores matrices in half precision (default float32)")
+                        help="the cuda backend's matrix storage: float16 or q8_0 blocks (default float32)")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32",
                         help="float16: the KV cache stores keys and values in half precision (numba, numpy)")
 

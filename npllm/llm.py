@@ -214,7 +214,8 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
 
     backend: "numba" (compiled CPU kernels, the default), "numpy" (the reference), "cuda" (an NVIDIA GPU through
     numba.cuda; a DeviceError says what is missing when it cannot run) or "auto" (cuda when a GPU is usable, else
-    numba). threads: CPU cores to use. weight_dtype "float16": the cuda backend stores matrices in half precision.
+    numba). threads: CPU cores to use. weight_dtype "float16" or "q8_0": the cuda backend stores matrices in half
+    precision or as Q8_0 blocks (a GGUF file's own Q8_0 blocks are kept byte for byte; other matrices are quantized).
     kv_dtype "float16": the KV cache stores keys and values in half precision, half the bytes (numba and numpy).
     """
     from .formats import read_checkpoint
@@ -222,7 +223,7 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
 
     backend = resolve_backend(backend)  # before reading weights: a missing GPU is reported at once
     checkpoint, found_tokenizer = resolve(model)
-    config, weights = read_checkpoint(checkpoint)
+    config, weights = read_checkpoint(checkpoint, keep_quantized=backend == "cuda" and weight_dtype == "q8_0")
     tok_path = tokenizer if tokenizer is not None else found_tokenizer
     tok, n_tokens = None, None
     if tok_path is not None:

@@ -32,9 +32,10 @@ from ..errors import ConfigError, FormatError
 GGUF_MAGIC = b"GGUF"
 
 
-def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def read_checkpoint(path: str | os.PathLike, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Pick the reader from what is on disk: a HF directory (config.json), a .safetensors file (config.json beside
-    it), a GGUF file (magic b"GGUF"), else a llama2.c .bin."""
+    it), a GGUF file (magic b"GGUF"), else a llama2.c .bin. keep_quantized: a GGUF file's block-quantized matrices
+    come as quant.QuantizedMatrix over the memory map (gguf.read_gguf_quantized) instead of float32."""
     path = Path(path)
     if not path.exists():
         raise FormatError(f"checkpoint {path} does not exist")
@@ -48,9 +49,9 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic == GGUF_MAGIC:
-            from .gguf import read_gguf
+            from .gguf import read_gguf, read_gguf_quantized
 
-            config, weights = read_gguf(path)
+            config, weights = (read_gguf_quantized if keep_quantized else read_gguf)(path)
         else:
             from .llama2c import read_llama2c
 
@@ -64,7 +65,7 @@ def check_finite(weights: dict[str, np.ndarray], source) -> None:
     """Every weight a finite number. NaN or infinity in a checkpoint (a corrupt file, F16 bits read as BF16) would
     only show up later as NaN logits, after the prompt was echoed; one pass over the weights catches it at load."""
     for name, array in weights.items():
-        if not np.isfinite(array).all():
+        if not np.isfinite(np.asarray(array)).all():  # a QuantizedMatrix is checked on its values
             raise FormatError(f"{source}: weight {name!r} holds NaN or infinite values (a corrupt checkpoint?)")
 
 

@@ -17,7 +17,7 @@ from ..errors import ConfigError, DeviceError
 from .base import KV_DTYPES, Model, kv_storage
 
 BACKENDS = ("numba", "numpy", "cuda", "auto")
-WEIGHT_DTYPES = ("float32", "float16")
+WEIGHT_DTYPES = ("float32", "float16", "q8_0")
 
 
 def resolve_backend(backend: str) -> str:
@@ -41,7 +41,8 @@ def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str
                **options) -> Model:
     """A model over `weights` (a format reader's dict) run by `backend`, on `threads` CPU cores (default: all).
 
-    weight_dtype "float16" stores the CUDA model's matrices in half precision (float32 sums); the CPU backends
+    weight_dtype "float16" stores the CUDA model's matrices in half precision, "q8_0" as GGUF Q8_0 blocks (float32
+    sums either way; a checkpoint's own Q8_0 blocks are kept, see cuda.CudaTransformer); the CPU backends
     compute in the checkpoint's precision (numpy) or float32 (numba). kv_dtype "float16" makes the model's caches
     store keys and values in half precision (numpy and numba backends; None: the compute dtype). options go to
     the CUDA model (geometry, one_launch: see cuda.CudaTransformer).
@@ -67,7 +68,7 @@ def _make(config: ModelConfig, weights: dict[str, np.ndarray], backend: str, thr
     if backend == "cuda":
         from .cuda import CudaTransformer
 
-        return CudaTransformer(config, weights, np.dtype(weight_dtype), **options)
+        return CudaTransformer(config, weights, weight_dtype, **options)
     if backend == "numba":
         from .numba import NumbaTransformer
 
