@@ -122,3 +122,10 @@ def test_bad_v2_files_are_format_errors(v2_file, tmp_path):
     start = 256 + 4 * (2 * 5 * 64 + 64) + 512 * 64  # the embedding's first scale
     nan_scale[start:start + 4] = struct.pack("<f", float("nan"))
     check("nan.bin", nan_scale, "NaN or infinite")
+
+
+def test_info_names_the_int8_groups(v2_file, capsys):
+    from npllm.cli import main
+
+    assert main(["info", str(v2_file)]) == 0
+    assert "int8 groups (llama2.c v2), F32 norms" in capsys.readouterr().out
