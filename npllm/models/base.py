@@ -24,9 +24,9 @@ from ..config import ModelConfig
 from ..errors import ConfigError, GenerationError
 
 
-# How a KV cache may store keys and values. float16 halves the bytes that attention reads at every decode step (what
-# bounds batched decode after a long prompt); keys and values are rounded to float16 when stored and widened to the
-# compute dtype when read, so a prefill and the decode steps that follow see the same rounded keys.
+# How a KV cache may store keys and values. float16 halves the cache's bytes, which attention reads at every decode
+# step; keys and values are rounded to float16 when stored and widened to the compute dtype when read, so a prefill
+# and the decode steps that follow see the same rounded keys.
 KV_DTYPES = ("float32", "float16")
 
 
@@ -96,7 +96,8 @@ class Model:
 
 
 def kv_storage(kv_dtype) -> np.dtype:
-    """The NumPy dtype of a KV_DTYPES name (a ConfigError names the choices for anything else)."""
-    if str(kv_dtype) not in KV_DTYPES:
+    """The NumPy dtype of a KV_DTYPES name or dtype (a ConfigError names the choices for anything else)."""
+    name = kv_dtype if isinstance(kv_dtype, str) else getattr(np.dtype(kv_dtype), "name", None)
+    if name not in KV_DTYPES:
         raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    return np.dtype(str(kv_dtype))
+    return np.dtype(name)
