@@ -18,14 +18,14 @@ from hypothesis import strategies as st
 from numba import njit
 
 import npllm
-from npllm import ops
 from npllm.cli import main
 from npllm.errors import ConfigError
 from npllm.formats.llama2c import read_llama2c
+from npllm.kernels import cpu
 from npllm.kernels.simd import load_kv, store_kv
 from npllm.models import make_model
 
-from test_kernels import attention, normal
+from test_kernels import normal
 
 F16_STEP = 2.0**-11  # float16 unit roundoff
 
@@ -64,18 +64,43 @@ def test_store_kv_rounds_as_numpy_and_load_kv_widens_exactly(values):
     np.testing.assert_array_equal(same, x)
 
 
-@given(st.integers(0, 2**32 - 1), st.integers(1, 4), st.integers(1, 140), st.sampled_from([1, 2, 4]),
+def ring_attention(q, k, v, past: int, storage):
+    """cpu.attention_ring_into, as the model calls it, over a one-slot ring holding `past` earlier positions of k, v
+    and then this call's T: returns (outputs [T, H Dh], ring keys, ring values) with the ring stored as `storage`
+    (float32, or uint16 holding float16 bits).    # q [T, H, Dh], k, v [past + T, K, Dh]"""
+    T, H, Dh = q.shape
+    S, K, _ = k.shape
+    wide = np.float16 if storage == np.uint16 else np.float32
+    ring_k, ring_v = np.zeros((1, S, K, Dh), wide), np.zeros((1, S, K, Dh), wide)
+    ring_k[0, :past], ring_v[0, :past] = k[:past], v[:past]
+    ring_pos = np.full((1, S), -1, np.int64)
+    ring_pos[0, :past] = np.arange(past)
+    qkv = np.concatenate([q.reshape(T, -1), k[past:].reshape(T, -1), v[past:].reshape(T, -1)], axis=1)
+    positions, order, starts, slots = np.arange(past, S), np.arange(T), np.array([0, T]), np.array([0])
+    valid_from = np.empty(1, np.int64)
+    cpu.valid_from_into(positions, order, starts, slots, ring_pos, S, valid_from)
+    out = np.empty((T, H * Dh), np.float32)
+    cpu.attention_ring_into(qkv, H, K, positions, order, starts, slots, valid_from, ring_k.view(storage),
+                            ring_v.view(storage), ring_pos, S, out)
+    return out, ring_k.astype(np.float32), ring_v.astype(np.float32)
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(1, 20), st.integers(0, 140), st.sampled_from([1, 2, 4]),
        st.integers(1, 2), st.integers(1, 20))
 @settings(max_examples=20)
-def test_attention_over_float16_bits_equals_attention_over_their_float32_values(seed, T, S_past, group, K, Dh):
-    """The kernels' score and value loops (vector lanes and tails, Dh up to 20) read float16 bits exactly."""
+def test_attention_over_a_float16_ring_equals_a_float32_ring_of_the_same_values(seed, T, past, group, K, Dh):
+    """The model's attention kernel (score and value loops: vector lanes and tails, Dh up to 20; query blocks of
+    16) stores this call's keys and values as float16 and reads them back exactly: given keys and values that
+    float16 holds, a float16 ring and a float32 ring give the same bits and hold the same values."""
     rng = np.random.default_rng(seed)
-    H, S = K * group, S_past + T
-    q, k, v = normal(rng, T, H, Dh), normal(rng, S, K, Dh), normal(rng, S, K, Dh)
-    k16, v16 = k.astype(np.float16), v.astype(np.float16)
-    mask = ops.attention_mask(np.arange(S_past, S), np.arange(S), None)
-    got = attention(q, k16.view(np.uint16), v16.view(np.uint16), mask)
-    np.testing.assert_array_equal(got, attention(q, k16.astype(np.float32), v16.astype(np.float32), mask))
+    H = K * group
+    q = normal(rng, T, H, Dh)
+    k, v = (normal(rng, past + T, K, Dh).astype(np.float16).astype(np.float32) for _ in range(2))
+    half = ring_attention(q, k, v, past, np.uint16)
+    full = ring_attention(q, k, v, past, np.float32)
+    for got, want in zip(half, full):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(half[1][0], k)  # every position stored
 
 
 @pytest.fixture(scope="module")
