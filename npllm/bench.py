@@ -1,12 +1,13 @@
 """`npllm bench`: prefill and decode throughput of a model, set against the memory bandwidth measured in the same run.
 
     npllm bench --model NAME_OR_PATH [--batch B ...] [--prompt-len N ...] [--gen-len N] [--backend B ...]
-                [--threads T] [--weight-dtype D] [--repeat R] [--json]
+                [--threads T] [--weight-dtype D] [--kv-dtype D ...] [--repeat R] [--json]
 
 A model is a checkpoint path, a known name found on disk, or a shape from formats/random.py (stories15M,
 stories110M, tinyllama-1.1B, ...) filled with random weights: the arithmetic, and so the speed, is the same.
 
-For each backend, batch B and prompt length N it measures (medians of R runs):
+For each backend, KV cache dtype (--kv-dtype float32 float16: both on the same model, in turn), batch B and prompt
+length N it measures (medians of R runs):
     prefill_tok_s      B prompts of N random tokens in one forward call, tokens per second
     first_token_ms     that prefill plus the LM head and argmax of the last tokens: time to first token, warm
     decode_tok_s       gen_len greedy steps of B tokens (one per sequence) after the prompt, summed over the batch
@@ -18,6 +19,7 @@ For each backend, batch B and prompt length N it measures (medians of R runs):
     decode_cpu_cores   CPU time of the process during decode / wall time: the cores it kept busy on average (up to
                        `threads`; less when other processes took cores, or when a call ran on one thread)
     load_avg           the machine's 1-minute load average when the figure was measured
+    kv_cache_mib       the KV cache's size (B slots x (N + gen_len) positions, keys and values)
 and once per backend:
     dtype              the weights' types, largest share first ("Q4_0+Q6_K+F32"; "float32" for float models), with
                        weight_bytes_by_type where a file's types are kept
@@ -30,6 +32,7 @@ and once per backend:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -128,9 +131,9 @@ class Session:
         self.config = model.config
         self.rng = np.random.default_rng(seed)
 
-    def prefill(self, batch: int, prompt_len: int, capacity: int):
+    def prefill(self, batch: int, prompt_len: int, capacity: int, kv_dtype: str | None = None):
         """B random prompts in one forward call; returns (cache, next tokens, prefill seconds, first-token seconds)."""
-        cache = self.model.new_cache(capacity, batch)
+        cache = self.model.new_cache(capacity, batch, kv_dtype)
         tokens = self.rng.integers(0, self.config.vocab_size, batch * prompt_len)
         positions = np.tile(np.arange(prompt_len), batch)
         slots = np.repeat(np.arange(batch), prompt_len)
@@ -166,8 +169,8 @@ class Session:
 
 
 def bench_backend(model_name: str, backend: str, threads: int | None, batches, prompt_lens, gen_len: int,
-                  repeat: int, bandwidth_mib: int = 512, weight_dtype: str = "float32"):
-    """Yield one result dict per (batch, prompt length) for one backend, in this process."""
+                  repeat: int, bandwidth_mib: int = 512, weight_dtype: str = "float32", kv_dtypes=("float32",)):
+    """Yield one result dict per (KV dtype, batch, prompt length) for one backend, in this process."""
     backend = resolve_backend(backend)
     config, weights, kind = load_weights(model_name, keep_quantized=backend == "numba")
     start = time.perf_counter()
@@ -180,6 +183,8 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
     common = {"model": model_name, "weights": kind, "backend": backend, "threads": used_threads,
               "gen_len": gen_len, "load_s": round(load_s, 3), "first_token_cold_ms": round(1e3 * cold, 2),
               "cold_prompt_len": prompt_lens[0]}
+    for kv_dtype in kv_dtypes:  # compile (or load) the forward pass for each cache dtype before any timing
+        session.prefill(1, 1, 1, kv_dtype)
     step_bytes, types = decode_weight_bytes(config), {weight_dtype: None}
     if hasattr(model, "weight_types"):  # weights kept in their file types: the bytes a step reads as stored
         step_bytes, types = model.weight_bytes, model.weight_types
@@ -187,12 +192,13 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
     if hasattr(model, "weight_types"):
         common["weight_bytes_by_type"] = types
     results = []
-    for batch in batches:
+    for kv_dtype, batch in itertools.product(kv_dtypes, batches):
         for prompt_len in prompt_lens:
             prefill_s, first_s, decode_s, decode_cpu_s = [], [], [], []
             load = os.getloadavg()[0]
             for _ in range(repeat):
-                cache, tokens, p_s, f_s = session.prefill(batch, prompt_len, prompt_len + gen_len)
+                cache, tokens, p_s, f_s = session.prefill(batch, prompt_len, prompt_len + gen_len, kv_dtype)
+                kv_bytes = cache.nbytes
                 prefill_s.append(p_s)
                 first_s.append(f_s)
                 d_s, d_cpu_s = session.decode(cache, tokens, prompt_len, gen_len)
@@ -200,14 +206,14 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
                 decode_cpu_s.append(d_cpu_s)
                 del cache
             step = _median(decode_s) / gen_len
-            results.append({**common, "batch": batch, "prompt_len": prompt_len,
+            results.append({**common, "kv_dtype": kv_dtype, "batch": batch, "prompt_len": prompt_len,
                             "prefill_tok_s": round(batch * prompt_len / _median(prefill_s), 1),
                             "first_token_ms": round(1e3 * _median(first_s), 2),
                             "decode_tok_s": round(batch / step, 1), "ms_per_token": round(1e3 * step, 3),
                             "weight_bytes_per_token": step_bytes // batch,
                             "achieved_gb_s": round(step_bytes / step / 1e9, 2),
                             "decode_cpu_cores": round(sum(decode_cpu_s) / sum(decode_s), 2),
-                            "load_avg": round(load, 2)})
+                            "load_avg": round(load, 2), "kv_cache_mib": round(kv_bytes / 2**20, 2)})
     peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # before the 512 MiB probe
     if backend == "cuda":  # the GPU's memory, which its decode steps stream
         from .models.cuda import device_bandwidth_gb_s
@@ -233,14 +239,16 @@ def run(args) -> int:
         if args.threads is not None and args.backend[0] == "numpy":
             limit_blas_threads(args.threads)
         for result in bench_backend(args.model, args.backend[0], args.threads, args.batch, args.prompt_len,
-                                    args.gen_len, args.repeat, args.bandwidth_mib, args.weight_dtype):
+                                    args.gen_len, args.repeat, args.bandwidth_mib, args.weight_dtype,
+                                    args.kv_dtype):
             print_result(result, args.json)
         return 0
     for backend in args.backend:
         command = [sys.executable, "-m", "npllm", "bench", "--model", args.model, "--backend", backend,
                    "--batch", *map(str, args.batch), "--prompt-len", *map(str, args.prompt_len),
                    "--gen-len", str(args.gen_len), "--repeat", str(args.repeat),
-                   "--bandwidth-mib", str(args.bandwidth_mib), "--weight-dtype", args.weight_dtype, "--json"]
+                   "--bandwidth-mib", str(args.bandwidth_mib), "--weight-dtype", args.weight_dtype,
+                   "--kv-dtype", *args.kv_dtype, "--json"]
         if args.threads is not None:
             command += ["--threads", str(args.threads)]
         child = subprocess.run(command, stdout=subprocess.PIPE, env=os.environ.copy(), text=True)
@@ -255,7 +263,8 @@ def print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result), flush=True)
         return
-    print(f"{result['model']} {result['backend']} threads={result['threads']} batch={result['batch']} "
+    print(f"{result['model']} {result['backend']} threads={result['threads']} kv={result['kv_dtype']} "
+          f"batch={result['batch']} "
           f"prompt={result['prompt_len']}: prefill {result['prefill_tok_s']:.0f} tok/s, first token "
           f"{result['first_token_ms']:.1f} ms (cold {result['first_token_cold_ms']:.0f} ms), decode "
           f"{result['decode_tok_s']:.1f} tok/s ({result['ms_per_token']:.2f} ms/step), "

@@ -3,8 +3,8 @@
     npllm generate [PROMPT] --model M --tokenizer T --max-new-tokens N --temperature T --top-p P --seed S
                             --top-k K --min-p P --typical-p P --repetition-penalty R --presence-penalty A
                             --frequency-penalty A --no-repeat-ngram N --stop STR --logprobs N
-                            --backend numba|numpy|cuda|auto --threads N --weight-dtype float32|float16
-                            --context-policy error|truncate|sinks --sinks S --ignore-eos
+                            --backend numba|numpy|cuda|auto --threads N --weight-dtype float32|float16|q8_0
+                            --kv-dtype float32|float16 --context-policy error|truncate|sinks --sinks S --ignore-eos
     npllm generate --prompt-file FILE ...      one prompt per line, generated together (ragged batching)
     npllm generate [PROMPT] ... --explain [--json]     (each token's candidates through the sampling pipeline)
     npllm chat --model M [--system S] [--chat-template NAME|FILE] [sampling options] [--context-policy P]
@@ -12,7 +12,7 @@
     npllm quantize IN OUT --type q8_0|q4_0|q4_k|q6_k|f16|...     any checkpoint npllm reads, written as GGUF
     npllm perplexity --model M --text FILE [--ctx N] [--batch B] [--stride S] [--kl-divergence BASE] [--json]
     npllm bench --model NAME_OR_PATH [--batch B ...] [--prompt-len N ...] [--gen-len N] [--backend B ...]
-                [--threads T] [--weight-dtype D] [--repeat R] [--json]
+                [--threads T] [--weight-dtype D] [--kv-dtype D ...] [--repeat R] [--json]
     npllm info [MODEL]                         architecture, size, context and tokenizer of a checkpoint
     npllm serve --model M [--host H] [--port P] [--api-key K] [--chat-template NAME|FILE] [--max-slots N]
                 [--max-queue N] [--max-tokens-limit N] [--cors-origin URL]   an OpenAI-compatible HTTP server
@@ -34,7 +34,7 @@ import sys
 import time
 
 from .errors import GenerationError, NpllmError
-from .models import WEIGHT_DTYPES
+from .models import KV_DTYPES, WEIGHT_DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,7 +143,9 @@ def add_bench(commands) -> None:
                        help="one or more of numba, numpy, cuda, auto (default numba)")
     bench.add_argument("--threads", type=whole(1, MOST_THREADS), default=None, help="cores to use (default: all)")
     bench.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32",
-                       help="float16: the cuda backend stores matrices in half precision (default float32)")
+                       help="the cuda backend's matrix storage: float16 or q8_0 blocks (default float32)")
+    bench.add_argument("--kv-dtype", choices=KV_DTYPES, nargs="+", default=["float32"],
+                       help="KV cache storage, one or more, measured in turn on one model (default float32)")
     bench.add_argument("--repeat", type=whole(1, MOST_REPEAT), default=3,
                        help="runs per figure; medians are reported (default 3)")
     bench.add_argument("--bandwidth-mib", type=whole(1, MOST_MIB), default=512,
@@ -234,7 +236,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "auto (cuda when a GPU is usable, else numba)")
     parser.add_argument("--threads", type=whole(1, MOST_THREADS), default=None, help="cores to use (default: all)")
     parser.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32",
-                        help="float16: the cuda backend stores matrices in half precision (default float32)")
+                        help="the cuda backend's matrix storage: float16 or q8_0 blocks (default float32)")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32",
+                        help="float16: the KV cache stores keys and values in half precision (numba, numpy)")
 
 
 def sampling_params(args):
@@ -264,7 +268,7 @@ def run_generate(args) -> int:
     prompt = read_prompt(args.prompt)
     params = sampling_params(args)
     llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
-               weight_dtype=args.weight_dtype)
+               weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype)
     if llm.tokenizer is None:
         raise GenerationError(f"no tokenizer was found beside {args.model}: pass --tokenizer PATH")
     prompt_ids = llm.tokenizer.encode(prompt, bos=True)
@@ -395,7 +399,7 @@ def run_generate_batch(args) -> int:
     prompts = read_prompt_file(args.prompt_file)
     params = sampling_params(args)
     llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
-               weight_dtype=args.weight_dtype)
+               weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype)
     start = time.perf_counter()
     completions = llm.generate(prompts, args.max_new_tokens, **as_keywords(params))
     seconds = time.perf_counter() - start
@@ -451,11 +455,12 @@ def run_perplexity(args) -> int:
     except (OSError, UnicodeDecodeError) as e:
         raise GenerationError(f"--text {args.text}: cannot read it ({e})") from None
     llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
-               weight_dtype=args.weight_dtype)
+               weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype)
     ids = llm._require_tokenizer().encode(text, bos=True)
     ctx = args.ctx or min(512, llm.config.max_seq_len)
     progress = sys.stderr.isatty()
     if args.kl_divergence is not None:
+        # the base keeps a float32 cache: `--kv-dtype float16 --kl-divergence SAME_MODEL` measures the cache's rounding
         base = load(args.kl_divergence, args.tokenizer, backend=args.backend, threads=args.threads,
                     weight_dtype=args.weight_dtype)
         result = kl_divergence(llm.model, base.model, ids, ctx, args.batch, progress=progress)

@@ -275,20 +275,25 @@ def _started(steps: Iterator) -> Iterator:
 
 
 def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None,
-         backend: str = "numba", threads: int | None = None, weight_dtype: str = "float32") -> LLM:
+         backend: str = "numba", threads: int | None = None, weight_dtype: str = "float32",
+         kv_dtype: str = "float32") -> LLM:
     """Load a checkpoint (a path or a known name such as "stories260K") and its tokenizer.
 
     backend: "numba" (compiled CPU kernels, the default), "numpy" (the reference), "cuda" (an NVIDIA GPU through
     numba.cuda; a DeviceError says what is missing when it cannot run) or "auto" (cuda when a GPU is usable, else
-    numba). threads: CPU cores to use. weight_dtype "float16": the cuda backend stores matrices in half precision.
+    numba). threads: CPU cores to use. weight_dtype "float16" or "q8_0": the cuda backend stores matrices in half
+    precision or as Q8_0 blocks (a GGUF file's own Q8_0 blocks are kept byte for byte; other matrices are quantized).
+    kv_dtype "float16": the KV cache stores keys and values in half precision, half the bytes (numba and numpy).
     """
     from .formats import read_checkpoint
     from .models import make_model, resolve_backend
 
     backend = resolve_backend(backend)  # before reading weights: a missing GPU is reported at once
     checkpoint, found_tokenizer = resolve(model)
-    # the numba model reads a GGUF file's matrices in their own types, over the memory map (no float32 copy)
-    config, weights = read_checkpoint(checkpoint, keep_quantized=backend == "numba")
+    # the numba model reads a GGUF file's matrices in their own types, over the memory map (no float32 copy); the
+    # cuda model keeps a file's Q8_0 blocks when asked for weight_dtype "q8_0"
+    keep_quantized = backend == "numba" or (backend == "cuda" and weight_dtype == "q8_0")
+    config, weights = read_checkpoint(checkpoint, keep_quantized=keep_quantized)
     tok_path = tokenizer if tokenizer is not None else found_tokenizer
     tok, n_tokens = None, None
     if tok_path is not None:
@@ -299,5 +304,5 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
         # vocabulary does not exist); other tokenizers know their size and may be smaller than a padded embedding
         tok = load_tokenizer(tok_path, vocab_size=config.vocab_size if tok_path.suffix.lower() == ".bin" else None)
         n_tokens = fit_tokenizer(tok, config, tok_path)
-    model = make_model(config, weights, backend, threads, weight_dtype)
+    model = make_model(config, weights, backend, threads, weight_dtype, kv_dtype)
     return LLM(model if n_tokens is None else PaddedVocab(model, n_tokens), tok, str(checkpoint), backend, threads)

@@ -22,7 +22,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cc", default="9.0", help="compute capability to compile for (default 9.0, Hopper)")
     parser.add_argument("--quick", action="store_true",
-                        help="one variant of each kind (rows 1 and 8, float32 and float16): a quarter of the time")
+                        help="one variant of each kind (rows 1 and 8; float32, float16, q8_0): a quarter of the time")
     args = parser.parse_args()
     cc = tuple(int(p) for p in args.cc.split("."))
 
@@ -42,12 +42,13 @@ def main() -> int:
     def arr(dtype, ndim, layout="C"):
         return typeof(np.empty((2,) * ndim, dtype)).copy(layout=layout)
 
-    f32, f16, i32 = np.float32, np.float16, np.int32
+    f32, f16, i32, q80 = np.float32, np.float16, np.int32, k.Q8_0_BLOCK
     f, i = typeof(np.float32(0)), typeof(np.int32(0))
     g = k.HARDWARE
     cases = {}
     cases["embed f32"] = (k.embed_kernel(), (arr(f32, 2), arr(i32, 2), arr(f32, 2)))
     cases["embed f16"] = (k.embed_kernel(), (arr(f16, 2), arr(i32, 2), arr(f32, 2)))
+    cases["embed q8_0"] = (k.embed_kernel(True), (arr(q80, 2), arr(i32, 2), arr(f32, 2)))
     cases["rms_norm"] = (k.rms_norm_kernel(g.threads), (arr(f32, 2), arr(f32, 1), f, arr(f32, 2)))
     cases["swiglu"] = (k.swiglu_kernel(), (arr(f32, 2), arr(f32, 2)))
     for interleaved in (True, False):
@@ -56,16 +57,17 @@ def main() -> int:
     for rows in (1, 2, 4, 8):
         for norm, residual, gated in ((False, False, False), (True, False, False), (False, True, False),
                                       (True, False, True)):
-            for wt in (f32, f16):
+            for wt in (f32, f16, q80):
                 w = arr(wt, 3 if gated else 2)
                 for layout in ("C", "A"):  # lm_head may get a strided slice of the hidden states
-                    cases[f"matvec rows={rows} norm={norm} residual={residual} gated={gated} {np.dtype(wt)} "
-                          f"{layout}"] = (k.matvec_kernel(rows, g.threads, g.lanes, norm, residual, gated),
+                    cases[f"matvec rows={rows} norm={norm} residual={residual} gated={gated} {name_of(wt)} "
+                          f"{layout}"] = (k.matvec_kernel(rows, g.threads, g.lanes, norm, residual, gated,
+                                                          wt is q80),
                                           (arr(f32, 2, layout), arr(f32, 1), f, w, arr(f32, 2)))
     for residual in (False, True):
-        for wt in (f32, f16):
-            cases[f"matmul residual={residual} {np.dtype(wt)}"] = (
-                k.matmul_kernel(g.tile, residual), (arr(f32, 2), arr(wt, 2), arr(f32, 2)))
+        for wt in (f32, f16, q80):
+            cases[f"matmul residual={residual} {name_of(wt)}"] = (
+                k.matmul_kernel(g.tile, residual, wt is q80), (arr(f32, 2), arr(wt, 2), arr(f32, 2)))
     cases["attention"] = (k.attention_kernel(g.threads),
                           (arr(f32, 2), arr(i32, 2), i, i, i, arr(f32, 4), arr(f32, 4), arr(i32, 2), i, f,
                            arr(f32, 2), arr(f32, 2)))
@@ -77,17 +79,17 @@ def main() -> int:
         cases[f"compact {ndim}-D"] = (k.compact_kernel(ndim), (arr(f32, ndim, "A"), arr(f32, ndim)))
     for rows in (1, 2, 4, 8):
         for interleaved in (True, False):
-            for wt in (f32, f16):
-                cases[f"decode_step rows={rows} interleaved={interleaved} {np.dtype(wt)}"] = (
-                    k.decode_step_kernel(rows, g.threads, g.lanes, interleaved),
+            for wt in (f32, f16, q80):
+                cases[f"decode_step rows={rows} interleaved={interleaved} {name_of(wt)}"] = (
+                    k.decode_step_kernel(rows, g.threads, g.lanes, interleaved, wt is q80),
                     (arr(wt, 2), arr(f32, 3), arr(wt, 3), arr(f32, 2), arr(wt, 3), arr(wt, 4), arr(wt, 3),
                      arr(f32, 1), f, i, i, i, arr(f32, 2), arr(f32, 2), arr(i32, 2), arr(f32, 5), arr(f32, 5),
                      arr(i32, 2), i, f, arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2),
                      arr(f32, 2)))
     for interleaved in (True, False):
-        for wt in (f32, f16):
-            cases[f"batch_step interleaved={interleaved} {np.dtype(wt)}"] = (
-                k.batch_step_kernel(g.tile, interleaved),
+        for wt in (f32, f16, q80):
+            cases[f"batch_step interleaved={interleaved} {name_of(wt)}"] = (
+                k.batch_step_kernel(g.tile, interleaved, wt is q80),
                 (arr(wt, 2), arr(f32, 3), arr(wt, 3), arr(f32, 2), arr(wt, 3), arr(wt, 3), arr(wt, 3),
                  arr(f32, 1), f, i, i, i, arr(f32, 2), arr(f32, 2), arr(i32, 2), arr(f32, 5), arr(f32, 5),
                  arr(i32, 2), i, f, arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2),
@@ -106,14 +108,22 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def name_of(dtype) -> str:
+    """float32, float16, or q8_0 for the Q8_0 block record."""
+    return "q8_0" if np.dtype(dtype).names else np.dtype(dtype).name
+
+
 def quick(name: str) -> bool:
     """The --quick subset: every kernel and variant flag at least once, each weight dtype at least once."""
     if name.startswith("matvec"):
         return ("rows=1 " in name or "rows=8 " in name) and name.endswith(" C") and (
-            "float32" in name or "gated=True" in name)
+            "float32" in name or "gated=True" in name) and ("q8_0" not in name or "rows=8 " in name)
+    if name.startswith("matmul"):
+        return "f16" not in name
     if name.startswith(("decode_step", "batch_step")):
         return name in ("decode_step rows=1 interleaved=True float32", "decode_step rows=8 interleaved=False float16",
-                        "batch_step interleaved=True float32")
+                        "decode_step rows=8 interleaved=True q8_0", "batch_step interleaved=True float32",
+                        "batch_step interleaved=False q8_0")
     return "f16" not in name or name == "embed f16"
 
 

@@ -1,4 +1,4 @@
-"""CudaTransformer on a real GPU against its memory-bandwidth roofline, float32 or float16 weight storage.
+"""CudaTransformer on a real GPU against its memory-bandwidth roofline, float32, float16 or Q8_0 weight storage.
 
     python scripts/cuda_timing.py --model tinyllama-1.1B --dtype float16 --batch 1 32 --prompt-len 128
 
@@ -23,7 +23,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt-len", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--gen-len", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float16"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "q8_0"))
     parser.add_argument("--stage-by-stage", action="store_true",
                         help="one launch per stage instead of one cooperative launch per forward call")
     args = parser.parse_args()

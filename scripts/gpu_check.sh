@@ -55,7 +55,7 @@ except Exception as e:
     print('cudadevrt not found (decode falls back to one launch per stage):', e)
 PYEOF"
 step 900 "CUDA tests on the GPU, golden in full" env NPLLM_CUDA_GOLDEN_FULL=1 \
-  "$PY" -m pytest -q -rs -W error::RuntimeWarning --durations=10 tests/test_cuda_kernels.py tests/test_cuda_model.py
+  "$PY" -m pytest -q -rs -W error::RuntimeWarning --durations=10 tests/test_cuda_kernels.py tests/test_cuda_model.py tests/test_cuda_q8_0.py
 
 MODELS="stories15M stories110M tinyllama-1.1B"; PROMPTS="128 512"
 if [ -n "${QUICK:-}" ]; then MODELS="tinyllama-1.1B"; PROMPTS="128"; fi

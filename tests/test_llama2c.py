@@ -82,6 +82,6 @@ def test_wrong_format_and_unsupported_version(tmp_path):
     (tmp_path / "text.bin").write_bytes(b"this is not a checkpoint at all, just some text" * 10)
     with pytest.raises(FormatError):
         read_checkpoint(tmp_path / "text.bin")
-    (tmp_path / "v2.bin").write_bytes(struct.pack("<Ii", 0x616B3432, 2) + b"\0" * 300)
-    with pytest.raises(FormatError, match="version 2"):
-        read_checkpoint(tmp_path / "v2.bin")
+    (tmp_path / "v3.bin").write_bytes(struct.pack("<Ii", 0x616B3432, 3) + b"\0" * 300)
+    with pytest.raises(FormatError, match="version 3"):
+        read_checkpoint(tmp_path / "v3.bin")

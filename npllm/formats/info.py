@@ -45,7 +45,11 @@ def disk_dtypes(path: Path) -> Counter:
         folder = path if path.is_dir() else path.parent
         files = [path] if path.suffix == ".safetensors" else sorted(folder.glob("*.safetensors"))
         return Counter(e.dtype for f in files for e in read_header(f).tensors.values())
-    return Counter({"F32": -1})  # llama2.c checkpoints are float32 throughout
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head[:4] == (0x616B3432).to_bytes(4, "little") and int.from_bytes(head[4:8], "little") == 2:
+        return Counter({"int8 groups (llama2.c v2), F32 norms": -1})
+    return Counter({"F32": -1})  # legacy and v1 llama2.c checkpoints are float32 throughout
 
 
 def gguf_type_bytes(path: Path) -> Counter:

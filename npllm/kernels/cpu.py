@@ -19,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .simd import LANES, WIDE, vadd, vfma, vfmav, vload, vload16, vstore, vsum, vzero, vzero16
+from .simd import (LANES, WIDE, load_kv, store_kv, vadd, vfma, vfmav, vload, vload16, vload_kv, vstore, vsum, vzero,
+                   vzero16)
 
 PANEL = 16  # output rows per panel: two 8-lane vectors
 TILE_T = 6  # tokens per prefill tile: 6 x 2 vector accumulators fill 12 of the 16 AVX registers
@@ -294,20 +295,20 @@ def rope_interleaved_into(x, heads, Dh, cos, sin, T):
 
 @njit(inline="always")
 def _dot(a, ia, b, ib, n):
-    """a[ia : ia+n] . b[ib : ib+n] over 1-D arrays: eight lanes at a time (two chains, even and odd chunks of 8,
-    for twice the throughput), in a fixed order, then the tail."""
+    """a[ia : ia+n] . b[ib : ib+n] over 1-D arrays (b: float32 or float16 cache bits, simd.vload_kv): eight lanes
+    at a time (two chains, even and odd chunks of 8, for twice the throughput), in a fixed order, then the tail."""
     full = n - n % LANES
     even, odd = vzero(), vzero()
     d = 0
     while d + 2 * LANES <= full:
-        even = vfmav(even, vload(a, ia + d), vload(b, ib + d))
-        odd = vfmav(odd, vload(a, ia + d + LANES), vload(b, ib + d + LANES))
+        even = vfmav(even, vload(a, ia + d), vload_kv(b, ib + d))
+        odd = vfmav(odd, vload(a, ia + d + LANES), vload_kv(b, ib + d + LANES))
         d += 2 * LANES
     if d < full:
-        even = vfmav(even, vload(a, ia + d), vload(b, ib + d))
+        even = vfmav(even, vload(a, ia + d), vload_kv(b, ib + d))
     s = vsum(vadd(even, odd))
     for d in range(full, n):
-        s += a[ia + d] * b[ib + d]
+        s += a[ia + d] * load_kv(b, ib + d)
     return s
 
 
@@ -315,8 +316,9 @@ def _dot(a, ia, b, ib, n):
 def _accumulate_values(weights, bases, n, values, out, col, Dv):
     """out[col : col+Dv] += sum_j weights[j] * values[bases[j] : bases[j]+Dv], keys added in order j = 0 .. n-1.
 
-    Output lanes stay in registers while the keys stream past: 32 at a time (four independent chains of
-    multiply-adds), then 16, then 8, then one by one. A masked key has weight 0 and adds 0.
+    values: float32, or float16 cache bits (simd.vload_kv). Output lanes stay in registers while the keys stream
+    past: 32 at a time (four independent chains of multiply-adds), then 16, then 8, then one by one. A masked key
+    has weight 0 and adds 0.
     """
     d = 0
     while d + 4 * LANES <= Dv:
@@ -324,10 +326,10 @@ def _accumulate_values(weights, bases, n, values, out, col, Dv):
         a2, a3 = vload(out, col + d + 2 * LANES), vload(out, col + d + 3 * LANES)
         for j in range(n):
             w, i = weights[j], bases[j] + d
-            a0 = vfma(a0, w, vload(values, i))
-            a1 = vfma(a1, w, vload(values, i + LANES))
-            a2 = vfma(a2, w, vload(values, i + 2 * LANES))
-            a3 = vfma(a3, w, vload(values, i + 3 * LANES))
+            a0 = vfma(a0, w, vload_kv(values, i))
+            a1 = vfma(a1, w, vload_kv(values, i + LANES))
+            a2 = vfma(a2, w, vload_kv(values, i + 2 * LANES))
+            a3 = vfma(a3, w, vload_kv(values, i + 3 * LANES))
         vstore(out, col + d, a0); vstore(out, col + d + LANES, a1)
         vstore(out, col + d + 2 * LANES, a2); vstore(out, col + d + 3 * LANES, a3)
         d += 4 * LANES
@@ -335,20 +337,20 @@ def _accumulate_values(weights, bases, n, values, out, col, Dv):
         a0, a1 = vload(out, col + d), vload(out, col + d + LANES)
         for j in range(n):
             w, i = weights[j], bases[j] + d
-            a0 = vfma(a0, w, vload(values, i))
-            a1 = vfma(a1, w, vload(values, i + LANES))
+            a0 = vfma(a0, w, vload_kv(values, i))
+            a1 = vfma(a1, w, vload_kv(values, i + LANES))
         vstore(out, col + d, a0); vstore(out, col + d + LANES, a1)
         d += 2 * LANES
     if d + LANES <= Dv:
         a0 = vload(out, col + d)
         for j in range(n):
-            a0 = vfma(a0, weights[j], vload(values, bases[j] + d))
+            a0 = vfma(a0, weights[j], vload_kv(values, bases[j] + d))
         vstore(out, col + d, a0)
         d += LANES
     for d in range(d, Dv):
         acc = out[col + d]
         for j in range(n):
-            acc += weights[j] * values[bases[j] + d]
+            acc += weights[j] * load_kv(values, bases[j] + d)
         out[col + d] = acc
 
 
@@ -473,7 +475,9 @@ def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, vali
         order     [T]   token indices grouped by sequence, each sequence's tokens in position order;
                         sequence s is order[seq_starts[s] : seq_starts[s + 1]], in cache slot seq_slots[s]
         valid_from [n_seq]  see valid_from_into
-        ring_k/v  [B, C, K, Dh]  one layer of the cache; ring_pos [B, C] the positions it held before the call
+        ring_k/v  [B, C, K, Dh]  one layer of the cache, float32 or float16 bits (uint16: keys and values are
+                  rounded to float16 when stored, widened when read)
+        ring_pos  [B, C]  the positions the ring held before the call
         out       [T, H Dh]
 
     One work item per (sequence, kv head). It takes the sequence's tokens QUERY_BLOCK at a time: stores their keys
@@ -504,8 +508,8 @@ def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, vali
             for t in rows:
                 slot_base = ((b * C + positions[t] % C) * K + g) * Dh
                 for d in range(Dh):
-                    keys[slot_base + d] = qkv[t, (H + g) * Dh + d]
-                    values[slot_base + d] = qkv[t, (H + K + g) * Dh + d]
+                    store_kv(keys, slot_base + d, qkv[t, (H + g) * Dh + d])
+                    store_kv(values, slot_base + d, qkv[t, (H + K + g) * Dh + d])
             _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K, Dh, window, valid_from[s],
                             scale, scores[item], bases[item], bits[item], stats[item], out)
             i += Q

@@ -7,7 +7,8 @@ calling it with its own block index. The step kernels (`decode_step_kernel` with
 with a grid-wide barrier between them, so a whole forward pass (all layers) is one launch: numba spends about
 10 us plus 4 us per array argument on every launch, which would otherwise dominate decoding.
 
-Arrays (row-major, float32 unless said; weights may be stored float16 and are widened as they are read):
+Arrays (row-major, float32 unless said; weights may be stored float16 and are widened as they are read, or as
+Q8_0 blocks, see `weight_reader`):
     meta    [6, T] int32   per token: TOKEN id, POS position, SLOT cache slot, KEEP (1: its k/v survive in the
                            ring), RING (how many ring entries, from index 0, its slot may hold before the call),
                            FIRST (index in this call of the first token of its slot)
@@ -88,6 +89,36 @@ HARDWARE = Geometry()
 # same, only their trip counts change.
 SIMULATOR = Geometry(threads=8, lanes=8, tile=(8, 8, 8, 2, 4), sampler_threads=8, max_blocks=2,
                      attention_blocks=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weight storage: float32, float16, or Q8_0 blocks
+# ---------------------------------------------------------------------------------------------------------------
+
+# GGUF's Q8_0 block, byte for byte: float16 scale d, then 32 int8 values q; value j of the block is d * q[j].
+#     bytes 0-1: d (little-endian float16) | bytes 2-33: q[0] .. q[31]
+# A Q8_0 matrix W [N, K] is held as blocks [N, K / 32] of this record type (the file's bytes, viewed), so the
+# kernels read 34 bytes per 32 weights (1.06 bytes a weight) and widen each value in registers.
+Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
+Q8_0_VALUES = 32
+
+
+@functools.cache
+def weight_reader(q8_0: bool):
+    """A device function weight(w, n, k) = W[n, k] as float32: w[n, k] widened (float32 or float16 storage), or,
+    with q8_0, from Q8_0 blocks w [N, K / 32]: d * q[k % 32] of block k // 32. Kernels built for Q8_0 (a flag of
+    their factory, fixed at compile time) take every weight matrix, the embedding included, as blocks."""
+    if q8_0:
+        @cuda.jit(device=True)
+        def weight(w, n, k):
+            block = w[n, k // Q8_0_VALUES]
+            return np.float32(block.d) * np.float32(block.qs[k % Q8_0_VALUES])
+    else:
+        @cuda.jit(device=True)
+        def weight(w, n, k):
+            return np.float32(w[n, k])
+
+    return weight
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -178,13 +209,19 @@ def block_softmax_merge(m, l, red, red2):
 # Element-wise and row stages
 # ---------------------------------------------------------------------------------------------------------------
 
-@cuda.jit(device=True)
-def embed_rows(table, meta, x, block, nblocks):
-    """x[t] = E[token t] (a row gather, widened to float32).                          # [V, D], [T] -> [T, D]"""
-    for t in range(block, x.shape[0], nblocks):
-        row = meta[TOKEN, t]
-        for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-            x[t, i] = np.float32(table[row, i])
+@functools.cache
+def embed_rows(q8_0: bool = False):
+    """x[t] = E[token t] (a row gather, widened to float32; E in Q8_0 blocks with q8_0).   # [V, D], [T] -> [T, D]"""
+    weight = weight_reader(q8_0)
+
+    @cuda.jit(device=True)
+    def stage(table, meta, x, block, nblocks):
+        for t in range(block, x.shape[0], nblocks):
+            row = meta[TOKEN, t]
+            for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+                x[t, i] = weight(table, row, i)
+
+    return stage
 
 
 @cuda.jit(device=True)
@@ -257,7 +294,7 @@ def bias_rope_rows(interleaved: bool):
 # ---------------------------------------------------------------------------------------------------------------
 
 @functools.cache
-def matvec_rows(rows: int, threads: int, lanes: int, norm: bool, residual: bool, gated: bool):
+def matvec_rows(rows: int, threads: int, lanes: int, norm: bool, residual: bool, gated: bool, q8_0: bool = False):
     """Matrix-vector products for up to `rows` token rows: y = x W^T, one weight pass serving every row.
 
     Threads form groups of `lanes` (a warp of 32 on hardware); a group owns R = 8 // rows (4 // rows gated)
@@ -267,6 +304,7 @@ def matvec_rows(rows: int, threads: int, lanes: int, norm: bool, residual: bool,
         norm      x is RMSNorm-ed with gain g while it is staged (the norm costs no extra pass over memory)
         residual  y += x W^T (the residual stream is updated in place)
         gated     W is [2, F, D] = (W1, W3) and y = silu(x W1^T) * (x W3^T): SwiGLU's gate and up in one pass
+        q8_0      W is Q8_0 blocks [N, K / 32] (gated: [2, F, D / 32]), see weight_reader
                                                           # [T, K], [N, K] (or [2, N, K]) -> [T, N], T <= rows
     Shared arrays (the caller allocates them, so a fused kernel can reuse them): xs [rows, tile], part
     [16, threads], red [threads], scale [rows]. g and eps are read only by the `norm` variant.
@@ -276,22 +314,23 @@ def matvec_rows(rows: int, threads: int, lanes: int, norm: bool, residual: bool,
     groups = threads // lanes
     tile = matvec_tile(rows)
     sums = R * M  # local array sizes must be constants
+    weight = weight_reader(q8_0)
 
     @cuda.jit(device=True)
     def dot_tile(xs, w, n, kn, k0, acc, first):
         """acc[first + m] += W[n, k0:k0+kn] . xs[m, :kn] over this lane's columns (lane, lane + lanes, ...)."""
         k = cuda.threadIdx.x % lanes
         while k + 3 * lanes < kn:
-            w0 = np.float32(w[n, k0 + k])
-            w1 = np.float32(w[n, k0 + k + lanes])
-            w2 = np.float32(w[n, k0 + k + 2 * lanes])
-            w3 = np.float32(w[n, k0 + k + 3 * lanes])
+            w0 = weight(w, n, k0 + k)
+            w1 = weight(w, n, k0 + k + lanes)
+            w2 = weight(w, n, k0 + k + 2 * lanes)
+            w3 = weight(w, n, k0 + k + 3 * lanes)
             for m in range(M):
                 acc[first + m] += (w0 * xs[m, k] + w1 * xs[m, k + lanes] + w2 * xs[m, k + 2 * lanes]
                                    + w3 * xs[m, k + 3 * lanes])
             k += 4 * lanes
         while k < kn:
-            wk = np.float32(w[n, k0 + k])
+            wk = weight(w, n, k0 + k)
             for m in range(M):
                 acc[first + m] += wk * xs[m, k]
             k += lanes
@@ -378,8 +417,9 @@ def matvec_tile(rows: int) -> int:
 
 
 @functools.cache
-def matmul_tiles(tile: tuple[int, int, int, int, int], residual: bool):
+def matmul_tiles(tile: tuple[int, int, int, int, int], residual: bool, q8_0: bool = False):
     """Matrix-matrix product y = x W^T (y += x W^T with `residual`) in shared-memory tiles.  # [M, K], [N, K] -> [M, N]
+    (W as Q8_0 blocks [N, K / 32] with q8_0: each weight is widened once, as its tile is loaded.)
 
     A block computes a BM x BN tile of y: for each slice of BK columns of K it loads x[BM, BK] and W[BN, BK] into
     shared memory (consecutive threads read consecutive k: coalesced), then each thread multiplies its TM x TN
@@ -391,6 +431,7 @@ def matmul_tiles(tile: tuple[int, int, int, int, int], residual: bool):
     threads = (BM // TM) * (BN // TN)
     cols = BN // TN
     acc_shape = (TM, TN)
+    weight = weight_reader(q8_0)
 
     @cuda.jit(device=True)
     def stage(x, w, y, xs, ws, block, nblocks):
@@ -413,7 +454,7 @@ def matmul_tiles(tile: tuple[int, int, int, int, int], residual: bool):
                     xs[kk, i] = x[m0 + i, k0 + kk] if m0 + i < M and k0 + kk < K else np.float32(0)
                 for e in range(tid, BN * BK, threads):
                     j, kk = e // BK, e % BK
-                    ws[kk, j] = np.float32(w[n0 + j, k0 + kk]) if n0 + j < N and k0 + kk < K else np.float32(0)
+                    ws[kk, j] = weight(w, n0 + j, k0 + kk) if n0 + j < N and k0 + kk < K else np.float32(0)
                 cuda.syncthreads()
                 for kk in range(BK):
                     for a in range(TM):
@@ -677,10 +718,12 @@ def sample_rows(logits, params, probs, ids, red, redi, block, nblocks):
 # ---------------------------------------------------------------------------------------------------------------
 
 @functools.cache
-def embed_kernel():
+def embed_kernel(q8_0: bool = False):
+    stage = embed_rows(q8_0)
+
     @cuda.jit
     def kernel(table, meta, x):
-        embed_rows(table, meta, x, cuda.blockIdx.x, cuda.gridDim.x)
+        stage(table, meta, x, cuda.blockIdx.x, cuda.gridDim.x)
 
     return kernel
 
@@ -717,8 +760,8 @@ def bias_rope_kernel(interleaved: bool):
 
 @functools.cache
 def matvec_kernel(rows: int, threads: int, lanes: int, norm: bool = False, residual: bool = False,
-                  gated: bool = False):
-    stage = matvec_rows(rows, threads, lanes, norm, residual, gated)
+                  gated: bool = False, q8_0: bool = False):
+    stage = matvec_rows(rows, threads, lanes, norm, residual, gated, q8_0)
     xs_shape, part_shape = (rows, matvec_tile(rows)), (2 * MAX_ROWS, threads)  # shared shapes: constants
 
     @cuda.jit
@@ -733,8 +776,8 @@ def matvec_kernel(rows: int, threads: int, lanes: int, norm: bool = False, resid
 
 
 @functools.cache
-def matmul_kernel(tile: tuple[int, int, int, int, int], residual: bool = False):
-    stage = matmul_tiles(tile, residual)
+def matmul_kernel(tile: tuple[int, int, int, int, int], residual: bool = False, q8_0: bool = False):
+    stage = matmul_tiles(tile, residual, q8_0)
     BM, BN, BK = tile[:3]
     xs_shape, ws_shape = (BK, BM), (BK, BN)
 
@@ -828,7 +871,7 @@ def compact_kernel(ndim: int):
 
 
 @functools.cache
-def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool):
+def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool, q8_0: bool = False):
     """A whole forward pass of up to `rows` tokens (all layers, then the final norm) in one cooperative launch.
 
     The stages are the device functions above, in the order the reference Transformer runs them, separated by grid-wide
@@ -836,11 +879,13 @@ def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool):
         embed | per layer: [norm + qkv] [bias + rope] [attention] [kv write + wo + residual]
                            [norm + gate/up + SwiGLU] [w2 + residual] | final norm + commit positions
     Weights are stacked over layers: norms [L, 2, D] (attention, ffn), wqkv [L, W, D], bqkv [L, W], wo [L, D, H Dh],
-    w13 [L, 2, F, D], w2 [L, D, F]. The grid must fit on the device at once (a cooperative launch).
+    w13 [L, 2, F, D], w2 [L, D, F] (with q8_0 the embedding and these matrices are Q8_0 blocks, last axis / 32).
+    The grid must fit on the device at once (a cooperative launch).
     """
-    qkv_proj = matvec_rows(rows, threads, lanes, True, False, False)
-    residual_proj = matvec_rows(rows, threads, lanes, False, True, False)
-    gate_up_proj = matvec_rows(rows, threads, lanes, True, False, True)
+    qkv_proj = matvec_rows(rows, threads, lanes, True, False, False, q8_0)
+    residual_proj = matvec_rows(rows, threads, lanes, False, True, False, q8_0)
+    gate_up_proj = matvec_rows(rows, threads, lanes, True, False, True, q8_0)
+    embed = embed_rows(q8_0)
     bias_rope = bias_rope_rows(interleaved)
     xs_shape, part_shape = (rows, matvec_tile(rows)), (2 * MAX_ROWS, threads)
     vacc_size = max(threads, MAX_HEAD_DIM)
@@ -861,7 +906,7 @@ def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool):
         grid = cuda.cg.this_grid()
         block, nblocks = cuda.blockIdx.x, cuda.gridDim.x
         attending = nblocks if nblocks < scores.shape[0] else scores.shape[0]  # a row of scores per block
-        embed_rows(tok_embeddings, meta, x, block, nblocks)
+        embed(tok_embeddings, meta, x, block, nblocks)
         grid.sync()
         for layer in range(wqkv.shape[0]):
             qkv_proj(x, norms[layer, 0], eps, wqkv[layer], qkv, xs, part, red, scale_rows, block, nblocks)
@@ -886,7 +931,7 @@ def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool):
 
 
 @functools.cache
-def batch_step_kernel(tile: tuple[int, int, int, int, int], interleaved: bool):
+def batch_step_kernel(tile: tuple[int, int, int, int, int], interleaved: bool, q8_0: bool = False):
     """decode_step_kernel for calls of any number of tokens (larger decode batches, prefill): the same stages in
     one cooperative launch, the products by tiled matrix-matrix stages (a weight tile read once serves BM tokens),
     so the RMSNorms and SwiGLU get stages of their own:
@@ -897,8 +942,9 @@ def batch_step_kernel(tile: tuple[int, int, int, int, int], interleaved: bool):
     """
     BM, BN, BK, TM, TN = tile
     threads = (BM // TM) * (BN // TN)
-    product = matmul_tiles(tile, False)
-    residual_product = matmul_tiles(tile, True)
+    product = matmul_tiles(tile, False, q8_0)
+    residual_product = matmul_tiles(tile, True, q8_0)
+    embed = embed_rows(q8_0)
     bias_rope = bias_rope_rows(interleaved)
     xs_shape, ws_shape = (BK, BM), (BK, BN)
     vacc_size = max(threads, MAX_HEAD_DIM)
@@ -916,7 +962,7 @@ def batch_step_kernel(tile: tuple[int, int, int, int, int], interleaved: bool):
         grid = cuda.cg.this_grid()
         block, nblocks = cuda.blockIdx.x, cuda.gridDim.x
         attending = nblocks if nblocks < scores.shape[0] else scores.shape[0]  # a row of scores per block
-        embed_rows(tok_embeddings, meta, x, block, nblocks)
+        embed(tok_embeddings, meta, x, block, nblocks)
         grid.sync()
         for layer in range(wqkv.shape[0]):
             rms_norm_rows(x, norms[layer, 0], eps, xn, red, block, nblocks)

@@ -15,6 +15,13 @@ the tile is written with an explicit vector type:
     vadd(a, b)          a + b per lane
     vsum(v)             of 8 lanes: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), always in that order
 
+A KV cache may be stored in float16 (cache.py). Numba has no float16 type on the CPU, so such a cache reaches the
+kernels as its bits, a uint16 array; these read and write either kind of cache array, always in float32 lanes:
+
+    vload_kv(a, i)      a.flat[i : i + 8] as f32x8 (uint16: the float16 bits widened, exactly)
+    load_kv(a, i)       a.flat[i] as a float32
+    store_kv(a, i, x)   a.flat[i] = x (uint16: x rounded to the nearest float16, ties to even, as NumPy's astype)
+
 Each lane of `acc` is a separate output, so a lane's sum is added strictly in the order the caller walks the shared
 axis. That order, not the tile's shape nor the vector width, fixes every rounding: a product computed 1 token at a
 time (decode) and 6 at a time (prefill) gives bit-identical results.
@@ -187,3 +194,62 @@ def vsum(typingctx, v):
         return builder.extract_element(pair, ir.Constant(ir.IntType(32), 0))
 
     return types.float32(v), codegen
+
+
+# ------------------------------------------------------------------------------------ float32 or float16 KV arrays
+
+def _kv_element(ty):
+    """The LLVM type a KV array stores (float, or half for uint16 bits), or None for any other array."""
+    if isinstance(ty, types.Array) and ty.layout == "C":
+        if ty.dtype == types.float32:
+            return ir.FloatType()
+        if ty.dtype == types.uint16:
+            return ir.HalfType()
+    return None
+
+
+def _kv_pointer(context, builder, array_type, array, index, element):
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(builder.gep(data, [index]), element.as_pointer())
+
+
+@intrinsic
+def vload_kv(typingctx, array, index):
+    element = _kv_element(array)
+    if element is None or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        vector = ir.VectorType(element, LANES)
+        pointer = _kv_pointer(context, builder, signature.args[0], args[0], args[1], vector)
+        lanes = builder.load(pointer, align=4 if element == ir.FloatType() else 2)
+        return lanes if element == ir.FloatType() else builder.fpext(lanes, _vector(LANES))
+
+    return f32x8(array, index), codegen
+
+
+@intrinsic
+def load_kv(typingctx, array, index):
+    element = _kv_element(array)
+    if element is None or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        value = builder.load(_kv_pointer(context, builder, signature.args[0], args[0], args[1], element))
+        return value if element == ir.FloatType() else builder.fpext(value, ir.FloatType())
+
+    return types.float32(array, index), codegen
+
+
+@intrinsic
+def store_kv(typingctx, array, index, value):
+    element = _kv_element(array)
+    if element is None or not isinstance(index, types.Integer) or value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        value = args[2] if element == ir.FloatType() else builder.fptrunc(args[2], element)
+        builder.store(value, _kv_pointer(context, builder, signature.args[0], args[0], args[1], element))
+        return context.get_dummy_value()
+
+    return types.none(array, index, value), codegen

@@ -14,10 +14,10 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import ConfigError, DeviceError
-from .base import Model
+from .base import KV_DTYPES, Model, kv_storage
 
 BACKENDS = ("numba", "numpy", "cuda", "auto")
-WEIGHT_DTYPES = ("float32", "float16")
+WEIGHT_DTYPES = ("float32", "float16", "q8_0")
 
 
 def resolve_backend(backend: str) -> str:
@@ -37,16 +37,31 @@ def resolve_backend(backend: str) -> str:
 
 
 def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str = "numba",
-               threads: int | None = None, weight_dtype: str = "float32", **options) -> Model:
+               threads: int | None = None, weight_dtype: str = "float32", kv_dtype: str | None = None,
+               **options) -> Model:
     """A model over `weights` (a format reader's dict) run by `backend`, on `threads` CPU cores (default: all).
 
-    weight_dtype "float16" stores the CUDA model's matrices in half precision (float32 sums); the CPU backends
+    weight_dtype "float16" stores the CUDA model's matrices in half precision, "q8_0" as GGUF Q8_0 blocks (float32
+    sums either way; a checkpoint's own Q8_0 blocks are kept, see cuda.CudaTransformer); the CPU backends
     compute in the checkpoint's precision (numpy) or float32 (numba). Matrices given as quant.QuantizedMatrix
     (formats.gguf.read_gguf_quantized) stay in their file types in the numba model (npllm.load reads a GGUF file
-    that way for numba only; numpy and cuda get float32). options go to the CUDA model (geometry,
-    one_launch: see cuda.CudaTransformer).
+    that way for numba, and for cuda with "q8_0"). kv_dtype "float16" makes the model's caches store keys and
+    values in half precision (numpy and numba backends; None: the compute dtype). options go to the CUDA model
+    (geometry, one_launch: see cuda.CudaTransformer).
     """
     backend = resolve_backend(backend)
+    kv = None if kv_dtype is None else kv_storage(kv_dtype)
+    if backend == "cuda" and kv not in (None, np.float32):
+        raise ConfigError(f"kv_dtype {kv_dtype}: the cuda backend's cache stores float32 (float16 is for the numba "
+                          f"and numpy backends)")
+    model = _make(config, weights, backend, threads, weight_dtype, **options)
+    if kv is not None:
+        model.kv_dtype = kv.name
+    return model
+
+
+def _make(config: ModelConfig, weights: dict[str, np.ndarray], backend: str, threads: int | None,
+          weight_dtype: str, **options) -> Model:
     if weight_dtype not in WEIGHT_DTYPES:
         raise ConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     if backend != "cuda" and (weight_dtype != "float32" or options):
@@ -55,7 +70,7 @@ def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str
     if backend == "cuda":
         from .cuda import CudaTransformer
 
-        return CudaTransformer(config, weights, np.dtype(weight_dtype), **options)
+        return CudaTransformer(config, weights, weight_dtype, **options)
     if backend == "numba":
         from .numba import NumbaTransformer, QuantizedNumbaTransformer, is_quantized
 

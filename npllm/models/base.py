@@ -4,7 +4,8 @@
     forward(tokens, positions, cache, slots)   final-norm hidden states [T, D] of any set of tokens, each at its
                 own position in its own cache slot (prefill, batched decode and ragged batches are all one call)
     lm_head(h)  logits on the host                                                    # [T, D] -> [T, V]
-    new_cache(capacity, slots)   a KV cache this model's forward fills
+    new_cache(capacity, slots, kv_dtype)   a KV cache this model's forward fills (kv_dtype: how it stores keys and
+                values; default the model's kv_dtype)
     window(cache)  how many recent positions a query sees
     logits(tokens) every position's logits of one sequence                            # [T] -> [T, V]
     sample, sample_next   on-device sampling where a backend has it (None otherwise: callers sample on the host)
@@ -21,11 +22,18 @@ import numpy as np
 from .. import ops
 from ..cache import RingKVCache
 from ..config import ModelConfig
-from ..errors import GenerationError
+from ..errors import ConfigError, GenerationError
+
+
+# How a KV cache may store keys and values. float16 halves the cache's bytes, which attention reads at every decode
+# step; keys and values are rounded to float16 when stored and widened to the compute dtype when read, so a prefill
+# and the decode steps that follow see the same rounded keys.
+KV_DTYPES = ("float32", "float16")
 
 
 class Model:
     dtype = np.dtype(np.float32)  # what forward computes in
+    kv_dtype = None  # how new_cache stores keys and values by default: one of KV_DTYPES, or None for `dtype`
     sample = None  # sample(h, temperature, top_k, top_p, min_p, uniforms) -> ids, where the hidden states live
     sample_next = None  # sample_next(h, params, rng, history) -> id, as sampling.sample_with would draw it
 
@@ -44,8 +52,11 @@ class Model:
         """Logits from final hidden states, on the host.  # [T, D] -> [T, V]"""
         raise NotImplementedError
 
-    def new_cache(self, capacity: int | None = None, slots: int = 1) -> RingKVCache:
-        return RingKVCache(self.config, capacity, slots, self.dtype)
+    def new_cache(self, capacity: int | None = None, slots: int = 1, kv_dtype: str | None = None) -> RingKVCache:
+        """A RingKVCache of `slots` sequences x `capacity` positions (default the context), storing keys and values
+        as kv_dtype (one of KV_DTYPES; default self.kv_dtype, or the compute dtype when that is None too)."""
+        kv_dtype = self.kv_dtype if kv_dtype is None else kv_dtype
+        return RingKVCache(self.config, capacity, slots, self.dtype if kv_dtype is None else kv_storage(kv_dtype))
 
     def window(self, cache) -> int:
         """How many most recent positions a query sees: the model's sliding window, capped by the ring's size."""
@@ -110,3 +121,11 @@ class Model:
             raise GenerationError(f"slots must lie in [0, {cache.slots}), got {slots.min()}..{slots.max()}")
         if positions.size and positions.min() < 0:
             raise GenerationError(f"positions must be >= 0, got {positions.min()}")
+
+
+def kv_storage(kv_dtype) -> np.dtype:
+    """The NumPy dtype of a KV_DTYPES name or dtype (a ConfigError names the choices for anything else)."""
+    name = kv_dtype if isinstance(kv_dtype, str) else getattr(np.dtype(kv_dtype), "name", None)
+    if name not in KV_DTYPES:
+        raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    return np.dtype(name)

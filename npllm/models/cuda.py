@@ -1,7 +1,7 @@
 """CudaTransformer: the reference Transformer on an NVIDIA GPU, through the numba.cuda kernels of kernels/cuda.py.
 
 Same interface (models/base.py), same arithmetic in float32; what differs:
-    weights      uploaded once, stacked over layers (float32, or float16 storage read into float32 sums)
+    weights      uploaded once, stacked over layers (float32, or float16 or Q8_0 storage read into float32 sums)
     KV cache     CudaKVCache: RingKVCache's layout, resident on the device
     forward      returns the final hidden states as a *device* array [T, D]: activations never leave the GPU
     lm_head      brings logits to the host (for code that samples there)
@@ -23,11 +23,12 @@ from .. import ops
 from ..config import ModelConfig
 from ..device import cuda_problem, cuda_simulated
 from ..errors import ConfigError, DeviceError, GenerationError
+from ..quant import QuantizedMatrix, quantize_q8_0
 from ..sampling import SamplingParams, sample_with
-from .base import Model
-from .weights import Weights, fused_gate_up, fused_qkv
+from .base import Model, kv_storage
+from .weights import Weights, fused_qkv
 
-DTYPES = (np.float32, np.float16)
+STORAGES = ("float32", "float16", "q8_0")  # how the matrices (embedding and LM head included) live on the device
 # What kernels.sample_rows does (stop strings are the generation loop's business); any other option in use sends
 # the logits to the host sampler.
 DEVICE_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop")
@@ -164,7 +165,11 @@ class _Workspace:
 
 
 class CudaTransformer(Model):
-    """The Transformer on the GPU. dtype: how matrices are stored (float32, or float16 read into float32 sums).
+    """The Transformer on the GPU. dtype: how matrices are stored: float32, float16, or "q8_0" (GGUF's Q8_0 blocks,
+    32 int8 values and a float16 scale, kernels.Q8_0_BLOCK), each weight widened to float32 as it is read, the sums
+    in float32. With q8_0 a checkpoint's own Q8_0 matrices (quant.QuantizedMatrix, as formats.gguf's
+    read_gguf_quantized gives them) go to the device byte for byte; any other matrix is quantized at load
+    (quant.quantize_q8_0, rows zero-padded to whole blocks).
     geometry: kernels.Geometry (block sizes; the default suits the hardware or the simulator, whichever runs).
     one_launch: run each forward call as one cooperative launch (kernels.decode_step_kernel for up to 8 tokens,
     kernels.batch_step_kernel for more); when the device or toolkit cannot (no cooperative launch, no cudadevrt
@@ -173,11 +178,14 @@ class CudaTransformer(Model):
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype=np.float32, geometry=None,
                  one_launch: bool = True):
         named = Weights.from_checkpoint(config, weights)
-        if np.dtype(dtype) not in [np.dtype(d) for d in DTYPES]:
-            raise ConfigError(f"CudaTransformer stores weights as float32 or float16, got dtype {np.dtype(dtype)}")
+        storage = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+        if storage not in STORAGES:
+            raise ConfigError(f"CudaTransformer stores weights as {', '.join(STORAGES)}, got {dtype!r}")
         self.cuda, self.kernels = _cuda()
         super().__init__(config)
-        self.weight_dtype = np.dtype(dtype)  # matrices' storage; forward computes in float32 (Model.dtype)
+        self.q8_0 = storage == "q8_0"
+        # the device matrices' dtype (float32, float16 or the Q8_0 block record); forward computes in float32
+        self.weight_dtype = np.dtype(self.kernels.Q8_0_BLOCK if self.q8_0 else storage)
         self.geometry = geometry or (self.kernels.SIMULATOR if cuda_simulated() else self.kernels.HARDWARE)
         if config.head_dim > self.kernels.MAX_HEAD_DIM:
             raise ConfigError(f"head_dim {config.head_dim} is above the CUDA kernels' limit "
@@ -194,33 +202,42 @@ class CudaTransformer(Model):
     def _upload(self, weights: Weights) -> None:
         """Stack each kind of tensor over the layers and copy it to the device, one layer at a time (no host copy
         of the whole model): wqkv = fused_qkv so one pass computes q, k and v (RoPE layout kept: the kernels know
-        both), w13 = fused_gate_up in blocks of F, i.e. [w1; w3], for SwiGLU."""
+        both), w13 = [w1; w3] for SwiGLU."""
         c, cuda = self.config, self.cuda
-        L, D, F = c.n_layers, c.dim, c.hidden_dim
-        HDh, KDh = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        W = HDh + 2 * KDh
-        matrix = self.weight_dtype
+        L = c.n_layers
+        matrix = self._matrix
 
-        def stacked(shape, dtype, layer_tensor):
-            dev = cuda.device_array((L, *shape), dtype)
+        def stacked(layer_array):
+            first = layer_array(weights.layers[0])
+            dev = cuda.device_array((L, *first.shape), first.dtype)
             for l, layer in enumerate(weights.layers):
-                dev[l].copy_to_device(np.ascontiguousarray(layer_tensor(layer), dtype=dtype).reshape(shape))
+                dev[l].copy_to_device(first if l == 0 else layer_array(layer))
             return dev
 
-        self.tok_embeddings = cuda.to_device(np.asarray(weights.tok_embeddings, dtype=matrix))
-        self.output = (self.tok_embeddings if c.tied_embeddings
-                       else cuda.to_device(np.asarray(weights.output, dtype=matrix)))
-        self.norms = stacked((2, D), np.float32, lambda w: np.stack([w.attention_norm, w.ffn_norm]))
-        self.final_norm = cuda.to_device(np.asarray(weights.norm, np.float32))
-        self.wqkv = stacked((W, D), matrix, lambda w: fused_qkv(c, w, interleave_rope=False)[0])
-        self.bqkv = stacked((W,), np.float32, lambda w: fused_qkv(c, w, interleave_rope=False)[1])
-        self.wo = stacked((D, HDh), matrix, lambda w: w.wo)
-        self.w13 = stacked((2, F, D), matrix, lambda w: fused_gate_up(w, F))
-        self.w2 = stacked((D, F), matrix, lambda w: w.w2)
+        def vectors(*arrays):
+            return np.ascontiguousarray(np.stack(arrays) if len(arrays) > 1 else arrays[0], dtype=np.float32)
+
+        self.tok_embeddings = cuda.to_device(matrix(weights.tok_embeddings))
+        self.output = self.tok_embeddings if c.tied_embeddings else cuda.to_device(matrix(weights.output))
+        self.norms = stacked(lambda w: vectors(w.attention_norm, w.ffn_norm))
+        self.final_norm = cuda.to_device(vectors(weights.norm))
+        # [wq; wk; wv] (RoPE layout kept: the kernels know both) and [w1; w3], fused block row by block row, so a
+        # checkpoint's Q8_0 blocks are never requantized
+        self.wqkv = stacked(lambda w: np.concatenate([matrix(w.wq), matrix(w.wk), matrix(w.wv)]))
+        self.bqkv = stacked(lambda w: vectors(fused_qkv(c, w, interleave_rope=False)[1]))
+        self.wo = stacked(lambda w: matrix(w.wo))
+        self.w13 = stacked(lambda w: np.stack([matrix(w.w1), matrix(w.w3)]))
+        self.w2 = stacked(lambda w: matrix(w.w2))
         layers = sum(a.nbytes for a in (self.norms, self.final_norm, self.wqkv, self.bqkv, self.wo, self.w13, self.w2))
         # A decode step streams every layer and the LM head; of the embedding it reads only the tokens' rows.
         self.step_weight_bytes = layers + self.output.nbytes
         self.weight_bytes = layers + self.output.nbytes + (0 if c.tied_embeddings else self.tok_embeddings.nbytes)
+
+    def _matrix(self, w) -> np.ndarray:
+        """A host matrix as the device stores it: float32 or float16 [N, K], or Q8_0 blocks [N, ceil(K / 32)]."""
+        if self.q8_0:
+            return q8_0_blocks(w, self.kernels.Q8_0_BLOCK)
+        return np.ascontiguousarray(w, dtype=self.weight_dtype)
 
     def _rope_table(self, positions: int) -> None:
         """cos, sin [P, Dh/2] of positions 0 .. P-1, the very numbers ops.rope_angles gives the NumPy model."""
@@ -230,7 +247,9 @@ class CudaTransformer(Model):
 
     # -- the forward pass ---------------------------------------------------------------------------------------
 
-    def new_cache(self, capacity: int | None = None, slots: int = 1) -> CudaKVCache:
+    def new_cache(self, capacity: int | None = None, slots: int = 1, kv_dtype: str | None = None) -> CudaKVCache:
+        if kv_dtype is not None and kv_storage(kv_dtype) != np.float32:
+            raise ConfigError(f"kv_dtype {kv_dtype}: the cuda backend's cache stores float32")
         return CudaKVCache(self.config, capacity, slots)
 
     def move_cached_keys(self, cache, slot: int, src, dst, shift: int) -> None:
@@ -310,12 +329,12 @@ class CudaTransformer(Model):
         if T <= k.MAX_ROWS:
             rows = 1 if T == 1 else k.MAX_ROWS
             key, threads = ("decode", rows), g.threads
-            kernel = k.decode_step_kernel(rows, g.threads, g.lanes, interleaved)
+            kernel = k.decode_step_kernel(rows, g.threads, g.lanes, interleaved, self.q8_0)
             args = (*head, self.w13, self.w2, self.final_norm, *tail, ws.x, ws.qkv, ws.att, ws.h, ws.scores, hidden)
         else:
             key, threads = ("batch",), g.matmul_threads
-            kernel = k.batch_step_kernel(g.tile, interleaved)
-            w13 = self.w13.reshape(L, 2 * c.hidden_dim, c.dim)  # W1's rows, then W3's: one product for both
+            kernel = k.batch_step_kernel(g.tile, interleaved, self.q8_0)
+            w13 = self.w13.reshape(L, 2 * c.hidden_dim, self.w13.shape[3])  # W1's rows, then W3's: one product
             args = (*head, w13, self.w2, self.final_norm, *tail, ws.x, ws.xn, ws.qkv, ws.att, ws.gate_up, ws.h,
                     ws.scores, hidden)
         blocks = self._grids.get(key)
@@ -336,12 +355,12 @@ class CudaTransformer(Model):
     def _stages(self, ws: _Workspace, cache: CudaKVCache, hidden) -> None:
         """One launch per stage, in the reference Transformer's order."""
         c, k, g = self.config, self.kernels, self.geometry
-        T, D, F = ws.x.shape[0], c.dim, c.hidden_dim
+        T, F = ws.x.shape[0], c.hidden_dim
         eps = np.float32(c.norm_eps)
         rows_grid = g.grid(T)
         norm = k.rms_norm_kernel(g.threads)[rows_grid, g.threads]
         heads = self._heads()
-        k.embed_kernel()[rows_grid, g.threads](self.tok_embeddings, ws.meta, ws.x)
+        k.embed_kernel(self.q8_0)[rows_grid, g.threads](self.tok_embeddings, ws.meta, ws.x)
         for layer in range(c.n_layers):
             norm(ws.x, self.norms[layer, 0], eps, ws.xn)
             self._matmul(ws.xn, self.wqkv[layer], ws.qkv, residual=False)
@@ -355,7 +374,7 @@ class CudaTransformer(Model):
                 ws.qkv, ws.meta, *heads, cache.k[layer], cache.v[layer])
             self._matmul(ws.att, self.wo[layer], ws.x, residual=True)
             norm(ws.x, self.norms[layer, 1], eps, ws.xn)
-            self._matmul(ws.xn, self.w13[layer].reshape(2 * F, D), ws.gate_up, residual=False)
+            self._matmul(ws.xn, self.w13[layer].reshape(2 * F, self.w13.shape[3]), ws.gate_up, residual=False)
             k.swiglu_kernel()[rows_grid, g.threads](ws.gate_up, ws.h)
             self._matmul(ws.h, self.w2[layer], ws.x, residual=True)
         norm(ws.x, self.final_norm, eps, hidden)
@@ -369,12 +388,12 @@ class CudaTransformer(Model):
         if M <= k.MAX_ROWS:
             rows = 1 << (M - 1).bit_length()  # compiled for 1, 2, 4 or 8 rows
             per_block = g.threads // g.lanes * max(1, k.MAX_ROWS // rows)  # output rows a block takes at a time
-            kernel = k.matvec_kernel(rows, g.threads, g.lanes, False, residual)
+            kernel = k.matvec_kernel(rows, g.threads, g.lanes, False, residual, False, self.q8_0)
             kernel[g.grid(-(-N // per_block)), g.threads](x, self.final_norm, np.float32(0), w, y)
         else:
             BM, BN = g.tile[:2]
             tiles = -(-M // BM) * -(-N // BN)
-            k.matmul_kernel(g.tile, residual)[g.grid(tiles), g.matmul_threads](x, w, y)
+            k.matmul_kernel(g.tile, residual, self.q8_0)[g.grid(tiles), g.matmul_threads](x, w, y)
 
     # -- logits and sampling ------------------------------------------------------------------------------------
 
@@ -420,6 +439,21 @@ class CudaTransformer(Model):
             return int(sample_with(params, self.lm_head(h)[0], rng, history))
         u = 0.0 if params.temperature == 0 else rng.random()
         return int(self.sample(h, params.temperature, params.top_k, params.top_p, params.min_p, u)[0])
+
+
+def q8_0_blocks(w, block_type: np.dtype) -> np.ndarray:
+    """W [N, K] as Q8_0 blocks [N, ceil(K / 32)] of block_type (kernels.Q8_0_BLOCK): a Q8_0 QuantizedMatrix's own
+    bytes, else quant.quantize_q8_0 of its float32 values, each row zero-padded to whole blocks (a zero changes no
+    block's scale, and the kernels never read past K)."""
+    if isinstance(w, QuantizedMatrix) and w.qtype == "Q8_0":
+        raw = np.ascontiguousarray(w.raw)
+    else:
+        values = np.asarray(w, dtype=np.float32)
+        N, K = values.shape
+        padded = np.zeros((N, -(-K // 32) * 32), np.float32)
+        padded[:, :K] = values
+        raw = quantize_q8_0(padded).reshape(N, -1)
+    return raw.view(block_type)
 
 
 def device_bandwidth_gb_s(mib: int = 2048, repeat: int = 5) -> float:

@@ -11,7 +11,7 @@ What differs from models/reference.py is how the work is laid out:
   decode steps produce the same bits (each matrix-product output and each attention row is summed in an order
   fixed by its own position; see kernels/cpu.py).
 
-The Numba model computes in float32 whatever the checkpoint's dtype.
+The Numba model computes in float32 whatever the checkpoint's dtype; its cache stores float32 or float16.
 """
 
 from __future__ import annotations
@@ -108,13 +108,13 @@ class NumbaTransformer(Model):
         numba.set_num_threads(threads)
         c = self.config
         dims = Dims(c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps, self.window(cache), threads)
-        ring = Ring(cache.k, cache.v, cache.positions, cache.lengths)
+        ring = Ring(*_kv_arrays(cache), cache.positions, cache.lengths)
         return _forward(tokens, positions, sequences, self.packed, self.inv_freq, dims, ring)
 
     def _check_cache(self, cache) -> None:
         c = self.config
-        if cache.k.dtype != np.float32 or cache.k.shape[0] != c.n_layers or cache.k.shape[3:] != (c.n_kv_heads,
-                                                                                                   c.head_dim):
+        if cache.k.dtype not in KV_STORED or cache.k.shape[0] != c.n_layers or cache.k.shape[3:] != (c.n_kv_heads,
+                                                                                                    c.head_dim):
             raise GenerationError(f"the cache holds {cache.k.dtype} [layers, slots, capacity, kv heads, head dim] = "
                                   f"{list(cache.k.shape)}: not one made by this model's new_cache()")
 
@@ -135,6 +135,15 @@ class NumbaTransformer(Model):
         numba.set_num_threads(threads)
         return cpu.lm_head(np.ascontiguousarray(h, dtype=np.float32), self.output_panels, self.config.vocab_size,
                            threads)
+
+
+# A cache's keys and values as the kernels take them: float32, or float16 passed as its bits (Numba has no float16 on
+# the CPU; kernels/simd.py's *_kv functions round and widen them).
+KV_STORED = {np.dtype(np.float32): np.float32, np.dtype(np.float16): np.uint16}
+
+
+def _kv_arrays(cache: RingKVCache) -> tuple[np.ndarray, np.ndarray]:
+    return cache.k.view(KV_STORED[cache.k.dtype]), cache.v.view(KV_STORED[cache.v.dtype])
 
 
 def pack(c: ModelConfig, weights: Weights) -> Packed:

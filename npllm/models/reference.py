@@ -58,9 +58,12 @@ class Transformer(Model):
         for slot, idx in groups:
             # Keys seen by this chunk: what the ring held before it, then the chunk itself. Reading before writing
             # matters when the chunk is longer than the ring: its writes would evict keys its early queries need.
+            # The chunk's own keys are taken as the cache stores them (float16 rounds them), so a prefill sees the
+            # same keys as the decode steps that later read them back.
             ring_k, ring_v, ring_pos = cache.read(layer, slot)
-            keys = np.concatenate([ring_k, k[idx]])  # [C + T_slot, K, Dh]
-            values = np.concatenate([ring_v, v[idx]])
+            stored = cache.k.dtype
+            keys = np.concatenate([ring_k, k[idx].astype(stored)]).astype(self.dtype, copy=False)  # [C + T, K, Dh]
+            values = np.concatenate([ring_v, v[idx].astype(stored)]).astype(self.dtype, copy=False)
             mask = ops.attention_mask(positions[idx], np.concatenate([ring_pos, positions[idx]]), self.window(cache))
             out[idx] = ops.attention(q[idx], keys, values, mask)
             cache.write(layer, slot, positions[idx], k[idx], v[idx])
