@@ -709,3 +709,25 @@ def matmul_t_q8_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int],
     """
     q_x, d_x, _ = quantize_activations_q8(np.atleast_2d(x))
     return dequantize_activations_q8(q_x, d_x) @ dequantize(raw, qtype, shape).astype(np.float64).T
+
+
+# The types whose matrix products npllm's Numba model computes on 8-bit activations (kernels/quant.py
+# INT8_TYPE_CODES, models/numba.py products_into); the others take float32 activations.
+INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+
+
+@dataclass(frozen=True)
+class Int8ActivationMatrix(QuantizedMatrix):
+    """A QuantizedMatrix whose products quantize their input to 8-bit blocks first (matmul_t_q8_activations): the
+    NumPy statement of what the Numba model computes for these types, and so the oracle its logits are held to."""
+
+    def matmul_t(self, x: np.ndarray) -> np.ndarray:
+        """x^ W^T, x^ = x quantized per block of 32.  # [T, K] -> [T, N]"""
+        return matmul_t_q8_activations(self.raw, self.qtype, self.shape, x).astype(np.float32)
+
+
+def with_int8_activations(tensors: dict) -> dict:
+    """The same weights, each matrix of an INT8_ACTIVATION_TYPES type multiplying as the Numba model does."""
+    return {name: Int8ActivationMatrix(w.raw, w.qtype, w.shape)
+            if isinstance(w, QuantizedMatrix) and w.qtype in INT8_ACTIVATION_TYPES else w
+            for name, w in tensors.items()}

@@ -740,7 +740,7 @@ def matmul_int8(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> n
 # (one row at a time, in cache) and take its dot product with x; F32, F16 and BF16 rows are read 8 values at a
 # time straight from their bytes. For T tokens every type decodes 16 rows into a panel and runs cpu.py's tile.
 
-from .cpu import _dot  # noqa: E402  (the vectorised dot product of two float32 rows)
+from .cpu import _dot as _dot_f32  # noqa: E402  (the vectorised dot product of two float32 rows)
 
 
 def _float_lanes(kind: str):
@@ -1014,7 +1014,7 @@ def matvec_rows_decoded(code, w, x, sums, out, col, n0, n1):
     row = np.empty(K, np.float32)
     for n in range(n0, n1):
         decode_row(code, w, n, row)
-        out[col + n] = _dot(row, 0, x, 0, K)
+        out[col + n] = _dot_f32(row, 0, x, 0, K)
 
 
 @njit(cache=True)

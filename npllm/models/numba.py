@@ -283,6 +283,12 @@ def _forward(tokens, positions, seqs, w, inv_freq, dims, ring):
 # computed in ONE parallel region over their concatenated rows, each matrix by the row-range worker of its own type
 # (kernels/quant.py), so a file that mixes types (Q4_K_M: Q4_K, Q6_K, Q5_0, ...) runs every matrix as stored.
 
+# A product's input quantized to 8 bits per block of 32 (kernels/quant.py quantize_activations_q8_into).
+Int8Activations = namedtuple("Int8Activations", [
+    "q",  # [T, K] int8       round(x / d)
+    "d",  # [T, K/32]         block scales max|x| / 127
+    "s",  # [T, K/32]         block sums of q (for offsets: Q4_0's -8, the K-quants' mins)
+])
 WQ, WK, WV, WO, W1, W3, W2 = range(7)
 PER_LAYER = 7
 # Quantized forward: the float32 panels of a product over T tokens come from decoding 16 rows; rows of one token
@@ -411,7 +417,7 @@ class QuantizedNumbaTransformer(NumbaTransformer):
         numba.set_num_threads(threads)
         c = self.config
         dims = Dims(c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps, self.window(cache), threads)
-        ring = Ring(cache.k, cache.v, cache.positions, cache.lengths)
+        ring = Ring(*_kv_arrays(cache), cache.positions, cache.lengths)
         return _forward_quantized(tokens, positions, sequences, self.packed, self.inv_freq, dims, ring)
 
     def lm_head(self, h: np.ndarray) -> np.ndarray:
@@ -455,6 +461,10 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     The concatenated rows (one token) or panels of 16 rows (several tokens) are split into one contiguous range per
     thread, in ONE parallel region (none on one thread: a small model's step is mostly such calls); each matrix's
     part of a range goes to its type's row-range worker (kernels/quant.py).
+
+    Q8_0, Q4_0, Q4_K and Q6_K weights meet activations quantized to 8 bits per block of 32 (as llama.cpp does):
+    integer dot products, with x quantized once here for every matrix and row range (docs/quant.md, "8-bit
+    activations", for the rounding bound and the measured KL divergence). Other types take x in float32.
     """
     unit = 1 if T == 1 else PANEL
     total = 0
@@ -468,21 +478,35 @@ def products_into(pool, mats, first, count, x, T, out, threads):
             for j in range(16):
                 s += x[0, 16 * g + j]
             sums[g] = s
+    any_int8 = False
+    for i in range(count):
+        any_int8 = any_int8 or _int8_type(mats[first + i, 1])
+    xq = Int8Activations(np.empty((T if any_int8 else 0, K), np.int8), np.empty((T, K // 32), np.float32),
+                         np.empty((T, K // 32), np.float32))  # [T, K] int8 values, [T, K/32] scales and sums
+    if any_int8:
+        qk.quantize_activations_q8_into(x, T, xq.q, xq.d, xq.s)
     chunks = max(1, min(total, threads))
     if chunks == 1:
-        _product_units(pool, mats, first, count, x, T, out, sums, unit, 0, total)
+        _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, 0, total)
     else:
-        _products_parallel(pool, mats, first, count, x, T, out, sums, unit, total, chunks)
+        _products_parallel(pool, mats, first, count, x, T, out, sums, xq, unit, total, chunks)
+
+
+@njit(inline="always")
+def _int8_type(code) -> bool:
+    """Whether weights of GGML type `code` have an integer-dot worker (kernels/quant.py INT8_TYPE_CODES)."""
+    return code == 8 or code == 2 or code == 12 or code == 14
 
 
 @njit(parallel=True, cache=True)
-def _products_parallel(pool, mats, first, count, x, T, out, sums, unit, total, chunks):
+def _products_parallel(pool, mats, first, count, x, T, out, sums, xq, unit, total, chunks):
     for c in prange(chunks):
-        _product_units(pool, mats, first, count, x, T, out, sums, unit, c * total // chunks, (c + 1) * total // chunks)
+        _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, c * total // chunks,
+                       (c + 1) * total // chunks)
 
 
 @njit(cache=True)
-def _product_units(pool, mats, first, count, x, T, out, sums, unit, u0, u1):
+def _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, u0, u1):
     """Units u0 .. u1-1 of the concatenated rows (unit 1) or panels (unit 16) of matrices first .. first+count-1."""
     base, col = 0, 0
     for i in range(count):
@@ -493,7 +517,9 @@ def _product_units(pool, mats, first, count, x, T, out, sums, unit, u0, u1):
         if lo < hi:
             w = _matrix(pool, mats, m)
             n0, n1 = (lo - base) * unit, min((hi - base) * unit, N)
-            if T == 1:
+            if _int8_type(mats[m, 1]):
+                qk.matmul_rows_int8(mats[m, 1], w, xq.q, xq.d, xq.s, T, out, col, n0, n1)
+            elif T == 1:
                 qk.matvec_rows(mats[m, 1], w, x[0], sums, out[0], col, n0, n1)
             else:
                 qk.matmul_rows(mats[m, 1], w, x, T, out, col, n0, n1)
