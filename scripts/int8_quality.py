@@ -1,6 +1,6 @@
 """Quality of 8-bit activations: stories260K (FFN zero-padded to 192) in Q8_0 or Q4_0, its next-token distribution
-with every matrix product on int8 activation blocks (kernels/quant.py's integer-dot kernels) against the same
-weights dequantized and multiplied in float32 (the exact dequantized model).
+as npllm's Numba model computes it (weights kept in their type, every product on int8 activation blocks) against
+the same weights dequantized and multiplied in float32 (the exact dequantized model).
 
     python scripts/int8_quality.py [--type Q8_0] [--stories 12] [--ctx 128]
 
@@ -10,7 +10,6 @@ second half of each ctx-token chunk, and how often the most probable next token 
 """
 
 import argparse
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,15 +20,6 @@ from npllm.formats.llama2c import read_llama2c
 from npllm.kernels import quant as kq
 from npllm.models import make_model
 from npllm.tokenizer import load_tokenizer
-
-
-@dataclass(frozen=True)
-class Int8ActivationMatrix(quant.QuantizedMatrix):
-    """A QuantizedMatrix whose products x W^T quantize x to 8-bit blocks and run the integer-dot kernel."""
-
-    def matmul_t(self, x: np.ndarray) -> np.ndarray:
-        x = np.asarray(x, dtype=np.float32)
-        return kq.matmul_int8(self.raw, self.qtype, x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
 
 def pad_ffn(config, weights, hidden: int):
@@ -46,14 +36,16 @@ def pad_ffn(config, weights, hidden: int):
 
 
 def models(config, weights, qtype: str):
-    """(int8-activation model, dequantized float model) over the same quantized matrices (NumPy reference model)."""
+    """(npllm's Numba model on the quantized matrices, which multiplies them by 8-bit activations; the exact
+    dequantized float model, the NumPy reference) over the same quantized matrices."""
     kept, exact = dict(weights), dict(weights)
     for name, w in weights.items():
         if w.ndim == 2:
-            m = quant.QuantizedMatrix.from_values(w, qtype)
-            kept[name] = Int8ActivationMatrix(m.raw, qtype, m.shape)
-            exact[name] = m.dequantize()
-    return make_model(config, kept, "numpy"), make_model(config, exact, "numpy")
+            kept[name] = quant.QuantizedMatrix.from_values(w, qtype)
+            exact[name] = kept[name].dequantize()
+    model = make_model(config, kept, "numba")
+    assert set(model.weight_types) == {qtype}  # the weights in their type, products on 8-bit activations
+    return model, make_model(config, exact, "numpy")
 
 
 def sampled_text(config, weights, tokenizer, stories: int) -> list[int]:
