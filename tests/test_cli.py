@@ -122,7 +122,10 @@ def test_ctrl_c_ends_the_line_and_exits_130(tmp_path, stories260k):
     proc = npllm_process("generate", "Once", "--model", str(tmp_path / "long.bin"), "--tokenizer",
                          str(stories260k.parent / "tok512.model"), "--max-new-tokens", "60000", "--backend", "numpy",
                          "--seed", "1", "--ignore-eos",  # an end token drawn early must not end the run first
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         # as a terminal would run it: a shell without job control starts background jobs with
+                         # SIGINT ignored, a child inherits that, and Python then installs no KeyboardInterrupt
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = proc.stdout.read(40)  # generation is under way
     proc.send_signal(signal.SIGINT)
     rest, stderr = proc.communicate(timeout=120)
