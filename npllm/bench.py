@@ -191,29 +191,8 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
     common["dtype"] = "+".join(sorted(types, key=lambda name: -(types[name] or 0)))
     if hasattr(model, "weight_types"):
         common["weight_bytes_by_type"] = types
-    results = []
-    for kv_dtype, batch in itertools.product(kv_dtypes, batches):
-        for prompt_len in prompt_lens:
-            prefill_s, first_s, decode_s, decode_cpu_s = [], [], [], []
-            load = os.getloadavg()[0]
-            for _ in range(repeat):
-                cache, tokens, p_s, f_s = session.prefill(batch, prompt_len, prompt_len + gen_len, kv_dtype)
-                kv_bytes = cache.nbytes
-                prefill_s.append(p_s)
-                first_s.append(f_s)
-                d_s, d_cpu_s = session.decode(cache, tokens, prompt_len, gen_len)
-                decode_s.append(d_s)
-                decode_cpu_s.append(d_cpu_s)
-                del cache
-            step = _median(decode_s) / gen_len
-            results.append({**common, "kv_dtype": kv_dtype, "batch": batch, "prompt_len": prompt_len,
-                            "prefill_tok_s": round(batch * prompt_len / _median(prefill_s), 1),
-                            "first_token_ms": round(1e3 * _median(first_s), 2),
-                            "decode_tok_s": round(batch / step, 1), "ms_per_token": round(1e3 * step, 3),
-                            "weight_bytes_per_token": step_bytes // batch,
-                            "achieved_gb_s": round(step_bytes / step / 1e9, 2),
-                            "decode_cpu_cores": round(sum(decode_cpu_s) / sum(decode_s), 2),
-                            "load_avg": round(load, 2), "kv_cache_mib": round(kv_bytes / 2**20, 2)})
+    results = [{**common, **measure_point(session, kv_dtype, batch, prompt_len, gen_len, repeat, step_bytes)}
+               for kv_dtype, batch, prompt_len in itertools.product(kv_dtypes, batches, prompt_lens)]
     peak_rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # before the 512 MiB probe
     if backend == "cuda":  # the GPU's memory, which its decode steps stream
         from .models.cuda import device_bandwidth_gb_s
@@ -223,6 +202,31 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
         bandwidth = measure_bandwidth(used_threads, bandwidth_mib)
     for r in results:
         yield {**r, **bandwidth, "peak_rss_mb": peak_rss_mb}
+
+
+def measure_point(session, kv_dtype: str, batch: int, prompt_len: int, gen_len: int, repeat: int,
+                  step_bytes: int) -> dict:
+    """Prefill and decode figures of one (KV dtype, batch, prompt length), medians of `repeat` runs."""
+    prefill_s, first_s, decode_s, decode_cpu_s = [], [], [], []
+    load = os.getloadavg()[0]
+    for _ in range(repeat):
+        cache, tokens, p_s, f_s = session.prefill(batch, prompt_len, prompt_len + gen_len, kv_dtype)
+        kv_bytes = cache.nbytes
+        prefill_s.append(p_s)
+        first_s.append(f_s)
+        d_s, d_cpu_s = session.decode(cache, tokens, prompt_len, gen_len)
+        decode_s.append(d_s)
+        decode_cpu_s.append(d_cpu_s)
+        del cache
+    step = _median(decode_s) / gen_len
+    return {"kv_dtype": kv_dtype, "batch": batch, "prompt_len": prompt_len,
+            "prefill_tok_s": round(batch * prompt_len / _median(prefill_s), 1),
+            "first_token_ms": round(1e3 * _median(first_s), 2),
+            "decode_tok_s": round(batch / step, 1), "ms_per_token": round(1e3 * step, 3),
+            "weight_bytes_per_token": step_bytes // batch,
+            "achieved_gb_s": round(step_bytes / step / 1e9, 2),
+            "decode_cpu_cores": round(sum(decode_cpu_s) / sum(decode_s), 2),
+            "load_avg": round(load, 2), "kv_cache_mib": round(kv_bytes / 2**20, 2)}
 
 
 def _blas_threads() -> int:

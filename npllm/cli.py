@@ -255,14 +255,22 @@ def as_keywords(params) -> dict:
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
 
 
-def run_generate(args) -> int:
-    from . import load
-    from .generate import check_request
-
+def check_generate_args(args) -> None:
+    """Combinations of generate's options that mean nothing together, refused before anything loads."""
     if args.json and not args.explain:
         raise GenerationError("--json is the machine-readable form of --explain: pass both")
     if args.explain and args.prompt_file is not None:
         raise GenerationError("--explain follows a single prompt: give a PROMPT, not --prompt-file")
+    if (args.context_policy != "error" or args.ignore_eos) and (args.explain or args.num_beams > 1):
+        raise GenerationError("--explain and --num-beams run inside the context and stop at EOS: they take neither "
+                              "--context-policy nor --ignore-eos")
+
+
+def run_generate(args) -> int:
+    from . import load
+    from .generate import check_request
+
+    check_generate_args(args)
     if args.prompt_file is not None:
         return run_generate_batch(args)
     prompt = read_prompt(args.prompt)
@@ -272,12 +280,8 @@ def run_generate(args) -> int:
     if llm.tokenizer is None:
         raise GenerationError(f"no tokenizer was found beside {args.model}: pass --tokenizer PATH")
     prompt_ids = llm.tokenizer.encode(prompt, bos=True)
-    context = context_options(args)
     if args.context_policy == "error":
         check_request(llm.config, prompt_ids, args.max_new_tokens)
-    if (args.context_policy != "error" or args.ignore_eos) and (args.explain or args.num_beams > 1):
-        raise GenerationError("--explain and --num-beams run inside the context and stop at EOS: they take neither "
-                              "--context-policy nor --ignore-eos")
     if args.explain:
         from .explain import print_explained
 
@@ -285,6 +289,11 @@ def run_generate(args) -> int:
         return 0
     if args.num_beams > 1:
         return run_beam_search(args, llm, prompt_ids)
+    return stream_generate(args, llm, prompt, len(prompt_ids), params)
+
+
+def stream_generate(args, llm, prompt: str, prompt_len: int, params) -> int:
+    """Print the prompt and its completion as the tokens come, then one line of timings on stderr."""
     speculation = speculation_options(args)
     start, first, count = time.perf_counter(), None, 0
 
@@ -295,13 +304,13 @@ def run_generate(args) -> int:
         if params.logprobs:
             print_logprobs(llm.tokenizer, step)
 
-    for piece in llm.stream(prompt, args.max_new_tokens, echo=True, on_step=on_step, **speculation, **context,
-                            **as_keywords(params)):
+    for piece in llm.stream(prompt, args.max_new_tokens, echo=True, on_step=on_step, **speculation,
+                            **context_options(args), **as_keywords(params)):
         write_out(piece)
     write_out("\n")
     end = time.perf_counter()
     rate = (count - 1) / (end - first) if count > 1 else float("nan")
-    print(f"[npllm] {len(prompt_ids)} prompt + {count} new tokens; first token {1e3 * ((first or end) - start):.1f} ms;"
+    print(f"[npllm] {prompt_len} prompt + {count} new tokens; first token {1e3 * ((first or end) - start):.1f} ms;"
           f" {rate:.1f} tok/s after it", file=sys.stderr)
     if speculation:
         stats = speculation["speculation"]

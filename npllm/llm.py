@@ -108,6 +108,13 @@ class LLM:
         """
         params = SamplingParams(**sampling)
         prompt_ids = self._require_tokenizer().encode(prompt, bos=True)
+        steps = self._steps(prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft, speculation,
+                            context_policy, ignore_eos, sinks)
+        yield from _text_of(self.tokenizer, prompt_ids, steps, params.stop, echo, on_step)
+
+    def _steps(self, prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft, speculation,
+               context_policy, ignore_eos, sinks) -> Iterator:
+        """The generation steps stream() asked for: speculative, plain, or through a kept Context."""
         check_policy(context_policy, sinks)
         speculative = draft is not None or draft_layers is not None
         if context_policy == "error":
@@ -116,33 +123,15 @@ class LLM:
             raise GenerationError("speculative decoding runs inside the context and stops at EOS: it takes neither "
                                   "context_policy nor ignore_eos")
         if speculative:
-            steps = self._speculative_steps(prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft,
-                                            speculation)
-        elif context_policy == "error" and not ignore_eos:
-            steps = generate_steps(self.model, prompt_ids, max_new_tokens, params)
-        else:
-            # "error" never goes past prompt + max_new_tokens positions: a cache that size, not the whole context
-            room = min(self.config.max_seq_len, len(prompt_ids) + max(max_new_tokens, 1))
-            context = Context(self.model, context_policy, sinks, room if context_policy == "error" else None)
-            steps = continue_steps(context, prompt_ids, max_new_tokens, params, ignore_eos)
-            steps = _started(steps)  # a request refused (ignore_eos past the context) fails before the echo
-        decoder = self.tokenizer.stream_decoder()
-        prompt_text = "".join(decoder.feed(t) for t in prompt_ids)
-        if echo:
-            yield prompt_text
-        stops = StopStrings(params.stop)
-        for step in steps:
-            if on_step is not None:
-                on_step(step)
-            piece = stops.feed(decoder.feed(step.token_ids))
-            if piece:
-                yield piece
-            if stops.stopped:
-                return
-        tail = stops.feed(decoder.flush())
-        tail += stops.flush()
-        if tail:
-            yield tail
+            return self._speculative_steps(prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft,
+                                           speculation)
+        if context_policy == "error" and not ignore_eos:
+            return generate_steps(self.model, prompt_ids, max_new_tokens, params)
+        # "error" never goes past prompt + max_new_tokens positions: a cache that size, not the whole context
+        room = min(self.config.max_seq_len, len(prompt_ids) + max(max_new_tokens, 1))
+        context = Context(self.model, context_policy, sinks, room if context_policy == "error" else None)
+        steps = continue_steps(context, prompt_ids, max_new_tokens, params, ignore_eos)
+        return _started(steps)  # a request refused (ignore_eos past the context) fails before the echo
 
     def generate(self, prompt: str | list[str] = "", max_new_tokens: int = 256, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int | None = None, **sampling) -> str | list[str]:
@@ -262,6 +251,28 @@ class LLM:
         if self.tokenizer is None:
             raise FormatError(f"no tokenizer was found for {self.source}: pass tokenizer=PATH")
         return self.tokenizer
+
+
+def _text_of(tokenizer, prompt_ids, steps, stop, echo: bool, on_step) -> Iterator[str]:
+    """The text of generation steps, released in whole UTF-8 characters and held while it may begin a stop string
+    (which ends it and is not part of it); with echo, the prompt's text first."""
+    decoder = tokenizer.stream_decoder()
+    prompt_text = "".join(decoder.feed(t) for t in prompt_ids)
+    if echo:
+        yield prompt_text
+    stops = StopStrings(stop)
+    for step in steps:
+        if on_step is not None:
+            on_step(step)
+        piece = stops.feed(decoder.feed(step.token_ids))
+        if piece:
+            yield piece
+        if stops.stopped:
+            return
+    tail = stops.feed(decoder.flush())
+    tail += stops.flush()
+    if tail:
+        yield tail
 
 
 def _started(steps: Iterator) -> Iterator:

@@ -104,11 +104,19 @@ class NumbaTransformer(Model):
         sequences = self._sequences(tokens, positions, slots, cache)
         if len(tokens) == 0:
             return np.zeros((0, self.config.dim), np.float32)
-        threads = self.threads_for(len(tokens), self.layer_bytes, LAYER_REGIONS)
+        threads = self.threads_for(len(tokens), self._layer_cost(), LAYER_REGIONS)
         numba.set_num_threads(threads)
         c = self.config
         dims = Dims(c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps, self.window(cache), threads)
         ring = Ring(*_kv_arrays(cache), cache.positions, cache.lengths)
+        return self._run(tokens, positions, sequences, dims, ring)
+
+    def _layer_cost(self) -> int:
+        """Weight bytes one layer's products read (what threads_for weighs)."""
+        return self.layer_bytes
+
+    def _run(self, tokens, positions, sequences, dims, ring) -> np.ndarray:
+        """The one compiled call of a forward pass.  # -> [T, D]"""
         return _forward(tokens, positions, sequences, self.packed, self.inv_freq, dims, ring)
 
     def _check_cache(self, cache) -> None:
@@ -407,17 +415,10 @@ class QuantizedNumbaTransformer(NumbaTransformer):
         """Bytes of the model's matrices by type, e.g. {"Q4_0": ..., "Q6_K": ...} (the embeddings included)."""
         return dict(self.type_bytes)
 
-    def forward(self, tokens, positions, cache: RingKVCache, slots=None) -> np.ndarray:
-        tokens, positions, slots = self.call_arrays(tokens, positions, slots)
-        self._check_cache(cache)
-        sequences = self._sequences(tokens, positions, slots, cache)
-        if len(tokens) == 0:
-            return np.zeros((0, self.config.dim), np.float32)
-        threads = self.threads_for(len(tokens), self.layer_cost_bytes, LAYER_REGIONS)
-        numba.set_num_threads(threads)
-        c = self.config
-        dims = Dims(c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps, self.window(cache), threads)
-        ring = Ring(*_kv_arrays(cache), cache.positions, cache.lengths)
+    def _layer_cost(self) -> int:
+        return self.layer_cost_bytes
+
+    def _run(self, tokens, positions, sequences, dims, ring) -> np.ndarray:
         return _forward_quantized(tokens, positions, sequences, self.packed, self.inv_freq, dims, ring)
 
     def lm_head(self, h: np.ndarray) -> np.ndarray:
