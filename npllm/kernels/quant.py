@@ -4,9 +4,10 @@ A weight matrix W [N, K] of a block type is held as its bytes, one row of blocks
 
     w [N, K / block_size * block_bytes] uint8        (a view of the memory map: no float copy anywhere)
 
-Activations stay float32 (npllm's choice: no 8-bit activation blocks as llama.cpp uses, so the only rounding is the
-weights' own and the float32 sums). Each kernel is the NumPy reference `x @ dequantize(w).T` with the sums
-regrouped:
+Two ways to meet activations x, both tested against a NumPy statement:
+
+  - x in float32 (every type; the products of this first section): each kernel is the NumPy reference
+    `x @ dequantize(w).T` with the sums regrouped:
 
     matvec (decode, one token): out[n] = sum_b  d_b * sum_j q_bj x_bj       the block scale leaves the inner sum
                                 (K-quants: sum_s (d sc_s) sum_j q x - (dmin mn_s) sum_j x per sub-block s, the
@@ -14,6 +15,10 @@ regrouped:
     matmul (prefill, T tokens): 16 rows at a time are decoded into one float32 panel (K x 16, the layout of
                                 kernels/cpu.py), which cpu.py's register tile then multiplies by every token: the
                                 decoding is paid once per row, the arithmetic runs at the float32 kernel's rate.
+
+  - x quantized to 8 bits per block of 32 (Q8_0, Q4_0, Q4_K, Q6_K; section "8-bit activations"): integer dot
+    products, as llama.cpp computes; its NumPy statement is quant.matmul_t_q8_activations. What npllm's Numba model
+    runs for those four types.
 
 Rows are split into `threads` contiguous ranges run in parallel (numba.prange), so each weight byte is read once per
 product. Sums are reassociated by the compiler (fastmath), so results match the reference to float32 rounding, not
@@ -33,7 +38,7 @@ from numba.extending import intrinsic
 
 from ..quant import QK_K, TYPES, QuantizationError
 from .cpu import PANEL, REASSOC, TILE_T, _tile_6x16
-from .simd import _vector, f32x8, vfma, vfmav, vload, vsum, vzero
+from .simd import _vector, f32x8, vadd, vfma, vfmav, vload, vsum, vzero
 
 # ---------------------------------------------------------------------------------------------- byte vectors
 # Eight weight bytes widened to eight float32 lanes in registers (simd.py's f32x8). Written as LLVM vector
@@ -597,34 +602,43 @@ def _acc_int8_q4_k(acc, w, n, b, q, d, s, t):
     at = n * w.shape[1] + base
     d_w, dmin = load_half(w, at), load_half(w, at + 2)
     offset = np.float32(0)
+    high = vzero()  # the high-nibble sub-blocks' own sum: two chains of multiply-adds, not one of eight
     for r in range(4):
         sc0, mn0 = _scale_min_q4_k(w, n, base + 4, 2 * r)
         sc1, mn1 = _scale_min_q4_k(w, n, base + 4, 2 * r + 1)
         j = 8 * b + 2 * r
         x0, x1 = t * q.shape[1] + 32 * j, t * q.shape[1] + 32 * (j + 1)
         acc = vfma(acc, d_w * np.float32(sc0) * d[t, j], idot_nibbles32(w, at + 16 + 32 * r, 0, q, x0))
-        acc = vfma(acc, d_w * np.float32(sc1) * d[t, j + 1], idot_nibbles32(w, at + 16 + 32 * r, 4, q, x1))
+        high = vfma(high, d_w * np.float32(sc1) * d[t, j + 1], idot_nibbles32(w, at + 16 + 32 * r, 4, q, x1))
         offset -= dmin * (np.float32(mn0) * d[t, j] * s[t, j] + np.float32(mn1) * d[t, j + 1] * s[t, j + 1])
-    return acc, offset
+    return vadd(acc, high), offset
 
 
 @njit(fastmath=REASSOC, inline="always")
 def _acc_int8_q6_k(acc, w, n, b, q, d, s, t):
     """Q6_K: the 32 values of group g of half h (activation block j = 8 b + 4 h + g) as signed q - 32 in one
     integer dot; its lanes 0-3 hold sub-block 8h + 2g, lanes 4-7 sub-block 8h + 2g + 1, each scaled by (d sc d_x)."""
-    base = 210 * b
-    at = n * w.shape[1] + base
-    d_w = load_half(w, at + 208)
+    at = n * w.shape[1] + 210 * b
+    odd = vzero()  # odd groups' own sum: two chains of multiply-adds, not one of eight
     for h in range(2):
-        for g in range(4):
-            j = 8 * b + 4 * h + g
-            sub = base + 192 + 8 * h + 2 * g
-            scales = vhalves(d_w * np.float32(_int8(w[n, sub])) * d[t, j],
-                             d_w * np.float32(_int8(w[n, sub + 1])) * d[t, j])
-            lanes = idot_q6(w, at + 64 * h + 32 * (g & 1), 4 * (g >> 1), at + 128 + 32 * h, 2 * g, q,
-                            t * q.shape[1] + 32 * j)
+        for g in range(0, 4, 2):
+            scales, lanes = _q6_k_group(w, n, b, q, d, t, at, h, g)
             acc = vfmav(acc, scales, lanes)
-    return acc, np.float32(0)
+            scales, lanes = _q6_k_group(w, n, b, q, d, t, at, h, g + 1)
+            odd = vfmav(odd, scales, lanes)
+    return vadd(acc, odd), np.float32(0)
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _q6_k_group(w, n, b, q, d, t, at, h, g):
+    """(scales, lanes) of _acc_int8_q6_k's group g of half h: lanes = the integer dot of its 32 values with
+    activation block j = 8 b + 4 h + g; scales = (d sc d_x) of its two sub-blocks, four lanes each."""
+    j = 8 * b + 4 * h + g
+    sub = 210 * b + 192 + 8 * h + 2 * g
+    d_w = load_half(w, at + 208)
+    scales = vhalves(d_w * np.float32(_int8(w[n, sub])) * d[t, j], d_w * np.float32(_int8(w[n, sub + 1])) * d[t, j])
+    lanes = idot_q6(w, at + 64 * h + 32 * (g & 1), 4 * (g >> 1), at + 128 + 32 * h, 2 * g, q, t * q.shape[1] + 32 * j)
+    return scales, lanes
 
 
 def _int8_kernels(acc_block, block_size: int):
@@ -632,20 +646,47 @@ def _int8_kernels(acc_block, block_size: int):
 
     @njit(fastmath=REASSOC, inline="always")
     def one_row(w, n, q, d, s, t, out, col):
+        """out[t, col + n] for one token."""
         acc, offset = vzero(), np.float32(0)
         for b in range(q.shape[1] // block_size):
             acc, part = acc_block(acc, w, n, b, q, d, s, t)
             offset += part
         out[t, col + n] = vsum(acc) + offset
 
+    @njit(fastmath=REASSOC, inline="always")
+    def four_tokens(w, n, q, d, s, t, out, col):
+        """out[t + i, col + n], i < 4: each weight block is loaded and unpacked once for the four tokens (the four
+        inlined block accumulators read the same weight bytes, which the compiler loads once) and four independent
+        sums run side by side."""
+        acc0, acc1, acc2, acc3 = vzero(), vzero(), vzero(), vzero()
+        offset0, offset1, offset2, offset3 = np.float32(0), np.float32(0), np.float32(0), np.float32(0)
+        for b in range(q.shape[1] // block_size):
+            acc0, part0 = acc_block(acc0, w, n, b, q, d, s, t)
+            acc1, part1 = acc_block(acc1, w, n, b, q, d, s, t + 1)
+            acc2, part2 = acc_block(acc2, w, n, b, q, d, s, t + 2)
+            acc3, part3 = acc_block(acc3, w, n, b, q, d, s, t + 3)
+            offset0 += part0
+            offset1 += part1
+            offset2 += part2
+            offset3 += part3
+        out[t, col + n] = vsum(acc0) + offset0
+        out[t + 1, col + n] = vsum(acc1) + offset1
+        out[t + 2, col + n] = vsum(acc2) + offset2
+        out[t + 3, col + n] = vsum(acc3) + offset3
+
     @njit(fastmath=REASSOC, cache=True)
     def rows_into(w, q, d, s, T, out, col, n0, n1):
         """out[t, col + n] for t < T, n0 <= n < n1 from token t's quantized activations (q, d, s): one thread's
-        share, each weight row read from memory once for every token. (Rows go one at a time: interleaving 2 or 4
-        rows, to run independent sums side by side, was slower here when the weights stream from memory.)"""
+        share, each weight row read from memory once for every token (it stays in the L1 cache while the tokens
+        pass, four at a time)."""
         for n in range(n0, n1):
-            for t in range(T):
+            t = 0
+            while t + 4 <= T:
+                four_tokens(w, n, q, d, s, t, out, col)
+                t += 4
+            while t < T:
                 one_row(w, n, q, d, s, t, out, col)
+                t += 1
 
     @njit(parallel=True, fastmath=REASSOC, cache=True)
     def matmul_into(x, w, out, T, threads):
