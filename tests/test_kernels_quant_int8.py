@@ -108,7 +108,8 @@ machine_lanes, plain_lanes = _lanes_of((kq.idot_int8, kq.idot_q4_0, kq.idot_nibb
 def test_machine_and_plain_integer_dots_are_the_integer_dot(w, x, shift, qh_shift):
     """Each layout's dot, on AVX2 (where the machine has it) and in plain LLVM: lane i is the exact integer sum of
     the products of values 4i .. 4i + 3 (Q6_K's per-lane scales rely on that grouping)."""
-    values = [w[:32].view(np.int8), np.concatenate([w[:16] & 15, w[:16] >> 4]), (w[:32] >> shift) & 15,
+    values = [w[:32].view(np.int8), np.concatenate([w[:16] & 15, w[:16] >> 4]).astype(np.int64) - 8,
+              (w[:32] >> shift) & 15,
               (((w[:32] >> shift) & 15) | (((w[32:] >> qh_shift) & 3) << 4)).astype(np.int64) - 32]
     expected = np.array([(v.astype(np.int64) * x).reshape(8, 4).sum(axis=1) for v in values], np.float32)
     np.testing.assert_array_equal(machine_lanes(w, x, shift, shift, qh_shift), expected)

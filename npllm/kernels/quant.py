@@ -373,13 +373,13 @@ def matmul(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> np.nda
 # q = round(x / d), s = sum q), and each 32-value weight block meets its activation block in an integer dot product:
 #
 #     Q8_0:  out[t, n] = sum_b (d_w d_x) * sum_j q_w q_x                   q_w int8
-#     Q4_0:  out[t, n] = sum_b (d_w d_x) * (sum_j u q_x - 8 s_b)           u = nibble 0..15, s_b = sum_j q_x
+#     Q4_0:  out[t, n] = sum_b (d_w d_x) * sum_j (u - 8) q_x                u = nibble 0..15
 #
 # The products of 8-bit integers are summed exactly in 32-bit integer lanes; one float multiply-add per block
 # applies d_w d_x. Where the machine has AVX2 the dot of 32 bytes is vpmaddubsw (unsigned byte x signed byte, pairs
 # summed to int16) then vpmaddwd by ones (pairs summed to int32): no pair sum can saturate int16 here, since
-# |q_x| <= 127 and the unsigned factor is at most 128 (|q_w| for Q8_0, with q_x's sign moved onto it) or 15 (a
-# nibble): 2 * 128 * 127 < 32767. Elsewhere the same sums come from plain LLVM integer vectors (slower, same result).
+# |q_x| <= 127 and the unsigned factor is at most 128 (|q_w| for Q8_0, |u - 8| <= 8 for Q4_0, with q_x's sign moved
+# onto it) or 15 (a K-quant's nibble): 2 * 128 * 127 < 32767. Elsewhere the same sums come from plain LLVM integer vectors (slower, same result).
 # Results match quant.matmul_t_q8_activations to float32 rounding of the block sums.
 #
 # For a model:  quantize_activations_q8_into(x, T, q, d, s)    once per input x [T, K] (q [T, K] int8, d, s [T, K/32])
@@ -472,12 +472,16 @@ def _int8_values(builder, context, sig, args):  # (w, iw): 32 int8
     return _load_bytes(builder, context, sig.args[0], args[0], args[1], 32), True
 
 
-def _q4_0_values(builder, context, sig, args):  # (w, iw): 16 bytes, low nibbles values 0..15, high ones 16..31
+def _q4_0_values(builder, context, sig, args):
+    """(w, iw): Q4_0's 16 bytes of nibbles, values 0..15 (low nibbles) then 16..31 (high), as nibble - 8 in -8..7:
+    signed, so the dot meets x through the sign trick as Q8_0's does; the offset stays inside the exact integer sum
+    (no separate -8 d sum x term per block and token)."""
     packed = _load_bytes(builder, context, sig.args[0], args[0], args[1], 16)
     fifteen = ir.Constant(_ivec(_I8, 16), [15] * 16)
     low = builder.and_(packed, fifteen)
     high = builder.and_(builder.lshr(packed, ir.Constant(_ivec(_I8, 16), [4] * 16)), fifteen)
-    return builder.shuffle_vector(low, high, ir.Constant(_ivec(_I32, 32), list(range(32)))), False
+    nibbles = builder.shuffle_vector(low, high, ir.Constant(_ivec(_I32, 32), list(range(32))))
+    return builder.sub(nibbles, ir.Constant(_ivec(_I8, 32), [8] * 32)), True
 
 
 def _nibbles32_values(builder, context, sig, args):  # (w, iw, shift): (byte >> shift) & 15 of 32 bytes (Q4_K)
@@ -530,7 +534,7 @@ def _idots(avx2):
 
 
 # idot_int8(w, iw, x, ix)                          32 int8 at w.flat[iw:]              . x.flat[ix:][:32]
-# idot_q4_0(w, iw, x, ix)                          Q4_0's 16 bytes of nibbles at w.flat[iw:]
+# idot_q4_0(w, iw, x, ix)                          Q4_0's 16 bytes of nibbles at w.flat[iw:], minus 8
 # idot_nibbles32(w, iw, shift, x, ix)              (byte >> shift) & 15 of 32 bytes
 # idot_q6(w, iql, ql_shift, iqh, qh_shift, x, ix)  Q6_K's 6-bit values, minus 32
 idot_int8, idot_q4_0, idot_nibbles32, idot_q6 = _idots(AVX2)
@@ -587,11 +591,9 @@ def _acc_int8_q8_0(acc, w, n, b, q, d, s, t):
 
 @njit(fastmath=REASSOC, inline="always")
 def _acc_int8_q4_0(acc, w, n, b, q, d, s, t):
-    """Q4_0: acc += (d_w d_x) (u . q_x), and -8 (d_w d_x) s_x as the scalar part."""
+    """Q4_0: acc += (d_w d_x) ((u - 8) . q_x), u the nibbles."""
     at = n * w.shape[1] + 18 * b
-    scale = load_half(w, at) * d[t, b]
-    return (vfma(acc, scale, idot_q4_0(w, at + 2, q, t * q.shape[1] + 32 * b)),
-            np.float32(-8) * scale * s[t, b])
+    return vfma(acc, load_half(w, at) * d[t, b], idot_q4_0(w, at + 2, q, t * q.shape[1] + 32 * b)), np.float32(0)
 
 
 @njit(fastmath=REASSOC, inline="always")
