@@ -468,7 +468,7 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     activations", for the rounding bound and the measured KL divergence). Other types take x in float32.
     """
     unit = 1 if T == 1 else PANEL
-    total = 0
+    total = np.int64(0)  # not a literal 0 (see _forward_quantized)
     for i in range(count):
         total += -(-mats[first + i, 2] // unit)
     K = mats[first, 3]
@@ -488,7 +488,7 @@ def products_into(pool, mats, first, count, x, T, out, threads):
         qk.quantize_activations_q8_into(x, T, xq.q, xq.d, xq.s)
     chunks = max(1, min(total, threads))
     if chunks == 1:
-        _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, 0, total)
+        _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, np.int64(0), total)
     else:
         _products_parallel(pool, mats, first, count, x, T, out, sums, xq, unit, total, chunks)
 
@@ -509,7 +509,7 @@ def _products_parallel(pool, mats, first, count, x, T, out, sums, xq, unit, tota
 @njit(cache=True)
 def _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, u0, u1):
     """Units u0 .. u1-1 of the concatenated rows (unit 1) or panels (unit 16) of matrices first .. first+count-1."""
-    base, col = 0, 0
+    base, col = np.int64(0), np.int64(0)
     for i in range(count):
         m = first + i
         N = mats[m, 2]
@@ -571,7 +571,9 @@ def _forward_quantized(tokens, positions, seqs, w, inv_freq, dims, ring):
     for l in range(L):
         m = PER_LAYER * l
         cpu.rms_norm_into(x, w.attention_norm[l], eps, h, T)
-        products_into(w.pool, w.mats, m + WQ, 3, h, T, qkv, threads)
+        # counts as np.int64, not literals: Numba compiles a called function once per literal argument value, and
+        # each compilation re-optimises every kernel linked below it (minutes for the quantized path)
+        products_into(w.pool, w.mats, m + WQ, np.int64(3), h, T, qkv, threads)
         for t in range(T):
             qkv[t] += w.bqkv[l]
             if qk_cols:
@@ -581,12 +583,12 @@ def _forward_quantized(tokens, positions, seqs, w, inv_freq, dims, ring):
         cpu.rope_interleaved_into(qkv, H + K, Dh, cos, sin, T)
         cpu.attention_ring_into(qkv, H, K, positions, seqs.order, seqs.starts, seqs.slots, valid_from, ring.k[l],
                                 ring.v[l], ring.positions, window, attn)
-        products_into(w.pool, w.mats, m + WO, 1, attn, T, o, threads)
+        products_into(w.pool, w.mats, m + WO, np.int64(1), attn, T, o, threads)
         _residual_add(x, o, T, D)
         cpu.rms_norm_into(x, w.ffn_norm[l], eps, h, T)
-        products_into(w.pool, w.mats, m + W1, 2, h, T, gate_up, threads)
+        products_into(w.pool, w.mats, m + W1, np.int64(2), h, T, gate_up, threads)
         _swiglu_halves_into(gate_up, F, hidden, T)
-        products_into(w.pool, w.mats, m + W2, 1, hidden, T, o, threads)
+        products_into(w.pool, w.mats, m + W2, np.int64(1), hidden, T, o, threads)
         _residual_add(x, o, T, D)
     cpu.rms_norm_into(x, w.norm, eps, h, T)
     _commit_positions(positions, seqs, ring)
