@@ -42,11 +42,15 @@ echo "== llama.cpp: $build/bin/llama-bench -m <file> -p 128 -n 64 -t $threads -r
 "$build/bin/llama-bench" -m "$out/$shape-F32.gguf,$out/$shape-Q8_0.gguf,$out/$shape-Q4_0.gguf" \
   -p 128 -n 64 -t "$threads" -r 3 -o md 2>/dev/null
 echo "== npllm (model level, main's load path): $npllm bench --model <file> --batch 1 --prompt-len 128 --gen-len 64"
-for type in F32 Q8_0 Q4_0; do
-  for t in ${threads//,/ }; do
-    echo "-- $type, threads $t"
-    "$npllm" bench --model "$out/$shape-$type.gguf" --batch 1 --prompt-len 128 --gen-len 64 --repeat 2 --threads "$t" \
-      2>/dev/null
+# npllm's threads sleep between parallel regions by default (OMP_WAIT_POLICY=PASSIVE, kernels/__init__.py: safe on a
+# busy machine); llama.cpp's spin. Both are measured: the second pass lets npllm's threads spin too.
+for policy in PASSIVE ACTIVE; do
+  for type in F32 Q8_0 Q4_0; do
+    for t in ${threads//,/ }; do
+      echo "-- $type, threads $t, OMP_WAIT_POLICY=$policy"
+      OMP_WAIT_POLICY=$policy "$npllm" bench --model "$out/$shape-$type.gguf" --batch 1 --prompt-len 128 --gen-len 64 \
+        --repeat 2 --threads "$t" 2>/dev/null
+    done
   done
 done
 echo "== npllm (kernel level): $python scripts/bench_quant.py --model $shape --threads ${threads//,/ } --repeat 5"
