@@ -700,7 +700,7 @@ def _int8_kernels(acc_block, block_size: int):
         quantize_activations_q8_into(x, T, q, d, s)
         chunks = max(1, min(N, threads))
         for c in prange(chunks):
-            rows_into(w, q, d, s, T, out, 0, c * N // chunks, (c + 1) * N // chunks)
+            rows_into(w, q, d, s, T, out, np.int64(0), c * N // chunks, (c + 1) * N // chunks)
 
     return rows_into, matmul_into
 
@@ -736,7 +736,8 @@ def matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1):
 def matvec_rows_int8(code, w, q, d, s, out, col, n0, n1):
     """out[col + n] = W[n] . x for n0 <= n < n1: matmul_rows_int8 for one token (q [1, K], d, s [1, K / 32]) into
     a vector out [>=col + n1]."""
-    matmul_rows_int8(code, w, q, d, s, 1, out.reshape(1, out.shape[0]), col, n0, n1)
+    matmul_rows_int8(code, w, q, d, s, np.int64(1), out.reshape(1, out.shape[0]), col, n0, n1)  # not a literal 1: no
+    # second compilation of matmul_rows_int8 (Numba specialises on literal arguments)
 
 
 def _check_int8(w: np.ndarray, qtype: str, K: int) -> None:
