@@ -14,7 +14,7 @@ from . import batching
 from .config import ModelConfig
 from .errors import FormatError, GenerationError, TokenizerError
 from .context import DEFAULT_SINKS, Context, check_policy, continue_steps
-from .stop import StopStrings, cut_at_stop
+from .stop import StopStrings, cut_at_stop, text_of_steps
 from .generate import check_prompt, check_request, generate_ids, generate_steps
 from .hub import resolve
 from .models import Model
@@ -254,25 +254,13 @@ class LLM:
 
 
 def _text_of(tokenizer, prompt_ids, steps, stop, echo: bool, on_step) -> Iterator[str]:
-    """The text of generation steps, released in whole UTF-8 characters and held while it may begin a stop string
-    (which ends it and is not part of it); with echo, the prompt's text first."""
+    """A completion's text (see text_of_steps), the decoder primed with the prompt; with echo, the prompt's text
+    first."""
     decoder = tokenizer.stream_decoder()
     prompt_text = "".join(decoder.feed(t) for t in prompt_ids)
     if echo:
         yield prompt_text
-    stops = StopStrings(stop)
-    for step in steps:
-        if on_step is not None:
-            on_step(step)
-        piece = stops.feed(decoder.feed(step.token_ids))
-        if piece:
-            yield piece
-        if stops.stopped:
-            return
-    tail = stops.feed(decoder.flush())
-    tail += stops.flush()
-    if tail:
-        yield tail
+    yield from text_of_steps(decoder, steps, StopStrings(stop), on_step)
 
 
 def _started(steps: Iterator) -> Iterator:

@@ -8,7 +8,7 @@ The completion never contains the stop string itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from .errors import GenerationError
 
@@ -53,3 +53,23 @@ class StopStrings:
 def cut_at_stop(text: str, stops: Iterable[str]) -> str:
     """text up to the first occurrence of any stop string (all of it when none occurs)."""
     return min((text[:i] for i in (text.find(s) for s in stops) if i >= 0), key=len, default=text)
+
+
+def text_of_steps(decoder, steps: Iterable, stops: StopStrings, on_step: Callable | None = None) -> Iterator[str]:
+    """The text of generation steps: each step's ids through a stream decoder (which releases whole UTF-8
+    characters only), held while it may begin a stop string (which ends the text and is not part of it).
+
+    The caller primes the decoder: a completion feeds it the prompt's ids first, so that the first generated piece
+    keeps the space it has after the prompt; a chat reply starts a fresh decoder, so the reply's leading space is
+    dropped as at the start of any text."""
+    for step in steps:
+        if on_step is not None:
+            on_step(step)
+        piece = stops.feed(decoder.feed(step.token_ids))
+        if piece:
+            yield piece
+        if stops.stopped:
+            return
+    tail = stops.feed(decoder.flush()) + stops.flush()
+    if tail:
+        yield tail

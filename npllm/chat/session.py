@@ -21,7 +21,7 @@ from pathlib import Path
 from ..context import DEFAULT_SINKS, Context, continue_steps
 from ..errors import ChatTemplateError, GenerationError
 from ..sampling import SamplingParams
-from ..stop import StopStrings
+from ..stop import StopStrings, text_of_steps
 from ..tokenizer.base import TokenType
 from .templates import find_chat_template, render_chat_template, resolve_chat_template
 
@@ -105,19 +105,9 @@ class ChatSession:
         params = SamplingParams(**sampling)
         prompt = self.prompt_ids(messages)
         stops = StopStrings(tuple(params.stop) + ((self.end_of_turn,) if self.end_of_turn else ()))
-        decoder = self.tokenizer.stream_decoder()
         steps = continue_steps(self.context, prompt, max_new_tokens, params, ignore_eos, self.end_ids)
-        for step in steps:
-            if on_step is not None:
-                on_step(step)
-            piece = stops.feed(decoder.feed(step.token_ids))
-            if piece:
-                yield piece
-            if stops.stopped:
-                return
-        tail = stops.feed(decoder.flush()) + stops.flush()
-        if tail:
-            yield tail
+        # a fresh decoder, not primed with the prompt: the reply is text of its own, without a leading space
+        yield from text_of_steps(self.tokenizer.stream_decoder(), steps, stops, on_step)
 
     def send(self, text: str, max_new_tokens: int = 256, **options) -> Iterator[str]:
         """Append a user message, stream the reply, and append it as the assistant's message. A reply cut short
