@@ -43,7 +43,7 @@ import numpy as np
 
 from .cache import RingKVCache
 from .errors import GenerationError
-from .generate import Row, check_prompt, draw, stop_ids
+from .generate import Row, check_prompt, draw_next, stop_ids
 from .sampling import Sampled, SamplingParams
 
 POLICIES = ("error", "truncate", "sinks")
@@ -187,11 +187,11 @@ def continue_steps(context: Context, prompt_ids, max_new_tokens: int, params: Sa
     hidden = context.prefill(prompt_ids)
     row = Row(replace(params, seed=None, stop=()), rng, context.tokens)
     for n in range(max_new_tokens):
-        drawn = draw([row], model.lm_head(hidden), report)
-        token = int(drawn.token_ids[0])
+        drawn = draw_next(model, hidden, row, report)
+        token = drawn.token_ids
         if token in stops:
             return
-        yield Sampled(token, float(drawn.logprobs[0]), drawn.top_ids[0], drawn.top_logprobs[0])
+        yield drawn
         if n == max_new_tokens - 1 or (context.policy == "error" and context.positions_held >= context.capacity):
             return
         hidden = context.feed([token])

@@ -124,21 +124,44 @@ def step(model, cache, tokens, positions, slots, ends, rows: list[Row], report: 
         logits = model.lm_head(hidden[ends])                          # ends[b]: row b's last token -> [B, V]
         drawn  = draw(rows, logits, report);  observe(rows, logits, drawn)
 
-    A model with its own sampler (CudaTransformer.sample_next) draws a lone row where its activations live when
-    nobody needs the logits (no report, no observer): only the id travels back, the same id draw() would pick.
+    A lone row nobody needs the logits of (no observer) is drawn by draw_next: through the model's own sampler
+    where it has one, so that only the id travels back, the same id draw() would pick.
     """
     hidden = model.forward(tokens, positions, cache, slots)
     last = hidden[ends]  # [B, D]
-    sample_next = getattr(model, "sample_next", None)
-    if sample_next is not None and len(rows) == 1 and not report and observe is None:
-        row = rows[0]
-        token = int(sample_next(last, row.params, row.rng, row.history))
-        return hidden, Sampled(np.array([token]), np.full(1, np.nan), np.empty((1, 0), np.int64), np.empty((1, 0)))
+    if len(rows) == 1 and observe is None:
+        return hidden, as_batch(draw_next(model, last, rows[0], report))
     logits = model.lm_head(last)  # [B, V]
     drawn = draw(rows, logits, report)
     if observe is not None:
         observe(rows, logits, drawn)
     return hidden, drawn
+
+
+def draw_next(model, last, row: Row, report: bool = False) -> Sampled:
+    """One sequence's next token from its final hidden state last [1, D], as sample_step returns a [V] row's (an
+    int id, a float log-probability, [N] alternatives).
+
+    Without `report`, through the model's sample_next: its compiled sampler (which draws the id sample_with would
+    draw, from the same uniform) when it has one for the options in use, so only the id leaves it. With `report`,
+    draw() on host logits, for the log-probability and the alternatives."""
+    sample_next = getattr(model, "sample_next", None)
+    if report or sample_next is None:
+        return row_of(draw([row], model.lm_head(last), report), 0)
+    return Sampled(sample_next(last, row.params, row.rng, row.history), NAN, NO_IDS, NO_LOGPROBS)
+
+
+# What a draw without log-probabilities reports besides its id (read-only: every such draw shares them)
+NAN = float("nan")
+NO_IDS = np.empty(0, np.int64)
+NO_LOGPROBS = np.empty(0)
+NO_IDS.flags.writeable = NO_LOGPROBS.flags.writeable = False
+
+
+def as_batch(drawn: Sampled) -> Sampled:
+    """A one-row draw as a batched Sampled of [1] (row_of's inverse)."""
+    return Sampled(np.array([drawn.token_ids]), np.array([drawn.logprobs]), drawn.top_ids[None],
+                   drawn.top_logprobs[None])
 
 
 def row_of(drawn: Sampled, i: int) -> Sampled:

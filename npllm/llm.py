@@ -114,7 +114,8 @@ class LLM:
 
     def _steps(self, prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft, speculation,
                context_policy, ignore_eos, sinks) -> Iterator:
-        """The generation steps stream() asked for: speculative, plain, or through a kept Context."""
+        """The generation steps stream() asked for: speculative, or on a Context (continue_steps: the same draws
+        as generate_steps, with the context policies on top)."""
         check_policy(context_policy, sinks)
         speculative = draft is not None or draft_layers is not None
         if context_policy == "error":
@@ -125,8 +126,6 @@ class LLM:
         if speculative:
             return self._speculative_steps(prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft,
                                            speculation)
-        if context_policy == "error" and not ignore_eos:
-            return generate_steps(self.model, prompt_ids, max_new_tokens, params)
         # "error" never goes past prompt + max_new_tokens positions: a cache that size, not the whole context
         room = min(self.config.max_seq_len, len(prompt_ids) + max(max_new_tokens, 1))
         context = Context(self.model, context_policy, sinks, room if context_policy == "error" else None)

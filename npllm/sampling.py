@@ -551,6 +551,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @functools.cached_property  # asked at every step of a generation; the dataclass is frozen, so it never changes
+    def options_in_use(self) -> frozenset[str]:
+        """The names of the fields set to something other than their default."""
+        return frozenset(f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default)
+
     def generator(self) -> np.random.Generator:
         """A fresh generator from `seed` (fresh OS entropy when seed is None). Create it once per generation."""
         return np.random.default_rng(self.seed)

@@ -25,6 +25,8 @@ class StopStrings:
         """Add a piece of text; return what can be released now (everything before a stop, once one is seen)."""
         if self.stopped:
             return ""
+        if not self.stops:
+            return piece
         text = self.pending + piece
         cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:

@@ -26,7 +26,8 @@ from npllm.errors import ConfigError, DeviceError, GenerationError  # noqa: E402
 from npllm.formats import read_checkpoint  # noqa: E402
 from npllm.formats.random import random_weights  # noqa: E402
 from npllm.models import make_model, resolve_backend  # noqa: E402
-from npllm.models.cuda import CudaTransformer, on_device  # noqa: E402
+from npllm.models.base import kernel_samples  # noqa: E402
+from npllm.models.cuda import CudaTransformer  # noqa: E402
 from npllm.models.reference import Transformer  # noqa: E402
 from npllm.tokenizer import load_tokenizer  # noqa: E402
 from npllm.sampling import SamplingParams, sample_with  # noqa: E402
@@ -161,7 +162,7 @@ def test_device_sampling_draws_what_the_host_draws():
     for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=10, top_p=0.9, seed=1),
                    SamplingParams(temperature=1.2, min_p=0.05, seed=2), SamplingParams(top_p=0.5, seed=3),
                    SamplingParams(seed=4, stop=("the",))):
-        assert on_device(params)
+        assert kernel_samples(params)
         expected = int(sample_with(params, logits, params.generator()))
         assert device.sample_next(hidden, params, params.generator()) == expected
 
@@ -172,7 +173,7 @@ def test_sampling_options_the_device_lacks_go_to_the_host():
     host_only = dict(typical_p=0.5, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5,
                      no_repeat_ngram=3, logit_bias={5: 1.0}, logprobs=2)
     for name, value in host_only.items():
-        assert not on_device(SamplingParams(**{name: value})), name
+        assert not kernel_samples(SamplingParams(**{name: value})), name
     weights = random_weights(GQA, seed=6)
     device = make_model(GQA, weights, "cuda")
     hidden = device.forward([4, 5, 6], [0, 1, 2], device.new_cache())[-1:]

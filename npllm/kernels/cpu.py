@@ -513,3 +513,175 @@ def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, vali
             _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K, Dh, window, valid_from[s],
                             scale, scores[item], bases[item], bits[item], stats[item], out)
             i += Q
+
+
+# ------------------------------------------------------------------------------------------------------- sampling
+# sampling.sample_with's draw for temperature, top-k, top-p and min-p, one compiled pass per row instead of a dozen
+# NumPy calls (which cost as much as a whole forward pass of a small model). Floors are found by quickselect, not a
+# sort: O(V) expected. The same arithmetic as sampling.py (float32 logits and exponentials, float64 sums), so the
+# same id up to the last bit of an exponential or the order of a float64 sum: a draw differs only when u lands
+# within rounding of a step of the running sum.
+
+@njit(inline="always")
+def _median_of_three(a, lo, hi):
+    x, y, z = a[lo], a[(lo + hi) // 2], a[hi - 1]
+    return max(min(x, y), min(max(x, y), z))
+
+
+@njit(inline="always")
+def _partition3(a, lo, hi, pivot):
+    """Reorder a[lo:hi] as [> pivot | == pivot | < pivot]; return where the second and third parts start."""
+    gt, i, lt = lo, lo, hi  # a[lo:gt] > pivot, a[gt:i] == pivot, a[i:lt] unseen, a[lt:hi] < pivot
+    while i < lt:
+        v = a[i]
+        if v > pivot:
+            a[i] = a[gt]
+            a[gt] = v
+            gt += 1
+            i += 1
+        elif v < pivot:
+            lt -= 1
+            a[i] = a[lt]
+            a[lt] = v
+        else:
+            i += 1
+    return gt, lt
+
+
+@njit(cache=True)
+def kth_largest(a, n, k):
+    """The k-th largest of a[:n], 1 <= k <= n (a tie counts each copy); reorders a[:n]."""
+    lo, hi = 0, n  # the answer lies in a[lo:hi], at rank k among them
+    while True:
+        pivot = _median_of_three(a, lo, hi)
+        gt, eq = _partition3(a, lo, hi, pivot)
+        if k <= gt - lo:
+            hi = gt
+        elif k <= eq - lo:
+            return pivot
+        else:
+            k -= eq - lo
+            lo = eq
+
+
+@njit(cache=True)
+def nucleus_floor(e, n, target):
+    """The largest τ among e[:n] (values >= 0) with Σ_{e_j >= τ} e_j >= target > 0, sums in float64: top-p's floor
+    (sampling._top_p_keep walks the descending running sum to the same τ). The smallest value when rounding keeps
+    the whole sum below target. Reorders e[:n]."""
+    smallest = e[0]
+    for i in range(1, n):
+        smallest = min(smallest, e[i])
+    lo, hi, above = 0, n, 0.0  # a[:lo] > everything in a[lo:hi]; above = their sum, < target
+    while hi > lo:
+        pivot = _median_of_three(e, lo, hi)
+        gt, eq = _partition3(e, lo, hi, pivot)
+        greater = 0.0
+        for i in range(lo, gt):
+            greater += e[i]
+        if above + greater >= target:
+            hi = gt
+            continue
+        equal = 0.0
+        for i in range(gt, eq):
+            equal += e[i]
+        if above + greater + equal >= target:
+            return pivot
+        above += greater + equal
+        lo = eq
+    return smallest
+
+
+@njit(inline="always")
+def inverse_cdf(e, V, u):
+    """The first id i < V whose running sum of e (float64, ascending id) exceeds u Σ e; the last e_i > 0 when
+    rounding leaves u Σ e at the very end."""
+    total = 0.0
+    for i in range(V):
+        total += e[i]
+    target, run, last = u * total, 0.0, -1
+    for i in range(V):
+        if e[i] > 0:
+            run += e[i]
+            last = i
+            if run > target:
+                return i
+    return last
+
+
+@njit(inline="always")
+def _tempered(x, m, t):
+    """(x - m) / t, as sampling._shifted: with m = +inf (the row has +inf logits), 0 for x = +inf, else -inf."""
+    if m == np.inf:
+        return np.float32(0.0) if x == np.inf else np.float32(-np.inf)
+    s = x - m
+    return s if t == 1 else s / t
+
+
+@njit(cache=True)
+def sample_row(x, temperature, top_k, top_p, min_p, u, e, scratch):
+    """One token id from logits x [V] float32, drawn as sampling.sample_with draws it with uniform u in [0, 1).
+
+    temperature 0: the first index of the largest logit (np.argmax). Otherwise s = (x - max x) / temperature
+    (a row with +inf logits: 0 there and -inf elsewhere), and each filter keeps tokens at or above a floor, ties at
+    the floor kept whole:
+        top_k  s_i >= the k-th largest s
+        top_p  e_i >= τ, e = exp(s) of the tokens kept so far and τ the largest e with Σ_{e_j >= τ} e_j >= top_p Σ e
+        min_p  s_i >= ln min_p
+    then the inverse CDF at u over the kept tokens by ascending id: the first i whose running sum of e passes u Σ e.
+    Returns -1 for logits with NaN and -2 when every logit is -inf (the caller reports them).
+    e, scratch: float32 buffers of at least V entries.
+    """
+    V = x.shape[0]
+    m = x[0]
+    for i in range(V):
+        if x[i] != x[i]:
+            return -1
+        m = max(m, x[i])
+    if m == -np.inf:
+        return -2
+    if temperature == 0.0:
+        return np.argmax(x)
+    t = np.float32(temperature)
+    for i in range(V):  # s, kept in e for now
+        e[i] = _tempered(x[i], m, t)
+    floor_s = np.float32(-np.inf)
+    if 0 < top_k < V:
+        scratch[:V] = e[:V]
+        floor_s = kth_largest(scratch, V, top_k)
+    kept = 0
+    for i in range(V):
+        e[i] = np.exp(e[i]) if e[i] >= floor_s else np.float32(0.0)
+        if e[i] > 0:
+            scratch[kept] = e[i]
+            kept += 1
+    if top_p < 1.0:
+        total = 0.0
+        for j in range(kept):
+            total += scratch[j]
+        tau = nucleus_floor(scratch, kept, top_p * total)
+        for i in range(V):
+            if e[i] < tau:
+                e[i] = np.float32(0.0)
+    if min_p > 0.0:  # after top_p, whose mass is that of top_k's survivors alone
+        floor_p = np.float32(np.log(min_p))
+        for i in range(V):
+            if e[i] > 0 and _tempered(x[i], m, t) < floor_p:
+                e[i] = np.float32(0.0)
+    return inverse_cdf(e, V, u)
+
+
+@njit(cache=True)
+def sample_rows(logits, params, ids):
+    """sample_row for each row b of logits [B, V] with params[b] = (temperature, top_k, top_p, min_p, u) into ids
+    [B]. Returns the first row whose logits have no distribution (ids[b] < 0 says why), or -1."""
+    V = logits.shape[1]
+    e = np.empty(V, np.float32)
+    scratch = np.empty(V, np.float32)
+    bad = -1
+    for b in range(logits.shape[0]):
+        ids[b] = sample_row(logits[b], params[b, 0], np.int64(params[b, 1]), params[b, 2], params[b, 3],
+                            params[b, 4], e, scratch)
+        if ids[b] < 0 and bad < 0:
+            bad = b
+    return bad

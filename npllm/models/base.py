@@ -8,7 +8,9 @@
                 values; default the model's kv_dtype)
     window(cache)  how many recent positions a query sees
     logits(tokens) every position's logits of one sequence                            # [T] -> [T, V]
-    sample, sample_next   on-device sampling where a backend has it (None otherwise: callers sample on the host)
+    sample(h, ...) a compiled sampler right after the LM head where a backend has one (None otherwise)
+    sample_next(h, params, rng, history)   the next token of one sequence: through `sample` when it implements
+                every option in use, else sampling.sample_with on host logits
 
 A backend subclass lays out its weights its own way from the named weights (weights.Weights, built from a format
 reader's dict) and implements forward and lm_head (and new_cache where its cache is not a host RingKVCache); the
@@ -17,12 +19,14 @@ rest lives here.
 
 from __future__ import annotations
 
+
 import numpy as np
 
 from .. import ops
 from ..cache import RingKVCache
 from ..config import ModelConfig
 from ..errors import ConfigError, GenerationError
+from ..sampling import SamplingParams, sample_with
 
 
 # How a KV cache may store keys and values. float16 halves the cache's bytes, which attention reads at every decode
@@ -31,11 +35,32 @@ from ..errors import ConfigError, GenerationError
 KV_DTYPES = ("float32", "float16")
 
 
+# What the compiled samplers (kernels.cpu.sample_rows, kernels.cuda.sample_rows) implement: stop strings are the
+# generation loop's business and the seed is the caller's generator's. Any other option in use (penalties, typical_p,
+# log-probabilities) sends the logits to sampling.sample_with.
+KERNEL_SAMPLING = frozenset({"temperature", "top_k", "top_p", "min_p", "seed", "stop"})
+
+
+def kernel_samples(params: SamplingParams) -> bool:
+    """True when every sampling option in use is one the compiled samplers implement."""
+    return params.options_in_use <= KERNEL_SAMPLING
+
+
+def sampler_rows(B: int, temperature, top_k, top_p, min_p, uniforms, dtype) -> np.ndarray:
+    """The compiled samplers' [B, 5] table of (temperature, top_k, top_p, min_p, u) rows; each option one value for
+    every row or one per row."""
+    options = (temperature, top_k, top_p, min_p, uniforms)
+    if B == 1 and all(isinstance(v, (int, float)) for v in options):  # a decode step of one sequence: the quick way
+        return np.array([options], dtype)
+    rows = np.empty((B, 5), dtype)
+    rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4] = options
+    return rows
+
+
 class Model:
     dtype = np.dtype(np.float32)  # what forward computes in
     kv_dtype = None  # how new_cache stores keys and values by default: one of KV_DTYPES, or None for `dtype`
-    sample = None  # sample(h, temperature, top_k, top_p, min_p, uniforms) -> ids, where the hidden states live
-    sample_next = None  # sample_next(h, params, rng, history) -> id, as sampling.sample_with would draw it
+    sample = None  # sample(h, temperature, top_k, top_p, min_p, uniforms) -> [B] ids, where the hidden states live
 
     def __init__(self, config: ModelConfig):
         self.config = config
@@ -51,6 +76,15 @@ class Model:
     def lm_head(self, h) -> np.ndarray:
         """Logits from final hidden states, on the host.  # [T, D] -> [T, V]"""
         raise NotImplementedError
+
+    def sample_next(self, h, params: SamplingParams, rng, history=()) -> int:
+        """The next token after final hidden state h [1, D], drawn as sampling.sample_with draws it (the same one
+        rng.random() for a sampled step, none for a greedy one): by the backend's compiled sampler when it has one
+        that implements every option in use, else by sample_with on the host logits."""
+        if self.sample is None or not kernel_samples(params):
+            return int(sample_with(params, self.lm_head(h)[0], rng, history))
+        u = 0.0 if params.is_greedy else rng.random()
+        return int(self.sample(h, params.temperature, params.top_k, params.top_p, params.min_p, u)[0])
 
     def new_cache(self, capacity: int | None = None, slots: int = 1, kv_dtype: str | None = None) -> RingKVCache:
         """A RingKVCache of `slots` sequences x `capacity` positions (default the context), storing keys and values

@@ -5,7 +5,7 @@ Same interface (models/base.py), same arithmetic in float32; what differs:
     KV cache     CudaKVCache: RingKVCache's layout, resident on the device
     forward      returns the final hidden states as a *device* array [T, D]: activations never leave the GPU
     lm_head      brings logits to the host (for code that samples there)
-    sample_next  runs lm_head and the sampler on the device: only the token id comes back
+    sample       runs lm_head and the sampler on the device: only the token ids come back (sample_next's route)
 
 A forward call of T tokens runs all layers in one cooperative launch (numba's per-launch cost, ~10 us + 4 us per
 array argument, would otherwise dominate decoding): matrix-vector products for T <= 8 (decode_step_kernel), tiled
@@ -24,14 +24,10 @@ from ..config import ModelConfig
 from ..device import cuda_problem, cuda_simulated
 from ..errors import ConfigError, DeviceError, GenerationError
 from ..quant import QuantizedMatrix, quantize_q8_0
-from ..sampling import SamplingParams, sample_with
-from .base import Model, kv_storage
+from .base import Model, kv_storage, sampler_rows
 from .weights import Weights, fused_qkv
 
 STORAGES = ("float32", "float16", "q8_0")  # how the matrices (embedding and LM head included) live on the device
-# What kernels.sample_rows does (stop strings are the generation loop's business); any other option in use sends
-# the logits to the host sampler.
-DEVICE_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "stop")
 
 
 def _cuda():
@@ -422,23 +418,13 @@ class CudaTransformer(Model):
         k, g = self.kernels, self.geometry
         logits = self._device_logits(h)
         B, V = logits.shape
-        params = np.empty((B, 5), np.float32)  # one row per sequence
-        params[:, 0], params[:, 1], params[:, 2], params[:, 3] = temperature, top_k, top_p, min_p
-        params[:, 4] = np.minimum(np.asarray(uniforms, np.float32), UNIFORM_MAX)
+        params = sampler_rows(B, temperature, top_k, top_p, min_p, uniforms, np.float32)
+        params[:, 4] = np.minimum(params[:, 4], UNIFORM_MAX)
         ids = self.cuda.device_array(B, np.int32)
         probs = self.cuda.device_array((B, V), np.float32)
         k.sample_kernel(g.sampler_threads)[g.grid(B), g.sampler_threads](logits, self.cuda.to_device(params), probs,
                                                                           ids)
         return ids.copy_to_host()
-
-    def sample_next(self, h, params: SamplingParams, rng: np.random.Generator, history=()) -> int:
-        """The next token after final hidden state h [1, D], drawn as sampling.sample_with would draw it (the same
-        one rng.random() for a sampled step): on the device when `params` uses only what the device sampler does,
-        else from host logits with sample_with itself."""
-        if not on_device(params):
-            return int(sample_with(params, self.lm_head(h)[0], rng, history))
-        u = 0.0 if params.temperature == 0 else rng.random()
-        return int(self.sample(h, params.temperature, params.top_k, params.top_p, params.min_p, u)[0])
 
 
 def q8_0_blocks(w, block_type: np.dtype) -> np.ndarray:
@@ -475,14 +461,6 @@ def device_bandwidth_gb_s(mib: int = 2048, repeat: int = 5) -> float:
 
 
 UNIFORM_MAX = np.nextafter(np.float32(1), np.float32(0))  # a float64 uniform below 1 may round up to 1 in float32
-
-
-def on_device(params: SamplingParams) -> bool:
-    """True when every sampling option in use is one the device sampler implements."""
-    for field in dataclasses.fields(params):
-        if field.name not in DEVICE_SAMPLING and getattr(params, field.name) != field.default:
-            return False
-    return True
 
 
 def cooperative_blocks(kernel, args, threads: int) -> int:

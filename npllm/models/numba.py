@@ -28,7 +28,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError, GenerationError
 from ..kernels import cpu
 from ..kernels import quant as qk
-from .base import Model
+from .base import Model, sampler_rows
 from .weights import Weights, fused_gate_up, fused_qkv
 
 PANEL = cpu.PANEL
@@ -137,6 +137,18 @@ class NumbaTransformer(Model):
             raise GenerationError(CALL_PROBLEMS[-n_seq].format(V=self.config.vocab_size, B=cache.slots))
         return Sequences(order, starts[:n_seq + 1], seq_slots[:n_seq])
 
+    def sample(self, h, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, uniforms=0.0) -> np.ndarray:
+        """Token ids drawn from final hidden states' logits by the compiled sampler (kernels.cpu.sample_rows):
+        greedy at temperature 0, else sampling.sample_with's draw with the given uniform numbers in [0, 1). Each
+        option is one value for every row or one per row.                             # [B, D] -> [B] int64 ids"""
+        logits = self.lm_head(h)
+        ids = np.empty(len(logits), np.int64)
+        table = sampler_rows(len(logits), temperature, top_k, top_p, min_p, uniforms, np.float64)
+        bad = cpu.sample_rows(logits, table, ids)
+        if bad >= 0:
+            raise GenerationError(SAMPLER_PROBLEMS[int(ids[bad])].format(b=bad))
+        return ids
+
     def lm_head(self, h: np.ndarray) -> np.ndarray:
         """Logits from final hidden states.  # [T, D] -> [T, V]"""
         threads = self.threads_for(len(h), self.output_panels.nbytes, 1)
@@ -173,6 +185,9 @@ def pack(c: ModelConfig, weights: Weights) -> Packed:
     return Packed(embeddings, weights.stacked("attention_norm"), wqkv, bqkv, wo, weights.stacked("ffn_norm"), w13,
                   w2, np.array(weights.norm, np.float32))
 
+
+SAMPLER_PROBLEMS = {-1: "logits row {b} contains NaN; the model output is broken",
+                    -2: "logits row {b}: every token is -inf (masked), so there is nothing to sample"}
 
 CALL_PROBLEMS = {1: "token ids must lie in [0, {V})", 2: "positions must be >= 0", 3: "slots must lie in [0, {B})",
                  4: "within a slot, a forward call's positions must be consecutive and increasing"}
