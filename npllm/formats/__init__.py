@@ -21,6 +21,7 @@ Arrays may be read-only memory maps of the checkpoint file: nothing in npllm wri
 from __future__ import annotations
 
 
+import mmap
 import os
 from pathlib import Path
 
@@ -65,13 +66,62 @@ def read_checkpoint(path: str | os.PathLike, keep_quantized: bool = False) -> tu
 
 def check_finite(weights: dict[str, np.ndarray], source) -> None:
     """Every weight a finite number. NaN or infinity in a checkpoint (a corrupt file, F16 bits read as BF16) would
-    only show up later as NaN logits, after the prompt was echoed; one pass over the weights catches it at load."""
+    only show up later as NaN logits, after the prompt was echoed; one pass over the weights catches it at load.
+    Each weight's pages of the file are released once checked (see release): the pass leaves no copy resident."""
     from ..quant import QuantizedMatrix
 
     for name, array in weights.items():
         finite = array.is_finite() if isinstance(array, QuantizedMatrix) else np.isfinite(array).all()
         if not finite:
             raise FormatError(f"{source}: weight {name!r} holds NaN or infinite values (a corrupt checkpoint?)")
+        release(array)
+
+
+def release(*weights) -> None:
+    """Drop the pages of weights read from a memory-mapped file from this process's resident memory.
+
+    Reading a mapped weight makes its pages resident, and they stay counted in the process's memory as long as the
+    map lives. A backend that copies the weights into its own layout (the numba model's panels) would then hold the
+    model twice; releasing each weight once it is copied keeps one copy. Nothing is lost: a released page is read
+    back from the file (usually from the OS's page cache) if the weight is ever read again. Weights that are not
+    views of a read-only file mapping (arrays in memory, copies) are left alone; so is everything on a system
+    without madvise.
+    """
+    from ..quant import QuantizedMatrix
+
+    for w in weights:
+        a = w.raw if isinstance(w, QuantizedMatrix) else w
+        mapping = _file_mapping(a)
+        if mapping is None or not a.flags.c_contiguous or a.nbytes == 0:
+            continue
+        start = a.ctypes.data - np.frombuffer(mapping, np.uint8, count=1).ctypes.data
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the weight: neighbours keep theirs
+        end = (start + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > first:
+            mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
+def _file_mapping(a) -> mmap.mmap | None:
+    """The read-only mmap.mmap an array is a view of, or None."""
+    if not isinstance(a, np.ndarray) or not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+    base = a
+    while base is not None:
+        if isinstance(base, np.memmap) and isinstance(getattr(base, "_mmap", None), mmap.mmap):
+            base = base._mmap
+        if isinstance(base, mmap.mmap):
+            # only a mapping that cannot be written is dropped: its pages always equal the file's
+            return base if _read_only(base) else None
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    return None
+
+
+def _read_only(mapping: mmap.mmap) -> bool:
+    try:
+        memoryview(mapping).release()
+        return memoryview(mapping).readonly
+    except (TypeError, ValueError):
+        return False
 
 
 def check_token_ids(config: ModelConfig, source) -> None:

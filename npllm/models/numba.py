@@ -26,6 +26,7 @@ from .. import ops
 from ..cache import RingKVCache
 from ..config import ModelConfig
 from ..errors import ConfigError, GenerationError
+from ..formats import release
 from ..kernels import cpu
 from ..kernels import quant as qk
 from .base import Model, sampler_rows
@@ -72,7 +73,7 @@ class NumbaTransformer(Model):
         super().__init__(config)
         self.inv_freq = ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)  # [Dh/2] f64
         self.packed = pack(config, named)
-        self.output_panels = cpu.pack_panels(named.output)  # [ceil(V/16), D, 16]
+        self.output_panels = pack_released(named.output)  # [ceil(V/16), D, 16]
         self.threads = threads or numba.config.NUMBA_NUM_THREADS
         p = self.packed
         self.layer_bytes = (p.wqkv.nbytes + p.wo.nbytes + p.w13.nbytes + p.w2.nbytes) // config.n_layers
@@ -166,6 +167,27 @@ def _kv_arrays(cache: RingKVCache) -> tuple[np.ndarray, np.ndarray]:
     return cache.k.view(KV_STORED[cache.k.dtype]), cache.v.view(KV_STORED[cache.v.dtype])
 
 
+def lookup_table(embeddings) -> np.ndarray:
+    """The embedding table as _forward reads it: float32, C order, read-only, whatever the source (one compiled
+    signature). No copy of a float32 table: over a file's memory map, only the rows looked up become resident."""
+    table = np.ascontiguousarray(embeddings, dtype=np.float32).view()
+    table.flags.writeable = False
+    return table
+
+
+def pack_released(w) -> np.ndarray:
+    """cpu.pack_panels(w), a block of rows at a time, each block's pages of a mapped file released once packed:
+    the panels become the only resident copy, with no moment holding both whole.        # [N, D] -> [P, D, 16]"""
+    N, D = w.shape
+    panels = np.empty((-(-N // PANEL), D, PANEL), np.float32)
+    rows = PANEL * max(1, (4 << 20) // (PANEL * D * 4))  # ~4 MiB of float32 rows a block, whole panels
+    for r0 in range(0, N, rows):
+        block = w[r0:r0 + rows]
+        panels[r0 // PANEL:(r0 + len(block) + PANEL - 1) // PANEL] = cpu.pack_panels(block)
+        release(block)
+    return panels
+
+
 def pack(c: ModelConfig, weights: Weights) -> Packed:
     """The layer weights fused, packed in panels and stacked along L, as _forward reads them."""
     L, D, F, H, K, Dh = c.n_layers, c.dim, c.hidden_dim, c.n_heads, c.n_kv_heads, c.head_dim
@@ -181,8 +203,8 @@ def pack(c: ModelConfig, weights: Weights) -> Packed:
         wo[l] = cpu.pack_panels(layer.wo)
         w13[l] = cpu.pack_panels(fused_gate_up(layer, PANEL))
         w2[l] = cpu.pack_panels(layer.w2)
-    embeddings = np.array(weights.tok_embeddings, np.float32)  # a writable copy: one compiled signature
-    return Packed(embeddings, weights.stacked("attention_norm"), wqkv, bqkv, wo, weights.stacked("ffn_norm"), w13,
+        release(layer.wq, layer.wk, layer.wv, layer.wo, layer.w1, layer.w2, layer.w3)  # the panels are the copy
+    return Packed(lookup_table(weights.tok_embeddings), weights.stacked("attention_norm"), wqkv, bqkv, wo, weights.stacked("ffn_norm"), w13,
                   w2, np.array(weights.norm, np.float32))
 
 
