@@ -3,8 +3,8 @@
     python scripts/bench_loop.py [--model weights/stories260K/stories260K.bin] [--tokens 256] [--repeat 7]
 
 Both run from BOS in one process, on one thread, timed in CPU time (robust to a machine shared with other jobs):
-the CLI's loop (LLM.stream with an on_step callback, as `npllm generate` drives it) and the model alone (forward of
-one token, LM head, argmax: what `npllm bench` times). The loop runs twice: greedy, and with the CLI's default
+the CLI's loop (LLM.stream with an on_step callback, as `npllm generate` drives it) and the model alone (`npllm bench`'s
+decode loop: forward of one token, LM head, greedy id). The loop runs twice: greedy, and with the CLI's default
 sampling (temperature 1, top-p 0.9). Prints tokens per CPU-second of each, best of --repeat, and their ratios to
 the model alone (1.0 would be a loop that costs nothing).
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 import npllm
+from npllm.bench import Session
 
 WEIGHTS = Path(__file__).resolve().parent.parent / "weights" / "stories260K"
 
@@ -39,13 +40,12 @@ def cli_loop(llm, tokens: int, sampling: dict) -> float:
 
 
 def model_alone(llm, tokens: int) -> float:
-    """Tokens per CPU-second of forward + lm_head + argmax, one token at a time."""
-    model, cache, token = llm.model, llm.model.new_cache(), [llm.config.bos_id]
-    model.forward(token, [0], cache)
-    start = time.process_time()
-    for position in range(1, tokens + 1):
-        token = [int(np.argmax(model.lm_head(model.forward(token, [position], cache))[0]))]
-    return tokens / (time.process_time() - start)
+    """Tokens per CPU-second of `npllm bench`'s own decode loop (bench.Session: forward of one token, then the
+    greedy id through the model's sampler), after the same one-token prompt."""
+    session = Session(llm.model)
+    cache, token, _, _ = session.prefill(1, 1, tokens + 1)
+    _, cpu_seconds = session.decode(cache, token, 1, tokens)
+    return tokens / cpu_seconds
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""The compiled CPU sampler (kernels/cpu.py: kth_largest, nucleus_floor, sample_row, sample_rows) against the
+"""The compiled CPU sampler (kernels/cpu.py: kth_largest, nucleus_floor(_bucketed), sample_row, sample_rows) against the
 readable definitions of npllm.sampling, and the numba model's sample / sample_next against sample_with.
 
 The kernel uses sampling.py's arithmetic (float32 logits and exponentials, float64 sums), but its exponentials
@@ -51,6 +51,9 @@ def test_nucleus_floor_is_where_the_descending_mass_reaches_the_target(e, p, rou
     reach = np.cumsum(np.sort(e)[::-1], dtype=np.float64)
     assume(np.min(np.abs(reach - target)) > ROUNDING * reach[-1])  # not within rounding of a partial mass
     assert cpu.nucleus_floor(e.copy(), len(e), target) == nucleus_floor_by_sorting(e, target)
+    positive = e[e > 0]  # the bucketed search skips zeros, which hold no mass
+    assert cpu.nucleus_floor_bucketed(e, len(e), target, np.empty(len(e), np.float32)) == \
+        nucleus_floor_by_sorting(positive, target)
 
 
 def reference(x: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float):

@@ -593,12 +593,9 @@ def nucleus_floor(e, n, target):
 
 
 @njit(inline="always")
-def inverse_cdf(e, V, u):
-    """The first id i < V whose running sum of e (float64, ascending id) exceeds u Σ e; the last e_i > 0 when
-    rounding leaves u Σ e at the very end."""
-    total = 0.0
-    for i in range(V):
-        total += e[i]
+def inverse_cdf(e, V, total, u):
+    """The first id i < V whose running sum of e (float64, ascending id) exceeds u * total (total = Σ e); the last
+    e_i > 0 when rounding leaves u * total at the very end."""
     target, run, last = u * total, 0.0, -1
     for i in range(V):
         if e[i] > 0:
@@ -607,6 +604,36 @@ def inverse_cdf(e, V, u):
             if run > target:
                 return i
     return last
+
+
+# top-p's floor in two passes: masses by bucket of the float32 bit pattern (which orders like the value; here the
+# exponent and 3 mantissa bits: 8 buckets an octave), then quickselect inside the one bucket where the descending
+# mass reaches the target. Values lie in [0, 1], whose patterns end at 0x3F800000.
+_BUCKET_SHIFT = 20
+_BUCKETS = (0x3F800000 >> _BUCKET_SHIFT) + 1
+
+
+@njit(cache=True)
+def nucleus_floor_bucketed(e, V, target, scratch):
+    """nucleus_floor of the positive entries of e[:V] (values in (0, 1]), without reordering e: the largest τ with
+    Σ_{e_j >= τ} e_j >= target, or the smallest positive value when rounding keeps the sum below target."""
+    bits = e[:V].view(np.int32)
+    mass = np.zeros(_BUCKETS, np.float64)
+    for i in range(V):
+        if e[i] > 0:
+            mass[bits[i] >> _BUCKET_SHIFT] += e[i]
+    above, b = 0.0, _BUCKETS - 1  # mass of the buckets above b
+    while b > 0 and above + mass[b] < target:
+        above += mass[b]
+        b -= 1
+    n = 0
+    for i in range(V):
+        if e[i] > 0 and bits[i] >> _BUCKET_SHIFT == b:
+            scratch[n] = e[i]
+            n += 1
+    if n == 0:  # rounding: every bucket summed short of the target, keep everything
+        return np.float32(0.0)
+    return nucleus_floor(scratch, n, target - above)
 
 
 @njit(inline="always")
@@ -626,7 +653,7 @@ def sample_row(x, temperature, top_k, top_p, min_p, u, e, scratch):
     (a row with +inf logits: 0 there and -inf elsewhere), and each filter keeps tokens at or above a floor, ties at
     the floor kept whole:
         top_k  s_i >= the k-th largest s
-        top_p  e_i >= τ, e = exp(s) of the tokens kept so far and τ the largest e with Σ_{e_j >= τ} e_j >= top_p Σ e
+        top_p  e_i >= τ, e = exp(s) of the tokens kept so far, τ the largest e with Σ_{e_j >= τ} e_j >= top_p Σ e
         min_p  s_i >= ln min_p
     then the inverse CDF at u over the kept tokens by ascending id: the first i whose running sum of e passes u Σ e.
     Returns -1 for logits with NaN and -2 when every logit is -inf (the caller reports them).
@@ -643,32 +670,27 @@ def sample_row(x, temperature, top_k, top_p, min_p, u, e, scratch):
     if temperature == 0.0:
         return np.argmax(x)
     t = np.float32(temperature)
-    for i in range(V):  # s, kept in e for now
-        e[i] = _tempered(x[i], m, t)
     floor_s = np.float32(-np.inf)
     if 0 < top_k < V:
-        scratch[:V] = e[:V]
+        for i in range(V):
+            scratch[i] = _tempered(x[i], m, t)
         floor_s = kth_largest(scratch, V, top_k)
-    kept = 0
-    for i in range(V):
-        e[i] = np.exp(e[i]) if e[i] >= floor_s else np.float32(0.0)
-        if e[i] > 0:
-            scratch[kept] = e[i]
-            kept += 1
+    total = 0.0
+    for i in range(V):  # e = exp(s) of the tokens top_k keeps, 0 elsewhere
+        s = _tempered(x[i], m, t)
+        e[i] = np.exp(s) if s >= floor_s else np.float32(0.0)
+        total += e[i]
+    tau = np.float32(0.0)
     if top_p < 1.0:
+        tau = nucleus_floor_bucketed(e, V, top_p * total, scratch)
+    floor_p = np.float32(np.log(min_p)) if min_p > 0.0 else np.float32(-np.inf)
+    if tau > 0 or min_p > 0.0:  # top_p's mass is that of top_k's survivors alone; then min_p
         total = 0.0
-        for j in range(kept):
-            total += scratch[j]
-        tau = nucleus_floor(scratch, kept, top_p * total)
         for i in range(V):
-            if e[i] < tau:
+            if e[i] < tau or (e[i] > 0 and _tempered(x[i], m, t) < floor_p):
                 e[i] = np.float32(0.0)
-    if min_p > 0.0:  # after top_p, whose mass is that of top_k's survivors alone
-        floor_p = np.float32(np.log(min_p))
-        for i in range(V):
-            if e[i] > 0 and _tempered(x[i], m, t) < floor_p:
-                e[i] = np.float32(0.0)
-    return inverse_cdf(e, V, u)
+            total += e[i]
+    return inverse_cdf(e, V, total, u)
 
 
 @njit(cache=True)

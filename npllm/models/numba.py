@@ -204,8 +204,8 @@ def pack(c: ModelConfig, weights: Weights) -> Packed:
         w13[l] = cpu.pack_panels(fused_gate_up(layer, PANEL))
         w2[l] = cpu.pack_panels(layer.w2)
         release(layer.wq, layer.wk, layer.wv, layer.wo, layer.w1, layer.w2, layer.w3)  # the panels are the copy
-    return Packed(lookup_table(weights.tok_embeddings), weights.stacked("attention_norm"), wqkv, bqkv, wo, weights.stacked("ffn_norm"), w13,
-                  w2, np.array(weights.norm, np.float32))
+    return Packed(lookup_table(weights.tok_embeddings), weights.stacked("attention_norm"), wqkv, bqkv, wo,
+                  weights.stacked("ffn_norm"), w13, w2, np.array(weights.norm, np.float32))
 
 
 SAMPLER_PROBLEMS = {-1: "logits row {b} contains NaN; the model output is broken",

@@ -7,6 +7,7 @@ complete, or until it is certain it never will be (then each stray byte prints a
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 from .base import SPACE_SYMBOL, TokenType
@@ -15,6 +16,10 @@ if TYPE_CHECKING:
     from .base import Tokenizer
 
 REPLACEMENT = "\ufffd"
+# Each tokenizer's plain pieces as printed mid-text (U+2581 read as a space), filled as ids are first decoded and
+# shared by its decoders: a generation prints one piece a step, and looking the piece up again costs more than
+# the rest of the step's Python.
+_TEXTS: "weakref.WeakKeyDictionary[Tokenizer, dict[int, str]]" = weakref.WeakKeyDictionary()
 # How SentencePiece renders <unk> when decoding.
 UNK_SURFACE = " \u2047 "
 
@@ -68,9 +73,16 @@ class StreamDecoder:
         self.tokenizer = tokenizer
         self._pending = bytearray()
         self._at_start = tokenizer.add_dummy_prefix and not continuation
+        self._texts = _TEXTS.setdefault(tokenizer, {})
 
     def feed(self, token_id: int) -> str:
         """Add one id; return the newly printable text (possibly empty)."""
+        text = self._texts.get(token_id)
+        if text is not None and not self._pending and not self._at_start:
+            return text  # the common case, once per token of a generation: a piece seen before, nothing pending
+        return self._feed(token_id)
+
+    def _feed(self, token_id: int) -> str:
         tok = self.tokenizer
         token_id = tok._check_id(token_id)
         kind = tok.token_type(token_id)
@@ -85,6 +97,7 @@ class StreamDecoder:
             piece = UNK_SURFACE
         else:
             piece = tok.id_to_piece(token_id)
+            self._texts[token_id] = piece.replace(SPACE_SYMBOL, " ")  # as printed after the start
             if self._at_start and piece.startswith(SPACE_SYMBOL):
                 piece = piece[1:]
             piece = piece.replace(SPACE_SYMBOL, " ")
@@ -98,6 +111,8 @@ class StreamDecoder:
     def _drain(self, final: bool) -> str:
         """Print the pending bytes from the front as far as they are settled; with `final` all of them are."""
         pending = self._pending
+        if not pending:
+            return ""
         out = []
         i = 0
         while i < len(pending):
