@@ -118,9 +118,9 @@ def _file_mapping(a) -> mmap.mmap | None:
 
 def _read_only(mapping: mmap.mmap) -> bool:
     try:
-        memoryview(mapping).release()
-        return memoryview(mapping).readonly
-    except (TypeError, ValueError):
+        with memoryview(mapping) as view:
+            return view.readonly
+    except (TypeError, ValueError):  # a closed mapping
         return False
 
 
