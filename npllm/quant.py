@@ -713,7 +713,16 @@ def matmul_t_q8_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int],
 
 # The types whose matrix products npllm's Numba model computes on 8-bit activations (kernels/quant.py
 # INT8_TYPE_CODES, models/numba.py products_into); the others take float32 activations.
-INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# Q5_K's integer dots unpack a nibble and a high bit per value at every token; a call of many tokens decodes each
+# row into float32 once instead and multiplies that (faster from about this many tokens; docs/quant.md). So a
+# call of at least Q5_K_FLOAT_FROM tokens multiplies Q5_K weights by float32 activations.
+Q5_K_FLOAT_FROM = 16
+
+
+def int8_activations(qtype: str, tokens: int) -> bool:
+    """Whether the Numba model multiplies `qtype` weights by 8-bit activations in a call of `tokens` tokens."""
+    return qtype in INT8_ACTIVATION_TYPES and not (qtype == "Q5_K" and tokens >= Q5_K_FLOAT_FROM)
 
 
 @dataclass(frozen=True)
@@ -722,7 +731,9 @@ class Int8ActivationMatrix(QuantizedMatrix):
     NumPy statement of what the Numba model computes for these types, and so the oracle its logits are held to."""
 
     def matmul_t(self, x: np.ndarray) -> np.ndarray:
-        """x^ W^T, x^ = x quantized per block of 32.  # [T, K] -> [T, N]"""
+        """x^ W^T, x^ = x quantized per block of 32 (x itself where int8_activations says so).  # [T, K] -> [T, N]"""
+        if not int8_activations(self.qtype, len(np.atleast_2d(x))):
+            return super().matmul_t(x)
         return matmul_t_q8_activations(self.raw, self.qtype, self.shape, x).astype(np.float32)
 
 

@@ -11,7 +11,7 @@ from npllm import quant
 from npllm.kernels import quant as kq
 from npllm.quant import QuantizationError
 
-HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
 @st.composite
@@ -60,7 +60,10 @@ def test_matmul_is_the_reference(qtype, data):
     reference = quant.dequantize(w, qtype, (w.shape[0], K))
     got = kq.matmul(w, qtype, x, threads)
     assert close(got, reference, x)
-    np.testing.assert_allclose(got[0], kq.matvec(w, qtype, x[0], threads), rtol=1e-4, atol=1e-4)
+    # decode and prefill regroup the same sums differently: equal to float32 rounding of sum |w x| (the sums may
+    # cancel to far less than their terms, so not relative to the result)
+    scale = np.abs(x[0].astype(np.float64)) @ np.abs(reference.astype(np.float64)).T
+    assert np.all(np.abs(got[0] - kq.matvec(w, qtype, x[0], threads)) <= 4e-5 * scale + 1e-30)
 
 
 def test_kernels_on_quantized_weights():

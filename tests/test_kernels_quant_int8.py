@@ -43,7 +43,7 @@ def test_compiled_activation_quantizer_is_the_reference(data):
 
 
 # bytes of each type's small integers: zeroed, a block dequantizes to its offsets (Q4_0's -8 d, Q4_K's -dmin mn)
-INTEGER_BYTES = {"Q4_0": slice(2, 18), "Q4_K": slice(16, 144)}
+INTEGER_BYTES = {"Q4_0": slice(2, 18), "Q4_K": slice(16, 144), "Q5_K": slice(16, 176)}
 
 
 def bounds(w, qtype, K, x):
@@ -84,36 +84,38 @@ def test_int8_kernels_are_the_reference(qtype, data):
 
 
 def _lanes_of(idots):
-    int8, q4_0, nibbles32, q6 = idots
+    int8, q4_0, nibbles32, q6, q5 = idots
 
     @njit
-    def lanes(w, x, shift, ql_shift, qh_shift):
-        out = np.empty((4, 8), np.float32)
+    def lanes(w, x, shift, ql_shift, qh_shift, bit):
+        out = np.empty((5, 8), np.float32)
         vstore(out, 0, int8(w, 0, x, 0))
         vstore(out, 8, q4_0(w, 0, x, 0))
         vstore(out, 16, nibbles32(w, 0, shift, x, 0))
         vstore(out, 24, q6(w, 0, ql_shift, 32, qh_shift, x, 0))
+        vstore(out, 32, q5(w, 0, ql_shift, 32, bit, x, 0))
         return out
 
     return lanes
 
 
-machine_lanes, plain_lanes = _lanes_of((kq.idot_int8, kq.idot_q4_0, kq.idot_nibbles32, kq.idot_q6)), \
+machine_lanes, plain_lanes = _lanes_of((kq.idot_int8, kq.idot_q4_0, kq.idot_nibbles32, kq.idot_q6, kq.idot_q5)), \
     _lanes_of(kq.GENERIC_IDOTS)
 
 
 @settings(max_examples=30, deadline=None)
 @given(w=hnp.arrays(np.uint8, 64), x=hnp.arrays(np.int8, 32, elements=st.integers(-127, 127)),
-       shift=st.sampled_from([0, 4]), qh_shift=st.sampled_from([0, 2, 4, 6]))
-def test_machine_and_plain_integer_dots_are_the_integer_dot(w, x, shift, qh_shift):
+       shift=st.sampled_from([0, 4]), qh_shift=st.sampled_from([0, 2, 4, 6]), bit=st.integers(0, 7))
+def test_machine_and_plain_integer_dots_are_the_integer_dot(w, x, shift, qh_shift, bit):
     """Each layout's dot, on AVX2 (where the machine has it) and in plain LLVM: lane i is the exact integer sum of
     the products of values 4i .. 4i + 3 (Q6_K's per-lane scales rely on that grouping)."""
     values = [w[:32].view(np.int8), np.concatenate([w[:16] & 15, w[:16] >> 4]).astype(np.int64) - 8,
               (w[:32] >> shift) & 15,
-              (((w[:32] >> shift) & 15) | (((w[32:] >> qh_shift) & 3) << 4)).astype(np.int64) - 32]
+              (((w[:32] >> shift) & 15) | (((w[32:] >> qh_shift) & 3) << 4)).astype(np.int64) - 32,
+              ((w[:32] >> shift) & 15) | (((w[32:] >> bit) & 1) << 4)]
     expected = np.array([(v.astype(np.int64) * x).reshape(8, 4).sum(axis=1) for v in values], np.float32)
-    np.testing.assert_array_equal(machine_lanes(w, x, shift, shift, qh_shift), expected)
-    np.testing.assert_array_equal(plain_lanes(w, x, shift, shift, qh_shift), expected)
+    np.testing.assert_array_equal(machine_lanes(w, x, shift, shift, qh_shift, bit), expected)
+    np.testing.assert_array_equal(plain_lanes(w, x, shift, shift, qh_shift, bit), expected)
 
 
 def test_int8_kernels_refuse_what_they_cannot_compute():

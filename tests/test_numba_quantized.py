@@ -124,6 +124,27 @@ def test_quantized_model_is_the_reference_on_each_type(tmp_path, qtype):
     assert set(llm.model.weight_types) == {qtype}
 
 
+def test_q5_k_takes_float32_activations_from_q5_k_float_from_tokens(tmp_path):
+    """A Q5_K call of Q5_K_FLOAT_FROM tokens or more multiplies float32 activations by the decoded rows: the prefill
+    is the exact dequantized model (the oracle states the same rule), while one-token decode steps take 8-bit
+    activations and stay within their rounding of it."""
+    config = tiny()
+    path = tmp_path / "m.gguf"
+    write_gguf(path, config, random_weights(config, 3), "Q5_K")
+    llm = load(path)
+    tokens = np.arange(quant.Q5_K_FLOAT_FROM + 4) % config.vocab_size
+    reference = Transformer(config, quant.with_int8_activations(read_gguf_quantized(path)[1])).logits(tokens)
+    exact = load(path, "numpy").model.logits(tokens)
+    np.testing.assert_allclose(reference, exact, rtol=1e-4, atol=2e-5)  # long calls: the oracle is the exact model
+    logits = llm.model.logits(tokens)
+    np.testing.assert_allclose(logits, reference, rtol=1e-4, atol=2e-5)
+    cache = llm.model.new_cache()
+    steps = np.array([llm.model.lm_head(llm.model.forward(tokens[i:i + 1], [i], cache))[0] for i in range(len(tokens))])
+    scale = np.abs(reference).max()
+    assert not np.array_equal(steps, logits)  # the steps did take 8-bit activations
+    np.testing.assert_allclose(steps, logits, rtol=0, atol=0.03 * scale)
+
+
 MIXED = {"token_embd": "Q6_K", "output": "Q8_0", "attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q5_0",
          "attn_output": "Q4_1", "ffn_gate": "F16", "ffn_up": "Q4_0", "ffn_down": "Q5_K"}
 

@@ -347,6 +347,10 @@ KERNEL_TYPES = tuple(_MATVEC)
 def _check(w: np.ndarray, qtype: str, K: int) -> None:
     if qtype not in _MATVEC:
         raise QuantizationError(f"no kernel for {qtype} weights (npllm has {', '.join(KERNEL_TYPES)})")
+    _check_rows(w, qtype, K)
+
+
+def _check_rows(w: np.ndarray, qtype: str, K: int) -> None:
     t = TYPES[qtype]
     if w.dtype != np.uint8 or w.ndim != 2 or K % t.block_size or w.shape[1] != K // t.block_size * t.block_bytes:
         raise QuantizationError(f"{qtype} weights of shape {w.shape} do not hold rows of {K} values")
@@ -496,6 +500,13 @@ def _q6_values(builder, context, sig, args):
     return builder.sub(q, ir.Constant(_ivec(_I8, 32), [32] * 32)), True
 
 
+def _q5_values(builder, context, sig, args):
+    """(w, iqs, qs_shift, iqh, qh_shift): (qs >> qs_shift) & 15 | ((qh >> qh_shift) & 1) << 4 in 0..31 (Q5_K)."""
+    low = _field(builder, _load_bytes(builder, context, sig.args[0], args[0], args[1], 32), args[2], 15)
+    high = _field(builder, _load_bytes(builder, context, sig.args[0], args[0], args[3], 32), args[4], 1)
+    return builder.or_(low, builder.shl(high, ir.Constant(_ivec(_I8, 32), [4] * 32))), False
+
+
 def _idot_codegen(values, avx2):
     def codegen(context, builder, signature, args):
         ws, signed = values(builder, context, signature, args)
@@ -526,18 +537,23 @@ def _idots(avx2):
         if _idot_args_ok(w, (iw, shift), x, ix):
             return f32x8(w, iw, shift, x, ix), _idot_codegen(_nibbles32_values, avx2)
 
-    def q6(typingctx, w, iql, ql_shift, iqh, qh_shift, x, ix):
-        if _idot_args_ok(w, (iql, ql_shift, iqh, qh_shift), x, ix):
-            return f32x8(w, iql, ql_shift, iqh, qh_shift, x, ix), _idot_codegen(_q6_values, avx2)
+    def two_planes(values):  # low bits and high bits in two runs of 32 bytes
+        def typer(typingctx, w, ilow, low_shift, ihigh, high_shift, x, ix):
+            if _idot_args_ok(w, (ilow, low_shift, ihigh, high_shift), x, ix):
+                return f32x8(w, ilow, low_shift, ihigh, high_shift, x, ix), _idot_codegen(values, avx2)
 
-    return one_locator(_int8_values), one_locator(_q4_0_values), intrinsic(nibbles32), intrinsic(q6)
+        return intrinsic(typer)
+
+    return (one_locator(_int8_values), one_locator(_q4_0_values), intrinsic(nibbles32), two_planes(_q6_values),
+            two_planes(_q5_values))
 
 
 # idot_int8(w, iw, x, ix)                          32 int8 at w.flat[iw:]              . x.flat[ix:][:32]
 # idot_q4_0(w, iw, x, ix)                          Q4_0's 16 bytes of nibbles at w.flat[iw:], minus 8
 # idot_nibbles32(w, iw, shift, x, ix)              (byte >> shift) & 15 of 32 bytes
 # idot_q6(w, iql, ql_shift, iqh, qh_shift, x, ix)  Q6_K's 6-bit values, minus 32
-idot_int8, idot_q4_0, idot_nibbles32, idot_q6 = _idots(AVX2)
+# idot_q5(w, iqs, qs_shift, iqh, qh_shift, x, ix)  Q5_K's 5-bit values (a nibble and one high bit), unsigned
+idot_int8, idot_q4_0, idot_nibbles32, idot_q6, idot_q5 = _idots(AVX2)
 GENERIC_IDOTS = _idots(False)  # the plain-LLVM versions, which tests compare with the machine's
 
 
@@ -612,6 +628,28 @@ def _acc_int8_q4_k(acc, w, n, b, q, d, s, t):
         x0, x1 = t * q.shape[1] + 32 * j, t * q.shape[1] + 32 * (j + 1)
         acc = vfma(acc, d_w * np.float32(sc0) * d[t, j], idot_nibbles32(w, at + 16 + 32 * r, 0, q, x0))
         high = vfma(high, d_w * np.float32(sc1) * d[t, j + 1], idot_nibbles32(w, at + 16 + 32 * r, 4, q, x1))
+        offset -= dmin * (np.float32(mn0) * d[t, j] * s[t, j] + np.float32(mn1) * d[t, j + 1] * s[t, j + 1])
+    return vadd(acc, high), offset
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_int8_q5_k(acc, w, n, b, q, d, s, t):
+    """Q5_K: Q4_K's sub-blocks with a fifth bit: value j of sub-block i is the nibble of qs byte 32 (i // 2) + j
+    (low for even i, high for odd) plus bit i of qh byte j times 16; acc += (d sc_i d_x) (u . q_x) and
+    -(dmin mn_i d_x) s_x as the scalar part (activation block 8 b + i)."""
+    base = 176 * b
+    at = n * w.shape[1] + base
+    d_w, dmin = load_half(w, at), load_half(w, at + 2)
+    offset = np.float32(0)
+    high = vzero()  # the odd sub-blocks' own sum: two chains of multiply-adds
+    for r in range(4):
+        sc0, mn0 = _scale_min_q4_k(w, n, base + 4, 2 * r)
+        sc1, mn1 = _scale_min_q4_k(w, n, base + 4, 2 * r + 1)
+        j = 8 * b + 2 * r
+        x0, x1 = t * q.shape[1] + 32 * j, t * q.shape[1] + 32 * (j + 1)
+        acc = vfma(acc, d_w * np.float32(sc0) * d[t, j], idot_q5(w, at + 48 + 32 * r, 0, at + 16, 2 * r, q, x0))
+        high = vfma(high, d_w * np.float32(sc1) * d[t, j + 1],
+                    idot_q5(w, at + 48 + 32 * r, 4, at + 16, 2 * r + 1, q, x1))
         offset -= dmin * (np.float32(mn0) * d[t, j] * s[t, j] + np.float32(mn1) * d[t, j + 1] * s[t, j + 1])
     return vadd(acc, high), offset
 
@@ -707,17 +745,17 @@ def _int8_kernels(acc_block, block_size: int):
 
 INT8_ROWS_INTO, INT8_MATMUL_INTO = {}, {}
 for _name, _acc in [("Q8_0", _acc_int8_q8_0), ("Q4_0", _acc_int8_q4_0), ("Q4_K", _acc_int8_q4_k),
-                    ("Q6_K", _acc_int8_q6_k)]:
+                    ("Q5_K", _acc_int8_q5_k), ("Q6_K", _acc_int8_q6_k)]:
     INT8_ROWS_INTO[_name], INT8_MATMUL_INTO[_name] = _int8_kernels(_acc, TYPES[_name].block_size)
 
 INT8_KERNEL_TYPES = tuple(INT8_MATMUL_INTO)
-_rows_q8_0, _rows_q4_0, _rows_q4_k, _rows_q6_k = (INT8_ROWS_INTO[t] for t in ("Q8_0", "Q4_0", "Q4_K", "Q6_K"))
+_rows_q8_0, _rows_q4_0, _rows_q4_k, _rows_q5_k, _rows_q6_k = (INT8_ROWS_INTO[t] for t in INT8_KERNEL_TYPES)
 INT8_TYPE_CODES = tuple(TYPES[t].type_id for t in INT8_KERNEL_TYPES)  # GGML type ids with an int8 worker
 
 
 @njit(cache=True)
 def matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1):
-    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1, W of GGML type `code` (Q8_0, Q4_0, Q4_K or Q6_K), x
+    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1, W of GGML type `code` (INT8_KERNEL_TYPES), x
     given by quantize_activations_q8_into(x, T, q, d, s) (once per input, shared by every row range and matrix).
         # q [>=T, K] int8, d, s [>=T, K / 32] float32 -> out [>=T, >=col + n1]"""
     if code == 8:
@@ -726,10 +764,12 @@ def matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1):
         _rows_q4_0(w, q, d, s, T, out, col, n0, n1)
     elif code == 12:
         _rows_q4_k(w, q, d, s, T, out, col, n0, n1)
+    elif code == 13:
+        _rows_q5_k(w, q, d, s, T, out, col, n0, n1)
     elif code == 14:
         _rows_q6_k(w, q, d, s, T, out, col, n0, n1)
     else:
-        raise ValueError("no 8-bit-activation kernel for this GGML type (Q8_0, Q4_0, Q4_K and Q6_K have one)")
+        raise ValueError("no 8-bit-activation kernel for this GGML type (Q8_0, Q4_0, Q4_K, Q5_K and Q6_K have one)")
 
 
 @njit(cache=True)
@@ -744,7 +784,7 @@ def _check_int8(w: np.ndarray, qtype: str, K: int) -> None:
     if qtype not in INT8_MATMUL_INTO:
         raise QuantizationError(f"no 8-bit-activation kernel for {qtype} weights (npllm has "
                                 f"{', '.join(INT8_KERNEL_TYPES)})")
-    _check(w, qtype, K)
+    _check_rows(w, qtype, K)
 
 
 def matvec_int8(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> np.ndarray:

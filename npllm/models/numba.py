@@ -29,6 +29,7 @@ from ..errors import ConfigError, GenerationError
 from ..formats import release
 from ..kernels import cpu
 from ..kernels import quant as qk
+from ..quant import Q5_K_FLOAT_FROM
 from .base import Model, sampler_rows
 from .weights import Weights, fused_gate_up, fused_qkv
 
@@ -500,9 +501,10 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     thread, in ONE parallel region (none on one thread: a small model's step is mostly such calls); each matrix's
     part of a range goes to its type's row-range worker (kernels/quant.py).
 
-    Q8_0, Q4_0, Q4_K and Q6_K weights meet activations quantized to 8 bits per block of 32 (as llama.cpp does):
-    integer dot products, with x quantized once here for every matrix and row range (docs/quant.md, "8-bit
-    activations", for the rounding bound and the measured KL divergence). Other types take x in float32.
+    Q8_0, Q4_0, Q4_K, Q6_K (and Q5_K in calls of fewer than Q5_K_FLOAT_FROM tokens) weights meet activations
+    quantized to 8 bits per block of 32 (as llama.cpp does): integer dot products, with x quantized once here for
+    every matrix and row range (docs/quant.md, "8-bit activations", for the rounding bound and the measured KL
+    divergence). Other types take x in float32.
     """
     unit = 1 if T == 1 else PANEL
     total = np.int64(0)  # not a literal 0 (see _forward_quantized)
@@ -518,7 +520,7 @@ def products_into(pool, mats, first, count, x, T, out, threads):
             sums[g] = s
     any_int8 = False
     for i in range(count):
-        any_int8 = any_int8 or _int8_type(mats[first + i, 1])
+        any_int8 = any_int8 or _int8_type(mats[first + i, 1], T)
     xq = Int8Activations(np.empty((T if any_int8 else 0, K), np.int8), np.empty((T, K // 32), np.float32),
                          np.empty((T, K // 32), np.float32))  # [T, K] int8 values, [T, K/32] scales and sums
     if any_int8:
@@ -531,9 +533,11 @@ def products_into(pool, mats, first, count, x, T, out, threads):
 
 
 @njit(inline="always")
-def _int8_type(code) -> bool:
-    """Whether weights of GGML type `code` have an integer-dot worker (kernels/quant.py INT8_TYPE_CODES)."""
-    return code == 8 or code == 2 or code == 12 or code == 14
+def _int8_type(code, T) -> bool:
+    """Whether weights of GGML type `code` meet 8-bit activations in a call of T tokens: the types with an
+    integer-dot worker (kernels/quant.py INT8_TYPE_CODES), Q5_K below Q5_K_FLOAT_FROM tokens (quant.int8_activations
+    states the same rule for the NumPy oracle)."""
+    return code == 8 or code == 2 or code == 12 or code == 14 or (code == 13 and T < Q5_K_FLOAT_FROM)
 
 
 @njit(parallel=True, cache=True)
@@ -555,7 +559,7 @@ def _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, u0, u1):
         if lo < hi:
             w = _matrix(pool, mats, m)
             n0, n1 = (lo - base) * unit, min((hi - base) * unit, N)
-            if _int8_type(mats[m, 1]):
+            if _int8_type(mats[m, 1], T):
                 qk.matmul_rows_int8(mats[m, 1], w, xq.q, xq.d, xq.s, T, out, col, n0, n1)
             elif T == 1:
                 qk.matvec_rows(mats[m, 1], w, x[0], sums, out[0], col, n0, n1)
