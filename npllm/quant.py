@@ -714,15 +714,18 @@ def matmul_t_q8_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int],
 # The types whose matrix products npllm's Numba model computes on 8-bit activations (kernels/quant.py
 # INT8_TYPE_CODES, models/numba.py products_into); the others take float32 activations.
 INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
-# Q5_K's integer dots unpack a nibble and a high bit per value at every token; a call of many tokens decodes each
-# row into float32 once instead and multiplies that (faster from about this many tokens; docs/quant.md). So a
-# call of at least Q5_K_FLOAT_FROM tokens multiplies Q5_K weights by float32 activations.
-Q5_K_FLOAT_FROM = 16
+# A call of many tokens can decode each row into float32 once and multiply that, while the integer dots unpack every
+# block again at every token. For the K-quants the decoded rows are faster from about this many tokens a call
+# (scripts/bench_tiles.py: Q5_K's dots, a nibble and one high bit per value, lose already at 16), so such calls
+# multiply them by float32 activations: exactly the dequantized product.
+# models/numba.py compiles these numbers in, and Numba's cache does not see a change here: clear it after one
+# (find npllm -name "*.nb[ic]" -delete).
+FLOAT_ACTIVATIONS_FROM = {"Q4_K": 32, "Q5_K": 16, "Q6_K": 40}
 
 
 def int8_activations(qtype: str, tokens: int) -> bool:
     """Whether the Numba model multiplies `qtype` weights by 8-bit activations in a call of `tokens` tokens."""
-    return qtype in INT8_ACTIVATION_TYPES and not (qtype == "Q5_K" and tokens >= Q5_K_FLOAT_FROM)
+    return qtype in INT8_ACTIVATION_TYPES and tokens < FLOAT_ACTIVATIONS_FROM.get(qtype, tokens + 1)
 
 
 @dataclass(frozen=True)

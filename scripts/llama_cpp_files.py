@@ -14,7 +14,8 @@ agreement is low for every engine, since random logits have near-ties). For each
 
     llama-quantize SHAPE-F32.gguf SHAPE-PRESET.gguf PRESET
     npllm:  npllm.load(file) (numba, weights kept in their types: Q8_0/Q4_0/Q4_K/Q6_K products on 8-bit
-            activations, the other types decoded row by row in float32)  vs  the numpy reference on the file's
+            activations, Q5_K too in calls of fewer than 16 tokens (--ctx 15), the other types decoded row by row
+            in float32)  vs  the numpy reference on the file's
             weights dequantized (the exact dequantized model), on the same random token ids.
 """
 

@@ -124,15 +124,16 @@ def test_quantized_model_is_the_reference_on_each_type(tmp_path, qtype):
     assert set(llm.model.weight_types) == {qtype}
 
 
-def test_q5_k_takes_float32_activations_from_q5_k_float_from_tokens(tmp_path):
-    """A Q5_K call of Q5_K_FLOAT_FROM tokens or more multiplies float32 activations by the decoded rows: the prefill
-    is the exact dequantized model (the oracle states the same rule), while one-token decode steps take 8-bit
-    activations and stay within their rounding of it."""
+@pytest.mark.parametrize("qtype", sorted(quant.FLOAT_ACTIVATIONS_FROM))
+def test_long_calls_take_float32_activations(tmp_path, qtype):
+    """A K-quant call of FLOAT_ACTIVATIONS_FROM tokens or more multiplies float32 activations by the decoded rows:
+    the prefill is the exact dequantized model (the oracle states the same rule), while one-token decode steps take
+    8-bit activations and stay within their rounding of it."""
     config = tiny()
     path = tmp_path / "m.gguf"
-    write_gguf(path, config, random_weights(config, 3), "Q5_K")
+    write_gguf(path, config, random_weights(config, 3), qtype)
     llm = load(path)
-    tokens = np.arange(quant.Q5_K_FLOAT_FROM + 4) % config.vocab_size
+    tokens = np.arange(quant.FLOAT_ACTIVATIONS_FROM[qtype] + 4) % config.vocab_size
     reference = Transformer(config, quant.with_int8_activations(read_gguf_quantized(path)[1])).logits(tokens)
     exact = load(path, "numpy").model.logits(tokens)
     np.testing.assert_allclose(reference, exact, rtol=1e-4, atol=2e-5)  # long calls: the oracle is the exact model

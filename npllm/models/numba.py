@@ -29,7 +29,7 @@ from ..errors import ConfigError, GenerationError
 from ..formats import release
 from ..kernels import cpu
 from ..kernels import quant as qk
-from ..quant import Q5_K_FLOAT_FROM
+from ..quant import FLOAT_ACTIVATIONS_FROM
 from .base import Model, sampler_rows
 from .weights import Weights, fused_gate_up, fused_qkv
 
@@ -501,8 +501,8 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     thread, in ONE parallel region (none on one thread: a small model's step is mostly such calls); each matrix's
     part of a range goes to its type's row-range worker (kernels/quant.py).
 
-    Q8_0, Q4_0, Q4_K, Q6_K (and Q5_K in calls of fewer than Q5_K_FLOAT_FROM tokens) weights meet activations
-    quantized to 8 bits per block of 32 (as llama.cpp does): integer dot products, with x quantized once here for
+    Q8_0 and Q4_0 weights, and the K-quants in calls of fewer than quant.FLOAT_ACTIVATIONS_FROM tokens, meet
+    activations quantized to 8 bits per block of 32 (as llama.cpp does): integer dot products, with x quantized once here for
     every matrix and row range (docs/quant.md, "8-bit activations", for the rounding bound and the measured KL
     divergence). Other types take x in float32.
     """
@@ -532,12 +532,17 @@ def products_into(pool, mats, first, count, x, T, out, threads):
         _products_parallel(pool, mats, first, count, x, T, out, sums, xq, unit, total, chunks)
 
 
+# quant.FLOAT_ACTIVATIONS_FROM as constants the compiled code reads
+Q4_K_FLOAT_FROM, Q5_K_FLOAT_FROM, Q6_K_FLOAT_FROM = (FLOAT_ACTIVATIONS_FROM[t] for t in ("Q4_K", "Q5_K", "Q6_K"))
+
+
 @njit(inline="always")
 def _int8_type(code, T) -> bool:
     """Whether weights of GGML type `code` meet 8-bit activations in a call of T tokens: the types with an
-    integer-dot worker (kernels/quant.py INT8_TYPE_CODES), Q5_K below Q5_K_FLOAT_FROM tokens (quant.int8_activations
-    states the same rule for the NumPy oracle)."""
-    return code == 8 or code == 2 or code == 12 or code == 14 or (code == 13 and T < Q5_K_FLOAT_FROM)
+    integer-dot worker (kernels/quant.py INT8_TYPE_CODES), the K-quants below their FLOAT_ACTIVATIONS_FROM
+    (quant.int8_activations states the same rule for the NumPy oracle)."""
+    return (code == 8 or code == 2 or (code == 12 and T < Q4_K_FLOAT_FROM) or (code == 13 and T < Q5_K_FLOAT_FROM)
+            or (code == 14 and T < Q6_K_FLOAT_FROM))
 
 
 @njit(parallel=True, cache=True)
