@@ -15,7 +15,7 @@ from .config import ModelConfig
 from .errors import FormatError, GenerationError, TokenizerError
 from .context import DEFAULT_SINKS, Context, check_policy, continue_steps
 from .stop import StopStrings, cut_at_stop, text_of_steps
-from .generate import check_prompt, check_request, generate_ids, generate_steps
+from .generate import check_prompt, check_request, generate_ids
 from .hub import resolve
 from .models import Model
 from .sampling import SamplingParams

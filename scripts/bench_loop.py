@@ -13,7 +13,6 @@ import argparse
 import time
 from pathlib import Path
 
-import numpy as np
 
 import npllm
 from npllm.bench import Session

@@ -19,7 +19,6 @@ rest lives here.
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from .. import ops
