@@ -138,7 +138,7 @@ class Model:
         position and one slot per token."""
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
-        slots = np.zeros_like(tokens) if slots is None else np.asarray(slots, dtype=np.int64)
+        slots = np.zeros(tokens.shape, np.int64) if slots is None else np.asarray(slots, dtype=np.int64)  # not zeros_like: 1.5 µs a decode step
         if tokens.ndim != 1 or tokens.shape != positions.shape or tokens.shape != slots.shape:
             raise GenerationError(f"forward needs 1-D tokens, positions and slots of one length, got shapes "
                                   f"{tokens.shape}, {positions.shape}, {slots.shape}")
