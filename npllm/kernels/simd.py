@@ -253,3 +253,23 @@ def store_kv(typingctx, array, index, value):
         return context.get_dummy_value()
 
     return types.none(array, index, value), codegen
+
+
+@intrinsic
+def prefetch_kv(typingctx, array, index):
+    """Ask the CPU to bring the cache line holding array.flat[index] into its caches (llvm.prefetch, a hint: no
+    fault, no effect on results). Attention reads a head's keys at a stride of K heads x Dh values, a pattern the
+    hardware prefetcher does not follow; asking a few positions ahead hides the memory latency."""
+    element = _kv_element(array)
+    if element is None or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        pointer = _kv_pointer(context, builder, signature.args[0], args[0], args[1], ir.IntType(8))
+        i32 = ir.IntType(32)
+        function = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32]), "llvm.prefetch.p0")
+        builder.call(function, [pointer, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(array, index), codegen
