@@ -101,14 +101,15 @@ def _lanes_of(idots):
 
 machine_lanes, plain_lanes = _lanes_of((kq.idot_int8, kq.idot_q4_0, kq.idot_nibbles32, kq.idot_q6, kq.idot_q5)), \
     _lanes_of(kq.GENERIC_IDOTS)
+avx2_lanes = _lanes_of(kq.AVX2_IDOTS) if kq.AVX2_IDOTS is not None else None
 
 
 @settings(max_examples=30, deadline=None)
 @given(w=hnp.arrays(np.uint8, 64), x=hnp.arrays(np.int8, 32, elements=st.integers(-127, 127)),
        shift=st.sampled_from([0, 4]), qh_shift=st.sampled_from([0, 2, 4, 6]), bit=st.integers(0, 7))
 def test_machine_and_plain_integer_dots_are_the_integer_dot(w, x, shift, qh_shift, bit):
-    """Each layout's dot, on AVX2 (where the machine has it) and in plain LLVM: lane i is the exact integer sum of
-    the products of values 4i .. 4i + 3 (Q6_K's per-lane scales rely on that grouping)."""
+    """Each layout's dot, on AVX2 and VNNI (where the machine has them) and in plain LLVM: lane i is the exact
+    integer sum of the products of values 4i .. 4i + 3 (Q6_K's per-lane scales rely on that grouping)."""
     values = [w[:32].view(np.int8), np.concatenate([w[:16] & 15, w[:16] >> 4]).astype(np.int64) - 8,
               (w[:32] >> shift) & 15,
               (((w[:32] >> shift) & 15) | (((w[32:] >> qh_shift) & 3) << 4)).astype(np.int64) - 32,
@@ -116,6 +117,8 @@ def test_machine_and_plain_integer_dots_are_the_integer_dot(w, x, shift, qh_shif
     expected = np.array([(v.astype(np.int64) * x).reshape(8, 4).sum(axis=1) for v in values], np.float32)
     np.testing.assert_array_equal(machine_lanes(w, x, shift, shift, qh_shift, bit), expected)
     np.testing.assert_array_equal(plain_lanes(w, x, shift, shift, qh_shift, bit), expected)
+    if avx2_lanes is not None:  # on a VNNI machine the kernels take vpdpbusd: check the AVX2-only pair here too
+        np.testing.assert_array_equal(avx2_lanes(w, x, shift, shift, qh_shift, bit), expected)
 
 
 def test_int8_kernels_refuse_what_they_cannot_compute():
