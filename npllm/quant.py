@@ -713,7 +713,7 @@ def matmul_t_q8_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int],
 
 # The types whose matrix products npllm's Numba model computes on 8-bit activations (kernels/quant.py
 # INT8_TYPE_CODES, models/numba.py products_into); the others take float32 activations.
-INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # A call of many tokens can decode each row into float32 once and multiply that, while the integer dots unpack every
 # block again at every token. For the K-quants the decoded rows are faster from about this many tokens a call
 # (scripts/bench_tiles.py: Q5_K's dots, a nibble and one high bit per value, lose already at 16), so such calls

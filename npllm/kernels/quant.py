@@ -378,12 +378,16 @@ def matmul(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> np.nda
 #
 #     Q8_0:  out[t, n] = sum_b (d_w d_x) * sum_j q_w q_x                   q_w int8
 #     Q4_0:  out[t, n] = sum_b (d_w d_x) * sum_j (u - 8) q_x                u = nibble 0..15
+#     Q4_1:  out[t, n] = sum_b (d_w d_x) * sum_j u q_x + (m d_x) s_x        u = nibble 0..15
+#     Q5_0:  out[t, n] = sum_b (d_w d_x) * sum_j u q_x - 16 (d_w d_x) s_x   u = nibble + 16 fifth bit, 0..31
+#     Q5_1:  out[t, n] = sum_b (d_w d_x) * sum_j u q_x + (m d_x) s_x        u as Q5_0's
 #
 # The products of 8-bit integers are summed exactly in 32-bit integer lanes; one float multiply-add per block
 # applies d_w d_x. Where the machine has AVX2 the dot of 32 bytes is vpmaddubsw (unsigned byte x signed byte, pairs
 # summed to int16) then vpmaddwd by ones (pairs summed to int32): no pair sum can saturate int16 here, since
 # |q_x| <= 127 and the unsigned factor is at most 128 (|q_w| for Q8_0, |u - 8| <= 8 for Q4_0, with q_x's sign moved
-# onto it) or 15 (a K-quant's nibble): 2 * 128 * 127 < 32767. Elsewhere the same sums come from plain LLVM integer vectors (slower, same result).
+# onto it) or 63 (an unsigned value: a nibble, 5 or 6 bits): 2 * 128 * 127 < 32767.
+# Elsewhere the same sums come from plain LLVM integer vectors (slower, same result).
 # Results match quant.matmul_t_q8_activations to float32 rounding of the block sums.
 #
 # For a model:  quantize_activations_q8_into(x, T, q, d, s)    once per input x [T, K] (q [T, K] int8, d, s [T, K/32])
@@ -494,16 +498,43 @@ def _int8_values(builder, context, sig, args):  # (w, iw): 32 int8
     return _load_bytes(builder, context, sig.args[0], args[0], args[1], 32), True
 
 
-def _q4_0_values(builder, context, sig, args):
-    """(w, iw): Q4_0's 16 bytes of nibbles, values 0..15 (low nibbles) then 16..31 (high), as nibble - 8 in -8..7:
-    signed, so the dot meets x through the sign trick as Q8_0's does; the offset stays inside the exact integer sum
-    (no separate -8 d sum x term per block and token)."""
-    packed = _load_bytes(builder, context, sig.args[0], args[0], args[1], 16)
+def _nibbles16(builder, context, sig, w, iw):
+    """<32 x i8>: the 16 bytes at w.flat[iw:] as 32 nibbles, values 0..15 the low nibbles, 16..31 the high ones (the
+    order of Q4_0, Q4_1, Q5_0 and Q5_1 blocks)."""
+    packed = _load_bytes(builder, context, sig.args[0], w, iw, 16)
     fifteen = ir.Constant(_ivec(_I8, 16), [15] * 16)
     low = builder.and_(packed, fifteen)
     high = builder.and_(builder.lshr(packed, ir.Constant(_ivec(_I8, 16), [4] * 16)), fifteen)
-    nibbles = builder.shuffle_vector(low, high, ir.Constant(_ivec(_I32, 32), list(range(32))))
+    return builder.shuffle_vector(low, high, ir.Constant(_ivec(_I32, 32), list(range(32))))
+
+
+def _fifth_bits(builder, context, sig, w, ih):
+    """<32 x i8>: 16 where bit j of the little-endian u32 at w.flat[ih:] is set, else 0 (the fifth bits of Q5_0 and
+    Q5_1: byte j // 8 of the four, bit j % 8)."""
+    four = _load_bytes(builder, context, sig.args[0], w, ih, 4)
+    spread = builder.shuffle_vector(four, four, ir.Constant(_ivec(_I32, 32), [j // 8 for j in range(32)]))
+    bits = builder.and_(spread, ir.Constant(_ivec(_I8, 32), [1 << (j % 8) for j in range(32)]))
+    zero = ir.Constant(_ivec(_I8, 32), [0] * 32)
+    return builder.select(builder.icmp_unsigned("!=", bits, zero), ir.Constant(_ivec(_I8, 32), [16] * 32), zero)
+
+
+def _q4_0_values(builder, context, sig, args):
+    """(w, iw): Q4_0's 16 bytes of nibbles, as nibble - 8 in -8..7: signed, so the dot meets x through the sign
+    trick as Q8_0's does; the offset stays inside the exact integer sum (no separate -8 d sum x term per block and
+    token)."""
+    nibbles = _nibbles16(builder, context, sig, args[0], args[1])
     return builder.sub(nibbles, ir.Constant(_ivec(_I8, 32), [8] * 32)), True
+
+
+def _nibbles16_values(builder, context, sig, args):  # (w, iw): Q4_1's nibbles, 0..15, unsigned
+    return _nibbles16(builder, context, sig, args[0], args[1]), False
+
+
+def _five_bits_values(builder, context, sig, args):
+    """(w, iqs, iqh): Q5_0's and Q5_1's values, nibble + 16 x fifth bit in 0..31, unsigned (Q5_0's -16 goes into the
+    scalar part with the activations' sum: through the sign trick its tile ran ~1.5x slower on a Xeon)."""
+    return builder.or_(_nibbles16(builder, context, sig, args[0], args[1]),
+                       _fifth_bits(builder, context, sig, args[0], args[2])), False
 
 
 def _nibbles32_values(builder, context, sig, args):  # (w, iw, shift): (byte >> shift) & 15 of 32 bytes (Q4_K)
@@ -553,6 +584,13 @@ def _idots(avx2: bool, vnni: bool = False):
 
     # The K-quant layouts keep vpmaddubsw + vpmaddwd: with vpdpbusd, LLVM ordered Q5_K's float sums differently in
     # the row worker and in the parallel kernel (1-ulp differences between two paths that must agree).
+    def two_locators(values):  # (w, iqs, iqh, x, ix): nibbles and fifth bits
+        def typer(typingctx, w, iqs, iqh, x, ix):
+            if _idot_args_ok(w, (iqs, iqh), x, ix):
+                return f32x8(w, iqs, iqh, x, ix), _idot_codegen(values, avx2, vnni)
+
+        return intrinsic(typer)
+
     def nibbles32(typingctx, w, iw, shift, x, ix):
         if _idot_args_ok(w, (iw, shift), x, ix):
             return f32x8(w, iw, shift, x, ix), _idot_codegen(_nibbles32_values, avx2, False)
@@ -565,7 +603,7 @@ def _idots(avx2: bool, vnni: bool = False):
         return intrinsic(typer)
 
     return (one_locator(_int8_values), one_locator(_q4_0_values), intrinsic(nibbles32), two_planes(_q6_values),
-            two_planes(_q5_values))
+            two_planes(_q5_values), one_locator(_nibbles16_values), two_locators(_five_bits_values))
 
 
 # idot_int8(w, iw, x, ix)                          32 int8 at w.flat[iw:]              . x.flat[ix:][:32]
@@ -573,7 +611,10 @@ def _idots(avx2: bool, vnni: bool = False):
 # idot_nibbles32(w, iw, shift, x, ix)              (byte >> shift) & 15 of 32 bytes
 # idot_q6(w, iql, ql_shift, iqh, qh_shift, x, ix)  Q6_K's 6-bit values, minus 32
 # idot_q5(w, iqs, qs_shift, iqh, qh_shift, x, ix)  Q5_K's 5-bit values (a nibble and one high bit), unsigned
-idot_int8, idot_q4_0, idot_nibbles32, idot_q6, idot_q5 = _idots(AVX2, VNNI)
+# idot_nibbles16(w, iw, x, ix)                     Q4_1's 16 bytes of nibbles, unsigned
+# idot_five_bits(w, iqs, iqh, x, ix)               Q5_0's and Q5_1's nibbles and fifth bits (u32 at iqh), unsigned
+(idot_int8, idot_q4_0, idot_nibbles32, idot_q6, idot_q5, idot_nibbles16,
+ idot_five_bits) = _idots(AVX2, VNNI)
 GENERIC_IDOTS = _idots(False)  # the plain-LLVM versions, which tests compare with the machine's
 AVX2_IDOTS = _idots(True) if AVX2 else None  # vpmaddubsw + vpmaddwd, which a VNNI machine's tests check as well
 
@@ -631,6 +672,31 @@ def _acc_int8_q4_0(acc, w, n, b, q, d, s, t):
     """Q4_0: acc += (d_w d_x) ((u - 8) . q_x), u the nibbles."""
     at = n * w.shape[1] + 18 * b
     return vfma(acc, load_half(w, at) * d[t, b], idot_q4_0(w, at + 2, q, t * q.shape[1] + 32 * b)), np.float32(0)
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_int8_q4_1(acc, w, n, b, q, d, s, t):
+    """Q4_1 (W = d_w u + m): acc += (d_w d_x) (u . q_x), and (m d_x) s_x as the scalar part."""
+    at = n * w.shape[1] + 20 * b
+    return (vfma(acc, load_half(w, at) * d[t, b], idot_nibbles16(w, at + 4, q, t * q.shape[1] + 32 * b)),
+            load_half(w, at + 2) * d[t, b] * s[t, b])
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_int8_q5_0(acc, w, n, b, q, d, s, t):
+    """Q5_0: acc += (d_w d_x) (u . q_x), u the nibble and fifth bit, and -16 (d_w d_x) s_x as the scalar part."""
+    at = n * w.shape[1] + 22 * b
+    scale = load_half(w, at) * d[t, b]
+    lanes = idot_five_bits(w, at + 6, at + 2, q, t * q.shape[1] + 32 * b)
+    return vfma(acc, scale, lanes), np.float32(-16) * scale * s[t, b]
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_int8_q5_1(acc, w, n, b, q, d, s, t):
+    """Q5_1 (W = d_w u + m): acc += (d_w d_x) (u . q_x), and (m d_x) s_x as the scalar part."""
+    at = n * w.shape[1] + 24 * b
+    return (vfma(acc, load_half(w, at) * d[t, b], idot_five_bits(w, at + 8, at + 4, q, t * q.shape[1] + 32 * b)),
+            load_half(w, at + 2) * d[t, b] * s[t, b])
 
 
 @njit(fastmath=REASSOC, inline="always")
@@ -766,11 +832,13 @@ def _int8_kernels(acc_block, block_size: int):
 
 INT8_ROWS_INTO, INT8_MATMUL_INTO = {}, {}
 for _name, _acc in [("Q8_0", _acc_int8_q8_0), ("Q4_0", _acc_int8_q4_0), ("Q4_K", _acc_int8_q4_k),
-                    ("Q5_K", _acc_int8_q5_k), ("Q6_K", _acc_int8_q6_k)]:
+                    ("Q5_K", _acc_int8_q5_k), ("Q6_K", _acc_int8_q6_k), ("Q4_1", _acc_int8_q4_1),
+                    ("Q5_0", _acc_int8_q5_0), ("Q5_1", _acc_int8_q5_1)]:
     INT8_ROWS_INTO[_name], INT8_MATMUL_INTO[_name] = _int8_kernels(_acc, TYPES[_name].block_size)
 
 INT8_KERNEL_TYPES = tuple(INT8_MATMUL_INTO)
-_rows_q8_0, _rows_q4_0, _rows_q4_k, _rows_q5_k, _rows_q6_k = (INT8_ROWS_INTO[t] for t in INT8_KERNEL_TYPES)
+(_rows_q8_0, _rows_q4_0, _rows_q4_k, _rows_q5_k, _rows_q6_k, _rows_q4_1, _rows_q5_0,
+ _rows_q5_1) = (INT8_ROWS_INTO[t] for t in INT8_KERNEL_TYPES)
 INT8_TYPE_CODES = tuple(TYPES[t].type_id for t in INT8_KERNEL_TYPES)  # GGML type ids with an int8 worker
 
 
@@ -789,8 +857,15 @@ def matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1):
         _rows_q5_k(w, q, d, s, T, out, col, n0, n1)
     elif code == 14:
         _rows_q6_k(w, q, d, s, T, out, col, n0, n1)
+    elif code == 3:
+        _rows_q4_1(w, q, d, s, T, out, col, n0, n1)
+    elif code == 6:
+        _rows_q5_0(w, q, d, s, T, out, col, n0, n1)
+    elif code == 7:
+        _rows_q5_1(w, q, d, s, T, out, col, n0, n1)
     else:
-        raise ValueError("no 8-bit-activation kernel for this GGML type (Q8_0, Q4_0, Q4_K, Q5_K and Q6_K have one)")
+        raise ValueError("no 8-bit-activation kernel for this GGML type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and "
+                         "Q6_K have one)")
 
 
 @njit(cache=True)

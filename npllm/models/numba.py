@@ -541,8 +541,8 @@ def _int8_type(code, T) -> bool:
     """Whether weights of GGML type `code` meet 8-bit activations in a call of T tokens: the types with an
     integer-dot worker (kernels/quant.py INT8_TYPE_CODES), the K-quants below their FLOAT_ACTIVATIONS_FROM
     (quant.int8_activations states the same rule for the NumPy oracle)."""
-    return (code == 8 or code == 2 or (code == 12 and T < Q4_K_FLOAT_FROM) or (code == 13 and T < Q5_K_FLOAT_FROM)
-            or (code == 14 and T < Q6_K_FLOAT_FROM))
+    return (code == 8 or code == 2 or code == 3 or code == 6 or code == 7 or (code == 12 and T < Q4_K_FLOAT_FROM)
+            or (code == 13 and T < Q5_K_FLOAT_FROM) or (code == 14 and T < Q6_K_FLOAT_FROM))
 
 
 @njit(parallel=True, cache=True)
