@@ -9,6 +9,10 @@
 # that script once first if $LLAMA_CPP_DIR/bin/llama-bench is missing. The GGUF files go to $GGUF_DIR (default
 # /tmp/npllm-bench-gguf) and are kept for reruns. Runs are short (3 repetitions, 64 decode steps after a 128-token
 # prompt): on a shared machine, read the figures with the load average printed beside them.
+#
+# $LLAMA_BENCH_ARGS goes to llama-bench as extra options. On a VM that advertises AMX (amx_tile in /proc/cpuinfo)
+# without enabling it, a native build's weight repacking runs AMX tile instructions and dies of SIGILL on Q8_0 and
+# Q4_0: there, LLAMA_BENCH_ARGS="--repack 0" (llama.cpp's plain CPU kernels on the file's own blocks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 shape=${1:-stories110M}
@@ -38,9 +42,10 @@ PY
 done
 
 echo "== load average: $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "== llama.cpp: $build/bin/llama-bench -m <file> -p 128 -n 64 -t $threads -r 3"
+echo "== llama.cpp: $build/bin/llama-bench -m <file> -p 128 -n 64 -t $threads -r 3 ${LLAMA_BENCH_ARGS:-}"
+# shellcheck disable=SC2086  # LLAMA_BENCH_ARGS is a list of options
 "$build/bin/llama-bench" -m "$out/$shape-F32.gguf,$out/$shape-Q8_0.gguf,$out/$shape-Q4_0.gguf" \
-  -p 128 -n 64 -t "$threads" -r 3 -o md 2>/dev/null
+  -p 128 -n 64 -t "$threads" -r 3 ${LLAMA_BENCH_ARGS:-} -o md 2>/dev/null
 echo "== npllm (model level, main's load path): $npllm bench --model <file> --batch 1 --prompt-len 128 --gen-len 64"
 # npllm's threads sleep between parallel regions by default (OMP_WAIT_POLICY=PASSIVE, kernels/__init__.py: safe on a
 # busy machine); llama.cpp's spin. Both are measured: the second pass lets npllm's threads spin too.
