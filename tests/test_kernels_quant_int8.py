@@ -84,25 +84,26 @@ def test_int8_kernels_are_the_reference(qtype, data):
 
 
 def _lanes_of(idots):
-    int8, q4_0, nibbles32, q6, q5, nibbles16, five_bits = idots
+    int8, q4_0, nibbles32, q6, q5, nibbles16, q5_0, five_bits = idots
 
     @njit
     def lanes(w, x, shift, ql_shift, qh_shift, bit):
-        out = np.empty((7, 8), np.float32)
+        out = np.empty((8, 8), np.float32)
         vstore(out, 0, int8(w, 0, x, 0))
         vstore(out, 8, q4_0(w, 0, x, 0))
         vstore(out, 16, nibbles32(w, 0, shift, x, 0))
         vstore(out, 24, q6(w, 0, ql_shift, 32, qh_shift, x, 0))
         vstore(out, 32, q5(w, 0, ql_shift, 32, bit, x, 0))
         vstore(out, 40, nibbles16(w, 0, x, 0))
-        vstore(out, 48, five_bits(w, 0, 32, x, 0))
+        vstore(out, 48, q5_0(w, 0, 32, x, 0))
+        vstore(out, 56, five_bits(w, 0, 32, x, 0))
         return out
 
     return lanes
 
 
 machine_lanes, plain_lanes = _lanes_of((kq.idot_int8, kq.idot_q4_0, kq.idot_nibbles32, kq.idot_q6, kq.idot_q5,
-                                         kq.idot_nibbles16, kq.idot_five_bits)), \
+                                         kq.idot_nibbles16, kq.idot_q5_0, kq.idot_five_bits)), \
     _lanes_of(kq.GENERIC_IDOTS)
 avx2_lanes = _lanes_of(kq.AVX2_IDOTS) if kq.AVX2_IDOTS is not None else None
 
@@ -120,7 +121,7 @@ def test_machine_and_plain_integer_dots_are_the_integer_dot(w, x, shift, qh_shif
               (w[:32] >> shift) & 15,
               (((w[:32] >> shift) & 15) | (((w[32:] >> qh_shift) & 3) << 4)).astype(np.int64) - 32,
               ((w[:32] >> shift) & 15) | (((w[32:] >> bit) & 1) << 4),
-              nibbles, nibbles | fifth_bits]
+              nibbles, (nibbles | fifth_bits) - 16, nibbles | fifth_bits]
     expected = np.array([(v.astype(np.int64) * x).reshape(8, 4).sum(axis=1) for v in values], np.float32)
     np.testing.assert_array_equal(machine_lanes(w, x, shift, shift, qh_shift, bit), expected)
     np.testing.assert_array_equal(plain_lanes(w, x, shift, shift, qh_shift, bit), expected)
