@@ -588,8 +588,6 @@ def _idots(avx2: bool, vnni: bool = False):
 
         return intrinsic(typer)
 
-    # The K-quant layouts keep vpmaddubsw + vpmaddwd: with vpdpbusd, LLVM ordered Q5_K's float sums differently in
-    # the row worker and in the parallel kernel (1-ulp differences between two paths that must agree).
     def two_locators(values):  # (w, iqs, iqh, x, ix): nibbles and fifth bits
         def typer(typingctx, w, iqs, iqh, x, ix):
             if _idot_args_ok(w, (iqs, iqh), x, ix):
@@ -597,6 +595,8 @@ def _idots(avx2: bool, vnni: bool = False):
 
         return intrinsic(typer)
 
+    # The K-quant layouts below keep vpmaddubsw + vpmaddwd: with vpdpbusd, LLVM ordered Q5_K's float sums differently
+    # in the row worker and in the parallel kernel (1-ulp differences between two paths that must agree).
     def nibbles32(typingctx, w, iw, shift, x, ix):
         if _idot_args_ok(w, (iw, shift), x, ix):
             return f32x8(w, iw, shift, x, ix), _idot_codegen(_nibbles32_values, avx2, False)
