@@ -745,3 +745,53 @@ def with_int8_activations(tensors: dict) -> dict:
     return {name: Int8ActivationMatrix(w.raw, w.qtype, w.shape)
             if isinstance(w, QuantizedMatrix) and w.qtype in INT8_ACTIVATION_TYPES else w
             for name, w in tensors.items()}
+
+
+# ================================================================================================================
+# Rows interleaved by eight: how the Numba model holds Q8_0 and Q4_0 matrices in memory (kernels/quant.py's
+# "interleaved rows"). The same blocks and the same bytes, regrouped so that ONE 32-byte vector holds four values
+# of each of eight rows: an integer dot against four activations broadcast to every lane then advances eight rows
+# at once, and one float multiply-add per block applies the eight rows' scales.
+INTERLEAVED_TYPES = ("Q8_0", "Q4_0")
+INTERLEAVE = 8  # rows per group
+
+
+def _interleave_split(qtype: str) -> int:
+    if qtype not in INTERLEAVED_TYPES:
+        raise QuantizationError(f"npllm interleaves the rows of {' and '.join(INTERLEAVED_TYPES)} only, not {qtype}")
+    return TYPES[qtype].block_bytes - 2  # bytes of quants after a block's float16 scale
+
+
+def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
+    """Q8_0 or Q4_0 rows regrouped by eight.          # [N, row bytes] uint8 -> [N / 8, 8 row bytes] uint8
+
+    Group g holds rows 8g .. 8g + 7 (r below), block by block; block b of the group is
+
+        Q8_0 (272 bytes)  d_0 .. d_7 (8 x float16) | word k = 0..7 (32 bytes): q_r[4k .. 4k+3] for r = 0..7
+        Q4_0 (144 bytes)  d_0 .. d_7 (8 x float16) | word m = 0..3 (32 bytes): byte_r[4m .. 4m+3] for r = 0..7
+
+    where q_r are row r's 32 int8 values of block b, and byte_r its 16 bytes of nibbles (byte j: value j in the low
+    nibble, value j + 16 in the high one). So lane r (bytes 4r .. 4r + 3) of Q8_0's word k holds values 4k .. 4k+3 of
+    row r; of Q4_0's word m, the low nibbles hold values 4m .. 4m+3 and the high nibbles values 16 + 4m .. 16 + 4m+3.
+    """
+    split = _interleave_split(qtype)
+    N, row_bytes = raw.shape
+    if N % INTERLEAVE:
+        raise QuantizationError(f"rows are interleaved by {INTERLEAVE}: {N} rows are not a multiple")
+    nb = row_bytes // (split + 2)
+    blocks = raw.reshape(N // 8, 8, nb, split + 2)  # [G, r, b, block bytes]
+    scales = blocks[..., :2].transpose(0, 2, 1, 3).reshape(N // 8, nb, 16)  # [G, b, r * 2]
+    words = blocks[..., 2:].reshape(N // 8, 8, nb, split // 4, 4).transpose(0, 2, 3, 1, 4)  # [G, b, word, r, 4]
+    return np.concatenate([scales, words.reshape(N // 8, nb, 8 * split)], axis=2).reshape(N // 8, -1)
+
+
+def deinterleave_rows(grouped: np.ndarray, qtype: str) -> np.ndarray:
+    """interleave_rows undone.                         # [N / 8, 8 row bytes] uint8 -> [N, row bytes] uint8"""
+    split = _interleave_split(qtype)
+    G = grouped.shape[0]
+    nb = grouped.shape[1] // (8 * (split + 2))
+    blocks = grouped.reshape(G, nb, 8 * (split + 2))
+    scales = blocks[..., :16].reshape(G, nb, 8, 2).transpose(0, 2, 1, 3)  # [G, r, b, 2]
+    words = blocks[..., 16:].reshape(G, nb, split // 4, 8, 4).transpose(0, 3, 1, 2, 4)  # [G, r, b, word, 4]
+    rows = np.concatenate([scales, words.reshape(G, 8, nb, split)], axis=3)
+    return np.ascontiguousarray(rows.reshape(G * 8, -1))

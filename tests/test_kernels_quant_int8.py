@@ -180,3 +180,83 @@ def test_row_range_workers_fill_their_rows_at_their_column(qtype):
     np.testing.assert_array_equal(vector[col:], out[0, col: col + N])
     with pytest.raises(ValueError, match="no 8-bit-activation kernel"):
         kq.matmul_rows_int8(quant.TYPES["Q3_K"].type_id, w, q, d, s, T, out, col, 0, N)
+
+
+# ------------------------------------------------------------------------------------------------ interleaved rows
+
+@pytest.mark.parametrize("qtype", quant.INTERLEAVED_TYPES)
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_interleaving_is_a_reordering_that_undoes(qtype, data):
+    t = quant.TYPES[qtype]
+    groups, blocks = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 3))
+    raw = data.draw(hnp.arrays(np.uint8, (8 * groups, blocks * t.block_bytes)))
+    grouped = quant.interleave_rows(raw, qtype)
+    assert grouped.shape == (groups, 8 * raw.shape[1])
+    np.testing.assert_array_equal(np.sort(grouped, axis=None), np.sort(raw, axis=None))
+    np.testing.assert_array_equal(quant.deinterleave_rows(grouped, qtype), raw)
+    # the drawing in interleave_rows' docstring: row r's scale of block b, and its values 4k .. 4k + 3 in word k
+    g, r, b = data.draw(st.integers(0, groups - 1)), data.draw(st.integers(0, 7)), data.draw(st.integers(0, blocks - 1))
+    block = grouped[g, 8 * t.block_bytes * b:8 * t.block_bytes * (b + 1)]
+    row = raw[8 * g + r, t.block_bytes * b:t.block_bytes * (b + 1)]
+    np.testing.assert_array_equal(block[2 * r:2 * r + 2], row[:2])
+    for k in range((t.block_bytes - 2) // 4):
+        np.testing.assert_array_equal(block[16 + 32 * k + 4 * r:16 + 32 * k + 4 * r + 4], row[2 + 4 * k:6 + 4 * k])
+
+
+def test_interleaving_refuses_what_it_cannot_regroup():
+    w = quant.quantize(np.ones((12, 64), np.float32), "Q8_0").reshape(12, -1)
+    with pytest.raises(QuantizationError, match="not a multiple"):
+        quant.interleave_rows(w, "Q8_0")
+    with pytest.raises(QuantizationError, match="Q8_0 and Q4_0 only, not Q4_K"):
+        quant.interleave_rows(w[:8], "Q4_K")
+    with pytest.raises(QuantizationError, match="Q8_0 and Q4_0 only"):
+        kq.matmul_int8_interleaved(quant.interleave_rows(w[:8], "Q8_0"), "Q5_0", np.ones((1, 64), np.float32))
+
+
+@pytest.mark.parametrize("qtype", quant.INTERLEAVED_TYPES)
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_interleaved_kernels_are_the_reference(qtype, data):
+    """The kernels on interleaved rows: the NumPy reference to float32 rounding, as the one-row kernels are; each
+    token's row the same bits whether it comes alone (decode) or in tiles of four (prefill)."""
+    w, K = data.draw(quantized_matrix(qtype))
+    groups = data.draw(st.integers(1, 3), label="groups of 8 rows")
+    w = np.resize(w, (8 * groups, w.shape[1]))  # whole groups: the drawn rows repeated
+    T = data.draw(st.integers(1, 9), label="T")
+    x = activations(data.draw, (T, K))
+    got = kq.matmul_int8_interleaved(quant.interleave_rows(w, qtype), qtype, x)
+    reference = quant.matmul_t_q8_activations(w, qtype, (w.shape[0], K), x)
+    to_reference, _ = bounds(w, qtype, K, x)
+    assert got.dtype == np.float32 and got.shape == (T, w.shape[0])
+    assert np.all(np.abs(got - reference) <= to_reference)
+    one_by_one = np.concatenate([kq.matmul_int8_interleaved(quant.interleave_rows(w, qtype), qtype, x[t:t + 1])
+                                 for t in range(T)])
+    np.testing.assert_array_equal(got, one_by_one)
+
+
+@settings(max_examples=30, deadline=None)
+@given(w=hnp.arrays(np.uint8, 256), x=hnp.arrays(np.int8, 32, elements=st.integers(-127, 127)),
+       offset=st.integers(-5000, 5000))
+def test_interleaved_integer_dots_are_the_integer_dot(w, x, offset):
+    """Lane r of an interleaved block's dot: offset + the exact integer dot of row r's 32 values with x, on the
+    machine's instructions and in plain LLVM."""
+    rows_q8 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w])[None], "Q8_0")[:, 2:].view(np.int8)
+    q4 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w[:128]])[None], "Q4_0")[:, 2:]
+    rows_q4 = np.concatenate([q4 & 15, q4 >> 4], axis=1)  # values 0..15 (the -8 is the caller's offset)
+    expected = [offset + rows.astype(np.int64) @ x.astype(np.int64) for rows in (rows_q8, rows_q4)]
+    machines = [(kq.idot_q8_0_x8, kq.idot_q4_0_x8), kq.GENERIC_X8_IDOTS, kq.AVX2_X8_IDOTS]  # AVX2: none without it
+    for q8_0, q4_0 in (m for m in machines if m is not None):
+        lanes = interleaved_lanes(q8_0, q4_0)(w, x, np.int32(offset))
+        np.testing.assert_array_equal(lanes, np.array(expected, np.float32))
+
+
+def interleaved_lanes(q8_0, q4_0):
+    @njit
+    def lanes(w, x, offset):
+        out = np.empty((2, 8), np.float32)
+        vstore(out, 0, q8_0(w, 0, x, 0, offset))
+        vstore(out, 8, q4_0(w, 0, x, 0, offset))
+        return out
+
+    return lanes

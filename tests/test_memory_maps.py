@@ -87,13 +87,17 @@ print(status("VmHWM") - base, status("VmRSS") - base)
 """
 
 
-def test_a_float32_file_on_the_numba_backend_peaks_at_about_one_copy(tmp_path):
-    """Loading an all-F32 GGUF builds the float32 panels from the map: the peak of the load stays near the file's
-    size (panels + one block), not twice it (the map's pages beside the panels)."""
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_a_file_on_the_numba_backend_peaks_at_about_one_copy(tmp_path, qtype):
+    """Loading an all-F32 GGUF builds the float32 panels from the map, a Q8_0 one its interleaved rows: the peak of
+    the load stays near the file's size (the copy + one block or matrix), not twice it (the map's pages beside the
+    copy)."""
     config = ModelConfig(dim=512, hidden_dim=1408, n_layers=4, n_heads=8, n_kv_heads=8, vocab_size=8192,
                          max_seq_len=64, head_dim=64)
-    path = tmp_path / "f32.gguf"
-    write_gguf(path, config, random_weights(config, 1))
+    if qtype != "F32":  # a file of about the F32 one's size
+        config = config.replace(dim=1024, hidden_dim=2816, n_heads=16, n_kv_heads=16)
+    path = tmp_path / "model.gguf"
+    write_gguf(path, config, random_weights(config, 1), qtype)
     size_mb = path.stat().st_size / MB
     peak, held = map(float, subprocess.run([sys.executable, "-c", PEAK, str(path)], capture_output=True, text=True,
                                            check=True).stdout.split())

@@ -38,7 +38,7 @@ from numba.extending import intrinsic
 
 from ..quant import QK_K, TYPES, QuantizationError
 from .cpu import PANEL, REASSOC, TILE_T, _tile_6x16
-from .simd import _vector, f32x8, vadd, vfma, vfmav, vload, vsum, vzero
+from .simd import _vector, f32x8, vadd, vfma, vfmav, vload, vstore, vsum, vzero
 
 # ---------------------------------------------------------------------------------------------- byte vectors
 # Eight weight bytes widened to eight float32 lanes in registers (simd.py's f32x8). Written as LLVM vector
@@ -837,6 +837,162 @@ def _int8_kernels(acc_block, block_size: int):
     return rows_into, matmul_into
 
 
+# ================================================================================================================
+# Interleaved rows (quant.interleave_rows): Q8_0 and Q4_0 matrices as the Numba model holds them, eight rows per group.
+#
+#     w8 [N / 8, 8 x row bytes] uint8; block b of group g: 8 float16 scales, then words of 32 bytes whose lane r
+#     (bytes 4r .. 4r + 3) holds four values of row 8g + r
+#
+# In the one-row kernels above, every 32 values of a row cost an unpacking, a dot, a conversion, a scale and a
+# multiply-add, and the eight lanes of the dot hold parts of ONE sum. Here word k's dot with the four activations
+# 4k .. 4k + 3 broadcast to every lane advances eight rows at once, lane r for row r: eight such dots sum a block
+# for eight rows, and one conversion and one multiply-add by the eight rows' scales finish it. About a third of the
+# instructions per block (scripts/bench_tiles.py, docs/quant.md).
+#
+#     Q8_0:  out[t, 8g + r] = sum_b  d_r d_x  sum_k lane r of (word k . x[4k .. 4k+3])
+#     Q4_0:  out[t, 8g + r] = sum_b  d_r d_x (sum_k lane r of (nibbles of word k . x[..]) - 8 s_x)
+#
+# Q4_0's nibbles u meet x unsigned (vpdpbusd / vpmaddubsw take unsigned bytes times signed), and -8 s_x, s_x the
+# block's sum of q_x, restores u - 8 inside the same exact integer. Q8_0's signed values meet x by the sign trick.
+
+
+def _broadcast4(builder, context, array_type, array, index):
+    """<32 x i8>: the four bytes at array.flat[index:] repeated in each of the eight 32-bit lanes."""
+    word = builder.bitcast(_load_bytes(builder, context, array_type, array, index, 4), _I32)
+    lanes = builder.insert_element(ir.Constant(_ivec(_I32, 8), ir.Undefined), word, ir.Constant(_I32, 0))
+    lanes = builder.shuffle_vector(lanes, lanes, ir.Constant(_ivec(_I32, 8), [0] * 8))
+    return builder.bitcast(lanes, _ivec(_I8, 32))
+
+
+def _add_dot(builder, acc, w, x, w_signed: bool, avx2: bool, vnni: bool):
+    """acc + _dot(w, x), as one vpdpbusd into acc where the machine has VNNI and w is unsigned."""
+    if vnni and not w_signed:
+        i32x8 = _ivec(_I32, 8)
+        function = _x86(builder, "llvm.x86.avx512.vpdpbusd.256", i32x8, [i32x8] * 3)
+        return builder.call(function, [acc, builder.bitcast(w, i32x8), builder.bitcast(x, i32x8)])
+    return builder.add(acc, _dot(builder, w, x, w_signed, avx2, vnni))
+
+
+def _offset(builder, value, add):
+    return builder.add(value, ir.Constant(value.type, add))
+
+
+def _interleaved_words(qtype):
+    """The eight <32 x i8> words of one interleaved block (word k: four values of each row meeting x[4k .. 4k+3]),
+    loaded from w.flat[iw:], and whether they are signed."""
+
+    def words(builder, context, array_type, w, iw):
+        if qtype == "Q8_0":
+            return [_load_bytes(builder, context, array_type, w, _offset(builder, iw, 32 * k), 32)
+                    for k in range(8)], True
+        fifteen, four = ir.Constant(_ivec(_I8, 32), [15] * 32), ir.Constant(_ivec(_I8, 32), [4] * 32)
+        packed = [_load_bytes(builder, context, array_type, w, _offset(builder, iw, 32 * m), 32) for m in range(4)]
+        return ([builder.and_(p, fifteen) for p in packed]
+                + [builder.and_(builder.lshr(p, four), fifteen) for p in packed]), False
+
+    return words
+
+
+def _interleaved_idot(qtype, avx2: bool, vnni: bool):
+    """idot(w, iw, x, ix, offset) -> f32x8: lane r = offset + the exact integer dot of row r's 32 values in the
+    interleaved block at w.flat[iw:] (after its scales) with the int8 activations x.flat[ix : ix + 32]."""
+    words = _interleaved_words(qtype)
+
+    def typer(typingctx, w, iw, x, ix, offset):
+        if not (_idot_args_ok(w, (iw, offset), x, ix)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ws, signed = words(builder, context, signature.args[0], args[0], args[1])
+            start = builder.trunc(args[4], _I32) if args[4].type.width > 32 else args[4]
+            acc = builder.insert_element(ir.Constant(_ivec(_I32, 8), ir.Undefined), start, ir.Constant(_I32, 0))
+            acc = builder.shuffle_vector(acc, acc, ir.Constant(_ivec(_I32, 8), [0] * 8))
+            for k in range(8):
+                xs = _broadcast4(builder, context, signature.args[2], args[2], _offset(builder, args[3], 4 * k))
+                acc = (_add_dot(builder, acc, ws[k], xs, signed, avx2, vnni) if avx2
+                       else builder.add(acc, _dot_generic(builder, ws[k], xs, signed)))
+            return builder.sitofp(acc, _vector(8))
+
+        return f32x8(w, iw, x, ix, offset), codegen
+
+    return intrinsic(typer)
+
+
+@intrinsic
+def load_halves8(typingctx, array, index):
+    """f32x8 of the eight float16 at bytes array.flat[index : index + 16] (an interleaved block's row scales)."""
+    if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        halves = builder.bitcast(_load_bytes(builder, context, signature.args[0], args[0], args[1], 16),
+                                 ir.VectorType(ir.HalfType(), 8))
+        return builder.fpext(halves, _vector(8))
+
+    return f32x8(array, index), codegen
+
+
+# idot_q8_0_x8(w, iw, x, ix, offset), idot_q4_0_x8(...): the machine's; for tests, GENERIC_X8_IDOTS in plain LLVM
+# and AVX2_X8_IDOTS without VNNI
+idot_q8_0_x8, idot_q4_0_x8 = (_interleaved_idot(t, AVX2, VNNI) for t in ("Q8_0", "Q4_0"))
+GENERIC_X8_IDOTS = tuple(_interleaved_idot(t, False, False) for t in ("Q8_0", "Q4_0"))
+AVX2_X8_IDOTS = tuple(_interleaved_idot(t, True, False) for t in ("Q8_0", "Q4_0")) if AVX2 else None
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_x8_q8_0(acc, w, g, b, q, d, s, t):
+    """Q8_0, rows 8g .. 8g + 7: acc[r] += d_r (d_x (q_r . q_x))."""
+    at = g * w.shape[1] + 272 * b
+    dots = idot_q8_0_x8(w, at + 16, q, t * q.shape[1] + 32 * b, np.int32(0))
+    return vfmav(acc, load_halves8(w, at), vfma(vzero(), d[t, b], dots))
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_x8_q4_0(acc, w, g, b, q, d, s, t):
+    """Q4_0, rows 8g .. 8g + 7: acc[r] += d_r (d_x (u_r . q_x - 8 s_x))."""
+    at = g * w.shape[1] + 144 * b
+    dots = idot_q4_0_x8(w, at + 16, q, t * q.shape[1] + 32 * b, np.int32(-8 * np.int32(s[t, b])))
+    return vfmav(acc, load_halves8(w, at), vfma(vzero(), d[t, b], dots))
+
+
+def _interleaved_kernels(acc_block):
+    """The row workers of one interleaved type: rows_into(w8, q, d, s, T, out, col, n0, n1), n0 and n1 multiples of 8
+    (whole groups), each group's block read once for four tokens at a time."""
+
+    @njit(fastmath=REASSOC, cache=True)
+    def rows_into(w, q, d, s, T, out, col, n0, n1):
+        """out[t, col + n] for t < T, n0 <= n < n1 (out C-contiguous float32 [>=T, >=col + n1])."""
+        blocks, stride = q.shape[1] // 32, out.shape[1]
+        for g in range(n0 // 8, n1 // 8):
+            at = col + 8 * g
+            t = 0
+            while t + 4 <= T:  # the four tokens' accumulators read the same words, which the compiler loads once
+                acc0, acc1, acc2, acc3 = vzero(), vzero(), vzero(), vzero()
+                for b in range(blocks):
+                    acc0 = acc_block(acc0, w, g, b, q, d, s, t)
+                    acc1 = acc_block(acc1, w, g, b, q, d, s, t + 1)
+                    acc2 = acc_block(acc2, w, g, b, q, d, s, t + 2)
+                    acc3 = acc_block(acc3, w, g, b, q, d, s, t + 3)
+                vstore(out, t * stride + at, acc0)
+                vstore(out, (t + 1) * stride + at, acc1)
+                vstore(out, (t + 2) * stride + at, acc2)
+                vstore(out, (t + 3) * stride + at, acc3)
+                t += 4
+            while t < T:
+                acc = vzero()
+                for b in range(blocks):
+                    acc = acc_block(acc, w, g, b, q, d, s, t)
+                vstore(out, t * stride + at, acc)
+                t += 1
+
+    return rows_into
+
+
+_rows_q8_0_x8, _rows_q4_0_x8 = _interleaved_kernels(_acc_x8_q8_0), _interleaved_kernels(_acc_x8_q4_0)
+# The type ids of interleaved matrices in a model's table (models/numba.py): the GGML type id plus INTERLEAVED_CODE.
+INTERLEAVED_CODE = 1000
+
+
 INT8_ROWS_INTO, INT8_MATMUL_INTO = {}, {}
 for _name, _acc in [("Q8_0", _acc_int8_q8_0), ("Q4_0", _acc_int8_q4_0), ("Q4_K", _acc_int8_q4_k),
                     ("Q5_K", _acc_int8_q5_k), ("Q6_K", _acc_int8_q6_k), ("Q4_1", _acc_int8_q4_1),
@@ -851,7 +1007,8 @@ INT8_TYPE_CODES = tuple(TYPES[t].type_id for t in INT8_KERNEL_TYPES)  # GGML typ
 
 @njit(cache=True)
 def matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1):
-    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1, W of GGML type `code` (INT8_KERNEL_TYPES), x
+    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1, W of GGML type `code` (INT8_KERNEL_TYPES; or Q8_0's or
+    Q4_0's id plus INTERLEAVED_CODE: w then holds interleaved rows, and n0, n1 are multiples of 8), x
     given by quantize_activations_q8_into(x, T, q, d, s) (once per input, shared by every row range and matrix).
         # q [>=T, K] int8, d, s [>=T, K / 32] float32 -> out [>=T, >=col + n1]"""
     if code == 8:
@@ -870,6 +1027,10 @@ def matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1):
         _rows_q5_0(w, q, d, s, T, out, col, n0, n1)
     elif code == 7:
         _rows_q5_1(w, q, d, s, T, out, col, n0, n1)
+    elif code == 1008:  # INTERLEAVED_CODE + Q8_0's
+        _rows_q8_0_x8(w, q, d, s, T, out, col, n0, n1)
+    elif code == 1002:  # INTERLEAVED_CODE + Q4_0's
+        _rows_q4_0_x8(w, q, d, s, T, out, col, n0, n1)
     else:
         raise ValueError("no 8-bit-activation kernel for this GGML type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and "
                          "Q6_K have one)")
@@ -907,6 +1068,24 @@ def matmul_int8(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> n
     INT8_MATMUL_INTO[qtype](x, w, out, x.shape[0], threads)
     return out
 
+
+
+def matmul_int8_interleaved(w8: np.ndarray, qtype: str, x: np.ndarray) -> np.ndarray:
+    """x W^T with x quantized to 8-bit blocks, W held as quant.interleave_rows(w, qtype) (Q8_0 or Q4_0), on the calling
+    thread.                                                # [N / 8, 8 row bytes] uint8, [T, K] float32 -> [T, N]"""
+    if qtype not in ("Q8_0", "Q4_0"):
+        raise QuantizationError(f"npllm interleaves the rows of Q8_0 and Q4_0 only, not {qtype}")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    T, K = x.shape
+    N = 8 * w8.shape[0]
+    _check_int8(w8.reshape(N, -1), qtype, K)
+    if not np.all(np.isfinite(x)):
+        raise QuantizationError("cannot quantize activations that are not finite (inf or NaN)")
+    q, d, s = np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32), np.empty((T, K // 32), np.float32)
+    quantize_activations_q8_into(x, T, q, d, s)
+    out = np.empty((T, N), np.float32)
+    matmul_rows_int8(INTERLEAVED_CODE + TYPES[qtype].type_id, w8, q, d, s, T, out, 0, 0, N)
+    return out
 
 # ================================================================================================================
 # Row-range workers: what npllm's Numba model (models/numba.py) calls, for every weight type a GGUF file holds.

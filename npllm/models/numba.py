@@ -29,7 +29,7 @@ from ..errors import ConfigError, GenerationError
 from ..formats import release
 from ..kernels import cpu
 from ..kernels import quant as qk
-from ..quant import FLOAT_ACTIVATIONS_FROM
+from ..quant import FLOAT_ACTIVATIONS_FROM, INTERLEAVE
 from .base import Model, sampler_rows
 from .weights import Weights, fused_gate_up, fused_qkv
 
@@ -385,6 +385,35 @@ def weight_pool(raws: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
     return pool, offsets
 
 
+def interleaved_pool(matrices: list, interleave: list[bool]) -> tuple[np.ndarray, list[int]]:
+    """weight_pool's one uint8 array, built as a copy: the matrices marked in `interleave` as
+    quant.interleave_rows(raw) (eight rows per group), the others as they are, each distinct matrix once. A mapped
+    source's pages are released once copied (formats.release), so the pool is the only resident copy, with no moment
+    holding both whole."""
+    from ..quant import interleave_rows
+
+    keys = [(m.raw.__array_interface__["data"][0], m.raw.shape, inter) for m, inter in zip(matrices, interleave)]
+    first = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    offsets_of, at = {}, 0
+    for key, i in first.items():
+        offsets_of[key] = at
+        at += matrices[i].raw.nbytes
+    pool = np.empty(at, np.uint8)
+    for key, i in first.items():
+        raw, at = matrices[i].raw, offsets_of[key]
+        rows = INTERLEAVE * max(1, (1 << 20) // (INTERLEAVE * raw.shape[1]))  # ~1 MiB at a time: no whole temporaries
+        for r0 in range(0, raw.shape[0], rows):
+            part = raw[r0:r0 + rows]
+            stored = interleave_rows(part, matrices[i].qtype) if interleave[i] else part
+            pool[at:at + part.nbytes] = np.ascontiguousarray(stored).reshape(-1)
+            at += part.nbytes
+            release(part)
+    pool.flags.writeable = False
+    return pool, [offsets_of[key] for key in keys]
+
+
 def _as_quantized(w):
     """A matrix as a QuantizedMatrix: as it is, or a float array's float32 bytes (a matrix of a mixed dict)."""
     from ..quant import QuantizedMatrix
@@ -398,14 +427,20 @@ def _as_quantized(w):
 def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     """The matrices in their own types over one byte pool, the vectors as float32 arrays stacked along L."""
     from ..formats.hf import permute_qk_half_to_interleaved
-    from ..quant import TYPES
+    from ..quant import INTERLEAVE, INTERLEAVED_TYPES, TYPES
 
     names = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
     matrices = [_as_quantized(getattr(layer, name)) for layer in weights.layers for name in names]
     matrices += [_as_quantized(weights.tok_embeddings), _as_quantized(weights.output)]
-    pool, offsets = weight_pool([m.raw for m in matrices])
-    mats = np.array([(at, TYPES[m.qtype].type_id, m.shape[0], m.shape[1], m.raw.shape[1])
-                     for at, m in zip(offsets, matrices)], np.int64)
+    # Q8_0 and Q4_0 products run on rows interleaved by eight (kernels/quant.py), which needs a copy of the file's
+    # bytes in that order; the embedding table stays as stored (rows are looked up one by one), and so does an LM
+    # head tied to it.
+    table = matrices[-2].raw.__array_interface__["data"][0]
+    interleave = [m.qtype in INTERLEAVED_TYPES and m.shape[0] % INTERLEAVE == 0 and i != len(matrices) - 2
+                  and m.raw.__array_interface__["data"][0] != table for i, m in enumerate(matrices)]
+    pool, offsets = interleaved_pool(matrices, interleave) if any(interleave) else weight_pool([m.raw for m in matrices])
+    mats = np.array([(at, TYPES[m.qtype].type_id + (qk.INTERLEAVED_CODE if inter else 0), m.shape[0], m.shape[1],
+                      m.raw.shape[1]) for at, m, inter in zip(offsets, matrices, interleave)], np.int64)
     H, K, Dh = c.n_heads, c.n_kv_heads, c.head_dim
     bqkv = np.zeros((c.n_layers, (H + 2 * K) * Dh), np.float32)
     if c.attention_bias:
@@ -480,15 +515,17 @@ def _bytes_by_type(mats: np.ndarray) -> dict[str, int]:
         if at in seen:  # tied embeddings: one matrix, listed twice
             continue
         seen.add(at)
-        name = TYPES_BY_ID[code].name
+        name = TYPES_BY_ID[code % qk.INTERLEAVED_CODE].name
         totals[name] = totals.get(name, 0) + N * row_bytes
     return totals
 
 
 @njit(inline="always")
 def _matrix(pool, mats, m):
-    """Matrix m's byte rows, a view of the pool.  # -> [N, row bytes] uint8"""
+    """Matrix m's byte rows, a view of the pool.  # -> [N, row bytes] uint8 (interleaved: [N / 8, 8 row bytes])"""
     at, N, row_bytes = mats[m, 0], mats[m, 2], mats[m, 4]
+    if mats[m, 1] >= qk.INTERLEAVED_CODE:
+        return pool[at:at + N * row_bytes].reshape((N // 8, 8 * row_bytes))
     return pool[at:at + N * row_bytes].reshape((N, row_bytes))
 
 
@@ -497,16 +534,16 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     """out[:T, col_i : col_i + N_i] = x[:T, :K] @ W_i.T for the `count` matrices first .. first + count - 1, which
     read the same input, side by side (col_i = N_0 + ... + N_{i-1}).   # [>=T, >=K] -> [>=T, >= sum N_i]
 
-    The concatenated rows (one token) or panels of 16 rows (several tokens) are split into one contiguous range per
-    thread, in ONE parallel region (none on one thread: a small model's step is mostly such calls); each matrix's
-    part of a range goes to its type's row-range worker (kernels/quant.py).
+    The concatenated groups of 8 rows (one token) or panels of 16 rows (several tokens) are split into one
+    contiguous range per thread, in ONE parallel region (none on one thread: a small model's step is mostly such
+    calls); each matrix's part of a range goes to its type's row-range worker (kernels/quant.py).
 
-    Q8_0 and Q4_0 weights, and the K-quants in calls of fewer than quant.FLOAT_ACTIVATIONS_FROM tokens, meet
-    activations quantized to 8 bits per block of 32 (as llama.cpp does): integer dot products, with x quantized once here for
-    every matrix and row range (docs/quant.md, "8-bit activations", for the rounding bound and the measured KL
-    divergence). Other types take x in float32.
+    Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights (Q8_0 and Q4_0 as interleaved rows), and the K-quants in calls of fewer
+    than quant.FLOAT_ACTIVATIONS_FROM tokens, meet activations quantized to 8 bits per block of 32 (as llama.cpp
+    does): integer dot products, with x quantized once here for every matrix and row range (docs/quant.md, "8-bit
+    activations", for the rounding bound and the measured KL divergence). Other types take x in float32.
     """
-    unit = 1 if T == 1 else PANEL
+    unit = INTERLEAVE if T == 1 else PANEL  # whole groups of interleaved rows
     total = np.int64(0)  # not a literal 0 (see _forward_quantized)
     for i in range(count):
         total += -(-mats[first + i, 2] // unit)
@@ -541,7 +578,8 @@ def _int8_type(code, T) -> bool:
     """Whether weights of GGML type `code` meet 8-bit activations in a call of T tokens: the types with an
     integer-dot worker (kernels/quant.py INT8_TYPE_CODES), the K-quants below their FLOAT_ACTIVATIONS_FROM
     (quant.int8_activations states the same rule for the NumPy oracle)."""
-    return (code == 8 or code == 2 or code == 3 or code == 6 or code == 7 or (code == 12 and T < Q4_K_FLOAT_FROM)
+    return (code == 8 or code == 2 or code == 3 or code == 6 or code == 7 or code == 1008 or code == 1002
+            or (code == 12 and T < Q4_K_FLOAT_FROM)
             or (code == 13 and T < Q5_K_FLOAT_FROM) or (code == 14 and T < Q6_K_FLOAT_FROM))
 
 
