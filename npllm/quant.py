@@ -754,6 +754,7 @@ def with_int8_activations(tensors: dict) -> dict:
 # at once, and one float multiply-add per block applies the eight rows' scales.
 INTERLEAVED_TYPES = ("Q8_0", "Q4_0")
 INTERLEAVE = 8  # rows per group
+_SIGN_FLIP = {"Q8_0": 0x80, "Q4_0": 0}  # stored Q8_0 values are q + 128 (unsigned)
 
 
 def _interleave_split(qtype: str) -> int:
@@ -767,12 +768,14 @@ def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
 
     Group g holds rows 8g .. 8g + 7 (r below), block by block; block b of the group is
 
-        Q8_0 (272 bytes)  d_0 .. d_7 (8 x float16) | word k = 0..7 (32 bytes): q_r[4k .. 4k+3] for r = 0..7
+        Q8_0 (272 bytes)  d_0 .. d_7 (8 x float16) | word k = 0..7 (32 bytes): q_r[4k .. 4k+3] + 128 for r = 0..7
         Q4_0 (144 bytes)  d_0 .. d_7 (8 x float16) | word m = 0..3 (32 bytes): byte_r[4m .. 4m+3] for r = 0..7
 
     where q_r are row r's 32 int8 values of block b, and byte_r its 16 bytes of nibbles (byte j: value j in the low
     nibble, value j + 16 in the high one). So lane r (bytes 4r .. 4r + 3) of Q8_0's word k holds values 4k .. 4k+3 of
     row r; of Q4_0's word m, the low nibbles hold values 4m .. 4m+3 and the high nibbles values 16 + 4m .. 16 + 4m+3.
+    Q8_0's values are stored unsigned, q + 128 (the sign bit flipped), as Q4_0's nibbles are: the machine's integer
+    dot multiplies unsigned bytes by signed activations.
     """
     split = _interleave_split(qtype)
     N, row_bytes = raw.shape
@@ -782,7 +785,8 @@ def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
     blocks = raw.reshape(N // 8, 8, nb, split + 2)  # [G, r, b, block bytes]
     scales = blocks[..., :2].transpose(0, 2, 1, 3).reshape(N // 8, nb, 16)  # [G, b, r * 2]
     words = blocks[..., 2:].reshape(N // 8, 8, nb, split // 4, 4).transpose(0, 2, 3, 1, 4)  # [G, b, word, r, 4]
-    return np.concatenate([scales, words.reshape(N // 8, nb, 8 * split)], axis=2).reshape(N // 8, -1)
+    words = words.reshape(N // 8, nb, 8 * split) ^ np.uint8(_SIGN_FLIP[qtype])
+    return np.concatenate([scales, words], axis=2).reshape(N // 8, -1)
 
 
 def deinterleave_rows(grouped: np.ndarray, qtype: str) -> np.ndarray:
@@ -792,6 +796,6 @@ def deinterleave_rows(grouped: np.ndarray, qtype: str) -> np.ndarray:
     nb = grouped.shape[1] // (8 * (split + 2))
     blocks = grouped.reshape(G, nb, 8 * (split + 2))
     scales = blocks[..., :16].reshape(G, nb, 8, 2).transpose(0, 2, 1, 3)  # [G, r, b, 2]
-    words = blocks[..., 16:].reshape(G, nb, split // 4, 8, 4).transpose(0, 3, 1, 2, 4)  # [G, r, b, word, 4]
+    words = (blocks[..., 16:] ^ np.uint8(_SIGN_FLIP[qtype])).reshape(G, nb, split // 4, 8, 4).transpose(0, 3, 1, 2, 4)
     rows = np.concatenate([scales, words.reshape(G, 8, nb, split)], axis=3)
     return np.ascontiguousarray(rows.reshape(G * 8, -1))

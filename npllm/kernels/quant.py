@@ -849,11 +849,13 @@ def _int8_kernels(acc_block, block_size: int):
 # for eight rows, and one conversion and one multiply-add by the eight rows' scales finish it. About a third of the
 # instructions per block (scripts/bench_tiles.py, docs/quant.md).
 #
-#     Q8_0:  out[t, 8g + r] = sum_b  d_r d_x  sum_k lane r of (word k . x[4k .. 4k+3])
-#     Q4_0:  out[t, 8g + r] = sum_b  d_r d_x (sum_k lane r of (nibbles of word k . x[..]) - 8 s_x)
+#     Q8_0:  out[t, 8g + r] = sum_b  d_r d_x (sum_k lane r of (word k . x[4k .. 4k+3]) - 128 s_x)
+#     Q4_0:  out[t, 8g + r] = sum_b  d_r d_x (sum_k lane r of (nibbles of word k . x[4k .. 4k+3]) - 8 s_x)
 #
-# Q4_0's nibbles u meet x unsigned (vpdpbusd / vpmaddubsw take unsigned bytes times signed), and -8 s_x, s_x the
-# block's sum of q_x, restores u - 8 inside the same exact integer. Q8_0's signed values meet x by the sign trick.
+# vpdpbusd and vpmaddubsw multiply unsigned bytes by signed ones, so the stored values are unsigned: Q4_0's nibbles
+# u, and Q8_0's q + 128 (interleave_rows flips each value's sign bit). Each dot starts from -8 s_x or -128 s_x, s_x
+# the activation block's sum of q_x, which turns it into the dot of u - 8 or q in the same exact integer. (Without
+# VNNI, Q8_0's bytes go back to q and take the sign trick: vpmaddubsw's pairs of 255 x 127 would saturate.)
 
 
 def _broadcast4(builder, context, array_type, array, index):
@@ -877,43 +879,42 @@ def _offset(builder, value, add):
     return builder.add(value, ir.Constant(value.type, add))
 
 
-def _interleaved_words(qtype):
-    """The eight <32 x i8> words of one interleaved block (word k: four values of each row meeting x[4k .. 4k+3]),
-    loaded from w.flat[iw:], and whether they are signed."""
+def _interleaved_idot(qtype, avx2: bool, vnni: bool):
+    """idot(w, iw, x, ix, sum_x) -> f32x8: lane r = the exact integer dot of row r's 32 values (Q8_0's stored bytes
+    minus 128, Q4_0's nibbles minus 8) in the interleaved block at w.flat[iw:] (after its scales) with the int8
+    activations x.flat[ix : ix + 32], whose sum is sum_x (the block's s)."""
+    bias = {"Q8_0": 128, "Q4_0": 8}[qtype]
+    flip_back = qtype == "Q8_0" and avx2 and not vnni  # vpmaddubsw would saturate on 255 x 127: the sign trick
 
     def words(builder, context, array_type, w, iw):
+        """Word k of the block (four unsigned values of each row meeting x[4k .. 4k+3]), k < 8."""
         if qtype == "Q8_0":
-            return [_load_bytes(builder, context, array_type, w, _offset(builder, iw, 32 * k), 32)
-                    for k in range(8)], True
+            return [_load_bytes(builder, context, array_type, w, _offset(builder, iw, 32 * k), 32) for k in range(8)]
         fifteen, four = ir.Constant(_ivec(_I8, 32), [15] * 32), ir.Constant(_ivec(_I8, 32), [4] * 32)
         packed = [_load_bytes(builder, context, array_type, w, _offset(builder, iw, 32 * m), 32) for m in range(4)]
-        return ([builder.and_(p, fifteen) for p in packed]
-                + [builder.and_(builder.lshr(p, four), fifteen) for p in packed]), False
+        return [builder.and_(p, fifteen) for p in packed] + [builder.and_(builder.lshr(p, four), fifteen)
+                                                                for p in packed]
 
-    return words
-
-
-def _interleaved_idot(qtype, avx2: bool, vnni: bool):
-    """idot(w, iw, x, ix, offset) -> f32x8: lane r = offset + the exact integer dot of row r's 32 values in the
-    interleaved block at w.flat[iw:] (after its scales) with the int8 activations x.flat[ix : ix + 32]."""
-    words = _interleaved_words(qtype)
-
-    def typer(typingctx, w, iw, x, ix, offset):
-        if not (_idot_args_ok(w, (iw, offset), x, ix)):
+    def typer(typingctx, w, iw, x, ix, sum_x):
+        if not (_idot_args_ok(w, (iw,), x, ix) and sum_x in (types.int32, types.int64)):
             return None
 
         def codegen(context, builder, signature, args):
-            ws, signed = words(builder, context, signature.args[0], args[0], args[1])
-            start = builder.trunc(args[4], _I32) if args[4].type.width > 32 else args[4]
+            ws = words(builder, context, signature.args[0], args[0], args[1])
+            if flip_back:  # q itself, signed
+                ws, start = [builder.xor(u, ir.Constant(_ivec(_I8, 32), [128] * 32)) for u in ws], ir.Constant(_I32, 0)
+            else:  # -bias sum_x turns the unsigned values' dot into that of u - bias
+                total = builder.trunc(args[4], _I32) if args[4].type.width > 32 else args[4]
+                start = builder.mul(total, ir.Constant(_I32, -bias))
             acc = builder.insert_element(ir.Constant(_ivec(_I32, 8), ir.Undefined), start, ir.Constant(_I32, 0))
             acc = builder.shuffle_vector(acc, acc, ir.Constant(_ivec(_I32, 8), [0] * 8))
             for k in range(8):
                 xs = _broadcast4(builder, context, signature.args[2], args[2], _offset(builder, args[3], 4 * k))
-                acc = (_add_dot(builder, acc, ws[k], xs, signed, avx2, vnni) if avx2
-                       else builder.add(acc, _dot_generic(builder, ws[k], xs, signed)))
+                acc = (_add_dot(builder, acc, ws[k], xs, flip_back, avx2, vnni) if avx2
+                       else builder.add(acc, _dot_generic(builder, ws[k], xs, False)))
             return builder.sitofp(acc, _vector(8))
 
-        return f32x8(w, iw, x, ix, offset), codegen
+        return f32x8(w, iw, x, ix, sum_x), codegen
 
     return intrinsic(typer)
 
@@ -941,9 +942,9 @@ AVX2_X8_IDOTS = tuple(_interleaved_idot(t, True, False) for t in ("Q8_0", "Q4_0"
 
 @njit(fastmath=REASSOC, inline="always")
 def _acc_x8_q8_0(acc, w, g, b, q, d, s, t):
-    """Q8_0, rows 8g .. 8g + 7: acc[r] += d_r (d_x (q_r . q_x))."""
+    """Q8_0, rows 8g .. 8g + 7: acc[r] += d_r (d_x (q_r . q_x)), q_r stored as q_r + 128."""
     at = g * w.shape[1] + 272 * b
-    dots = idot_q8_0_x8(w, at + 16, q, t * q.shape[1] + 32 * b, np.int32(0))
+    dots = idot_q8_0_x8(w, at + 16, q, t * q.shape[1] + 32 * b, np.int32(s[t, b]))
     return vfmav(acc, load_halves8(w, at), vfma(vzero(), d[t, b], dots))
 
 
@@ -951,7 +952,7 @@ def _acc_x8_q8_0(acc, w, g, b, q, d, s, t):
 def _acc_x8_q4_0(acc, w, g, b, q, d, s, t):
     """Q4_0, rows 8g .. 8g + 7: acc[r] += d_r (d_x (u_r . q_x - 8 s_x))."""
     at = g * w.shape[1] + 144 * b
-    dots = idot_q4_0_x8(w, at + 16, q, t * q.shape[1] + 32 * b, np.int32(-8 * np.int32(s[t, b])))
+    dots = idot_q4_0_x8(w, at + 16, q, t * q.shape[1] + 32 * b, np.int32(s[t, b]))
     return vfmav(acc, load_halves8(w, at), vfma(vzero(), d[t, b], dots))
 
 
