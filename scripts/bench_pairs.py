@@ -1,0 +1,56 @@
+"""llama.cpp and npllm side by side in PAIRS: each round runs llama-bench, then `npllm bench`, on the same GGUF file,
+type after type, so the two figures of a pair come from the same minute of a noisy shared machine. Prints each
+pair's ratio (npllm / llama.cpp) and, at the end, the median ratio per type and test.
+
+    python scripts/bench_pairs.py [SHAPE] [THREADS] [ROUNDS]        # defaults: stories110M 2 3
+
+The files are scripts/bench_llama_cpp.sh's ($GGUF_DIR, default /tmp/npllm-bench-gguf: run that script once to
+write them), llama.cpp its build ($LLAMA_CPP_DIR, default /tmp/npllm-llama.cpp); $LLAMA_BENCH_ARGS goes to
+llama-bench (e.g. "--repack 0" on a VM that lists AMX without enabling it). Decode after a 128-token prompt, 64
+steps; npllm's threads sleep between parallel regions (its default) unless OMP_WAIT_POLICY says otherwise.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+shape = sys.argv[1] if len(sys.argv) > 1 else "stories110M"
+threads = sys.argv[2] if len(sys.argv) > 2 else "2"
+rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+gguf = Path(os.environ.get("GGUF_DIR", "/tmp/npllm-bench-gguf"))
+llama_bench = Path(os.environ.get("LLAMA_CPP_DIR", "/tmp/npllm-llama.cpp")) / "bin" / "llama-bench"
+npllm = Path(sys.executable).parent / "npllm"
+
+
+def llama_cpp(path):
+    """(prefill tok/s, decode tok/s) of llama-bench -p 128 -n 64."""
+    args = [str(llama_bench), "-m", str(path), "-p", "128", "-n", "64", "-t", threads, "-r", "2", "-o", "json"]
+    runs = json.loads(subprocess.run(args + os.environ.get("LLAMA_BENCH_ARGS", "").split(), capture_output=True,
+                                     text=True, check=True).stdout)
+    by_test = {("pp" if r["n_gen"] == 0 else "tg"): r["avg_ts"] for r in runs}
+    return by_test["pp"], by_test["tg"]
+
+
+def ours(path):
+    """(prefill tok/s, decode tok/s) of npllm bench --batch 1 --prompt-len 128 --gen-len 64."""
+    args = [str(npllm), "bench", "--model", str(path), "--batch", "1", "--prompt-len", "128", "--gen-len", "64",
+            "--repeat", "2", "--threads", threads, "--json"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    row = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    return row["prefill_tok_s"], row["decode_tok_s"]
+
+
+ratios = {}
+print(f"{shape}, {threads} threads, {rounds} rounds; load average {open('/proc/loadavg').read().split()[:3]}")
+for r in range(rounds):
+    for qtype in ("F32", "Q8_0", "Q4_0"):
+        path = gguf / f"{shape}-{qtype}.gguf"
+        (lp, lt), (op, ot) = llama_cpp(path), ours(path)
+        ratios.setdefault((qtype, "prefill"), []).append(op / lp)
+        ratios.setdefault((qtype, "decode"), []).append(ot / lt)
+        print(f"round {r + 1} {qtype:5} prefill llama.cpp {lp:8.1f} npllm {op:8.1f} ({op / lp:.2f}x)   "
+              f"decode llama.cpp {lt:7.1f} npllm {ot:7.1f} ({ot / lt:.2f}x)", flush=True)
+print("median ratio npllm / llama.cpp: " + ", ".join(f"{t} {test} {statistics.median(v):.2f}x"
+                                                      for (t, test), v in ratios.items()))
