@@ -84,3 +84,32 @@ def test_kernels_refuse_mismatched_shapes_and_types():
         kq.matvec(w, "Q8_0", np.ones(32, np.float32))
     with pytest.raises(QuantizationError, match="no kernel for Q5_1"):
         kq.matvec(w, "Q5_1", np.ones(64, np.float32))
+
+
+def _q4_0_case():
+    values = np.zeros((1, 256), np.float32)
+    values[0, 0] = -0.7  # the one nonzero weight
+    x = np.zeros(256, np.float32)
+    x[0], x[24] = 1e-4, 2.3
+    return quant.quantize(values, "Q4_0").reshape(1, -1), x
+
+
+def _q6_k_case():  # Hypothesis's example: every byte 16 (q - 32 = 0 at value 24), one qh byte 2, d = 1.705
+    w = np.full((1, 210), 16, np.uint8)
+    w[0, 152], w[0, 208:] = 2, (210, 62)
+    x = np.zeros(256, np.float32)
+    x[0], x[24] = 2.0**-14, 2.0
+    return w, x
+
+
+@pytest.mark.parametrize("qtype, case", [("Q4_0", _q4_0_case), ("Q6_K", _q6_k_case)])
+def test_a_zero_weight_beside_a_large_activation_costs_no_digits(qtype, case):
+    """Found by Hypothesis: with the fixed offset taken as -8 (or -32) d (sum of x), a weight of 0 meeting a large
+    activation cancelled against that sum and left ~3 correct digits of a small result. The offset is now subtracted
+    from the small integers before the product, so the result is exact to float32 rounding of ITS terms."""
+    w, x = case()
+    reference = quant.dequantize(w, qtype, (1, 256)).astype(np.float64)
+    assert reference[0, 24] == 0.0 and reference[0, 0] != 0.0
+    exact = reference[0] @ x.astype(np.float64)
+    np.testing.assert_allclose(kq.matvec(w, qtype, x, 1), [exact], rtol=1e-6)
+    np.testing.assert_allclose(kq.matmul(w, qtype, np.stack([x, x]), 1)[:, 0], [exact, exact], rtol=1e-6)

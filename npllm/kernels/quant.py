@@ -38,7 +38,7 @@ from numba.extending import intrinsic
 
 from ..quant import QK_K, TYPES, QuantizationError
 from .cpu import PANEL, REASSOC, TILE_T, _tile_6x16
-from .simd import _vector, f32x8, vadd, vfma, vfmav, vload, vstore, vsum, vzero
+from .simd import _vector, f32x8, vadd, vfma, vfmav, vload, vsplat, vstore, vsum, vzero
 
 # ---------------------------------------------------------------------------------------------- byte vectors
 # Eight weight bytes widened to eight float32 lanes in registers (simd.py's f32x8). Written as LLVM vector
@@ -134,8 +134,9 @@ def _int8(byte):
 # and returns it with a scalar part; _decode_<type>(w, n, b, buf, at) writes the block's values to
 # buf[at : at + block_size]. `w` is [N, row bytes] C-contiguous, so row n's block b starts at flat byte
 # n * w.shape[1] + b * block_bytes. `sums[i]` = x[16 i : 16 i + 16].sum(), computed once per product: the terms of
-# an offset (Q4_0's -8, a K-quant's min, Q6_K's -32) are (offset * sum of x), one multiply per sub-block instead of
-# one add per value.
+# a K-quant's min are (min * sum of x), one multiply per sub-block instead of one add per value. A fixed offset
+# (Q4_0's -8, Q6_K's -32) is subtracted from the small integers before the product instead: q x - 32 (sum of x)
+# would cancel to a loss of every digit where a weight of 0 meets a large activation.
 
 
 @njit(fastmath=REASSOC, inline="always")
@@ -159,14 +160,15 @@ def _decode_q8_0(w, n, b, buf, at):
 @njit(fastmath=REASSOC, inline="always")
 def _acc_q4_0(acc, w, n, b, x, sums):
     """Q4_0 (18 bytes: f16 d, 16 bytes; byte j holds values j (low nibble) and j + 16 (high), offset by 8):
-    d q x in the lanes, -8 d (sum of x) as the scalar part."""
+    d (u - 8) x in the lanes (u - 8 exact before the product, as Q6_K's q - 32), no scalar part."""
     at, k = n * w.shape[1] + 18 * b + 2, 32 * b
+    minus_8 = vsplat(np.float32(-8))
     qx = vzero()
     for j in range(0, 16, 8):
-        qx = vfmav(qx, vload_low_nibbles(w, at + j), vload(x, k + j))
-        qx = vfmav(qx, vload_high_nibbles(w, at + j), vload(x, k + 16 + j))
+        qx = vfmav(qx, vadd(vload_low_nibbles(w, at + j), minus_8), vload(x, k + j))
+        qx = vfmav(qx, vadd(vload_high_nibbles(w, at + j), minus_8), vload(x, k + 16 + j))
     d = load_half(w, n * w.shape[1] + 18 * b)
-    return vfma(acc, d, qx), np.float32(-8) * d * (sums[2 * b] + sums[2 * b + 1])
+    return vfma(acc, d, qx), np.float32(0)
 
 
 @njit(inline="always")
@@ -234,23 +236,25 @@ def _acc_q6_k_group(acc, offset, w, n, b, x, sums, d, h, g, high_nibbles):
     ql = flat + 64 * h + 32 * (g & 1)
     qh = flat + 128 + 32 * h
     first = QK_K * b + 128 * h + 32 * g
+    minus_32 = vsplat(np.float32(-32))
     for half in range(2):
         qx = vzero()
         for j in range(16 * half, 16 * half + 16, 8):
             low = vload_high_nibbles(w, ql + j) if high_nibbles else vload_low_nibbles(w, ql + j)
-            q = vfma(low, np.float32(16), vload_two_bits(w, qh + j, 2 * g))
+            # q - 32 exactly, before the product: (q x) - 32 (sum x) would cancel to a loss of every digit where
+            # the two nearly meet (a weight of 0 beside a large activation)
+            q = vfma(vadd(low, minus_32), np.float32(16), vload_two_bits(w, qh + j, 2 * g))
             qx = vfmav(qx, q, vload(x, first + j))
         sub = 8 * h + 2 * g + half
         scale = d * np.float32(_int8(w[n, 210 * b + 192 + sub]))
         acc = vfma(acc, scale, qx)
-        offset -= np.float32(32) * scale * sums[16 * b + sub]
     return acc, offset
 
 
 @njit(fastmath=REASSOC, inline="always")
 def _acc_q6_k(acc, w, n, b, x, sums):
-    """Q6_K (210 bytes): for each sub-block s of 16, (d sc_s) (low + 16 high) x in the lanes, -32 (d sc_s) (sum of
-    x) as the scalar part (see _acc_q6_k_group for where each value's bits are)."""
+    """Q6_K (210 bytes): for each sub-block s of 16, (d sc_s) (low + 16 high - 32) x in the lanes, no scalar part
+    (see _acc_q6_k_group for where each value's bits are)."""
     d = load_half(w, n * w.shape[1] + 210 * b + 208)
     offset = np.float32(0)
     for h in range(2):

@@ -13,6 +13,7 @@ the tile is written with an explicit vector type:
     vfma(acc, x, w)     acc + x * w per lane, with ONE rounding (a fused multiply-add), x a scalar
     vfmav(acc, a, b)    acc + a * b per lane, a and b vectors
     vadd(a, b)          a + b per lane
+    vsplat(x)           f32x8 with every lane x (a float32 scalar)
     vsum(v)             of 8 lanes: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), always in that order
 
 A KV cache may be stored in float16 (cache.py). Numba has no float16 type on the CPU, so such a cache reaches the
@@ -176,6 +177,18 @@ def vadd(typingctx, a, b):
         return builder.fadd(args[0], args[1])
 
     return a(a, b), codegen
+
+
+@intrinsic
+def vsplat(typingctx, x):
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        lane0 = builder.insert_element(ir.Constant(_vector(8), ir.Undefined), args[0], ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(lane0, lane0, ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
+
+    return f32x8(x), codegen
 
 
 @intrinsic
