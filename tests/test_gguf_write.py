@@ -168,7 +168,9 @@ def test_stories260k_q8_0_matches_golden_as_long_as_its_dequantized_model(tmp_pa
     got = agreement(greedy_ids(quantized, 200), golden_ids)
     print(f"stories260K Q8_0 (FFN padded to 192): {got} of 200 greedy tokens match greedy_200.txt "
           f"(dequantized float model: {expected})")
-    assert got == expected
+    # At least as long as the dequantized model: the two part from the golden text where two logits nearly tie, so
+    # float rounding decides which one leaves it first (one-row kernels: both at 114; interleaved rows: 185 vs 114)
+    assert got >= expected
     assert got >= 10  # and Q8_0 is close enough to follow the golden text for a while
 
 
