@@ -46,6 +46,7 @@ import numpy as np
 from numba import njit, prange
 
 from .models import limit_blas_threads, make_model, resolve_backend
+from .models.numba import use_threads
 from .config import ModelConfig
 from .errors import ConfigError, FormatError
 from .kernels.simd import LANES, vadd, vload, vsum, vzero
@@ -102,7 +103,7 @@ def measure_bandwidth(threads: int, mib: int = 512, repeat: int = 5) -> dict[str
     matrix = np.ones((rows, mib * 2**20 // 4 // rows), np.float32)
     vector = np.ones(matrix.shape[1], np.float32)
     flat = matrix.reshape(-1)
-    numba.set_num_threads(threads)
+    use_threads(threads)  # not numba.set_num_threads: the model's record of what is set must stay true
     _stream_sum(flat[:1024], threads)
 
     def best_rate(run):

@@ -16,6 +16,7 @@ The Numba model computes in float32 whatever the checkpoint's dtype; its cache s
 
 from __future__ import annotations
 
+import threading
 from collections import namedtuple
 
 import numba
@@ -60,6 +61,17 @@ Sequences = namedtuple("Sequences", ["order", "starts", "slots"])
 Ring = namedtuple("Ring", ["k", "v", "positions", "lengths"])
 # Shape and options of a call: heads H, kv heads K, head dim Dh, norm eps, attention window, threads.
 Dims = namedtuple("Dims", ["H", "K", "Dh", "eps", "window", "threads"])
+
+
+_threads_set = threading.local()  # numba.set_num_threads is per Python thread, and so is what it was last set to
+
+
+def use_threads(n: int) -> None:
+    """numba.set_num_threads(n) unless this Python thread set n last: the call costs ~2.5 us, and a decode step asks
+    twice (the forward, the LM head), which is ~2% of a stories260K step."""
+    if getattr(_threads_set, "n", None) != n:
+        numba.set_num_threads(n)
+        _threads_set.n = n
 
 
 def _padded(n: int) -> int:
@@ -107,7 +119,7 @@ class NumbaTransformer(Model):
         if len(tokens) == 0:
             return np.zeros((0, self.config.dim), np.float32)
         threads = self.threads_for(len(tokens), self._layer_cost(), LAYER_REGIONS)
-        numba.set_num_threads(threads)
+        use_threads(threads)
         c = self.config
         dims = Dims(c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps, self.window(cache), threads)
         ring = Ring(*_kv_arrays(cache), cache.positions, cache.lengths)
@@ -154,7 +166,7 @@ class NumbaTransformer(Model):
     def lm_head(self, h: np.ndarray) -> np.ndarray:
         """Logits from final hidden states.  # [T, D] -> [T, V]"""
         threads = self.threads_for(len(h), self.output_panels.nbytes, 1)
-        numba.set_num_threads(threads)
+        use_threads(threads)
         return cpu.lm_head(np.ascontiguousarray(h, dtype=np.float32), self.output_panels, self.config.vocab_size,
                            threads)
 
@@ -498,7 +510,7 @@ class QuantizedNumbaTransformer(NumbaTransformer):
         """Logits from final hidden states, the LM head read in its own type.  # [T, D] -> [T, V]"""
         mats = self.packed.mats
         threads = self.threads_for(len(h), 4 * int(mats[-1, 2] * mats[-1, 3]), 1)
-        numba.set_num_threads(threads)
+        use_threads(threads)
         h = np.ascontiguousarray(h, dtype=np.float32)
         out = np.empty((len(h), self.config.vocab_size), np.float32)
         if len(h):
