@@ -720,7 +720,8 @@ INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
 # multiply them by float32 activations: exactly the dequantized product.
 # models/numba.py compiles these numbers in, and Numba's cache does not see a change here: clear it after one
 # (find npllm -name "*.nb[ic]" -delete).
-FLOAT_ACTIVATIONS_FROM = {"Q4_K": 32, "Q5_K": 16, "Q6_K": 40}
+# Q4_K has none: the Numba model holds it as interleaved rows, whose integer dots stay the faster at every T.
+FLOAT_ACTIVATIONS_FROM = {"Q5_K": 16, "Q6_K": 40}
 
 
 def int8_activations(qtype: str, tokens: int) -> bool:
@@ -748,54 +749,84 @@ def with_int8_activations(tensors: dict) -> dict:
 
 
 # ================================================================================================================
-# Rows interleaved by eight: how the Numba model holds Q8_0 and Q4_0 matrices in memory (kernels/quant.py's
-# "interleaved rows"). The same blocks and the same bytes, regrouped so that ONE 32-byte vector holds four values
-# of each of eight rows: an integer dot against four activations broadcast to every lane then advances eight rows
-# at once, and one float multiply-add per block applies the eight rows' scales.
-INTERLEAVED_TYPES = ("Q8_0", "Q4_0")
+# Rows interleaved by eight: how the Numba model holds Q8_0, Q4_0 and Q4_K matrices in memory (kernels/quant.py's
+# "interleaved rows"). The same values regrouped so that ONE 32-byte vector holds four values of each of eight rows:
+# an integer dot against four activations broadcast to every lane then advances eight rows at once, and one float
+# multiply-add per block (Q4_K: per sub-block) applies the eight rows' scales.
+INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_K")
 INTERLEAVE = 8  # rows per group
+# bytes of one block of a group of eight rows: the file's 8 x 34 and 8 x 18; Q4_K's 8 x 144 plus 32, its 6-bit
+# scales and mins unpacked to a byte each
+INTERLEAVED_BLOCK_BYTES = {"Q8_0": 272, "Q4_0": 144, "Q4_K": 1184}
 _SIGN_FLIP = {"Q8_0": 0x80, "Q4_0": 0}  # stored Q8_0 values are q + 128 (unsigned)
 
 
-def _interleave_split(qtype: str) -> int:
+def _check_interleave(qtype: str, rows: int) -> None:
     if qtype not in INTERLEAVED_TYPES:
-        raise QuantizationError(f"npllm interleaves the rows of {' and '.join(INTERLEAVED_TYPES)} only, not {qtype}")
-    return TYPES[qtype].block_bytes - 2  # bytes of quants after a block's float16 scale
+        raise QuantizationError(f"npllm interleaves the rows of {', '.join(INTERLEAVED_TYPES)} only, not {qtype}")
+    if rows % INTERLEAVE:
+        raise QuantizationError(f"rows are interleaved by {INTERLEAVE}: {rows} rows are not a multiple")
+
+
+def _words(runs: np.ndarray) -> np.ndarray:
+    """Runs of 32 bytes of 8 rows as 8 words: word k, lane r = bytes 4k .. 4k+3 of row r.  # [..., 8, 32] -> [..., 256]"""
+    shape = runs.shape[:-2]
+    return runs.reshape(*shape, 8, 8, 4).swapaxes(-3, -2).reshape(*shape, 256)
+
+
+def _runs(words: np.ndarray) -> np.ndarray:
+    """_words undone.                                                              # [..., 256] -> [..., 8, 32]"""
+    shape = words.shape[:-1]
+    return words.reshape(*shape, 8, 8, 4).swapaxes(-3, -2).reshape(*shape, 8, 32)
 
 
 def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
-    """Q8_0 or Q4_0 rows regrouped by eight.          # [N, row bytes] uint8 -> [N / 8, 8 row bytes] uint8
+    """Q8_0, Q4_0 or Q4_K rows regrouped by eight.  # [N, row bytes] uint8 -> [N / 8, nb INTERLEAVED_BLOCK_BYTES] uint8
 
     Group g holds rows 8g .. 8g + 7 (r below), block by block; block b of the group is
 
-        Q8_0 (272 bytes)  d_0 .. d_7 (8 x float16) | word k = 0..7 (32 bytes): q_r[4k .. 4k+3] + 128 for r = 0..7
-        Q4_0 (144 bytes)  d_0 .. d_7 (8 x float16) | word m = 0..3 (32 bytes): byte_r[4m .. 4m+3] for r = 0..7
+        Q8_0 (272 bytes)   d_0 .. d_7 (8 x float16) | word k = 0..7 (32 bytes): q_r[4k .. 4k+3] + 128 for r = 0..7
+        Q4_0 (144 bytes)   d_0 .. d_7 (8 x float16) | word m = 0..3 (32 bytes): byte_r[4m .. 4m+3] for r = 0..7
+        Q4_K (1184 bytes)  d_0 .. d_7 | dmin_0 .. dmin_7 (float16) | sc[s][r] (64 bytes) | mn[s][r] (64 bytes) |
+                           run p = 0..3: word k = 0..7: qs_r[32p + 4k .. 32p + 4k+3] for r = 0..7
 
-    where q_r are row r's 32 int8 values of block b, and byte_r its 16 bytes of nibbles (byte j: value j in the low
-    nibble, value j + 16 in the high one). So lane r (bytes 4r .. 4r + 3) of Q8_0's word k holds values 4k .. 4k+3 of
-    row r; of Q4_0's word m, the low nibbles hold values 4m .. 4m+3 and the high nibbles values 16 + 4m .. 16 + 4m+3.
-    Q8_0's values are stored unsigned, q + 128 (the sign bit flipped), as Q4_0's nibbles are: the machine's integer
-    dot multiplies unsigned bytes by signed activations.
+    where q_r are row r's 32 int8 values of block b, byte_r its 16 bytes of nibbles (byte j: value j in the low
+    nibble, value j + 16 in the high one), qs_r its 128 bytes of Q4_K nibbles (run p: sub-block 2p in the low
+    nibbles, 2p + 1 in the high ones) and sc, mn its eight 6-bit scales and mins, one byte each. So lane r (bytes
+    4r .. 4r + 3) of a word always holds four consecutive values (or two nibbles' worth) of row r. Q8_0's values
+    are stored unsigned, q + 128 (the sign bit flipped), as the nibbles are: the machine's integer dot multiplies
+    unsigned bytes by signed activations.
     """
-    split = _interleave_split(qtype)
-    N, row_bytes = raw.shape
-    if N % INTERLEAVE:
-        raise QuantizationError(f"rows are interleaved by {INTERLEAVE}: {N} rows are not a multiple")
-    nb = row_bytes // (split + 2)
-    blocks = raw.reshape(N // 8, 8, nb, split + 2)  # [G, r, b, block bytes]
-    scales = blocks[..., :2].transpose(0, 2, 1, 3).reshape(N // 8, nb, 16)  # [G, b, r * 2]
-    words = blocks[..., 2:].reshape(N // 8, 8, nb, split // 4, 4).transpose(0, 2, 3, 1, 4)  # [G, b, word, r, 4]
-    words = words.reshape(N // 8, nb, 8 * split) ^ np.uint8(_SIGN_FLIP[qtype])
-    return np.concatenate([scales, words], axis=2).reshape(N // 8, -1)
+    _check_interleave(qtype, raw.shape[0])
+    N, t = raw.shape[0], TYPES[qtype]
+    nb = raw.shape[1] // t.block_bytes
+    blocks = raw.reshape(N // 8, 8, nb, t.block_bytes).swapaxes(1, 2)  # [G, b, r, block bytes]
+    if qtype == "Q4_K":
+        sc, mn = _scales_6bit(blocks[..., 4:16].reshape(-1, 12))
+        parts = [blocks[..., 0:2], blocks[..., 2:4], sc.reshape(N // 8, nb, 8, 8).swapaxes(2, 3),
+                 mn.reshape(N // 8, nb, 8, 8).swapaxes(2, 3), _words(blocks[..., 16:].reshape(N // 8, nb, 8, 4, 32)
+                                                                      .swapaxes(2, 3))]
+    else:
+        runs = (blocks[..., 2:] ^ np.uint8(_SIGN_FLIP[qtype])).reshape(N // 8, nb, 8, 1, -1)  # one run of 32 or 16
+        words = runs.reshape(N // 8, nb, 8, -1, 4).swapaxes(2, 3)  # [G, b, word, r, 4]
+        parts = [blocks[..., 0:2], words]
+    return np.concatenate([p.reshape(N // 8, nb, -1) for p in parts], axis=2).reshape(N // 8, -1)
 
 
 def deinterleave_rows(grouped: np.ndarray, qtype: str) -> np.ndarray:
-    """interleave_rows undone.                         # [N / 8, 8 row bytes] uint8 -> [N, row bytes] uint8"""
-    split = _interleave_split(qtype)
-    G = grouped.shape[0]
-    nb = grouped.shape[1] // (8 * (split + 2))
-    blocks = grouped.reshape(G, nb, 8 * (split + 2))
-    scales = blocks[..., :16].reshape(G, nb, 8, 2).transpose(0, 2, 1, 3)  # [G, r, b, 2]
-    words = (blocks[..., 16:] ^ np.uint8(_SIGN_FLIP[qtype])).reshape(G, nb, split // 4, 8, 4).transpose(0, 3, 1, 2, 4)
-    rows = np.concatenate([scales, words.reshape(G, 8, nb, split)], axis=3)
-    return np.ascontiguousarray(rows.reshape(G * 8, -1))
+    """interleave_rows undone.           # [N / 8, nb INTERLEAVED_BLOCK_BYTES] uint8 -> [N, row bytes] uint8"""
+    _check_interleave(qtype, 0)
+    G, t = grouped.shape[0], TYPES[qtype]
+    nb = grouped.shape[1] // INTERLEAVED_BLOCK_BYTES[qtype]
+    blocks = grouped.reshape(G, nb, -1)
+    if qtype == "Q4_K":
+        sc = blocks[..., 32:96].reshape(G, nb, 8, 8).swapaxes(2, 3).reshape(-1, 8)  # [G b r, s]
+        mn = blocks[..., 96:160].reshape(G, nb, 8, 8).swapaxes(2, 3).reshape(-1, 8)
+        scales = _pack_scales_6bit(sc, mn).reshape(G, nb, 8, 12)
+        qs = _runs(blocks[..., 160:].reshape(G, nb, 4, 256)).swapaxes(2, 3).reshape(G, nb, 8, 128)
+        rows = np.concatenate([blocks[..., 0:16].reshape(G, nb, 8, 2), blocks[..., 16:32].reshape(G, nb, 8, 2),
+                               scales, qs], axis=3)
+    else:
+        words = (blocks[..., 16:] ^ np.uint8(_SIGN_FLIP[qtype])).reshape(G, nb, -1, 8, 4).swapaxes(2, 3)
+        rows = np.concatenate([blocks[..., :16].reshape(G, nb, 8, 2), words.reshape(G, nb, 8, -1)], axis=3)
+    return np.ascontiguousarray(rows.swapaxes(1, 2).reshape(G * 8, nb * t.block_bytes))

@@ -192,14 +192,25 @@ def test_interleaving_is_a_reordering_that_undoes(qtype, data):
     groups, blocks = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 3))
     raw = data.draw(hnp.arrays(np.uint8, (8 * groups, blocks * t.block_bytes)))
     grouped = quant.interleave_rows(raw, qtype)
-    assert grouped.shape == (groups, 8 * raw.shape[1])
+    size = quant.INTERLEAVED_BLOCK_BYTES[qtype]
+    assert grouped.shape == (groups, blocks * size)
     np.testing.assert_array_equal(quant.deinterleave_rows(grouped, qtype), raw)
-    # the drawing in interleave_rows' docstring: row r's scale of block b, and its values 4k .. 4k + 3 in word k
+    # the drawing in interleave_rows' docstring: row r's scale(s) of block b, and its values in lane r of each word
     # (Q8_0's as q + 128: the sign bit flipped)
     g, r, b = data.draw(st.integers(0, groups - 1)), data.draw(st.integers(0, 7)), data.draw(st.integers(0, blocks - 1))
-    block = grouped[g, 8 * t.block_bytes * b:8 * t.block_bytes * (b + 1)]
+    block = grouped[g, size * b:size * (b + 1)]
     row = raw[8 * g + r, t.block_bytes * b:t.block_bytes * (b + 1)]
     np.testing.assert_array_equal(block[2 * r:2 * r + 2], row[:2])
+    if qtype == "Q4_K":
+        np.testing.assert_array_equal(block[16 + 2 * r:18 + 2 * r], row[2:4])  # dmin
+        sc, mn = quant._scales_6bit(row[None, 4:16])
+        np.testing.assert_array_equal(block[32 + r:96:8], sc[0])
+        np.testing.assert_array_equal(block[96 + r:160:8], mn[0])
+        for p in range(4):
+            for k in range(8):
+                at = 160 + 256 * p + 32 * k + 4 * r
+                np.testing.assert_array_equal(block[at:at + 4], row[16 + 32 * p + 4 * k:16 + 32 * p + 4 * k + 4])
+        return
     flip = np.uint8(128 if qtype == "Q8_0" else 0)
     for k in range((t.block_bytes - 2) // 4):
         np.testing.assert_array_equal(block[16 + 32 * k + 4 * r:16 + 32 * k + 4 * r + 4],
@@ -210,9 +221,9 @@ def test_interleaving_refuses_what_it_cannot_regroup():
     w = quant.quantize(np.ones((12, 64), np.float32), "Q8_0").reshape(12, -1)
     with pytest.raises(QuantizationError, match="not a multiple"):
         quant.interleave_rows(w, "Q8_0")
-    with pytest.raises(QuantizationError, match="Q8_0 and Q4_0 only, not Q4_K"):
-        quant.interleave_rows(w[:8], "Q4_K")
-    with pytest.raises(QuantizationError, match="Q8_0 and Q4_0 only"):
+    with pytest.raises(QuantizationError, match="Q8_0, Q4_0, Q4_K only, not Q5_K"):
+        quant.interleave_rows(w[:8], "Q5_K")
+    with pytest.raises(QuantizationError, match="Q8_0, Q4_0, Q4_K only"):
         kq.matmul_int8_interleaved(quant.interleave_rows(w[:8], "Q8_0"), "Q5_0", np.ones((1, 64), np.float32))
 
 
@@ -240,24 +251,28 @@ def test_interleaved_kernels_are_the_reference(qtype, data):
 @settings(max_examples=30, deadline=None)
 @given(w=hnp.arrays(np.uint8, 256), x=hnp.arrays(np.int8, 32, elements=st.integers(-127, 127)))
 def test_interleaved_integer_dots_are_the_integer_dot(w, x):
-    """Lane r of an interleaved block's dot: the exact integer dot of row r's 32 values (Q8_0's q, Q4_0's u - 8)
-    with x, on the machine's instructions, on AVX2 without VNNI where the machine has it, and in plain LLVM."""
+    """Lane r of an interleaved block's dot: the exact integer dot of row r's 32 values (Q8_0's q, Q4_0's u - 8, a
+    Q4_K run's low or high nibbles) with x, on the machine's instructions, on AVX2 without VNNI where the machine
+    has it, and in plain LLVM."""
     q8 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w])[None], "Q8_0")[:, 2:].view(np.int8)
     q4 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w[:128]])[None], "Q4_0")[:, 2:]
     u4 = np.concatenate([q4 & 15, q4 >> 4], axis=1).astype(np.int64)  # nibble j, then j + 16
-    expected = np.array([q8.astype(np.int64) @ x.astype(np.int64), (u4 - 8) @ x.astype(np.int64)], np.float32)
-    machines = [(kq.idot_q8_0_x8, kq.idot_q4_0_x8), kq.GENERIC_X8_IDOTS, kq.AVX2_X8_IDOTS]  # AVX2: none without it
-    for q8_0, q4_0 in (m for m in machines if m is not None):
-        np.testing.assert_array_equal(interleaved_lanes(q8_0, q4_0)(w, x, np.int32(x.astype(np.int32).sum())),
-                                      expected)
+    run = w.reshape(8, 8, 4).swapaxes(0, 1).reshape(8, 32)  # a Q4_K run's 32 bytes of each row
+    expected = np.array([q8.astype(np.int64) @ x.astype(np.int64), (u4 - 8) @ x.astype(np.int64),
+                         (run & 15).astype(np.int64) @ x.astype(np.int64), (run >> 4).astype(np.int64) @ x], np.float32)
+    machines = [(kq.idot_q8_0_x8, kq.idot_q4_0_x8, kq.idot_q4_k_x8), kq.GENERIC_X8_IDOTS, kq.AVX2_X8_IDOTS]
+    for idots in (m for m in machines if m is not None):  # AVX2_X8_IDOTS: None on a machine without AVX2
+        np.testing.assert_array_equal(interleaved_lanes(*idots)(w, x, np.int32(x.astype(np.int32).sum())), expected)
 
 
-def interleaved_lanes(q8_0, q4_0):
+def interleaved_lanes(q8_0, q4_0, q4_k):
     @njit
     def lanes(w, x, sum_x):
-        out = np.empty((2, 8), np.float32)
+        out = np.empty((4, 8), np.float32)
         vstore(out, 0, q8_0(w, 0, x, 0, sum_x))
         vstore(out, 8, q4_0(w, 0, x, 0, sum_x))
+        vstore(out, 16, q4_k(w, 0, 0, x, 0))
+        vstore(out, 24, q4_k(w, 0, 4, x, 0))
         return out
 
     return lanes

@@ -36,7 +36,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..quant import QK_K, TYPES, QuantizationError
+from ..quant import INTERLEAVED_BLOCK_BYTES, INTERLEAVED_TYPES, QK_K, TYPES, QuantizationError
 from .cpu import PANEL, REASSOC, TILE_T, _tile_6x16
 from .simd import _vector, f32x8, vadd, vfma, vfmav, vload, vsplat, vstore, vsum, vzero
 
@@ -923,6 +923,41 @@ def _interleaved_idot(qtype, avx2: bool, vnni: bool):
     return intrinsic(typer)
 
 
+def _interleaved_nibble_idot(avx2: bool, vnni: bool):
+    """idot(w, iw, shift, x, ix) -> f32x8: lane r = the exact integer dot of (byte >> shift) & 15 of row r's bytes in
+    the eight words at w.flat[iw:] (a Q4_K run: shift 0 its even sub-block, 4 its odd one) with x.flat[ix : ix + 32]."""
+
+    def typer(typingctx, w, iw, shift, x, ix):
+        if not _idot_args_ok(w, (iw, shift), x, ix):
+            return None
+
+        def codegen(context, builder, signature, args):
+            acc = ir.Constant(_ivec(_I32, 8), [0] * 8)
+            for k in range(8):
+                word = _load_bytes(builder, context, signature.args[0], args[0], _offset(builder, args[1], 32 * k), 32)
+                values = _field(builder, word, args[2], 15)
+                xs = _broadcast4(builder, context, signature.args[3], args[3], _offset(builder, args[4], 4 * k))
+                acc = (_add_dot(builder, acc, values, xs, False, avx2, vnni) if avx2
+                       else builder.add(acc, _dot_generic(builder, values, xs, False)))
+            return builder.sitofp(acc, _vector(8))
+
+        return f32x8(w, iw, shift, x, ix), codegen
+
+    return intrinsic(typer)
+
+
+@intrinsic
+def load_bytes8(typingctx, array, index):
+    """f32x8 of the eight unsigned bytes at array.flat[index : index + 8] (Q4_K's scales or mins of eight rows)."""
+    if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.uitofp(_load_bytes(builder, context, signature.args[0], args[0], args[1], 8), _vector(8))
+
+    return f32x8(array, index), codegen
+
+
 @intrinsic
 def load_halves8(typingctx, array, index):
     """f32x8 of the eight float16 at bytes array.flat[index : index + 16] (an interleaved block's row scales)."""
@@ -939,9 +974,13 @@ def load_halves8(typingctx, array, index):
 
 # idot_q8_0_x8(w, iw, x, ix, offset), idot_q4_0_x8(...): the machine's; for tests, GENERIC_X8_IDOTS in plain LLVM
 # and AVX2_X8_IDOTS without VNNI
-idot_q8_0_x8, idot_q4_0_x8 = (_interleaved_idot(t, AVX2, VNNI) for t in ("Q8_0", "Q4_0"))
-GENERIC_X8_IDOTS = tuple(_interleaved_idot(t, False, False) for t in ("Q8_0", "Q4_0"))
-AVX2_X8_IDOTS = tuple(_interleaved_idot(t, True, False) for t in ("Q8_0", "Q4_0")) if AVX2 else None
+# idot_q4_k_x8(w, iw, shift, x, ix): a Q4_K run's nibbles (its tests' plain and AVX2 versions: the third of each)
+idot_q8_0_x8, idot_q4_0_x8, idot_q4_k_x8 = (*(_interleaved_idot(t, AVX2, VNNI) for t in ("Q8_0", "Q4_0")),
+                                            _interleaved_nibble_idot(AVX2, VNNI))
+GENERIC_X8_IDOTS = (*(_interleaved_idot(t, False, False) for t in ("Q8_0", "Q4_0")),
+                    _interleaved_nibble_idot(False, False))
+AVX2_X8_IDOTS = (*(_interleaved_idot(t, True, False) for t in ("Q8_0", "Q4_0")),
+                 _interleaved_nibble_idot(True, False)) if AVX2 else None
 
 
 @njit(fastmath=REASSOC, inline="always")
@@ -960,14 +999,31 @@ def _acc_x8_q4_0(acc, w, g, b, q, d, s, t):
     return vfmav(acc, load_halves8(w, at), vfma(vzero(), d[t, b], dots))
 
 
-def _interleaved_kernels(acc_block):
+@njit(fastmath=REASSOC, inline="always")
+def _acc_x8_q4_k(acc, w, g, b, q, d, s, t):
+    """Q4_K, rows 8g .. 8g + 7: for each sub-block i of 32 (activation block j = 8 b + i),
+    acc[r] += (d_r sc_ri) (d_x (u_r . q_x)) - (dmin_r mn_ri) (d_x s_x)."""
+    at = g * w.shape[1] + 1184 * b
+    d_w, dmin = load_halves8(w, at), load_halves8(w, at + 16)
+    offset = vzero()
+    for p in range(4):  # run p: sub-block 2p in the low nibbles, 2p + 1 in the high ones
+        for half in range(2):
+            i = 2 * p + half
+            j = 8 * b + i
+            dots = idot_q4_k_x8(w, at + 160 + 256 * p, 4 * half, q, t * q.shape[1] + 32 * j)
+            acc = vfmav(acc, vfmav(vzero(), d_w, load_bytes8(w, at + 32 + 8 * i)), vfma(vzero(), d[t, j], dots))
+            offset = vfma(offset, d[t, j] * s[t, j], vfmav(vzero(), dmin, load_bytes8(w, at + 96 + 8 * i)))
+    return vfma(acc, np.float32(-1), offset)
+
+
+def _interleaved_kernels(acc_block, block_size: int = 32):
     """The row workers of one interleaved type: rows_into(w8, q, d, s, T, out, col, n0, n1), n0 and n1 multiples of 8
     (whole groups), each group's block read once for four tokens at a time."""
 
     @njit(fastmath=REASSOC, cache=True)
     def rows_into(w, q, d, s, T, out, col, n0, n1):
         """out[t, col + n] for t < T, n0 <= n < n1 (out C-contiguous float32 [>=T, >=col + n1])."""
-        blocks, stride = q.shape[1] // 32, out.shape[1]
+        blocks, stride = q.shape[1] // block_size, out.shape[1]
         for g in range(n0 // 8, n1 // 8):
             at = col + 8 * g
             t = 0
@@ -994,6 +1050,7 @@ def _interleaved_kernels(acc_block):
 
 
 _rows_q8_0_x8, _rows_q4_0_x8 = _interleaved_kernels(_acc_x8_q8_0), _interleaved_kernels(_acc_x8_q4_0)
+_rows_q4_k_x8 = _interleaved_kernels(_acc_x8_q4_k, QK_K)
 # The type ids of interleaved matrices in a model's table (models/numba.py): the GGML type id plus INTERLEAVED_CODE.
 INTERLEAVED_CODE = 1000
 
@@ -1036,6 +1093,8 @@ def matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1):
         _rows_q8_0_x8(w, q, d, s, T, out, col, n0, n1)
     elif code == 1002:  # INTERLEAVED_CODE + Q4_0's
         _rows_q4_0_x8(w, q, d, s, T, out, col, n0, n1)
+    elif code == 1012:  # INTERLEAVED_CODE + Q4_K's
+        _rows_q4_k_x8(w, q, d, s, T, out, col, n0, n1)
     else:
         raise ValueError("no 8-bit-activation kernel for this GGML type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and "
                          "Q6_K have one)")
@@ -1076,14 +1135,14 @@ def matmul_int8(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> n
 
 
 def matmul_int8_interleaved(w8: np.ndarray, qtype: str, x: np.ndarray) -> np.ndarray:
-    """x W^T with x quantized to 8-bit blocks, W held as quant.interleave_rows(w, qtype) (Q8_0 or Q4_0), on the calling
-    thread.                                                # [N / 8, 8 row bytes] uint8, [T, K] float32 -> [T, N]"""
-    if qtype not in ("Q8_0", "Q4_0"):
-        raise QuantizationError(f"npllm interleaves the rows of Q8_0 and Q4_0 only, not {qtype}")
+    """x W^T with x quantized to 8-bit blocks, W held as quant.interleave_rows(w, qtype) (Q8_0, Q4_0 or Q4_K), on
+    the calling thread.                                   # [N / 8, interleaved row bytes] uint8, [T, K] float32 -> [T, N]"""
+    if qtype not in INTERLEAVED_TYPES:
+        raise QuantizationError(f"npllm interleaves the rows of {', '.join(INTERLEAVED_TYPES)} only, not {qtype}")
     x = np.ascontiguousarray(x, dtype=np.float32)
     T, K = x.shape
-    N = 8 * w8.shape[0]
-    _check_int8(w8.reshape(N, -1), qtype, K)
+    N, t = 8 * w8.shape[0], TYPES[qtype]
+    _check_int8(np.empty((N, w8.shape[1] // INTERLEAVED_BLOCK_BYTES[qtype] * t.block_bytes), np.uint8), qtype, K)
     if not np.all(np.isfinite(x)):
         raise QuantizationError("cannot quantize activations that are not finite (inf or NaN)")
     q, d, s = np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32), np.empty((T, K // 32), np.float32)

@@ -411,7 +411,7 @@ def interleaved_pool(matrices: list, interleave: list[bool]) -> tuple[np.ndarray
     offsets_of, at = {}, 0
     for key, i in first.items():
         offsets_of[key] = at
-        at += matrices[i].raw.nbytes
+        at += stored_row_bytes(matrices[i], interleave[i]) * matrices[i].raw.shape[0]
     pool = np.empty(at, np.uint8)
     for key, i in first.items():
         raw, at = matrices[i].raw, offsets_of[key]
@@ -419,11 +419,20 @@ def interleaved_pool(matrices: list, interleave: list[bool]) -> tuple[np.ndarray
         for r0 in range(0, raw.shape[0], rows):
             part = raw[r0:r0 + rows]
             stored = interleave_rows(part, matrices[i].qtype) if interleave[i] else part
-            pool[at:at + part.nbytes] = np.ascontiguousarray(stored).reshape(-1)
-            at += part.nbytes
+            pool[at:at + stored.nbytes] = np.ascontiguousarray(stored).reshape(-1)
+            at += stored.nbytes
             release(part)
     pool.flags.writeable = False
     return pool, [offsets_of[key] for key in keys]
+
+
+def stored_row_bytes(m, interleaved: bool) -> int:
+    """Bytes a row of matrix m takes in the pool: its file's, or as interleaved rows (Q4_K's scales unpacked)."""
+    from ..quant import INTERLEAVED_BLOCK_BYTES, TYPES
+
+    if not interleaved:
+        return m.raw.shape[1]
+    return m.raw.shape[1] // TYPES[m.qtype].block_bytes * INTERLEAVED_BLOCK_BYTES[m.qtype] // INTERLEAVE
 
 
 def _as_quantized(w):
@@ -444,15 +453,15 @@ def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     names = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
     matrices = [_as_quantized(getattr(layer, name)) for layer in weights.layers for name in names]
     matrices += [_as_quantized(weights.tok_embeddings), _as_quantized(weights.output)]
-    # Q8_0 and Q4_0 products run on rows interleaved by eight (kernels/quant.py), which needs a copy of the file's
-    # bytes in that order; the embedding table stays as stored (rows are looked up one by one), and so does an LM
-    # head tied to it.
+    # Q8_0, Q4_0 and Q4_K products run on rows interleaved by eight (kernels/quant.py), which needs a copy of the
+    # file's bytes in that order; the embedding table stays as stored (rows are looked up one by one), and so does
+    # an LM head tied to it.
     table = matrices[-2].raw.__array_interface__["data"][0]
     interleave = [m.qtype in INTERLEAVED_TYPES and m.shape[0] % INTERLEAVE == 0 and i != len(matrices) - 2
                   and m.raw.__array_interface__["data"][0] != table for i, m in enumerate(matrices)]
     pool, offsets = interleaved_pool(matrices, interleave) if any(interleave) else weight_pool([m.raw for m in matrices])
     mats = np.array([(at, TYPES[m.qtype].type_id + (qk.INTERLEAVED_CODE if inter else 0), m.shape[0], m.shape[1],
-                      m.raw.shape[1]) for at, m, inter in zip(offsets, matrices, interleave)], np.int64)
+                      stored_row_bytes(m, inter)) for at, m, inter in zip(offsets, matrices, interleave)], np.int64)
     H, K, Dh = c.n_heads, c.n_kv_heads, c.head_dim
     bqkv = np.zeros((c.n_layers, (H + 2 * K) * Dh), np.float32)
     if c.attention_bias:
@@ -550,9 +559,9 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     contiguous range per thread, in ONE parallel region (none on one thread: a small model's step is mostly such
     calls); each matrix's part of a range goes to its type's row-range worker (kernels/quant.py).
 
-    Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights (Q8_0 and Q4_0 as interleaved rows), and the K-quants in calls of fewer
-    than quant.FLOAT_ACTIVATIONS_FROM tokens, meet activations quantized to 8 bits per block of 32 (as llama.cpp
-    does): integer dot products, with x quantized once here for every matrix and row range (docs/quant.md, "8-bit
+    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q4_K weights (Q8_0, Q4_0 and Q4_K as interleaved rows), and Q5_K and Q6_K in
+    calls of fewer than quant.FLOAT_ACTIVATIONS_FROM tokens, meet activations quantized to 8 bits per block of 32
+    (as llama.cpp does): integer dot products, with x quantized once here for every matrix and row range (docs/quant.md, "8-bit
     activations", for the rounding bound and the measured KL divergence). Other types take x in float32.
     """
     unit = INTERLEAVE if T == 1 else PANEL  # whole groups of interleaved rows
@@ -582,7 +591,7 @@ def products_into(pool, mats, first, count, x, T, out, threads):
 
 
 # quant.FLOAT_ACTIVATIONS_FROM as constants the compiled code reads
-Q4_K_FLOAT_FROM, Q5_K_FLOAT_FROM, Q6_K_FLOAT_FROM = (FLOAT_ACTIVATIONS_FROM[t] for t in ("Q4_K", "Q5_K", "Q6_K"))
+Q5_K_FLOAT_FROM, Q6_K_FLOAT_FROM = (FLOAT_ACTIVATIONS_FROM[t] for t in ("Q5_K", "Q6_K"))
 
 
 @njit(inline="always")
@@ -590,9 +599,9 @@ def _int8_type(code, T) -> bool:
     """Whether weights of GGML type `code` meet 8-bit activations in a call of T tokens: the types with an
     integer-dot worker (kernels/quant.py INT8_TYPE_CODES), the K-quants below their FLOAT_ACTIVATIONS_FROM
     (quant.int8_activations states the same rule for the NumPy oracle)."""
-    return (code == 8 or code == 2 or code == 3 or code == 6 or code == 7 or code == 1008 or code == 1002
-            or (code == 12 and T < Q4_K_FLOAT_FROM)
-            or (code == 13 and T < Q5_K_FLOAT_FROM) or (code == 14 and T < Q6_K_FLOAT_FROM))
+    return (code == 8 or code == 2 or code == 3 or code == 6 or code == 7 or code == 12 or code == 1008
+            or code == 1002 or code == 1012 or (code == 13 and T < Q5_K_FLOAT_FROM)
+            or (code == 14 and T < Q6_K_FLOAT_FROM))
 
 
 @njit(parallel=True, cache=True)
