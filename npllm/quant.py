@@ -720,8 +720,9 @@ INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
 # multiply them by float32 activations: exactly the dequantized product.
 # models/numba.py compiles these numbers in, and Numba's cache does not see a change here: clear it after one
 # (find npllm -name "*.nb[ic]" -delete).
-# Q4_K has none: the Numba model holds it as interleaved rows, whose integer dots stay the faster at every T.
-FLOAT_ACTIVATIONS_FROM = {"Q5_K": 16, "Q6_K": 40}
+# Q4_K and Q6_K have none: the Numba model holds them as interleaved rows, whose integer dots stay the faster at
+# every T.
+FLOAT_ACTIVATIONS_FROM = {"Q5_K": 16}
 
 
 def int8_activations(qtype: str, tokens: int) -> bool:
@@ -753,11 +754,11 @@ def with_int8_activations(tensors: dict) -> dict:
 # "interleaved rows"). The same values regrouped so that ONE 32-byte vector holds four values of each of eight rows:
 # an integer dot against four activations broadcast to every lane then advances eight rows at once, and one float
 # multiply-add per block (Q4_K: per sub-block) applies the eight rows' scales.
-INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_K")
+INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
 INTERLEAVE = 8  # rows per group
-# bytes of one block of a group of eight rows: the file's 8 x 34 and 8 x 18; Q4_K's 8 x 144 plus 32, its 6-bit
-# scales and mins unpacked to a byte each
-INTERLEAVED_BLOCK_BYTES = {"Q8_0": 272, "Q4_0": 144, "Q4_K": 1184}
+# bytes of one block of a group of eight rows: the file's 8 x 34, 8 x 18 and 8 x 210; Q4_K's 8 x 144 plus 32, its
+# 6-bit scales and mins unpacked to a byte each
+INTERLEAVED_BLOCK_BYTES = {"Q8_0": 272, "Q4_0": 144, "Q4_K": 1184, "Q6_K": 1680}
 _SIGN_FLIP = {"Q8_0": 0x80, "Q4_0": 0}  # stored Q8_0 values are q + 128 (unsigned)
 
 
@@ -789,6 +790,8 @@ def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
         Q4_0 (144 bytes)   d_0 .. d_7 (8 x float16) | word m = 0..3 (32 bytes): byte_r[4m .. 4m+3] for r = 0..7
         Q4_K (1184 bytes)  d_0 .. d_7 | dmin_0 .. dmin_7 (float16) | sc[s][r] (64 bytes) | mn[s][r] (64 bytes) |
                            run p = 0..3: word k = 0..7: qs_r[32p + 4k .. 32p + 4k+3] for r = 0..7
+        Q6_K (1680 bytes)  d_0 .. d_7 (float16) | sc[s][r] (s < 16, int8; 128 bytes) |
+                           ql run c = 0..3 (ql_r[32c:][:32]) | qh run h = 0..1 (qh_r[32h:][:32]), each as 8 words
 
     where q_r are row r's 32 int8 values of block b, byte_r its 16 bytes of nibbles (byte j: value j in the low
     nibble, value j + 16 in the high one), qs_r its 128 bytes of Q4_K nibbles (run p: sub-block 2p in the low
@@ -801,7 +804,11 @@ def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
     N, t = raw.shape[0], TYPES[qtype]
     nb = raw.shape[1] // t.block_bytes
     blocks = raw.reshape(N // 8, 8, nb, t.block_bytes).swapaxes(1, 2)  # [G, b, r, block bytes]
-    if qtype == "Q4_K":
+    if qtype == "Q6_K":  # ql 0..127, qh 128..191, scales 192..207, d 208..209
+        parts = [blocks[..., 208:210], blocks[..., 192:208].swapaxes(2, 3),
+                 _words(blocks[..., :128].reshape(N // 8, nb, 8, 4, 32).swapaxes(2, 3)),
+                 _words(blocks[..., 128:192].reshape(N // 8, nb, 8, 2, 32).swapaxes(2, 3))]
+    elif qtype == "Q4_K":
         sc, mn = _scales_6bit(blocks[..., 4:16].reshape(-1, 12))
         parts = [blocks[..., 0:2], blocks[..., 2:4], sc.reshape(N // 8, nb, 8, 8).swapaxes(2, 3),
                  mn.reshape(N // 8, nb, 8, 8).swapaxes(2, 3), _words(blocks[..., 16:].reshape(N // 8, nb, 8, 4, 32)
@@ -819,7 +826,12 @@ def deinterleave_rows(grouped: np.ndarray, qtype: str) -> np.ndarray:
     G, t = grouped.shape[0], TYPES[qtype]
     nb = grouped.shape[1] // INTERLEAVED_BLOCK_BYTES[qtype]
     blocks = grouped.reshape(G, nb, -1)
-    if qtype == "Q4_K":
+    if qtype == "Q6_K":
+        ql = _runs(blocks[..., 144:1168].reshape(G, nb, 4, 256)).swapaxes(2, 3).reshape(G, nb, 8, 128)
+        qh = _runs(blocks[..., 1168:].reshape(G, nb, 2, 256)).swapaxes(2, 3).reshape(G, nb, 8, 64)
+        rows = np.concatenate([ql, qh, blocks[..., 16:144].reshape(G, nb, 16, 8).swapaxes(2, 3),
+                               blocks[..., :16].reshape(G, nb, 8, 2)], axis=3)
+    elif qtype == "Q4_K":
         sc = blocks[..., 32:96].reshape(G, nb, 8, 8).swapaxes(2, 3).reshape(-1, 8)  # [G b r, s]
         mn = blocks[..., 96:160].reshape(G, nb, 8, 8).swapaxes(2, 3).reshape(-1, 8)
         scales = _pack_scales_6bit(sc, mn).reshape(G, nb, 8, 12)

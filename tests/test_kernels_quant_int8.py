@@ -200,6 +200,14 @@ def test_interleaving_is_a_reordering_that_undoes(qtype, data):
     g, r, b = data.draw(st.integers(0, groups - 1)), data.draw(st.integers(0, 7)), data.draw(st.integers(0, blocks - 1))
     block = grouped[g, size * b:size * (b + 1)]
     row = raw[8 * g + r, t.block_bytes * b:t.block_bytes * (b + 1)]
+    if qtype == "Q6_K":  # d | sc[s][r] | ql runs | qh runs
+        np.testing.assert_array_equal(block[2 * r:2 * r + 2], row[208:210])
+        np.testing.assert_array_equal(block[16 + r:144:8], row[192:208])
+        for c, (at, start) in enumerate([(144 + 256 * c, 32 * c) for c in range(4)] + [(1168, 128), (1424, 160)]):
+            for k in range(8):
+                np.testing.assert_array_equal(block[at + 32 * k + 4 * r:at + 32 * k + 4 * r + 4],
+                                              row[start + 4 * k:start + 4 * k + 4])
+        return
     np.testing.assert_array_equal(block[2 * r:2 * r + 2], row[:2])
     if qtype == "Q4_K":
         np.testing.assert_array_equal(block[16 + 2 * r:18 + 2 * r], row[2:4])  # dmin
@@ -221,9 +229,9 @@ def test_interleaving_refuses_what_it_cannot_regroup():
     w = quant.quantize(np.ones((12, 64), np.float32), "Q8_0").reshape(12, -1)
     with pytest.raises(QuantizationError, match="not a multiple"):
         quant.interleave_rows(w, "Q8_0")
-    with pytest.raises(QuantizationError, match="Q8_0, Q4_0, Q4_K only, not Q5_K"):
+    with pytest.raises(QuantizationError, match="Q8_0, Q4_0, Q4_K, Q6_K only, not Q5_K"):
         quant.interleave_rows(w[:8], "Q5_K")
-    with pytest.raises(QuantizationError, match="Q8_0, Q4_0, Q4_K only"):
+    with pytest.raises(QuantizationError, match="Q8_0, Q4_0, Q4_K, Q6_K only"):
         kq.matmul_int8_interleaved(quant.interleave_rows(w[:8], "Q8_0"), "Q5_0", np.ones((1, 64), np.float32))
 
 
@@ -252,27 +260,34 @@ def test_interleaved_kernels_are_the_reference(qtype, data):
 @given(w=hnp.arrays(np.uint8, 256), x=hnp.arrays(np.int8, 32, elements=st.integers(-127, 127)))
 def test_interleaved_integer_dots_are_the_integer_dot(w, x):
     """Lane r of an interleaved block's dot: the exact integer dot of row r's 32 values (Q8_0's q, Q4_0's u - 8, a
-    Q4_K run's low or high nibbles) with x, on the machine's instructions, on AVX2 without VNNI where the machine
-    has it, and in plain LLVM."""
+    Q4_K run's low or high nibbles; a Q6_K group's first or last 16, q - 32) with x, on the machine's instructions,
+    on AVX2 without VNNI where the machine has it, and in plain LLVM."""
     q8 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w])[None], "Q8_0")[:, 2:].view(np.int8)
     q4 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w[:128]])[None], "Q4_0")[:, 2:]
     u4 = np.concatenate([q4 & 15, q4 >> 4], axis=1).astype(np.int64)  # nibble j, then j + 16
-    run = w.reshape(8, 8, 4).swapaxes(0, 1).reshape(8, 32)  # a Q4_K run's 32 bytes of each row
-    expected = np.array([q8.astype(np.int64) @ x.astype(np.int64), (u4 - 8) @ x.astype(np.int64),
-                         (run & 15).astype(np.int64) @ x.astype(np.int64), (run >> 4).astype(np.int64) @ x], np.float32)
-    machines = [(kq.idot_q8_0_x8, kq.idot_q4_0_x8, kq.idot_q4_k_x8), kq.GENERIC_X8_IDOTS, kq.AVX2_X8_IDOTS]
+    run = w.reshape(8, 8, 4).swapaxes(0, 1).reshape(8, 32)  # a run's 32 bytes of each row (Q4_K's qs, Q6_K's ql)
+    qh_run = np.roll(w, 77).reshape(8, 8, 4).swapaxes(0, 1).reshape(8, 32)  # the intrinsics read it from w[179:]...
+    q6 = (((run >> 4) & 15) | (((qh_run >> 2) & 3) << 4)).astype(np.int64) - 32  # ql_shift 4, qh_shift 2
+    x64 = x.astype(np.int64)
+    expected = np.array([q8.astype(np.int64) @ x64, (u4 - 8) @ x64, (run & 15).astype(np.int64) @ x64,
+                         (run >> 4).astype(np.int64) @ x64, q6[:, :16] @ x64[:16], q6[:, 16:] @ x64[16:]], np.float32)
+    machines = [(kq.idot_q8_0_x8, kq.idot_q4_0_x8, kq.idot_q4_k_x8, kq.idot_q6_k_x8_low, kq.idot_q6_k_x8_high),
+                kq.GENERIC_X8_IDOTS, kq.AVX2_X8_IDOTS]
     for idots in (m for m in machines if m is not None):  # AVX2_X8_IDOTS: None on a machine without AVX2
         np.testing.assert_array_equal(interleaved_lanes(*idots)(w, x, np.int32(x.astype(np.int32).sum())), expected)
 
 
-def interleaved_lanes(q8_0, q4_0, q4_k):
+def interleaved_lanes(q8_0, q4_0, q4_k, q6_k_low, q6_k_high):
     @njit
     def lanes(w, x, sum_x):
-        out = np.empty((4, 8), np.float32)
+        out = np.empty((6, 8), np.float32)
         vstore(out, 0, q8_0(w, 0, x, 0, sum_x))
         vstore(out, 8, q4_0(w, 0, x, 0, sum_x))
         vstore(out, 16, q4_k(w, 0, 0, x, 0))
         vstore(out, 24, q4_k(w, 0, 4, x, 0))
+        wrapped = np.concatenate((w, w))  # w rolled by 77: the qh run starts at 256 - 77 = 179
+        vstore(out, 32, q6_k_low(wrapped, 0, 4, 179, 2, x, 0))
+        vstore(out, 40, q6_k_high(wrapped, 0, 4, 179, 2, x, 0))
         return out
 
     return lanes

@@ -946,16 +946,55 @@ def _interleaved_nibble_idot(avx2: bool, vnni: bool):
     return intrinsic(typer)
 
 
-@intrinsic
-def load_bytes8(typingctx, array, index):
-    """f32x8 of the eight unsigned bytes at array.flat[index : index + 8] (Q4_K's scales or mins of eight rows)."""
-    if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
-        return None
+def _interleaved_q6_idot(avx2: bool, vnni: bool, part: int):
+    """idot(w, iql, ql_shift, iqh, qh_shift, x, ix) -> f32x8: lane r = the exact integer dot of row r's 16 Q6_K
+    values 16 part .. 16 part + 15 of one group of 32, q - 32 with q = (ql >> ql_shift) & 15 | ((qh >> qh_shift) & 3)
+    << 4 from the ql and qh runs at w.flat[iql:] and w.flat[iqh:] (8 words each), with x.flat[ix + 16 part:][:16].
+    q is unsigned (0..63); the -32 is a dot of 32s with the same activations, subtracted in the integers."""
 
-    def codegen(context, builder, signature, args):
-        return builder.uitofp(_load_bytes(builder, context, signature.args[0], args[0], args[1], 8), _vector(8))
+    def typer(typingctx, w, iql, ql_shift, iqh, qh_shift, x, ix):
+        if not _idot_args_ok(w, (iql, ql_shift, iqh, qh_shift), x, ix):
+            return None
 
-    return f32x8(array, index), codegen
+        def codegen(context, builder, signature, args):
+            acc = ir.Constant(_ivec(_I32, 8), [0] * 8)
+            bias = ir.Constant(_ivec(_I8, 32), [32] * 32)
+            for k in range(4 * part, 4 * part + 4):
+                low = _field(builder, _load_bytes(builder, context, signature.args[0], args[0],
+                                                  _offset(builder, args[1], 32 * k), 32), args[2], 15)
+                high = _field(builder, _load_bytes(builder, context, signature.args[0], args[0],
+                                                   _offset(builder, args[3], 32 * k), 32), args[4], 3)
+                values = builder.or_(low, builder.shl(high, ir.Constant(_ivec(_I8, 32), [4] * 32)))
+                xs = _broadcast4(builder, context, signature.args[5], args[5], _offset(builder, args[6], 4 * k))
+                if avx2:
+                    acc = builder.sub(_add_dot(builder, acc, values, xs, False, avx2, vnni),
+                                      _dot(builder, bias, xs, False, avx2, vnni))
+                else:
+                    acc = builder.add(acc, _dot_generic(builder, builder.sub(values, bias), xs, True))
+            return builder.sitofp(acc, _vector(8))
+
+        return f32x8(w, iql, ql_shift, iqh, qh_shift, x, ix), codegen
+
+    return intrinsic(typer)
+
+
+def _bytes8(signed: bool):
+    def typer(typingctx, array, index):
+        if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            eight = _load_bytes(builder, context, signature.args[0], args[0], args[1], 8)
+            return (builder.sitofp if signed else builder.uitofp)(eight, _vector(8))
+
+        return f32x8(array, index), codegen
+
+    return intrinsic(typer)
+
+
+# load_bytes8(w, i), load_int8s8(w, i): f32x8 of the eight unsigned or signed bytes at w.flat[i : i + 8] (the
+# scales or mins of eight interleaved rows: Q4_K's unsigned 6-bit ones, Q6_K's int8 ones)
+load_bytes8, load_int8s8 = _bytes8(False), _bytes8(True)
 
 
 @intrinsic
@@ -974,13 +1013,18 @@ def load_halves8(typingctx, array, index):
 
 # idot_q8_0_x8(w, iw, x, ix, offset), idot_q4_0_x8(...): the machine's; for tests, GENERIC_X8_IDOTS in plain LLVM
 # and AVX2_X8_IDOTS without VNNI
-# idot_q4_k_x8(w, iw, shift, x, ix): a Q4_K run's nibbles (its tests' plain and AVX2 versions: the third of each)
-idot_q8_0_x8, idot_q4_0_x8, idot_q4_k_x8 = (*(_interleaved_idot(t, AVX2, VNNI) for t in ("Q8_0", "Q4_0")),
-                                            _interleaved_nibble_idot(AVX2, VNNI))
-GENERIC_X8_IDOTS = (*(_interleaved_idot(t, False, False) for t in ("Q8_0", "Q4_0")),
-                    _interleaved_nibble_idot(False, False))
-AVX2_X8_IDOTS = (*(_interleaved_idot(t, True, False) for t in ("Q8_0", "Q4_0")),
-                 _interleaved_nibble_idot(True, False)) if AVX2 else None
+# idot_q4_k_x8(w, iw, shift, x, ix): a Q4_K run's nibbles; idot_q6_k_x8_low / _high(w, iql, ql_shift, iqh,
+# qh_shift, x, ix): the first or last 16 of a Q6_K group's 32 values. Tests get the same in plain LLVM and AVX2.
+
+
+def _x8_idots(avx2: bool, vnni: bool):
+    return (*(_interleaved_idot(t, avx2, vnni) for t in ("Q8_0", "Q4_0")), _interleaved_nibble_idot(avx2, vnni),
+            _interleaved_q6_idot(avx2, vnni, 0), _interleaved_q6_idot(avx2, vnni, 1))
+
+
+idot_q8_0_x8, idot_q4_0_x8, idot_q4_k_x8, idot_q6_k_x8_low, idot_q6_k_x8_high = _x8_idots(AVX2, VNNI)
+GENERIC_X8_IDOTS = _x8_idots(False, False)
+AVX2_X8_IDOTS = _x8_idots(True, False) if AVX2 else None
 
 
 @njit(fastmath=REASSOC, inline="always")
@@ -1014,6 +1058,25 @@ def _acc_x8_q4_k(acc, w, g, b, q, d, s, t):
             acc = vfmav(acc, vfmav(vzero(), d_w, load_bytes8(w, at + 32 + 8 * i)), vfma(vzero(), d[t, j], dots))
             offset = vfma(offset, d[t, j] * s[t, j], vfmav(vzero(), dmin, load_bytes8(w, at + 96 + 8 * i)))
     return vfma(acc, np.float32(-1), offset)
+
+
+@njit(fastmath=REASSOC, inline="always")
+def _acc_x8_q6_k(acc, w, g, b, q, d, s, t):
+    """Q6_K, rows 8g .. 8g + 7: for group gg of half h (activation block j = 8 b + 4 h + gg), its two sub-blocks of
+    16 (i = 8 h + 2 gg and i + 1): acc[r] += (d_r sc_ri) (d_x ((q - 32)_r . q_x))."""
+    at = g * w.shape[1] + 1680 * b
+    d_w = load_halves8(w, at)
+    for h in range(2):
+        for gg in range(4):
+            j = 8 * b + 4 * h + gg
+            i = 8 * h + 2 * gg
+            ql, ql_shift, qh = at + 144 + 256 * (2 * h + (gg & 1)), 4 * (gg >> 1), at + 1168 + 256 * h
+            ix = t * q.shape[1] + 32 * j
+            low = idot_q6_k_x8_low(w, ql, ql_shift, qh, 2 * gg, q, ix)
+            high = idot_q6_k_x8_high(w, ql, ql_shift, qh, 2 * gg, q, ix)
+            acc = vfmav(acc, vfmav(vzero(), d_w, load_int8s8(w, at + 16 + 8 * i)), vfma(vzero(), d[t, j], low))
+            acc = vfmav(acc, vfmav(vzero(), d_w, load_int8s8(w, at + 24 + 8 * i)), vfma(vzero(), d[t, j], high))
+    return acc
 
 
 def _interleaved_kernels(acc_block, block_size: int = 32):
@@ -1050,7 +1113,7 @@ def _interleaved_kernels(acc_block, block_size: int = 32):
 
 
 _rows_q8_0_x8, _rows_q4_0_x8 = _interleaved_kernels(_acc_x8_q8_0), _interleaved_kernels(_acc_x8_q4_0)
-_rows_q4_k_x8 = _interleaved_kernels(_acc_x8_q4_k, QK_K)
+_rows_q4_k_x8, _rows_q6_k_x8 = _interleaved_kernels(_acc_x8_q4_k, QK_K), _interleaved_kernels(_acc_x8_q6_k, QK_K)
 # The type ids of interleaved matrices in a model's table (models/numba.py): the GGML type id plus INTERLEAVED_CODE.
 INTERLEAVED_CODE = 1000
 
@@ -1095,6 +1158,8 @@ def matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1):
         _rows_q4_0_x8(w, q, d, s, T, out, col, n0, n1)
     elif code == 1012:  # INTERLEAVED_CODE + Q4_K's
         _rows_q4_k_x8(w, q, d, s, T, out, col, n0, n1)
+    elif code == 1014:  # INTERLEAVED_CODE + Q6_K's
+        _rows_q6_k_x8(w, q, d, s, T, out, col, n0, n1)
     else:
         raise ValueError("no 8-bit-activation kernel for this GGML type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and "
                          "Q6_K have one)")

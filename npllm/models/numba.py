@@ -453,8 +453,8 @@ def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     names = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
     matrices = [_as_quantized(getattr(layer, name)) for layer in weights.layers for name in names]
     matrices += [_as_quantized(weights.tok_embeddings), _as_quantized(weights.output)]
-    # Q8_0, Q4_0 and Q4_K products run on rows interleaved by eight (kernels/quant.py), which needs a copy of the
-    # file's bytes in that order; the embedding table stays as stored (rows are looked up one by one), and so does
+    # Q8_0, Q4_0, Q4_K and Q6_K products run on rows interleaved by eight (kernels/quant.py), which needs a copy of
+    # the file's bytes in that order; the embedding table stays as stored (rows are looked up one by one), and so does
     # an LM head tied to it.
     table = matrices[-2].raw.__array_interface__["data"][0]
     interleave = [m.qtype in INTERLEAVED_TYPES and m.shape[0] % INTERLEAVE == 0 and i != len(matrices) - 2
@@ -559,8 +559,8 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     contiguous range per thread, in ONE parallel region (none on one thread: a small model's step is mostly such
     calls); each matrix's part of a range goes to its type's row-range worker (kernels/quant.py).
 
-    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q4_K weights (Q8_0, Q4_0 and Q4_K as interleaved rows), and Q5_K and Q6_K in
-    calls of fewer than quant.FLOAT_ACTIVATIONS_FROM tokens, meet activations quantized to 8 bits per block of 32
+    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K weights (Q8_0, Q4_0, Q4_K and Q6_K as interleaved rows), and Q5_K
+    in calls of fewer than quant.FLOAT_ACTIVATIONS_FROM tokens, meet activations quantized to 8 bits per block of 32
     (as llama.cpp does): integer dot products, with x quantized once here for every matrix and row range (docs/quant.md, "8-bit
     activations", for the rounding bound and the measured KL divergence). Other types take x in float32.
     """
@@ -590,8 +590,8 @@ def products_into(pool, mats, first, count, x, T, out, threads):
         _products_parallel(pool, mats, first, count, x, T, out, sums, xq, unit, total, chunks)
 
 
-# quant.FLOAT_ACTIVATIONS_FROM as constants the compiled code reads
-Q5_K_FLOAT_FROM, Q6_K_FLOAT_FROM = (FLOAT_ACTIVATIONS_FROM[t] for t in ("Q5_K", "Q6_K"))
+# quant.FLOAT_ACTIVATIONS_FROM as a constant the compiled code reads
+Q5_K_FLOAT_FROM = FLOAT_ACTIVATIONS_FROM["Q5_K"]
 
 
 @njit(inline="always")
@@ -599,9 +599,8 @@ def _int8_type(code, T) -> bool:
     """Whether weights of GGML type `code` meet 8-bit activations in a call of T tokens: the types with an
     integer-dot worker (kernels/quant.py INT8_TYPE_CODES), the K-quants below their FLOAT_ACTIVATIONS_FROM
     (quant.int8_activations states the same rule for the NumPy oracle)."""
-    return (code == 8 or code == 2 or code == 3 or code == 6 or code == 7 or code == 12 or code == 1008
-            or code == 1002 or code == 1012 or (code == 13 and T < Q5_K_FLOAT_FROM)
-            or (code == 14 and T < Q6_K_FLOAT_FROM))
+    return (code == 8 or code == 2 or code == 3 or code == 6 or code == 7 or code == 12 or code == 14
+            or code == 1008 or code == 1002 or code == 1012 or code == 1014 or (code == 13 and T < Q5_K_FLOAT_FROM))
 
 
 @njit(parallel=True, cache=True)
