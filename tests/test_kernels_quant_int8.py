@@ -36,6 +36,9 @@ def test_compiled_activation_quantizer_is_the_reference(data):
     q2, d2, s2 = np.empty_like(q), np.empty_like(d), np.empty(d.shape, np.float32)
     kq.quantize_activations_q8_into(x, T, q2, d2, s2)
     assert np.array_equal(q, q2) and np.array_equal(d, d2) and np.array_equal(s, s2)
+    q3, d3, s3 = np.empty_like(q), np.empty_like(d), np.empty(d.shape, np.float32)
+    kq.quantize_activations_q8_parallel(x, T, q3, d3, s3, data.draw(st.integers(1, 4), label="threads"))
+    assert np.array_equal(q, q3) and np.array_equal(d, d3) and np.array_equal(s, s3)
     # the law the error bounds rest on: every value within half a step of d q, |q| <= 127
     err = np.abs(x.reshape(T, -1, 32).astype(np.float64) - d[..., None].astype(np.float64) * q.reshape(T, -1, 32))
     assert np.all(np.abs(q.astype(np.int32)) <= 127)

@@ -259,3 +259,20 @@ def test_bench_reports_bytes_in_the_files_types(tmp_path, capsys):
     values = L * (D * (config.n_heads + 2 * config.n_kv_heads) * Dh + config.n_heads * Dh * D + 3 * D *
                   config.hidden_dim) + config.vocab_size * D + D  # layers, LM head, one embedding row
     assert result["weight_bytes_per_token"] == values // 32 * 18 + 4 * (2 * L * D + D)  # Q4_0 + F32 norms
+
+
+def test_threads_change_no_bit_of_a_long_prefill(tmp_path, monkeypatch):
+    """A prefill long enough to quantize its activations in parallel (models/numba.py QUANTIZE_IN_PARALLEL_FROM),
+    on 2 threads, gives the same bits as on one: each token's integers, and each output's sum, do not depend on the
+    split."""
+    import npllm.models.numba as numba_model
+
+    monkeypatch.setattr(numba_model, "PARALLEL_MIN_SECONDS", 0.0)  # a tiny model: run every region on the threads
+    config = tiny()
+    path = tmp_path / "q4.gguf"
+    write_gguf(path, config, random_weights(config, 5), "Q4_0")
+    config_, weights = read_checkpoint(path, keep_quantized=True)
+    tokens = np.arange(2 * numba_model.QUANTIZE_IN_PARALLEL_FROM + 3) % config.vocab_size
+    one = QuantizedNumbaTransformer(config_, weights, threads=1).logits(tokens)
+    two = QuantizedNumbaTransformer(config_, weights, threads=2).logits(tokens)
+    np.testing.assert_array_equal(one, two)

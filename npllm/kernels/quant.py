@@ -668,6 +668,15 @@ def quantize_activations_q8_into(x, T, q, d, s):
             s[t, b] = total
 
 
+@njit(parallel=True, cache=True)
+def quantize_activations_q8_parallel(x, T, q, d, s, threads):
+    """quantize_activations_q8_into with the T tokens split into `threads` ranges run in parallel (tokens are
+    independent: the same integers)."""
+    for c in prange(threads):
+        t0, t1 = c * T // threads, (c + 1) * T // threads
+        quantize_activations_q8_into(x[t0:t1], t1 - t0, q[t0:t1], d[t0:t1], s[t0:t1])
+
+
 # For each type: _acc_int8_<type>(acc, w, n, b, q, d, s, t) adds weight block b of row n times token t's int8
 # activations (q, d, s: quantize_activations_q8_into's arrays; a weight block of 256 meets 8 activation blocks) to the
 # f32x8 `acc`, and returns it with a scalar part (an offset's term).
