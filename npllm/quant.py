@@ -770,7 +770,8 @@ def _check_interleave(qtype: str, rows: int) -> None:
 
 
 def _words(runs: np.ndarray) -> np.ndarray:
-    """Runs of 32 bytes of 8 rows as 8 words: word k, lane r = bytes 4k .. 4k+3 of row r.  # [..., 8, 32] -> [..., 256]"""
+    """Runs of 32 bytes of 8 rows as 8 words: word k, lane r = bytes 4k .. 4k+3 of row r.
+                                                                                   # [..., 8, 32] -> [..., 256]"""
     shape = runs.shape[:-2]
     return runs.reshape(*shape, 8, 8, 4).swapaxes(-3, -2).reshape(*shape, 256)
 

@@ -1209,8 +1209,8 @@ def matmul_int8(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> n
 
 
 def matmul_int8_interleaved(w8: np.ndarray, qtype: str, x: np.ndarray) -> np.ndarray:
-    """x W^T with x quantized to 8-bit blocks, W held as quant.interleave_rows(w, qtype) (Q8_0, Q4_0 or Q4_K), on
-    the calling thread.                                   # [N / 8, interleaved row bytes] uint8, [T, K] float32 -> [T, N]"""
+    """x W^T with x quantized to 8-bit blocks, W held as quant.interleave_rows(w, qtype), on the calling thread.
+                                                   # [N / 8, interleaved row bytes] uint8, [T, K] float32 -> [T, N]"""
     if qtype not in INTERLEAVED_TYPES:
         raise QuantizationError(f"npllm interleaves the rows of {', '.join(INTERLEAVED_TYPES)} only, not {qtype}")
     x = np.ascontiguousarray(x, dtype=np.float32)

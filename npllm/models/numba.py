@@ -459,7 +459,10 @@ def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     table = matrices[-2].raw.__array_interface__["data"][0]
     interleave = [m.qtype in INTERLEAVED_TYPES and m.shape[0] % INTERLEAVE == 0 and i != len(matrices) - 2
                   and m.raw.__array_interface__["data"][0] != table for i, m in enumerate(matrices)]
-    pool, offsets = interleaved_pool(matrices, interleave) if any(interleave) else weight_pool([m.raw for m in matrices])
+    if any(interleave):
+        pool, offsets = interleaved_pool(matrices, interleave)
+    else:
+        pool, offsets = weight_pool([m.raw for m in matrices])
     mats = np.array([(at, TYPES[m.qtype].type_id + (qk.INTERLEAVED_CODE if inter else 0), m.shape[0], m.shape[1],
                       stored_row_bytes(m, inter)) for at, m, inter in zip(offsets, matrices, interleave)], np.int64)
     H, K, Dh = c.n_heads, c.n_kv_heads, c.head_dim
@@ -566,8 +569,9 @@ def products_into(pool, mats, first, count, x, T, out, threads):
 
     Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K weights (Q8_0, Q4_0, Q4_K and Q6_K as interleaved rows), and Q5_K
     in calls of fewer than quant.FLOAT_ACTIVATIONS_FROM tokens, meet activations quantized to 8 bits per block of 32
-    (as llama.cpp does): integer dot products, with x quantized once here for every matrix and row range (docs/quant.md, "8-bit
-    activations", for the rounding bound and the measured KL divergence). Other types take x in float32.
+    (as llama.cpp does): integer dot products, with x quantized once here for every matrix and row range (on every
+    thread from QUANTIZE_IN_PARALLEL_FROM tokens; docs/quant.md, "8-bit activations", for the rounding bound and
+    the measured KL divergence). Other types take x in float32.
     """
     unit = INTERLEAVE if T == 1 else PANEL  # whole groups of interleaved rows
     total = np.int64(0)  # not a literal 0 (see _forward_quantized)
