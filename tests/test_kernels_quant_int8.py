@@ -236,6 +236,10 @@ def test_interleaving_refuses_what_it_cannot_regroup():
         quant.interleave_rows(w[:8], "Q5_K")
     with pytest.raises(QuantizationError, match="Q8_0, Q4_0, Q4_K, Q6_K only"):
         kq.matmul_int8_interleaved(quant.interleave_rows(w[:8], "Q8_0"), "Q5_0", np.ones((1, 64), np.float32))
+    with pytest.raises(QuantizationError, match="do not hold rows of 96 values"):
+        kq.matmul_int8_interleaved(quant.interleave_rows(w[:8], "Q8_0"), "Q8_0", np.ones((1, 96), np.float32))
+    with pytest.raises(QuantizationError, match="do not hold rows of 64 values"):  # Q8_0's groups read as Q4_0's
+        kq.matmul_int8_interleaved(quant.interleave_rows(w[:8], "Q8_0"), "Q4_0", np.ones((1, 64), np.float32))
 
 
 @pytest.mark.parametrize("qtype", quant.INTERLEAVED_TYPES)

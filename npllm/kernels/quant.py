@@ -1141,8 +1141,8 @@ INT8_TYPE_CODES = tuple(TYPES[t].type_id for t in INT8_KERNEL_TYPES)  # GGML typ
 
 @njit(cache=True)
 def matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1):
-    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1, W of GGML type `code` (INT8_KERNEL_TYPES; or Q8_0's or
-    Q4_0's id plus INTERLEAVED_CODE: w then holds interleaved rows, and n0, n1 are multiples of 8), x
+    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1, W of GGML type `code` (INT8_KERNEL_TYPES; or the id of
+    Q8_0, Q4_0, Q4_K or Q6_K plus INTERLEAVED_CODE: w then holds interleaved rows, and n0, n1 are multiples of 8), x
     given by quantize_activations_q8_into(x, T, q, d, s) (once per input, shared by every row range and matrix).
         # q [>=T, K] int8, d, s [>=T, K / 32] float32 -> out [>=T, >=col + n1]"""
     if code == 8:
@@ -1216,7 +1216,9 @@ def matmul_int8_interleaved(w8: np.ndarray, qtype: str, x: np.ndarray) -> np.nda
     x = np.ascontiguousarray(x, dtype=np.float32)
     T, K = x.shape
     N, t = 8 * w8.shape[0], TYPES[qtype]
-    _check_int8(np.empty((N, w8.shape[1] // INTERLEAVED_BLOCK_BYTES[qtype] * t.block_bytes), np.uint8), qtype, K)
+    if (w8.dtype != np.uint8 or w8.ndim != 2 or K % t.block_size
+            or w8.shape[1] != K // t.block_size * INTERLEAVED_BLOCK_BYTES[qtype]):
+        raise QuantizationError(f"interleaved {qtype} weights of shape {w8.shape} do not hold rows of {K} values")
     if not np.all(np.isfinite(x)):
         raise QuantizationError("cannot quantize activations that are not finite (inf or NaN)")
     q, d, s = np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32), np.empty((T, K // 32), np.float32)
