@@ -2,7 +2,7 @@
 type after type, so the two figures of a pair come from the same minute of a noisy shared machine. Prints each
 pair's ratio (npllm / llama.cpp) and, at the end, the median ratio per type and test.
 
-    python scripts/bench_pairs.py [SHAPE] [THREADS] [ROUNDS]        # defaults: stories110M 2 3
+    python scripts/bench_pairs.py [SHAPE] [THREADS] [ROUNDS] [TYPES]   # defaults: stories110M 2 3 F32,Q8_0,Q4_0
 
 The files are scripts/bench_llama_cpp.sh's ($GGUF_DIR, default /tmp/npllm-bench-gguf: run that script once to
 write them), llama.cpp its build ($LLAMA_CPP_DIR, default /tmp/npllm-llama.cpp); $LLAMA_BENCH_ARGS goes to
@@ -19,6 +19,7 @@ from pathlib import Path
 shape = sys.argv[1] if len(sys.argv) > 1 else "stories110M"
 threads = sys.argv[2] if len(sys.argv) > 2 else "2"
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+file_types = (sys.argv[4] if len(sys.argv) > 4 else "F32,Q8_0,Q4_0").split(",")  # {SHAPE}-{TYPE}.gguf, e.g. Q4_K_M
 gguf = Path(os.environ.get("GGUF_DIR", "/tmp/npllm-bench-gguf"))
 llama_bench = Path(os.environ.get("LLAMA_CPP_DIR", "/tmp/npllm-llama.cpp")) / "bin" / "llama-bench"
 npllm = Path(sys.executable).parent / "npllm"
@@ -45,12 +46,12 @@ def ours(path):
 ratios = {}
 print(f"{shape}, {threads} threads, {rounds} rounds; load average {open('/proc/loadavg').read().split()[:3]}")
 for r in range(rounds):
-    for qtype in ("F32", "Q8_0", "Q4_0"):
+    for qtype in file_types:
         path = gguf / f"{shape}-{qtype}.gguf"
         (lp, lt), (op, ot) = llama_cpp(path), ours(path)
         ratios.setdefault((qtype, "prefill"), []).append(op / lp)
         ratios.setdefault((qtype, "decode"), []).append(ot / lt)
-        print(f"round {r + 1} {qtype:5} prefill llama.cpp {lp:8.1f} npllm {op:8.1f} ({op / lp:.2f}x)   "
+        print(f"round {r + 1} {qtype:6} prefill llama.cpp {lp:8.1f} npllm {op:8.1f} ({op / lp:.2f}x)   "
               f"decode llama.cpp {lt:7.1f} npllm {ot:7.1f} ({ot / lt:.2f}x)", flush=True)
 print("median ratio npllm / llama.cpp: " + ", ".join(f"{t} {test} {statistics.median(v):.2f}x"
                                                       for (t, test), v in ratios.items()))

@@ -3,6 +3,7 @@ integer; each layout's integer dot is exact, on AVX2 and in plain LLVM; each ker
 (quantized activations times dequantized weights) to float32 rounding, which is the exact product x dequantize(W)^T
 to within the activations' rounding; stories260K on them meets the issue's quality bar."""
 
+import functools
 import importlib.util
 import sys
 
@@ -263,12 +264,9 @@ def test_interleaved_kernels_are_the_reference(qtype, data):
     np.testing.assert_array_equal(got, one_by_one)
 
 
-@settings(max_examples=30, deadline=None)
-@given(w=hnp.arrays(np.uint8, 256), x=hnp.arrays(np.int8, 32, elements=st.integers(-127, 127)))
-def test_interleaved_integer_dots_are_the_integer_dot(w, x):
-    """Lane r of an interleaved block's dot: the exact integer dot of row r's 32 values (Q8_0's q, Q4_0's u - 8, a
-    Q4_K run's low or high nibbles; a Q6_K group's first or last 16, q - 32) with x, on the machine's instructions,
-    on AVX2 without VNNI where the machine has it, and in plain LLVM."""
+def interleaved_dots(w, x):
+    """The exact integer dots each interleaved intrinsic below must give for one group's 256 bytes w: [6, 8] (one row
+    per intrinsic call in interleaved_lanes, one column per row of the group)."""
     q8 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w])[None], "Q8_0")[:, 2:].view(np.int8)
     q4 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w[:128]])[None], "Q4_0")[:, 2:]
     u4 = np.concatenate([q4 & 15, q4 >> 4], axis=1).astype(np.int64)  # nibble j, then j + 16
@@ -276,25 +274,43 @@ def test_interleaved_integer_dots_are_the_integer_dot(w, x):
     qh_run = np.roll(w, 77).reshape(8, 8, 4).swapaxes(0, 1).reshape(8, 32)  # the intrinsics read it from w[179:]...
     q6 = (((run >> 4) & 15) | (((qh_run >> 2) & 3) << 4)).astype(np.int64) - 32  # ql_shift 4, qh_shift 2
     x64 = x.astype(np.int64)
-    expected = np.array([q8.astype(np.int64) @ x64, (u4 - 8) @ x64, (run & 15).astype(np.int64) @ x64,
-                         (run >> 4).astype(np.int64) @ x64, q6[:, :16] @ x64[:16], q6[:, 16:] @ x64[16:]], np.float32)
-    machines = [(kq.idot_q8_0_x8, kq.idot_q4_0_x8, kq.idot_q4_k_x8, kq.idot_q6_k_x8_low, kq.idot_q6_k_x8_high),
-                kq.GENERIC_X8_IDOTS, kq.AVX2_X8_IDOTS]
-    for idots in (m for m in machines if m is not None):  # AVX2_X8_IDOTS: None on a machine without AVX2
-        np.testing.assert_array_equal(interleaved_lanes(*idots)(w, x, np.int32(x.astype(np.int32).sum())), expected)
+    return np.array([q8.astype(np.int64) @ x64, (u4 - 8) @ x64, (run & 15).astype(np.int64) @ x64,
+                     (run >> 4).astype(np.int64) @ x64, q6[:, :16] @ x64[:16], q6[:, 16:] @ x64[16:]], np.float32)
 
 
+@settings(max_examples=30, deadline=None)
+@given(w=hnp.arrays(np.uint8, 512), x=hnp.arrays(np.int8, 32, elements=st.integers(-127, 127)))
+def test_interleaved_integer_dots_are_the_integer_dot(w, x):
+    """Lane r of an interleaved block's dot: the exact integer dot of row r's 32 values (Q8_0's q, Q4_0's u - 8, a
+    Q4_K run's low or high nibbles; a Q6_K group's first or last 16, q - 32) with x, each from its start (minus the
+    bias times the activations' sum); for one group, on the machine's instructions, on AVX2 without VNNI where the
+    machine has it, and in plain LLVM; for a pair of groups (rows 8 .. 15 from the second, stride bytes on), on the
+    machine's 512-bit instructions where it has them, and in plain LLVM."""
+    expected = [interleaved_dots(w[:256], x), interleaved_dots(w[256:], x)]
+    total, halves = int(x.astype(np.int32).sum()), x.astype(np.int32).reshape(2, 16).sum(axis=1)
+    machines = [(kq.X8_IDOTS, 1, kq.STARTS["Q8_0"][1]), (kq.GENERIC_X8_IDOTS, 1, 128), (kq.X16_IDOTS, 2, 128),
+                (kq.GENERIC_X16_IDOTS, 2, 128)]
+    if kq.AVX2_X8_IDOTS is not None:  # None on a machine without AVX2
+        machines.append((kq.AVX2_X8_IDOTS, 1, 0))  # Q8_0's bytes back to q, the sign trick: no bias to undo
+    for idots, groups, q8_0_bias in machines:
+        starts = np.array([-q8_0_bias * total, -8 * total, -32 * halves[0], -32 * halves[1]], np.int32)
+        got = interleaved_lanes(*idots)(w, x, starts)
+        np.testing.assert_array_equal(got[:, :8 * groups], np.concatenate(expected[:groups], axis=1))
+
+
+@functools.lru_cache(maxsize=None)  # one compilation per set of intrinsics, not one per example
 def interleaved_lanes(q8_0, q4_0, q4_k, q6_k_low, q6_k_high):
     @njit
-    def lanes(w, x, sum_x):
-        out = np.empty((6, 8), np.float32)
-        vstore(out, 0, q8_0(w, 0, x, 0, sum_x))
-        vstore(out, 8, q4_0(w, 0, x, 0, sum_x))
-        vstore(out, 16, q4_k(w, 0, 0, x, 0))
-        vstore(out, 24, q4_k(w, 0, 4, x, 0))
-        wrapped = np.concatenate((w, w))  # w rolled by 77: the qh run starts at 256 - 77 = 179
-        vstore(out, 32, q6_k_low(wrapped, 0, 4, 179, 2, x, 0))
-        vstore(out, 40, q6_k_high(wrapped, 0, 4, 179, 2, x, 0))
+    def lanes(w, x, starts):
+        """[6, 16]: each intrinsic's 8 lanes (16 for a pair) in a row, from one group or a pair."""
+        out = np.zeros((6, 16), np.float32)
+        wrapped = np.concatenate((w[:256], w[:256], w[256:], w[256:]))  # each group twice, the second at 512:
+        vstore(out, 0, q8_0(wrapped, 0, 512, x, 0, starts[0]))  # w rolled by 77 is its qh run, from 256 - 77 = 179
+        vstore(out, 16, q4_0(wrapped, 0, 512, x, 0, starts[1]))
+        vstore(out, 32, q4_k(wrapped, 0, 512, 0, x, 0))
+        vstore(out, 48, q4_k(wrapped, 0, 512, 4, x, 0))
+        vstore(out, 64, q6_k_low(wrapped, 0, 4, 179, 2, 512, x, 0, starts[2]))
+        vstore(out, 80, q6_k_high(wrapped, 0, 4, 179, 2, 512, x, 0, starts[3]))
         return out
 
     return lanes

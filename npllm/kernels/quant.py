@@ -38,7 +38,7 @@ from numba.extending import intrinsic
 
 from ..quant import INTERLEAVED_BLOCK_BYTES, INTERLEAVED_TYPES, QK_K, TYPES, QuantizationError
 from .cpu import PANEL, REASSOC, TILE_T, _tile_6x16
-from .simd import _vector, f32x8, vadd, vfma, vfmav, vload, vsplat, vstore, vsum, vzero
+from .simd import _vector, f32x8, f32x16, vadd, vfma, vfmav, vload, vsplat, vstore, vsum, vzero, vzero16
 
 # ---------------------------------------------------------------------------------------------- byte vectors
 # Eight weight bytes widened to eight float32 lanes in registers (simd.py's f32x8). Written as LLVM vector
@@ -453,12 +453,14 @@ def _dot_avx2(builder, unsigned, signed, vnni: bool):
 def _dot_generic(builder, a, b, a_signed):
     """The same sums from plain LLVM integer vectors (a signed or unsigned, b signed): lane i sums the products of
     bytes 4i .. 4i + 3, as vpmaddubsw then vpmaddwd group them."""
-    wide = _ivec(_I32, 32)
+    count = a.type.count  # 32 bytes, or 64 for a pair of interleaved groups
+    wide = _ivec(_I32, count)
     a32 = builder.sext(a, wide) if a_signed else builder.zext(a, wide)
     products = builder.mul(a32, builder.sext(b, wide))
     total = None
     for k in range(4):
-        part = builder.shuffle_vector(products, products, ir.Constant(_ivec(_I32, 8), list(range(k, 32, 4))))
+        part = builder.shuffle_vector(products, products, ir.Constant(_ivec(_I32, count // 4),
+                                                                      list(range(k, count, 4))))
         total = part if total is None else builder.add(total, part)
     return total
 
@@ -493,7 +495,9 @@ def _splat8(builder, value, count):
 
 def _field(builder, bytes_, shift, mask):
     """(bytes >> shift) & mask per byte, shift a run-time integer."""
-    return builder.and_(builder.lshr(bytes_, _splat8(builder, shift, 32)), ir.Constant(_ivec(_I8, 32), [mask] * 32))
+    count = bytes_.type.count
+    return builder.and_(builder.lshr(bytes_, _splat8(builder, shift, count)), ir.Constant(_ivec(_I8, count),
+                                                                                         [mask] * count))
 
 
 # Weight bytes of each layout as the <32 x i8> of 32 values, and whether they are signed. Arguments after (w, ...)
@@ -871,258 +875,392 @@ def _int8_kernels(acc_block, block_size: int):
 # VNNI, Q8_0's bytes go back to q and take the sign trick: vpmaddubsw's pairs of 255 x 127 would saturate.)
 
 
-def _broadcast4(builder, context, array_type, array, index):
-    """<32 x i8>: the four bytes at array.flat[index:] repeated in each of the eight 32-bit lanes."""
-    word = builder.bitcast(_load_bytes(builder, context, array_type, array, index, 4), _I32)
-    lanes = builder.insert_element(ir.Constant(_ivec(_I32, 8), ir.Undefined), word, ir.Constant(_I32, 0))
-    lanes = builder.shuffle_vector(lanes, lanes, ir.Constant(_ivec(_I32, 8), [0] * 8))
-    return builder.bitcast(lanes, _ivec(_I8, 32))
+def _target_has_vnni512() -> bool:
+    """Whether the machine Numba compiles for has a 512-bit vpdpbusd (AVX512-VNNI with AVX512-BW)."""
+    if os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES"):
+        return {"+avx512vnni", "+avx512bw"} <= set(os.environ.get("NUMBA_CPU_FEATURES", "").split(","))
+    host = llvmlite.binding.get_host_cpu_features()
+    return bool(host.get("avx512vnni", False) and host.get("avx512bw", False))
 
 
-def _add_dot(builder, acc, w, x, w_signed: bool, avx2: bool, vnni: bool):
-    """acc + _dot(w, x), as one vpdpbusd into acc where the machine has VNNI and w is unsigned."""
-    if vnni and not w_signed:
-        i32x8 = _ivec(_I32, 8)
-        function = _x86(builder, "llvm.x86.avx512.vpdpbusd.256", i32x8, [i32x8] * 3)
-        return builder.call(function, [acc, builder.bitcast(w, i32x8), builder.bitcast(x, i32x8)])
-    return builder.add(acc, _dot(builder, w, x, w_signed, avx2, vnni))
+# PAIRED: the kernels walk two groups at a time as one 16-lane register (rows 8g .. 8g + 15), where the machine
+# has a 512-bit vpdpbusd. It runs two per cycle here, as the 256-bit one does, so a pair costs the instructions of
+# one group: ~1.7x the multiply-adds per second at 128 tokens (docs/quant.md). Elsewhere groups go one at a time.
+PAIRED = VNNI and _target_has_vnni512()
+ROWS_AT_ONCE = 16 if PAIRED else 8  # the rows an interleaved kernel walks together: a thread's range is a multiple
+CHAINS = 2  # independent integer sums per dot, so that vpdpbusd's 5-cycle latency is not a chain of eight
+
+
+def _at(builder, base, stride, group: int, delta: int):
+    """base + group * stride + delta, as an i64 (the byte index of a field of group `group` of a pair)."""
+    i64 = ir.IntType(64)
+    base = builder.sext(base, i64) if base.type.width < 64 else base
+    if group:
+        base = builder.add(base, builder.sext(stride, i64) if stride.type.width < 64 else stride)
+    return builder.add(base, ir.Constant(i64, delta))
+
+
+def _group_bytes(builder, context, array_type, w, iw, stride, groups: int, delta: int, count: int = 32):
+    """<groups * count x i8>: the count bytes at w.flat[iw + j stride + delta:] of each group j < groups, side by
+    side (one group's word, or a pair's as one 512-bit word)."""
+    parts = [_load_bytes(builder, context, array_type, w, _at(builder, iw, stride, j, delta), count)
+             for j in range(groups)]
+    if groups == 1:
+        return parts[0]
+    return builder.shuffle_vector(parts[0], parts[1], ir.Constant(_ivec(_I32, 2 * count), list(range(2 * count))))
 
 
 def _offset(builder, value, add):
     return builder.add(value, ir.Constant(value.type, add))
 
 
-def _interleaved_idot(qtype, avx2: bool, vnni: bool):
-    """idot(w, iw, x, ix, sum_x) -> f32x8: lane r = the exact integer dot of row r's 32 values (Q8_0's stored bytes
-    minus 128, Q4_0's nibbles minus 8) in the interleaved block at w.flat[iw:] (after its scales) with the int8
-    activations x.flat[ix : ix + 32], whose sum is sum_x (the block's s)."""
+def _splat32(builder, value, lanes: int):
+    """<lanes x i32> of an i32 value."""
+    vector = _ivec(_I32, lanes)
+    lane = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(lane, ir.Constant(vector, ir.Undefined), ir.Constant(vector, [0] * lanes))
+
+
+def _broadcast4(builder, context, array_type, array, index, lanes: int):
+    """<4 lanes x i8>: the four bytes at array.flat[index:] repeated in each of the 32-bit lanes."""
+    word = builder.bitcast(_load_bytes(builder, context, array_type, array, index, 4), _I32)
+    return builder.bitcast(_splat32(builder, word, lanes), _ivec(_I8, 4 * lanes))
+
+
+def _dot_lanes(builder, acc, w, x, w_signed: bool, avx2: bool, vnni: bool):
+    """acc + (lane i: the sum of w[4i + k] x[4i + k], k < 4), for 8 or 16 lanes: one vpdpbusd where the machine
+    has it and w is unsigned, vpmaddubsw + vpmaddwd on AVX2, plain LLVM integer vectors otherwise."""
+    lanes = acc.type.count
+    if not avx2:
+        return builder.add(acc, _dot_generic(builder, w, x, w_signed))
+    if vnni and not w_signed:
+        vector = _ivec(_I32, lanes)
+        function = _x86(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", vector, [vector] * 3)
+        return builder.call(function, [acc, builder.bitcast(w, vector), builder.bitcast(x, vector)])
+    return builder.add(acc, _dot(builder, w, x, w_signed, avx2, vnni))  # 8 lanes: no 16-lane code without VNNI
+
+
+def _chained_dots(builder, start, words, xs, w_signed: bool, avx2: bool, vnni: bool):
+    """start + the dots of words[k] with xs[k], in CHAINS independent sums added at the end (the same integer)."""
+    zero = ir.Constant(start.type, [0] * start.type.count)
+    chains = [start] + [zero] * (CHAINS - 1)
+    for k, (word, x) in enumerate(zip(words, xs)):
+        chains[k % CHAINS] = _dot_lanes(builder, chains[k % CHAINS], word, x, w_signed, avx2, vnni)
+    total = chains[0]
+    for chain in chains[1:]:
+        total = builder.add(total, chain)
+    return total
+
+
+def _interleaved_idot(qtype, groups: int, avx2: bool, vnni: bool):
+    """idot(w, iw, stride, x, ix, sum_x) -> f32x8 (f32x16 for a pair): lane r = the exact integer dot of row r's 32
+    values (Q8_0's stored bytes minus 128, Q4_0's nibbles minus 8) in the interleaved block at w.flat[iw:] (after
+    its scales; a pair's second group at iw + stride) with the int8 activations x.flat[ix : ix + 32], whose sum is
+    sum_x (the block's s)."""
     bias = {"Q8_0": 128, "Q4_0": 8}[qtype]
     flip_back = qtype == "Q8_0" and avx2 and not vnni  # vpmaddubsw would saturate on 255 x 127: the sign trick
+    width = 32 * groups
 
-    def words(builder, context, array_type, w, iw):
+    def words(builder, context, array_type, w, iw, stride):
         """Word k of the block (four unsigned values of each row meeting x[4k .. 4k+3]), k < 8."""
         if qtype == "Q8_0":
-            return [_load_bytes(builder, context, array_type, w, _offset(builder, iw, 32 * k), 32) for k in range(8)]
-        fifteen, four = ir.Constant(_ivec(_I8, 32), [15] * 32), ir.Constant(_ivec(_I8, 32), [4] * 32)
-        packed = [_load_bytes(builder, context, array_type, w, _offset(builder, iw, 32 * m), 32) for m in range(4)]
-        return [builder.and_(p, fifteen) for p in packed] + [builder.and_(builder.lshr(p, four), fifteen)
-                                                                for p in packed]
+            return [_group_bytes(builder, context, array_type, w, iw, stride, groups, 32 * k) for k in range(8)]
+        packed = [_group_bytes(builder, context, array_type, w, iw, stride, groups, 32 * m) for m in range(4)]
+        return [_field_const(builder, p, 0, 15) for p in packed] + [_field_const(builder, p, 4, 15) for p in packed]
 
-    def typer(typingctx, w, iw, x, ix, sum_x):
-        if not (_idot_args_ok(w, (iw,), x, ix) and sum_x in (types.int32, types.int64)):
+    def typer(typingctx, w, iw, stride, x, ix, sum_x):
+        if not (_idot_args_ok(w, (iw, stride), x, ix) and sum_x in (types.int32, types.int64)):
             return None
 
         def codegen(context, builder, signature, args):
-            ws = words(builder, context, signature.args[0], args[0], args[1])
+            ws = words(builder, context, signature.args[0], args[0], args[1], args[2])
             if flip_back:  # q itself, signed
-                ws, start = [builder.xor(u, ir.Constant(_ivec(_I8, 32), [128] * 32)) for u in ws], ir.Constant(_I32, 0)
-            else:  # -bias sum_x turns the unsigned values' dot into that of u - bias
-                total = builder.trunc(args[4], _I32) if args[4].type.width > 32 else args[4]
-                start = builder.mul(total, ir.Constant(_I32, -bias))
-            acc = builder.insert_element(ir.Constant(_ivec(_I32, 8), ir.Undefined), start, ir.Constant(_I32, 0))
-            acc = builder.shuffle_vector(acc, acc, ir.Constant(_ivec(_I32, 8), [0] * 8))
-            for k in range(8):
-                xs = _broadcast4(builder, context, signature.args[2], args[2], _offset(builder, args[3], 4 * k))
-                acc = (_add_dot(builder, acc, ws[k], xs, flip_back, avx2, vnni) if avx2
-                       else builder.add(acc, _dot_generic(builder, ws[k], xs, False)))
-            return builder.sitofp(acc, _vector(8))
+                ws = [builder.xor(u, ir.Constant(_ivec(_I8, width), [128] * width)) for u in ws]
+            start = builder.trunc(args[5], _I32) if args[5].type.width > 32 else args[5]
+            xs = [_broadcast4(builder, context, signature.args[3], args[3], _offset(builder, args[4], 4 * k),
+                              8 * groups) for k in range(8)]
+            acc = _chained_dots(builder, _splat32(builder, start, 8 * groups), ws, xs, flip_back, avx2, vnni)
+            return builder.sitofp(acc, _vector(8 * groups))
 
-        return f32x8(w, iw, x, ix, sum_x), codegen
+        return _F32XN[groups](w, iw, stride, x, ix, sum_x), codegen
 
     return intrinsic(typer)
 
 
-def _interleaved_nibble_idot(avx2: bool, vnni: bool):
-    """idot(w, iw, shift, x, ix) -> f32x8: lane r = the exact integer dot of (byte >> shift) & 15 of row r's bytes in
-    the eight words at w.flat[iw:] (a Q4_K run: shift 0 its even sub-block, 4 its odd one) with x.flat[ix : ix + 32]."""
+def _field_const(builder, bytes_, shift: int, mask: int):
+    """(bytes >> shift) & mask per byte, shift a constant."""
+    count = bytes_.type.count
+    if shift:
+        bytes_ = builder.lshr(bytes_, ir.Constant(_ivec(_I8, count), [shift] * count))
+    return builder.and_(bytes_, ir.Constant(_ivec(_I8, count), [mask] * count))
 
-    def typer(typingctx, w, iw, shift, x, ix):
-        if not _idot_args_ok(w, (iw, shift), x, ix):
+
+def _interleaved_nibble_idot(groups: int, avx2: bool, vnni: bool):
+    """idot(w, iw, stride, shift, x, ix) -> f32x8 (f32x16 for a pair): lane r = the exact integer dot of
+    (byte >> shift) & 15 of row r's bytes in the eight words at w.flat[iw:] (a Q4_K run: shift 0 its even
+    sub-block, 4 its odd one) with x.flat[ix : ix + 32]."""
+
+    def typer(typingctx, w, iw, stride, shift, x, ix):
+        if not _idot_args_ok(w, (iw, stride, shift), x, ix):
             return None
 
         def codegen(context, builder, signature, args):
-            acc = ir.Constant(_ivec(_I32, 8), [0] * 8)
-            for k in range(8):
-                word = _load_bytes(builder, context, signature.args[0], args[0], _offset(builder, args[1], 32 * k), 32)
-                values = _field(builder, word, args[2], 15)
-                xs = _broadcast4(builder, context, signature.args[3], args[3], _offset(builder, args[4], 4 * k))
-                acc = (_add_dot(builder, acc, values, xs, False, avx2, vnni) if avx2
-                       else builder.add(acc, _dot_generic(builder, values, xs, False)))
-            return builder.sitofp(acc, _vector(8))
+            ws = [_field(builder, _group_bytes(builder, context, signature.args[0], args[0], args[1], args[2],
+                                                   groups, 32 * k), args[3], 15) for k in range(8)]
+            xs = [_broadcast4(builder, context, signature.args[4], args[4], _offset(builder, args[5], 4 * k),
+                              8 * groups) for k in range(8)]
+            zero = ir.Constant(_ivec(_I32, 8 * groups), [0] * 8 * groups)
+            return builder.sitofp(_chained_dots(builder, zero, ws, xs, False, avx2, vnni), _vector(8 * groups))
 
-        return f32x8(w, iw, shift, x, ix), codegen
+        return _F32XN[groups](w, iw, stride, shift, x, ix), codegen
 
     return intrinsic(typer)
 
 
-def _interleaved_q6_idot(avx2: bool, vnni: bool, part: int):
-    """idot(w, iql, ql_shift, iqh, qh_shift, x, ix) -> f32x8: lane r = the exact integer dot of row r's 16 Q6_K
-    values 16 part .. 16 part + 15 of one group of 32, q - 32 with q = (ql >> ql_shift) & 15 | ((qh >> qh_shift) & 3)
-    << 4 from the ql and qh runs at w.flat[iql:] and w.flat[iqh:] (8 words each), with x.flat[ix + 16 part:][:16].
-    q is unsigned (0..63); the -32 is a dot of 32s with the same activations, subtracted in the integers."""
+def _interleaved_q6_idot(groups: int, avx2: bool, vnni: bool, part: int):
+    """idot(w, iql, ql_shift, iqh, qh_shift, stride, x, ix, sum_x) -> f32x8 (f32x16 for a pair): lane r = the exact
+    integer dot of row r's 16 Q6_K values 16 part .. 16 part + 15 of one group of 32, q - 32 with
+    q = (ql >> ql_shift) & 15 | ((qh >> qh_shift) & 3) << 4 from the ql and qh runs at w.flat[iql:] and w.flat[iqh:]
+    (8 words each), with x.flat[ix + 16 part:][:16], whose sum is sum_x. q is unsigned (0..63), and the dot starts
+    from -32 sum_x, which makes it that of q - 32."""
 
-    def typer(typingctx, w, iql, ql_shift, iqh, qh_shift, x, ix):
-        if not _idot_args_ok(w, (iql, ql_shift, iqh, qh_shift), x, ix):
+    def typer(typingctx, w, iql, ql_shift, iqh, qh_shift, stride, x, ix, sum_x):
+        if not (_idot_args_ok(w, (iql, ql_shift, iqh, qh_shift, stride), x, ix)
+                and sum_x in (types.int32, types.int64)):
             return None
 
         def codegen(context, builder, signature, args):
-            acc = ir.Constant(_ivec(_I32, 8), [0] * 8)
-            bias = ir.Constant(_ivec(_I8, 32), [32] * 32)
+            w_type, w, iql, ql_shift, iqh, qh_shift, stride = signature.args[0], *args[:6]
+            width = 32 * groups
+            ws = []
             for k in range(4 * part, 4 * part + 4):
-                low = _field(builder, _load_bytes(builder, context, signature.args[0], args[0],
-                                                  _offset(builder, args[1], 32 * k), 32), args[2], 15)
-                high = _field(builder, _load_bytes(builder, context, signature.args[0], args[0],
-                                                   _offset(builder, args[3], 32 * k), 32), args[4], 3)
-                values = builder.or_(low, builder.shl(high, ir.Constant(_ivec(_I8, 32), [4] * 32)))
-                xs = _broadcast4(builder, context, signature.args[5], args[5], _offset(builder, args[6], 4 * k))
-                if avx2:
-                    acc = builder.sub(_add_dot(builder, acc, values, xs, False, avx2, vnni),
-                                      _dot(builder, bias, xs, False, avx2, vnni))
-                else:
-                    acc = builder.add(acc, _dot_generic(builder, builder.sub(values, bias), xs, True))
-            return builder.sitofp(acc, _vector(8))
+                low = _field(builder, _group_bytes(builder, context, w_type, w, iql, stride, groups, 32 * k),
+                                 ql_shift, 15)
+                high = _field(builder, _group_bytes(builder, context, w_type, w, iqh, stride, groups, 32 * k),
+                                  qh_shift, 3)
+                ws.append(builder.or_(low, builder.shl(high, ir.Constant(_ivec(_I8, width), [4] * width))))
+            xs = [_broadcast4(builder, context, signature.args[6], args[6], _offset(builder, args[7], 4 * k),
+                              8 * groups) for k in range(4 * part, 4 * part + 4)]
+            start = _splat32(builder, builder.trunc(args[8], _I32) if args[8].type.width > 32 else args[8], 8 * groups)
+            return builder.sitofp(_chained_dots(builder, start, ws, xs, False, avx2, vnni), _vector(8 * groups))
 
-        return f32x8(w, iql, ql_shift, iqh, qh_shift, x, ix), codegen
+        return _F32XN[groups](w, iql, ql_shift, iqh, qh_shift, stride, x, ix, sum_x), codegen
 
     return intrinsic(typer)
 
 
-def _bytes8(signed: bool):
-    def typer(typingctx, array, index):
-        if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
+_F32XN = {1: f32x8, 2: f32x16}  # the float vector of one group or a pair
+
+
+def _scales(kind: str, groups: int):
+    """load(w, i, stride) -> f32x8 (f32x16 for a pair) of eight rows' scales at bytes w.flat[i:] (and a pair's
+    second group's at i + stride): "halves" eight float16, "bytes" eight unsigned bytes (Q4_K's 6-bit scales and
+    mins), "int8s" eight signed ones (Q6_K's scales)."""
+
+    def typer(typingctx, array, index, stride):
+        if not (_is_byte_c_array(array) and isinstance(index, types.Integer) and isinstance(stride, types.Integer)):
             return None
 
         def codegen(context, builder, signature, args):
-            eight = _load_bytes(builder, context, signature.args[0], args[0], args[1], 8)
-            return (builder.sitofp if signed else builder.uitofp)(eight, _vector(8))
+            count = 16 if kind == "halves" else 8
+            raw = _group_bytes(builder, context, signature.args[0], args[0], args[1], args[2], groups, 0, count)
+            if kind == "halves":
+                return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 8 * groups)),
+                                     _vector(8 * groups))
+            return (builder.sitofp if kind == "int8s" else builder.uitofp)(raw, _vector(8 * groups))
 
-        return f32x8(array, index), codegen
+        return _F32XN[groups](array, index, stride), codegen
 
     return intrinsic(typer)
 
 
-# load_bytes8(w, i), load_int8s8(w, i): f32x8 of the eight unsigned or signed bytes at w.flat[i : i + 8] (the
-# scales or mins of eight interleaved rows: Q4_K's unsigned 6-bit ones, Q6_K's int8 ones)
-load_bytes8, load_int8s8 = _bytes8(False), _bytes8(True)
+def _x8_idots(groups: int, avx2: bool, vnni: bool):
+    """(idot_q8_0, idot_q4_0, idot_q4_k, idot_q6_k_low, idot_q6_k_high) for one group or a pair."""
+    return (*(_interleaved_idot(t, groups, avx2, vnni) for t in ("Q8_0", "Q4_0")),
+            _interleaved_nibble_idot(groups, avx2, vnni), _interleaved_q6_idot(groups, avx2, vnni, 0),
+            _interleaved_q6_idot(groups, avx2, vnni, 1))
 
 
-@intrinsic
-def load_halves8(typingctx, array, index):
-    """f32x8 of the eight float16 at bytes array.flat[index : index + 16] (an interleaved block's row scales)."""
-    if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        halves = builder.bitcast(_load_bytes(builder, context, signature.args[0], args[0], args[1], 16),
-                                 ir.VectorType(ir.HalfType(), 8))
-        return builder.fpext(halves, _vector(8))
-
-    return f32x8(array, index), codegen
+# X8_IDOTS: the machine's dots of one group (idot_q8_0(w, iw, stride, x, ix, sum_x), idot_q4_0(...), idot_q4_k(w,
+# iw, stride, shift, x, ix): a Q4_K run's nibbles, idot_q6_k_low / _high(w, iql, ql_shift, iqh, qh_shift, stride,
+# x, ix, sum_x): the first or last 16 of a Q6_K group's 32 values); X16_IDOTS: of a pair, on a 512-bit vpdpbusd
+# where the machine has one (PAIRED), else in plain LLVM. Tests get the same in plain LLVM and on AVX2.
+X8_IDOTS = _x8_idots(1, AVX2, VNNI)
+X16_IDOTS = _x8_idots(2, PAIRED, PAIRED)
+GENERIC_X8_IDOTS, GENERIC_X16_IDOTS = _x8_idots(1, False, False), _x8_idots(2, False, False)
+AVX2_X8_IDOTS = _x8_idots(1, True, False) if AVX2 else None
+load_halves8, load_bytes8, load_int8s8 = (_scales(kind, 1) for kind in ("halves", "bytes", "int8s"))
+load_halves16, load_bytes16, load_int8s16 = (_scales(kind, 2) for kind in ("halves", "bytes", "int8s"))
 
 
-# idot_q8_0_x8(w, iw, x, ix, offset), idot_q4_0_x8(...): the machine's; for tests, GENERIC_X8_IDOTS in plain LLVM
-# and AVX2_X8_IDOTS without VNNI
-# idot_q4_k_x8(w, iw, shift, x, ix): a Q4_K run's nibbles; idot_q6_k_x8_low / _high(w, iql, ql_shift, iqh,
-# qh_shift, x, ix): the first or last 16 of a Q6_K group's 32 values. Tests get the same in plain LLVM and AVX2.
+def _block_accumulators(groups: int):
+    """tile(a0, a1, a2, a3, n, w, g, b, q, d, s, t) of each interleaved type, for group g (or the pair g, g + 1):
+    a_k plus block b's products with token t + k's activations, for k < n (n <= 4; a_k for k >= n come back as
+    they were). The tokens meet each unpacked word in turn, so it is unpacked once for the tile. q and d come from
+    quantize_activations_q8_into; s holds the dots' starts (dot_starts), or for Q4_K the activations' sums."""
+    idot_q8_0, idot_q4_0, idot_q4_k, idot_q6_k_low, idot_q6_k_high = X8_IDOTS if groups == 1 else X16_IDOTS
+    halves, bytes_, int8s = ((load_halves8, load_bytes8, load_int8s8) if groups == 1 else
+                             (load_halves16, load_bytes16, load_int8s16))
+    zero = vzero if groups == 1 else vzero16
+
+    def blockwise(idot, block_bytes: int):
+        """Q8_0 and Q4_0: acc[r] += d_r (d_x (dot of row r's 32 values with q_x, from its start)). (The tokens'
+        terms are written out, not a function called four times: Numba's reference counting of the arrays passed
+        into a function inlined under a branch costs more than a block's products.)"""
+
+        @njit(fastmath=REASSOC, inline="always")
+        def tile(w, g, q, d, s, t, n):
+            stride, K = w.shape[1], q.shape[1]
+            a0, a1, a2, a3 = zero(), zero(), zero(), zero()
+            for b in range(K // 32):
+                at = g * stride + block_bytes * b
+                d_w = halves(w, at, stride)
+                a0 = vfmav(a0, d_w, vfma(zero(), d[t, b], idot(w, at + 16, stride, q, t * K + 32 * b, s[t, b])))
+                if n > 1:
+                    a1 = vfmav(a1, d_w, vfma(zero(), d[t + 1, b], idot(w, at + 16, stride, q, (t + 1) * K + 32 * b,
+                                                                        s[t + 1, b])))
+                if n > 2:
+                    a2 = vfmav(a2, d_w, vfma(zero(), d[t + 2, b], idot(w, at + 16, stride, q, (t + 2) * K + 32 * b,
+                                                                        s[t + 2, b])))
+                if n > 3:
+                    a3 = vfmav(a3, d_w, vfma(zero(), d[t + 3, b], idot(w, at + 16, stride, q, (t + 3) * K + 32 * b,
+                                                                        s[t + 3, b])))
+            return a0, a1, a2, a3
+
+        return tile
+
+    @njit(fastmath=REASSOC, inline="always")
+    def q4_k_token(acc, offset, w, iw, shift, scale, mn, q, d, s, j, t):
+        """acc[r] += (d_r sc_ri) (d_x (u_r . q_x)), offset[r] += (dmin_r mn_ri) (d_x s_x), for sub-block j of 32."""
+        dots = idot_q4_k(w, iw, w.shape[1], shift, q, t * q.shape[1] + 32 * j)
+        return vfmav(acc, scale, vfma(zero(), d[t, j], dots)), vfma(offset, d[t, j] * s[t, j], mn)
+
+    @njit(fastmath=REASSOC, inline="always")
+    def q4_k(w, g, q, d, s, t, n):
+        """Q4_K: each sub-block i of 32 (activation block j = 8 b + i) adds (d_r sc_ri) (d_x (u_r . q_x)) and takes
+        (dmin_r mn_ri) (d_x s_x), the mins' term, summed over the block apart."""
+        a0, a1, a2, a3 = zero(), zero(), zero(), zero()
+        for b in range(q.shape[1] // QK_K):
+            at, stride = g * w.shape[1] + 1184 * b, w.shape[1]
+            d_w, dmin = halves(w, at, stride), halves(w, at + 16, stride)
+            o0, o1, o2, o3 = zero(), zero(), zero(), zero()
+            for p in range(4):  # run p: sub-block 2p in the low nibbles, 2p + 1 in the high ones
+                for half in range(2):
+                    i = 2 * p + half
+                    j, iw, shift = 8 * b + i, at + 160 + 256 * p, 4 * half
+                    scale = vfmav(zero(), d_w, bytes_(w, at + 32 + 8 * i, stride))
+                    mn = vfmav(zero(), dmin, bytes_(w, at + 96 + 8 * i, stride))
+                    a0, o0 = q4_k_token(a0, o0, w, iw, shift, scale, mn, q, d, s, j, t)
+                    if n > 1:
+                        a1, o1 = q4_k_token(a1, o1, w, iw, shift, scale, mn, q, d, s, j, t + 1)
+                    if n > 2:
+                        a2, o2 = q4_k_token(a2, o2, w, iw, shift, scale, mn, q, d, s, j, t + 2)
+                    if n > 3:
+                        a3, o3 = q4_k_token(a3, o3, w, iw, shift, scale, mn, q, d, s, j, t + 3)
+            minus_one = np.float32(-1)
+            a0, a1 = vfma(a0, minus_one, o0), vfma(a1, minus_one, o1)
+            a2, a3 = vfma(a2, minus_one, o2), vfma(a3, minus_one, o3)
+        return a0, a1, a2, a3
+
+    @njit(fastmath=REASSOC, inline="always")
+    def q6_k_token(acc, w, ql, ql_shift, qh, qh_shift, scale_low, scale_high, q, d, s, j, t):
+        """acc[r] += (d_r sc_ri) (d_x ((q - 32)_r . q_x)) for the two sub-blocks of 16 of group j of 32."""
+        ix = t * q.shape[1] + 32 * j
+        low = idot_q6_k_low(w, ql, ql_shift, qh, qh_shift, w.shape[1], q, ix, s[t, 2 * j])
+        high = idot_q6_k_high(w, ql, ql_shift, qh, qh_shift, w.shape[1], q, ix, s[t, 2 * j + 1])
+        return vfmav(vfmav(acc, scale_low, vfma(zero(), d[t, j], low)), scale_high, vfma(zero(), d[t, j], high))
+
+    @njit(fastmath=REASSOC, inline="always")
+    def q6_k(w, g, q, d, s, t, n):
+        """Q6_K: group gg of half h (activation block j = 8 b + 4 h + gg) holds sub-blocks i = 8 h + 2 gg and
+        i + 1 of 16."""
+        a0, a1, a2, a3 = zero(), zero(), zero(), zero()
+        for b in range(q.shape[1] // QK_K):
+            at, stride = g * w.shape[1] + 1680 * b, w.shape[1]
+            d_w = halves(w, at, stride)
+            for h in range(2):
+                for gg in range(4):
+                    j, i = 8 * b + 4 * h + gg, 8 * h + 2 * gg
+                    ql, ql_shift, qh = at + 144 + 256 * (2 * h + (gg & 1)), 4 * (gg >> 1), at + 1168 + 256 * h
+                    low = vfmav(zero(), d_w, int8s(w, at + 16 + 8 * i, stride))
+                    high = vfmav(zero(), d_w, int8s(w, at + 24 + 8 * i, stride))
+                    a0 = q6_k_token(a0, w, ql, ql_shift, qh, 2 * gg, low, high, q, d, s, j, t)
+                    if n > 1:
+                        a1 = q6_k_token(a1, w, ql, ql_shift, qh, 2 * gg, low, high, q, d, s, j, t + 1)
+                    if n > 2:
+                        a2 = q6_k_token(a2, w, ql, ql_shift, qh, 2 * gg, low, high, q, d, s, j, t + 2)
+                    if n > 3:
+                        a3 = q6_k_token(a3, w, ql, ql_shift, qh, 2 * gg, low, high, q, d, s, j, t + 3)
+        return a0, a1, a2, a3
+
+    return {"Q8_0": blockwise(idot_q8_0, 272), "Q4_0": blockwise(idot_q4_0, 144), "Q4_K": q4_k, "Q6_K": q6_k}
 
 
-def _x8_idots(avx2: bool, vnni: bool):
-    return (*(_interleaved_idot(t, avx2, vnni) for t in ("Q8_0", "Q4_0")), _interleaved_nibble_idot(avx2, vnni),
-            _interleaved_q6_idot(avx2, vnni, 0), _interleaved_q6_idot(avx2, vnni, 1))
+def _group_walker(tile):
+    """walk(w, q, d, s, T, out, col, g): out[t, col + 8g + r] for t < T and r < 8 (16 for a pair), four tokens at a
+    time."""
+
+    @njit(fastmath=REASSOC, inline="always")
+    def walk(w, q, d, s, T, out, col, g):
+        stride, at = out.shape[1], col + 8 * g
+        for t in range(0, T, 4):
+            n = min(4, T - t)
+            a0, a1, a2, a3 = tile(w, g, q, d, s, t, n)
+            vstore(out, t * stride + at, a0)
+            if n > 1:
+                vstore(out, (t + 1) * stride + at, a1)
+            if n > 2:
+                vstore(out, (t + 2) * stride + at, a2)
+            if n > 3:
+                vstore(out, (t + 3) * stride + at, a3)
+
+    return walk
 
 
-idot_q8_0_x8, idot_q4_0_x8, idot_q4_k_x8, idot_q6_k_x8_low, idot_q6_k_x8_high = _x8_idots(AVX2, VNNI)
-GENERIC_X8_IDOTS = _x8_idots(False, False)
-AVX2_X8_IDOTS = _x8_idots(True, False) if AVX2 else None
+# Each interleaved type's dots start from -bias times the activations' sum over the values they cover (of 32; Q6_K's
+# of 16): the dot of its unsigned stored values u then comes out as that of the signed u - bias, in exact integers.
+# (size, bias) per type; Q8_0's bias is 0 where its bytes go back to q (AVX2 without VNNI), and Q4_K has none: its
+# mins are a float term.
+STARTS = {"Q8_0": (32, 0 if AVX2 and not VNNI else 128), "Q4_0": (32, 8), "Q6_K": (16, 32)}
 
 
-@njit(fastmath=REASSOC, inline="always")
-def _acc_x8_q8_0(acc, w, g, b, q, d, s, t):
-    """Q8_0, rows 8g .. 8g + 7: acc[r] += d_r (d_x (q_r . q_x)), q_r stored as q_r + 128."""
-    at = g * w.shape[1] + 272 * b
-    dots = idot_q8_0_x8(w, at + 16, q, t * q.shape[1] + 32 * b, np.int32(s[t, b]))
-    return vfmav(acc, load_halves8(w, at), vfma(vzero(), d[t, b], dots))
+@njit(cache=True)
+def dot_starts(q, T, size, bias):
+    """starts[t, i] = -bias * (the sum of q[t, size i : size i + size]), what each interleaved dot starts from.
+                                                                # q [>=T, K] int8 -> [T, K / size] int32"""
+    starts = np.empty((T, q.shape[1] // size), np.int32)
+    for t in range(T):
+        for i in range(q.shape[1] // size):
+            total = np.int32(0)
+            for k in range(size):
+                total += np.int32(q[t, size * i + k])
+            starts[t, i] = -bias * total
+    return starts
 
 
-@njit(fastmath=REASSOC, inline="always")
-def _acc_x8_q4_0(acc, w, g, b, q, d, s, t):
-    """Q4_0, rows 8g .. 8g + 7: acc[r] += d_r (d_x (u_r . q_x - 8 s_x))."""
-    at = g * w.shape[1] + 144 * b
-    dots = idot_q4_0_x8(w, at + 16, q, t * q.shape[1] + 32 * b, np.int32(s[t, b]))
-    return vfmav(acc, load_halves8(w, at), vfma(vzero(), d[t, b], dots))
-
-
-@njit(fastmath=REASSOC, inline="always")
-def _acc_x8_q4_k(acc, w, g, b, q, d, s, t):
-    """Q4_K, rows 8g .. 8g + 7: for each sub-block i of 32 (activation block j = 8 b + i),
-    acc[r] += (d_r sc_ri) (d_x (u_r . q_x)) - (dmin_r mn_ri) (d_x s_x)."""
-    at = g * w.shape[1] + 1184 * b
-    d_w, dmin = load_halves8(w, at), load_halves8(w, at + 16)
-    offset = vzero()
-    for p in range(4):  # run p: sub-block 2p in the low nibbles, 2p + 1 in the high ones
-        for half in range(2):
-            i = 2 * p + half
-            j = 8 * b + i
-            dots = idot_q4_k_x8(w, at + 160 + 256 * p, 4 * half, q, t * q.shape[1] + 32 * j)
-            acc = vfmav(acc, vfmav(vzero(), d_w, load_bytes8(w, at + 32 + 8 * i)), vfma(vzero(), d[t, j], dots))
-            offset = vfma(offset, d[t, j] * s[t, j], vfmav(vzero(), dmin, load_bytes8(w, at + 96 + 8 * i)))
-    return vfma(acc, np.float32(-1), offset)
-
-
-@njit(fastmath=REASSOC, inline="always")
-def _acc_x8_q6_k(acc, w, g, b, q, d, s, t):
-    """Q6_K, rows 8g .. 8g + 7: for group gg of half h (activation block j = 8 b + 4 h + gg), its two sub-blocks of
-    16 (i = 8 h + 2 gg and i + 1): acc[r] += (d_r sc_ri) (d_x ((q - 32)_r . q_x))."""
-    at = g * w.shape[1] + 1680 * b
-    d_w = load_halves8(w, at)
-    for h in range(2):
-        for gg in range(4):
-            j = 8 * b + 4 * h + gg
-            i = 8 * h + 2 * gg
-            ql, ql_shift, qh = at + 144 + 256 * (2 * h + (gg & 1)), 4 * (gg >> 1), at + 1168 + 256 * h
-            ix = t * q.shape[1] + 32 * j
-            low = idot_q6_k_x8_low(w, ql, ql_shift, qh, 2 * gg, q, ix)
-            high = idot_q6_k_x8_high(w, ql, ql_shift, qh, 2 * gg, q, ix)
-            acc = vfmav(acc, vfmav(vzero(), d_w, load_int8s8(w, at + 16 + 8 * i)), vfma(vzero(), d[t, j], low))
-            acc = vfmav(acc, vfmav(vzero(), d_w, load_int8s8(w, at + 24 + 8 * i)), vfma(vzero(), d[t, j], high))
-    return acc
-
-
-def _interleaved_kernels(acc_block, block_size: int = 32):
-    """The row workers of one interleaved type: rows_into(w8, q, d, s, T, out, col, n0, n1), n0 and n1 multiples of 8
-    (whole groups), each group's block read once for four tokens at a time."""
+def _interleaved_kernels(qtype: str):
+    """rows_into(w8, q, d, s, T, out, col, n0, n1) of one interleaved type, n0 and n1 multiples of 8 (whole groups):
+    pairs of groups where PAIRED, then single groups."""
+    walk8, walk16 = _group_walker(_block_accumulators(1)[qtype]), _group_walker(_block_accumulators(2)[qtype])
+    pairs = PAIRED
 
     @njit(fastmath=REASSOC, cache=True)
     def rows_into(w, q, d, s, T, out, col, n0, n1):
         """out[t, col + n] for t < T, n0 <= n < n1 (out C-contiguous float32 [>=T, >=col + n1])."""
-        blocks, stride = q.shape[1] // block_size, out.shape[1]
-        for g in range(n0 // 8, n1 // 8):
-            at = col + 8 * g
-            t = 0
-            while t + 4 <= T:  # the four tokens' accumulators read the same words, which the compiler loads once
-                acc0, acc1, acc2, acc3 = vzero(), vzero(), vzero(), vzero()
-                for b in range(blocks):
-                    acc0 = acc_block(acc0, w, g, b, q, d, s, t)
-                    acc1 = acc_block(acc1, w, g, b, q, d, s, t + 1)
-                    acc2 = acc_block(acc2, w, g, b, q, d, s, t + 2)
-                    acc3 = acc_block(acc3, w, g, b, q, d, s, t + 3)
-                vstore(out, t * stride + at, acc0)
-                vstore(out, (t + 1) * stride + at, acc1)
-                vstore(out, (t + 2) * stride + at, acc2)
-                vstore(out, (t + 3) * stride + at, acc3)
-                t += 4
-            while t < T:
-                acc = vzero()
-                for b in range(blocks):
-                    acc = acc_block(acc, w, g, b, q, d, s, t)
-                vstore(out, t * stride + at, acc)
-                t += 1
+        g = n0 // 8
+        while pairs and g + 2 <= n1 // 8:
+            walk16(w, q, d, s, T, out, col, g)
+            g += 2
+        while g < n1 // 8:
+            walk8(w, q, d, s, T, out, col, g)
+            g += 1
 
     return rows_into
 
 
-_rows_q8_0_x8, _rows_q4_0_x8 = _interleaved_kernels(_acc_x8_q8_0), _interleaved_kernels(_acc_x8_q4_0)
-_rows_q4_k_x8, _rows_q6_k_x8 = _interleaved_kernels(_acc_x8_q4_k, QK_K), _interleaved_kernels(_acc_x8_q6_k, QK_K)
+_rows_q8_0_x8, _rows_q4_0_x8, _rows_q4_k_x8, _rows_q6_k_x8 = (_interleaved_kernels(t) for t in INTERLEAVED_TYPES)
+Q8_0_STARTS, Q4_0_STARTS, Q6_K_STARTS = STARTS["Q8_0"], STARTS["Q4_0"], STARTS["Q6_K"]
+
 # The type ids of interleaved matrices in a model's table (models/numba.py): the GGML type id plus INTERLEAVED_CODE.
 INTERLEAVED_CODE = 1000
 
@@ -1162,13 +1300,13 @@ def matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1):
     elif code == 7:
         _rows_q5_1(w, q, d, s, T, out, col, n0, n1)
     elif code == 1008:  # INTERLEAVED_CODE + Q8_0's
-        _rows_q8_0_x8(w, q, d, s, T, out, col, n0, n1)
+        _rows_q8_0_x8(w, q, d, dot_starts(q, T, Q8_0_STARTS[0], Q8_0_STARTS[1]), T, out, col, n0, n1)
     elif code == 1002:  # INTERLEAVED_CODE + Q4_0's
-        _rows_q4_0_x8(w, q, d, s, T, out, col, n0, n1)
+        _rows_q4_0_x8(w, q, d, dot_starts(q, T, Q4_0_STARTS[0], Q4_0_STARTS[1]), T, out, col, n0, n1)
     elif code == 1012:  # INTERLEAVED_CODE + Q4_K's
         _rows_q4_k_x8(w, q, d, s, T, out, col, n0, n1)
     elif code == 1014:  # INTERLEAVED_CODE + Q6_K's
-        _rows_q6_k_x8(w, q, d, s, T, out, col, n0, n1)
+        _rows_q6_k_x8(w, q, d, dot_starts(q, T, Q6_K_STARTS[0], Q6_K_STARTS[1]), T, out, col, n0, n1)
     else:
         raise ValueError("no 8-bit-activation kernel for this GGML type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and "
                          "Q6_K have one)")

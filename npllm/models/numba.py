@@ -563,7 +563,7 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     """out[:T, col_i : col_i + N_i] = x[:T, :K] @ W_i.T for the `count` matrices first .. first + count - 1, which
     read the same input, side by side (col_i = N_0 + ... + N_{i-1}).   # [>=T, >=K] -> [>=T, >= sum N_i]
 
-    The concatenated groups of 8 rows (one token) or panels of 16 rows (several tokens) are split into one
+    The concatenated groups of 8 or 16 rows (one token: qk.ROWS_AT_ONCE) or panels of 16 rows (several tokens) are split into one
     contiguous range per thread, in ONE parallel region (none on one thread: a small model's step is mostly such
     calls); each matrix's part of a range goes to its type's row-range worker (kernels/quant.py).
 
@@ -573,7 +573,7 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     thread from QUANTIZE_IN_PARALLEL_FROM tokens; docs/quant.md, "8-bit activations", for the rounding bound and
     the measured KL divergence). Other types take x in float32.
     """
-    unit = INTERLEAVE if T == 1 else PANEL  # whole groups of interleaved rows
+    unit = qk.ROWS_AT_ONCE if T == 1 else PANEL  # whole groups (or pairs) of interleaved rows
     total = np.int64(0)  # not a literal 0 (see _forward_quantized)
     for i in range(count):
         total += -(-mats[first + i, 2] // unit)
