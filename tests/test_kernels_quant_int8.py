@@ -34,12 +34,13 @@ def test_compiled_activation_quantizer_is_the_reference(data):
     scale = data.draw(st.sampled_from([1e-30, 1e-3, 1.0, 1e4]))
     x = (activations(data.draw, (T, 32 * blocks)) * np.float32(scale)).astype(np.float32)
     q, d, s = quant.quantize_activations_q8(x)
-    q2, d2, s2 = np.empty_like(q), np.empty_like(d), np.empty(d.shape, np.float32)
-    kq.quantize_activations_q8_into(x, T, q2, d2, s2)
-    assert np.array_equal(q, q2) and np.array_equal(d, d2) and np.array_equal(s, s2)
-    q3, d3, s3 = np.empty_like(q), np.empty_like(d), np.empty(d.shape, np.float32)
-    kq.quantize_activations_q8_parallel(x, T, q3, d3, s3, data.draw(st.integers(1, 4), label="threads"))
-    assert np.array_equal(q, q3) and np.array_equal(d, d3) and np.array_equal(s, s3)
+    s16 = q.reshape(T, -1, 16).astype(np.int32).sum(axis=2)  # the sums of each half block
+    q2, d2, s2, h2 = np.empty_like(q), np.empty_like(d), np.empty(d.shape, np.float32), np.empty_like(s16)
+    kq.quantize_activations_q8_into(x, T, q2, d2, s2, h2)
+    assert np.array_equal(q, q2) and np.array_equal(d, d2) and np.array_equal(s, s2) and np.array_equal(s16, h2)
+    q3, d3, s3, h3 = np.empty_like(q), np.empty_like(d), np.empty(d.shape, np.float32), np.empty_like(s16)
+    kq.quantize_activations_q8_parallel(x, T, q3, d3, s3, h3, data.draw(st.integers(1, 4), label="threads"))
+    assert np.array_equal(q, q3) and np.array_equal(d, d3) and np.array_equal(s, s3) and np.array_equal(s16, h3)
     # the law the error bounds rest on: every value within half a step of d q, |q| <= 127
     err = np.abs(x.reshape(T, -1, 32).astype(np.float64) - d[..., None].astype(np.float64) * q.reshape(T, -1, 32))
     assert np.all(np.abs(q.astype(np.int32)) <= 127)
@@ -173,17 +174,18 @@ def test_row_range_workers_fill_their_rows_at_their_column(qtype):
     w = quant.quantize(rng.standard_normal((N, K)).astype(np.float32), qtype).reshape(N, -1)
     x = rng.standard_normal((T, K)).astype(np.float32)
     q, d, s = np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32), np.empty((T, K // 32), np.float32)
-    kq.quantize_activations_q8_into(x, T, q, d, s)
+    s16 = np.empty((T, K // 16), np.int32)
+    kq.quantize_activations_q8_into(x, T, q, d, s, s16)
     out = np.full((T, col + N + 2), np.nan, np.float32)
-    kq.matmul_rows_int8(t.type_id, w, q, d, s, T, out, col, 0, 4)
-    kq.matmul_rows_int8(t.type_id, w, q, d, s, T, out, col, 4, N)
+    kq.matmul_rows_int8(t.type_id, w, q, d, s, s16, T, out, col, 0, 4)
+    kq.matmul_rows_int8(t.type_id, w, q, d, s, s16, T, out, col, 4, N)
     np.testing.assert_array_equal(out[:, col: col + N], kq.matmul_int8(w, qtype, x))
     assert np.isnan(out[:, :col]).all() and np.isnan(out[:, col + N:]).all()
     vector = np.full(col + N, np.nan, np.float32)
-    kq.matvec_rows_int8(t.type_id, w, q[:1], d[:1], s[:1], vector, col, 0, N)
+    kq.matvec_rows_int8(t.type_id, w, q[:1], d[:1], s[:1], s16[:1], vector, col, 0, N)
     np.testing.assert_array_equal(vector[col:], out[0, col: col + N])
     with pytest.raises(ValueError, match="no 8-bit-activation kernel"):
-        kq.matmul_rows_int8(quant.TYPES["Q3_K"].type_id, w, q, d, s, T, out, col, 0, N)
+        kq.matmul_rows_int8(quant.TYPES["Q3_K"].type_id, w, q, d, s, s16, T, out, col, 0, N)
 
 
 # ------------------------------------------------------------------------------------------------ interleaved rows
@@ -288,7 +290,7 @@ def test_interleaved_integer_dots_are_the_integer_dot(w, x):
     machine's 512-bit instructions where it has them, and in plain LLVM."""
     expected = [interleaved_dots(w[:256], x), interleaved_dots(w[256:], x)]
     total, halves = int(x.astype(np.int32).sum()), x.astype(np.int32).reshape(2, 16).sum(axis=1)
-    machines = [(kq.X8_IDOTS, 1, kq.STARTS["Q8_0"][1]), (kq.GENERIC_X8_IDOTS, 1, 128), (kq.X16_IDOTS, 2, 128),
+    machines = [(kq.X8_IDOTS, 1, kq.Q8_0_BIAS), (kq.GENERIC_X8_IDOTS, 1, 128), (kq.X16_IDOTS, 2, 128),
                 (kq.GENERIC_X16_IDOTS, 2, 128)]
     if kq.AVX2_X8_IDOTS is not None:  # None on a machine without AVX2
         machines.append((kq.AVX2_X8_IDOTS, 1, 0))  # Q8_0's bytes back to q, the sign trick: no bias to undo

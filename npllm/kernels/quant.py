@@ -394,9 +394,10 @@ def matmul(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> np.nda
 # Elsewhere the same sums come from plain LLVM integer vectors (slower, same result).
 # Results match quant.matmul_t_q8_activations to float32 rounding of the block sums.
 #
-# For a model:  quantize_activations_q8_into(x, T, q, d, s)    once per input x [T, K] (q [T, K] int8, d, s [T, K/32])
-#               matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1)   out[t, col + n], rows n0..n1 (a thread's)
-#               matvec_rows_int8(code, w, q, d, s, out, col, n0, n1)      the same for one token into a vector
+# For a model:  quantize_activations_q8_into(x, T, q, d, s, s16)    once per input x [T, K] (q [T, K] int8, d, s
+#                   [T, K/32] float32, s16 [T, K/16] int32)
+#               matmul_rows_int8(code, w, q, d, s, s16, T, out, col, n0, n1)  out[t, col + n], rows n0..n1 (a thread's)
+#               matvec_rows_int8(code, w, q, d, s, s16, out, col, n0, n1)     the same for one token into a vector
 #               INT8_MATMUL_INTO[qtype](x, w, out, T, threads)            the whole product (cpu.matmul_into's order)
 # and from Python: matvec_int8(w, qtype, x, threads), matmul_int8(w, qtype, x, threads).
 # ================================================================================================================
@@ -651,9 +652,10 @@ def vhalves(typingctx, a, b):
 
 
 @njit(fastmath=REASSOC, cache=True)
-def quantize_activations_q8_into(x, T, q, d, s):
+def quantize_activations_q8_into(x, T, q, d, s, s16):
     """quant.quantize_activations_q8 of x[:T], into q [>=T, K] int8, d [>=T, K / 32] float32, s [>=T, K / 32]
-    float32 (the integer sums, exact in float32). Same float64 quotient and rounding, so the same integers."""
+    float32 (the integer sums, exact in float32), and s16 [>=T, K / 16] int32, the sums of each half block (what
+    the interleaved kernels start their dots from). Same float64 quotient and rounding, so the same integers."""
     K = q.shape[1]
     for t in range(T):
         for b in range(K // 32):
@@ -669,16 +671,19 @@ def quantize_activations_q8_into(x, T, q, d, s):
                 qj = int(r) if v >= 0 else -int(r)
                 q[t, j] = qj
                 total += qj
+                if j == 32 * b + 15:
+                    s16[t, 2 * b] = total
             s[t, b] = total
+            s16[t, 2 * b + 1] = total - s16[t, 2 * b]
 
 
 @njit(parallel=True, cache=True)
-def quantize_activations_q8_parallel(x, T, q, d, s, threads):
+def quantize_activations_q8_parallel(x, T, q, d, s, s16, threads):
     """quantize_activations_q8_into with the T tokens split into `threads` ranges run in parallel (tokens are
     independent: the same integers)."""
     for c in prange(threads):
         t0, t1 = c * T // threads, (c + 1) * T // threads
-        quantize_activations_q8_into(x[t0:t1], t1 - t0, q[t0:t1], d[t0:t1], s[t0:t1])
+        quantize_activations_q8_into(x[t0:t1], t1 - t0, q[t0:t1], d[t0:t1], s[t0:t1], s16[t0:t1])
 
 
 # For each type: _acc_int8_<type>(acc, w, n, b, q, d, s, t) adds weight block b of row n times token t's int8
@@ -846,7 +851,7 @@ def _int8_kernels(acc_block, block_size: int):
         q = np.empty((T, K), np.int8)
         d = np.empty((T, K // 32), np.float32)
         s = np.empty((T, K // 32), np.float32)
-        quantize_activations_q8_into(x, T, q, d, s)
+        quantize_activations_q8_into(x, T, q, d, s, np.empty((T, K // 16), np.int32))
         chunks = max(1, min(N, threads))
         for c in prange(chunks):
             rows_into(w, q, d, s, T, out, np.int64(0), c * N // chunks, (c + 1) * N // chunks)
@@ -887,6 +892,7 @@ def _target_has_vnni512() -> bool:
 # has a 512-bit vpdpbusd. It runs two per cycle here, as the 256-bit one does, so a pair costs the instructions of
 # one group: ~1.7x the multiply-adds per second at 128 tokens (docs/quant.md). Elsewhere groups go one at a time.
 PAIRED = VNNI and _target_has_vnni512()
+Q8_0_BIAS = 0 if AVX2 and not VNNI else 128  # a group's Q8_0 bytes go back to q on AVX2 without VNNI: no bias
 ROWS_AT_ONCE = 16 if PAIRED else 8  # the rows an interleaved kernel walks together: a thread's range is a multiple
 CHAINS = 2  # independent integer sums per dot, so that vpdpbusd's 5-cycle latency is not a chain of eight
 
@@ -1097,34 +1103,40 @@ def _block_accumulators(groups: int):
     """tile(a0, a1, a2, a3, n, w, g, b, q, d, s, t) of each interleaved type, for group g (or the pair g, g + 1):
     a_k plus block b's products with token t + k's activations, for k < n (n <= 4; a_k for k >= n come back as
     they were). The tokens meet each unpacked word in turn, so it is unpacked once for the tile. q and d come from
-    quantize_activations_q8_into; s holds the dots' starts (dot_starts), or for Q4_K the activations' sums."""
+    quantize_activations_q8_into, s16 the activations' sums of 16, from which each dot starts at -bias times the
+    sum of the activations it covers (the dot of the unsigned stored values u comes out as that of u - bias)."""
     idot_q8_0, idot_q4_0, idot_q4_k, idot_q6_k_low, idot_q6_k_high = X8_IDOTS if groups == 1 else X16_IDOTS
     halves, bytes_, int8s = ((load_halves8, load_bytes8, load_int8s8) if groups == 1 else
                              (load_halves16, load_bytes16, load_int8s16))
     zero = vzero if groups == 1 else vzero16
 
-    def blockwise(idot, block_bytes: int):
-        """Q8_0 and Q4_0: acc[r] += d_r (d_x (dot of row r's 32 values with q_x, from its start)). (The tokens'
-        terms are written out, not a function called four times: Numba's reference counting of the arrays passed
-        into a function inlined under a branch costs more than a block's products.)"""
+    def blockwise(idot, block_bytes: int, bias: int):
+        """Q8_0 and Q4_0: acc[r] += d_r (d_x (dot of row r's 32 stored values with q_x, from -bias s_x)). (The
+        tokens' terms are written out, not a function called four times: Numba's reference counting of the arrays
+        passed into a function inlined under a branch costs more than a block's products.)"""
+        minus_bias = np.int32(-bias)
 
         @njit(fastmath=REASSOC, inline="always")
-        def tile(w, g, q, d, s, t, n):
+        def tile(w, g, q, d, s, s16, t, n):
             stride, K = w.shape[1], q.shape[1]
             a0, a1, a2, a3 = zero(), zero(), zero(), zero()
             for b in range(K // 32):
                 at = g * stride + block_bytes * b
                 d_w = halves(w, at, stride)
-                a0 = vfmav(a0, d_w, vfma(zero(), d[t, b], idot(w, at + 16, stride, q, t * K + 32 * b, s[t, b])))
+                start = minus_bias * (s16[t, 2 * b] + s16[t, 2 * b + 1])
+                a0 = vfmav(a0, d_w, vfma(zero(), d[t, b], idot(w, at + 16, stride, q, t * K + 32 * b, start)))
                 if n > 1:
-                    a1 = vfmav(a1, d_w, vfma(zero(), d[t + 1, b], idot(w, at + 16, stride, q, (t + 1) * K + 32 * b,
-                                                                        s[t + 1, b])))
+                    u = t + 1
+                    start = minus_bias * (s16[u, 2 * b] + s16[u, 2 * b + 1])
+                    a1 = vfmav(a1, d_w, vfma(zero(), d[u, b], idot(w, at + 16, stride, q, u * K + 32 * b, start)))
                 if n > 2:
-                    a2 = vfmav(a2, d_w, vfma(zero(), d[t + 2, b], idot(w, at + 16, stride, q, (t + 2) * K + 32 * b,
-                                                                        s[t + 2, b])))
+                    u = t + 2
+                    start = minus_bias * (s16[u, 2 * b] + s16[u, 2 * b + 1])
+                    a2 = vfmav(a2, d_w, vfma(zero(), d[u, b], idot(w, at + 16, stride, q, u * K + 32 * b, start)))
                 if n > 3:
-                    a3 = vfmav(a3, d_w, vfma(zero(), d[t + 3, b], idot(w, at + 16, stride, q, (t + 3) * K + 32 * b,
-                                                                        s[t + 3, b])))
+                    u = t + 3
+                    start = minus_bias * (s16[u, 2 * b] + s16[u, 2 * b + 1])
+                    a3 = vfmav(a3, d_w, vfma(zero(), d[u, b], idot(w, at + 16, stride, q, u * K + 32 * b, start)))
             return a0, a1, a2, a3
 
         return tile
@@ -1136,7 +1148,7 @@ def _block_accumulators(groups: int):
         return vfmav(acc, scale, vfma(zero(), d[t, j], dots)), vfma(offset, d[t, j] * s[t, j], mn)
 
     @njit(fastmath=REASSOC, inline="always")
-    def q4_k(w, g, q, d, s, t, n):
+    def q4_k(w, g, q, d, s, s16, t, n):
         """Q4_K: each sub-block i of 32 (activation block j = 8 b + i) adds (d_r sc_ri) (d_x (u_r . q_x)) and takes
         (dmin_r mn_ri) (d_x s_x), the mins' term, summed over the block apart."""
         a0, a1, a2, a3 = zero(), zero(), zero(), zero()
@@ -1163,15 +1175,15 @@ def _block_accumulators(groups: int):
         return a0, a1, a2, a3
 
     @njit(fastmath=REASSOC, inline="always")
-    def q6_k_token(acc, w, ql, ql_shift, qh, qh_shift, scale_low, scale_high, q, d, s, j, t):
+    def q6_k_token(acc, w, ql, ql_shift, qh, qh_shift, scale_low, scale_high, q, d, s16, j, t):
         """acc[r] += (d_r sc_ri) (d_x ((q - 32)_r . q_x)) for the two sub-blocks of 16 of group j of 32."""
         ix = t * q.shape[1] + 32 * j
-        low = idot_q6_k_low(w, ql, ql_shift, qh, qh_shift, w.shape[1], q, ix, s[t, 2 * j])
-        high = idot_q6_k_high(w, ql, ql_shift, qh, qh_shift, w.shape[1], q, ix, s[t, 2 * j + 1])
+        low = idot_q6_k_low(w, ql, ql_shift, qh, qh_shift, w.shape[1], q, ix, np.int32(-32) * s16[t, 2 * j])
+        high = idot_q6_k_high(w, ql, ql_shift, qh, qh_shift, w.shape[1], q, ix, np.int32(-32) * s16[t, 2 * j + 1])
         return vfmav(vfmav(acc, scale_low, vfma(zero(), d[t, j], low)), scale_high, vfma(zero(), d[t, j], high))
 
     @njit(fastmath=REASSOC, inline="always")
-    def q6_k(w, g, q, d, s, t, n):
+    def q6_k(w, g, q, d, s, s16, t, n):
         """Q6_K: group gg of half h (activation block j = 8 b + 4 h + gg) holds sub-blocks i = 8 h + 2 gg and
         i + 1 of 16."""
         a0, a1, a2, a3 = zero(), zero(), zero(), zero()
@@ -1184,28 +1196,29 @@ def _block_accumulators(groups: int):
                     ql, ql_shift, qh = at + 144 + 256 * (2 * h + (gg & 1)), 4 * (gg >> 1), at + 1168 + 256 * h
                     low = vfmav(zero(), d_w, int8s(w, at + 16 + 8 * i, stride))
                     high = vfmav(zero(), d_w, int8s(w, at + 24 + 8 * i, stride))
-                    a0 = q6_k_token(a0, w, ql, ql_shift, qh, 2 * gg, low, high, q, d, s, j, t)
+                    a0 = q6_k_token(a0, w, ql, ql_shift, qh, 2 * gg, low, high, q, d, s16, j, t)
                     if n > 1:
-                        a1 = q6_k_token(a1, w, ql, ql_shift, qh, 2 * gg, low, high, q, d, s, j, t + 1)
+                        a1 = q6_k_token(a1, w, ql, ql_shift, qh, 2 * gg, low, high, q, d, s16, j, t + 1)
                     if n > 2:
-                        a2 = q6_k_token(a2, w, ql, ql_shift, qh, 2 * gg, low, high, q, d, s, j, t + 2)
+                        a2 = q6_k_token(a2, w, ql, ql_shift, qh, 2 * gg, low, high, q, d, s16, j, t + 2)
                     if n > 3:
-                        a3 = q6_k_token(a3, w, ql, ql_shift, qh, 2 * gg, low, high, q, d, s, j, t + 3)
+                        a3 = q6_k_token(a3, w, ql, ql_shift, qh, 2 * gg, low, high, q, d, s16, j, t + 3)
         return a0, a1, a2, a3
 
-    return {"Q8_0": blockwise(idot_q8_0, 272), "Q4_0": blockwise(idot_q4_0, 144), "Q4_K": q4_k, "Q6_K": q6_k}
+    return {"Q8_0": blockwise(idot_q8_0, 272, 128 if groups == 2 else Q8_0_BIAS), "Q4_0": blockwise(idot_q4_0, 144, 8), "Q4_K": q4_k,
+            "Q6_K": q6_k}
 
 
 def _group_walker(tile):
-    """walk(w, q, d, s, T, out, col, g): out[t, col + 8g + r] for t < T and r < 8 (16 for a pair), four tokens at a
+    """walk(w, q, d, s, s16, T, out, col, g): out[t, col + 8g + r] for t < T and r < 8 (16 for a pair), four tokens at a
     time."""
 
     @njit(fastmath=REASSOC, inline="always")
-    def walk(w, q, d, s, T, out, col, g):
+    def walk(w, q, d, s, s16, T, out, col, g):
         stride, at = out.shape[1], col + 8 * g
         for t in range(0, T, 4):
             n = min(4, T - t)
-            a0, a1, a2, a3 = tile(w, g, q, d, s, t, n)
+            a0, a1, a2, a3 = tile(w, g, q, d, s, s16, t, n)
             vstore(out, t * stride + at, a0)
             if n > 1:
                 vstore(out, (t + 1) * stride + at, a1)
@@ -1217,49 +1230,27 @@ def _group_walker(tile):
     return walk
 
 
-# Each interleaved type's dots start from -bias times the activations' sum over the values they cover (of 32; Q6_K's
-# of 16): the dot of its unsigned stored values u then comes out as that of the signed u - bias, in exact integers.
-# (size, bias) per type; Q8_0's bias is 0 where its bytes go back to q (AVX2 without VNNI), and Q4_K has none: its
-# mins are a float term.
-STARTS = {"Q8_0": (32, 0 if AVX2 and not VNNI else 128), "Q4_0": (32, 8), "Q6_K": (16, 32)}
-
-
-@njit(cache=True)
-def dot_starts(q, T, size, bias):
-    """starts[t, i] = -bias * (the sum of q[t, size i : size i + size]), what each interleaved dot starts from.
-                                                                # q [>=T, K] int8 -> [T, K / size] int32"""
-    starts = np.empty((T, q.shape[1] // size), np.int32)
-    for t in range(T):
-        for i in range(q.shape[1] // size):
-            total = np.int32(0)
-            for k in range(size):
-                total += np.int32(q[t, size * i + k])
-            starts[t, i] = -bias * total
-    return starts
-
-
 def _interleaved_kernels(qtype: str):
-    """rows_into(w8, q, d, s, T, out, col, n0, n1) of one interleaved type, n0 and n1 multiples of 8 (whole groups):
+    """rows_into(w8, q, d, s, s16, T, out, col, n0, n1) of one interleaved type, n0 and n1 multiples of 8 (whole groups):
     pairs of groups where PAIRED, then single groups."""
     walk8, walk16 = _group_walker(_block_accumulators(1)[qtype]), _group_walker(_block_accumulators(2)[qtype])
     pairs = PAIRED
 
     @njit(fastmath=REASSOC, cache=True)
-    def rows_into(w, q, d, s, T, out, col, n0, n1):
+    def rows_into(w, q, d, s, s16, T, out, col, n0, n1):
         """out[t, col + n] for t < T, n0 <= n < n1 (out C-contiguous float32 [>=T, >=col + n1])."""
         g = n0 // 8
         while pairs and g + 2 <= n1 // 8:
-            walk16(w, q, d, s, T, out, col, g)
+            walk16(w, q, d, s, s16, T, out, col, g)
             g += 2
         while g < n1 // 8:
-            walk8(w, q, d, s, T, out, col, g)
+            walk8(w, q, d, s, s16, T, out, col, g)
             g += 1
 
     return rows_into
 
 
 _rows_q8_0_x8, _rows_q4_0_x8, _rows_q4_k_x8, _rows_q6_k_x8 = (_interleaved_kernels(t) for t in INTERLEAVED_TYPES)
-Q8_0_STARTS, Q4_0_STARTS, Q6_K_STARTS = STARTS["Q8_0"], STARTS["Q4_0"], STARTS["Q6_K"]
 
 # The type ids of interleaved matrices in a model's table (models/numba.py): the GGML type id plus INTERLEAVED_CODE.
 INTERLEAVED_CODE = 1000
@@ -1278,11 +1269,11 @@ INT8_TYPE_CODES = tuple(TYPES[t].type_id for t in INT8_KERNEL_TYPES)  # GGML typ
 
 
 @njit(cache=True)
-def matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1):
+def matmul_rows_int8(code, w, q, d, s, s16, T, out, col, n0, n1):
     """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1, W of GGML type `code` (INT8_KERNEL_TYPES; or the id of
     Q8_0, Q4_0, Q4_K or Q6_K plus INTERLEAVED_CODE: w then holds interleaved rows, and n0, n1 are multiples of 8), x
-    given by quantize_activations_q8_into(x, T, q, d, s) (once per input, shared by every row range and matrix).
-        # q [>=T, K] int8, d, s [>=T, K / 32] float32 -> out [>=T, >=col + n1]"""
+    given by quantize_activations_q8_into(x, T, q, d, s, s16) (once per input, shared by every row range and
+    matrix).         # q [>=T, K] int8, d, s [>=T, K / 32] float32, s16 [>=T, K / 16] int32 -> out [>=T, >=col + n1]"""
     if code == 8:
         _rows_q8_0(w, q, d, s, T, out, col, n0, n1)
     elif code == 2:
@@ -1300,23 +1291,23 @@ def matmul_rows_int8(code, w, q, d, s, T, out, col, n0, n1):
     elif code == 7:
         _rows_q5_1(w, q, d, s, T, out, col, n0, n1)
     elif code == 1008:  # INTERLEAVED_CODE + Q8_0's
-        _rows_q8_0_x8(w, q, d, dot_starts(q, T, Q8_0_STARTS[0], Q8_0_STARTS[1]), T, out, col, n0, n1)
+        _rows_q8_0_x8(w, q, d, s, s16, T, out, col, n0, n1)
     elif code == 1002:  # INTERLEAVED_CODE + Q4_0's
-        _rows_q4_0_x8(w, q, d, dot_starts(q, T, Q4_0_STARTS[0], Q4_0_STARTS[1]), T, out, col, n0, n1)
+        _rows_q4_0_x8(w, q, d, s, s16, T, out, col, n0, n1)
     elif code == 1012:  # INTERLEAVED_CODE + Q4_K's
-        _rows_q4_k_x8(w, q, d, s, T, out, col, n0, n1)
+        _rows_q4_k_x8(w, q, d, s, s16, T, out, col, n0, n1)
     elif code == 1014:  # INTERLEAVED_CODE + Q6_K's
-        _rows_q6_k_x8(w, q, d, dot_starts(q, T, Q6_K_STARTS[0], Q6_K_STARTS[1]), T, out, col, n0, n1)
+        _rows_q6_k_x8(w, q, d, s, s16, T, out, col, n0, n1)
     else:
         raise ValueError("no 8-bit-activation kernel for this GGML type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and "
                          "Q6_K have one)")
 
 
 @njit(cache=True)
-def matvec_rows_int8(code, w, q, d, s, out, col, n0, n1):
-    """out[col + n] = W[n] . x for n0 <= n < n1: matmul_rows_int8 for one token (q [1, K], d, s [1, K / 32]) into
+def matvec_rows_int8(code, w, q, d, s, s16, out, col, n0, n1):
+    """out[col + n] = W[n] . x for n0 <= n < n1: matmul_rows_int8 for one token (q [1, K], d, s [1, K / 32], s16 [1, K / 16]) into
     a vector out [>=col + n1]."""
-    matmul_rows_int8(code, w, q, d, s, np.int64(1), out.reshape(1, out.shape[0]), col, n0, n1)  # not a literal 1: no
+    matmul_rows_int8(code, w, q, d, s, s16, np.int64(1), out.reshape(1, out.shape[0]), col, n0, n1)  # not a literal 1: no
     # second compilation of matmul_rows_int8 (Numba specialises on literal arguments)
 
 
@@ -1360,9 +1351,10 @@ def matmul_int8_interleaved(w8: np.ndarray, qtype: str, x: np.ndarray) -> np.nda
     if not np.all(np.isfinite(x)):
         raise QuantizationError("cannot quantize activations that are not finite (inf or NaN)")
     q, d, s = np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32), np.empty((T, K // 32), np.float32)
-    quantize_activations_q8_into(x, T, q, d, s)
+    s16 = np.empty((T, K // 16), np.int32)
+    quantize_activations_q8_into(x, T, q, d, s, s16)
     out = np.empty((T, N), np.float32)
-    matmul_rows_int8(INTERLEAVED_CODE + TYPES[qtype].type_id, w8, q, d, s, T, out, 0, 0, N)
+    matmul_rows_int8(INTERLEAVED_CODE + TYPES[qtype].type_id, w8, q, d, s, s16, T, out, 0, 0, N)
     return out
 
 # ================================================================================================================

@@ -346,6 +346,7 @@ Int8Activations = namedtuple("Int8Activations", [
     "q",  # [T, K] int8       round(x / d)
     "d",  # [T, K/32]         block scales max|x| / 127
     "s",  # [T, K/32]         block sums of q (for offsets: Q4_0's -8, the K-quants' mins)
+    "s16",  # [T, K/16] int32  the sums of each half block (where the interleaved kernels' dots start)
 ])
 WQ, WK, WV, WO, W1, W3, W2 = range(7)
 PER_LAYER = 7
@@ -589,11 +590,11 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     for i in range(count):
         any_int8 = any_int8 or _int8_type(mats[first + i, 1], T)
     xq = Int8Activations(np.empty((T if any_int8 else 0, K), np.int8), np.empty((T, K // 32), np.float32),
-                         np.empty((T, K // 32), np.float32))  # [T, K] int8 values, [T, K/32] scales and sums
+                         np.empty((T, K // 32), np.float32), np.empty((T, K // 16), np.int32))
     if any_int8 and threads > 1 and T >= QUANTIZE_IN_PARALLEL_FROM:
-        qk.quantize_activations_q8_parallel(x, T, xq.q, xq.d, xq.s, threads)
+        qk.quantize_activations_q8_parallel(x, T, xq.q, xq.d, xq.s, xq.s16, threads)
     elif any_int8:
-        qk.quantize_activations_q8_into(x, T, xq.q, xq.d, xq.s)
+        qk.quantize_activations_q8_into(x, T, xq.q, xq.d, xq.s, xq.s16)
     chunks = max(1, min(total, threads))
     if chunks == 1:
         _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, np.int64(0), total)
@@ -634,7 +635,7 @@ def _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, u0, u1):
             w = _matrix(pool, mats, m)
             n0, n1 = (lo - base) * unit, min((hi - base) * unit, N)
             if _int8_type(mats[m, 1], T):
-                qk.matmul_rows_int8(mats[m, 1], w, xq.q, xq.d, xq.s, T, out, col, n0, n1)
+                qk.matmul_rows_int8(mats[m, 1], w, xq.q, xq.d, xq.s, xq.s16, T, out, col, n0, n1)
             elif T == 1:
                 qk.matvec_rows(mats[m, 1], w, x[0], sums, out[0], col, n0, n1)
             else:
