@@ -193,6 +193,34 @@ def test_row_range_workers_fill_their_rows_at_their_column(qtype):
 @pytest.mark.parametrize("qtype", quant.INTERLEAVED_TYPES)
 @settings(max_examples=20, deadline=None)
 @given(data=st.data())
+def test_a_row_gathers_back_from_its_group(qtype, data):
+    """gather_interleaved_row: any row of an interleaved matrix, back in its file's bytes (an embedding lookup on a
+    table held interleaved for a tied LM head), and decode_any_row decodes it as the file's row."""
+    t = quant.TYPES[qtype]
+    groups, blocks = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
+    raw = data.draw(hnp.arrays(np.uint8, (8 * groups, blocks * t.block_bytes)))
+    if qtype != "Q8_0":  # finite float16 scales, so that the decoded rows compare
+        raw.reshape(-1, t.block_bytes)[:, {"Q4_0": 1, "Q4_K": 1, "Q6_K": 209}[qtype]] &= np.uint8(0x3B)
+        if qtype == "Q4_K":
+            raw.reshape(-1, t.block_bytes)[:, 3] &= np.uint8(0x3B)
+    else:
+        raw.reshape(-1, t.block_bytes)[:, 1] &= np.uint8(0x3B)
+    grouped, code = quant.interleave_rows(raw, qtype), kq.INTERLEAVED_CODE + t.type_id
+    K = blocks * t.block_size
+    row, out, expected = np.empty(kq.file_row_bytes(code, K), np.uint8), np.empty(K, np.float32), np.empty(K, np.float32)
+    for n in range(raw.shape[0]):
+        kq.gather_interleaved_row(code, grouped, n, row)
+        np.testing.assert_array_equal(row, raw[n])
+        kq.decode_any_row(code, grouped, n, out, row)
+        kq.decode_row(t.type_id, raw, n, expected)
+        np.testing.assert_array_equal(out, expected)
+    with pytest.raises(ValueError, match="not the code of an interleaved type"):
+        kq.gather_interleaved_row(t.type_id, grouped, 0, row)
+
+
+@pytest.mark.parametrize("qtype", quant.INTERLEAVED_TYPES)
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
 def test_interleaving_is_a_reordering_that_undoes(qtype, data):
     t = quant.TYPES[qtype]
     groups, blocks = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 3))

@@ -124,6 +124,22 @@ def test_quantized_model_is_the_reference_on_each_type(tmp_path, qtype):
     assert set(llm.model.weight_types) == {qtype}
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K"])
+def test_a_tied_lm_head_is_held_interleaved_once(tmp_path, qtype):
+    """An LM head tied to the embedding table: the one copy is interleaved (the head's product is a decode step's
+    largest), embedding lookups gather their rows back from it, and the model is the reference."""
+    config = tiny(tied_embeddings=True)
+    path = tmp_path / "tied.gguf"
+    write_gguf(path, config, random_weights(config, 5), qtype)
+    llm = assert_follows_reference(path)
+    packed = llm.model.packed
+    embed, head = packed.mats[-2], packed.mats[-1]
+    assert embed[0] == head[0] and embed[1] == head[1] == kq.INTERLEAVED_CODE + quant.TYPES[qtype].type_id
+    tensors = read_gguf_quantized(path)[1]
+    file_bytes = sum(m.nbytes for m in tensors.values() if isinstance(m, quant.QuantizedMatrix))
+    assert packed.pool.nbytes <= file_bytes * 1.03  # one copy (Q4_K's scales would take 32 bytes more per block)
+
+
 @pytest.mark.parametrize("qtype", sorted(quant.FLOAT_ACTIVATIONS_FROM))
 def test_long_calls_take_float32_activations(tmp_path, qtype):
     """A K-quant call of FLOAT_ACTIVATIONS_FROM tokens or more multiplies float32 activations by the decoded rows:

@@ -1643,6 +1643,78 @@ def decode_row(code, w, n, out):
         decode_row_f32(w, n, out)
 
 
+
+@njit(inline="always")
+def _gather_words(w, at, r, words, row, to):
+    """row[to + 4k + i] = w.flat[at + 32k + 4r + i], k < words, i < 4: lane r's bytes of a run of interleaved words."""
+    for k in range(words):
+        for i in range(4):
+            row[to + 4 * k + i] = w[at + 32 * k + 4 * r + i]
+
+
+@njit(cache=True)
+def gather_interleaved_row(code, w8, n, row):
+    """Row n of an interleaved matrix (quant.interleave_rows; code: INTERLEAVED_CODE + its GGML type id) back in its
+    file's layout, into row [row bytes] uint8 (an embedding lookup on a table held interleaved for the LM head)."""
+    w = w8.reshape(w8.size)
+    g, r = n // 8, n % 8
+    base = g * w8.shape[1]
+    if code == INTERLEAVED_CODE + Q8_0:  # file block: d, q[32]; stored q + 128
+        for b in range(w8.shape[1] // 272):
+            at, to = base + 272 * b, 34 * b
+            row[to], row[to + 1] = w[at + 2 * r], w[at + 2 * r + 1]
+            _gather_words(w, at + 16, r, 8, row, to + 2)
+            for j in range(to + 2, to + 34):
+                row[j] ^= np.uint8(128)
+    elif code == INTERLEAVED_CODE + Q4_0:  # d, 16 bytes of nibbles
+        for b in range(w8.shape[1] // 144):
+            at, to = base + 144 * b, 18 * b
+            row[to], row[to + 1] = w[at + 2 * r], w[at + 2 * r + 1]
+            _gather_words(w, at + 16, r, 4, row, to + 2)
+    elif code == INTERLEAVED_CODE + Q4_K:  # d, dmin, 12 bytes of 6-bit scales and mins, qs[128]
+        for b in range(w8.shape[1] // 1184):
+            at, to = base + 1184 * b, 144 * b
+            row[to], row[to + 1] = w[at + 2 * r], w[at + 2 * r + 1]
+            row[to + 2], row[to + 3] = w[at + 16 + 2 * r], w[at + 17 + 2 * r]
+            for j in range(4):  # quant._pack_scales_6bit: sc, mn[0..3] whole, sc, mn[4..7] split over bytes 8..11
+                sc_lo, sc_hi = w[at + 32 + 8 * j + r], w[at + 32 + 8 * (j + 4) + r]
+                mn_lo, mn_hi = w[at + 96 + 8 * j + r], w[at + 96 + 8 * (j + 4) + r]
+                row[to + 4 + j] = (sc_lo & 63) | ((sc_hi >> 4) << 6)
+                row[to + 8 + j] = (mn_lo & 63) | ((mn_hi >> 4) << 6)
+                row[to + 12 + j] = (sc_hi & 15) | ((mn_hi & 15) << 4)
+            for p in range(4):
+                _gather_words(w, at + 160 + 256 * p, r, 8, row, to + 16 + 32 * p)
+    elif code == INTERLEAVED_CODE + Q6_K:  # ql[128], qh[64], scales[16], d
+        for b in range(w8.shape[1] // 1680):
+            at, to = base + 1680 * b, 210 * b
+            for c in range(4):
+                _gather_words(w, at + 144 + 256 * c, r, 8, row, to + 32 * c)
+            for h in range(2):
+                _gather_words(w, at + 1168 + 256 * h, r, 8, row, to + 128 + 32 * h)
+            for i in range(16):
+                row[to + 192 + i] = w[at + 16 + 8 * i + r]
+            row[to + 208], row[to + 209] = w[at + 2 * r], w[at + 2 * r + 1]
+    else:
+        raise ValueError("not the code of an interleaved type (INTERLEAVED_CODE + Q8_0's, Q4_0's, Q4_K's or Q6_K's id)")
+
+
+@njit(cache=True)
+def file_row_bytes(code, K):
+    """Bytes a row of K values takes in its file's layout, for a GGML type id, interleaved (+ INTERLEAVED_CODE) or not."""
+    t = code % INTERLEAVED_CODE
+    return K // TYPE_BLOCK_SIZE[t] * TYPE_BLOCK_BYTES[t]
+
+
+@njit(cache=True)
+def decode_any_row(code, w, n, out, scratch):
+    """decode_row, also for a matrix held interleaved (code >= INTERLEAVED_CODE): its row gathered into scratch
+    [file_row_bytes(code, K)] uint8 first."""
+    if code >= INTERLEAVED_CODE:
+        gather_interleaved_row(code, w, n, scratch)
+        decode_row(code - INTERLEAVED_CODE, scratch.reshape(1, scratch.size), 0, out)
+    else:
+        decode_row(code, w, n, out)
+
 @njit(fastmath=REASSOC, cache=True)
 def matvec_rows_decoded(code, w, x, sums, out, col, n0, n1):
     """matvec_rows for a type without its own: each row decoded into float32 (in cache), then dotted with x."""

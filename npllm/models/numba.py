@@ -455,11 +455,12 @@ def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     matrices = [_as_quantized(getattr(layer, name)) for layer in weights.layers for name in names]
     matrices += [_as_quantized(weights.tok_embeddings), _as_quantized(weights.output)]
     # Q8_0, Q4_0, Q4_K and Q6_K products run on rows interleaved by eight (kernels/quant.py), which needs a copy of
-    # the file's bytes in that order; the embedding table stays as stored (rows are looked up one by one), and so does
-    # an LM head tied to it.
-    table = matrices[-2].raw.__array_interface__["data"][0]
-    interleave = [m.qtype in INTERLEAVED_TYPES and m.shape[0] % INTERLEAVE == 0 and i != len(matrices) - 2
-                  and m.raw.__array_interface__["data"][0] != table for i, m in enumerate(matrices)]
+    # the file's bytes in that order. The embedding table stays as stored (its rows are looked up one by one, and a
+    # mapped table's unused rows never load), unless the LM head is tied to it: then the one copy is interleaved for
+    # the head's product (the largest of a decode step), and a lookup gathers its row back (decode_any_row).
+    tied = matrices[-1].raw.__array_interface__["data"][0] == matrices[-2].raw.__array_interface__["data"][0]
+    interleave = [m.qtype in INTERLEAVED_TYPES and m.shape[0] % INTERLEAVE == 0 and (i != len(matrices) - 2 or tied)
+                  for i, m in enumerate(matrices)]
     if any(interleave):
         pool, offsets = interleaved_pool(matrices, interleave)
     else:
@@ -682,8 +683,9 @@ def _forward_quantized(tokens, positions, seqs, w, inv_freq, dims, ring):
     cpu.valid_from_into(positions, seqs.order, seqs.starts, seqs.slots, ring.positions, window, valid_from)
     embed = PER_LAYER * L
     table = _matrix(w.pool, w.mats, embed)
+    scratch = np.empty(qk.file_row_bytes(w.mats[embed, 1], D), np.uint8)  # a row of an interleaved table, gathered
     for t in range(T):
-        qk.decode_row(w.mats[embed, 1], table, tokens[t], x[t])
+        qk.decode_any_row(w.mats[embed, 1], table, tokens[t], x[t], scratch)
     for l in range(L):
         m = PER_LAYER * l
         cpu.rms_norm_into(x, w.attention_norm[l], eps, h, T)
