@@ -714,20 +714,9 @@ def matmul_t_q8_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int],
 # The types whose matrix products npllm's Numba model computes on 8-bit activations (kernels/quant.py
 # INT8_TYPE_CODES, models/numba.py products_into); the others take float32 activations.
 INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-# A call of many tokens can decode each row into float32 once and multiply that, while the integer dots unpack every
-# block again at every token. For the K-quants the decoded rows are faster from about this many tokens a call
-# (scripts/bench_tiles.py: Q5_K's dots, a nibble and one high bit per value, lose already at 16), so such calls
-# multiply them by float32 activations: exactly the dequantized product.
-# models/numba.py compiles these numbers in, and Numba's cache does not see a change here: clear it after one
-# (find npllm -name "*.nb[ic]" -delete).
-# Q4_K and Q6_K have none: the Numba model holds them as interleaved rows, whose integer dots stay the faster at
-# every T.
-FLOAT_ACTIVATIONS_FROM = {"Q5_K": 16}
-
-
-def int8_activations(qtype: str, tokens: int) -> bool:
-    """Whether the Numba model multiplies `qtype` weights by 8-bit activations in a call of `tokens` tokens."""
-    return qtype in INT8_ACTIVATION_TYPES and tokens < FLOAT_ACTIVATIONS_FROM.get(qtype, tokens + 1)
+# (Until the K-quants were held as interleaved rows, calls of many tokens multiplied Q4_K, Q5_K and Q6_K rows decoded
+# into float32 by float32 activations: the decoded rows were faster from 16-100 tokens a call. The interleaved
+# kernels are faster at every length, so these types take 8-bit activations in every call.)
 
 
 @dataclass(frozen=True)
@@ -736,9 +725,7 @@ class Int8ActivationMatrix(QuantizedMatrix):
     NumPy statement of what the Numba model computes for these types, and so the oracle its logits are held to."""
 
     def matmul_t(self, x: np.ndarray) -> np.ndarray:
-        """x^ W^T, x^ = x quantized per block of 32 (x itself where int8_activations says so).  # [T, K] -> [T, N]"""
-        if not int8_activations(self.qtype, len(np.atleast_2d(x))):
-            return super().matmul_t(x)
+        """x^ W^T, x^ = x quantized per block of 32.  # [T, K] -> [T, N]"""
         return matmul_t_q8_activations(self.raw, self.qtype, self.shape, x).astype(np.float32)
 
 
@@ -753,12 +740,12 @@ def with_int8_activations(tensors: dict) -> dict:
 # Rows interleaved by eight: how the Numba model holds Q8_0, Q4_0 and Q4_K matrices in memory (kernels/quant.py's
 # "interleaved rows"). The same values regrouped so that ONE 32-byte vector holds four values of each of eight rows:
 # an integer dot against four activations broadcast to every lane then advances eight rows at once, and one float
-# multiply-add per block (Q4_K: per sub-block) applies the eight rows' scales.
-INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+# multiply-add per block (the K-quants: per sub-block) applies the eight rows' scales.
+INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_K")
 INTERLEAVE = 8  # rows per group
-# bytes of one block of a group of eight rows: the file's 8 x 34, 8 x 18 and 8 x 210; Q4_K's 8 x 144 plus 32, its
-# 6-bit scales and mins unpacked to a byte each
-INTERLEAVED_BLOCK_BYTES = {"Q8_0": 272, "Q4_0": 144, "Q4_K": 1184, "Q6_K": 1680}
+# bytes of one block of a group of eight rows: the file's 8 x 34, 8 x 18 and 8 x 210; Q4_K's 8 x 144 and Q5_K's
+# 8 x 176 plus 32, their 6-bit scales and mins unpacked to a byte each
+INTERLEAVED_BLOCK_BYTES = {"Q8_0": 272, "Q4_0": 144, "Q4_K": 1184, "Q6_K": 1680, "Q5_K": 1440}
 _SIGN_FLIP = {"Q8_0": 0x80, "Q4_0": 0}  # stored Q8_0 values are q + 128 (unsigned)
 
 
@@ -783,7 +770,8 @@ def _runs(words: np.ndarray) -> np.ndarray:
 
 
 def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
-    """Q8_0, Q4_0 or Q4_K rows regrouped by eight.  # [N, row bytes] uint8 -> [N / 8, nb INTERLEAVED_BLOCK_BYTES] uint8
+    """Q8_0, Q4_0, Q4_K, Q6_K or Q5_K rows regrouped by eight.
+                                                     # [N, row bytes] uint8 -> [N / 8, nb INTERLEAVED_BLOCK_BYTES] uint8
 
     Group g holds rows 8g .. 8g + 7 (r below), block by block; block b of the group is
 
@@ -793,6 +781,7 @@ def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
                            run p = 0..3: word k = 0..7: qs_r[32p + 4k .. 32p + 4k+3] for r = 0..7
         Q6_K (1680 bytes)  d_0 .. d_7 (float16) | sc[s][r] (s < 16, int8; 128 bytes) |
                            ql run c = 0..3 (ql_r[32c:][:32]) | qh run h = 0..1 (qh_r[32h:][:32]), each as 8 words
+        Q5_K (1440 bytes)  Q4_K's 1184 bytes | qh run (qh_r[0:32], bit s of byte j: value j of sub-block s) as 8 words
 
     where q_r are row r's 32 int8 values of block b, byte_r its 16 bytes of nibbles (byte j: value j in the low
     nibble, value j + 16 in the high one), qs_r its 128 bytes of Q4_K nibbles (run p: sub-block 2p in the low
@@ -809,11 +798,14 @@ def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
         parts = [blocks[..., 208:210], blocks[..., 192:208].swapaxes(2, 3),
                  _words(blocks[..., :128].reshape(N // 8, nb, 8, 4, 32).swapaxes(2, 3)),
                  _words(blocks[..., 128:192].reshape(N // 8, nb, 8, 2, 32).swapaxes(2, 3))]
-    elif qtype == "Q4_K":
+    elif qtype in ("Q4_K", "Q5_K"):
+        qs = 16 if qtype == "Q4_K" else 48
         sc, mn = _scales_6bit(blocks[..., 4:16].reshape(-1, 12))
         parts = [blocks[..., 0:2], blocks[..., 2:4], sc.reshape(N // 8, nb, 8, 8).swapaxes(2, 3),
-                 mn.reshape(N // 8, nb, 8, 8).swapaxes(2, 3), _words(blocks[..., 16:].reshape(N // 8, nb, 8, 4, 32)
+                 mn.reshape(N // 8, nb, 8, 8).swapaxes(2, 3), _words(blocks[..., qs:].reshape(N // 8, nb, 8, 4, 32)
                                                                       .swapaxes(2, 3))]
+        if qtype == "Q5_K":
+            parts.append(_words(blocks[..., 16:48]))
     else:
         runs = (blocks[..., 2:] ^ np.uint8(_SIGN_FLIP[qtype])).reshape(N // 8, nb, 8, 1, -1)  # one run of 32 or 16
         words = runs.reshape(N // 8, nb, 8, -1, 4).swapaxes(2, 3)  # [G, b, word, r, 4]
@@ -832,13 +824,14 @@ def deinterleave_rows(grouped: np.ndarray, qtype: str) -> np.ndarray:
         qh = _runs(blocks[..., 1168:].reshape(G, nb, 2, 256)).swapaxes(2, 3).reshape(G, nb, 8, 64)
         rows = np.concatenate([ql, qh, blocks[..., 16:144].reshape(G, nb, 16, 8).swapaxes(2, 3),
                                blocks[..., :16].reshape(G, nb, 8, 2)], axis=3)
-    elif qtype == "Q4_K":
+    elif qtype in ("Q4_K", "Q5_K"):
         sc = blocks[..., 32:96].reshape(G, nb, 8, 8).swapaxes(2, 3).reshape(-1, 8)  # [G b r, s]
         mn = blocks[..., 96:160].reshape(G, nb, 8, 8).swapaxes(2, 3).reshape(-1, 8)
         scales = _pack_scales_6bit(sc, mn).reshape(G, nb, 8, 12)
-        qs = _runs(blocks[..., 160:].reshape(G, nb, 4, 256)).swapaxes(2, 3).reshape(G, nb, 8, 128)
+        qs = _runs(blocks[..., 160:1184].reshape(G, nb, 4, 256)).swapaxes(2, 3).reshape(G, nb, 8, 128)
+        qh = [_runs(blocks[..., 1184:])] if qtype == "Q5_K" else []  # [G, nb, 8, 32]
         rows = np.concatenate([blocks[..., 0:16].reshape(G, nb, 8, 2), blocks[..., 16:32].reshape(G, nb, 8, 2),
-                               scales, qs], axis=3)
+                               scales, *qh, qs], axis=3)
     else:
         words = (blocks[..., 16:] ^ np.uint8(_SIGN_FLIP[qtype])).reshape(G, nb, -1, 8, 4).swapaxes(2, 3)
         rows = np.concatenate([blocks[..., :16].reshape(G, nb, 8, 2), words.reshape(G, nb, 8, -1)], axis=3)

@@ -1,7 +1,7 @@
 """Cost per multiply-add of each quantized type's products, single thread, CPU time: the 8-bit-activation integer
 dots (kernels.quant.matmul_int8) at 1, 4, 16 and 64 tokens, and the rows decoded into float32 then multiplied
-(kernels.quant.matmul_rows, what the model takes for types without integer dots, and for the K-quants from
-quant.FLOAT_ACTIVATIONS_FROM tokens). Where the two cross decides which a call of T tokens should take.
+(kernels.quant.matmul_rows, what the model takes for types without integer dots; until the K-quants were
+interleaved, for those from 16-100 tokens a call). The one-row kernels: the interleaved ones are in docs/quant.md.
 
     python scripts/bench_tiles.py [--rows 2048] [--cols 768] [--repeat 5]
 """

@@ -199,12 +199,8 @@ def test_a_row_gathers_back_from_its_group(qtype, data):
     t = quant.TYPES[qtype]
     groups, blocks = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
     raw = data.draw(hnp.arrays(np.uint8, (8 * groups, blocks * t.block_bytes)))
-    if qtype != "Q8_0":  # finite float16 scales, so that the decoded rows compare
-        raw.reshape(-1, t.block_bytes)[:, {"Q4_0": 1, "Q4_K": 1, "Q6_K": 209}[qtype]] &= np.uint8(0x3B)
-        if qtype == "Q4_K":
-            raw.reshape(-1, t.block_bytes)[:, 3] &= np.uint8(0x3B)
-    else:
-        raw.reshape(-1, t.block_bytes)[:, 1] &= np.uint8(0x3B)
+    for at in quant.SCALE_FIELDS[qtype]:  # finite float16 scales, so that the decoded rows compare
+        raw.reshape(-1, t.block_bytes)[:, at + 1] &= np.uint8(0x3B)
     grouped, code = quant.interleave_rows(raw, qtype), kq.INTERLEAVED_CODE + t.type_id
     K = blocks * t.block_size
     row, out, expected = np.empty(kq.file_row_bytes(code, K), np.uint8), np.empty(K, np.float32), np.empty(K, np.float32)
@@ -243,15 +239,20 @@ def test_interleaving_is_a_reordering_that_undoes(qtype, data):
                                               row[start + 4 * k:start + 4 * k + 4])
         return
     np.testing.assert_array_equal(block[2 * r:2 * r + 2], row[:2])
-    if qtype == "Q4_K":
+    if qtype in ("Q4_K", "Q5_K"):
         np.testing.assert_array_equal(block[16 + 2 * r:18 + 2 * r], row[2:4])  # dmin
         sc, mn = quant._scales_6bit(row[None, 4:16])
         np.testing.assert_array_equal(block[32 + r:96:8], sc[0])
         np.testing.assert_array_equal(block[96 + r:160:8], mn[0])
+        qs = 16 if qtype == "Q4_K" else 48  # Q5_K: qh[32] first in the file, its run last in the group's block
         for p in range(4):
             for k in range(8):
                 at = 160 + 256 * p + 32 * k + 4 * r
-                np.testing.assert_array_equal(block[at:at + 4], row[16 + 32 * p + 4 * k:16 + 32 * p + 4 * k + 4])
+                np.testing.assert_array_equal(block[at:at + 4], row[qs + 32 * p + 4 * k:qs + 32 * p + 4 * k + 4])
+        if qtype == "Q5_K":
+            for k in range(8):
+                np.testing.assert_array_equal(block[1184 + 32 * k + 4 * r:1188 + 32 * k + 4 * r],
+                                              row[16 + 4 * k:20 + 4 * k])
         return
     flip = np.uint8(128 if qtype == "Q8_0" else 0)
     for k in range((t.block_bytes - 2) // 4):
@@ -263,9 +264,9 @@ def test_interleaving_refuses_what_it_cannot_regroup():
     w = quant.quantize(np.ones((12, 64), np.float32), "Q8_0").reshape(12, -1)
     with pytest.raises(QuantizationError, match="not a multiple"):
         quant.interleave_rows(w, "Q8_0")
-    with pytest.raises(QuantizationError, match="Q8_0, Q4_0, Q4_K, Q6_K only, not Q5_K"):
-        quant.interleave_rows(w[:8], "Q5_K")
-    with pytest.raises(QuantizationError, match="Q8_0, Q4_0, Q4_K, Q6_K only"):
+    with pytest.raises(QuantizationError, match="Q8_0, Q4_0, Q4_K, Q6_K, Q5_K only, not Q5_0"):
+        quant.interleave_rows(w[:8], "Q5_0")
+    with pytest.raises(QuantizationError, match="Q8_0, Q4_0, Q4_K, Q6_K, Q5_K only"):
         kq.matmul_int8_interleaved(quant.interleave_rows(w[:8], "Q8_0"), "Q5_0", np.ones((1, 64), np.float32))
     with pytest.raises(QuantizationError, match="do not hold rows of 96 values"):
         kq.matmul_int8_interleaved(quant.interleave_rows(w[:8], "Q8_0"), "Q8_0", np.ones((1, 96), np.float32))
@@ -295,7 +296,7 @@ def test_interleaved_kernels_are_the_reference(qtype, data):
 
 
 def interleaved_dots(w, x):
-    """The exact integer dots each interleaved intrinsic below must give for one group's 256 bytes w: [6, 8] (one row
+    """The exact integer dots each interleaved intrinsic below must give for one group's 256 bytes w: [7, 8] (one row
     per intrinsic call in interleaved_lanes, one column per row of the group)."""
     q8 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w])[None], "Q8_0")[:, 2:].view(np.int8)
     q4 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w[:128]])[None], "Q4_0")[:, 2:]
@@ -303,16 +304,19 @@ def interleaved_dots(w, x):
     run = w.reshape(8, 8, 4).swapaxes(0, 1).reshape(8, 32)  # a run's 32 bytes of each row (Q4_K's qs, Q6_K's ql)
     qh_run = np.roll(w, 77).reshape(8, 8, 4).swapaxes(0, 1).reshape(8, 32)  # the intrinsics read it from w[179:]...
     q6 = (((run >> 4) & 15) | (((qh_run >> 2) & 3) << 4)).astype(np.int64) - 32  # ql_shift 4, qh_shift 2
+    q5 = ((run >> 4) | (((qh_run >> 2) & 1) << 4)).astype(np.int64)  # the high nibbles, fifth bits of sub-block 2
     x64 = x.astype(np.int64)
     return np.array([q8.astype(np.int64) @ x64, (u4 - 8) @ x64, (run & 15).astype(np.int64) @ x64,
-                     (run >> 4).astype(np.int64) @ x64, q6[:, :16] @ x64[:16], q6[:, 16:] @ x64[16:]], np.float32)
+                     (run >> 4).astype(np.int64) @ x64, q6[:, :16] @ x64[:16], q6[:, 16:] @ x64[16:], q5 @ x64],
+                    np.float32)
 
 
 @settings(max_examples=30, deadline=None)
 @given(w=hnp.arrays(np.uint8, 512), x=hnp.arrays(np.int8, 32, elements=st.integers(-127, 127)))
 def test_interleaved_integer_dots_are_the_integer_dot(w, x):
     """Lane r of an interleaved block's dot: the exact integer dot of row r's 32 values (Q8_0's q, Q4_0's u - 8, a
-    Q4_K run's low or high nibbles; a Q6_K group's first or last 16, q - 32) with x, each from its start (minus the
+    Q4_K run's low or high nibbles; a Q6_K group's first or last 16, q - 32; a Q5_K run's nibbles with their fifth
+    bits) with x, each from its start (minus the
     bias times the activations' sum); for one group, on the machine's instructions, on AVX2 without VNNI where the
     machine has it, and in plain LLVM; for a pair of groups (rows 8 .. 15 from the second, stride bytes on), on the
     machine's 512-bit instructions where it has them, and in plain LLVM."""
@@ -329,11 +333,11 @@ def test_interleaved_integer_dots_are_the_integer_dot(w, x):
 
 
 @functools.lru_cache(maxsize=None)  # one compilation per set of intrinsics, not one per example
-def interleaved_lanes(q8_0, q4_0, q4_k, q6_k_low, q6_k_high):
+def interleaved_lanes(q8_0, q4_0, q4_k, q6_k_low, q6_k_high, q5_k):
     @njit
     def lanes(w, x, starts):
-        """[6, 16]: each intrinsic's 8 lanes (16 for a pair) in a row, from one group or a pair."""
-        out = np.zeros((6, 16), np.float32)
+        """[7, 16]: each intrinsic's 8 lanes (16 for a pair) in a row, from one group or a pair."""
+        out = np.zeros((7, 16), np.float32)
         wrapped = np.concatenate((w[:256], w[:256], w[256:], w[256:]))  # each group twice, the second at 512:
         vstore(out, 0, q8_0(wrapped, 0, 512, x, 0, starts[0]))  # w rolled by 77 is its qh run, from 256 - 77 = 179
         vstore(out, 16, q4_0(wrapped, 0, 512, x, 0, starts[1]))
@@ -341,6 +345,7 @@ def interleaved_lanes(q8_0, q4_0, q4_k, q6_k_low, q6_k_high):
         vstore(out, 48, q4_k(wrapped, 0, 512, 4, x, 0))
         vstore(out, 64, q6_k_low(wrapped, 0, 4, 179, 2, 512, x, 0, starts[2]))
         vstore(out, 80, q6_k_high(wrapped, 0, 4, 179, 2, 512, x, 0, starts[3]))
+        vstore(out, 96, q5_k(wrapped, 0, 512, 4, 179, 2, x, 0))
         return out
 
     return lanes

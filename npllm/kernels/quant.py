@@ -1001,24 +1001,35 @@ def _field_const(builder, bytes_, shift: int, mask: int):
     return builder.and_(bytes_, ir.Constant(_ivec(_I8, count), [mask] * count))
 
 
-def _interleaved_nibble_idot(groups: int, avx2: bool, vnni: bool):
+def _interleaved_nibble_idot(groups: int, avx2: bool, vnni: bool, fifth: bool = False):
     """idot(w, iw, stride, shift, x, ix) -> f32x8 (f32x16 for a pair): lane r = the exact integer dot of
     (byte >> shift) & 15 of row r's bytes in the eight words at w.flat[iw:] (a Q4_K run: shift 0 its even
-    sub-block, 4 its odd one) with x.flat[ix : ix + 32]."""
+    sub-block, 4 its odd one) with x.flat[ix : ix + 32]. With `fifth`, idot(w, iw, stride, shift, iqh, qh_shift, x,
+    ix): each value also takes ((qh >> qh_shift) & 1) << 4 from the words at w.flat[iqh:] (Q5_K's fifth bits of
+    sub-block qh_shift)."""
 
-    def typer(typingctx, w, iw, stride, shift, x, ix):
-        if not _idot_args_ok(w, (iw, stride, shift), x, ix):
-            return None
+    def codegen(context, builder, signature, args):
+        w_type, w, iw, stride, shift = signature.args[0], *args[:4]
+        ws = [_field(builder, _group_bytes(builder, context, w_type, w, iw, stride, groups, 32 * k), shift, 15)
+              for k in range(8)]
+        if fifth:
+            four = ir.Constant(_ivec(_I8, 32 * groups), [4] * 32 * groups)
+            ws = [builder.or_(word, builder.shl(_field(builder, _group_bytes(builder, context, w_type, w, args[4],
+                                                                             stride, groups, 32 * k), args[5], 1),
+                                                four)) for k, word in enumerate(ws)]
+        x_type, x, ix = signature.args[-2], args[-2], args[-1]
+        xs = [_broadcast4(builder, context, x_type, x, _offset(builder, ix, 4 * k), 8 * groups) for k in range(8)]
+        zero = ir.Constant(_ivec(_I32, 8 * groups), [0] * 8 * groups)
+        return builder.sitofp(_chained_dots(builder, zero, ws, xs, False, avx2, vnni), _vector(8 * groups))
 
-        def codegen(context, builder, signature, args):
-            ws = [_field(builder, _group_bytes(builder, context, signature.args[0], args[0], args[1], args[2],
-                                                   groups, 32 * k), args[3], 15) for k in range(8)]
-            xs = [_broadcast4(builder, context, signature.args[4], args[4], _offset(builder, args[5], 4 * k),
-                              8 * groups) for k in range(8)]
-            zero = ir.Constant(_ivec(_I32, 8 * groups), [0] * 8 * groups)
-            return builder.sitofp(_chained_dots(builder, zero, ws, xs, False, avx2, vnni), _vector(8 * groups))
-
-        return _F32XN[groups](w, iw, stride, shift, x, ix), codegen
+    if fifth:
+        def typer(typingctx, w, iw, stride, shift, iqh, qh_shift, x, ix):
+            if _idot_args_ok(w, (iw, stride, shift, iqh, qh_shift), x, ix):
+                return _F32XN[groups](w, iw, stride, shift, iqh, qh_shift, x, ix), codegen
+    else:
+        def typer(typingctx, w, iw, stride, shift, x, ix):
+            if _idot_args_ok(w, (iw, stride, shift), x, ix):
+                return _F32XN[groups](w, iw, stride, shift, x, ix), codegen
 
     return intrinsic(typer)
 
@@ -1081,10 +1092,10 @@ def _scales(kind: str, groups: int):
 
 
 def _x8_idots(groups: int, avx2: bool, vnni: bool):
-    """(idot_q8_0, idot_q4_0, idot_q4_k, idot_q6_k_low, idot_q6_k_high) for one group or a pair."""
+    """(idot_q8_0, idot_q4_0, idot_q4_k, idot_q6_k_low, idot_q6_k_high, idot_q5_k) for one group or a pair."""
     return (*(_interleaved_idot(t, groups, avx2, vnni) for t in ("Q8_0", "Q4_0")),
             _interleaved_nibble_idot(groups, avx2, vnni), _interleaved_q6_idot(groups, avx2, vnni, 0),
-            _interleaved_q6_idot(groups, avx2, vnni, 1))
+            _interleaved_q6_idot(groups, avx2, vnni, 1), _interleaved_nibble_idot(groups, avx2, vnni, fifth=True))
 
 
 # X8_IDOTS: the machine's dots of one group (idot_q8_0(w, iw, stride, x, ix, sum_x), idot_q4_0(...), idot_q4_k(w,
@@ -1105,7 +1116,7 @@ def _block_accumulators(groups: int):
     they were). The tokens meet each unpacked word in turn, so it is unpacked once for the tile. q and d come from
     quantize_activations_q8_into, s16 the activations' sums of 16, from which each dot starts at -bias times the
     sum of the activations it covers (the dot of the unsigned stored values u comes out as that of u - bias)."""
-    idot_q8_0, idot_q4_0, idot_q4_k, idot_q6_k_low, idot_q6_k_high = X8_IDOTS if groups == 1 else X16_IDOTS
+    idot_q8_0, idot_q4_0, idot_q4_k, idot_q6_k_low, idot_q6_k_high, idot_q5_k = X8_IDOTS if groups == 1 else X16_IDOTS
     halves, bytes_, int8s = ((load_halves8, load_bytes8, load_int8s8) if groups == 1 else
                              (load_halves16, load_bytes16, load_int8s16))
     zero = vzero if groups == 1 else vzero16
@@ -1141,38 +1152,47 @@ def _block_accumulators(groups: int):
 
         return tile
 
-    @njit(fastmath=REASSOC, inline="always")
-    def q4_k_token(acc, offset, w, iw, shift, scale, mn, q, d, s, j, t):
-        """acc[r] += (d_r sc_ri) (d_x (u_r . q_x)), offset[r] += (dmin_r mn_ri) (d_x s_x), for sub-block j of 32."""
-        dots = idot_q4_k(w, iw, w.shape[1], shift, q, t * q.shape[1] + 32 * j)
-        return vfmav(acc, scale, vfma(zero(), d[t, j], dots)), vfma(offset, d[t, j] * s[t, j], mn)
+    def k_quant_32(block_bytes: int, fifth: bool):
+        """Q4_K, and Q5_K (its fifth bits from the qh run after the nibbles): each sub-block i of 32 (activation
+        block j = 8 b + i) adds (d_r sc_ri) (d_x (u_r . q_x)) and takes (dmin_r mn_ri) (d_x s_x), the mins' term,
+        summed over the block apart."""
 
-    @njit(fastmath=REASSOC, inline="always")
-    def q4_k(w, g, q, d, s, s16, t, n):
-        """Q4_K: each sub-block i of 32 (activation block j = 8 b + i) adds (d_r sc_ri) (d_x (u_r . q_x)) and takes
-        (dmin_r mn_ri) (d_x s_x), the mins' term, summed over the block apart."""
-        a0, a1, a2, a3 = zero(), zero(), zero(), zero()
-        for b in range(q.shape[1] // QK_K):
-            at, stride = g * w.shape[1] + 1184 * b, w.shape[1]
-            d_w, dmin = halves(w, at, stride), halves(w, at + 16, stride)
-            o0, o1, o2, o3 = zero(), zero(), zero(), zero()
-            for p in range(4):  # run p: sub-block 2p in the low nibbles, 2p + 1 in the high ones
-                for half in range(2):
-                    i = 2 * p + half
-                    j, iw, shift = 8 * b + i, at + 160 + 256 * p, 4 * half
-                    scale = vfmav(zero(), d_w, bytes_(w, at + 32 + 8 * i, stride))
-                    mn = vfmav(zero(), dmin, bytes_(w, at + 96 + 8 * i, stride))
-                    a0, o0 = q4_k_token(a0, o0, w, iw, shift, scale, mn, q, d, s, j, t)
-                    if n > 1:
-                        a1, o1 = q4_k_token(a1, o1, w, iw, shift, scale, mn, q, d, s, j, t + 1)
-                    if n > 2:
-                        a2, o2 = q4_k_token(a2, o2, w, iw, shift, scale, mn, q, d, s, j, t + 2)
-                    if n > 3:
-                        a3, o3 = q4_k_token(a3, o3, w, iw, shift, scale, mn, q, d, s, j, t + 3)
-            minus_one = np.float32(-1)
-            a0, a1 = vfma(a0, minus_one, o0), vfma(a1, minus_one, o1)
-            a2, a3 = vfma(a2, minus_one, o2), vfma(a3, minus_one, o3)
-        return a0, a1, a2, a3
+        @njit(fastmath=REASSOC, inline="always")
+        def token(acc, offset, w, iw, shift, iqh, scale, mn, q, d, s, j, i, t):
+            """acc[r] += (d_r sc_ri) (d_x (u_r . q_x)), offset[r] += (dmin_r mn_ri) (d_x s_x), for sub-block j."""
+            ix = t * q.shape[1] + 32 * j
+            if fifth:
+                dots = idot_q5_k(w, iw, w.shape[1], shift, iqh, i, q, ix)
+            else:
+                dots = idot_q4_k(w, iw, w.shape[1], shift, q, ix)
+            return vfmav(acc, scale, vfma(zero(), d[t, j], dots)), vfma(offset, d[t, j] * s[t, j], mn)
+
+        @njit(fastmath=REASSOC, inline="always")
+        def tile(w, g, q, d, s, s16, t, n):
+            a0, a1, a2, a3 = zero(), zero(), zero(), zero()
+            for b in range(q.shape[1] // QK_K):
+                at, stride = g * w.shape[1] + block_bytes * b, w.shape[1]
+                d_w, dmin, iqh = halves(w, at, stride), halves(w, at + 16, stride), at + 1184
+                o0, o1, o2, o3 = zero(), zero(), zero(), zero()
+                for p in range(4):  # run p: sub-block 2p in the low nibbles, 2p + 1 in the high ones
+                    for half in range(2):
+                        i = 2 * p + half
+                        j, iw, shift = 8 * b + i, at + 160 + 256 * p, 4 * half
+                        scale = vfmav(zero(), d_w, bytes_(w, at + 32 + 8 * i, stride))
+                        mn = vfmav(zero(), dmin, bytes_(w, at + 96 + 8 * i, stride))
+                        a0, o0 = token(a0, o0, w, iw, shift, iqh, scale, mn, q, d, s, j, i, t)
+                        if n > 1:
+                            a1, o1 = token(a1, o1, w, iw, shift, iqh, scale, mn, q, d, s, j, i, t + 1)
+                        if n > 2:
+                            a2, o2 = token(a2, o2, w, iw, shift, iqh, scale, mn, q, d, s, j, i, t + 2)
+                        if n > 3:
+                            a3, o3 = token(a3, o3, w, iw, shift, iqh, scale, mn, q, d, s, j, i, t + 3)
+                minus_one = np.float32(-1)
+                a0, a1 = vfma(a0, minus_one, o0), vfma(a1, minus_one, o1)
+                a2, a3 = vfma(a2, minus_one, o2), vfma(a3, minus_one, o3)
+            return a0, a1, a2, a3
+
+        return tile
 
     @njit(fastmath=REASSOC, inline="always")
     def q6_k_token(acc, w, ql, ql_shift, qh, qh_shift, scale_low, scale_high, q, d, s16, j, t):
@@ -1205,8 +1225,9 @@ def _block_accumulators(groups: int):
                         a3 = q6_k_token(a3, w, ql, ql_shift, qh, 2 * gg, low, high, q, d, s16, j, t + 3)
         return a0, a1, a2, a3
 
-    return {"Q8_0": blockwise(idot_q8_0, 272, 128 if groups == 2 else Q8_0_BIAS), "Q4_0": blockwise(idot_q4_0, 144, 8), "Q4_K": q4_k,
-            "Q6_K": q6_k}
+    return {"Q8_0": blockwise(idot_q8_0, 272, 128 if groups == 2 else Q8_0_BIAS),
+            "Q4_0": blockwise(idot_q4_0, 144, 8),
+            "Q4_K": k_quant_32(1184, False), "Q6_K": q6_k, "Q5_K": k_quant_32(1440, True)}
 
 
 def _group_walker(tile):
@@ -1250,7 +1271,8 @@ def _interleaved_kernels(qtype: str):
     return rows_into
 
 
-_rows_q8_0_x8, _rows_q4_0_x8, _rows_q4_k_x8, _rows_q6_k_x8 = (_interleaved_kernels(t) for t in INTERLEAVED_TYPES)
+_rows_q8_0_x8, _rows_q4_0_x8, _rows_q4_k_x8, _rows_q6_k_x8, _rows_q5_k_x8 = (_interleaved_kernels(t)
+                                                                             for t in INTERLEAVED_TYPES)
 
 # The type ids of interleaved matrices in a model's table (models/numba.py): the GGML type id plus INTERLEAVED_CODE.
 INTERLEAVED_CODE = 1000
@@ -1271,7 +1293,7 @@ INT8_TYPE_CODES = tuple(TYPES[t].type_id for t in INT8_KERNEL_TYPES)  # GGML typ
 @njit(cache=True)
 def matmul_rows_int8(code, w, q, d, s, s16, T, out, col, n0, n1):
     """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1, W of GGML type `code` (INT8_KERNEL_TYPES; or the id of
-    Q8_0, Q4_0, Q4_K or Q6_K plus INTERLEAVED_CODE: w then holds interleaved rows, and n0, n1 are multiples of 8), x
+    Q8_0, Q4_0, Q4_K, Q6_K or Q5_K plus INTERLEAVED_CODE: w then holds interleaved rows, and n0, n1 are multiples of 8), x
     given by quantize_activations_q8_into(x, T, q, d, s, s16) (once per input, shared by every row range and
     matrix).         # q [>=T, K] int8, d, s [>=T, K / 32] float32, s16 [>=T, K / 16] int32 -> out [>=T, >=col + n1]"""
     if code == 8:
@@ -1298,6 +1320,8 @@ def matmul_rows_int8(code, w, q, d, s, s16, T, out, col, n0, n1):
         _rows_q4_k_x8(w, q, d, s, s16, T, out, col, n0, n1)
     elif code == 1014:  # INTERLEAVED_CODE + Q6_K's
         _rows_q6_k_x8(w, q, d, s, s16, T, out, col, n0, n1)
+    elif code == 1013:  # INTERLEAVED_CODE + Q5_K's
+        _rows_q5_k_x8(w, q, d, s, s16, T, out, col, n0, n1)
     else:
         raise ValueError("no 8-bit-activation kernel for this GGML type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and "
                          "Q6_K have one)")
@@ -1671,9 +1695,11 @@ def gather_interleaved_row(code, w8, n, row):
             at, to = base + 144 * b, 18 * b
             row[to], row[to + 1] = w[at + 2 * r], w[at + 2 * r + 1]
             _gather_words(w, at + 16, r, 4, row, to + 2)
-    elif code == INTERLEAVED_CODE + Q4_K:  # d, dmin, 12 bytes of 6-bit scales and mins, qs[128]
-        for b in range(w8.shape[1] // 1184):
-            at, to = base + 1184 * b, 144 * b
+    elif code == INTERLEAVED_CODE + Q4_K or code == INTERLEAVED_CODE + Q5_K:  # d, dmin, 12 bytes of 6-bit scales
+        q5 = code == INTERLEAVED_CODE + Q5_K  # and mins, (Q5_K: qh[32],) qs[128]
+        size, file_size = (1440, 176) if q5 else (1184, 144)
+        for b in range(w8.shape[1] // size):
+            at, to = base + size * b, file_size * b
             row[to], row[to + 1] = w[at + 2 * r], w[at + 2 * r + 1]
             row[to + 2], row[to + 3] = w[at + 16 + 2 * r], w[at + 17 + 2 * r]
             for j in range(4):  # quant._pack_scales_6bit: sc, mn[0..3] whole, sc, mn[4..7] split over bytes 8..11
@@ -1683,7 +1709,9 @@ def gather_interleaved_row(code, w8, n, row):
                 row[to + 8 + j] = (mn_lo & 63) | ((mn_hi >> 4) << 6)
                 row[to + 12 + j] = (sc_hi & 15) | ((mn_hi & 15) << 4)
             for p in range(4):
-                _gather_words(w, at + 160 + 256 * p, r, 8, row, to + 16 + 32 * p)
+                _gather_words(w, at + 160 + 256 * p, r, 8, row, to + (48 if q5 else 16) + 32 * p)
+            if q5:
+                _gather_words(w, at + 1184, r, 8, row, to + 16)
     elif code == INTERLEAVED_CODE + Q6_K:  # ql[128], qh[64], scales[16], d
         for b in range(w8.shape[1] // 1680):
             at, to = base + 1680 * b, 210 * b
@@ -1695,7 +1723,8 @@ def gather_interleaved_row(code, w8, n, row):
                 row[to + 192 + i] = w[at + 16 + 8 * i + r]
             row[to + 208], row[to + 209] = w[at + 2 * r], w[at + 2 * r + 1]
     else:
-        raise ValueError("not the code of an interleaved type (INTERLEAVED_CODE + Q8_0's, Q4_0's, Q4_K's or Q6_K's id)")
+        raise ValueError("not the code of an interleaved type (INTERLEAVED_CODE + the id of Q8_0, Q4_0, Q4_K, Q6_K or "
+                         "Q5_K)")
 
 
 @njit(cache=True)

@@ -30,7 +30,7 @@ from ..errors import ConfigError, GenerationError
 from ..formats import release
 from ..kernels import cpu
 from ..kernels import quant as qk
-from ..quant import FLOAT_ACTIVATIONS_FROM, INTERLEAVE
+from ..quant import INTERLEAVE
 from .base import Model, sampler_rows
 from .weights import Weights, fused_gate_up, fused_qkv
 
@@ -454,7 +454,7 @@ def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     names = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
     matrices = [_as_quantized(getattr(layer, name)) for layer in weights.layers for name in names]
     matrices += [_as_quantized(weights.tok_embeddings), _as_quantized(weights.output)]
-    # Q8_0, Q4_0, Q4_K and Q6_K products run on rows interleaved by eight (kernels/quant.py), which needs a copy of
+    # Q8_0, Q4_0, Q4_K, Q6_K and Q5_K products run on rows interleaved by eight (kernels/quant.py), which needs a copy of
     # the file's bytes in that order. The embedding table stays as stored (its rows are looked up one by one, and a
     # mapped table's unused rows never load), unless the LM head is tied to it: then the one copy is interleaved for
     # the head's product (the largest of a decode step), and a lookup gathers its row back (decode_any_row).
@@ -565,12 +565,12 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     """out[:T, col_i : col_i + N_i] = x[:T, :K] @ W_i.T for the `count` matrices first .. first + count - 1, which
     read the same input, side by side (col_i = N_0 + ... + N_{i-1}).   # [>=T, >=K] -> [>=T, >= sum N_i]
 
-    The concatenated groups of 8 or 16 rows (one token: qk.ROWS_AT_ONCE) or panels of 16 rows (several tokens) are split into one
-    contiguous range per thread, in ONE parallel region (none on one thread: a small model's step is mostly such
-    calls); each matrix's part of a range goes to its type's row-range worker (kernels/quant.py).
+    The concatenated groups of 8 or 16 rows (one token: qk.ROWS_AT_ONCE) or panels of 16 rows (several tokens) are
+    split into one contiguous range per thread, in ONE parallel region (none on one thread: a small model's step is
+    mostly such calls); each matrix's part of a range goes to its type's row-range worker (kernels/quant.py).
 
-    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K weights (Q8_0, Q4_0, Q4_K and Q6_K as interleaved rows), and Q5_K
-    in calls of fewer than quant.FLOAT_ACTIVATIONS_FROM tokens, meet activations quantized to 8 bits per block of 32
+    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights (Q8_0, Q4_0, Q4_K, Q5_K and Q6_K as interleaved
+    rows), in calls of any length, meet activations quantized to 8 bits per block of 32
     (as llama.cpp does): integer dot products, with x quantized once here for every matrix and row range (on every
     thread from QUANTIZE_IN_PARALLEL_FROM tokens; docs/quant.md, "8-bit activations", for the rounding bound and
     the measured KL divergence). Other types take x in float32.
@@ -603,17 +603,13 @@ def products_into(pool, mats, first, count, x, T, out, threads):
         _products_parallel(pool, mats, first, count, x, T, out, sums, xq, unit, total, chunks)
 
 
-# quant.FLOAT_ACTIVATIONS_FROM as a constant the compiled code reads
-Q5_K_FLOAT_FROM = FLOAT_ACTIVATIONS_FROM["Q5_K"]
-
-
 @njit(inline="always")
 def _int8_type(code, T) -> bool:
-    """Whether weights of GGML type `code` meet 8-bit activations in a call of T tokens: the types with an
-    integer-dot worker (kernels/quant.py INT8_TYPE_CODES), the K-quants below their FLOAT_ACTIVATIONS_FROM
-    (quant.int8_activations states the same rule for the NumPy oracle)."""
-    return (code == 8 or code == 2 or code == 3 or code == 6 or code == 7 or code == 12 or code == 14
-            or code == 1008 or code == 1002 or code == 1012 or code == 1014 or (code == 13 and T < Q5_K_FLOAT_FROM))
+    """Whether weights of GGML type `code` meet 8-bit activations (in a call of any T tokens): the types with an
+    integer-dot worker (kernels/quant.py INT8_TYPE_CODES), interleaved or not (quant.INT8_ACTIVATION_TYPES states
+    the same for the NumPy oracle)."""
+    return (code == 8 or code == 2 or code == 3 or code == 6 or code == 7 or code == 12 or code == 13 or code == 14
+            or code == 1008 or code == 1002 or code == 1012 or code == 1013 or code == 1014)
 
 
 @njit(parallel=True, cache=True)
