@@ -266,9 +266,9 @@ def test_bench_reports_bytes_in_the_files_types(tmp_path, capsys):
 
 
 def test_threads_change_no_bit_of_a_long_prefill(tmp_path, monkeypatch):
-    """A prefill long enough to quantize its activations in parallel (models/numba.py QUANTIZE_IN_PARALLEL_FROM),
-    on 2 threads, gives the same bits as on one: each token's integers, and each output's sum, do not depend on the
-    split."""
+    """A prefill long enough to quantize its activations and take SwiGLU in parallel (models/numba.py
+    QUANTIZE_IN_PARALLEL_FROM), on 2 threads, gives the same bits as on one: each token's integers, each output's
+    sum and each gate, do not depend on the split."""
     import npllm.models.numba as numba_model
 
     monkeypatch.setattr(numba_model, "PARALLEL_MIN_SECONDS", 0.0)  # a tiny model: run every region on the threads

@@ -641,6 +641,15 @@ def _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, u0, u1):
         col += N
 
 
+@njit(parallel=True, cache=True)
+def _swiglu_halves_parallel(gate_up, F, out, T, threads):
+    """_swiglu_halves_into with the T tokens split into `threads` ranges run in parallel (the same bits: tokens are
+    independent). A 128-token prefill at 110M spent ~6 ms in it on one thread."""
+    for c in prange(threads):
+        t0, t1 = c * T // threads, (c + 1) * T // threads
+        _swiglu_halves_into(gate_up[t0:t1], F, out[t0:t1], t1 - t0)
+
+
 @njit(cache=True)
 def _swiglu_halves_into(gate_up, F, out, T):
     """out[t, i] = silu(gate) * up = gate / (1 + e^-gate) * up with gate = gate_up[t, i], up = gate_up[t, F + i].
@@ -701,7 +710,10 @@ def _forward_quantized(tokens, positions, seqs, w, inv_freq, dims, ring):
         _residual_add(x, o, T, D)
         cpu.rms_norm_into(x, w.ffn_norm[l], eps, h, T)
         products_into(w.pool, w.mats, m + W1, np.int64(2), h, T, gate_up, threads)
-        _swiglu_halves_into(gate_up, F, hidden, T)
+        if threads > 1 and T >= QUANTIZE_IN_PARALLEL_FROM:
+            _swiglu_halves_parallel(gate_up, F, hidden, T, threads)
+        else:
+            _swiglu_halves_into(gate_up, F, hidden, T)
         products_into(w.pool, w.mats, m + W2, np.int64(1), hidden, T, o, threads)
         _residual_add(x, o, T, D)
     cpu.rms_norm_into(x, w.norm, eps, h, T)
