@@ -495,10 +495,17 @@ def _splat8(builder, value, count):
 
 
 def _field(builder, bytes_, shift, mask):
-    """(bytes >> shift) & mask per byte, shift a run-time integer."""
+    """(bytes >> shift) & mask per byte, shift a run-time integer with mask << shift < 256 (every field here: a
+    nibble at 0 or 4, two bits at 0..6, one bit at 0..7). The shift is taken on 16-bit lanes (x86 has no byte
+    shift; LLVM would build a per-shift byte mask for one): the bits it brings down from a lane's high byte land at
+    8 - shift and up, above the mask."""
     count = bytes_.type.count
-    return builder.and_(builder.lshr(bytes_, _splat8(builder, shift, count)), ir.Constant(_ivec(_I8, count),
-                                                                                         [mask] * count))
+    words = builder.bitcast(bytes_, _ivec(_I16, count // 2))
+    shift16 = builder.trunc(shift, _I16) if shift.type.width > 16 else builder.zext(shift, _I16)
+    lane = builder.insert_element(ir.Constant(_ivec(_I16, count // 2), ir.Undefined), shift16, ir.Constant(_I32, 0))
+    shifts = builder.shuffle_vector(lane, lane, ir.Constant(_ivec(_I32, count // 2), [0] * (count // 2)))
+    shifted = builder.bitcast(builder.lshr(words, shifts), _ivec(_I8, count))
+    return builder.and_(shifted, ir.Constant(_ivec(_I8, count), [mask] * count))
 
 
 # Weight bytes of each layout as the <32 x i8> of 32 values, and whether they are signed. Arguments after (w, ...)
