@@ -14,8 +14,8 @@ agreement is low for every engine, since random logits have near-ties). For each
 
     llama-quantize SHAPE-F32.gguf SHAPE-PRESET.gguf PRESET
     npllm:  npllm.load(file) (numba, weights kept in their types: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 and Q4_K/Q5_K/Q6_K
-            products on 8-bit activations, Q2_K and Q3_K decoded row by row in float32)  vs  the numpy reference on the file's
-            weights dequantized (the exact dequantized model), on the same random token ids.
+            products on 8-bit activations, Q2_K and Q3_K decoded row by row in float32)  vs  the numpy reference on
+            the file's weights dequantized (the exact dequantized model), on the same random token ids.
 """
 
 import argparse

@@ -486,14 +486,6 @@ def _load_bytes(builder, context, array_type, array, index, count):
     return builder.load(pointer, align=1)
 
 
-def _splat8(builder, value, count):
-    """<count x i8> of an integer value's low byte."""
-    vector = _ivec(_I8, count)
-    lane = builder.insert_element(ir.Constant(vector, ir.Undefined), builder.trunc(value, _I8),
-                                  ir.Constant(_I32, 0))
-    return builder.shuffle_vector(lane, ir.Constant(vector, ir.Undefined), ir.Constant(_ivec(_I32, count), [0] * count))
-
-
 def _field(builder, bytes_, shift, mask):
     """(bytes >> shift) & mask per byte, shift a run-time integer with mask << shift < 256 (every field here: a
     nibble at 0 or 4, two bits at 0..6, one bit at 0..7). The shift is taken on 16-bit lanes (x86 has no byte
@@ -1259,8 +1251,8 @@ def _group_walker(tile):
 
 
 def _interleaved_kernels(qtype: str):
-    """rows_into(w8, q, d, s, s16, T, out, col, n0, n1) of one interleaved type, n0 and n1 multiples of 8 (whole groups):
-    pairs of groups where PAIRED, then single groups."""
+    """rows_into(w8, q, d, s, s16, T, out, col, n0, n1) of one interleaved type, n0 and n1 multiples of 8 (whole
+    groups): pairs of groups where PAIRED, then single groups."""
     walk8, walk16 = _group_walker(_block_accumulators(1)[qtype]), _group_walker(_block_accumulators(2)[qtype])
     pairs = PAIRED
 
@@ -1300,7 +1292,8 @@ INT8_TYPE_CODES = tuple(TYPES[t].type_id for t in INT8_KERNEL_TYPES)  # GGML typ
 @njit(cache=True)
 def matmul_rows_int8(code, w, q, d, s, s16, T, out, col, n0, n1):
     """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1, W of GGML type `code` (INT8_KERNEL_TYPES; or the id of
-    Q8_0, Q4_0, Q4_K, Q6_K or Q5_K plus INTERLEAVED_CODE: w then holds interleaved rows, and n0, n1 are multiples of 8), x
+    Q8_0, Q4_0, Q4_K, Q6_K or Q5_K plus INTERLEAVED_CODE: w then holds interleaved rows, and n0, n1 are multiples
+    of 8), x
     given by quantize_activations_q8_into(x, T, q, d, s, s16) (once per input, shared by every row range and
     matrix).         # q [>=T, K] int8, d, s [>=T, K / 32] float32, s16 [>=T, K / 16] int32 -> out [>=T, >=col + n1]"""
     if code == 8:
@@ -1336,10 +1329,10 @@ def matmul_rows_int8(code, w, q, d, s, s16, T, out, col, n0, n1):
 
 @njit(cache=True)
 def matvec_rows_int8(code, w, q, d, s, s16, out, col, n0, n1):
-    """out[col + n] = W[n] . x for n0 <= n < n1: matmul_rows_int8 for one token (q [1, K], d, s [1, K / 32], s16 [1, K / 16]) into
-    a vector out [>=col + n1]."""
-    matmul_rows_int8(code, w, q, d, s, s16, np.int64(1), out.reshape(1, out.shape[0]), col, n0, n1)  # not a literal 1: no
-    # second compilation of matmul_rows_int8 (Numba specialises on literal arguments)
+    """out[col + n] = W[n] . x for n0 <= n < n1: matmul_rows_int8 for one token (q [1, K], d, s [1, K / 32],
+    s16 [1, K / 16]) into a vector out [>=col + n1]."""
+    # T as np.int64(1), not a literal 1: no second compilation of matmul_rows_int8 (Numba specialises on literals)
+    matmul_rows_int8(code, w, q, d, s, s16, np.int64(1), out.reshape(1, out.shape[0]), col, n0, n1)
 
 
 def _check_int8(w: np.ndarray, qtype: str, K: int) -> None:
@@ -1736,7 +1729,7 @@ def gather_interleaved_row(code, w8, n, row):
 
 @njit(cache=True)
 def file_row_bytes(code, K):
-    """Bytes a row of K values takes in its file's layout, for a GGML type id, interleaved (+ INTERLEAVED_CODE) or not."""
+    """Bytes a row of K values takes in its file's layout, for a GGML type id (+ INTERLEAVED_CODE: interleaved)."""
     t = code % INTERLEAVED_CODE
     return K // TYPE_BLOCK_SIZE[t] * TYPE_BLOCK_BYTES[t]
 

@@ -454,8 +454,8 @@ def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     names = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
     matrices = [_as_quantized(getattr(layer, name)) for layer in weights.layers for name in names]
     matrices += [_as_quantized(weights.tok_embeddings), _as_quantized(weights.output)]
-    # Q8_0, Q4_0, Q4_K, Q6_K and Q5_K products run on rows interleaved by eight (kernels/quant.py), which needs a copy of
-    # the file's bytes in that order. The embedding table stays as stored (its rows are looked up one by one, and a
+    # Q8_0, Q4_0, Q4_K, Q6_K and Q5_K products run on rows interleaved by eight (kernels/quant.py), which needs a copy
+    # of the file's bytes in that order. The embedding table stays as stored (its rows are looked up one by one, and a
     # mapped table's unused rows never load), unless the LM head is tied to it: then the one copy is interleaved for
     # the head's product (the largest of a decode step), and a lookup gathers its row back (decode_any_row).
     tied = matrices[-1].raw.__array_interface__["data"][0] == matrices[-2].raw.__array_interface__["data"][0]
