@@ -203,7 +203,8 @@ def test_a_row_gathers_back_from_its_group(qtype, data):
         raw.reshape(-1, t.block_bytes)[:, at + 1] &= np.uint8(0x3B)
     grouped, code = quant.interleave_rows(raw, qtype), kq.INTERLEAVED_CODE + t.type_id
     K = blocks * t.block_size
-    row, out, expected = np.empty(kq.file_row_bytes(code, K), np.uint8), np.empty(K, np.float32), np.empty_like(out)
+    row = np.empty(kq.file_row_bytes(code, K), np.uint8)
+    out, expected = np.empty(K, np.float32), np.empty(K, np.float32)
     for n in range(raw.shape[0]):
         kq.gather_interleaved_row(code, grouped, n, row)
         np.testing.assert_array_equal(row, raw[n])
