@@ -641,6 +641,26 @@ def _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, u0, u1):
         col += N
 
 
+@njit(inline="always")
+def _embed_rows(w, tokens, x):
+    """x[t] = the embedding row of tokens[t], decoded from its stored type (gathered back first from a table held
+    interleaved for a tied LM head).                                                            # [T] -> [T, D]"""
+    embed = w.mats.shape[0] - 2
+    table = _matrix(w.pool, w.mats, embed)
+    scratch = np.empty(qk.file_row_bytes(w.mats[embed, 1], x.shape[1]), np.uint8)
+    for t in range(tokens.shape[0]):
+        qk.decode_any_row(w.mats[embed, 1], table, tokens[t], x[t], scratch)
+
+
+@njit(inline="always")
+def _swiglu(gate_up, F, out, T, threads):
+    """silu(gate) * up of T tokens, on the threads from QUANTIZE_IN_PARALLEL_FROM tokens.   # [>=T, 2F] -> [>=T, F]"""
+    if threads > 1 and T >= QUANTIZE_IN_PARALLEL_FROM:
+        _swiglu_halves_parallel(gate_up, F, out, T, threads)
+    else:
+        _swiglu_halves_into(gate_up, F, out, T)
+
+
 @njit(parallel=True, cache=True)
 def _swiglu_halves_parallel(gate_up, F, out, T, threads):
     """_swiglu_halves_into with the T tokens split into `threads` ranges run in parallel (the same bits: tokens are
@@ -686,11 +706,7 @@ def _forward_quantized(tokens, positions, seqs, w, inv_freq, dims, ring):
     cpu.rope_angles_into(positions, inv_freq, cos, sin, T)
     valid_from = np.empty(seqs.slots.shape[0], np.int64)
     cpu.valid_from_into(positions, seqs.order, seqs.starts, seqs.slots, ring.positions, window, valid_from)
-    embed = PER_LAYER * L
-    table = _matrix(w.pool, w.mats, embed)
-    scratch = np.empty(qk.file_row_bytes(w.mats[embed, 1], D), np.uint8)  # a row of an interleaved table, gathered
-    for t in range(T):
-        qk.decode_any_row(w.mats[embed, 1], table, tokens[t], x[t], scratch)
+    _embed_rows(w, tokens, x)
     for l in range(L):
         m = PER_LAYER * l
         cpu.rms_norm_into(x, w.attention_norm[l], eps, h, T)
@@ -710,10 +726,7 @@ def _forward_quantized(tokens, positions, seqs, w, inv_freq, dims, ring):
         _residual_add(x, o, T, D)
         cpu.rms_norm_into(x, w.ffn_norm[l], eps, h, T)
         products_into(w.pool, w.mats, m + W1, np.int64(2), h, T, gate_up, threads)
-        if threads > 1 and T >= QUANTIZE_IN_PARALLEL_FROM:
-            _swiglu_halves_parallel(gate_up, F, hidden, T, threads)
-        else:
-            _swiglu_halves_into(gate_up, F, hidden, T)
+        _swiglu(gate_up, F, hidden, T, threads)
         products_into(w.pool, w.mats, m + W2, np.int64(1), hidden, T, o, threads)
         _residual_add(x, o, T, D)
     cpu.rms_norm_into(x, w.norm, eps, h, T)
