@@ -222,3 +222,26 @@ def test_exp_matches_numpy_within_2e_7_relative():
     np.testing.assert_allclose(got[:-2], want[:-2], rtol=2e-7)
     assert got[-2] == 0.0 and got[-1] == 1.0
     assert exp(np.array([-200.0], np.float32))[0] == 0.0  # under float32's normal range: exactly 0
+
+
+@njit
+def dots_one_by_one_and_eight_at_a_time(q, keys, bases, n):
+    """cpu._dot per key, and cpu._dot8_into over the same eight keys.          # -> [8], [8]"""
+    one, eight = np.empty(8, np.float32), np.empty(8, np.float32)
+    for k in range(8):
+        one[k] = cpu._dot(q, 0, keys, bases[k], n)
+    cpu._dot8_into(q, 0, keys, bases, 0, n, eight)
+    return one, eight
+
+
+@given(seeds, st.integers(1, 80), st.sampled_from([np.float32, np.float16]))
+def test_eight_keys_at_a_time_score_the_same_bits_as_one_by_one(seed, n, stored):
+    """Attention scores blocks of keys eight at a time and the rest one by one (a query's block depends on its
+    position): each score must be the same bits either way, or prefill and decode would differ."""
+    rng = np.random.default_rng(seed)
+    q = normal(rng, n) * 10
+    keys = normal(rng, 12 * n + 5).astype(stored)
+    bases = rng.permutation(12)[:8].astype(np.int64) * n + rng.integers(0, 5)
+    one, eight = dots_one_by_one_and_eight_at_a_time(q, keys.view(np.uint16) if stored == np.float16 else keys,
+                                                     bases, n)
+    np.testing.assert_array_equal(one.view(np.int32), eight.view(np.int32))

@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit, prange
 
 from .simd import (LANES, WIDE, load_kv, prefetch_kv, store_kv, vadd, vfma, vfmav, vload, vload16, vload_kv, vstore,
-                   vsum, vzero, vzero16)
+                   vsum, vsum8, vzero, vzero16)
 
 PANEL = 16  # output rows per panel: two 8-lane vectors
 TILE_T = 6  # tokens per prefill tile: 6 x 2 vector accumulators fill 12 of the 16 AVX registers
@@ -313,14 +313,68 @@ def _dot(a, ia, b, ib, n):
 
 
 @njit(inline="always")
+def _dot8_into(a, ia, b, bases, j, n, out):
+    """out[j + k] = a[ia : ia+n] . b[bases[j+k] : bases[j+k]+n] for k < 8: _dot of eight rows of b at once, with the
+    same chains and the same tree of sums per row (simd.vsum8), so the same bits. Sixteen independent chains keep
+    the multiply-adds busy where one _dot waits on its two."""
+    full = n - n % LANES
+    e0, e1, e2, e3, e4, e5, e6, e7 = vzero(), vzero(), vzero(), vzero(), vzero(), vzero(), vzero(), vzero()
+    o0, o1, o2, o3, o4, o5, o6, o7 = vzero(), vzero(), vzero(), vzero(), vzero(), vzero(), vzero(), vzero()
+    b0, b1, b2, b3 = bases[j], bases[j + 1], bases[j + 2], bases[j + 3]
+    b4, b5, b6, b7 = bases[j + 4], bases[j + 5], bases[j + 6], bases[j + 7]
+    d = 0
+    while d + 2 * LANES <= full:
+        x, y = vload(a, ia + d), vload(a, ia + d + LANES)
+        e0 = vfmav(e0, x, vload_kv(b, b0 + d)); o0 = vfmav(o0, y, vload_kv(b, b0 + d + LANES))
+        e1 = vfmav(e1, x, vload_kv(b, b1 + d)); o1 = vfmav(o1, y, vload_kv(b, b1 + d + LANES))
+        e2 = vfmav(e2, x, vload_kv(b, b2 + d)); o2 = vfmav(o2, y, vload_kv(b, b2 + d + LANES))
+        e3 = vfmav(e3, x, vload_kv(b, b3 + d)); o3 = vfmav(o3, y, vload_kv(b, b3 + d + LANES))
+        e4 = vfmav(e4, x, vload_kv(b, b4 + d)); o4 = vfmav(o4, y, vload_kv(b, b4 + d + LANES))
+        e5 = vfmav(e5, x, vload_kv(b, b5 + d)); o5 = vfmav(o5, y, vload_kv(b, b5 + d + LANES))
+        e6 = vfmav(e6, x, vload_kv(b, b6 + d)); o6 = vfmav(o6, y, vload_kv(b, b6 + d + LANES))
+        e7 = vfmav(e7, x, vload_kv(b, b7 + d)); o7 = vfmav(o7, y, vload_kv(b, b7 + d + LANES))
+        d += 2 * LANES
+    if d < full:
+        x = vload(a, ia + d)
+        e0 = vfmav(e0, x, vload_kv(b, b0 + d)); e1 = vfmav(e1, x, vload_kv(b, b1 + d))
+        e2 = vfmav(e2, x, vload_kv(b, b2 + d)); e3 = vfmav(e3, x, vload_kv(b, b3 + d))
+        e4 = vfmav(e4, x, vload_kv(b, b4 + d)); e5 = vfmav(e5, x, vload_kv(b, b5 + d))
+        e6 = vfmav(e6, x, vload_kv(b, b6 + d)); e7 = vfmav(e7, x, vload_kv(b, b7 + d))
+    vstore(out, j, vsum8(vadd(e0, o0), vadd(e1, o1), vadd(e2, o2), vadd(e3, o3), vadd(e4, o4), vadd(e5, o5),
+                         vadd(e6, o6), vadd(e7, o7)))
+    for k in range(8):
+        s = out[j + k]
+        for d in range(full, n):
+            s += a[ia + d] * load_kv(b, bases[j + k] + d)
+        out[j + k] = s
+
+
+@njit(inline="always")
 def _accumulate_values(weights, bases, n, values, out, col, Dv):
     """out[col : col+Dv] += sum_j weights[j] * values[bases[j] : bases[j]+Dv], keys added in order j = 0 .. n-1.
 
     values: float32, or float16 cache bits (simd.vload_kv). Output lanes stay in registers while the keys stream
-    past: 32 at a time (four independent chains of multiply-adds), then 16, then 8, then one by one. A masked key
+    past: 64 at a time (eight independent chains of multiply-adds, enough to hide their latency), then 32, 16, 8,
+    then one by one. A masked key
     has weight 0 and adds 0.
     """
     d = 0
+    while d + 8 * LANES <= Dv:
+        a0, a1 = vload(out, col + d), vload(out, col + d + LANES)
+        a2, a3 = vload(out, col + d + 2 * LANES), vload(out, col + d + 3 * LANES)
+        a4, a5 = vload(out, col + d + 4 * LANES), vload(out, col + d + 5 * LANES)
+        a6, a7 = vload(out, col + d + 6 * LANES), vload(out, col + d + 7 * LANES)
+        for j in range(n):
+            w, i = weights[j], bases[j] + d
+            a0 = vfma(a0, w, vload_kv(values, i)); a1 = vfma(a1, w, vload_kv(values, i + LANES))
+            a2 = vfma(a2, w, vload_kv(values, i + 2 * LANES)); a3 = vfma(a3, w, vload_kv(values, i + 3 * LANES))
+            a4 = vfma(a4, w, vload_kv(values, i + 4 * LANES)); a5 = vfma(a5, w, vload_kv(values, i + 5 * LANES))
+            a6 = vfma(a6, w, vload_kv(values, i + 6 * LANES)); a7 = vfma(a7, w, vload_kv(values, i + 7 * LANES))
+        vstore(out, col + d, a0); vstore(out, col + d + LANES, a1)
+        vstore(out, col + d + 2 * LANES, a2); vstore(out, col + d + 3 * LANES, a3)
+        vstore(out, col + d + 4 * LANES, a4); vstore(out, col + d + 5 * LANES, a5)
+        vstore(out, col + d + 6 * LANES, a6); vstore(out, col + d + 7 * LANES, a7)
+        d += 8 * LANES
     while d + 4 * LANES <= Dv:
         a0, a1 = vload(out, col + d), vload(out, col + d + LANES)
         a2, a3 = vload(out, col + d + 2 * LANES), vload(out, col + d + 3 * LANES)
@@ -408,38 +462,50 @@ def _prefetch_row(a, at, n):
 
 
 @njit(inline="always")
-def _score_block(q, q_col, keys, values, ring_pos, b, g, K, C, Dh, j0, j1, valid_from, scale, scores, bases):
-    """scores[j] = q[q_col : q_col+Dh] . key(j0 + j) * scale for the positions j0 .. j1-1 of kv head g in slot b,
-    -inf where the ring no longer holds that position.
+def _key_block(keys, values, ring_pos, b, g, K, C, Dh, p0, p1, valid_from, bases, held):
+    """Where the keys of positions p0 .. p1-1 (kv head g, slot b) lie and whether the ring holds them:
+    bases[j] = offset of position p0 + j's key (and value) row, held[j] = whether it counts.
 
     A key at position >= valid_from is known to be there (written by this call, or checked once per call);
-    an older one counts only if ring_pos (the positions held before this call) says so. Each step also asks for the
-    key PREFETCH_AHEAD positions on and for this position's value row, so cold rows arrive before they are read.
+    an older one counts only if ring_pos (the positions held before this call) says so. Each position also asks
+    for the key PREFETCH_AHEAD positions on and for its own value row, so cold rows arrive before they are read.
     """
-    r = j0 % C  # ring index of position j0 + j, advanced without a division per key
-    ahead = (j0 + PREFETCH_AHEAD) % C  # ring index PREFETCH_AHEAD positions further on
-    for j in range(j1 - j0):
+    r = p0 % C  # ring index of position p0 + j, advanced without a division per key
+    ahead = (p0 + PREFETCH_AHEAD) % C  # ring index PREFETCH_AHEAD positions further on
+    for j in range(p1 - p0):
         bases[j] = ((b * C + r) * K + g) * Dh
+        held[j] = p0 + j >= valid_from or ring_pos[b, r] == p0 + j
         _prefetch_row(keys, ((b * C + ahead) * K + g) * Dh, Dh)
         _prefetch_row(values, bases[j], Dh)  # read by _accumulate_values once the block is scored
         ahead = ahead + 1 if ahead + 1 < C else 0
-        if j0 + j >= valid_from or ring_pos[b, r] == j0 + j:
-            scores[j] = _dot(q, q_col, keys, bases[j], Dh) * scale
-        else:
-            scores[j] = -np.inf
         r = r + 1 if r + 1 < C else 0
 
 
 @njit(inline="always")
+def _score_block(q, q_col, keys, bases, held, n, Dh, scale, scores):
+    """scores[j] = q[q_col : q_col+Dh] . keys[bases[j] : bases[j]+Dh] * scale for j < n, -inf where not held[j].
+    Eight keys at a time (_dot8_into: the same bits as _dot, key by key)."""
+    j = 0
+    while j + 8 <= n:
+        _dot8_into(q, q_col, keys, bases, j, Dh, scores)
+        j += 8
+    for j in range(j, n):
+        scores[j] = _dot(q, q_col, keys, bases[j], Dh)
+    for j in range(n):
+        scores[j] = scores[j] * scale if held[j] else -np.inf
+
+
+@njit(inline="always")
 def _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K, Dh, window, valid_from, scale,
-                    scores, bases, bits, stats, out):
+                    scores, bases, held, bits, stats, out):
     """Attention of Q consecutive queries of one sequence (positions first_pos .. first_pos+Q-1, token rows
     rows[0 .. Q-1]), each through the G query heads of kv head g, over the ring of slot b.
 
     Query p sees positions lo = max(0, p - window + 1) .. p, visited in blocks aligned to multiples of KEY_BLOCK
     (so the blocks, and every rounding, depend on p alone: one query at a time gives the same bits). The Q queries
-    take each block in turn, so its keys and values are read from memory once and from cache Q - 1 times.
-    scores [KEY_BLOCK], bases, bits [KEY_BLOCK]: scratch; stats [Q, 2, G]: running max and sum per query head.
+    take each block in turn, so its keys and values are read from memory once and from cache Q - 1 times, and
+    where its rows lie (_key_block) is worked out once.
+    scores [KEY_BLOCK], bases, held, bits [KEY_BLOCK]: scratch; stats [Q, 2, G]: running max and sum per query head.
     """
     C = ring_pos.shape[1]
     for i in range(Q):
@@ -449,17 +515,21 @@ def _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K,
                 out[rows[i], (g * G + hh) * Dh + d] = 0.0
     lo_first = max(0, first_pos - window + 1)
     for block in range(lo_first - lo_first % KEY_BLOCK, first_pos + Q, KEY_BLOCK):
+        p0 = max(block, lo_first)  # the block's first position any query sees, and one past its last
+        _key_block(keys, values, ring_pos, b, g, K, C, Dh, p0, min(block + KEY_BLOCK, first_pos + Q), valid_from,
+                   bases, held)
         for i in range(Q):
             p = first_pos + i
             j0, j1 = max(block, p - window + 1, 0), min(block + KEY_BLOCK, p + 1)
             if j0 >= j1:
                 continue
             q, o = qkv[rows[i]], out[rows[i]]
+            key_bases, key_held = bases[j0 - p0:], held[j0 - p0:]
             for hh in range(G):
                 col = (g * G + hh) * Dh
-                _score_block(q, col, keys, values, ring_pos, b, g, K, C, Dh, j0, j1, valid_from, scale, scores, bases)
-                stats[i, 0, hh], stats[i, 1, hh] = _online_softmax_block(scores, bases, j1 - j0, values, o, col, Dh,
-                                                                         stats[i, 0, hh], stats[i, 1, hh], bits)
+                _score_block(q, col, keys, key_bases, key_held, j1 - j0, Dh, scale, scores)
+                stats[i, 0, hh], stats[i, 1, hh] = _online_softmax_block(scores, key_bases, j1 - j0, values, o, col,
+                                                                         Dh, stats[i, 0, hh], stats[i, 1, hh], bits)
     for i in range(Q):
         for hh in range(G):
             for d in range(Dh):
@@ -510,6 +580,7 @@ def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, vali
     n_items = seq_slots.shape[0] * K
     scores = np.empty((n_items, KEY_BLOCK), np.float32)  # scratch, one row per work item
     bases = np.empty((n_items, KEY_BLOCK), np.int64)
+    held = np.empty((n_items, KEY_BLOCK), np.bool_)
     bits = np.empty((n_items, KEY_BLOCK), np.int32)
     stats = np.empty((n_items, QUERY_BLOCK, 2, G), np.float32)
     for item in prange(n_items):
@@ -528,7 +599,7 @@ def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, vali
                     store_kv(keys, slot_base + d, qkv[t, (H + g) * Dh + d])
                     store_kv(values, slot_base + d, qkv[t, (H + K + g) * Dh + d])
             _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K, Dh, window, valid_from[s],
-                            scale, scores[item], bases[item], bits[item], stats[item], out)
+                            scale, scores[item], bases[item], held[item], bits[item], stats[item], out)
             i += Q
 
 

@@ -209,6 +209,29 @@ def vsum(typingctx, v):
     return types.float32(v), codegen
 
 
+@intrinsic
+def vsum8(typingctx, v0, v1, v2, v3, v4, v5, v6, v7):
+    """Lane k = vsum(vk): eight horizontal sums at once, each the same tree of additions as vsum (lanes i + i+4,
+    then i + i+2, then 0 + 1), so the same bits, for 14 shuffles and 7 additions instead of 24 and 24."""
+    if not all(v == f32x8 for v in (v0, v1, v2, v3, v4, v5, v6, v7)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        def level(a, b, lo, hi):  # shuffle(a, b, lo) + shuffle(a, b, hi): the next level of two vectors' trees
+            take = ir.VectorType(ir.IntType(32), 8)
+            return builder.fadd(builder.shuffle_vector(a, b, ir.Constant(take, lo)),
+                                builder.shuffle_vector(a, b, ir.Constant(take, hi)))
+
+        halves = ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])  # -> a0..a3 | b0..b3
+        quarters = ([0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15])  # -> a0 a1 b0 b1 c0 c1 d0 d1
+        eighths = ([0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15])  # -> a b c d e f g h
+        s = [level(args[i], args[i + 1], *halves) for i in range(0, 8, 2)]
+        t = [level(s[0], s[1], *quarters), level(s[2], s[3], *quarters)]
+        return level(t[0], t[1], *eighths)
+
+    return f32x8(v0, v1, v2, v3, v4, v5, v6, v7), codegen
+
+
 # ------------------------------------------------------------------------------------ float32 or float16 KV arrays
 
 def _kv_element(ty):
