@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .simd import (LANES, WIDE, load_kv, prefetch_kv, store_kv, vadd, vfma, vfmav, vload, vload16, vload16_kv, vload_kv,
-                   vstore, vsum, vsum8, vzero, vzero16)
+from .simd import (LANES, WIDE, load_kv, prefetch_kv, store_kv, vadd, vfma, vfmav, vload, vload16, vload_kv, vstore,
+                   vsum, vsum8, vzero, vzero16)
 
 PANEL = 16  # output rows per panel: two 8-lane vectors
 TILE_T = 6  # tokens per prefill tile: 6 x 2 vector accumulators fill 12 of the 16 AVX registers
@@ -350,16 +350,15 @@ def _dot8_into(a, ia, b, bases, j, n, out):
 
 
 @njit(inline="always")
-def _accumulate_values(weights, bases, n, values, out, col, Dv, first=0):
-    """out[col + d] += sum_j weights[j] * values[bases[j] + d] for first <= d < Dv, keys added in order
-    j = 0 .. n-1: each output lane is one chain of multiply-adds, so the lanes' grouping into vectors never changes
-    a bit.
+def _accumulate_values(weights, bases, n, values, out, col, Dv):
+    """out[col : col+Dv] += sum_j weights[j] * values[bases[j] : bases[j]+Dv], keys added in order j = 0 .. n-1.
 
     values: float32, or float16 cache bits (simd.vload_kv). Output lanes stay in registers while the keys stream
     past: 64 at a time (eight independent chains of multiply-adds, enough to hide their latency), then 32, 16, 8,
-    then one by one. A masked key has weight 0 and adds 0.
+    then one by one. A masked key
+    has weight 0 and adds 0.
     """
-    d = first
+    d = 0
     while d + 8 * LANES <= Dv:
         a0, a1 = vload(out, col + d), vload(out, col + d + LANES)
         a2, a3 = vload(out, col + d + 2 * LANES), vload(out, col + d + 3 * LANES)
@@ -426,42 +425,16 @@ def _sum(x, n):
 
 
 @njit(inline="always")
-def _accumulate_values_pair(wa, wb, bases, n, values, out_a, col_a, out_b, col_b, Dv):
-    """_accumulate_values for two queries (or query heads) over the same keys: wa into out_a[col_a:], wb into
-    out_b[col_b:]. Each value row is loaded once for both, and on AVX-512 the lanes go 16 to a register (eight
-    chains over 64 lanes of the two outputs); lane by lane the same multiply-adds, so the same bits."""
-    d = 0
-    if WIDE:
-        while d + 64 <= Dv:
-            a0, a1, a2, a3 = vload16(out_a, col_a + d), vload16(out_a, col_a + d + 16), \
-                vload16(out_a, col_a + d + 32), vload16(out_a, col_a + d + 48)
-            b0, b1, b2, b3 = vload16(out_b, col_b + d), vload16(out_b, col_b + d + 16), \
-                vload16(out_b, col_b + d + 32), vload16(out_b, col_b + d + 48)
-            for j in range(n):
-                i, x, y = bases[j] + d, wa[j], wb[j]
-                v0, v1, v2, v3 = vload16_kv(values, i), vload16_kv(values, i + 16), vload16_kv(values, i + 32), \
-                    vload16_kv(values, i + 48)
-                a0 = vfma(a0, x, v0); a1 = vfma(a1, x, v1); a2 = vfma(a2, x, v2); a3 = vfma(a3, x, v3)
-                b0 = vfma(b0, y, v0); b1 = vfma(b1, y, v1); b2 = vfma(b2, y, v2); b3 = vfma(b3, y, v3)
-            vstore(out_a, col_a + d, a0); vstore(out_a, col_a + d + 16, a1)
-            vstore(out_a, col_a + d + 32, a2); vstore(out_a, col_a + d + 48, a3)
-            vstore(out_b, col_b + d, b0); vstore(out_b, col_b + d + 16, b1)
-            vstore(out_b, col_b + d + 32, b2); vstore(out_b, col_b + d + 48, b3)
-            d += 64
-    _accumulate_values(wa, bases, n, values, out_a, col_a, Dv, d)
-    _accumulate_values(wb, bases, n, values, out_b, col_b, Dv, d)
+def _online_softmax_block(scores, bases, n, values, out, col, Dv, m, l, bits):
+    """Fold one block of n scores into the running max m, sum l and unnormalised output out[col : col+Dv].
 
-
-@njit(inline="always")
-def _softmax_weights(scores, n, out, col, Dv, m, l, bits):
-    """The first half of _online_softmax_block: scores[:n] become the weights e^(s_j - m') (all 0 for a block of
-    masked keys, which changes nothing), out[col : col+Dv] is rescaled by e^(m - m'). Returns (m', l', whether
-    any key counts)."""
+    With m' = max(m, max_j s_j):   l'   = l e^(m - m') + sum_j e^(s_j - m')
+                                   out' = out e^(m - m') + sum_j e^(s_j - m') v_j
+    where v_j = values[bases[j] : bases[j]+Dv]. Returns (m', l'). A block of masked keys (all -inf) changes nothing.
+    """
     block_max = _max(scores, n)
     if block_max == -np.inf:
-        for j in range(n):
-            scores[j] = 0.0
-        return m, l, False
+        return m, l
     new_m = max(m, block_max)
     alpha = np.exp(m - new_m)  # 0 on the first block, where m = -inf
     if alpha != 1.0:
@@ -472,21 +445,8 @@ def _softmax_weights(scores, n, out, col, Dv, m, l, bits):
         scores[j] -= new_m
     _exp_into(scores, n, bits)
     l += _sum(scores, n)
-    return new_m, l, True
-
-
-@njit(inline="always")
-def _online_softmax_block(scores, bases, n, values, out, col, Dv, m, l, bits):
-    """Fold one block of n scores into the running max m, sum l and unnormalised output out[col : col+Dv].
-
-    With m' = max(m, max_j s_j):   l'   = l e^(m - m') + sum_j e^(s_j - m')
-                                   out' = out e^(m - m') + sum_j e^(s_j - m') v_j
-    where v_j = values[bases[j] : bases[j]+Dv]. Returns (m', l'). A block of masked keys (all -inf) changes nothing.
-    """
-    m, l, counts = _softmax_weights(scores, n, out, col, Dv, m, l, bits)
-    if counts:
-        _accumulate_values(scores, bases, n, values, out, col, Dv)
-    return m, l
+    _accumulate_values(scores, bases, n, values, out, col, Dv)
+    return new_m, l
 
 
 PREFETCH_AHEAD = 8  # key positions between a prefetch and its use: ~2 memory latencies of dot products
@@ -536,38 +496,6 @@ def _score_block(q, q_col, keys, bases, held, n, Dh, scale, scores):
 
 
 @njit(inline="always")
-def _attend_block(qkv, row, col, keys, values, bases, held, n, Dh, scale, scores, bits, stat, out):
-    """One query head (qkv[row, col : col+Dh]) over one block's n keys, folded into its running stat = (max, sum)
-    and out[row, col : col+Dh]. (n <= 0: nothing to see in this block.)"""
-    if n > 0:
-        _score_block(qkv[row], col, keys, bases, held, n, Dh, scale, scores)
-        stat[0], stat[1] = _online_softmax_block(scores, bases, n, values, out[row], col, Dh, stat[0], stat[1], bits)
-
-
-@njit(inline="always")
-def _attend_block_pair(qkv, row_a, col_a, a0, a1, row_b, col_b, b0, b1, keys, values, bases, held, p0, Dh, scale,
-                       scores, bits, stat_a, stat_b, out):
-    """_attend_block for two query heads at once, a over the block's positions a0 .. a1-1 and b over b0 .. b1-1
-    (bases and held start at position p0): each is scored and weighted over its own keys alone, the same bits
-    as alone; then both take the values of the union of their ranges in one pass, a key outside a head's own
-    range with weight 0.                                                        scores [2, KEY_BLOCK]: scratch"""
-    u0, u1 = min(a0, b0), max(a1, b1)
-    wa, wb = scores[0], scores[1]
-    for w, j0, j1 in ((wa, a0, a1), (wb, b0, b1)):
-        for j in range(u0, j0):
-            w[j - u0] = 0.0
-        for j in range(j1, u1):
-            w[j - u0] = 0.0
-    _score_block(qkv[row_a], col_a, keys, bases[a0 - p0:], held[a0 - p0:], a1 - a0, Dh, scale, wa[a0 - u0:])
-    _score_block(qkv[row_b], col_b, keys, bases[b0 - p0:], held[b0 - p0:], b1 - b0, Dh, scale, wb[b0 - u0:])
-    stat_a[0], stat_a[1], _ = _softmax_weights(wa[a0 - u0:], a1 - a0, out[row_a], col_a, Dh, stat_a[0], stat_a[1],
-                                               bits)
-    stat_b[0], stat_b[1], _ = _softmax_weights(wb[b0 - u0:], b1 - b0, out[row_b], col_b, Dh, stat_b[0], stat_b[1],
-                                               bits)
-    _accumulate_values_pair(wa, wb, bases[u0 - p0:], u1 - u0, values, out[row_a], col_a, out[row_b], col_b, Dh)
-
-
-@njit(inline="always")
 def _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K, Dh, window, valid_from, scale,
                     scores, bases, held, bits, stats, out):
     """Attention of Q consecutive queries of one sequence (positions first_pos .. first_pos+Q-1, token rows
@@ -577,8 +505,7 @@ def _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K,
     (so the blocks, and every rounding, depend on p alone: one query at a time gives the same bits). The Q queries
     take each block in turn, so its keys and values are read from memory once and from cache Q - 1 times, and
     where its rows lie (_key_block) is worked out once.
-    scores [2, KEY_BLOCK], bases, held, bits [KEY_BLOCK]: scratch; stats [Q, 2, G]: running max and sum per
-    query head. The (query, head) pairs go two at a time (_attend_block_pair).
+    scores [KEY_BLOCK], bases, held, bits [KEY_BLOCK]: scratch; stats [Q, 2, G]: running max and sum per query head.
     """
     C = ring_pos.shape[1]
     for i in range(Q):
@@ -591,20 +518,18 @@ def _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K,
         p0 = max(block, lo_first)  # the block's first position any query sees, and one past its last
         _key_block(keys, values, ring_pos, b, g, K, C, Dh, p0, min(block + KEY_BLOCK, first_pos + Q), valid_from,
                    bases, held)
-        for k in range(0, Q * G, 2):  # (query, head) items k and k + 1: item k is query k // G, head k % G
-            ia, ha, ib, hb = k // G, k % G, (k + 1) // G, (k + 1) % G
-            a0, a1 = max(block, first_pos + ia - window + 1, 0), min(block + KEY_BLOCK, first_pos + ia + 1)
-            b0, b1 = max(block, first_pos + ib - window + 1, 0), min(block + KEY_BLOCK, first_pos + ib + 1)
-            if k + 1 == Q * G or b0 >= b1:
-                _attend_block(qkv, rows[ia], (g * G + ha) * Dh, keys, values, bases[a0 - p0:], held[a0 - p0:],
-                              a1 - a0, Dh, scale, scores[0], bits, stats[ia, :, ha], out)
-            elif a0 >= a1:
-                _attend_block(qkv, rows[ib], (g * G + hb) * Dh, keys, values, bases[b0 - p0:], held[b0 - p0:],
-                              b1 - b0, Dh, scale, scores[0], bits, stats[ib, :, hb], out)
-            else:
-                _attend_block_pair(qkv, rows[ia], (g * G + ha) * Dh, a0, a1, rows[ib], (g * G + hb) * Dh, b0, b1,
-                                   keys, values, bases, held, p0, Dh, scale, scores, bits, stats[ia, :, ha],
-                                   stats[ib, :, hb], out)
+        for i in range(Q):
+            p = first_pos + i
+            j0, j1 = max(block, p - window + 1, 0), min(block + KEY_BLOCK, p + 1)
+            if j0 >= j1:
+                continue
+            q, o = qkv[rows[i]], out[rows[i]]
+            key_bases, key_held = bases[j0 - p0:], held[j0 - p0:]
+            for hh in range(G):
+                col = (g * G + hh) * Dh
+                _score_block(q, col, keys, key_bases, key_held, j1 - j0, Dh, scale, scores)
+                stats[i, 0, hh], stats[i, 1, hh] = _online_softmax_block(scores, key_bases, j1 - j0, values, o, col,
+                                                                         Dh, stats[i, 0, hh], stats[i, 1, hh], bits)
     for i in range(Q):
         for hh in range(G):
             for d in range(Dh):
@@ -653,7 +578,7 @@ def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, vali
     keys = ring_k.reshape(B * C * K * Dh)
     values = ring_v.reshape(B * C * K * Dh)
     n_items = seq_slots.shape[0] * K
-    scores = np.empty((n_items, 2, KEY_BLOCK), np.float32)  # scratch, two rows per work item
+    scores = np.empty((n_items, KEY_BLOCK), np.float32)  # scratch, one row per work item
     bases = np.empty((n_items, KEY_BLOCK), np.int64)
     held = np.empty((n_items, KEY_BLOCK), np.bool_)
     bits = np.empty((n_items, KEY_BLOCK), np.int32)

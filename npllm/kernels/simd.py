@@ -249,28 +249,19 @@ def _kv_pointer(context, builder, array_type, array, index, element):
     return builder.bitcast(builder.gep(data, [index]), element.as_pointer())
 
 
-def _load_kv(lanes, array, index):
+@intrinsic
+def vload_kv(typingctx, array, index):
     element = _kv_element(array)
     if element is None or not isinstance(index, types.Integer):
         return None
 
     def codegen(context, builder, signature, args):
-        vector = ir.VectorType(element, lanes)
+        vector = ir.VectorType(element, LANES)
         pointer = _kv_pointer(context, builder, signature.args[0], args[0], args[1], vector)
-        loaded = builder.load(pointer, align=4 if element == ir.FloatType() else 2)
-        return loaded if element == ir.FloatType() else builder.fpext(loaded, _vector(lanes))
+        lanes = builder.load(pointer, align=4 if element == ir.FloatType() else 2)
+        return lanes if element == ir.FloatType() else builder.fpext(lanes, _vector(LANES))
 
-    return F32xN(lanes)(array, index), codegen
-
-
-@intrinsic
-def vload_kv(typingctx, array, index):
-    return _load_kv(LANES, array, index)
-
-
-@intrinsic
-def vload16_kv(typingctx, array, index):
-    return _load_kv(16, array, index)
+    return f32x8(array, index), codegen
 
 
 @intrinsic
