@@ -308,16 +308,17 @@ def _forward(tokens, positions, seqs, w, inv_freq, dims, ring):
     cpu.valid_from_into(positions, seqs.order, seqs.starts, seqs.slots, ring.positions, window, valid_from)
     for t in range(T):
         x[t] = w.embeddings[tokens[t]]
-    in_place = np.empty(0, np.int64)  # no column permutation: pack() put q and k in the interleaved layout
     for l in range(L):
-        _rms_norm(x, w.attention_norm[l], eps, h, T, threads)
+        cpu.rms_norm_into(x, w.attention_norm[l], eps, h, T)
         cpu.matmul_into(h, w.wqkv[l], qkv, T, threads)
-        _bias_and_rope(qkv, w.bqkv[l], in_place, H + K, Dh, cos, sin, T, threads)  # rotates q and k: H + K heads
+        for t in range(T):
+            qkv[t] += w.bqkv[l]
+        cpu.rope_interleaved_into(qkv, H + K, Dh, cos, sin, T)  # queries and keys: the first H + K heads
         cpu.attention_ring_into(qkv, H, K, positions, seqs.order, seqs.starts, seqs.slots, valid_from, ring.k[l],
                                 ring.v[l], ring.positions, window, attn)
         cpu.matmul_into(attn, w.wo[l], o, T, threads)
         _residual_add(x, o, T, D)
-        _rms_norm(x, w.ffn_norm[l], eps, h, T, threads)
+        cpu.rms_norm_into(x, w.ffn_norm[l], eps, h, T)
         cpu.matmul_into(h, w.w13[l], gate_up, T, threads)
         cpu.swiglu_hidden_into(gate_up, hidden, T)
         cpu.matmul_into(hidden, w.w2[l], o, T, threads)
@@ -652,55 +653,6 @@ def _embed_rows(w, tokens, x):
 
 
 @njit(inline="always")
-def _rms_norm(x, weight, eps, out, T, threads):
-    """cpu.rms_norm_into, on the threads from QUANTIZE_IN_PARALLEL_FROM tokens.            # [>=T, D] -> [>=T, D]"""
-    if threads > 1 and T >= QUANTIZE_IN_PARALLEL_FROM:
-        _rms_norm_parallel(x, weight, eps, out, T, threads)
-    else:
-        cpu.rms_norm_into(x, weight, eps, out, T)
-
-
-@njit(parallel=True, cache=True)
-def _rms_norm_parallel(x, weight, eps, out, T, threads):
-    """cpu.rms_norm_into with the tokens split into `threads` ranges (the same bits: rows are independent)."""
-    for c in prange(threads):
-        t0, t1 = c * T // threads, (c + 1) * T // threads
-        cpu.rms_norm_into(x[t0:t1], weight, eps, out[t0:t1], t1 - t0)
-
-
-@njit(inline="always")
-def _bias_and_rope(qkv, bias, qk_perm, heads, Dh, cos, sin, T, threads):
-    """_bias_and_rope_rows of all T tokens, on the threads from QUANTIZE_IN_PARALLEL_FROM tokens."""
-    if threads > 1 and T >= QUANTIZE_IN_PARALLEL_FROM:
-        _bias_and_rope_parallel(qkv, bias, qk_perm, heads, Dh, cos, sin, T, threads)
-    else:
-        _bias_and_rope_rows(qkv, bias, qk_perm, heads, Dh, cos, sin, 0, T)
-
-
-@njit(parallel=True, cache=True)
-def _bias_and_rope_parallel(qkv, bias, qk_perm, heads, Dh, cos, sin, T, threads):
-    for c in prange(threads):
-        _bias_and_rope_rows(qkv, bias, qk_perm, heads, Dh, cos, sin, c * T // threads, (c + 1) * T // threads)
-
-
-@njit(inline="always")
-def _bias_and_rope_rows(qkv, bias, qk_perm, heads, Dh, cos, sin, t0, t1):
-    """Rows t0 .. t1-1 of q|k|v: add the bias, put q and k columns in the interleaved RoPE layout (qk_perm, when
-    the checkpoint stores them "half"), rotate the first `heads` heads.                   # [T, (H + 2K) Dh]"""
-    cols = qk_perm.shape[0]
-    unpermuted = np.empty(cols, np.float32)
-    for t in range(t0, t1):
-        row = qkv[t]
-        for i in range(bias.shape[0]):
-            row[i] += bias[i]
-        if cols:
-            unpermuted[:] = row[:cols]
-            for i in range(cols):
-                row[i] = unpermuted[qk_perm[i]]
-    cpu.rope_interleaved_into(qkv[t0:t1], heads, Dh, cos[t0:t1], sin[t0:t1], t1 - t0)
-
-
-@njit(inline="always")
 def _swiglu(gate_up, F, out, T, threads):
     """silu(gate) * up of T tokens, on the threads from QUANTIZE_IN_PARALLEL_FROM tokens.   # [>=T, 2F] -> [>=T, F]"""
     if threads > 1 and T >= QUANTIZE_IN_PARALLEL_FROM:
@@ -749,22 +701,30 @@ def _forward_quantized(tokens, positions, seqs, w, inv_freq, dims, ring):
     hidden = np.empty((T, F), np.float32)
     cos = np.empty((T, Dh // 2), np.float32)
     sin = np.empty((T, Dh // 2), np.float32)
+    qk_cols = w.qk_perm.shape[0]
+    unpermuted = np.empty(qk_cols, np.float32)
     cpu.rope_angles_into(positions, inv_freq, cos, sin, T)
     valid_from = np.empty(seqs.slots.shape[0], np.int64)
     cpu.valid_from_into(positions, seqs.order, seqs.starts, seqs.slots, ring.positions, window, valid_from)
     _embed_rows(w, tokens, x)
     for l in range(L):
         m = PER_LAYER * l
-        _rms_norm(x, w.attention_norm[l], eps, h, T, threads)
+        cpu.rms_norm_into(x, w.attention_norm[l], eps, h, T)
         # counts as np.int64, not literals: Numba compiles a called function once per literal argument value, and
         # each compilation re-optimises every kernel linked below it (minutes for the quantized path)
         products_into(w.pool, w.mats, m + WQ, np.int64(3), h, T, qkv, threads)
-        _bias_and_rope(qkv, w.bqkv[l], w.qk_perm, H + K, Dh, cos, sin, T, threads)
+        for t in range(T):
+            qkv[t] += w.bqkv[l]
+            if qk_cols:
+                unpermuted[:] = qkv[t, :qk_cols]
+                for i in range(qk_cols):
+                    qkv[t, i] = unpermuted[w.qk_perm[i]]
+        cpu.rope_interleaved_into(qkv, H + K, Dh, cos, sin, T)
         cpu.attention_ring_into(qkv, H, K, positions, seqs.order, seqs.starts, seqs.slots, valid_from, ring.k[l],
                                 ring.v[l], ring.positions, window, attn)
         products_into(w.pool, w.mats, m + WO, np.int64(1), attn, T, o, threads)
         _residual_add(x, o, T, D)
-        _rms_norm(x, w.ffn_norm[l], eps, h, T, threads)
+        cpu.rms_norm_into(x, w.ffn_norm[l], eps, h, T)
         products_into(w.pool, w.mats, m + W1, np.int64(2), h, T, gate_up, threads)
         _swiglu(gate_up, F, hidden, T, threads)
         products_into(w.pool, w.mats, m + W2, np.int64(1), hidden, T, o, threads)
