@@ -312,7 +312,7 @@ def _dot(a, ia, b, ib, n):
     return s
 
 
-@njit(inline="always")
+@njit  # not inlined: inlined, it added ~5 s to compiling attention_ring_into, for no measured speed
 def _dot8_into(a, ia, b, bases, j, n, out):
     """out[j + k] = a[ia : ia+n] . b[bases[j+k] : bases[j+k]+n] for k < 8: _dot of eight rows of b at once, with the
     same chains and the same tree of sums per row (simd.vsum8), so the same bits. Sixteen independent chains keep
@@ -354,27 +354,10 @@ def _accumulate_values(weights, bases, n, values, out, col, Dv):
     """out[col : col+Dv] += sum_j weights[j] * values[bases[j] : bases[j]+Dv], keys added in order j = 0 .. n-1.
 
     values: float32, or float16 cache bits (simd.vload_kv). Output lanes stay in registers while the keys stream
-    past: 64 at a time (eight independent chains of multiply-adds, enough to hide their latency), then 32, 16, 8,
-    then one by one. A masked key
+    past: 32 at a time (four independent chains of multiply-adds), then 16, then 8, then one by one. A masked key
     has weight 0 and adds 0.
     """
     d = 0
-    while d + 8 * LANES <= Dv:
-        a0, a1 = vload(out, col + d), vload(out, col + d + LANES)
-        a2, a3 = vload(out, col + d + 2 * LANES), vload(out, col + d + 3 * LANES)
-        a4, a5 = vload(out, col + d + 4 * LANES), vload(out, col + d + 5 * LANES)
-        a6, a7 = vload(out, col + d + 6 * LANES), vload(out, col + d + 7 * LANES)
-        for j in range(n):
-            w, i = weights[j], bases[j] + d
-            a0 = vfma(a0, w, vload_kv(values, i)); a1 = vfma(a1, w, vload_kv(values, i + LANES))
-            a2 = vfma(a2, w, vload_kv(values, i + 2 * LANES)); a3 = vfma(a3, w, vload_kv(values, i + 3 * LANES))
-            a4 = vfma(a4, w, vload_kv(values, i + 4 * LANES)); a5 = vfma(a5, w, vload_kv(values, i + 5 * LANES))
-            a6 = vfma(a6, w, vload_kv(values, i + 6 * LANES)); a7 = vfma(a7, w, vload_kv(values, i + 7 * LANES))
-        vstore(out, col + d, a0); vstore(out, col + d + LANES, a1)
-        vstore(out, col + d + 2 * LANES, a2); vstore(out, col + d + 3 * LANES, a3)
-        vstore(out, col + d + 4 * LANES, a4); vstore(out, col + d + 5 * LANES, a5)
-        vstore(out, col + d + 6 * LANES, a6); vstore(out, col + d + 7 * LANES, a7)
-        d += 8 * LANES
     while d + 4 * LANES <= Dv:
         a0, a1 = vload(out, col + d), vload(out, col + d + LANES)
         a2, a3 = vload(out, col + d + 2 * LANES), vload(out, col + d + 3 * LANES)

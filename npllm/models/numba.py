@@ -311,8 +311,9 @@ def _forward(tokens, positions, seqs, w, inv_freq, dims, ring):
     for l in range(L):
         cpu.rms_norm_into(x, w.attention_norm[l], eps, h, T)
         cpu.matmul_into(h, w.wqkv[l], qkv, T, threads)
-        for t in range(T):
-            qkv[t] += w.bqkv[l]
+        for t in range(T):  # a loop, not qkv[t] += bqkv[l]: the array addition cost ~3 ms of a 110M prefill
+            for i in range(qkv.shape[1]):
+                qkv[t, i] += w.bqkv[l, i]
         cpu.rope_interleaved_into(qkv, H + K, Dh, cos, sin, T)  # queries and keys: the first H + K heads
         cpu.attention_ring_into(qkv, H, K, positions, seqs.order, seqs.starts, seqs.slots, valid_from, ring.k[l],
                                 ring.v[l], ring.positions, window, attn)
@@ -714,7 +715,8 @@ def _forward_quantized(tokens, positions, seqs, w, inv_freq, dims, ring):
         # each compilation re-optimises every kernel linked below it (minutes for the quantized path)
         products_into(w.pool, w.mats, m + WQ, np.int64(3), h, T, qkv, threads)
         for t in range(T):
-            qkv[t] += w.bqkv[l]
+            for i in range(qkv.shape[1]):  # a loop, not qkv[t] += bqkv[l] (an array addition per token: ~3 ms)
+                qkv[t, i] += w.bqkv[l, i]
             if qk_cols:
                 unpermuted[:] = qkv[t, :qk_cols]
                 for i in range(qk_cols):
