@@ -28,6 +28,9 @@ and once per backend:
                        (--bandwidth-mib: make it larger than the last-level cache)
     peak_rss_mb        peak resident memory of the process (each backend runs in its own process), taken before
                        the bandwidth probe allocates its buffer
+    threads_wait       "spin" or "sleep": what the OpenMP threads did between parallel regions (kernels/__init__.py:
+                       they spin briefly when the machine had a core free for each of them, which decode gains most
+                       from)
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from .models import limit_blas_threads, make_model, resolve_backend
 from .models.numba import use_threads
 from .config import ModelConfig
 from .errors import ConfigError, FormatError
+from .kernels import SPINNING
 from .kernels.simd import LANES, vadd, vload, vsum, vzero
 
 
@@ -183,7 +187,7 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
     cold = session.prefill(1, prompt_lens[0], prompt_lens[0] + gen_len)[3]
     common = {"model": model_name, "weights": kind, "backend": backend, "threads": used_threads,
               "gen_len": gen_len, "load_s": round(load_s, 3), "first_token_cold_ms": round(1e3 * cold, 2),
-              "cold_prompt_len": prompt_lens[0]}
+              "cold_prompt_len": prompt_lens[0], "threads_wait": "spin" if SPINNING else "sleep"}
     for kv_dtype in kv_dtypes:  # compile (or load) the forward pass for each cache dtype before any timing
         session.prefill(1, 1, 1, kv_dtype)
     step_bytes, types = decode_weight_bytes(config), {weight_dtype: None}
@@ -268,7 +272,8 @@ def print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result), flush=True)
         return
-    print(f"{result['model']} {result['backend']} threads={result['threads']} kv={result['kv_dtype']} "
+    print(f"{result['model']} {result['backend']} threads={result['threads']} ({result['threads_wait']}) "
+          f"kv={result['kv_dtype']} "
           f"batch={result['batch']} "
           f"prompt={result['prompt_len']}: prefill {result['prefill_tok_s']:.0f} tok/s, first token "
           f"{result['first_token_ms']:.1f} ms (cold {result['first_token_cold_ms']:.0f} ms), decode "

@@ -28,17 +28,17 @@ from ..cache import RingKVCache
 from ..config import ModelConfig
 from ..errors import ConfigError, GenerationError
 from ..formats import release
-from ..kernels import cpu
+from ..kernels import SPINNING, cpu
 from ..kernels import quant as qk
 from ..quant import INTERLEAVE
 from .base import Model, sampler_rows
 from .weights import Weights, fused_gate_up, fused_qkv
 
 PANEL = cpu.PANEL
-# A parallel region pays for waking the other threads: tens of microseconds where they sleep between regions
-# (OMP_WAIT_POLICY=PASSIVE, see kernels/__init__.py). Work shorter than this per region stays on one thread, as
+# A parallel region pays for starting the other threads: a few microseconds where they spin between regions, tens
+# where they sleep (kernels/__init__.py decides which). Work shorter than this per region stays on one thread, as
 # estimated from a core's rates on a 2-core laptop-class machine: ~10 GB/s of weights, ~50 GFLOP/s.
-PARALLEL_MIN_SECONDS = 100e-6
+PARALLEL_MIN_SECONDS = 20e-6 if SPINNING else 100e-6
 CORE_BYTES_PER_S = 10e9
 CORE_FLOPS = 50e9
 LAYER_REGIONS = 5  # parallel regions per layer in _forward: four matrix products and attention
