@@ -2,6 +2,9 @@
 thread, sleeping otherwise, and whatever the environment says when it says something."""
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -10,12 +13,12 @@ from npllm import kernels
 
 @pytest.fixture
 def machine(monkeypatch):
-    """A machine of 2 cores with a settable load average and a clean environment (a plain dict, so that what
-    _choose_wait_policy writes is thrown away)."""
+    """A machine of 2 cores with a settable count of tasks busy elsewhere and a clean environment (a plain dict, so
+    that what _choose_wait_policy writes is thrown away)."""
     state = {"load": 0.0}
     monkeypatch.setattr(os, "environ", {})
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (state["load"], 0.0, 0.0))
+    monkeypatch.setattr(kernels, "_busy_elsewhere", lambda: state["load"])
     return state
 
 
@@ -54,5 +57,16 @@ def test_no_load_average_means_sleep(machine, monkeypatch):
     def unavailable():
         raise OSError("no load average")
 
-    monkeypatch.setattr(os, "getloadavg", unavailable)
+    monkeypatch.setattr(kernels, "_busy_elsewhere", unavailable)
     assert kernels._choose_wait_policy() is False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/loadavg"), reason="counts tasks through /proc")
+def test_a_busy_neighbour_is_counted():
+    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert kernels._busy_elsewhere() >= 1
+    finally:
+        neighbour.kill()
+        neighbour.wait()

@@ -7,29 +7,59 @@ Between parallel regions Numba's OpenMP threads either spin or sleep, and which 
   7.1 ms with sleeping threads, 2.7 ms with threads that spin ~0.15 ms before they sleep (GOMP_SPINCOUNT=3000).
 - A thread that spins holds a core that the main thread or another process wants: with another process busy on
   one of those two cores, the same step took 5.4 ms sleeping and 10.0 ms spinning.
-So the threads spin briefly (GOMP_SPINCOUNT=SPIN_COUNT) when the machine had a core free for each of them over the
-last minute (load average), and sleep (OMP_WAIT_POLICY=PASSIVE) otherwise. Either variable set in the environment
-wins. This must be decided before the OpenMP runtime starts, hence here; SPINNING records the decision
-(models/numba.py sizes its parallel regions by it, `npllm bench` reports it).
+So the threads spin briefly (GOMP_SPINCOUNT=SPIN_COUNT) when the machine has a core free for each of them (no other
+task running or waiting, as the kernel counts them at import), and sleep (OMP_WAIT_POLICY=PASSIVE) otherwise.
+Either variable set in the environment wins. This must be decided before the OpenMP runtime starts, hence here;
+SPINNING records the decision (models/numba.py sizes its parallel regions by it, `npllm bench` reports it).
 """
 
 import os
+import time
 
 SPIN_COUNT = 3000  # libgomp's busy-wait iterations before a thread sleeps (~0.15 ms here)
 
 
+def _running_here() -> int:
+    """Threads of this process running or waiting for a core (OpenBLAS's threads spin for a while after NumPy
+    starts them)."""
+    running = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                running += f.read().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, IndexError):
+            pass  # a thread that ended meanwhile
+    return running
+
+
+def _busy_elsewhere(samples: int = 8, gap_s: float = 0.001) -> float:
+    """Tasks of other processes running or waiting for a core right now: the running count of /proc/loadavg less
+    this process's own, the least over a few milliseconds (a busy neighbour is counted in every sample; the short
+    tasks around a process's start, a shell or a kernel worker, are not). Where there is no /proc/loadavg, the
+    1-minute load average. (Not the load average everywhere: it remembers the last minute, so a benchmark started
+    right after another program would see that program's load, and a busy neighbour that just started would not.)"""
+    try:
+        counts = []
+        for _ in range(samples):
+            with open("/proc/loadavg") as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - _running_here())
+            time.sleep(gap_s)
+        return max(0, min(counts))
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0]  # OSError where there is none either
+
+
 def _spare_cores() -> float:
-    """Cores this process may use minus the ones its threads need, minus the 1-minute load average."""
+    """Cores this process may use, minus the ones its threads need, minus the tasks busy elsewhere."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
         threads = int(os.environ.get("NUMBA_NUM_THREADS", cores))
     except ValueError:
         threads = cores  # Numba itself reports a malformed NUMBA_NUM_THREADS
     try:
-        load = os.getloadavg()[0]
+        return cores - threads - _busy_elsewhere()
     except OSError:
-        return -1.0  # no load average (not Linux or macOS): sleep, the safe choice
-    return cores - threads - load
+        return -1.0  # no way to tell: sleep, the safe choice
 
 
 def _choose_wait_policy() -> bool:
