@@ -7,7 +7,8 @@ pair's ratio (npllm / llama.cpp) and, at the end, the median ratio per type and 
 The files are scripts/bench_llama_cpp.sh's ($GGUF_DIR, default /tmp/npllm-bench-gguf: run that script once to
 write them), llama.cpp its build ($LLAMA_CPP_DIR, default /tmp/npllm-llama.cpp); $LLAMA_BENCH_ARGS goes to
 llama-bench (e.g. "--repack 0" on a VM that lists AMX without enabling it). Decode after a 128-token prompt, 64
-steps; npllm's threads sleep between parallel regions (its default) unless OMP_WAIT_POLICY says otherwise.
+steps; npllm's threads spin briefly or sleep between parallel regions as npllm.kernels decides (printed at the end)
+unless OMP_WAIT_POLICY or GOMP_SPINCOUNT says otherwise.
 """
 import json
 import os
@@ -40,10 +41,11 @@ def ours(path):
             "--repeat", "2", "--threads", threads, "--json"]
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     row = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    waits.add(row.get("threads_wait", "sleep"))
     return row["prefill_tok_s"], row["decode_tok_s"]
 
 
-ratios = {}
+ratios, waits = {}, set()
 print(f"{shape}, {threads} threads, {rounds} rounds; load average {open('/proc/loadavg').read().split()[:3]}")
 for r in range(rounds):
     for qtype in file_types:
@@ -55,3 +57,4 @@ for r in range(rounds):
               f"decode llama.cpp {lt:7.1f} npllm {ot:7.1f} ({ot / lt:.2f}x)", flush=True)
 print("median ratio npllm / llama.cpp: " + ", ".join(f"{t} {test} {statistics.median(v):.2f}x"
                                                       for (t, test), v in ratios.items()))
+print(f"npllm's threads between parallel regions: {', '.join(sorted(waits))} (llama.cpp's spin)")
