@@ -1223,9 +1223,32 @@ def _block_accumulators(groups: int):
                 vfmav(zero(), d_w, int8s(w, at + 24 + 8 * i, w.shape[1])))
 
     @njit(fastmath=REASSOC, inline="always")
+    def q6_k_one(w, g, q, d, s16, t):
+        """q6_k (below) for one token: its four groups of a half written out, so that both shifts are constants
+        (registers enough here for what four tokens' tiles ran out of; a decode step's products are all
+        one-token, and a Q4_K_M file's LM head is Q6_K)."""
+        acc = zero()
+        for b in range(q.shape[1] // QK_K):
+            at = g * w.shape[1] + 1680 * b
+            d_w = halves(w, at, w.shape[1])
+            for h in range(2):
+                ql, qh, i, j = at + 144 + 512 * h, at + 1168 + 256 * h, 8 * h, 8 * b + 4 * h
+                low, high = q6_k_scales(w, at, d_w, i)  # groups 0, 2, 1, 3: q6_k's order, so the same bits
+                acc = q6_k_token(acc, w, ql, 0, qh, 0, low, high, q, d, s16, j, t)
+                low, high = q6_k_scales(w, at, d_w, i + 4)
+                acc = q6_k_token(acc, w, ql, 4, qh, 4, low, high, q, d, s16, j + 2, t)
+                low, high = q6_k_scales(w, at, d_w, i + 2)
+                acc = q6_k_token(acc, w, ql + 256, 0, qh, 2, low, high, q, d, s16, j + 1, t)
+                low, high = q6_k_scales(w, at, d_w, i + 6)
+                acc = q6_k_token(acc, w, ql + 256, 4, qh, 6, low, high, q, d, s16, j + 3, t)
+        return acc
+
+    @njit(fastmath=REASSOC, inline="always")
     def q6_k(w, g, q, d, s, s16, t, n):
         """Q6_K: group gg of half h (activation block j = 8 b + 4 h + gg) holds sub-blocks i = 8 h + 2 gg and
         i + 1 of 16."""
+        if n == 1:
+            return q6_k_one(w, g, q, d, s16, t), zero(), zero(), zero()
         a0, a1, a2, a3 = zero(), zero(), zero(), zero()
         for b in range(q.shape[1] // QK_K):
             at = g * w.shape[1] + 1680 * b
