@@ -70,3 +70,19 @@ def test_a_busy_neighbour_is_counted():
     finally:
         neighbour.kill()
         neighbour.wait()
+
+
+def test_a_machine_without_proc_or_load_average_sleeps(monkeypatch):
+    """Windows has neither /proc/loadavg nor os.getloadavg: the import must not fail, and the threads sleep."""
+    monkeypatch.setattr(os, "environ", {})
+    monkeypatch.delattr(os, "getloadavg", raising=False)
+    real_open = open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", no_proc)
+    assert kernels._choose_wait_policy() is False
+    assert policy_variables() == {"OMP_WAIT_POLICY": "PASSIVE"}

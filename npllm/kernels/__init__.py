@@ -46,6 +46,8 @@ def _busy_elsewhere(samples: int = 8, gap_s: float = 0.001) -> float:
             time.sleep(gap_s)
         return max(0, min(counts))
     except (OSError, ValueError, IndexError):
+        if not hasattr(os, "getloadavg"):  # Windows
+            raise OSError("no way to count the busy tasks here") from None
         return os.getloadavg()[0]  # OSError where there is none either
 
 
