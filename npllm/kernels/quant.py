@@ -887,10 +887,18 @@ def _target_has_vnni512() -> bool:
     return bool(host.get("avx512vnni", False) and host.get("avx512bw", False))
 
 
+def _target_has_gfni() -> bool:
+    """Whether the machine Numba compiles for has GFNI's affine byte transform (VEX- or EVEX-encoded)."""
+    if os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES"):
+        return "+gfni" in os.environ.get("NUMBA_CPU_FEATURES", "").split(",")
+    return bool(llvmlite.binding.get_host_cpu_features().get("gfni", False))
+
+
 # PAIRED: the kernels walk two groups at a time as one 16-lane register (rows 8g .. 8g + 15), where the machine
 # has a 512-bit vpdpbusd. It runs two per cycle here, as the 256-bit one does, so a pair costs the instructions of
 # one group: ~1.7x the multiply-adds per second at 128 tokens (docs/quant.md). Elsewhere groups go one at a time.
 PAIRED = VNNI and _target_has_vnni512()
+GFNI = AVX2 and _target_has_gfni()  # Q5_K's fifth bits in one instruction (_interleaved_nibble_idot)
 Q8_0_BIAS = 0 if AVX2 and not VNNI else 128  # a group's Q8_0 bytes go back to q on AVX2 without VNNI: no bias
 ROWS_AT_ONCE = 16 if PAIRED else 8  # the rows an interleaved kernel walks together: a thread's range is a multiple
 CHAINS = 2  # independent integer sums per dot, so that vpdpbusd's 5-cycle latency is not a chain of eight
@@ -917,6 +925,13 @@ def _group_bytes(builder, context, array_type, w, iw, stride, groups: int, delta
 
 def _offset(builder, value, add):
     return builder.add(value, ir.Constant(value.type, add))
+
+
+def _splat(builder, value, lanes: int):
+    """<lanes x T> of a value of type T."""
+    vector = ir.VectorType(value.type, lanes)
+    lane = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(lane, ir.Constant(vector, ir.Undefined), ir.Constant(_ivec(_I32, lanes), [0] * lanes))
 
 
 def _splat32(builder, value, lanes: int):
@@ -1007,15 +1022,29 @@ def _interleaved_nibble_idot(groups: int, avx2: bool, vnni: bool, fifth: bool = 
     ix): each value also takes ((qh >> qh_shift) & 1) << 4 from the words at w.flat[iqh:] (Q5_K's fifth bits of
     sub-block qh_shift)."""
 
+    gfni = avx2 and GFNI  # avx2 is only set for a pair where the machine has AVX-512 (X16_IDOTS)
+
+    def fifth_bit(builder, qh, bit):
+        """((qh >> bit) & 1) << 4 per byte: one GFNI affine byte op where the machine has it (its 8 x 8 bit matrix
+        takes input bit `bit` to output bit 4: byte 3 of each qword, 1 << bit), else a shift, a mask, a shift."""
+        count = qh.type.count
+        if not gfni:
+            return builder.shl(_field(builder, qh, bit, 1), ir.Constant(_ivec(_I8, count), [4] * count))
+        i64 = ir.IntType(64)
+        bit64 = builder.sext(bit, i64) if bit.type.width < 64 else bit
+        row = builder.shl(ir.Constant(i64, 1), builder.add(bit64, ir.Constant(i64, 24)))
+        matrix = builder.bitcast(_splat(builder, row, count // 8), _ivec(_I8, count))
+        function = _x86(builder, f"llvm.x86.vgf2p8affineqb.{8 * count}", _ivec(_I8, count),
+                        [_ivec(_I8, count), _ivec(_I8, count), _I8])
+        return builder.call(function, [qh, matrix, ir.Constant(_I8, 0)])
+
     def codegen(context, builder, signature, args):
         w_type, w, iw, stride, shift = signature.args[0], *args[:4]
         ws = [_field(builder, _group_bytes(builder, context, w_type, w, iw, stride, groups, 32 * k), shift, 15)
               for k in range(8)]
         if fifth:
-            four = ir.Constant(_ivec(_I8, 32 * groups), [4] * 32 * groups)
-            ws = [builder.or_(word, builder.shl(_field(builder, _group_bytes(builder, context, w_type, w, args[4],
-                                                                             stride, groups, 32 * k), args[5], 1),
-                                                four)) for k, word in enumerate(ws)]
+            qhs = [_group_bytes(builder, context, w_type, w, args[4], stride, groups, 32 * k) for k in range(8)]
+            ws = [builder.or_(word, fifth_bit(builder, qh, args[5])) for word, qh in zip(ws, qhs)]
         x_type, x, ix = signature.args[-2], args[-2], args[-1]
         xs = [_broadcast4(builder, context, x_type, x, _offset(builder, ix, 4 * k), 8 * groups) for k in range(8)]
         zero = ir.Constant(_ivec(_I32, 8 * groups), [0] * 8 * groups)
