@@ -1015,6 +1015,26 @@ def _field_const(builder, bytes_, shift: int, mask: int):
     return builder.and_(bytes_, ir.Constant(_ivec(_I8, count), [mask] * count))
 
 
+def _high_bits(builder, qh, shift, count: int, gfni: bool):
+    """((qh >> shift) & (2^count - 1)) << 4 per byte, shift a run-time integer (Q5_K's fifth bit: count 1; Q6_K's
+    top two: count 2): one GFNI affine byte op where the machine has it, else a shift, a mask and a shift. GFNI's
+    output bit j of a byte is the parity of (byte 7 - j of the qword matrix) AND the input byte, so the matrix that
+    takes input bit shift + c to output bit 4 + c holds 1 << (shift + c) in byte 3 - c of each qword."""
+    lanes = qh.type.count
+    if not gfni:
+        return builder.shl(_field(builder, qh, shift, 2 ** count - 1), ir.Constant(_ivec(_I8, lanes), [4] * lanes))
+    i64 = ir.IntType(64)
+    shift = builder.sext(shift, i64) if shift.type.width < 64 else shift
+    row = ir.Constant(i64, 0)
+    for c in range(count):
+        bit = builder.shl(ir.Constant(i64, 1), builder.add(shift, ir.Constant(i64, c + 8 * (3 - c))))
+        row = builder.or_(row, bit)
+    matrix = builder.bitcast(_splat(builder, row, lanes // 8), _ivec(_I8, lanes))
+    function = _x86(builder, f"llvm.x86.vgf2p8affineqb.{8 * lanes}", _ivec(_I8, lanes),
+                    [_ivec(_I8, lanes), _ivec(_I8, lanes), _I8])
+    return builder.call(function, [qh, matrix, ir.Constant(_I8, 0)])
+
+
 def _interleaved_nibble_idot(groups: int, avx2: bool, vnni: bool, fifth: bool = False):
     """idot(w, iw, stride, shift, x, ix) -> f32x8 (f32x16 for a pair): lane r = the exact integer dot of
     (byte >> shift) & 15 of row r's bytes in the eight words at w.flat[iw:] (a Q4_K run: shift 0 its even
@@ -1024,27 +1044,13 @@ def _interleaved_nibble_idot(groups: int, avx2: bool, vnni: bool, fifth: bool = 
 
     gfni = avx2 and GFNI  # avx2 is only set for a pair where the machine has AVX-512 (X16_IDOTS)
 
-    def fifth_bit(builder, qh, bit):
-        """((qh >> bit) & 1) << 4 per byte: one GFNI affine byte op where the machine has it (its 8 x 8 bit matrix
-        takes input bit `bit` to output bit 4: byte 3 of each qword, 1 << bit), else a shift, a mask, a shift."""
-        count = qh.type.count
-        if not gfni:
-            return builder.shl(_field(builder, qh, bit, 1), ir.Constant(_ivec(_I8, count), [4] * count))
-        i64 = ir.IntType(64)
-        bit64 = builder.sext(bit, i64) if bit.type.width < 64 else bit
-        row = builder.shl(ir.Constant(i64, 1), builder.add(bit64, ir.Constant(i64, 24)))
-        matrix = builder.bitcast(_splat(builder, row, count // 8), _ivec(_I8, count))
-        function = _x86(builder, f"llvm.x86.vgf2p8affineqb.{8 * count}", _ivec(_I8, count),
-                        [_ivec(_I8, count), _ivec(_I8, count), _I8])
-        return builder.call(function, [qh, matrix, ir.Constant(_I8, 0)])
-
     def codegen(context, builder, signature, args):
         w_type, w, iw, stride, shift = signature.args[0], *args[:4]
         ws = [_field(builder, _group_bytes(builder, context, w_type, w, iw, stride, groups, 32 * k), shift, 15)
               for k in range(8)]
         if fifth:
             qhs = [_group_bytes(builder, context, w_type, w, args[4], stride, groups, 32 * k) for k in range(8)]
-            ws = [builder.or_(word, fifth_bit(builder, qh, args[5])) for word, qh in zip(ws, qhs)]
+            ws = [builder.or_(word, _high_bits(builder, qh, args[5], 1, gfni)) for word, qh in zip(ws, qhs)]
         x_type, x, ix = signature.args[-2], args[-2], args[-1]
         xs = [_broadcast4(builder, context, x_type, x, _offset(builder, ix, 4 * k), 8 * groups) for k in range(8)]
         zero = ir.Constant(_ivec(_I32, 8 * groups), [0] * 8 * groups)
@@ -1076,14 +1082,13 @@ def _interleaved_q6_idot(groups: int, avx2: bool, vnni: bool, part: int):
 
         def codegen(context, builder, signature, args):
             w_type, w, iql, ql_shift, iqh, qh_shift, stride = signature.args[0], *args[:6]
-            width = 32 * groups
             ws = []
             for k in range(4 * part, 4 * part + 4):
                 low = _field(builder, _group_bytes(builder, context, w_type, w, iql, stride, groups, 32 * k),
                                  ql_shift, 15)
-                high = _field(builder, _group_bytes(builder, context, w_type, w, iqh, stride, groups, 32 * k),
-                                  qh_shift, 3)
-                ws.append(builder.or_(low, builder.shl(high, ir.Constant(_ivec(_I8, width), [4] * width))))
+                high = _high_bits(builder, _group_bytes(builder, context, w_type, w, iqh, stride, groups, 32 * k),
+                                  qh_shift, 2, avx2 and GFNI)
+                ws.append(builder.or_(low, high))
             xs = [_broadcast4(builder, context, signature.args[6], args[6], _offset(builder, args[7], 4 * k),
                               8 * groups) for k in range(4 * part, 4 * part + 4)]
             start = _splat32(builder, builder.trunc(args[8], _I32) if args[8].type.width > 32 else args[8], 8 * groups)
