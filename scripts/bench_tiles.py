@@ -4,6 +4,12 @@ dots (kernels.quant.matmul_int8) at 1, 4, 16 and 64 tokens, and the rows decoded
 interleaved, for those from 16-100 tokens a call). The one-row kernels: the interleaved ones are in docs/quant.md.
 
     python scripts/bench_tiles.py [--rows 2048] [--cols 768] [--repeat 5]
+    python scripts/bench_tiles.py --interleaved [--repeat 7]
+
+--interleaved measures instead the kernels the model runs (kernels.quant.matmul_rows_int8 on rows interleaved by
+eight, quant.interleave_rows), for each interleaved type at 1, 4, 16 and 64 tokens, with each type's ratio to Q4_0
+measured in the same rounds (the types alternate, best of --repeat rounds of 3 calls; this VM's speed moves within
+a minute, so the ratios mean more than the picoseconds).
 """
 
 import argparse
@@ -25,16 +31,46 @@ def best_seconds(run, repeat: int) -> float:
     return best
 
 
+def interleaved(W: np.ndarray, x: np.ndarray, repeat: int) -> None:
+    """ps per multiply-add of the interleaved kernels and the ratio to Q4_0, types alternating in each round."""
+    (N, K), types = W.shape, ["Q4_0"] + [t for t in quant.INTERLEAVED_TYPES if t != "Q4_0"]
+    rows = {t: (quant.interleave_rows(quant.quantize(W, t).reshape(N, -1), t),
+                np.int64(quant.TYPES[t].type_id + kq.INTERLEAVED_CODE)) for t in types}
+    print("interleaved, ps per multiply-add (ratio to Q4_0), one thread")
+    for T in (1, 4, 16, 64):
+        q, d, s = np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32), np.empty((T, K // 32), np.float32)
+        s16, out = np.empty((T, K // 16), np.int32), np.empty((T, N), np.float32)
+        kq.quantize_activations_q8_into(x[:T], T, q, d, s, s16)
+        runs = {t: (lambda w8=w8, code=code: kq.matmul_rows_int8(code, w8, q, d, s, s16, np.int64(T), out,
+                                                                 np.int64(0), np.int64(0), np.int64(N)))
+                for t, (w8, code) in rows.items()}
+        best = {t: float("inf") for t in types}
+        for run in runs.values():
+            run()  # compile or load from the cache
+        for _ in range(repeat):
+            for t, run in runs.items():
+                start = time.process_time()
+                for _ in range(3):
+                    run()
+                best[t] = min(best[t], (time.process_time() - start) / 3)
+        print(f"T={T:<3d} " + "  ".join(f"{t} {1e12 * best[t] / (N * K * T):5.1f} ({best[t] / best['Q4_0']:.2f})"
+                                        for t in types))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2048)
     parser.add_argument("--cols", type=int, default=768)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--interleaved", action="store_true", help="the interleaved kernels the model runs")
     args = parser.parse_args()
     N, K = args.rows, args.cols
     rng = np.random.default_rng(0)
     W = rng.standard_normal((N, K)).astype(np.float32)
     x = rng.standard_normal((64, K)).astype(np.float32)
+    if args.interleaved:
+        interleaved(W, x, args.repeat)
+        return
     out = np.empty((64, N), np.float32)
     print("ps per multiply-add, one thread   " + "  ".join(f"T={T:<3d}" for T in (1, 4, 16, 64)))
     for qtype in kq.INT8_KERNEL_TYPES:
