@@ -4,13 +4,15 @@ import json
 
 import pytest
 
+from npllm import kernels
 from npllm.bench import decode_weight_bytes, load_weights
 from npllm.cli import main
 from npllm.errors import ConfigError
 from npllm.formats.random import NAMED_SHAPES
 
 KEYS = {"model", "backend", "threads", "batch", "prompt_len", "gen_len", "prefill_tok_s", "decode_tok_s",
-        "first_token_ms", "weight_bytes_per_token", "achieved_gb_s", "bandwidth_gb_s", "peak_rss_mb"}
+        "first_token_ms", "weight_bytes_per_token", "achieved_gb_s", "bandwidth_gb_s", "peak_rss_mb",
+        "threads_wait"}
 
 
 def test_bench_json_lines(capsys):
@@ -21,6 +23,7 @@ def test_bench_json_lines(capsys):
     for r in lines:
         assert KEYS <= r.keys()
         assert r["backend"] == "numba" and r["threads"] == 1 and r["gen_len"] == 4
+        assert r["threads_wait"] == ("spin" if kernels.SPINNING else "sleep")  # what this process's threads do
         assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["bandwidth_gb_s"] > 0
         step_bytes = decode_weight_bytes(NAMED_SHAPES["stories260K"])
         assert r["weight_bytes_per_token"] == step_bytes // r["batch"]

@@ -898,7 +898,7 @@ def _target_has_gfni() -> bool:
 # has a 512-bit vpdpbusd. It runs two per cycle here, as the 256-bit one does, so a pair costs the instructions of
 # one group: ~1.7x the multiply-adds per second at 128 tokens (docs/quant.md). Elsewhere groups go one at a time.
 PAIRED = VNNI and _target_has_vnni512()
-GFNI = AVX2 and _target_has_gfni()  # Q5_K's fifth bits in one instruction (_interleaved_nibble_idot)
+GFNI = AVX2 and _target_has_gfni()  # Q5_K's fifth bit and Q6_K's top two in one instruction (_high_bits)
 Q8_0_BIAS = 0 if AVX2 and not VNNI else 128  # a group's Q8_0 bytes go back to q on AVX2 without VNNI: no bias
 ROWS_AT_ONCE = 16 if PAIRED else 8  # the rows an interleaved kernel walks together: a thread's range is a multiple
 CHAINS = 2  # independent integer sums per dot, so that vpdpbusd's 5-cycle latency is not a chain of eight
@@ -936,9 +936,7 @@ def _splat(builder, value, lanes: int):
 
 def _splat32(builder, value, lanes: int):
     """<lanes x i32> of an i32 value."""
-    vector = _ivec(_I32, lanes)
-    lane = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(lane, ir.Constant(vector, ir.Undefined), ir.Constant(vector, [0] * lanes))
+    return _splat(builder, value, lanes)
 
 
 def _broadcast4(builder, context, array_type, array, index, lanes: int):
@@ -1040,7 +1038,7 @@ def _interleaved_nibble_idot(groups: int, avx2: bool, vnni: bool, fifth: bool = 
     (byte >> shift) & 15 of row r's bytes in the eight words at w.flat[iw:] (a Q4_K run: shift 0 its even
     sub-block, 4 its odd one) with x.flat[ix : ix + 32]. With `fifth`, idot(w, iw, stride, shift, iqh, qh_shift, x,
     ix): each value also takes ((qh >> qh_shift) & 1) << 4 from the words at w.flat[iqh:] (Q5_K's fifth bits of
-    sub-block qh_shift)."""
+    sub-block qh_shift; _high_bits)."""
 
     gfni = avx2 and GFNI  # avx2 is only set for a pair where the machine has AVX-512 (X16_IDOTS)
 
