@@ -737,16 +737,19 @@ def with_int8_activations(tensors: dict) -> dict:
 
 
 # ================================================================================================================
-# Rows interleaved by eight: how the Numba model holds Q8_0, Q4_0 and Q4_K matrices in memory (kernels/quant.py's
+# Rows interleaved by eight: how the Numba model holds the integer-dot types' matrices in memory (kernels/quant.py's
 # "interleaved rows"). The same values regrouped so that ONE 32-byte vector holds four values of each of eight rows:
 # an integer dot against four activations broadcast to every lane then advances eight rows at once, and one float
 # multiply-add per block (the K-quants: per sub-block) applies the eight rows' scales.
-INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_K")
+INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_K", "Q4_1", "Q5_0", "Q5_1")
 INTERLEAVE = 8  # rows per group
-# bytes of one block of a group of eight rows: the file's 8 x 34, 8 x 18 and 8 x 210; Q4_K's 8 x 144 and Q5_K's
-# 8 x 176 plus 32, their 6-bit scales and mins unpacked to a byte each
-INTERLEAVED_BLOCK_BYTES = {"Q8_0": 272, "Q4_0": 144, "Q4_K": 1184, "Q6_K": 1680, "Q5_K": 1440}
+# bytes of one block of a group of eight rows: the file's 8 x 34, 8 x 18, 8 x 210, 8 x 20, 8 x 22 and 8 x 24 (the
+# last three reordered); Q4_K's 8 x 144 and Q5_K's 8 x 176 plus 32, their 6-bit scales and mins unpacked to a byte each
+INTERLEAVED_BLOCK_BYTES = {"Q8_0": 272, "Q4_0": 144, "Q4_K": 1184, "Q6_K": 1680, "Q5_K": 1440, "Q4_1": 160,
+                           "Q5_0": 176, "Q5_1": 192}
 _SIGN_FLIP = {"Q8_0": 0x80, "Q4_0": 0}  # stored Q8_0 values are q + 128 (unsigned)
+# Q4_1, Q5_0, Q5_1 blocks: where the file's scale(s), fifth bits and nibbles start
+_SMALL_BLOCK_FIELDS = {"Q4_1": ((0, 2), None, 4), "Q5_0": ((0,), 2, 6), "Q5_1": ((0, 2), 4, 8)}
 
 
 def _check_interleave(qtype: str, rows: int) -> None:
@@ -769,8 +772,45 @@ def _runs(words: np.ndarray) -> np.ndarray:
     return words.reshape(*shape, 8, 8, 4).swapaxes(-3, -2).reshape(*shape, 8, 32)
 
 
+def _fifth_bits_by_word(qh: np.ndarray, undo: bool = False) -> np.ndarray:
+    """A Q5_0/Q5_1 block's fifth bits reordered for its interleaved words: byte i, bit k holds value 4k + i's (the
+    file's u32 has value v's at bit v). Word k of an interleaved block holds values 4k .. 4k + 3 of each row, so its
+    fifth bits are bit k of each of the four bytes: one shift for the word, the same in every byte.
+                                                                                       # [..., 4] -> [..., 4] uint8"""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")
+    shape = (4, 8) if undo else (8, 4)
+    bits = bits.reshape(*bits.shape[:-1], *shape).swapaxes(-1, -2).reshape(bits.shape)
+    return np.packbits(bits, axis=-1, bitorder="little")
+
+
+def _interleave_small_blocks(blocks: np.ndarray, qtype: str) -> list:
+    """Q4_1, Q5_0, Q5_1 blocks [G, b, r, block bytes] as the parts of interleaved ones (interleave_rows)."""
+    scales, qh, qs = _SMALL_BLOCK_FIELDS[qtype]
+    G, nb = blocks.shape[:2]
+    parts = [blocks[..., at:at + 2] for at in scales]
+    if qh is not None:
+        parts.append(_fifth_bits_by_word(blocks[..., qh:qh + 4]))
+    parts.append(blocks[..., qs:qs + 16].reshape(G, nb, 8, 4, 4).swapaxes(2, 3))  # [G, b, word, r, 4]
+    return parts
+
+
+def _deinterleave_small_blocks(blocks: np.ndarray, qtype: str) -> np.ndarray:
+    """_interleave_small_blocks undone: [G, b, interleaved block bytes] -> the rows' blocks [G, b, r, block bytes]."""
+    scales, qh, qs = _SMALL_BLOCK_FIELDS[qtype]
+    G, nb = blocks.shape[:2]
+    out = np.empty((G, nb, 8, TYPES[qtype].block_bytes), np.uint8)
+    for k, at in enumerate(scales):
+        out[..., at:at + 2] = blocks[..., 16 * k:16 * k + 16].reshape(G, nb, 8, 2)
+    words_at = 16 * len(scales)
+    if qh is not None:
+        out[..., qh:qh + 4] = _fifth_bits_by_word(blocks[..., words_at:words_at + 32].reshape(G, nb, 8, 4), undo=True)
+        words_at += 32
+    out[..., qs:] = blocks[..., words_at:].reshape(G, nb, 4, 8, 4).swapaxes(2, 3).reshape(G, nb, 8, 16)
+    return out
+
+
 def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
-    """Q8_0, Q4_0, Q4_K, Q6_K or Q5_K rows regrouped by eight.
+    """Rows of one of INTERLEAVED_TYPES regrouped by eight.
                                                      # [N, row bytes] uint8 -> [N / 8, nb INTERLEAVED_BLOCK_BYTES] uint8
 
     Group g holds rows 8g .. 8g + 7 (r below), block by block; block b of the group is
@@ -782,11 +822,15 @@ def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
         Q6_K (1680 bytes)  d_0 .. d_7 (float16) | sc[s][r] (s < 16, int8; 128 bytes) |
                            ql run c = 0..3 (ql_r[32c:][:32]) | qh run h = 0..1 (qh_r[32h:][:32]), each as 8 words
         Q5_K (1440 bytes)  Q4_K's 1184 bytes | qh run (qh_r[0:32], bit s of byte j: value j of sub-block s) as 8 words
+        Q4_1 (160 bytes)   d_0 .. d_7 | m_0 .. m_7 (float16) | word m = 0..3: byte_r[4m .. 4m+3] for r = 0..7
+        Q5_0 (176 bytes)   d_0 .. d_7 | word: h_r for r = 0..7 | word m = 0..3: byte_r[4m .. 4m+3] for r = 0..7
+        Q5_1 (192 bytes)   d_0 .. d_7 | m_0 .. m_7 | word: h_r for r = 0..7 | word m = 0..3: byte_r[4m .. 4m+3]
 
     where q_r are row r's 32 int8 values of block b, byte_r its 16 bytes of nibbles (byte j: value j in the low
     nibble, value j + 16 in the high one), qs_r its 128 bytes of Q4_K nibbles (run p: sub-block 2p in the low
     nibbles, 2p + 1 in the high ones) and sc, mn its eight 6-bit scales and mins, one byte each. So lane r (bytes
-    4r .. 4r + 3) of a word always holds four consecutive values (or two nibbles' worth) of row r. Q8_0's values
+    4r .. 4r + 3) of a word always holds four consecutive values (or two nibbles' worth) of row r; h_r is row r's
+    four bytes of Q5_0/Q5_1 fifth bits, byte i bit k value 4k + i's (_fifth_bits_by_word). Q8_0's values
     are stored unsigned, q + 128 (the sign bit flipped), as the nibbles are: the machine's integer dot multiplies
     unsigned bytes by signed activations.
     """
@@ -806,6 +850,8 @@ def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
                                                                       .swapaxes(2, 3))]
         if qtype == "Q5_K":
             parts.append(_words(blocks[..., 16:48]))
+    elif qtype in _SMALL_BLOCK_FIELDS:
+        parts = _interleave_small_blocks(blocks, qtype)
     else:
         runs = (blocks[..., 2:] ^ np.uint8(_SIGN_FLIP[qtype])).reshape(N // 8, nb, 8, 1, -1)  # one run of 32 or 16
         words = runs.reshape(N // 8, nb, 8, -1, 4).swapaxes(2, 3)  # [G, b, word, r, 4]
@@ -832,6 +878,8 @@ def deinterleave_rows(grouped: np.ndarray, qtype: str) -> np.ndarray:
         qh = [_runs(blocks[..., 1184:])] if qtype == "Q5_K" else []  # [G, nb, 8, 32]
         rows = np.concatenate([blocks[..., 0:16].reshape(G, nb, 8, 2), blocks[..., 16:32].reshape(G, nb, 8, 2),
                                scales, *qh, qs], axis=3)
+    elif qtype in _SMALL_BLOCK_FIELDS:
+        rows = _deinterleave_small_blocks(blocks, qtype)
     else:
         words = (blocks[..., 16:] ^ np.uint8(_SIGN_FLIP[qtype])).reshape(G, nb, -1, 8, 4).swapaxes(2, 3)
         rows = np.concatenate([blocks[..., :16].reshape(G, nb, 8, 2), words.reshape(G, nb, 8, -1)], axis=3)

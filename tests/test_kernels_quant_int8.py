@@ -255,6 +255,19 @@ def test_interleaving_is_a_reordering_that_undoes(qtype, data):
                 np.testing.assert_array_equal(block[1184 + 32 * k + 4 * r:1188 + 32 * k + 4 * r],
                                               row[16 + 4 * k:20 + 4 * k])
         return
+    if qtype in ("Q4_1", "Q5_0", "Q5_1"):  # d | (m |) (fifth bits |) nibbles
+        scales, words_at = (1, 16) if qtype == "Q5_0" else (2, 32)
+        if scales == 2:
+            np.testing.assert_array_equal(block[16 + 2 * r:18 + 2 * r], row[2:4])  # m
+        if qtype != "Q4_1":  # value v's fifth bit: bit v of the file's u32, bit v // 4 of byte v % 4 of lane r
+            file_bits = np.unpackbits(row[2 * scales:2 * scales + 4], bitorder="little")
+            lane = block[words_at + 4 * r:words_at + 4 * r + 4]
+            np.testing.assert_array_equal([(lane[v % 4] >> (v // 4)) & 1 for v in range(32)], file_bits)
+            words_at += 32
+        for m in range(4):
+            np.testing.assert_array_equal(block[words_at + 32 * m + 4 * r:words_at + 32 * m + 4 * r + 4],
+                                          row[t.block_bytes - 16 + 4 * m:t.block_bytes - 12 + 4 * m])
+        return
     flip = np.uint8(128 if qtype == "Q8_0" else 0)
     for k in range((t.block_bytes - 2) // 4):
         np.testing.assert_array_equal(block[16 + 32 * k + 4 * r:16 + 32 * k + 4 * r + 4],
@@ -265,10 +278,10 @@ def test_interleaving_refuses_what_it_cannot_regroup():
     w = quant.quantize(np.ones((12, 64), np.float32), "Q8_0").reshape(12, -1)
     with pytest.raises(QuantizationError, match="not a multiple"):
         quant.interleave_rows(w, "Q8_0")
-    with pytest.raises(QuantizationError, match="Q8_0, Q4_0, Q4_K, Q6_K, Q5_K only, not Q5_0"):
-        quant.interleave_rows(w[:8], "Q5_0")
-    with pytest.raises(QuantizationError, match="Q8_0, Q4_0, Q4_K, Q6_K, Q5_K only"):
-        kq.matmul_int8_interleaved(quant.interleave_rows(w[:8], "Q8_0"), "Q5_0", np.ones((1, 64), np.float32))
+    with pytest.raises(QuantizationError, match="Q8_0, Q4_0, Q4_K, Q6_K, Q5_K, Q4_1, Q5_0, Q5_1 only, not Q3_K"):
+        quant.interleave_rows(w[:8], "Q3_K")
+    with pytest.raises(QuantizationError, match="Q5_0, Q5_1 only, not F16"):
+        kq.matmul_int8_interleaved(quant.interleave_rows(w[:8], "Q8_0"), "F16", np.ones((1, 64), np.float32))
     with pytest.raises(QuantizationError, match="do not hold rows of 96 values"):
         kq.matmul_int8_interleaved(quant.interleave_rows(w[:8], "Q8_0"), "Q8_0", np.ones((1, 96), np.float32))
     with pytest.raises(QuantizationError, match="do not hold rows of 64 values"):  # Q8_0's groups read as Q4_0's
@@ -297,7 +310,7 @@ def test_interleaved_kernels_are_the_reference(qtype, data):
 
 
 def interleaved_dots(w, x):
-    """The exact integer dots each interleaved intrinsic below must give for one group's 256 bytes w: [7, 8] (one row
+    """The exact integer dots each interleaved intrinsic below must give for one group's 256 bytes w: [8, 8] (one row
     per intrinsic call in interleaved_lanes, one column per row of the group)."""
     q8 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w])[None], "Q8_0")[:, 2:].view(np.int8)
     q4 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w[:128]])[None], "Q4_0")[:, 2:]
@@ -306,10 +319,13 @@ def interleaved_dots(w, x):
     qh_run = np.roll(w, 77).reshape(8, 8, 4).swapaxes(0, 1).reshape(8, 32)  # the intrinsics read it from w[179:]...
     q6 = (((run >> 4) & 15) | (((qh_run >> 2) & 3) << 4)).astype(np.int64) - 32  # ql_shift 4, qh_shift 2
     q5 = ((run >> 4) | (((qh_run >> 2) & 1) << 4)).astype(np.int64)  # the high nibbles, fifth bits of sub-block 2
+    q5_0 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w[:160]])[None], "Q5_0")  # [8, 22]
+    fifth = np.unpackbits(q5_0[:, 2:6], axis=1, bitorder="little").astype(np.int64)  # value v's: bit v of the u32
+    u5 = np.concatenate([q5_0[:, 6:] & 15, q5_0[:, 6:] >> 4], axis=1).astype(np.int64) | (fifth << 4)
     x64 = x.astype(np.int64)
     return np.array([q8.astype(np.int64) @ x64, (u4 - 8) @ x64, (run & 15).astype(np.int64) @ x64,
-                     (run >> 4).astype(np.int64) @ x64, q6[:, :16] @ x64[:16], q6[:, 16:] @ x64[16:], q5 @ x64],
-                    np.float32)
+                     (run >> 4).astype(np.int64) @ x64, q6[:, :16] @ x64[:16], q6[:, 16:] @ x64[16:], q5 @ x64,
+                     (u5 - 16) @ x64], np.float32)
 
 
 @settings(max_examples=30, deadline=None)
@@ -317,8 +333,7 @@ def interleaved_dots(w, x):
 def test_interleaved_integer_dots_are_the_integer_dot(w, x):
     """Lane r of an interleaved block's dot: the exact integer dot of row r's 32 values (Q8_0's q, Q4_0's u - 8, a
     Q4_K run's low or high nibbles; a Q6_K group's first or last 16, q - 32; a Q5_K run's nibbles with their fifth
-    bits) with x, each from its start (minus the
-    bias times the activations' sum); for one group, on the machine's instructions, on AVX2 without VNNI where the
+    bits; Q5_0's u - 16) with x, each from its start (minus the bias times the activations' sum); for one group, on the machine's instructions, on AVX2 without VNNI where the
     machine has it, and in plain LLVM; for a pair of groups (rows 8 .. 15 from the second, stride bytes on), on the
     machine's 512-bit instructions where it has them, and in plain LLVM."""
     expected = [interleaved_dots(w[:256], x), interleaved_dots(w[256:], x)]
@@ -328,17 +343,17 @@ def test_interleaved_integer_dots_are_the_integer_dot(w, x):
     if kq.AVX2_X8_IDOTS is not None:  # None on a machine without AVX2
         machines.append((kq.AVX2_X8_IDOTS, 1, 0))  # Q8_0's bytes back to q, the sign trick: no bias to undo
     for idots, groups, q8_0_bias in machines:
-        starts = np.array([-q8_0_bias * total, -8 * total, -32 * halves[0], -32 * halves[1]], np.int32)
+        starts = np.array([-q8_0_bias * total, -8 * total, -32 * halves[0], -32 * halves[1], -16 * total], np.int32)
         got = interleaved_lanes(*idots)(w, x, starts)
         np.testing.assert_array_equal(got[:, :8 * groups], np.concatenate(expected[:groups], axis=1))
 
 
 @functools.lru_cache(maxsize=None)  # one compilation per set of intrinsics, not one per example
-def interleaved_lanes(q8_0, q4_0, q4_k, q6_k_low, q6_k_high, q5_k):
+def interleaved_lanes(q8_0, q4_0, q4_k, q6_k_low, q6_k_high, q5_k, q5_0):
     @njit
     def lanes(w, x, starts):
-        """[7, 16]: each intrinsic's 8 lanes (16 for a pair) in a row, from one group or a pair."""
-        out = np.zeros((7, 16), np.float32)
+        """[8, 16]: each intrinsic's 8 lanes (16 for a pair) in a row, from one group or a pair."""
+        out = np.zeros((8, 16), np.float32)
         wrapped = np.concatenate((w[:256], w[:256], w[256:], w[256:]))  # each group twice, the second at 512:
         vstore(out, 0, q8_0(wrapped, 0, 512, x, 0, starts[0]))  # w rolled by 77 is its qh run, from 256 - 77 = 179
         vstore(out, 16, q4_0(wrapped, 0, 512, x, 0, starts[1]))
@@ -347,6 +362,7 @@ def interleaved_lanes(q8_0, q4_0, q4_k, q6_k_low, q6_k_high, q5_k):
         vstore(out, 64, q6_k_low(wrapped, 0, 4, 179, 2, 512, x, 0, starts[2]))
         vstore(out, 80, q6_k_high(wrapped, 0, 4, 179, 2, 512, x, 0, starts[3]))
         vstore(out, 96, q5_k(wrapped, 0, 512, 4, 179, 2, x, 0))
+        vstore(out, 112, q5_0(wrapped, 0, 512, x, 0, starts[4]))  # fifth bits' word at 0, the nibbles' from 32
         return out
 
     return lanes

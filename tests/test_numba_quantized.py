@@ -171,10 +171,10 @@ def test_mixed_types_rope_half_and_biases(tmp_path):
     assert set(llm.model.weight_types) == set(MIXED.values())
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "F16"])
 def test_a_loaded_quantized_model_holds_no_float32_matrix(tmp_path, qtype):
-    """Q4_0 matrices are held as interleaved rows, in one copy of the file's bytes (the embedding table as stored);
-    a file with no matrix of quant.INTERLEAVED_TYPES is read from its memory map itself."""
+    """Q4_0 and Q5_0 matrices are held as interleaved rows, in one copy of the file's bytes (the embedding table as
+    stored); a file with no matrix of quant.INTERLEAVED_TYPES (F16 here) is read from its memory map itself."""
     config = tiny()
     path = tmp_path / "q.gguf"
     write_gguf(path, config, random_weights(config, 3), qtype)
@@ -182,18 +182,19 @@ def test_a_loaded_quantized_model_holds_no_float32_matrix(tmp_path, qtype):
     packed = model.packed
     tensors = read_gguf_quantized(path)[1]
     file_bytes = sum(m.nbytes for m in tensors.values() if isinstance(m, quant.QuantizedMatrix))
+    interleaved = qtype in quant.INTERLEAVED_TYPES
     assert packed.pool.dtype == np.uint8
-    if qtype == "Q4_0":
+    if interleaved:
         assert packed.pool.flags.owndata and packed.pool.nbytes == file_bytes  # a copy holding every matrix once
     else:
         assert not packed.pool.flags.owndata and packed.pool.nbytes == path.stat().st_size  # the file's memory map
     codes = set(packed.mats[:, 1].tolist())
     plain = quant.TYPES[qtype].type_id
-    assert codes == ({plain, plain + kq.INTERLEAVED_CODE} if qtype == "Q4_0" else {plain})
-    if qtype == "Q4_0":
+    assert codes == ({plain, plain + kq.INTERLEAVED_CODE} if interleaved else {plain})
+    if interleaved:
         wq = packed.mats[0]
         stored = packed.pool[wq[0]:wq[0] + wq[2] * wq[4]].reshape(wq[2] // 8, -1)
-        np.testing.assert_array_equal(quant.deinterleave_rows(stored, "Q4_0"), tensors["layers.0.wq"].raw)
+        np.testing.assert_array_equal(quant.deinterleave_rows(stored, qtype), tensors["layers.0.wq"].raw)
     smallest_matrix = 4 * config.n_kv_heads * config.head_dim * config.dim  # wk as float32
     for name, array in packed._asdict().items():
         assert array.dtype != np.float32 or array.nbytes < smallest_matrix, name

@@ -16,9 +16,9 @@ Two ways to meet activations x, both tested against a NumPy statement:
                                 kernels/cpu.py), which cpu.py's register tile then multiplies by every token: the
                                 decoding is paid once per row, the arithmetic runs at the float32 kernel's rate.
 
-  - x quantized to 8 bits per block of 32 (Q8_0, Q4_0, Q4_K, Q6_K; section "8-bit activations"): integer dot
-    products, as llama.cpp computes; its NumPy statement is quant.matmul_t_q8_activations. What npllm's Numba model
-    runs for those four types.
+  - x quantized to 8 bits per block of 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; section "8-bit
+    activations"): integer dot products, as llama.cpp computes; its NumPy statement is
+    quant.matmul_t_q8_activations. What npllm's Numba model runs for those types, on rows interleaved by eight.
 
 Rows are split into `threads` contiguous ranges run in parallel (numba.prange), so each weight byte is read once per
 product. Sums are reassociated by the compiler (fastmath), so results match the reference to float32 rounding, not
@@ -971,23 +971,30 @@ def _chained_dots(builder, start, words, xs, w_signed: bool, avx2: bool, vnni: b
 
 
 def _interleaved_idot(qtype, groups: int, avx2: bool, vnni: bool):
-    """idot(w, iw, stride, x, ix, sum_x) -> f32x8 (f32x16 for a pair): lane r = the exact integer dot of row r's 32
-    values (Q8_0's stored bytes minus 128, Q4_0's nibbles minus 8) in the interleaved block at w.flat[iw:] (after
-    its scales; a pair's second group at iw + stride) with the int8 activations x.flat[ix : ix + 32], whose sum is
-    sum_x (the block's s)."""
-    bias = {"Q8_0": 128, "Q4_0": 8}[qtype]
+    """idot(w, iw, stride, x, ix, start) -> f32x8 (f32x16 for a pair): lane r = start + the exact integer dot of
+    row r's 32 unsigned values (Q8_0's stored bytes, q + 128; "Q4_0": the nibbles, Q4_0's and Q4_1's; "Q5_0": the
+    nibbles and their fifth bits from the word before them, Q5_0's and Q5_1's) in the interleaved block at
+    w.flat[iw:] (after its scales; a pair's second group at iw + stride) with the int8 activations
+    x.flat[ix : ix + 32]. A start of -bias times the activations' sum makes it the dot of the values minus bias."""
     flip_back = qtype == "Q8_0" and avx2 and not vnni  # vpmaddubsw would saturate on 255 x 127: the sign trick
     width = 32 * groups
+    gfni = avx2 and GFNI  # avx2 is only set for a pair where the machine has AVX-512 (X16_IDOTS)
 
     def words(builder, context, array_type, w, iw, stride):
         """Word k of the block (four unsigned values of each row meeting x[4k .. 4k+3]), k < 8."""
         if qtype == "Q8_0":
             return [_group_bytes(builder, context, array_type, w, iw, stride, groups, 32 * k) for k in range(8)]
-        packed = [_group_bytes(builder, context, array_type, w, iw, stride, groups, 32 * m) for m in range(4)]
-        return [_field_const(builder, p, 0, 15) for p in packed] + [_field_const(builder, p, 4, 15) for p in packed]
+        at = 32 if qtype == "Q5_0" else 0
+        packed = [_group_bytes(builder, context, array_type, w, iw, stride, groups, at + 32 * m) for m in range(4)]
+        nibbles = [_field_const(builder, p, 0, 15) for p in packed] + [_field_const(builder, p, 4, 15) for p in packed]
+        if qtype == "Q4_0":
+            return nibbles
+        qh = _group_bytes(builder, context, array_type, w, iw, stride, groups, 0)  # byte i, bit k: value 4k + i's
+        return [builder.or_(word, _high_bits(builder, qh, ir.Constant(_I32, k), 1, gfni))
+                for k, word in enumerate(nibbles)]
 
-    def typer(typingctx, w, iw, stride, x, ix, sum_x):
-        if not (_idot_args_ok(w, (iw, stride), x, ix) and sum_x in (types.int32, types.int64)):
+    def typer(typingctx, w, iw, stride, x, ix, start):
+        if not (_idot_args_ok(w, (iw, stride), x, ix) and start in (types.int32, types.int64)):
             return None
 
         def codegen(context, builder, signature, args):
@@ -1000,7 +1007,7 @@ def _interleaved_idot(qtype, groups: int, avx2: bool, vnni: bool):
             acc = _chained_dots(builder, _splat32(builder, start, 8 * groups), ws, xs, flip_back, avx2, vnni)
             return builder.sitofp(acc, _vector(8 * groups))
 
-        return _F32XN[groups](w, iw, stride, x, ix, sum_x), codegen
+        return _F32XN[groups](w, iw, stride, x, ix, start), codegen
 
     return intrinsic(typer)
 
@@ -1123,15 +1130,18 @@ def _scales(kind: str, groups: int):
 
 
 def _x8_idots(groups: int, avx2: bool, vnni: bool):
-    """(idot_q8_0, idot_q4_0, idot_q4_k, idot_q6_k_low, idot_q6_k_high, idot_q5_k) for one group or a pair."""
+    """(idot_q8_0, idot_q4_0, idot_q4_k, idot_q6_k_low, idot_q6_k_high, idot_q5_k, idot_q5_0) for one group or a
+    pair."""
     return (*(_interleaved_idot(t, groups, avx2, vnni) for t in ("Q8_0", "Q4_0")),
             _interleaved_nibble_idot(groups, avx2, vnni), _interleaved_q6_idot(groups, avx2, vnni, 0),
-            _interleaved_q6_idot(groups, avx2, vnni, 1), _interleaved_nibble_idot(groups, avx2, vnni, fifth=True))
+            _interleaved_q6_idot(groups, avx2, vnni, 1), _interleaved_nibble_idot(groups, avx2, vnni, fifth=True),
+            _interleaved_idot("Q5_0", groups, avx2, vnni))
 
 
-# X8_IDOTS: the machine's dots of one group (idot_q8_0(w, iw, stride, x, ix, sum_x), idot_q4_0(...), idot_q4_k(w,
+# X8_IDOTS: the machine's dots of one group (idot_q8_0(w, iw, stride, x, ix, start), idot_q4_0(...), idot_q4_k(w,
 # iw, stride, shift, x, ix): a Q4_K run's nibbles, idot_q6_k_low / _high(w, iql, ql_shift, iqh, qh_shift, stride,
-# x, ix, sum_x): the first or last 16 of a Q6_K group's 32 values); X16_IDOTS: of a pair, on a 512-bit vpdpbusd
+# x, ix, start): the first or last 16 of a Q6_K group's 32 values, idot_q5_k(...), idot_q5_0(w, iw, stride, x, ix,
+# start): Q5_0's and Q5_1's 5-bit values); X16_IDOTS: of a pair, on a 512-bit vpdpbusd
 # where the machine has one (PAIRED), else in plain LLVM. Tests get the same in plain LLVM and on AVX2.
 X8_IDOTS = _x8_idots(1, AVX2, VNNI)
 X16_IDOTS = _x8_idots(2, PAIRED, PAIRED)
@@ -1147,16 +1157,19 @@ def _block_accumulators(groups: int):
     they were). The tokens meet each unpacked word in turn, so it is unpacked once for the tile. q and d come from
     quantize_activations_q8_into, s16 the activations' sums of 16, from which each dot starts at -bias times the
     sum of the activations it covers (the dot of the unsigned stored values u comes out as that of u - bias)."""
-    idot_q8_0, idot_q4_0, idot_q4_k, idot_q6_k_low, idot_q6_k_high, idot_q5_k = X8_IDOTS if groups == 1 else X16_IDOTS
+    idot_q8_0, idot_q4_0, idot_q4_k, idot_q6_k_low, idot_q6_k_high, idot_q5_k, idot_q5_0 = (X8_IDOTS if groups == 1
+                                                                                          else X16_IDOTS)
     halves, bytes_, int8s = ((load_halves8, load_bytes8, load_int8s8) if groups == 1 else
                              (load_halves16, load_bytes16, load_int8s16))
     zero = vzero if groups == 1 else vzero16
 
-    def blockwise(idot, block_bytes: int, bias: int):
-        """Q8_0 and Q4_0: acc[r] += d_r (d_x (dot of row r's 32 stored values with q_x, from -bias s_x)). (The
-        tokens' terms are written out, not a function called four times: Numba's reference counting of the arrays
-        passed into a function inlined under a branch costs more than a block's products.)"""
+    def blockwise(idot, block_bytes: int, bias: int, with_min: bool = False):
+        """Blocks of 32 (Q8_0, Q4_0, Q5_0): acc[r] += d_r (d_x (dot of row r's 32 stored values with q_x, from
+        -bias s_x)); with_min (Q4_1, Q5_1: W = d u + m, m_r the eight float16 after the d_r) also + m_r (d_x s_x).
+        (The tokens' terms are written out, not a function called four times: Numba's reference counting of the
+        arrays passed into a function inlined under a branch costs more than a block's products.)"""
         minus_bias = np.int32(-bias)
+        values_at = 32 if with_min else 16  # the words (Q5: its fifth bits' word first) after the scales
 
         @njit(fastmath=REASSOC, inline="always")
         def tile(w, g, q, d, s, s16, t, n):
@@ -1164,21 +1177,30 @@ def _block_accumulators(groups: int):
             a0, a1, a2, a3 = zero(), zero(), zero(), zero()
             for b in range(K // 32):
                 at = g * stride + block_bytes * b
-                d_w = halves(w, at, stride)
+                d_w, iw = halves(w, at, stride), at + values_at
+                m_w = halves(w, at + 16, stride) if with_min else zero()
                 start = minus_bias * (s16[t, 2 * b] + s16[t, 2 * b + 1])
-                a0 = vfmav(a0, d_w, vfma(zero(), d[t, b], idot(w, at + 16, stride, q, t * K + 32 * b, start)))
+                a0 = vfmav(a0, d_w, vfma(zero(), d[t, b], idot(w, iw, stride, q, t * K + 32 * b, start)))
+                if with_min:
+                    a0 = vfma(a0, d[t, b] * s[t, b], m_w)
                 if n > 1:
                     u = t + 1
                     start = minus_bias * (s16[u, 2 * b] + s16[u, 2 * b + 1])
-                    a1 = vfmav(a1, d_w, vfma(zero(), d[u, b], idot(w, at + 16, stride, q, u * K + 32 * b, start)))
+                    a1 = vfmav(a1, d_w, vfma(zero(), d[u, b], idot(w, iw, stride, q, u * K + 32 * b, start)))
+                    if with_min:
+                        a1 = vfma(a1, d[u, b] * s[u, b], m_w)
                 if n > 2:
                     u = t + 2
                     start = minus_bias * (s16[u, 2 * b] + s16[u, 2 * b + 1])
-                    a2 = vfmav(a2, d_w, vfma(zero(), d[u, b], idot(w, at + 16, stride, q, u * K + 32 * b, start)))
+                    a2 = vfmav(a2, d_w, vfma(zero(), d[u, b], idot(w, iw, stride, q, u * K + 32 * b, start)))
+                    if with_min:
+                        a2 = vfma(a2, d[u, b] * s[u, b], m_w)
                 if n > 3:
                     u = t + 3
                     start = minus_bias * (s16[u, 2 * b] + s16[u, 2 * b + 1])
-                    a3 = vfmav(a3, d_w, vfma(zero(), d[u, b], idot(w, at + 16, stride, q, u * K + 32 * b, start)))
+                    a3 = vfmav(a3, d_w, vfma(zero(), d[u, b], idot(w, iw, stride, q, u * K + 32 * b, start)))
+                    if with_min:
+                        a3 = vfma(a3, d[u, b] * s[u, b], m_w)
             return a0, a1, a2, a3
 
         return tile
@@ -1308,7 +1330,9 @@ def _block_accumulators(groups: int):
 
     return {"Q8_0": blockwise(idot_q8_0, 272, 128 if groups == 2 else Q8_0_BIAS),
             "Q4_0": blockwise(idot_q4_0, 144, 8),
-            "Q4_K": k_quant_32(1184, False), "Q6_K": q6_k, "Q5_K": k_quant_32(1440, True)}
+            "Q4_K": k_quant_32(1184, False), "Q6_K": q6_k, "Q5_K": k_quant_32(1440, True),
+            "Q4_1": blockwise(idot_q4_0, 160, 0, with_min=True), "Q5_0": blockwise(idot_q5_0, 176, 16),
+            "Q5_1": blockwise(idot_q5_0, 192, 0, with_min=True)}
 
 
 def _group_walker(tile):
@@ -1352,8 +1376,8 @@ def _interleaved_kernels(qtype: str):
     return rows_into
 
 
-_rows_q8_0_x8, _rows_q4_0_x8, _rows_q4_k_x8, _rows_q6_k_x8, _rows_q5_k_x8 = (_interleaved_kernels(t)
-                                                                             for t in INTERLEAVED_TYPES)
+(_rows_q8_0_x8, _rows_q4_0_x8, _rows_q4_k_x8, _rows_q6_k_x8, _rows_q5_k_x8, _rows_q4_1_x8, _rows_q5_0_x8,
+ _rows_q5_1_x8) = (_interleaved_kernels(t) for t in INTERLEAVED_TYPES)
 
 # The type ids of interleaved matrices in a model's table (models/numba.py): the GGML type id plus INTERLEAVED_CODE.
 INTERLEAVED_CODE = 1000
@@ -1374,9 +1398,8 @@ INT8_TYPE_CODES = tuple(TYPES[t].type_id for t in INT8_KERNEL_TYPES)  # GGML typ
 @njit(cache=True)
 def matmul_rows_int8(code, w, q, d, s, s16, T, out, col, n0, n1):
     """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1, W of GGML type `code` (INT8_KERNEL_TYPES; or the id of
-    Q8_0, Q4_0, Q4_K, Q6_K or Q5_K plus INTERLEAVED_CODE: w then holds interleaved rows, and n0, n1 are multiples
-    of 8), x
-    given by quantize_activations_q8_into(x, T, q, d, s, s16) (once per input, shared by every row range and
+    one of quant.INTERLEAVED_TYPES plus INTERLEAVED_CODE: w then holds interleaved rows, and n0, n1 are multiples
+    of 8), x given by quantize_activations_q8_into(x, T, q, d, s, s16) (once per input, shared by every row range and
     matrix).         # q [>=T, K] int8, d, s [>=T, K / 32] float32, s16 [>=T, K / 16] int32 -> out [>=T, >=col + n1]"""
     if code == 8:
         _rows_q8_0(w, q, d, s, T, out, col, n0, n1)
@@ -1404,6 +1427,12 @@ def matmul_rows_int8(code, w, q, d, s, s16, T, out, col, n0, n1):
         _rows_q6_k_x8(w, q, d, s, s16, T, out, col, n0, n1)
     elif code == 1013:  # INTERLEAVED_CODE + Q5_K's
         _rows_q5_k_x8(w, q, d, s, s16, T, out, col, n0, n1)
+    elif code == 1003:  # INTERLEAVED_CODE + Q4_1's
+        _rows_q4_1_x8(w, q, d, s, s16, T, out, col, n0, n1)
+    elif code == 1006:  # INTERLEAVED_CODE + Q5_0's
+        _rows_q5_0_x8(w, q, d, s, s16, T, out, col, n0, n1)
+    elif code == 1007:  # INTERLEAVED_CODE + Q5_1's
+        _rows_q5_1_x8(w, q, d, s, s16, T, out, col, n0, n1)
     else:
         raise ValueError("no 8-bit-activation kernel for this GGML type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and "
                          "Q6_K have one)")
@@ -1804,9 +1833,34 @@ def gather_interleaved_row(code, w8, n, row):
             for i in range(16):
                 row[to + 192 + i] = w[at + 16 + 8 * i + r]
             row[to + 208], row[to + 209] = w[at + 2 * r], w[at + 2 * r + 1]
+    elif code == INTERLEAVED_CODE + Q4_1 or code == INTERLEAVED_CODE + Q5_0 or code == INTERLEAVED_CODE + Q5_1:
+        _gather_small_block_row(code - INTERLEAVED_CODE, w, base, r, w8.shape[1], row)
     else:
-        raise ValueError("not the code of an interleaved type (INTERLEAVED_CODE + the id of Q8_0, Q4_0, Q4_K, Q6_K or "
-                         "Q5_K)")
+        raise ValueError("not the code of an interleaved type (INTERLEAVED_CODE + the id of one of "
+                         "quant.INTERLEAVED_TYPES)")
+
+
+@njit(inline="always")
+def _gather_small_block_row(t, w, base, r, group_bytes, row):
+    """gather_interleaved_row for Q4_1, Q5_0 and Q5_1 (type id t): d (, m), then (Q5) the four bytes of fifth bits
+    put back in the file's order (interleaved: byte i bit k is value 4k + i's; file: bit v of a u32 is value v's),
+    then the 16 bytes of nibbles."""
+    scales = 1 if t == Q5_0 else 2
+    fifth = t != Q4_1
+    size, file_size = 16 * scales + (32 if fifth else 0) + 128, TYPE_BLOCK_BYTES[t]
+    for b in range(group_bytes // size):
+        at, to = base + size * b, file_size * b
+        for k in range(scales):
+            row[to + 2 * k], row[to + 2 * k + 1] = w[at + 16 * k + 2 * r], w[at + 16 * k + 2 * r + 1]
+        words_at = at + 16 * scales
+        if fifth:
+            qh = to + 2 * scales
+            row[qh:qh + 4] = 0
+            for v in range(32):
+                bit = (w[words_at + 4 * r + v % 4] >> np.uint8(v // 4)) & np.uint8(1)
+                row[qh + v // 8] |= bit << np.uint8(v % 8)
+            words_at += 32
+        _gather_words(w, words_at, r, 4, row, to + file_size - 16)
 
 
 @njit(cache=True)

@@ -455,7 +455,7 @@ def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     names = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
     matrices = [_as_quantized(getattr(layer, name)) for layer in weights.layers for name in names]
     matrices += [_as_quantized(weights.tok_embeddings), _as_quantized(weights.output)]
-    # Q8_0, Q4_0, Q4_K, Q6_K and Q5_K products run on rows interleaved by eight (kernels/quant.py), which needs a copy
+    # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K and Q5_K products run on rows interleaved by eight (kernels/quant.py), which needs a copy
     # of the file's bytes in that order. The embedding table stays as stored (its rows are looked up one by one, and a
     # mapped table's unused rows never load), unless the LM head is tied to it: then the one copy is interleaved for
     # the head's product (the largest of a decode step), and a lookup gathers its row back (decode_any_row).
@@ -570,8 +570,8 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     split into one contiguous range per thread, in ONE parallel region (none on one thread: a small model's step is
     mostly such calls); each matrix's part of a range goes to its type's row-range worker (kernels/quant.py).
 
-    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights (Q8_0, Q4_0, Q4_K, Q5_K and Q6_K as interleaved
-    rows), in calls of any length, meet activations quantized to 8 bits per block of 32
+    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights (as interleaved rows where their row count is a
+    multiple of 8), in calls of any length, meet activations quantized to 8 bits per block of 32
     (as llama.cpp does): integer dot products, with x quantized once here for every matrix and row range (on every
     thread from QUANTIZE_IN_PARALLEL_FROM tokens; docs/quant.md, "8-bit activations", for the rounding bound and
     the measured KL divergence). Other types take x in float32.
@@ -609,8 +609,8 @@ def _int8_type(code, T) -> bool:
     """Whether weights of GGML type `code` meet 8-bit activations (in a call of any T tokens): the types with an
     integer-dot worker (kernels/quant.py INT8_TYPE_CODES), interleaved or not (quant.INT8_ACTIVATION_TYPES states
     the same for the NumPy oracle)."""
-    return (code == 8 or code == 2 or code == 3 or code == 6 or code == 7 or code == 12 or code == 13 or code == 14
-            or code == 1008 or code == 1002 or code == 1012 or code == 1013 or code == 1014)
+    t = code % qk.INTERLEAVED_CODE  # interleaved or not
+    return t == 8 or t == 2 or t == 3 or t == 6 or t == 7 or t == 12 or t == 13 or t == 14
 
 
 @njit(parallel=True, cache=True)
