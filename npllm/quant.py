@@ -313,6 +313,22 @@ def dequantize_q2_k(raw: np.ndarray) -> np.ndarray:
     return (scale * q - offset).reshape(-1)
 
 
+def _scales_q3_k(packed: np.ndarray) -> np.ndarray:
+    """Q3_K's sixteen 6-bit scales, minus 32 (dequantize_q3_k draws them).      # [n, 12] uint8 -> [n, 16] int8"""
+    low4 = _nibbles(packed[:, :8]).reshape(-1, 16)  # s < 8: low nibbles of bytes 0..7, s >= 8: high nibbles
+    high2 = ((packed[:, 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3)  # [n, s % 4, s // 4]
+    high2 = high2.transpose(0, 2, 1).reshape(-1, 16)
+    return (low4 | (high2 << 4)).astype(np.int8) - np.int8(32)
+
+
+def _pack_scales_q3_k(sc: np.ndarray) -> np.ndarray:
+    """_scales_q3_k undone.                                                    # [n, 16] int8 -> [n, 12] uint8"""
+    u = (sc.astype(np.int16) + 32).astype(np.uint8)
+    low4, high2 = (u & 15).reshape(-1, 2, 8), (u >> 4).reshape(-1, 4, 4)  # [n, s // 8, s % 8], [n, s // 4, s % 4]
+    high = high2[:, 0] | (high2[:, 1] << 2) | (high2[:, 2] << 4) | (high2[:, 3] << 6)
+    return np.concatenate([low4[:, 0] | (low4[:, 1] << 4), high], axis=1)
+
+
 def dequantize_q3_k(raw: np.ndarray) -> np.ndarray:
     """Q3_K: 110 bytes per 256 values, sixteen sub-blocks of 16 with a 6-bit scale stored offset by 32.
 
@@ -326,12 +342,7 @@ def dequantize_q3_k(raw: np.ndarray) -> np.ndarray:
     """
     blocks = _blocks(raw, 110)
     d = _half(blocks, 108)
-    packed = blocks[:, 96:108]
-    low4 = _nibbles(packed[:, :8]).reshape(-1, 16)  # s < 8: low nibbles of bytes 0..7, s >= 8: high nibbles
-    high2 = ((packed[:, 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3)  # [nb, s % 4, s // 4]
-    high2 = high2.transpose(0, 2, 1).reshape(-1, 16)
-    sc = (low4 | (high2 << 4)).astype(np.int8) - np.int8(32)
-    scale = (d * sc.astype(np.float32))[:, :, None]
+    scale = (d * _scales_q3_k(blocks[:, 96:108]).astype(np.float32))[:, :, None]
     low = _sixteen_by_two_bits(blocks[:, 32:96]).astype(np.int8)
     missing = (_bits(blocks[:, :32], 8).reshape(-1, 16, 16) ^ 1).astype(np.int8) << 2  # 4 where the bit is clear
     return (scale * (low - missing).astype(np.float32)).reshape(-1)
@@ -712,8 +723,15 @@ def matmul_t_q8_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int],
 
 
 # The types whose matrix products npllm's Numba model computes on 8-bit activations (kernels/quant.py
-# INT8_TYPE_CODES, models/numba.py products_into); the others take float32 activations.
+# INT8_TYPE_CODES, models/numba.py products_into); the others take float32 activations. Q2_K and Q3_K have integer
+# kernels on interleaved rows only: theirs take 8-bit activations where the rows are a multiple of INTERLEAVE.
 INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+INTERLEAVED_INT8_TYPES = ("Q2_K", "Q3_K")
+
+
+def takes_int8_activations(qtype: str, rows: int) -> bool:
+    """Whether the Numba model multiplies a matrix of this type and row count by 8-bit activations."""
+    return qtype in INT8_ACTIVATION_TYPES or (qtype in INTERLEAVED_INT8_TYPES and rows % INTERLEAVE == 0)
 # (Until the K-quants were held as interleaved rows, calls of many tokens multiplied Q4_K, Q5_K and Q6_K rows decoded
 # into float32 by float32 activations: the decoded rows were faster from 16-100 tokens a call. The interleaved
 # kernels are faster at every length, so these types take 8-bit activations in every call.)
@@ -730,9 +748,10 @@ class Int8ActivationMatrix(QuantizedMatrix):
 
 
 def with_int8_activations(tensors: dict) -> dict:
-    """The same weights, each matrix of an INT8_ACTIVATION_TYPES type multiplying as the Numba model does."""
+    """The same weights, each matrix that takes 8-bit activations (takes_int8_activations) multiplying as the Numba
+    model does."""
     return {name: Int8ActivationMatrix(w.raw, w.qtype, w.shape)
-            if isinstance(w, QuantizedMatrix) and w.qtype in INT8_ACTIVATION_TYPES else w
+            if isinstance(w, QuantizedMatrix) and takes_int8_activations(w.qtype, w.shape[0]) else w
             for name, w in tensors.items()}
 
 
@@ -741,12 +760,12 @@ def with_int8_activations(tensors: dict) -> dict:
 # "interleaved rows"). The same values regrouped so that ONE 32-byte vector holds four values of each of eight rows:
 # an integer dot against four activations broadcast to every lane then advances eight rows at once, and one float
 # multiply-add per block (the K-quants: per sub-block) applies the eight rows' scales.
-INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_K", "Q4_1", "Q5_0", "Q5_1")
+INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_K", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K")
 INTERLEAVE = 8  # rows per group
-# bytes of one block of a group of eight rows: the file's 8 x 34, 8 x 18, 8 x 210, 8 x 20, 8 x 22 and 8 x 24 (the
-# last three reordered); Q4_K's 8 x 144 and Q5_K's 8 x 176 plus 32, their 6-bit scales and mins unpacked to a byte each
+# bytes of one block of a group of eight rows: the file's 8 x 34, 8 x 18, 8 x 210, 8 x 20, 8 x 22, 8 x 24 and 8 x 84
+# (reordered); Q4_K's 8 x 144, Q5_K's 8 x 176 and Q3_K's 8 x 110 plus 32, their 6-bit scales unpacked to a byte each
 INTERLEAVED_BLOCK_BYTES = {"Q8_0": 272, "Q4_0": 144, "Q4_K": 1184, "Q6_K": 1680, "Q5_K": 1440, "Q4_1": 160,
-                           "Q5_0": 176, "Q5_1": 192}
+                           "Q5_0": 176, "Q5_1": 192, "Q2_K": 672, "Q3_K": 912}
 _SIGN_FLIP = {"Q8_0": 0x80, "Q4_0": 0}  # stored Q8_0 values are q + 128 (unsigned)
 # Q4_1, Q5_0, Q5_1 blocks: where the file's scale(s), fifth bits and nibbles start
 _SMALL_BLOCK_FIELDS = {"Q4_1": ((0, 2), None, 4), "Q5_0": ((0,), 2, 6), "Q5_1": ((0, 2), 4, 8)}
@@ -825,6 +844,10 @@ def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
         Q4_1 (160 bytes)   d_0 .. d_7 | m_0 .. m_7 (float16) | word m = 0..3: byte_r[4m .. 4m+3] for r = 0..7
         Q5_0 (176 bytes)   d_0 .. d_7 | word: h_r for r = 0..7 | word m = 0..3: byte_r[4m .. 4m+3] for r = 0..7
         Q5_1 (192 bytes)   d_0 .. d_7 | m_0 .. m_7 | word: h_r for r = 0..7 | word m = 0..3: byte_r[4m .. 4m+3]
+        Q2_K (672 bytes)   d_0 .. d_7 | dmin_0 .. dmin_7 (float16) | scales[s][r] (s < 16, the file's byte: sc in
+                           the low nibble, mn in the high one; 128 bytes) | qs run n = 0..1 (qs_r[32n:][:32]), 8 words
+        Q3_K (912 bytes)   d_0 .. d_7 | sc[s][r] - 32 (int8; 128 bytes) | hmask run (hmask_r, 8 words) | qs run
+                           n = 0..1 (qs_r[32n:][:32]), 8 words each
 
     where q_r are row r's 32 int8 values of block b, byte_r its 16 bytes of nibbles (byte j: value j in the low
     nibble, value j + 16 in the high one), qs_r its 128 bytes of Q4_K nibbles (run p: sub-block 2p in the low
@@ -852,6 +875,13 @@ def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
             parts.append(_words(blocks[..., 16:48]))
     elif qtype in _SMALL_BLOCK_FIELDS:
         parts = _interleave_small_blocks(blocks, qtype)
+    elif qtype == "Q2_K":  # scales 0..15, qs 16..79, d 80..81, dmin 82..83
+        parts = [blocks[..., 80:82], blocks[..., 82:84], blocks[..., :16].swapaxes(2, 3),
+                 _words(blocks[..., 16:80].reshape(N // 8, nb, 8, 2, 32).swapaxes(2, 3))]
+    elif qtype == "Q3_K":  # hmask 0..31, qs 32..95, scales 96..107, d 108..109
+        sc = _scales_q3_k(blocks[..., 96:108].reshape(-1, 12)).view(np.uint8)
+        parts = [blocks[..., 108:110], sc.reshape(N // 8, nb, 8, 16).swapaxes(2, 3), _words(blocks[..., :32]),
+                 _words(blocks[..., 32:96].reshape(N // 8, nb, 8, 2, 32).swapaxes(2, 3))]
     else:
         runs = (blocks[..., 2:] ^ np.uint8(_SIGN_FLIP[qtype])).reshape(N // 8, nb, 8, 1, -1)  # one run of 32 or 16
         words = runs.reshape(N // 8, nb, 8, -1, 4).swapaxes(2, 3)  # [G, b, word, r, 4]
@@ -880,6 +910,15 @@ def deinterleave_rows(grouped: np.ndarray, qtype: str) -> np.ndarray:
                                scales, *qh, qs], axis=3)
     elif qtype in _SMALL_BLOCK_FIELDS:
         rows = _deinterleave_small_blocks(blocks, qtype)
+    elif qtype == "Q2_K":
+        qs = _runs(blocks[..., 160:].reshape(G, nb, 2, 256)).swapaxes(2, 3).reshape(G, nb, 8, 64)
+        rows = np.concatenate([blocks[..., 32:160].reshape(G, nb, 16, 8).swapaxes(2, 3), qs,
+                               blocks[..., :16].reshape(G, nb, 8, 2), blocks[..., 16:32].reshape(G, nb, 8, 2)], axis=3)
+    elif qtype == "Q3_K":
+        sc = blocks[..., 16:144].reshape(G, nb, 16, 8).swapaxes(2, 3).reshape(-1, 16).view(np.int8)
+        qs = _runs(blocks[..., 400:].reshape(G, nb, 2, 256)).swapaxes(2, 3).reshape(G, nb, 8, 64)
+        rows = np.concatenate([_runs(blocks[..., 144:400]), qs, _pack_scales_q3_k(sc).reshape(G, nb, 8, 12),
+                               blocks[..., :16].reshape(G, nb, 8, 2)], axis=3)
     else:
         words = (blocks[..., 16:] ^ np.uint8(_SIGN_FLIP[qtype])).reshape(G, nb, -1, 8, 4).swapaxes(2, 3)
         rows = np.concatenate([blocks[..., :16].reshape(G, nb, 8, 2), words.reshape(G, nb, 8, -1)], axis=3)

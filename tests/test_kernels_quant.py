@@ -11,8 +11,7 @@ from npllm import quant
 from npllm.kernels import quant as kq
 from npllm.quant import QuantizationError
 
-HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
-               "Q6_K": [208]}
+HALF_FIELDS = quant.SCALE_FIELDS  # the float16 scales' bytes of each block type
 
 
 @st.composite

@@ -48,7 +48,7 @@ def test_compiled_activation_quantizer_is_the_reference(data):
 
 
 # bytes of each type's small integers: zeroed, a block dequantizes to its offsets (Q4_0's -8 d, Q4_K's -dmin mn)
-INTEGER_BYTES = {"Q4_0": slice(2, 18), "Q4_K": slice(16, 144), "Q5_K": slice(16, 176)}
+INTEGER_BYTES = {"Q4_0": slice(2, 18), "Q4_K": slice(16, 144), "Q5_K": slice(16, 176), "Q2_K": slice(16, 80)}
 
 
 def bounds(w, qtype, K, x):
@@ -239,6 +239,20 @@ def test_interleaving_is_a_reordering_that_undoes(qtype, data):
                 np.testing.assert_array_equal(block[at + 32 * k + 4 * r:at + 32 * k + 4 * r + 4],
                                               row[start + 4 * k:start + 4 * k + 4])
         return
+    if qtype in ("Q2_K", "Q3_K"):  # d (| dmin) | scales[s][r] (| hmask run) | qs runs
+        d_at, first_run = (80, 160) if qtype == "Q2_K" else (108, 400)
+        np.testing.assert_array_equal(block[2 * r:2 * r + 2], row[d_at:d_at + 2])
+        if qtype == "Q2_K":
+            np.testing.assert_array_equal(block[16 + 2 * r:18 + 2 * r], row[82:84])  # dmin
+            np.testing.assert_array_equal(block[32 + r:160:8], row[:16])  # sc | mn << 4, as in the file
+        else:
+            np.testing.assert_array_equal(block[16 + r:144:8].view(np.int8), quant._scales_q3_k(row[None, 96:108])[0])
+        runs = [(first_run + 256 * n, (16 if qtype == "Q2_K" else 32) + 32 * n) for n in range(2)]
+        for at, start in runs + ([(144, 0)] if qtype == "Q3_K" else []):  # qs runs, Q3_K's hmask
+            for k in range(8):
+                np.testing.assert_array_equal(block[at + 32 * k + 4 * r:at + 32 * k + 4 * r + 4],
+                                              row[start + 4 * k:start + 4 * k + 4])
+        return
     np.testing.assert_array_equal(block[2 * r:2 * r + 2], row[:2])
     if qtype in ("Q4_K", "Q5_K"):
         np.testing.assert_array_equal(block[16 + 2 * r:18 + 2 * r], row[2:4])  # dmin
@@ -278,9 +292,9 @@ def test_interleaving_refuses_what_it_cannot_regroup():
     w = quant.quantize(np.ones((12, 64), np.float32), "Q8_0").reshape(12, -1)
     with pytest.raises(QuantizationError, match="not a multiple"):
         quant.interleave_rows(w, "Q8_0")
-    with pytest.raises(QuantizationError, match="Q8_0, Q4_0, Q4_K, Q6_K, Q5_K, Q4_1, Q5_0, Q5_1 only, not Q3_K"):
-        quant.interleave_rows(w[:8], "Q3_K")
-    with pytest.raises(QuantizationError, match="Q5_0, Q5_1 only, not F16"):
+    with pytest.raises(QuantizationError, match="Q4_1, Q5_0, Q5_1, Q2_K, Q3_K only, not F16"):
+        quant.interleave_rows(w[:8], "F16")
+    with pytest.raises(QuantizationError, match="Q2_K, Q3_K only, not F16"):
         kq.matmul_int8_interleaved(quant.interleave_rows(w[:8], "Q8_0"), "F16", np.ones((1, 64), np.float32))
     with pytest.raises(QuantizationError, match="do not hold rows of 96 values"):
         kq.matmul_int8_interleaved(quant.interleave_rows(w[:8], "Q8_0"), "Q8_0", np.ones((1, 96), np.float32))
@@ -310,7 +324,7 @@ def test_interleaved_kernels_are_the_reference(qtype, data):
 
 
 def interleaved_dots(w, x):
-    """The exact integer dots each interleaved intrinsic below must give for one group's 256 bytes w: [8, 8] (one row
+    """The exact integer dots each interleaved intrinsic below must give for one group's 256 bytes w: [12, 8] (one row
     per intrinsic call in interleaved_lanes, one column per row of the group)."""
     q8 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w])[None], "Q8_0")[:, 2:].view(np.int8)
     q4 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w[:128]])[None], "Q4_0")[:, 2:]
@@ -322,10 +336,13 @@ def interleaved_dots(w, x):
     q5_0 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w[:160]])[None], "Q5_0")  # [8, 22]
     fifth = np.unpackbits(q5_0[:, 2:6], axis=1, bitorder="little").astype(np.int64)  # value v's: bit v of the u32
     u5 = np.concatenate([q5_0[:, 6:] & 15, q5_0[:, 6:] >> 4], axis=1).astype(np.int64) | (fifth << 4)
+    q3 = (((run >> 2) & 3) | (((qh_run >> 5) & 1) << 2)).astype(np.int64) - 4  # qs_shift 2, hm_shift 5
+    q2 = ((run >> 6) & 3).astype(np.int64)  # qs_shift 6
     x64 = x.astype(np.int64)
     return np.array([q8.astype(np.int64) @ x64, (u4 - 8) @ x64, (run & 15).astype(np.int64) @ x64,
                      (run >> 4).astype(np.int64) @ x64, q6[:, :16] @ x64[:16], q6[:, 16:] @ x64[16:], q5 @ x64,
-                     (u5 - 16) @ x64], np.float32)
+                     (u5 - 16) @ x64, q3[:, :16] @ x64[:16], q3[:, 16:] @ x64[16:], q2[:, :16] @ x64[:16],
+                     q2[:, 16:] @ x64[16:]], np.float32)
 
 
 @settings(max_examples=30, deadline=None)
@@ -333,7 +350,8 @@ def interleaved_dots(w, x):
 def test_interleaved_integer_dots_are_the_integer_dot(w, x):
     """Lane r of an interleaved block's dot: the exact integer dot of row r's 32 values (Q8_0's q, Q4_0's u - 8, a
     Q4_K run's low or high nibbles; a Q6_K group's first or last 16, q - 32; a Q5_K run's nibbles with their fifth
-    bits; Q5_0's u - 16) with x, each from its start (minus the bias times the activations' sum); for one group, on the machine's instructions, on AVX2 without VNNI where the
+    bits; Q5_0's u - 16; Q3_K's and Q2_K's as Q6_K's, q - 4 and q) with x, each from its start (minus the bias
+    times the activations' sum); for one group, on the machine's instructions, on AVX2 without VNNI where the
     machine has it, and in plain LLVM; for a pair of groups (rows 8 .. 15 from the second, stride bytes on), on the
     machine's 512-bit instructions where it has them, and in plain LLVM."""
     expected = [interleaved_dots(w[:256], x), interleaved_dots(w[256:], x)]
@@ -343,17 +361,18 @@ def test_interleaved_integer_dots_are_the_integer_dot(w, x):
     if kq.AVX2_X8_IDOTS is not None:  # None on a machine without AVX2
         machines.append((kq.AVX2_X8_IDOTS, 1, 0))  # Q8_0's bytes back to q, the sign trick: no bias to undo
     for idots, groups, q8_0_bias in machines:
-        starts = np.array([-q8_0_bias * total, -8 * total, -32 * halves[0], -32 * halves[1], -16 * total], np.int32)
+        starts = np.array([-q8_0_bias * total, -8 * total, -32 * halves[0], -32 * halves[1], -16 * total,
+                           -4 * halves[0], -4 * halves[1]], np.int32)
         got = interleaved_lanes(*idots)(w, x, starts)
         np.testing.assert_array_equal(got[:, :8 * groups], np.concatenate(expected[:groups], axis=1))
 
 
 @functools.lru_cache(maxsize=None)  # one compilation per set of intrinsics, not one per example
-def interleaved_lanes(q8_0, q4_0, q4_k, q6_k_low, q6_k_high, q5_k, q5_0):
+def interleaved_lanes(q8_0, q4_0, q4_k, q6_k_low, q6_k_high, q5_k, q5_0, q3_k_low, q3_k_high, q2_k_low, q2_k_high):
     @njit
     def lanes(w, x, starts):
-        """[8, 16]: each intrinsic's 8 lanes (16 for a pair) in a row, from one group or a pair."""
-        out = np.zeros((8, 16), np.float32)
+        """[12, 16]: each intrinsic's 8 lanes (16 for a pair) in a row, from one group or a pair."""
+        out = np.zeros((12, 16), np.float32)
         wrapped = np.concatenate((w[:256], w[:256], w[256:], w[256:]))  # each group twice, the second at 512:
         vstore(out, 0, q8_0(wrapped, 0, 512, x, 0, starts[0]))  # w rolled by 77 is its qh run, from 256 - 77 = 179
         vstore(out, 16, q4_0(wrapped, 0, 512, x, 0, starts[1]))
@@ -363,6 +382,10 @@ def interleaved_lanes(q8_0, q4_0, q4_k, q6_k_low, q6_k_high, q5_k, q5_0):
         vstore(out, 80, q6_k_high(wrapped, 0, 4, 179, 2, 512, x, 0, starts[3]))
         vstore(out, 96, q5_k(wrapped, 0, 512, 4, 179, 2, x, 0))
         vstore(out, 112, q5_0(wrapped, 0, 512, x, 0, starts[4]))  # fifth bits' word at 0, the nibbles' from 32
+        vstore(out, 128, q3_k_low(wrapped, 0, 2, 179, 5, 512, x, 0, starts[5]))
+        vstore(out, 144, q3_k_high(wrapped, 0, 2, 179, 5, 512, x, 0, starts[6]))
+        vstore(out, 160, q2_k_low(wrapped, 0, 6, 179, 0, 512, x, 0, np.int32(0)))
+        vstore(out, 176, q2_k_high(wrapped, 0, 6, 179, 0, 512, x, 0, np.int32(0)))
         return out
 
     return lanes

@@ -92,14 +92,14 @@ def load(path, backend="numba"):
 
 def assert_follows_reference(path, tokens=TOKENS):
     """Prefill logits and token-by-token decode logits of the numba model (weights kept in their types) equal the
-    reference model's on the file's weights: dequantized, with the products of the INT8_ACTIVATION_TYPES taken
-    on 8-bit activations as the Numba model takes them (quant.Int8ActivationMatrix)."""
+    reference model's on the file's weights: dequantized, with the products that take 8-bit activations
+    (quant.takes_int8_activations) taken on them as the Numba model takes them (quant.Int8ActivationMatrix)."""
     llm = load(path)
     assert isinstance(llm.model, QuantizedNumbaTransformer)
     config, tensors = read_gguf_quantized(path)
     reference = Transformer(config, quant.with_int8_activations(tensors)).logits(tokens)
     logits = llm.model.logits(tokens)
-    if set(llm.model.weight_types) & set(quant.INT8_ACTIVATION_TYPES):
+    if any(isinstance(m, quant.Int8ActivationMatrix) for m in quant.with_int8_activations(tensors).values()):
         # Rounding x to 8 bits is a step function: float32 sums taken in another order than NumPy's move an
         # activation across a rounding boundary now and then, one step of d = max|x| / 127 in one block, and the
         # layers after carry that on. A product in the wrong type, row or column would be off by O(1) of the scale.
@@ -148,6 +148,28 @@ def test_long_calls_take_8bit_activations_too(tmp_path, qtype):
     path = tmp_path / "m.gguf"
     write_gguf(path, config, random_weights(config, 3), qtype)
     assert_follows_reference(path, np.arange(20) * 7 % config.vocab_size)
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K"])
+def test_two_and_three_bit_k_quants_follow_the_reference(tmp_path, qtype):
+    """Q2_K and Q3_K, which npllm reads but does not write: every matrix arbitrary blocks with small finite scales,
+    held interleaved and multiplied on 8-bit activations (prefill in tiles of four, decode); the LM head tied to the
+    embedding table, whose lookups gather their rows back from the one interleaved copy."""
+    config = tiny(tied_embeddings=True)
+    t, rng = quant.TYPES[qtype], np.random.default_rng(7)
+    tensors = []
+    for td in model_tensors(config, random_weights(config, 6), "F32"):
+        if len(td.shape) == 2:
+            blocks = rng.integers(0, 256, (td.shape[0] * td.shape[1] // 256, t.block_bytes), dtype=np.uint8)
+            for at in quant.SCALE_FIELDS[qtype]:
+                blocks[:, at:at + 2] = rng.uniform(0.5e-3, 2e-3, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+            td = TensorData(td.name, td.shape, qtype, blocks.reshape(td.shape[0], -1))
+        tensors.append(td)
+    path = tmp_path / "k.gguf"
+    write_gguf_file(path, model_metadata(config, qtype), tensors)
+    llm = assert_follows_reference(path, np.arange(20) * 7 % config.vocab_size)
+    embed, head = llm.model.packed.mats[-2], llm.model.packed.mats[-1]
+    assert embed[0] == head[0] and head[1] == kq.INTERLEAVED_CODE + t.type_id
 
 
 MIXED = {"token_embd": "Q6_K", "output": "Q8_0", "attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q5_0",

@@ -1050,19 +1050,20 @@ def _field_const(builder, bytes_, shift: int, mask: int):
     return builder.and_(bytes_, ir.Constant(_ivec(_I8, count), [mask] * count))
 
 
-def _high_bits(builder, qh, shift, count: int, gfni: bool):
-    """((qh >> shift) & (2^count - 1)) << 4 per byte, shift a run-time integer (Q5_K's fifth bit: count 1; Q6_K's
-    top two: count 2): one GFNI affine byte op where the machine has it, else a shift, a mask and a shift. GFNI's
-    output bit j of a byte is the parity of (byte 7 - j of the qword matrix) AND the input byte, so the matrix that
-    takes input bit shift + c to output bit 4 + c holds 1 << (shift + c) in byte 3 - c of each qword."""
+def _high_bits(builder, qh, shift, count: int, gfni: bool, to: int = 4):
+    """((qh >> shift) & (2^count - 1)) << to per byte, shift a run-time integer (Q5_K's fifth bit: count 1; Q6_K's
+    top two: count 2; Q3_K's third bit: count 1, to 2): one GFNI affine byte op where the machine has it, else a
+    shift, a mask and a shift. GFNI's output bit j of a byte is the parity of (byte 7 - j of the qword matrix) AND
+    the input byte, so the matrix that takes input bit shift + c to output bit to + c holds 1 << (shift + c) in
+    byte 7 - to - c of each qword."""
     lanes = qh.type.count
     if not gfni:
-        return builder.shl(_field(builder, qh, shift, 2 ** count - 1), ir.Constant(_ivec(_I8, lanes), [4] * lanes))
+        return builder.shl(_field(builder, qh, shift, 2 ** count - 1), ir.Constant(_ivec(_I8, lanes), [to] * lanes))
     i64 = ir.IntType(64)
     shift = builder.sext(shift, i64) if shift.type.width < 64 else shift
     row = ir.Constant(i64, 0)
     for c in range(count):
-        bit = builder.shl(ir.Constant(i64, 1), builder.add(shift, ir.Constant(i64, c + 8 * (3 - c))))
+        bit = builder.shl(ir.Constant(i64, 1), builder.add(shift, ir.Constant(i64, c + 8 * (7 - to - c))))
         row = builder.or_(row, bit)
     matrix = builder.bitcast(_splat(builder, row, lanes // 8), _ivec(_I8, lanes))
     function = _x86(builder, f"llvm.x86.vgf2p8affineqb.{8 * lanes}", _ivec(_I8, lanes),
@@ -1103,16 +1104,16 @@ def _interleaved_nibble_idot(groups: int, avx2: bool, vnni: bool, fifth: bool = 
     return intrinsic(typer)
 
 
-def _interleaved_q6_idot(groups: int, avx2: bool, vnni: bool, part: int):
-    """idot(w, iql, ql_shift, iqh, qh_shift, stride, x, ix, sum_x) -> f32x8 (f32x16 for a pair): lane r = the exact
-    integer dot of row r's 16 Q6_K values 16 part .. 16 part + 15 of one group of 32, q - 32 with
-    q = (ql >> ql_shift) & 15 | ((qh >> qh_shift) & 3) << 4 from the ql and qh runs at w.flat[iql:] and w.flat[iqh:]
-    (8 words each), with x.flat[ix + 16 part:][:16], whose sum is sum_x. q is unsigned (0..63), and the dot starts
-    from -32 sum_x, which makes it that of q - 32."""
+def _interleaved_split_idot(groups: int, avx2: bool, vnni: bool, part: int, bits: int = 4, high_bits: int = 2):
+    """idot(w, iql, ql_shift, iqh, qh_shift, stride, x, ix, start) -> f32x8 (f32x16 for a pair): lane r = start +
+    the exact integer dot of row r's 16 values 16 part .. 16 part + 15 of one group of 32, q = (ql >> ql_shift) &
+    (2^bits - 1) | ((qh >> qh_shift) & (2^high_bits - 1)) << bits from the ql and qh runs at w.flat[iql:] and
+    w.flat[iqh:] (8 words each; no qh where high_bits = 0), with x.flat[ix + 16 part:][:16]. Q6_K: bits 4, high
+    bits 2 (and a start of -32 times the activations' sum: the dot of q - 32); Q3_K: 2 and 1 (-4); Q2_K: 2 and 0."""
 
-    def typer(typingctx, w, iql, ql_shift, iqh, qh_shift, stride, x, ix, sum_x):
+    def typer(typingctx, w, iql, ql_shift, iqh, qh_shift, stride, x, ix, start):
         if not (_idot_args_ok(w, (iql, ql_shift, iqh, qh_shift, stride), x, ix)
-                and sum_x in (types.int32, types.int64)):
+                and start in (types.int32, types.int64)):
             return None
 
         def codegen(context, builder, signature, args):
@@ -1120,16 +1121,18 @@ def _interleaved_q6_idot(groups: int, avx2: bool, vnni: bool, part: int):
             ws = []
             for k in range(4 * part, 4 * part + 4):
                 low = _field(builder, _group_bytes(builder, context, w_type, w, iql, stride, groups, 32 * k),
-                                 ql_shift, 15)
-                high = _high_bits(builder, _group_bytes(builder, context, w_type, w, iqh, stride, groups, 32 * k),
-                                  qh_shift, 2, avx2 and GFNI)
-                ws.append(builder.or_(low, high))
+                             ql_shift, 2 ** bits - 1)
+                if high_bits:
+                    high = _high_bits(builder, _group_bytes(builder, context, w_type, w, iqh, stride, groups, 32 * k),
+                                      qh_shift, high_bits, avx2 and GFNI, to=bits)
+                    low = builder.or_(low, high)
+                ws.append(low)
             xs = [_broadcast4(builder, context, signature.args[6], args[6], _offset(builder, args[7], 4 * k),
                               8 * groups) for k in range(4 * part, 4 * part + 4)]
             start = _splat32(builder, builder.trunc(args[8], _I32) if args[8].type.width > 32 else args[8], 8 * groups)
             return builder.sitofp(_chained_dots(builder, start, ws, xs, False, avx2, vnni), _vector(8 * groups))
 
-        return _F32XN[groups](w, iql, ql_shift, iqh, qh_shift, stride, x, ix, sum_x), codegen
+        return _F32XN[groups](w, iql, ql_shift, iqh, qh_shift, stride, x, ix, start), codegen
 
     return intrinsic(typer)
 
@@ -1140,7 +1143,8 @@ _F32XN = {1: f32x8, 2: f32x16}  # the float vector of one group or a pair
 def _scales(kind: str, groups: int):
     """load(w, i, stride) -> f32x8 (f32x16 for a pair) of eight rows' scales at bytes w.flat[i:] (and a pair's
     second group's at i + stride): "halves" eight float16, "bytes" eight unsigned bytes (Q4_K's 6-bit scales and
-    mins), "int8s" eight signed ones (Q6_K's scales)."""
+    mins), "int8s" eight signed ones (Q6_K's and Q3_K's scales), "low_nibbles" / "high_nibbles" the low or high
+    nibbles of eight bytes (Q2_K's scales and mins)."""
 
     def typer(typingctx, array, index, stride):
         if not (_is_byte_c_array(array) and isinstance(index, types.Integer) and isinstance(stride, types.Integer)):
@@ -1152,6 +1156,8 @@ def _scales(kind: str, groups: int):
             if kind == "halves":
                 return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 8 * groups)),
                                      _vector(8 * groups))
+            if kind.endswith("nibbles"):
+                raw = _field_const(builder, raw, 4 if kind == "high_nibbles" else 0, 15)
             return (builder.sitofp if kind == "int8s" else builder.uitofp)(raw, _vector(8 * groups))
 
         return _F32XN[groups](array, index, stride), codegen
@@ -1160,25 +1166,30 @@ def _scales(kind: str, groups: int):
 
 
 def _x8_idots(groups: int, avx2: bool, vnni: bool):
-    """(idot_q8_0, idot_q4_0, idot_q4_k, idot_q6_k_low, idot_q6_k_high, idot_q5_k, idot_q5_0) for one group or a
-    pair."""
+    """(idot_q8_0, idot_q4_0, idot_q4_k, idot_q6_k_low, idot_q6_k_high, idot_q5_k, idot_q5_0, idot_q3_k_low,
+    idot_q3_k_high, idot_q2_k_low, idot_q2_k_high) for one group or a pair."""
     return (*(_interleaved_idot(t, groups, avx2, vnni) for t in ("Q8_0", "Q4_0")),
-            _interleaved_nibble_idot(groups, avx2, vnni), _interleaved_q6_idot(groups, avx2, vnni, 0),
-            _interleaved_q6_idot(groups, avx2, vnni, 1), _interleaved_nibble_idot(groups, avx2, vnni, fifth=True),
-            _interleaved_idot("Q5_0", groups, avx2, vnni))
+            _interleaved_nibble_idot(groups, avx2, vnni), _interleaved_split_idot(groups, avx2, vnni, 0),
+            _interleaved_split_idot(groups, avx2, vnni, 1), _interleaved_nibble_idot(groups, avx2, vnni, fifth=True),
+            _interleaved_idot("Q5_0", groups, avx2, vnni),
+            *(_interleaved_split_idot(groups, avx2, vnni, part, 2, 1) for part in (0, 1)),
+            *(_interleaved_split_idot(groups, avx2, vnni, part, 2, 0) for part in (0, 1)))
 
 
 # X8_IDOTS: the machine's dots of one group (idot_q8_0(w, iw, stride, x, ix, start), idot_q4_0(...), idot_q4_k(w,
 # iw, stride, shift, x, ix): a Q4_K run's nibbles, idot_q6_k_low / _high(w, iql, ql_shift, iqh, qh_shift, stride,
 # x, ix, start): the first or last 16 of a Q6_K group's 32 values, idot_q5_k(...), idot_q5_0(w, iw, stride, x, ix,
-# start): Q5_0's and Q5_1's 5-bit values); X16_IDOTS: of a pair, on a 512-bit vpdpbusd
+# start): Q5_0's and Q5_1's 5-bit values, idot_q3_k_low / _high and idot_q2_k_low / _high as Q6_K's, on 3 and 2
+# bits); X16_IDOTS: of a pair, on a 512-bit vpdpbusd
 # where the machine has one (PAIRED), else in plain LLVM. Tests get the same in plain LLVM and on AVX2.
 X8_IDOTS = _x8_idots(1, AVX2, VNNI)
 X16_IDOTS = _x8_idots(2, PAIRED, PAIRED)
 GENERIC_X8_IDOTS, GENERIC_X16_IDOTS = _x8_idots(1, False, False), _x8_idots(2, False, False)
 AVX2_X8_IDOTS = _x8_idots(1, True, False) if AVX2 else None
-load_halves8, load_bytes8, load_int8s8 = (_scales(kind, 1) for kind in ("halves", "bytes", "int8s"))
-load_halves16, load_bytes16, load_int8s16 = (_scales(kind, 2) for kind in ("halves", "bytes", "int8s"))
+_SCALE_KINDS = ("halves", "bytes", "int8s", "low_nibbles", "high_nibbles")
+load_halves8, load_bytes8, load_int8s8, load_low_nibbles8, load_high_nibbles8 = (_scales(k, 1) for k in _SCALE_KINDS)
+load_halves16, load_bytes16, load_int8s16, load_low_nibbles16, load_high_nibbles16 = (_scales(k, 2)
+                                                                                      for k in _SCALE_KINDS)
 
 
 def _block_accumulators(groups: int):
@@ -1187,10 +1198,11 @@ def _block_accumulators(groups: int):
     they were). The tokens meet each unpacked word in turn, so it is unpacked once for the tile. q and d come from
     quantize_activations_q8_into, s16 the activations' sums of 16, from which each dot starts at -bias times the
     sum of the activations it covers (the dot of the unsigned stored values u comes out as that of u - bias)."""
-    idot_q8_0, idot_q4_0, idot_q4_k, idot_q6_k_low, idot_q6_k_high, idot_q5_k, idot_q5_0 = (X8_IDOTS if groups == 1
-                                                                                          else X16_IDOTS)
-    halves, bytes_, int8s = ((load_halves8, load_bytes8, load_int8s8) if groups == 1 else
-                             (load_halves16, load_bytes16, load_int8s16))
+    (idot_q8_0, idot_q4_0, idot_q4_k, idot_q6_k_low, idot_q6_k_high, idot_q5_k, idot_q5_0, idot_q3_k_low,
+     idot_q3_k_high, idot_q2_k_low, idot_q2_k_high) = X8_IDOTS if groups == 1 else X16_IDOTS
+    halves, bytes_, int8s, low_nibbles, high_nibbles = (
+        (load_halves8, load_bytes8, load_int8s8, load_low_nibbles8, load_high_nibbles8) if groups == 1 else
+        (load_halves16, load_bytes16, load_int8s16, load_low_nibbles16, load_high_nibbles16))
     zero = vzero if groups == 1 else vzero16
 
     def blockwise(idot, block_bytes: int, bias: int, with_min: bool = False):
@@ -1358,11 +1370,74 @@ def _block_accumulators(groups: int):
                         a3 = q6_k_token(a3, w, ql, 4, qh, 2 * k + 4, low, high, q, d, s16, j + 2, t + 3)
         return a0, a1, a2, a3
 
+    @njit(fastmath=REASSOC, inline="always")
+    def q3_k_token(acc, w, iqs, qs_shift, ihm, hm_shift, scale_low, scale_high, q, d, s16, j, t):
+        """acc[r] += (d_r sc_ri) (d_x ((q - 4)_r . q_x)) for the two sub-blocks of 16 of activation block j."""
+        ix = t * q.shape[1] + 32 * j
+        low = idot_q3_k_low(w, iqs, qs_shift, ihm, hm_shift, w.shape[1], q, ix, np.int32(-4) * s16[t, 2 * j])
+        high = idot_q3_k_high(w, iqs, qs_shift, ihm, hm_shift, w.shape[1], q, ix, np.int32(-4) * s16[t, 2 * j + 1])
+        return vfmav(vfmav(acc, scale_low, vfma(zero(), d[t, j], low)), scale_high, vfma(zero(), d[t, j], high))
+
+    @njit(fastmath=REASSOC, inline="always")
+    def q3_k(w, g, q, d, s, s16, t, n):
+        """Q3_K: group i of 32 (activation block j = 8 b + i) holds sub-blocks 2 i and 2 i + 1 of 16, their low
+        bits at shift 2 (i % 4) of qs run i // 4, their third bits bit i of the hmask run."""
+        a0, a1, a2, a3 = zero(), zero(), zero(), zero()
+        for b in range(q.shape[1] // QK_K):
+            at, stride = g * w.shape[1] + 912 * b, w.shape[1]
+            d_w, ihm = halves(w, at, stride), at + 144
+            for i in range(8):
+                iqs, shift, j = at + 400 + 256 * (i // 4), 2 * (i % 4), 8 * b + i
+                low = vfmav(zero(), d_w, int8s(w, at + 16 + 16 * i, stride))
+                high = vfmav(zero(), d_w, int8s(w, at + 24 + 16 * i, stride))
+                a0 = q3_k_token(a0, w, iqs, shift, ihm, i, low, high, q, d, s16, j, t)
+                if n > 1:
+                    a1 = q3_k_token(a1, w, iqs, shift, ihm, i, low, high, q, d, s16, j, t + 1)
+                if n > 2:
+                    a2 = q3_k_token(a2, w, iqs, shift, ihm, i, low, high, q, d, s16, j, t + 2)
+                if n > 3:
+                    a3 = q3_k_token(a3, w, iqs, shift, ihm, i, low, high, q, d, s16, j, t + 3)
+        return a0, a1, a2, a3
+
+    @njit(fastmath=REASSOC, inline="always")
+    def q2_k_token(acc, w, iqs, qs_shift, scale_low, scale_high, min_low, min_high, q, d, s16, j, t):
+        """acc[r] += (d_r sc_ri) (d_x (q_r . q_x)) - (dmin_r mn_ri) (d_x s_x) for the two sub-blocks of 16 of
+        activation block j (s_x the sum of the 16 activations a sub-block meets)."""
+        ix = t * q.shape[1] + 32 * j
+        low = idot_q2_k_low(w, iqs, qs_shift, iqs, 0, w.shape[1], q, ix, np.int32(0))
+        high = idot_q2_k_high(w, iqs, qs_shift, iqs, 0, w.shape[1], q, ix, np.int32(0))
+        acc = vfmav(vfmav(acc, scale_low, vfma(zero(), d[t, j], low)), scale_high, vfma(zero(), d[t, j], high))
+        acc = vfma(acc, -(d[t, j] * np.float32(s16[t, 2 * j])), min_low)
+        return vfma(acc, -(d[t, j] * np.float32(s16[t, 2 * j + 1])), min_high)
+
+    @njit(fastmath=REASSOC, inline="always")
+    def q2_k(w, g, q, d, s, s16, t, n):
+        """Q2_K: group i of 32 (activation block j = 8 b + i) holds sub-blocks 2 i and 2 i + 1 of 16 at shift
+        2 (i % 4) of qs run i // 4; each sub-block's byte holds its scale (low nibble) and min (high nibble)."""
+        a0, a1, a2, a3 = zero(), zero(), zero(), zero()
+        for b in range(q.shape[1] // QK_K):
+            at, stride = g * w.shape[1] + 672 * b, w.shape[1]
+            d_w, dmin = halves(w, at, stride), halves(w, at + 16, stride)
+            for i in range(8):
+                iqs, shift, j, sc = at + 160 + 256 * (i // 4), 2 * (i % 4), 8 * b + i, at + 32 + 16 * i
+                low, high = vfmav(zero(), d_w, low_nibbles(w, sc, stride)), vfmav(zero(), d_w, low_nibbles(w, sc + 8,
+                                                                                                           stride))
+                min_low = vfmav(zero(), dmin, high_nibbles(w, sc, stride))
+                min_high = vfmav(zero(), dmin, high_nibbles(w, sc + 8, stride))
+                a0 = q2_k_token(a0, w, iqs, shift, low, high, min_low, min_high, q, d, s16, j, t)
+                if n > 1:
+                    a1 = q2_k_token(a1, w, iqs, shift, low, high, min_low, min_high, q, d, s16, j, t + 1)
+                if n > 2:
+                    a2 = q2_k_token(a2, w, iqs, shift, low, high, min_low, min_high, q, d, s16, j, t + 2)
+                if n > 3:
+                    a3 = q2_k_token(a3, w, iqs, shift, low, high, min_low, min_high, q, d, s16, j, t + 3)
+        return a0, a1, a2, a3
+
     return {"Q8_0": blockwise(idot_q8_0, 272, 128 if groups == 2 else Q8_0_BIAS),
             "Q4_0": blockwise(idot_q4_0, 144, 8),
             "Q4_K": k_quant_32(1184, False), "Q6_K": q6_k, "Q5_K": k_quant_32(1440, True),
             "Q4_1": blockwise(idot_q4_0, 160, 0, with_min=True), "Q5_0": blockwise(idot_q5_0, 176, 16),
-            "Q5_1": blockwise(idot_q5_0, 192, 0, with_min=True)}
+            "Q5_1": blockwise(idot_q5_0, 192, 0, with_min=True), "Q2_K": q2_k, "Q3_K": q3_k}
 
 
 def _group_walker(tile):
@@ -1407,7 +1482,7 @@ def _interleaved_kernels(qtype: str):
 
 
 (_rows_q8_0_x8, _rows_q4_0_x8, _rows_q4_k_x8, _rows_q6_k_x8, _rows_q5_k_x8, _rows_q4_1_x8, _rows_q5_0_x8,
- _rows_q5_1_x8) = (_interleaved_kernels(t) for t in INTERLEAVED_TYPES)
+ _rows_q5_1_x8, _rows_q2_k_x8, _rows_q3_k_x8) = (_interleaved_kernels(t) for t in INTERLEAVED_TYPES)
 
 # The type ids of interleaved matrices in a model's table (models/numba.py): the GGML type id plus INTERLEAVED_CODE.
 INTERLEAVED_CODE = 1000
@@ -1463,9 +1538,13 @@ def matmul_rows_int8(code, w, q, d, s, s16, T, out, col, n0, n1):
         _rows_q5_0_x8(w, q, d, s, s16, T, out, col, n0, n1)
     elif code == 1007:  # INTERLEAVED_CODE + Q5_1's
         _rows_q5_1_x8(w, q, d, s, s16, T, out, col, n0, n1)
+    elif code == 1010:  # INTERLEAVED_CODE + Q2_K's
+        _rows_q2_k_x8(w, q, d, s, s16, T, out, col, n0, n1)
+    elif code == 1011:  # INTERLEAVED_CODE + Q3_K's
+        _rows_q3_k_x8(w, q, d, s, s16, T, out, col, n0, n1)
     else:
         raise ValueError("no 8-bit-activation kernel for this GGML type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and "
-                         "Q6_K have one)")
+                         "Q6_K have one; Q2_K and Q3_K on interleaved rows only)")
 
 
 @njit(cache=True)
@@ -1865,6 +1944,27 @@ def gather_interleaved_row(code, w8, n, row):
             row[to + 208], row[to + 209] = w[at + 2 * r], w[at + 2 * r + 1]
     elif code == INTERLEAVED_CODE + Q4_1 or code == INTERLEAVED_CODE + Q5_0 or code == INTERLEAVED_CODE + Q5_1:
         _gather_small_block_row(code - INTERLEAVED_CODE, w, base, r, w8.shape[1], row)
+    elif code == INTERLEAVED_CODE + Q2_K:  # scales[16], qs[64], d, dmin
+        for b in range(w8.shape[1] // 672):
+            at, to = base + 672 * b, 84 * b
+            for i in range(16):
+                row[to + i] = w[at + 32 + 8 * i + r]
+            for h in range(2):
+                _gather_words(w, at + 160 + 256 * h, r, 8, row, to + 16 + 32 * h)
+            row[to + 80], row[to + 81], row[to + 82], row[to + 83] = (w[at + 2 * r], w[at + 2 * r + 1],
+                                                                      w[at + 16 + 2 * r], w[at + 17 + 2 * r])
+    elif code == INTERLEAVED_CODE + Q3_K:  # hmask[32], qs[64], scales[12] (quant._pack_scales_q3_k), d
+        for b in range(w8.shape[1] // 912):
+            at, to = base + 912 * b, 110 * b
+            _gather_words(w, at + 144, r, 8, row, to)
+            for h in range(2):
+                _gather_words(w, at + 400 + 256 * h, r, 8, row, to + 32 + 32 * h)
+            row[to + 96:to + 108] = 0
+            for i in range(16):
+                u = (w[at + 16 + 8 * i + r] + np.uint8(32)) & np.uint8(63)  # the 6-bit scale: stored minus 32
+                row[to + 96 + i % 8] |= (u & np.uint8(15)) << np.uint8(4 * (i // 8))
+                row[to + 104 + i % 4] |= (u >> np.uint8(4)) << np.uint8(2 * (i // 4))
+            row[to + 108], row[to + 109] = w[at + 2 * r], w[at + 2 * r + 1]
     else:
         raise ValueError("not the code of an interleaved type (INTERLEAVED_CODE + the id of one of "
                          "quant.INTERLEAVED_TYPES)")

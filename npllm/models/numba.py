@@ -607,10 +607,11 @@ def products_into(pool, mats, first, count, x, T, out, threads):
 @njit(inline="always")
 def _int8_type(code, T) -> bool:
     """Whether weights of GGML type `code` meet 8-bit activations (in a call of any T tokens): the types with an
-    integer-dot worker (kernels/quant.py INT8_TYPE_CODES), interleaved or not (quant.INT8_ACTIVATION_TYPES states
-    the same for the NumPy oracle)."""
-    t = code % qk.INTERLEAVED_CODE  # interleaved or not
-    return t == 8 or t == 2 or t == 3 or t == 6 or t == 7 or t == 12 or t == 13 or t == 14
+    integer-dot worker (kernels/quant.py INT8_TYPE_CODES), interleaved or not, and interleaved Q2_K and Q3_K
+    (quant.takes_int8_activations states the same for the NumPy oracle)."""
+    t = code % qk.INTERLEAVED_CODE  # interleaved or not (Q2_K, Q3_K: interleaved only)
+    return (t == 8 or t == 2 or t == 3 or t == 6 or t == 7 or t == 12 or t == 13 or t == 14 or code == 1010
+            or code == 1011)
 
 
 @njit(parallel=True, cache=True)
