@@ -31,10 +31,22 @@ def best_seconds(run, repeat: int) -> float:
     return best
 
 
+def file_rows(W: np.ndarray, qtype: str) -> np.ndarray:
+    """W in qtype's blocks; arbitrary blocks with finite scales for the types npllm reads but does not write (the
+    kernels' speed does not depend on the values).                                # [N, K] -> [N, row bytes] uint8"""
+    if qtype in quant.QUANTIZE:
+        return quant.quantize(W, qtype).reshape(W.shape[0], -1)
+    t = quant.TYPES[qtype]
+    blocks = np.random.default_rng(0).integers(0, 256, (W.size // t.block_size, t.block_bytes), dtype=np.uint8)
+    for at in quant.SCALE_FIELDS[qtype]:
+        blocks[:, at:at + 2] = np.array([0.01], np.float16).view(np.uint8)
+    return blocks.reshape(W.shape[0], -1)
+
+
 def interleaved(W: np.ndarray, x: np.ndarray, repeat: int) -> None:
     """ps per multiply-add of the interleaved kernels and the ratio to Q4_0, types alternating in each round."""
     (N, K), types = W.shape, ["Q4_0"] + [t for t in quant.INTERLEAVED_TYPES if t != "Q4_0"]
-    rows = {t: (quant.interleave_rows(quant.quantize(W, t).reshape(N, -1), t),
+    rows = {t: (quant.interleave_rows(file_rows(W, t), t),
                 np.int64(quant.TYPES[t].type_id + kq.INTERLEAVED_CODE)) for t in types}
     print("interleaved, ps per multiply-add (ratio to Q4_0), one thread")
     for T in (1, 4, 16, 64):
