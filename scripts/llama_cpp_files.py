@@ -13,9 +13,9 @@ something). `--model SHAPE` takes a random-weight model of a named shape instead
 agreement is low for every engine, since random logits have near-ties). For each preset:
 
     llama-quantize SHAPE-F32.gguf SHAPE-PRESET.gguf PRESET
-    npllm:  npllm.load(file) (numba, weights kept in their types: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 and Q4_K/Q5_K/Q6_K
-            products on 8-bit activations, Q2_K and Q3_K decoded row by row in float32)  vs  the numpy reference on
-            the file's weights dequantized (the exact dequantized model), on the same random token ids.
+    npllm:  npllm.load(file) (numba, weights kept in their types: every block type's products on 8-bit
+            activations, on rows interleaved by eight)  vs  the numpy reference on the file's weights dequantized
+            (the exact dequantized model), on the same token ids.
 """
 
 import argparse
@@ -32,8 +32,8 @@ from npllm.evaluate import kl_divergence
 from npllm.formats import read_checkpoint
 from npllm.models import make_model
 
-PRESETS = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_S", "Q4_K_M", "Q5_K_M",
-           "Q6_K"]
+PRESETS = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S",
+           "Q4_K_M", "Q5_K_M", "Q6_K"]
 
 
 def widen(config, weights, dim: int, hidden: int):
