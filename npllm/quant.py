@@ -722,16 +722,10 @@ def matmul_t_q8_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int],
     return dequantize_activations_q8(q_x, d_x) @ dequantize(raw, qtype, shape).astype(np.float64).T
 
 
-# The types whose matrix products npllm's Numba model computes on 8-bit activations (kernels/quant.py
-# INT8_TYPE_CODES, models/numba.py products_into); the others take float32 activations. Q2_K and Q3_K have integer
-# kernels on interleaved rows only: theirs take 8-bit activations where the rows are a multiple of INTERLEAVE.
-INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-INTERLEAVED_INT8_TYPES = ("Q2_K", "Q3_K")
-
-
-def takes_int8_activations(qtype: str, rows: int) -> bool:
-    """Whether the Numba model multiplies a matrix of this type and row count by 8-bit activations."""
-    return qtype in INT8_ACTIVATION_TYPES or (qtype in INTERLEAVED_INT8_TYPES and rows % INTERLEAVE == 0)
+# The types whose matrix products npllm's Numba model computes on 8-bit activations (every block type, on rows
+# interleaved by eight: kernels/quant.py matmul_rows_interleaved, models/numba.py products_into); the others (F32,
+# F16, BF16) take float32 activations.
+INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
 # (Until the K-quants were held as interleaved rows, calls of many tokens multiplied Q4_K, Q5_K and Q6_K rows decoded
 # into float32 by float32 activations: the decoded rows were faster from 16-100 tokens a call. The interleaved
 # kernels are faster at every length, so these types take 8-bit activations in every call.)
@@ -748,10 +742,9 @@ class Int8ActivationMatrix(QuantizedMatrix):
 
 
 def with_int8_activations(tensors: dict) -> dict:
-    """The same weights, each matrix that takes 8-bit activations (takes_int8_activations) multiplying as the Numba
-    model does."""
+    """The same weights, each matrix of an INT8_ACTIVATION_TYPES type multiplying as the Numba model does."""
     return {name: Int8ActivationMatrix(w.raw, w.qtype, w.shape)
-            if isinstance(w, QuantizedMatrix) and takes_int8_activations(w.qtype, w.shape[0]) else w
+            if isinstance(w, QuantizedMatrix) and w.qtype in INT8_ACTIVATION_TYPES else w
             for name, w in tensors.items()}
 
 
@@ -771,11 +764,9 @@ _SIGN_FLIP = {"Q8_0": 0x80, "Q4_0": 0}  # stored Q8_0 values are q + 128 (unsign
 _SMALL_BLOCK_FIELDS = {"Q4_1": ((0, 2), None, 4), "Q5_0": ((0,), 2, 6), "Q5_1": ((0, 2), 4, 8)}
 
 
-def _check_interleave(qtype: str, rows: int) -> None:
+def _check_interleave(qtype: str) -> None:
     if qtype not in INTERLEAVED_TYPES:
         raise QuantizationError(f"npllm interleaves the rows of {', '.join(INTERLEAVED_TYPES)} only, not {qtype}")
-    if rows % INTERLEAVE:
-        raise QuantizationError(f"rows are interleaved by {INTERLEAVE}: {rows} rows are not a multiple")
 
 
 def _words(runs: np.ndarray) -> np.ndarray:
@@ -849,6 +840,8 @@ def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
         Q3_K (912 bytes)   d_0 .. d_7 | sc[s][r] - 32 (int8; 128 bytes) | hmask run (hmask_r, 8 words) | qs run
                            n = 0..1 (qs_r[32n:][:32]), 8 words each
 
+    Rows past the last (to a multiple of 8) are zero bytes: zero scales, zero products, never stored by the kernels.
+
     where q_r are row r's 32 int8 values of block b, byte_r its 16 bytes of nibbles (byte j: value j in the low
     nibble, value j + 16 in the high one), qs_r its 128 bytes of Q4_K nibbles (run p: sub-block 2p in the low
     nibbles, 2p + 1 in the high ones) and sc, mn its eight 6-bit scales and mins, one byte each. So lane r (bytes
@@ -857,7 +850,9 @@ def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
     are stored unsigned, q + 128 (the sign bit flipped), as the nibbles are: the machine's integer dot multiplies
     unsigned bytes by signed activations.
     """
-    _check_interleave(qtype, raw.shape[0])
+    _check_interleave(qtype)
+    if raw.shape[0] % INTERLEAVE:
+        raw = np.concatenate([raw, np.zeros((-raw.shape[0] % INTERLEAVE, raw.shape[1]), np.uint8)])
     N, t = raw.shape[0], TYPES[qtype]
     nb = raw.shape[1] // t.block_bytes
     blocks = raw.reshape(N // 8, 8, nb, t.block_bytes).swapaxes(1, 2)  # [G, b, r, block bytes]
@@ -889,37 +884,40 @@ def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
     return np.concatenate([p.reshape(N // 8, nb, -1) for p in parts], axis=2).reshape(N // 8, -1)
 
 
-def deinterleave_rows(grouped: np.ndarray, qtype: str) -> np.ndarray:
-    """interleave_rows undone.           # [N / 8, nb INTERLEAVED_BLOCK_BYTES] uint8 -> [N, row bytes] uint8"""
-    _check_interleave(qtype, 0)
+def deinterleave_rows(grouped: np.ndarray, qtype: str, rows: int | None = None) -> np.ndarray:
+    """interleave_rows undone: the first `rows` rows (default all 8 G).
+                                                   # [G, nb INTERLEAVED_BLOCK_BYTES] uint8 -> [rows, row bytes] uint8"""
+    _check_interleave(qtype)
     G, t = grouped.shape[0], TYPES[qtype]
     nb = grouped.shape[1] // INTERLEAVED_BLOCK_BYTES[qtype]
     blocks = grouped.reshape(G, nb, -1)
     if qtype == "Q6_K":
         ql = _runs(blocks[..., 144:1168].reshape(G, nb, 4, 256)).swapaxes(2, 3).reshape(G, nb, 8, 128)
         qh = _runs(blocks[..., 1168:].reshape(G, nb, 2, 256)).swapaxes(2, 3).reshape(G, nb, 8, 64)
-        rows = np.concatenate([ql, qh, blocks[..., 16:144].reshape(G, nb, 16, 8).swapaxes(2, 3),
-                               blocks[..., :16].reshape(G, nb, 8, 2)], axis=3)
+        by_row = np.concatenate([ql, qh, blocks[..., 16:144].reshape(G, nb, 16, 8).swapaxes(2, 3),
+                                 blocks[..., :16].reshape(G, nb, 8, 2)], axis=3)
     elif qtype in ("Q4_K", "Q5_K"):
         sc = blocks[..., 32:96].reshape(G, nb, 8, 8).swapaxes(2, 3).reshape(-1, 8)  # [G b r, s]
         mn = blocks[..., 96:160].reshape(G, nb, 8, 8).swapaxes(2, 3).reshape(-1, 8)
         scales = _pack_scales_6bit(sc, mn).reshape(G, nb, 8, 12)
         qs = _runs(blocks[..., 160:1184].reshape(G, nb, 4, 256)).swapaxes(2, 3).reshape(G, nb, 8, 128)
         qh = [_runs(blocks[..., 1184:])] if qtype == "Q5_K" else []  # [G, nb, 8, 32]
-        rows = np.concatenate([blocks[..., 0:16].reshape(G, nb, 8, 2), blocks[..., 16:32].reshape(G, nb, 8, 2),
-                               scales, *qh, qs], axis=3)
+        by_row = np.concatenate([blocks[..., 0:16].reshape(G, nb, 8, 2), blocks[..., 16:32].reshape(G, nb, 8, 2),
+                                 scales, *qh, qs], axis=3)
     elif qtype in _SMALL_BLOCK_FIELDS:
-        rows = _deinterleave_small_blocks(blocks, qtype)
+        by_row = _deinterleave_small_blocks(blocks, qtype)
     elif qtype == "Q2_K":
         qs = _runs(blocks[..., 160:].reshape(G, nb, 2, 256)).swapaxes(2, 3).reshape(G, nb, 8, 64)
-        rows = np.concatenate([blocks[..., 32:160].reshape(G, nb, 16, 8).swapaxes(2, 3), qs,
-                               blocks[..., :16].reshape(G, nb, 8, 2), blocks[..., 16:32].reshape(G, nb, 8, 2)], axis=3)
+        by_row = np.concatenate([blocks[..., 32:160].reshape(G, nb, 16, 8).swapaxes(2, 3), qs,
+                                 blocks[..., :16].reshape(G, nb, 8, 2), blocks[..., 16:32].reshape(G, nb, 8, 2)],
+                                axis=3)
     elif qtype == "Q3_K":
         sc = blocks[..., 16:144].reshape(G, nb, 16, 8).swapaxes(2, 3).reshape(-1, 16).view(np.int8)
         qs = _runs(blocks[..., 400:].reshape(G, nb, 2, 256)).swapaxes(2, 3).reshape(G, nb, 8, 64)
-        rows = np.concatenate([_runs(blocks[..., 144:400]), qs, _pack_scales_q3_k(sc).reshape(G, nb, 8, 12),
-                               blocks[..., :16].reshape(G, nb, 8, 2)], axis=3)
+        by_row = np.concatenate([_runs(blocks[..., 144:400]), qs, _pack_scales_q3_k(sc).reshape(G, nb, 8, 12),
+                                 blocks[..., :16].reshape(G, nb, 8, 2)], axis=3)
     else:
         words = (blocks[..., 16:] ^ np.uint8(_SIGN_FLIP[qtype])).reshape(G, nb, -1, 8, 4).swapaxes(2, 3)
-        rows = np.concatenate([blocks[..., :16].reshape(G, nb, 8, 2), words.reshape(G, nb, 8, -1)], axis=3)
-    return np.ascontiguousarray(rows.swapaxes(1, 2).reshape(G * 8, nb * t.block_bytes))
+        by_row = np.concatenate([blocks[..., :16].reshape(G, nb, 8, 2), words.reshape(G, nb, 8, -1)], axis=3)
+    out = by_row.swapaxes(1, 2).reshape(G * 8, nb * t.block_bytes)
+    return np.ascontiguousarray(out if rows is None else out[:rows])

@@ -290,8 +290,12 @@ def test_interleaving_is_a_reordering_that_undoes(qtype, data):
 
 def test_interleaving_refuses_what_it_cannot_regroup():
     w = quant.quantize(np.ones((12, 64), np.float32), "Q8_0").reshape(12, -1)
-    with pytest.raises(QuantizationError, match="not a multiple"):
-        quant.interleave_rows(w, "Q8_0")
+    grouped = quant.interleave_rows(w, "Q8_0")  # 12 rows: a second group padded with 4 zero rows
+    assert grouped.shape == (2, 272 * 2)
+    np.testing.assert_array_equal(quant.deinterleave_rows(grouped, "Q8_0", 12), w)
+    assert not quant.deinterleave_rows(grouped, "Q8_0")[12:].any()
+    with pytest.raises(QuantizationError, match="2 interleaved groups hold 9 to 16 rows, not 8"):
+        kq.matmul_int8_interleaved(grouped, "Q8_0", np.ones((1, 64), np.float32), rows=8)
     with pytest.raises(QuantizationError, match="Q4_1, Q5_0, Q5_1, Q2_K, Q3_K only, not F16"):
         quant.interleave_rows(w[:8], "F16")
     with pytest.raises(QuantizationError, match="Q2_K, Q3_K only, not F16"):
@@ -307,18 +311,18 @@ def test_interleaving_refuses_what_it_cannot_regroup():
 @given(data=st.data())
 def test_interleaved_kernels_are_the_reference(qtype, data):
     """The kernels on interleaved rows: the NumPy reference to float32 rounding, as the one-row kernels are; each
-    token's row the same bits whether it comes alone (decode) or in tiles of four (prefill)."""
+    token's row the same bits whether it comes alone (decode) or in tiles of four (prefill); any number of rows
+    (the last group's zero padding computed aside, not stored)."""
     w, K = data.draw(quantized_matrix(qtype))
-    groups = data.draw(st.integers(1, 3), label="groups of 8 rows")
-    w = np.resize(w, (8 * groups, w.shape[1]))  # whole groups: the drawn rows repeated
     T = data.draw(st.integers(1, 9), label="T")
     x = activations(data.draw, (T, K))
-    got = kq.matmul_int8_interleaved(quant.interleave_rows(w, qtype), qtype, x)
+    N = w.shape[0]
+    got = kq.matmul_int8_interleaved(quant.interleave_rows(w, qtype), qtype, x, N)
     reference = quant.matmul_t_q8_activations(w, qtype, (w.shape[0], K), x)
     to_reference, _ = bounds(w, qtype, K, x)
     assert got.dtype == np.float32 and got.shape == (T, w.shape[0])
     assert np.all(np.abs(got - reference) <= to_reference)
-    one_by_one = np.concatenate([kq.matmul_int8_interleaved(quant.interleave_rows(w, qtype), qtype, x[t:t + 1])
+    one_by_one = np.concatenate([kq.matmul_int8_interleaved(quant.interleave_rows(w, qtype), qtype, x[t:t + 1], N)
                                  for t in range(T)])
     np.testing.assert_array_equal(got, one_by_one)
 

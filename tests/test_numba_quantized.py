@@ -92,8 +92,8 @@ def load(path, backend="numba"):
 
 def assert_follows_reference(path, tokens=TOKENS):
     """Prefill logits and token-by-token decode logits of the numba model (weights kept in their types) equal the
-    reference model's on the file's weights: dequantized, with the products that take 8-bit activations
-    (quant.takes_int8_activations) taken on them as the Numba model takes them (quant.Int8ActivationMatrix)."""
+    reference model's on the file's weights: dequantized, with the products of the INT8_ACTIVATION_TYPES taken
+    on 8-bit activations as the Numba model takes them (quant.Int8ActivationMatrix)."""
     llm = load(path)
     assert isinstance(llm.model, QuantizedNumbaTransformer)
     config, tensors = read_gguf_quantized(path)
@@ -116,7 +116,8 @@ def assert_follows_reference(path, tokens=TOKENS):
 
 @pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_quantized_model_is_the_reference_on_each_type(tmp_path, qtype):
-    config = tiny()
+    """Every matrix of one type; a vocabulary of 99, so that the LM head's last interleaved group holds 3 rows."""
+    config = tiny(vocab_size=99)
     path = tmp_path / "m.gguf"
     tensors = write_gguf(path, config, random_weights(config, 1), qtype)
     assert {t.type_name for t in tensors} == {qtype, "F32"}
@@ -154,8 +155,9 @@ def test_long_calls_take_8bit_activations_too(tmp_path, qtype):
 def test_two_and_three_bit_k_quants_follow_the_reference(tmp_path, qtype):
     """Q2_K and Q3_K, which npllm reads but does not write: every matrix arbitrary blocks with small finite scales,
     held interleaved and multiplied on 8-bit activations (prefill in tiles of four, decode); the LM head tied to the
-    embedding table, whose lookups gather their rows back from the one interleaved copy."""
-    config = tiny(tied_embeddings=True)
+    embedding table, whose lookups gather their rows back from the one interleaved copy, of 99 rows (a last group
+    of three)."""
+    config = tiny(tied_embeddings=True, vocab_size=99)
     t, rng = quant.TYPES[qtype], np.random.default_rng(7)
     tensors = []
     for td in model_tensors(config, random_weights(config, 6), "F32"):

@@ -1462,8 +1462,9 @@ def _group_walker(tile):
 
 
 def _interleaved_kernels(qtype: str):
-    """rows_into(w8, q, d, s, s16, T, out, col, n0, n1) of one interleaved type, n0 and n1 multiples of 8 (whole
-    groups): pairs of groups where PAIRED, then single groups."""
+    """rows_into(w8, q, d, s, s16, T, out, col, n0, n1) of one interleaved type, n0 a multiple of 8: pairs of
+    groups where PAIRED, then single groups, then the rows of a last group that n1 cuts (a matrix whose rows are
+    not a multiple of 8: its last group is padded with zero rows, computed aside and not stored)."""
     walk8, walk16 = _group_walker(_block_accumulators(1)[qtype]), _group_walker(_block_accumulators(2)[qtype])
     pairs = PAIRED
 
@@ -1474,9 +1475,14 @@ def _interleaved_kernels(qtype: str):
         while pairs and g + 2 <= n1 // 8:
             walk16(w, q, d, s, s16, T, out, col, g)
             g += 2
-        while g < n1 // 8:
-            walk8(w, q, d, s, s16, T, out, col, g)
+        aside = np.empty((T if n1 % 8 else 0, 8), np.float32)
+        while g < -(-n1 // 8):
+            cut = 8 * g + 8 > n1  # a last group that n1 cuts: its eight rows into aside[t, 0:8] (one call site, so
+            walk8(w, q, d, s, s16, T, aside if cut else out, -8 * g if cut else col, g)  # one inlined tile)
             g += 1
+        for t in range(aside.shape[0]):
+            for r in range(n1 % 8):
+                out[t, col + n1 - n1 % 8 + r] = aside[t, r]
 
     return rows_into
 
@@ -1501,28 +1507,13 @@ INT8_TYPE_CODES = tuple(TYPES[t].type_id for t in INT8_KERNEL_TYPES)  # GGML typ
 
 
 @njit(cache=True)
-def matmul_rows_int8(code, w, q, d, s, s16, T, out, col, n0, n1):
-    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1, W of GGML type `code` (INT8_KERNEL_TYPES; or the id of
-    one of quant.INTERLEAVED_TYPES plus INTERLEAVED_CODE: w then holds interleaved rows, and n0, n1 are multiples
-    of 8), x given by quantize_activations_q8_into(x, T, q, d, s, s16) (once per input, shared by every row range and
-    matrix).         # q [>=T, K] int8, d, s [>=T, K / 32] float32, s16 [>=T, K / 16] int32 -> out [>=T, >=col + n1]"""
-    if code == 8:
-        _rows_q8_0(w, q, d, s, T, out, col, n0, n1)
-    elif code == 2:
-        _rows_q4_0(w, q, d, s, T, out, col, n0, n1)
-    elif code == 12:
-        _rows_q4_k(w, q, d, s, T, out, col, n0, n1)
-    elif code == 13:
-        _rows_q5_k(w, q, d, s, T, out, col, n0, n1)
-    elif code == 14:
-        _rows_q6_k(w, q, d, s, T, out, col, n0, n1)
-    elif code == 3:
-        _rows_q4_1(w, q, d, s, T, out, col, n0, n1)
-    elif code == 6:
-        _rows_q5_0(w, q, d, s, T, out, col, n0, n1)
-    elif code == 7:
-        _rows_q5_1(w, q, d, s, T, out, col, n0, n1)
-    elif code == 1008:  # INTERLEAVED_CODE + Q8_0's
+def matmul_rows_interleaved(code, w, q, d, s, s16, T, out, col, n0, n1):
+    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1 (n0 a multiple of 8), W held as interleaved rows
+    (quant.interleave_rows) of the type whose GGML id is code - INTERLEAVED_CODE, x given by
+    quantize_activations_q8_into(x, T, q, d, s, s16) (once per input, shared by every row range and matrix): what
+    the Numba model runs for every block type.
+          # q [>=T, K] int8, d, s [>=T, K / 32] float32, s16 [>=T, K / 16] int32 -> out [>=T, >=col + n1] float32"""
+    if code == 1008:  # INTERLEAVED_CODE + Q8_0's
         _rows_q8_0_x8(w, q, d, s, s16, T, out, col, n0, n1)
     elif code == 1002:  # INTERLEAVED_CODE + Q4_0's
         _rows_q4_0_x8(w, q, d, s, s16, T, out, col, n0, n1)
@@ -1542,6 +1533,33 @@ def matmul_rows_int8(code, w, q, d, s, s16, T, out, col, n0, n1):
         _rows_q2_k_x8(w, q, d, s, s16, T, out, col, n0, n1)
     elif code == 1011:  # INTERLEAVED_CODE + Q3_K's
         _rows_q3_k_x8(w, q, d, s, s16, T, out, col, n0, n1)
+    else:
+        raise ValueError("not the code of an interleaved type (INTERLEAVED_CODE + the id of one of "
+                         "quant.INTERLEAVED_TYPES)")
+
+
+@njit(cache=True)
+def matmul_rows_int8(code, w, q, d, s, s16, T, out, col, n0, n1):
+    """matmul_rows_interleaved for codes from INTERLEAVED_CODE on, and the one-row kernels of INT8_KERNEL_TYPES on
+    rows in the file's layout: out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1."""
+    if code >= INTERLEAVED_CODE:
+        matmul_rows_interleaved(code, w, q, d, s, s16, T, out, col, n0, n1)
+    elif code == 8:
+        _rows_q8_0(w, q, d, s, T, out, col, n0, n1)
+    elif code == 2:
+        _rows_q4_0(w, q, d, s, T, out, col, n0, n1)
+    elif code == 12:
+        _rows_q4_k(w, q, d, s, T, out, col, n0, n1)
+    elif code == 13:
+        _rows_q5_k(w, q, d, s, T, out, col, n0, n1)
+    elif code == 14:
+        _rows_q6_k(w, q, d, s, T, out, col, n0, n1)
+    elif code == 3:
+        _rows_q4_1(w, q, d, s, T, out, col, n0, n1)
+    elif code == 6:
+        _rows_q5_0(w, q, d, s, T, out, col, n0, n1)
+    elif code == 7:
+        _rows_q5_1(w, q, d, s, T, out, col, n0, n1)
     else:
         raise ValueError("no 8-bit-activation kernel for this GGML type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and "
                          "Q6_K have one; Q2_K and Q3_K on interleaved rows only)")
@@ -1581,14 +1599,18 @@ def matmul_int8(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> n
 
 
 
-def matmul_int8_interleaved(w8: np.ndarray, qtype: str, x: np.ndarray) -> np.ndarray:
-    """x W^T with x quantized to 8-bit blocks, W held as quant.interleave_rows(w, qtype), on the calling thread.
-                                                   # [N / 8, interleaved row bytes] uint8, [T, K] float32 -> [T, N]"""
+def matmul_int8_interleaved(w8: np.ndarray, qtype: str, x: np.ndarray, rows: int | None = None) -> np.ndarray:
+    """x W^T with x quantized to 8-bit blocks, W's first `rows` rows (default all 8 G) held as
+    quant.interleave_rows(w, qtype), on the calling thread.
+                                                 # [G, interleaved row bytes] uint8, [T, K] float32 -> [T, rows]"""
     if qtype not in INTERLEAVED_TYPES:
         raise QuantizationError(f"npllm interleaves the rows of {', '.join(INTERLEAVED_TYPES)} only, not {qtype}")
     x = np.ascontiguousarray(x, dtype=np.float32)
     T, K = x.shape
-    N, t = 8 * w8.shape[0], TYPES[qtype]
+    N, t = 8 * w8.shape[0] if rows is None else rows, TYPES[qtype]
+    if not 8 * w8.shape[0] - 8 < N <= 8 * w8.shape[0]:
+        raise QuantizationError(f"{w8.shape[0]} interleaved groups hold {8 * w8.shape[0] - 7} to "
+                                f"{8 * w8.shape[0]} rows, not {N}")
     if (w8.dtype != np.uint8 or w8.ndim != 2 or K % t.block_size
             or w8.shape[1] != K // t.block_size * INTERLEAVED_BLOCK_BYTES[qtype]):
         raise QuantizationError(f"interleaved {qtype} weights of shape {w8.shape} do not hold rows of {K} values")
@@ -1598,7 +1620,7 @@ def matmul_int8_interleaved(w8: np.ndarray, qtype: str, x: np.ndarray) -> np.nda
     s16 = np.empty((T, K // 16), np.int32)
     quantize_activations_q8_into(x, T, q, d, s, s16)
     out = np.empty((T, N), np.float32)
-    matmul_rows_int8(INTERLEAVED_CODE + TYPES[qtype].type_id, w8, q, d, s, s16, T, out, 0, 0, N)
+    matmul_rows_interleaved(INTERLEAVED_CODE + TYPES[qtype].type_id, w8, q, d, s, s16, T, out, 0, 0, N)
     return out
 
 # ================================================================================================================

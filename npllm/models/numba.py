@@ -413,7 +413,7 @@ def interleaved_pool(matrices: list, interleave: list[bool]) -> tuple[np.ndarray
     offsets_of, at = {}, 0
     for key, i in first.items():
         offsets_of[key] = at
-        at += stored_row_bytes(matrices[i], interleave[i]) * matrices[i].raw.shape[0]
+        at += stored_row_bytes(matrices[i], interleave[i]) * stored_rows(matrices[i], interleave[i])
     pool = np.empty(at, np.uint8)
     for key, i in first.items():
         raw, at = matrices[i].raw, offsets_of[key]
@@ -426,6 +426,11 @@ def interleaved_pool(matrices: list, interleave: list[bool]) -> tuple[np.ndarray
             release(part)
     pool.flags.writeable = False
     return pool, [offsets_of[key] for key in keys]
+
+
+def stored_rows(m, interleaved: bool) -> int:
+    """Rows matrix m takes in the pool: its own, or (interleaved) as many as whole groups of INTERLEAVE hold."""
+    return -(-m.shape[0] // INTERLEAVE) * INTERLEAVE if interleaved else m.shape[0]
 
 
 def stored_row_bytes(m, interleaved: bool) -> int:
@@ -450,17 +455,17 @@ def _as_quantized(w):
 def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     """The matrices in their own types over one byte pool, the vectors as float32 arrays stacked along L."""
     from ..formats.hf import permute_qk_half_to_interleaved
-    from ..quant import INTERLEAVE, INTERLEAVED_TYPES, TYPES
+    from ..quant import INTERLEAVED_TYPES, TYPES
 
     names = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
     matrices = [_as_quantized(getattr(layer, name)) for layer in weights.layers for name in names]
     matrices += [_as_quantized(weights.tok_embeddings), _as_quantized(weights.output)]
-    # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K and Q5_K products run on rows interleaved by eight (kernels/quant.py), which needs a copy
+    # Every block type's products run on rows interleaved by eight (kernels/quant.py), which needs a copy
     # of the file's bytes in that order. The embedding table stays as stored (its rows are looked up one by one, and a
     # mapped table's unused rows never load), unless the LM head is tied to it: then the one copy is interleaved for
     # the head's product (the largest of a decode step), and a lookup gathers its row back (decode_any_row).
     tied = matrices[-1].raw.__array_interface__["data"][0] == matrices[-2].raw.__array_interface__["data"][0]
-    interleave = [m.qtype in INTERLEAVED_TYPES and m.shape[0] % INTERLEAVE == 0 and (i != len(matrices) - 2 or tied)
+    interleave = [m.qtype in INTERLEAVED_TYPES and (i != len(matrices) - 2 or tied)
                   for i, m in enumerate(matrices)]
     if any(interleave):
         pool, offsets = interleaved_pool(matrices, interleave)
@@ -549,10 +554,11 @@ def _bytes_by_type(mats: np.ndarray) -> dict[str, int]:
 
 @njit(inline="always")
 def _matrix(pool, mats, m):
-    """Matrix m's byte rows, a view of the pool.  # -> [N, row bytes] uint8 (interleaved: [N / 8, 8 row bytes])"""
+    """Matrix m's byte rows, a view of the pool.  # -> [N, row bytes] uint8 (interleaved: [ceil(N / 8), 8 row bytes])"""
     at, N, row_bytes = mats[m, 0], mats[m, 2], mats[m, 4]
     if mats[m, 1] >= qk.INTERLEAVED_CODE:
-        return pool[at:at + N * row_bytes].reshape((N // 8, 8 * row_bytes))
+        G = (N + 7) // 8
+        return pool[at:at + G * 8 * row_bytes].reshape((G, 8 * row_bytes))
     return pool[at:at + N * row_bytes].reshape((N, row_bytes))
 
 
@@ -570,8 +576,8 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     split into one contiguous range per thread, in ONE parallel region (none on one thread: a small model's step is
     mostly such calls); each matrix's part of a range goes to its type's row-range worker (kernels/quant.py).
 
-    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights (as interleaved rows where their row count is a
-    multiple of 8), in calls of any length, meet activations quantized to 8 bits per block of 32
+    Every block type's weights (Q2_K .. Q8_0, as interleaved rows), in calls of any length, meet activations
+    quantized to 8 bits per block of 32
     (as llama.cpp does): integer dot products, with x quantized once here for every matrix and row range (on every
     thread from QUANTIZE_IN_PARALLEL_FROM tokens; docs/quant.md, "8-bit activations", for the rounding bound and
     the measured KL divergence). Other types take x in float32.
@@ -606,12 +612,9 @@ def products_into(pool, mats, first, count, x, T, out, threads):
 
 @njit(inline="always")
 def _int8_type(code, T) -> bool:
-    """Whether weights of GGML type `code` meet 8-bit activations (in a call of any T tokens): the types with an
-    integer-dot worker (kernels/quant.py INT8_TYPE_CODES), interleaved or not, and interleaved Q2_K and Q3_K
-    (quant.takes_int8_activations states the same for the NumPy oracle)."""
-    t = code % qk.INTERLEAVED_CODE  # interleaved or not (Q2_K, Q3_K: interleaved only)
-    return (t == 8 or t == 2 or t == 3 or t == 6 or t == 7 or t == 12 or t == 13 or t == 14 or code == 1010
-            or code == 1011)
+    """Whether weights of GGML type `code` meet 8-bit activations (in a call of any T tokens): the interleaved ones,
+    every block type's matrices (quant.INT8_ACTIVATION_TYPES states the same for the NumPy oracle)."""
+    return code >= qk.INTERLEAVED_CODE
 
 
 @njit(parallel=True, cache=True)
@@ -634,7 +637,7 @@ def _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, u0, u1):
             w = _matrix(pool, mats, m)
             n0, n1 = (lo - base) * unit, min((hi - base) * unit, N)
             if _int8_type(mats[m, 1], T):
-                qk.matmul_rows_int8(mats[m, 1], w, xq.q, xq.d, xq.s, xq.s16, T, out, col, n0, n1)
+                qk.matmul_rows_interleaved(mats[m, 1], w, xq.q, xq.d, xq.s, xq.s16, T, out, col, n0, n1)
             elif T == 1:
                 qk.matvec_rows(mats[m, 1], w, x[0], sums, out[0], col, n0, n1)
             else:
