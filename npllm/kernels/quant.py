@@ -1379,37 +1379,9 @@ def _block_accumulators(groups: int):
         return vfmav(vfmav(acc, scale_low, vfma(zero(), d[t, j], low)), scale_high, vfma(zero(), d[t, j], high))
 
     @njit(fastmath=REASSOC, inline="always")
-    def q3_k_group(acc, w, at, d_w, i, q, d, s16, b, t):
-        """q3_k's group i of block b for one token, i a constant where the caller writes the groups out."""
-        low = vfmav(zero(), d_w, int8s(w, at + 16 + 16 * i, w.shape[1]))
-        high = vfmav(zero(), d_w, int8s(w, at + 24 + 16 * i, w.shape[1]))
-        return q3_k_token(acc, w, at + 400 + 256 * (i // 4), 2 * (i % 4), at + 144, i, low, high, q, d, s16,
-                          8 * b + i, t)
-
-    @njit(fastmath=REASSOC, inline="always")
-    def q3_k_one(w, g, q, d, s16, t):
-        """q3_k (below) for one token, its eight groups written out so that every shift is a constant (a decode
-        step's products are all one-token), in q3_k's order: the same bits."""
-        acc = zero()
-        for b in range(q.shape[1] // QK_K):
-            at = g * w.shape[1] + 912 * b
-            d_w = halves(w, at, w.shape[1])
-            acc = q3_k_group(acc, w, at, d_w, 0, q, d, s16, b, t)
-            acc = q3_k_group(acc, w, at, d_w, 1, q, d, s16, b, t)
-            acc = q3_k_group(acc, w, at, d_w, 2, q, d, s16, b, t)
-            acc = q3_k_group(acc, w, at, d_w, 3, q, d, s16, b, t)
-            acc = q3_k_group(acc, w, at, d_w, 4, q, d, s16, b, t)
-            acc = q3_k_group(acc, w, at, d_w, 5, q, d, s16, b, t)
-            acc = q3_k_group(acc, w, at, d_w, 6, q, d, s16, b, t)
-            acc = q3_k_group(acc, w, at, d_w, 7, q, d, s16, b, t)
-        return acc
-
-    @njit(fastmath=REASSOC, inline="always")
     def q3_k(w, g, q, d, s, s16, t, n):
         """Q3_K: group i of 32 (activation block j = 8 b + i) holds sub-blocks 2 i and 2 i + 1 of 16, their low
         bits at shift 2 (i % 4) of qs run i // 4, their third bits bit i of the hmask run."""
-        if n == 1:
-            return q3_k_one(w, g, q, d, s16, t), zero(), zero(), zero()
         a0, a1, a2, a3 = zero(), zero(), zero(), zero()
         for b in range(q.shape[1] // QK_K):
             at, stride = g * w.shape[1] + 912 * b, w.shape[1]
@@ -1439,39 +1411,9 @@ def _block_accumulators(groups: int):
         return vfma(acc, -(d[t, j] * np.float32(s16[t, 2 * j + 1])), min_high)
 
     @njit(fastmath=REASSOC, inline="always")
-    def q2_k_group(acc, w, at, d_w, dmin, i, q, d, s16, b, t):
-        """q2_k's group i of block b for one token, i a constant where the caller writes the groups out."""
-        sc, stride = at + 32 + 16 * i, w.shape[1]
-        low, high = vfmav(zero(), d_w, low_nibbles(w, sc, stride)), vfmav(zero(), d_w, low_nibbles(w, sc + 8, stride))
-        min_low = vfmav(zero(), dmin, high_nibbles(w, sc, stride))
-        min_high = vfmav(zero(), dmin, high_nibbles(w, sc + 8, stride))
-        return q2_k_token(acc, w, at + 160 + 256 * (i // 4), 2 * (i % 4), low, high, min_low, min_high, q, d, s16,
-                          8 * b + i, t)
-
-    @njit(fastmath=REASSOC, inline="always")
-    def q2_k_one(w, g, q, d, s16, t):
-        """q2_k (below) for one token, its eight groups written out so that every shift is a constant, in q2_k's
-        order: the same bits."""
-        acc = zero()
-        for b in range(q.shape[1] // QK_K):
-            at = g * w.shape[1] + 672 * b
-            d_w, dmin = halves(w, at, w.shape[1]), halves(w, at + 16, w.shape[1])
-            acc = q2_k_group(acc, w, at, d_w, dmin, 0, q, d, s16, b, t)
-            acc = q2_k_group(acc, w, at, d_w, dmin, 1, q, d, s16, b, t)
-            acc = q2_k_group(acc, w, at, d_w, dmin, 2, q, d, s16, b, t)
-            acc = q2_k_group(acc, w, at, d_w, dmin, 3, q, d, s16, b, t)
-            acc = q2_k_group(acc, w, at, d_w, dmin, 4, q, d, s16, b, t)
-            acc = q2_k_group(acc, w, at, d_w, dmin, 5, q, d, s16, b, t)
-            acc = q2_k_group(acc, w, at, d_w, dmin, 6, q, d, s16, b, t)
-            acc = q2_k_group(acc, w, at, d_w, dmin, 7, q, d, s16, b, t)
-        return acc
-
-    @njit(fastmath=REASSOC, inline="always")
     def q2_k(w, g, q, d, s, s16, t, n):
         """Q2_K: group i of 32 (activation block j = 8 b + i) holds sub-blocks 2 i and 2 i + 1 of 16 at shift
         2 (i % 4) of qs run i // 4; each sub-block's byte holds its scale (low nibble) and min (high nibble)."""
-        if n == 1:
-            return q2_k_one(w, g, q, d, s16, t), zero(), zero(), zero()
         a0, a1, a2, a3 = zero(), zero(), zero(), zero()
         for b in range(q.shape[1] // QK_K):
             at, stride = g * w.shape[1] + 672 * b, w.shape[1]
