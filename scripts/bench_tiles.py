@@ -5,11 +5,13 @@ interleaved, for those from 16-100 tokens a call). The one-row kernels: the inte
 
     python scripts/bench_tiles.py [--rows 2048] [--cols 768] [--repeat 5]
     python scripts/bench_tiles.py --interleaved [--repeat 7]
+    python scripts/bench_tiles.py --quantizer [--repeat 7]
 
 --interleaved measures instead the kernels the model runs (kernels.quant.matmul_rows_int8 on rows interleaved by
 eight, quant.interleave_rows), for each interleaved type at 1, 4, 16 and 64 tokens, with each type's ratio to Q4_0
 measured in the same rounds (the types alternate, best of --repeat rounds of 3 calls; this VM's speed moves within
-a minute, so the ratios mean more than the picoseconds).
+a minute, so the ratios mean more than the picoseconds). --quantizer times the activations' quantization to 8 bits
+(kernels.quant.quantize_activations_q8_into, what every product of the model starts with) on 64 tokens.
 """
 
 import argparse
@@ -69,17 +71,30 @@ def interleaved(W: np.ndarray, x: np.ndarray, repeat: int) -> None:
                                         for t in types))
 
 
+def quantizer(x: np.ndarray, repeat: int) -> None:
+    """ns per value of quantize_activations_q8_into on x [T, K], one thread, best of `repeat` rounds of 10 calls."""
+    T, K = x.shape
+    q, d, s = np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32), np.empty((T, K // 32), np.float32)
+    s16 = np.empty((T, K // 16), np.int32)
+    seconds = best_seconds(lambda: [kq.quantize_activations_q8_into(x, T, q, d, s, s16) for _ in range(10)], repeat)
+    print(f"activations quantized to 8 bits: {1e9 * seconds / (10 * T * K):.2f} ns per value ([{T}, {K}], one thread)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2048)
     parser.add_argument("--cols", type=int, default=768)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--interleaved", action="store_true", help="the interleaved kernels the model runs")
+    parser.add_argument("--quantizer", action="store_true", help="the activations' quantizer alone")
     args = parser.parse_args()
     N, K = args.rows, args.cols
     rng = np.random.default_rng(0)
     W = rng.standard_normal((N, K)).astype(np.float32)
     x = rng.standard_normal((64, K)).astype(np.float32)
+    if args.quantizer:
+        quantizer(x, args.repeat)
+        return
     if args.interleaved:
         interleaved(W, x, args.repeat)
         return
