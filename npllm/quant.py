@@ -819,6 +819,33 @@ def _deinterleave_small_blocks(blocks: np.ndarray, qtype: str) -> np.ndarray:
     return out
 
 
+def _runs_as_words(field: np.ndarray) -> np.ndarray:
+    """Each row's runs of 32 bytes as a group's words (_words), run by run.    # [G, b, r, n 32] -> [G, b, n, 256]"""
+    G, nb = field.shape[:2]
+    return _words(field.reshape(G, nb, 8, -1, 32).swapaxes(2, 3))
+
+
+def _interleave_k_quant_blocks(blocks: np.ndarray, qtype: str) -> list:
+    """Q2_K .. Q6_K blocks [G, b, r, block bytes] as the parts of interleaved ones (interleave_rows); a scale byte
+    per row and sub-block as [G, b, s, r]."""
+    if qtype == "Q6_K":  # ql 0..127, qh 128..191, scales 192..207, d 208..209
+        return [blocks[..., 208:210], blocks[..., 192:208].swapaxes(2, 3), _runs_as_words(blocks[..., :128]),
+                _runs_as_words(blocks[..., 128:192])]
+    if qtype == "Q2_K":  # scales 0..15, qs 16..79, d 80..81, dmin 82..83
+        return [blocks[..., 80:82], blocks[..., 82:84], blocks[..., :16].swapaxes(2, 3),
+                _runs_as_words(blocks[..., 16:80])]
+    if qtype == "Q3_K":  # hmask 0..31, qs 32..95, scales 96..107, d 108..109
+        sc = _scales_q3_k(blocks[..., 96:108].reshape(-1, 12)).view(np.uint8).reshape(blocks.shape[:3] + (16,))
+        return [blocks[..., 108:110], sc.swapaxes(2, 3), _runs_as_words(blocks[..., :32]),
+                _runs_as_words(blocks[..., 32:96])]
+    # Q4_K, Q5_K: d 0..1, dmin 2..3, scales and mins 4..15, (Q5_K: qh 16..47,) qs
+    sc, mn = _scales_6bit(blocks[..., 4:16].reshape(-1, 12))
+    shape = blocks.shape[:3] + (8,)
+    parts = [blocks[..., 0:2], blocks[..., 2:4], sc.reshape(shape).swapaxes(2, 3), mn.reshape(shape).swapaxes(2, 3),
+             _runs_as_words(blocks[..., 16 if qtype == "Q4_K" else 48:])]
+    return parts + ([_runs_as_words(blocks[..., 16:48])] if qtype == "Q5_K" else [])
+
+
 def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
     """Rows of one of INTERLEAVED_TYPES regrouped by eight.
                                                      # [N, row bytes] uint8 -> [N / 8, nb INTERLEAVED_BLOCK_BYTES] uint8
@@ -856,27 +883,10 @@ def interleave_rows(raw: np.ndarray, qtype: str) -> np.ndarray:
     N, t = raw.shape[0], TYPES[qtype]
     nb = raw.shape[1] // t.block_bytes
     blocks = raw.reshape(N // 8, 8, nb, t.block_bytes).swapaxes(1, 2)  # [G, b, r, block bytes]
-    if qtype == "Q6_K":  # ql 0..127, qh 128..191, scales 192..207, d 208..209
-        parts = [blocks[..., 208:210], blocks[..., 192:208].swapaxes(2, 3),
-                 _words(blocks[..., :128].reshape(N // 8, nb, 8, 4, 32).swapaxes(2, 3)),
-                 _words(blocks[..., 128:192].reshape(N // 8, nb, 8, 2, 32).swapaxes(2, 3))]
-    elif qtype in ("Q4_K", "Q5_K"):
-        qs = 16 if qtype == "Q4_K" else 48
-        sc, mn = _scales_6bit(blocks[..., 4:16].reshape(-1, 12))
-        parts = [blocks[..., 0:2], blocks[..., 2:4], sc.reshape(N // 8, nb, 8, 8).swapaxes(2, 3),
-                 mn.reshape(N // 8, nb, 8, 8).swapaxes(2, 3), _words(blocks[..., qs:].reshape(N // 8, nb, 8, 4, 32)
-                                                                      .swapaxes(2, 3))]
-        if qtype == "Q5_K":
-            parts.append(_words(blocks[..., 16:48]))
-    elif qtype in _SMALL_BLOCK_FIELDS:
+    if qtype in _SMALL_BLOCK_FIELDS:
         parts = _interleave_small_blocks(blocks, qtype)
-    elif qtype == "Q2_K":  # scales 0..15, qs 16..79, d 80..81, dmin 82..83
-        parts = [blocks[..., 80:82], blocks[..., 82:84], blocks[..., :16].swapaxes(2, 3),
-                 _words(blocks[..., 16:80].reshape(N // 8, nb, 8, 2, 32).swapaxes(2, 3))]
-    elif qtype == "Q3_K":  # hmask 0..31, qs 32..95, scales 96..107, d 108..109
-        sc = _scales_q3_k(blocks[..., 96:108].reshape(-1, 12)).view(np.uint8)
-        parts = [blocks[..., 108:110], sc.reshape(N // 8, nb, 8, 16).swapaxes(2, 3), _words(blocks[..., :32]),
-                 _words(blocks[..., 32:96].reshape(N // 8, nb, 8, 2, 32).swapaxes(2, 3))]
+    elif qtype.endswith("_K"):
+        parts = _interleave_k_quant_blocks(blocks, qtype)
     else:
         runs = (blocks[..., 2:] ^ np.uint8(_SIGN_FLIP[qtype])).reshape(N // 8, nb, 8, 1, -1)  # one run of 32 or 16
         words = runs.reshape(N // 8, nb, 8, -1, 4).swapaxes(2, 3)  # [G, b, word, r, 4]
