@@ -722,10 +722,37 @@ def matmul_t_q8_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int],
     return dequantize_activations_q8(q_x, d_x) @ dequantize(raw, qtype, shape).astype(np.float64).T
 
 
+def quantize_activations_two_part(x: np.ndarray) -> tuple[tuple, tuple]:
+    """Activations as TWO 8-bit parts, x ~ d q + d' q': the first quantize_activations_q8(x), the second the same
+    quantizer on what the first leaves, r = x - d q (in float64, rounded once to float32):
+
+        |r_bj| <= d_b / 2, so d'_b = max_j |r_bj| / 127 <= d_b / 254 and |x_bj - (d_b q_bj + d'_b q'_bj)| <= d_b / 508
+
+    (about 16 bits per value, against 8 bits' d_b / 2). Each part meets the weights in the same integer dot product,
+    so a product costs two.          # [..., K] float32 -> ((q, d, s), (q', d', s')) as quantize_activations_q8's"""
+    x = np.asarray(x, dtype=np.float32)
+    first = quantize_activations_q8(x)
+    r = (x.astype(np.float64) - dequantize_activations_q8(*first[:2])).astype(np.float32)
+    return first, quantize_activations_q8(r)
+
+
+def matmul_t_two_part_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int], x: np.ndarray) -> np.ndarray:
+    """x W^T with x as two 8-bit parts (quantize_activations_two_part): (x^ + x^') W^T in float64, W the dequantized
+    weights; the kernels compute each part's product as matmul_t_q8_activations states and add the two.
+                                                                       # [T, K] float32 -> [T, N] float64"""
+    (q, d, _), (q_r, d_r, _) = quantize_activations_two_part(np.atleast_2d(x))
+    x_hat = dequantize_activations_q8(q, d) + dequantize_activations_q8(q_r, d_r)
+    return x_hat @ dequantize(raw, qtype, shape).astype(np.float64).T
+
+
 # The types whose matrix products npllm's Numba model computes on 8-bit activations (every block type, on rows
 # interleaved by eight: kernels/quant.py matmul_rows_interleaved, models/numba.py products_into); the others (F32,
 # F16, BF16) take float32 activations.
 INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
+# Of those, the types whose products take their activations in two 8-bit parts (quantize_activations_two_part):
+# files of Q2_K and Q3_K matrices (llama.cpp's Q2_K and Q3_K_S/M presets) missed the quality bar on one 8-bit part
+# (mean KL 1e-3 to 2.3e-3 from the exact dequantized model, top-1 96.2-98.0%; docs/quant.md), at twice the dots.
+TWO_PART_ACTIVATION_TYPES = ("Q2_K", "Q3_K")
 # (Until the K-quants were held as interleaved rows, calls of many tokens multiplied Q4_K, Q5_K and Q6_K rows decoded
 # into float32 by float32 activations: the decoded rows were faster from 16-100 tokens a call. The interleaved
 # kernels are faster at every length, so these types take 8-bit activations in every call.)
@@ -741,11 +768,26 @@ class Int8ActivationMatrix(QuantizedMatrix):
         return matmul_t_q8_activations(self.raw, self.qtype, self.shape, x).astype(np.float32)
 
 
+@dataclass(frozen=True)
+class TwoPartActivationMatrix(Int8ActivationMatrix):
+    """A QuantizedMatrix whose products take their input as two 8-bit parts (matmul_t_two_part_activations): what
+    the Numba model computes for TWO_PART_ACTIVATION_TYPES."""
+
+    def matmul_t(self, x: np.ndarray) -> np.ndarray:
+        """(x^ + x^') W^T.  # [T, K] -> [T, N]"""
+        return matmul_t_two_part_activations(self.raw, self.qtype, self.shape, x).astype(np.float32)
+
+
 def with_int8_activations(tensors: dict) -> dict:
-    """The same weights, each matrix of an INT8_ACTIVATION_TYPES type multiplying as the Numba model does."""
-    return {name: Int8ActivationMatrix(w.raw, w.qtype, w.shape)
-            if isinstance(w, QuantizedMatrix) and w.qtype in INT8_ACTIVATION_TYPES else w
-            for name, w in tensors.items()}
+    """The same weights, each matrix of an INT8_ACTIVATION_TYPES type multiplying as the Numba model does: on one
+    8-bit part, or on two for TWO_PART_ACTIVATION_TYPES."""
+    def as_numba(w):
+        if not isinstance(w, QuantizedMatrix) or w.qtype not in INT8_ACTIVATION_TYPES:
+            return w
+        kind = TwoPartActivationMatrix if w.qtype in TWO_PART_ACTIVATION_TYPES else Int8ActivationMatrix
+        return kind(w.raw, w.qtype, w.shape)
+
+    return {name: as_numba(w) for name, w in tensors.items()}
 
 
 # ================================================================================================================

@@ -47,6 +47,25 @@ def test_compiled_activation_quantizer_is_the_reference(data):
     assert np.all(err <= d[..., None].astype(np.float64) * (0.5 + 1e-6) + 1e-44)
 
 
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_two_part_activations_hold_about_16_bits(data):
+    """The second 8-bit part quantizes what the first leaves (the compiled residual is the NumPy one bit for bit);
+    together they are within d / 508 of x (d the first part's scale, plus float32's rounding of the residual),
+    against one part's d / 2."""
+    T, blocks = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
+    scale = data.draw(st.sampled_from([1e-30, 1e-3, 1.0, 1e4]))
+    x = (activations(data.draw, (T, 32 * blocks)) * np.float32(scale)).astype(np.float32)
+    (q, d, _), (q_r, d_r, s_r) = quant.quantize_activations_two_part(x)
+    r = np.full_like(x, np.nan)
+    kq.activations_residual_into(x, T, q, d, r)
+    again = quant.quantize_activations_q8(r)
+    assert np.array_equal(again[0], q_r) and np.array_equal(again[1], d_r) and np.array_equal(again[2], s_r)
+    x_hat = quant.dequantize_activations_q8(q, d) + quant.dequantize_activations_q8(q_r, d_r)
+    err = np.abs(x.astype(np.float64) - x_hat).reshape(T, -1, 32)
+    assert np.all(err <= d[..., None].astype(np.float64) * (1 / 508 + 1e-7) * (1 + 1e-5) + 1e-44)
+
+
 # bytes of each type's small integers: zeroed, a block dequantizes to its offsets (Q4_0's -8 d, Q4_K's -dmin mn)
 INTEGER_BYTES = {"Q4_0": slice(2, 18), "Q4_K": slice(16, 144), "Q5_K": slice(16, 176), "Q2_K": slice(16, 80)}
 

@@ -154,9 +154,10 @@ def test_long_calls_take_8bit_activations_too(tmp_path, qtype):
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K"])
 def test_two_and_three_bit_k_quants_follow_the_reference(tmp_path, qtype):
     """Q2_K and Q3_K, which npllm reads but does not write: every matrix arbitrary blocks with small finite scales,
-    held interleaved and multiplied on 8-bit activations (prefill in tiles of four, decode); the LM head tied to the
-    embedding table, whose lookups gather their rows back from the one interleaved copy, of 99 rows (a last group
-    of three)."""
+    held interleaved and multiplied on activations in two 8-bit parts (prefill in tiles of four, decode); the LM
+    head tied to the embedding table, whose lookups gather their rows back from the one interleaved copy, of 99 rows
+    (a last group of three). The head's product alone is the two-part oracle's to float32 rounding: one 8-bit
+    part would be off by up to d / 2 a value (through the layers the logits are held only loosely)."""
     config = tiny(tied_embeddings=True, vocab_size=99)
     t, rng = quant.TYPES[qtype], np.random.default_rng(7)
     tensors = []
@@ -172,6 +173,12 @@ def test_two_and_three_bit_k_quants_follow_the_reference(tmp_path, qtype):
     llm = assert_follows_reference(path, np.arange(20) * 7 % config.vocab_size)
     embed, head = llm.model.packed.mats[-2], llm.model.packed.mats[-1]
     assert embed[0] == head[0] and head[1] == kq.INTERLEAVED_CODE + t.type_id
+    table = read_gguf_quantized(path)[1]["tok_embeddings"]
+    W = np.abs(quant.dequantize(table.raw, qtype, table.shape).astype(np.float64))
+    for T in (1, 6):  # a decode step's kernels, and tiles
+        h = rng.standard_normal((T, config.dim)).astype(np.float32)
+        oracle = quant.matmul_t_two_part_activations(table.raw, qtype, table.shape, h)
+        assert np.all(np.abs(llm.model.lm_head(h) - oracle) <= 1e-5 * (np.abs(h) @ W.T))
 
 
 MIXED = {"token_embd": "Q6_K", "output": "Q8_0", "attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q5_0",

@@ -706,6 +706,15 @@ def quantize_activations_q8_into(x, T, q, d, s, s16):
             d[t, b], s16[t, 2 * b], s16[t, 2 * b + 1], s[t, b] = scale, low, high, low + high
 
 
+@njit(cache=True)
+def activations_residual_into(x, T, q, d, r):
+    """r = x - d q for x[:T] quantized by quantize_activations_q8_into (in float64, rounded once to float32): the
+    second part's input of quant.quantize_activations_two_part.          # [>=T, K], q, d -> r [>=T, K] float32"""
+    for t in range(T):
+        for k in range(q.shape[1]):
+            r[t, k] = np.float32(np.float64(x[t, k]) - np.float64(d[t, k // 32]) * np.float64(q[t, k]))
+
+
 @njit(parallel=True, cache=True)
 def quantize_activations_q8_parallel(x, T, q, d, s, s16, threads):
     """quantize_activations_q8_into with the T tokens split into `threads` ranges run in parallel (tokens are

@@ -577,10 +577,10 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     mostly such calls); each matrix's part of a range goes to its type's row-range worker (kernels/quant.py).
 
     Every block type's weights (Q2_K .. Q8_0, as interleaved rows), in calls of any length, meet activations
-    quantized to 8 bits per block of 32
-    (as llama.cpp does): integer dot products, with x quantized once here for every matrix and row range (on every
-    thread from QUANTIZE_IN_PARALLEL_FROM tokens; docs/quant.md, "8-bit activations", for the rounding bound and
-    the measured KL divergence). Other types take x in float32.
+    quantized to 8 bits per block of 32 (as llama.cpp does): integer dot products, with x quantized once here for
+    every matrix and row range (on every thread from QUANTIZE_IN_PARALLEL_FROM tokens; docs/quant.md, "8-bit
+    activations", for the rounding bound and the measured KL divergence). Q2_K and Q3_K meet x as two 8-bit parts
+    (quant.quantize_activations_two_part: ~16 bits, two dots). Other types take x in float32.
     """
     unit = qk.ROWS_AT_ONCE if T == 1 else PANEL  # whole groups (or pairs) of interleaved rows
     total = np.int64(0)  # not a literal 0 (see _forward_quantized)
@@ -594,20 +594,41 @@ def products_into(pool, mats, first, count, x, T, out, threads):
             for j in range(16):
                 s += x[0, 16 * g + j]
             sums[g] = s
-    any_int8 = False
+    any_int8, two_part = False, False
     for i in range(count):
         any_int8 = any_int8 or _int8_type(mats[first + i, 1], T)
-    xq = Int8Activations(np.empty((T if any_int8 else 0, K), np.int8), np.empty((T, K // 32), np.float32),
-                         np.empty((T, K // 32), np.float32), np.empty((T, K // 16), np.int32))
-    if any_int8 and threads > 1 and T >= QUANTIZE_IN_PARALLEL_FROM:
-        qk.quantize_activations_q8_parallel(x, T, xq.q, xq.d, xq.s, xq.s16, threads)
-    elif any_int8:
-        qk.quantize_activations_q8_into(x, T, xq.q, xq.d, xq.s, xq.s16)
+        two_part = two_part or _two_part_type(mats[first + i, 1])
+    xq = _int8_activations(T if any_int8 else 0, K)
+    _quantize_into(x, T, xq, threads)
+    # the second 8-bit part of the activations (TWO_PART_ACTIVATION_TYPES): the residual x - d q quantized again,
+    # its products computed `aside` and added (empty where no matrix takes it)
+    xr, aside = _int8_activations(T if two_part else 0, K), np.empty((T if two_part else 0, out.shape[1]), np.float32)
+    if two_part:
+        r = np.empty((T, K), np.float32)
+        qk.activations_residual_into(x, T, xq.q, xq.d, r)
+        _quantize_into(r, T, xr, threads)
     chunks = max(1, min(total, threads))
     if chunks == 1:
-        _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, np.int64(0), total)
+        _product_units(pool, mats, first, count, x, T, out, sums, xq, xr, aside, unit, np.int64(0), total)
     else:
-        _products_parallel(pool, mats, first, count, x, T, out, sums, xq, unit, total, chunks)
+        _products_parallel(pool, mats, first, count, x, T, out, sums, xq, xr, aside, unit, total, chunks)
+
+
+@njit(inline="always")
+def _int8_activations(T, K) -> Int8Activations:
+    """Room for T tokens' activations of K values quantized to 8 bits."""
+    return Int8Activations(np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32),
+                           np.empty((T, K // 32), np.float32), np.empty((T, K // 16), np.int32))
+
+
+@njit(inline="always")
+def _quantize_into(x, T, xq, threads):
+    """xq = x[:T] quantized to 8 bits (nothing where xq has no rows), on every thread from QUANTIZE_IN_PARALLEL_FROM
+    tokens."""
+    if xq.q.shape[0] and threads > 1 and T >= QUANTIZE_IN_PARALLEL_FROM:
+        qk.quantize_activations_q8_parallel(x, T, xq.q, xq.d, xq.s, xq.s16, threads)
+    elif xq.q.shape[0]:
+        qk.quantize_activations_q8_into(x, T, xq.q, xq.d, xq.s, xq.s16)
 
 
 @njit(inline="always")
@@ -617,15 +638,22 @@ def _int8_type(code, T) -> bool:
     return code >= qk.INTERLEAVED_CODE
 
 
+@njit(inline="always")
+def _two_part_type(code) -> bool:
+    """Whether weights of type `code` take their activations in two 8-bit parts (quant.TWO_PART_ACTIVATION_TYPES:
+    Q2_K and Q3_K, interleaved)."""
+    return code == qk.INTERLEAVED_CODE + qk.Q2_K or code == qk.INTERLEAVED_CODE + qk.Q3_K
+
+
 @njit(parallel=True, cache=True)
-def _products_parallel(pool, mats, first, count, x, T, out, sums, xq, unit, total, chunks):
+def _products_parallel(pool, mats, first, count, x, T, out, sums, xq, xr, aside, unit, total, chunks):
     for c in prange(chunks):
-        _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, c * total // chunks,
+        _product_units(pool, mats, first, count, x, T, out, sums, xq, xr, aside, unit, c * total // chunks,
                        (c + 1) * total // chunks)
 
 
 @njit(cache=True)
-def _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, u0, u1):
+def _product_units(pool, mats, first, count, x, T, out, sums, xq, xr, aside, unit, u0, u1):
     """Units u0 .. u1-1 of the concatenated rows (unit 1) or panels (unit 16) of matrices first .. first+count-1."""
     base, col = np.int64(0), np.int64(0)
     for i in range(count):
@@ -637,13 +665,28 @@ def _product_units(pool, mats, first, count, x, T, out, sums, xq, unit, u0, u1):
             w = _matrix(pool, mats, m)
             n0, n1 = (lo - base) * unit, min((hi - base) * unit, N)
             if _int8_type(mats[m, 1], T):
-                qk.matmul_rows_interleaved(mats[m, 1], w, xq.q, xq.d, xq.s, xq.s16, T, out, col, n0, n1)
+                _int8_products(mats[m, 1], w, xq, xr, T, out, aside, col, n0, n1)
             elif T == 1:
                 qk.matvec_rows(mats[m, 1], w, x[0], sums, out[0], col, n0, n1)
             else:
                 qk.matmul_rows(mats[m, 1], w, x, T, out, col, n0, n1)
         base += units
         col += N
+
+
+@njit(inline="always")
+def _int8_products(code, w, xq, xr, T, out, aside, col, n0, n1):
+    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1 on x's 8-bit part xq, plus (TWO_PART_ACTIVATION_TYPES)
+    the same product on its second part xr, computed in `aside`. ONE call site of the interleaved kernels: each
+    one is compiled into this function once."""
+    parts = 2 if _two_part_type(code) else 1
+    for part in range(parts):
+        a = xq if part == 0 else xr
+        qk.matmul_rows_interleaved(code, w, a.q, a.d, a.s, a.s16, T, out if part == 0 else aside, col, n0, n1)
+    if parts == 2:
+        for t in range(T):
+            for n in range(col + n0, col + n1):
+                out[t, n] += aside[t, n]
 
 
 @njit(inline="always")
