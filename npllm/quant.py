@@ -722,27 +722,32 @@ def matmul_t_q8_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int],
     return dequantize_activations_q8(q_x, d_x) @ dequantize(raw, qtype, shape).astype(np.float64).T
 
 
-def quantize_activations_two_part(x: np.ndarray) -> tuple[tuple, tuple]:
-    """Activations as TWO 8-bit parts, x ~ d q + d' q': the first quantize_activations_q8(x), the second the same
-    quantizer on what the first leaves, r = x - d q (in float64, rounded once to float32):
+def quantize_activations_two_part(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Activations in TWO 8-bit parts, x ~ d q + (d / 128) q': the first quantize_activations_q8(x), the second
+    what it leaves, r = x - d q, in steps of d / 128:
 
-        |r_bj| <= d_b / 2, so d'_b = max_j |r_bj| / 127 <= d_b / 254 and |x_bj - (d_b q_bj + d'_b q'_bj)| <= d_b / 508
+        q'_bj = round(r_bj / (d_b / 128))   (float64, halves away from zero; 0 where d_b = 0), |q'_bj| <= 64
 
-    (about 16 bits per value, against 8 bits' d_b / 2). Each part meets the weights in the same integer dot product,
-    so a product costs two.          # [..., K] float32 -> ((q, d, s), (q', d', s')) as quantize_activations_q8's"""
+    since |r_bj| <= d_b / 2. Together they are the 15-bit integers v = 128 q + q' with the scale d / 128, each value
+    within d_b / 256 of x (against one part's d_b / 2). A weight's integer dot with v is 128 times its dot with q
+    plus its dot with q': two dot-product instructions on the weights unpacked once.
+                                             # [..., K] float32 -> q, q' [..., K] int8, d [..., K / 32] float32"""
     x = np.asarray(x, dtype=np.float32)
-    first = quantize_activations_q8(x)
-    r = (x.astype(np.float64) - dequantize_activations_q8(*first[:2])).astype(np.float32)
-    return first, quantize_activations_q8(r)
+    q, d, _ = quantize_activations_q8(x)
+    r = (x.astype(np.float64) - dequantize_activations_q8(q, d)).reshape(*d.shape, Q8_BLOCK)
+    step = d.astype(np.float64)[..., None] / 128
+    with np.errstate(divide="ignore", invalid="ignore"):
+        second = np.where(step == 0, 0.0, r / step)
+    return q, _round_half_away(second).astype(np.int8).reshape(q.shape), d
 
 
 def matmul_t_two_part_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int], x: np.ndarray) -> np.ndarray:
-    """x W^T with x as two 8-bit parts (quantize_activations_two_part): (x^ + x^') W^T in float64, W the dequantized
-    weights; the kernels compute each part's product as matmul_t_q8_activations states and add the two.
-                                                                       # [T, K] float32 -> [T, N] float64"""
-    (q, d, _), (q_r, d_r, _) = quantize_activations_two_part(np.atleast_2d(x))
-    x_hat = dequantize_activations_q8(q, d) + dequantize_activations_q8(q_r, d_r)
-    return x_hat @ dequantize(raw, qtype, shape).astype(np.float64).T
+    """x W^T with x in two 8-bit parts (quantize_activations_two_part): x^ W^T in float64, x^ = (d / 128) (128 q +
+    q'), W the dequantized weights; the kernels compute it as matmul_t_q8_activations states, with v = 128 q + q'
+    for q_x and d / 128 for d_x.                                           # [T, K] float32 -> [T, N] float64"""
+    q, q_r, d = quantize_activations_two_part(np.atleast_2d(x))
+    v = 128 * q.astype(np.int32) + q_r
+    return dequantize_activations_q8(v, d / np.float32(128)) @ dequantize(raw, qtype, shape).astype(np.float64).T
 
 
 # The types whose matrix products npllm's Numba model computes on 8-bit activations (every block type, on rows

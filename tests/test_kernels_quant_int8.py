@@ -49,21 +49,30 @@ def test_compiled_activation_quantizer_is_the_reference(data):
 
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())
-def test_two_part_activations_hold_about_16_bits(data):
-    """The second 8-bit part quantizes what the first leaves (the compiled residual is the NumPy one bit for bit);
-    together they are within d / 508 of x (d the first part's scale, plus float32's rounding of the residual),
-    against one part's d / 2."""
+def test_two_part_activations_hold_15_bits(data):
+    """The second 8-bit part is what the first leaves in steps of d / 128 (|q'| <= 64), so that the 15-bit
+    v = 128 q + q' with the scale d / 128 is within d / 256 of x, against one part's d / 2; the compiled quantizer
+    gives the same integers, in one thread or several, and v's sums."""
     T, blocks = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
     scale = data.draw(st.sampled_from([1e-30, 1e-3, 1.0, 1e4]))
     x = (activations(data.draw, (T, 32 * blocks)) * np.float32(scale)).astype(np.float32)
-    (q, d, _), (q_r, d_r, s_r) = quant.quantize_activations_two_part(x)
-    r = np.full_like(x, np.nan)
-    kq.activations_residual_into(x, T, q, d, r)
-    again = quant.quantize_activations_q8(r)
-    assert np.array_equal(again[0], q_r) and np.array_equal(again[1], d_r) and np.array_equal(again[2], s_r)
-    x_hat = quant.dequantize_activations_q8(q, d) + quant.dequantize_activations_q8(q_r, d_r)
-    err = np.abs(x.astype(np.float64) - x_hat).reshape(T, -1, 32)
-    assert np.all(err <= d[..., None].astype(np.float64) * (1 / 508 + 1e-7) * (1 + 1e-5) + 1e-44)
+    q, q_r, d = quant.quantize_activations_two_part(x)
+    assert np.array_equal(q, quant.quantize_activations_q8(x)[0]) and np.all(np.abs(q_r.astype(np.int32)) <= 64)
+    v = 128 * q.astype(np.int32) + q_r
+    err = np.abs(x.astype(np.float64) - quant.dequantize_activations_q8(v, d / np.float32(128))).reshape(T, -1, 32)
+    assert np.all(err <= d[..., None].astype(np.float64) * (1 / 256) * (1 + 1e-6) + 1e-44)
+    K = x.shape[1]
+    q8, d8, s8, h8 = np.empty_like(q), np.empty_like(d), np.empty(d.shape, np.float32), np.empty((T, K // 16), np.int32)
+    kq.quantize_activations_q8_into(x, T, q8, d8, s8, h8)
+    for threads in (None, data.draw(st.integers(1, 4), label="threads")):
+        got = np.empty((T, 2 * K), np.int8), np.empty_like(d), np.empty(d.shape, np.float32), np.empty_like(h8)
+        if threads is None:
+            kq.two_part_activations_into(x, T, q8, d8, *got)
+        else:
+            kq.two_part_activations_parallel(x, T, q8, d8, *got, threads)
+        assert np.array_equal(got[0], np.concatenate([q, q_r], axis=1)) and np.array_equal(got[1], d / 128)
+        assert np.array_equal(got[3], v.reshape(T, -1, 16).sum(axis=2))
+        assert np.array_equal(got[2], v.reshape(T, -1, 32).sum(axis=2))
 
 
 # bytes of each type's small integers: zeroed, a block dequantizes to its offsets (Q4_0's -8 d, Q4_K's -dmin mn)
@@ -329,7 +338,8 @@ def test_interleaving_refuses_what_it_cannot_regroup():
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
 def test_interleaved_kernels_are_the_reference(qtype, data):
-    """The kernels on interleaved rows: the NumPy reference to float32 rounding, as the one-row kernels are; each
+    """The kernels on interleaved rows: the NumPy reference (Q2_K, Q3_K: on two-part activations) to float32
+    rounding, as the one-row kernels are; each
     token's row the same bits whether it comes alone (decode) or in tiles of four (prefill); any number of rows
     (the last group's zero padding computed aside, not stored)."""
     w, K = data.draw(quantized_matrix(qtype))
@@ -337,7 +347,9 @@ def test_interleaved_kernels_are_the_reference(qtype, data):
     x = activations(data.draw, (T, K))
     N = w.shape[0]
     got = kq.matmul_int8_interleaved(quant.interleave_rows(w, qtype), qtype, x, N)
-    reference = quant.matmul_t_q8_activations(w, qtype, (w.shape[0], K), x)
+    oracle = (quant.matmul_t_two_part_activations if qtype in quant.TWO_PART_ACTIVATION_TYPES
+              else quant.matmul_t_q8_activations)
+    reference = oracle(w, qtype, (w.shape[0], K), x)
     to_reference, _ = bounds(w, qtype, K, x)
     assert got.dtype == np.float32 and got.shape == (T, w.shape[0])
     assert np.all(np.abs(got - reference) <= to_reference)
@@ -346,9 +358,10 @@ def test_interleaved_kernels_are_the_reference(qtype, data):
     np.testing.assert_array_equal(got, one_by_one)
 
 
-def interleaved_dots(w, x):
+def interleaved_dots(w, x, y):
     """The exact integer dots each interleaved intrinsic below must give for one group's 256 bytes w: [12, 8] (one row
-    per intrinsic call in interleaved_lanes, one column per row of the group)."""
+    per intrinsic call in interleaved_lanes, one column per row of the group); Q3_K's and Q2_K's with the two-part
+    activations v = 128 x + y."""
     q8 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w])[None], "Q8_0")[:, 2:].view(np.int8)
     q4 = quant.deinterleave_rows(np.concatenate([np.zeros(16, np.uint8), w[:128]])[None], "Q4_0")[:, 2:]
     u4 = np.concatenate([q4 & 15, q4 >> 4], axis=1).astype(np.int64)  # nibble j, then j + 16
@@ -361,32 +374,35 @@ def interleaved_dots(w, x):
     u5 = np.concatenate([q5_0[:, 6:] & 15, q5_0[:, 6:] >> 4], axis=1).astype(np.int64) | (fifth << 4)
     q3 = (((run >> 2) & 3) | (((qh_run >> 5) & 1) << 2)).astype(np.int64) - 4  # qs_shift 2, hm_shift 5
     q2 = ((run >> 6) & 3).astype(np.int64)  # qs_shift 6
-    x64 = x.astype(np.int64)
+    x64, v = x.astype(np.int64), 128 * x.astype(np.int64) + y
     return np.array([q8.astype(np.int64) @ x64, (u4 - 8) @ x64, (run & 15).astype(np.int64) @ x64,
                      (run >> 4).astype(np.int64) @ x64, q6[:, :16] @ x64[:16], q6[:, 16:] @ x64[16:], q5 @ x64,
-                     (u5 - 16) @ x64, q3[:, :16] @ x64[:16], q3[:, 16:] @ x64[16:], q2[:, :16] @ x64[:16],
-                     q2[:, 16:] @ x64[16:]], np.float32)
+                     (u5 - 16) @ x64, q3[:, :16] @ v[:16], q3[:, 16:] @ v[16:], q2[:, :16] @ v[:16],
+                     q2[:, 16:] @ v[16:]], np.float32)
 
 
 @settings(max_examples=30, deadline=None)
-@given(w=hnp.arrays(np.uint8, 512), x=hnp.arrays(np.int8, 32, elements=st.integers(-127, 127)))
-def test_interleaved_integer_dots_are_the_integer_dot(w, x):
+@given(w=hnp.arrays(np.uint8, 512), x=hnp.arrays(np.int8, 32, elements=st.integers(-127, 127)),
+       y=hnp.arrays(np.int8, 32, elements=st.integers(-64, 64)))
+def test_interleaved_integer_dots_are_the_integer_dot(w, x, y):
     """Lane r of an interleaved block's dot: the exact integer dot of row r's 32 values (Q8_0's q, Q4_0's u - 8, a
     Q4_K run's low or high nibbles; a Q6_K group's first or last 16, q - 32; a Q5_K run's nibbles with their fifth
-    bits; Q5_0's u - 16; Q3_K's and Q2_K's as Q6_K's, q - 4 and q) with x, each from its start (minus the bias
+    bits; Q5_0's u - 16; Q3_K's and Q2_K's as Q6_K's, q - 4 and q, with two parts v = 128 x + y) with x, each from
+    its start (minus the bias
     times the activations' sum); for one group, on the machine's instructions, on AVX2 without VNNI where the
     machine has it, and in plain LLVM; for a pair of groups (rows 8 .. 15 from the second, stride bytes on), on the
     machine's 512-bit instructions where it has them, and in plain LLVM."""
-    expected = [interleaved_dots(w[:256], x), interleaved_dots(w[256:], x)]
+    expected = [interleaved_dots(w[:256], x, y), interleaved_dots(w[256:], x, y)]
     total, halves = int(x.astype(np.int32).sum()), x.astype(np.int32).reshape(2, 16).sum(axis=1)
+    v_halves = (128 * x.astype(np.int32) + y).reshape(2, 16).sum(axis=1)
     machines = [(kq.X8_IDOTS, 1, kq.Q8_0_BIAS), (kq.GENERIC_X8_IDOTS, 1, 128), (kq.X16_IDOTS, 2, 128),
                 (kq.GENERIC_X16_IDOTS, 2, 128)]
     if kq.AVX2_X8_IDOTS is not None:  # None on a machine without AVX2
         machines.append((kq.AVX2_X8_IDOTS, 1, 0))  # Q8_0's bytes back to q, the sign trick: no bias to undo
     for idots, groups, q8_0_bias in machines:
         starts = np.array([-q8_0_bias * total, -8 * total, -32 * halves[0], -32 * halves[1], -16 * total,
-                           -4 * halves[0], -4 * halves[1]], np.int32)
-        got = interleaved_lanes(*idots)(w, x, starts)
+                           -4 * v_halves[0], -4 * v_halves[1]], np.int32)
+        got = interleaved_lanes(*idots)(w, np.concatenate([x, y]), starts)
         np.testing.assert_array_equal(got[:, :8 * groups], np.concatenate(expected[:groups], axis=1))
 
 
@@ -405,10 +421,10 @@ def interleaved_lanes(q8_0, q4_0, q4_k, q6_k_low, q6_k_high, q5_k, q5_0, q3_k_lo
         vstore(out, 80, q6_k_high(wrapped, 0, 4, 179, 2, 512, x, 0, starts[3]))
         vstore(out, 96, q5_k(wrapped, 0, 512, 4, 179, 2, x, 0))
         vstore(out, 112, q5_0(wrapped, 0, 512, x, 0, starts[4]))  # fifth bits' word at 0, the nibbles' from 32
-        vstore(out, 128, q3_k_low(wrapped, 0, 2, 179, 5, 512, x, 0, starts[5]))
-        vstore(out, 144, q3_k_high(wrapped, 0, 2, 179, 5, 512, x, 0, starts[6]))
-        vstore(out, 160, q2_k_low(wrapped, 0, 6, 179, 0, 512, x, 0, np.int32(0)))
-        vstore(out, 176, q2_k_high(wrapped, 0, 6, 179, 0, 512, x, 0, np.int32(0)))
+        vstore(out, 128, q3_k_low(wrapped, 0, 2, 179, 5, 512, x, 0, 32, starts[5]))  # two parts: x[:32], x[32:]
+        vstore(out, 144, q3_k_high(wrapped, 0, 2, 179, 5, 512, x, 0, 32, starts[6]))
+        vstore(out, 160, q2_k_low(wrapped, 0, 6, 179, 0, 512, x, 0, 32, np.int32(0)))
+        vstore(out, 176, q2_k_high(wrapped, 0, 6, 179, 0, 512, x, 0, 32, np.int32(0)))
         return out
 
     return lanes

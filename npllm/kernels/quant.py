@@ -36,7 +36,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..quant import INTERLEAVED_BLOCK_BYTES, INTERLEAVED_TYPES, QK_K, TYPES, QuantizationError
+from ..quant import (INTERLEAVED_BLOCK_BYTES, INTERLEAVED_TYPES, QK_K, TWO_PART_ACTIVATION_TYPES, TYPES,
+                     QuantizationError)
 from .cpu import PANEL, REASSOC, TILE_T, _tile_6x16
 from .simd import (_is_f32_c_array, _lane_pointer, _vector, f32x8, f32x16, vadd, vfma, vfmav, vload, vsplat, vstore,
                    vsum, vzero, vzero16)
@@ -707,12 +708,33 @@ def quantize_activations_q8_into(x, T, q, d, s, s16):
 
 
 @njit(cache=True)
-def activations_residual_into(x, T, q, d, r):
-    """r = x - d q for x[:T] quantized by quantize_activations_q8_into (in float64, rounded once to float32): the
-    second part's input of quant.quantize_activations_two_part.          # [>=T, K], q, d -> r [>=T, K] float32"""
+def two_part_activations_into(x, T, q, d, v, d_v, s_v, s16_v):
+    """quant.quantize_activations_two_part of x[:T], given its first part (q, d from quantize_activations_q8_into):
+    v [>=T, 2K] int8 each token's q then its second part q' = round((x - d q) / (d / 128)) (float64, halves away
+    from zero), d_v = d / 128 the scale of the 15-bit 128 q + q', s_v and s16_v that sum's over 32 and 16 values
+    (float32 and int32, exact) for the types' offsets."""
+    K = q.shape[1]
     for t in range(T):
-        for k in range(q.shape[1]):
-            r[t, k] = np.float32(np.float64(x[t, k]) - np.float64(d[t, k // 32]) * np.float64(q[t, k]))
+        for b in range(K // 32):
+            d_v[t, b] = d[t, b] / np.float32(128)  # exact: a power of two
+            step = np.float64(d_v[t, b])
+            halves = np.zeros(2, np.int32)
+            for j in range(32):
+                k = 32 * b + j
+                r = (np.float64(x[t, k]) - np.float64(d[t, b]) * np.float64(q[t, k])) / step if step else 0.0
+                second = np.int32(np.floor(abs(r) + 0.5)) * (-1 if r < 0 else 1)
+                v[t, k], v[t, K + k] = q[t, k], second
+                halves[j // 16] += 128 * np.int32(q[t, k]) + second
+            s16_v[t, 2 * b], s16_v[t, 2 * b + 1], s_v[t, b] = halves[0], halves[1], halves[0] + halves[1]
+
+
+@njit(parallel=True, cache=True)
+def two_part_activations_parallel(x, T, q, d, v, d_v, s_v, s16_v, threads):
+    """two_part_activations_into with the T tokens split into `threads` ranges run in parallel."""
+    for c in prange(threads):
+        t0, t1 = c * T // threads, (c + 1) * T // threads
+        two_part_activations_into(x[t0:t1], t1 - t0, q[t0:t1], d[t0:t1], v[t0:t1], d_v[t0:t1], s_v[t0:t1],
+                                  s16_v[t0:t1])
 
 
 @njit(parallel=True, cache=True)
@@ -1113,35 +1135,52 @@ def _interleaved_nibble_idot(groups: int, avx2: bool, vnni: bool, fifth: bool = 
     return intrinsic(typer)
 
 
-def _interleaved_split_idot(groups: int, avx2: bool, vnni: bool, part: int, bits: int = 4, high_bits: int = 2):
+def _interleaved_split_idot(groups: int, avx2: bool, vnni: bool, part: int, bits: int = 4, high_bits: int = 2,
+                            two_part: bool = False):
     """idot(w, iql, ql_shift, iqh, qh_shift, stride, x, ix, start) -> f32x8 (f32x16 for a pair): lane r = start +
     the exact integer dot of row r's 16 values 16 part .. 16 part + 15 of one group of 32, q = (ql >> ql_shift) &
     (2^bits - 1) | ((qh >> qh_shift) & (2^high_bits - 1)) << bits from the ql and qh runs at w.flat[iql:] and
     w.flat[iqh:] (8 words each; no qh where high_bits = 0), with x.flat[ix + 16 part:][:16]. Q6_K: bits 4, high
-    bits 2 (and a start of -32 times the activations' sum: the dot of q - 32); Q3_K: 2 and 1 (-4); Q2_K: 2 and 0."""
+    bits 2 (and a start of -32 times the activations' sum: the dot of q - 32).
+    two_part (Q3_K: 2 and 1, a start of -4 times the sum; Q2_K: 2 and 0): idot(w, iql, ql_shift, iqh, qh_shift,
+    stride, x, ix, ix2, start), the activations in two 8-bit parts (quant.quantize_activations_two_part), the dot
+    with the 15-bit v = 128 x.flat[ix:] + x.flat[ix2:] taken as 128 times the first part's plus the second's: the
+    words are unpacked once for both."""
 
-    def typer(typingctx, w, iql, ql_shift, iqh, qh_shift, stride, x, ix, start):
-        if not (_idot_args_ok(w, (iql, ql_shift, iqh, qh_shift, stride), x, ix)
-                and start in (types.int32, types.int64)):
-            return None
+    def codegen(context, builder, signature, args):
+        w_type, w, iql, ql_shift, iqh, qh_shift, stride = signature.args[0], *args[:6]
+        ws = []
+        for k in range(4 * part, 4 * part + 4):
+            low = _field(builder, _group_bytes(builder, context, w_type, w, iql, stride, groups, 32 * k),
+                         ql_shift, 2 ** bits - 1)
+            if high_bits:
+                high = _high_bits(builder, _group_bytes(builder, context, w_type, w, iqh, stride, groups, 32 * k),
+                                  qh_shift, high_bits, avx2 and GFNI, to=bits)
+                low = builder.or_(low, high)
+            ws.append(low)
+        x_type, x, starts = signature.args[6], args[6], args[7:-1]
 
-        def codegen(context, builder, signature, args):
-            w_type, w, iql, ql_shift, iqh, qh_shift, stride = signature.args[0], *args[:6]
-            ws = []
-            for k in range(4 * part, 4 * part + 4):
-                low = _field(builder, _group_bytes(builder, context, w_type, w, iql, stride, groups, 32 * k),
-                             ql_shift, 2 ** bits - 1)
-                if high_bits:
-                    high = _high_bits(builder, _group_bytes(builder, context, w_type, w, iqh, stride, groups, 32 * k),
-                                      qh_shift, high_bits, avx2 and GFNI, to=bits)
-                    low = builder.or_(low, high)
-                ws.append(low)
-            xs = [_broadcast4(builder, context, signature.args[6], args[6], _offset(builder, args[7], 4 * k),
-                              8 * groups) for k in range(4 * part, 4 * part + 4)]
-            start = _splat32(builder, builder.trunc(args[8], _I32) if args[8].type.width > 32 else args[8], 8 * groups)
-            return builder.sitofp(_chained_dots(builder, start, ws, xs, False, avx2, vnni), _vector(8 * groups))
+        def dots(ix, start):
+            xs = [_broadcast4(builder, context, x_type, x, _offset(builder, ix, 4 * k), 8 * groups)
+                  for k in range(4 * part, 4 * part + 4)]
+            return _chained_dots(builder, start, ws, xs, False, avx2, vnni)
 
-        return _F32XN[groups](w, iql, ql_shift, iqh, qh_shift, stride, x, ix, start), codegen
+        start = _splat32(builder, builder.trunc(args[-1], _I32) if args[-1].type.width > 32 else args[-1], 8 * groups)
+        if not two_part:
+            return builder.sitofp(dots(starts[0], start), _vector(8 * groups))
+        zero = ir.Constant(start.type, [0] * 8 * groups)
+        first = builder.shl(dots(starts[0], zero), ir.Constant(start.type, [7] * 8 * groups))
+        return builder.sitofp(builder.add(first, dots(starts[1], start)), _vector(8 * groups))
+
+    if two_part:
+        def typer(typingctx, w, iql, ql_shift, iqh, qh_shift, stride, x, ix, ix2, start):
+            if (_idot_args_ok(w, (iql, ql_shift, iqh, qh_shift, stride, ix), x, ix2)
+                    and start in (types.int32, types.int64)):
+                return _F32XN[groups](w, iql, ql_shift, iqh, qh_shift, stride, x, ix, ix2, start), codegen
+    else:
+        def typer(typingctx, w, iql, ql_shift, iqh, qh_shift, stride, x, ix, start):
+            if _idot_args_ok(w, (iql, ql_shift, iqh, qh_shift, stride), x, ix) and start in (types.int32, types.int64):
+                return _F32XN[groups](w, iql, ql_shift, iqh, qh_shift, stride, x, ix, start), codegen
 
     return intrinsic(typer)
 
@@ -1181,8 +1220,8 @@ def _x8_idots(groups: int, avx2: bool, vnni: bool):
             _interleaved_nibble_idot(groups, avx2, vnni), _interleaved_split_idot(groups, avx2, vnni, 0),
             _interleaved_split_idot(groups, avx2, vnni, 1), _interleaved_nibble_idot(groups, avx2, vnni, fifth=True),
             _interleaved_idot("Q5_0", groups, avx2, vnni),
-            *(_interleaved_split_idot(groups, avx2, vnni, part, 2, 1) for part in (0, 1)),
-            *(_interleaved_split_idot(groups, avx2, vnni, part, 2, 0) for part in (0, 1)))
+            *(_interleaved_split_idot(groups, avx2, vnni, part, 2, 1, two_part=True) for part in (0, 1)),
+            *(_interleaved_split_idot(groups, avx2, vnni, part, 2, 0, two_part=True) for part in (0, 1)))
 
 
 # X8_IDOTS: the machine's dots of one group (idot_q8_0(w, iw, stride, x, ix, start), idot_q4_0(...), idot_q4_k(w,
@@ -1379,12 +1418,17 @@ def _block_accumulators(groups: int):
                         a3 = q6_k_token(a3, w, ql, 4, qh, 2 * k + 4, low, high, q, d, s16, j + 2, t + 3)
         return a0, a1, a2, a3
 
+    # Q3_K and Q2_K meet activations in two 8-bit parts (quant.quantize_activations_two_part): q [T, 2K] holds
+    # each token's first part then its second, d the scale of their 15-bit sum v = 128 q + q' (the first part's
+    # over 128), s16 the sums of v (two_part_activations_into).
+
     @njit(fastmath=REASSOC, inline="always")
     def q3_k_token(acc, w, iqs, qs_shift, ihm, hm_shift, scale_low, scale_high, q, d, s16, j, t):
-        """acc[r] += (d_r sc_ri) (d_x ((q - 4)_r . q_x)) for the two sub-blocks of 16 of activation block j."""
+        """acc[r] += (d_r sc_ri) (d_x ((q - 4)_r . v_x)) for the two sub-blocks of 16 of activation block j."""
         ix = t * q.shape[1] + 32 * j
-        low = idot_q3_k_low(w, iqs, qs_shift, ihm, hm_shift, w.shape[1], q, ix, np.int32(-4) * s16[t, 2 * j])
-        high = idot_q3_k_high(w, iqs, qs_shift, ihm, hm_shift, w.shape[1], q, ix, np.int32(-4) * s16[t, 2 * j + 1])
+        ix2, stride = ix + q.shape[1] // 2, w.shape[1]
+        low = idot_q3_k_low(w, iqs, qs_shift, ihm, hm_shift, stride, q, ix, ix2, np.int32(-4) * s16[t, 2 * j])
+        high = idot_q3_k_high(w, iqs, qs_shift, ihm, hm_shift, stride, q, ix, ix2, np.int32(-4) * s16[t, 2 * j + 1])
         return vfmav(vfmav(acc, scale_low, vfma(zero(), d[t, j], low)), scale_high, vfma(zero(), d[t, j], high))
 
     @njit(fastmath=REASSOC, inline="always")
@@ -1392,7 +1436,7 @@ def _block_accumulators(groups: int):
         """Q3_K: group i of 32 (activation block j = 8 b + i) holds sub-blocks 2 i and 2 i + 1 of 16, their low
         bits at shift 2 (i % 4) of qs run i // 4, their third bits bit i of the hmask run."""
         a0, a1, a2, a3 = zero(), zero(), zero(), zero()
-        for b in range(q.shape[1] // QK_K):
+        for b in range(q.shape[1] // (2 * QK_K)):
             at, stride = g * w.shape[1] + 912 * b, w.shape[1]
             d_w, ihm = halves(w, at, stride), at + 144
             for i in range(8):
@@ -1410,11 +1454,12 @@ def _block_accumulators(groups: int):
 
     @njit(fastmath=REASSOC, inline="always")
     def q2_k_token(acc, w, iqs, qs_shift, scale_low, scale_high, min_low, min_high, q, d, s16, j, t):
-        """acc[r] += (d_r sc_ri) (d_x (q_r . q_x)) - (dmin_r mn_ri) (d_x s_x) for the two sub-blocks of 16 of
+        """acc[r] += (d_r sc_ri) (d_x (q_r . v_x)) - (dmin_r mn_ri) (d_x s_x) for the two sub-blocks of 16 of
         activation block j (s_x the sum of the 16 activations a sub-block meets)."""
         ix = t * q.shape[1] + 32 * j
-        low = idot_q2_k_low(w, iqs, qs_shift, iqs, 0, w.shape[1], q, ix, np.int32(0))
-        high = idot_q2_k_high(w, iqs, qs_shift, iqs, 0, w.shape[1], q, ix, np.int32(0))
+        ix2 = ix + q.shape[1] // 2
+        low = idot_q2_k_low(w, iqs, qs_shift, iqs, 0, w.shape[1], q, ix, ix2, np.int32(0))
+        high = idot_q2_k_high(w, iqs, qs_shift, iqs, 0, w.shape[1], q, ix, ix2, np.int32(0))
         acc = vfmav(vfmav(acc, scale_low, vfma(zero(), d[t, j], low)), scale_high, vfma(zero(), d[t, j], high))
         acc = vfma(acc, -(d[t, j] * np.float32(s16[t, 2 * j])), min_low)
         return vfma(acc, -(d[t, j] * np.float32(s16[t, 2 * j + 1])), min_high)
@@ -1424,7 +1469,7 @@ def _block_accumulators(groups: int):
         """Q2_K: group i of 32 (activation block j = 8 b + i) holds sub-blocks 2 i and 2 i + 1 of 16 at shift
         2 (i % 4) of qs run i // 4; each sub-block's byte holds its scale (low nibble) and min (high nibble)."""
         a0, a1, a2, a3 = zero(), zero(), zero(), zero()
-        for b in range(q.shape[1] // QK_K):
+        for b in range(q.shape[1] // (2 * QK_K)):
             at, stride = g * w.shape[1] + 672 * b, w.shape[1]
             d_w, dmin = halves(w, at, stride), halves(w, at + 16, stride)
             for i in range(8):
@@ -1609,8 +1654,8 @@ def matmul_int8(w: np.ndarray, qtype: str, x: np.ndarray, threads: int = 1) -> n
 
 
 def matmul_int8_interleaved(w8: np.ndarray, qtype: str, x: np.ndarray, rows: int | None = None) -> np.ndarray:
-    """x W^T with x quantized to 8-bit blocks, W's first `rows` rows (default all 8 G) held as
-    quant.interleave_rows(w, qtype), on the calling thread.
+    """x W^T with x quantized to 8-bit blocks (in two parts for quant.TWO_PART_ACTIVATION_TYPES), W's first `rows`
+    rows (default all 8 G) held as quant.interleave_rows(w, qtype), on the calling thread.
                                                  # [G, interleaved row bytes] uint8, [T, K] float32 -> [T, rows]"""
     if qtype not in INTERLEAVED_TYPES:
         raise QuantizationError(f"npllm interleaves the rows of {', '.join(INTERLEAVED_TYPES)} only, not {qtype}")
@@ -1628,6 +1673,10 @@ def matmul_int8_interleaved(w8: np.ndarray, qtype: str, x: np.ndarray, rows: int
     q, d, s = np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32), np.empty((T, K // 32), np.float32)
     s16 = np.empty((T, K // 16), np.int32)
     quantize_activations_q8_into(x, T, q, d, s, s16)
+    if qtype in TWO_PART_ACTIVATION_TYPES:
+        v, d_v, s_v, s16_v = np.empty((T, 2 * K), np.int8), np.empty_like(d), np.empty_like(s), np.empty_like(s16)
+        two_part_activations_into(x, T, q, d, v, d_v, s_v, s16_v)
+        q, d, s, s16 = v, d_v, s_v, s16_v
     out = np.empty((T, N), np.float32)
     matmul_rows_interleaved(INTERLEAVED_CODE + TYPES[qtype].type_id, w8, q, d, s, s16, T, out, 0, 0, N)
     return out

@@ -342,7 +342,9 @@ def _forward(tokens, positions, seqs, w, inv_freq, dims, ring):
 # computed in ONE parallel region over their concatenated rows, each matrix by the row-range worker of its own type
 # (kernels/quant.py), so a file that mixes types (Q4_K_M: Q4_K, Q6_K, Q5_0, ...) runs every matrix as stored.
 
-# A product's input quantized to 8 bits per block of 32 (kernels/quant.py quantize_activations_q8_into).
+# A product's input quantized to 8 bits per block of 32 (kernels/quant.py quantize_activations_q8_into), or in two
+# 8-bit parts (two_part_activations_into: q [T, 2K] each token's first part then its second, d, s and s16 those of
+# the 15-bit sum v = 128 q + q').
 Int8Activations = namedtuple("Int8Activations", [
     "q",  # [T, K] int8       round(x / d)
     "d",  # [T, K/32]         block scales max|x| / 127
@@ -579,8 +581,8 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     Every block type's weights (Q2_K .. Q8_0, as interleaved rows), in calls of any length, meet activations
     quantized to 8 bits per block of 32 (as llama.cpp does): integer dot products, with x quantized once here for
     every matrix and row range (on every thread from QUANTIZE_IN_PARALLEL_FROM tokens; docs/quant.md, "8-bit
-    activations", for the rounding bound and the measured KL divergence). Q2_K and Q3_K meet x as two 8-bit parts
-    (quant.quantize_activations_two_part: ~16 bits, two dots). Other types take x in float32.
+    activations", for the rounding bound and the measured KL divergence). Q2_K and Q3_K meet x in two 8-bit parts
+    (quant.quantize_activations_two_part: 15 bits, two dot instructions a word). Other types take x in float32.
     """
     unit = qk.ROWS_AT_ONCE if T == 1 else PANEL  # whole groups (or pairs) of interleaved rows
     total = np.int64(0)  # not a literal 0 (see _forward_quantized)
@@ -598,37 +600,29 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     for i in range(count):
         any_int8 = any_int8 or _int8_type(mats[first + i, 1], T)
         two_part = two_part or _two_part_type(mats[first + i, 1])
-    xq = _int8_activations(T if any_int8 else 0, K)
-    _quantize_into(x, T, xq, threads)
-    # the second 8-bit part of the activations (TWO_PART_ACTIVATION_TYPES): the residual x - d q quantized again,
-    # its products computed `aside` and added (empty where no matrix takes it)
-    xr, aside = _int8_activations(T if two_part else 0, K), np.empty((T if two_part else 0, out.shape[1]), np.float32)
-    if two_part:
-        r = np.empty((T, K), np.float32)
-        qk.activations_residual_into(x, T, xq.q, xq.d, r)
-        _quantize_into(r, T, xr, threads)
+    xq = _int8_activations(T if any_int8 else 0, K, 1)
+    xv = _int8_activations(T if two_part else 0, K, 2)  # the two parts, for TWO_PART_ACTIVATION_TYPES
+    in_parallel = threads > 1 and T >= QUANTIZE_IN_PARALLEL_FROM
+    if any_int8 and in_parallel:
+        qk.quantize_activations_q8_parallel(x, T, xq.q, xq.d, xq.s, xq.s16, threads)
+    elif any_int8:
+        qk.quantize_activations_q8_into(x, T, xq.q, xq.d, xq.s, xq.s16)
+    if two_part and in_parallel:
+        qk.two_part_activations_parallel(x, T, xq.q, xq.d, xv.q, xv.d, xv.s, xv.s16, threads)
+    elif two_part:
+        qk.two_part_activations_into(x, T, xq.q, xq.d, xv.q, xv.d, xv.s, xv.s16)
     chunks = max(1, min(total, threads))
     if chunks == 1:
-        _product_units(pool, mats, first, count, x, T, out, sums, xq, xr, aside, unit, np.int64(0), total)
+        _product_units(pool, mats, first, count, x, T, out, sums, xq, xv, unit, np.int64(0), total)
     else:
-        _products_parallel(pool, mats, first, count, x, T, out, sums, xq, xr, aside, unit, total, chunks)
+        _products_parallel(pool, mats, first, count, x, T, out, sums, xq, xv, unit, total, chunks)
 
 
 @njit(inline="always")
-def _int8_activations(T, K) -> Int8Activations:
-    """Room for T tokens' activations of K values quantized to 8 bits."""
-    return Int8Activations(np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32),
+def _int8_activations(T, K, parts) -> Int8Activations:
+    """Room for T tokens' activations of K values quantized to 8 bits, in one part or two (q [T, 2K] then)."""
+    return Int8Activations(np.empty((T, parts * K), np.int8), np.empty((T, K // 32), np.float32),
                            np.empty((T, K // 32), np.float32), np.empty((T, K // 16), np.int32))
-
-
-@njit(inline="always")
-def _quantize_into(x, T, xq, threads):
-    """xq = x[:T] quantized to 8 bits (nothing where xq has no rows), on every thread from QUANTIZE_IN_PARALLEL_FROM
-    tokens."""
-    if xq.q.shape[0] and threads > 1 and T >= QUANTIZE_IN_PARALLEL_FROM:
-        qk.quantize_activations_q8_parallel(x, T, xq.q, xq.d, xq.s, xq.s16, threads)
-    elif xq.q.shape[0]:
-        qk.quantize_activations_q8_into(x, T, xq.q, xq.d, xq.s, xq.s16)
 
 
 @njit(inline="always")
@@ -646,14 +640,14 @@ def _two_part_type(code) -> bool:
 
 
 @njit(parallel=True, cache=True)
-def _products_parallel(pool, mats, first, count, x, T, out, sums, xq, xr, aside, unit, total, chunks):
+def _products_parallel(pool, mats, first, count, x, T, out, sums, xq, xv, unit, total, chunks):
     for c in prange(chunks):
-        _product_units(pool, mats, first, count, x, T, out, sums, xq, xr, aside, unit, c * total // chunks,
+        _product_units(pool, mats, first, count, x, T, out, sums, xq, xv, unit, c * total // chunks,
                        (c + 1) * total // chunks)
 
 
 @njit(cache=True)
-def _product_units(pool, mats, first, count, x, T, out, sums, xq, xr, aside, unit, u0, u1):
+def _product_units(pool, mats, first, count, x, T, out, sums, xq, xv, unit, u0, u1):
     """Units u0 .. u1-1 of the concatenated rows (unit 1) or panels (unit 16) of matrices first .. first+count-1."""
     base, col = np.int64(0), np.int64(0)
     for i in range(count):
@@ -665,28 +659,14 @@ def _product_units(pool, mats, first, count, x, T, out, sums, xq, xr, aside, uni
             w = _matrix(pool, mats, m)
             n0, n1 = (lo - base) * unit, min((hi - base) * unit, N)
             if _int8_type(mats[m, 1], T):
-                _int8_products(mats[m, 1], w, xq, xr, T, out, aside, col, n0, n1)
+                a = xv if _two_part_type(mats[m, 1]) else xq  # one call site: each kernel compiled in once
+                qk.matmul_rows_interleaved(mats[m, 1], w, a.q, a.d, a.s, a.s16, T, out, col, n0, n1)
             elif T == 1:
                 qk.matvec_rows(mats[m, 1], w, x[0], sums, out[0], col, n0, n1)
             else:
                 qk.matmul_rows(mats[m, 1], w, x, T, out, col, n0, n1)
         base += units
         col += N
-
-
-@njit(inline="always")
-def _int8_products(code, w, xq, xr, T, out, aside, col, n0, n1):
-    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1 on x's 8-bit part xq, plus (TWO_PART_ACTIVATION_TYPES)
-    the same product on its second part xr, computed in `aside`. ONE call site of the interleaved kernels: each
-    one is compiled into this function once."""
-    parts = 2 if _two_part_type(code) else 1
-    for part in range(parts):
-        a = xq if part == 0 else xr
-        qk.matmul_rows_interleaved(code, w, a.q, a.d, a.s, a.s16, T, out if part == 0 else aside, col, n0, n1)
-    if parts == 2:
-        for t in range(T):
-            for n in range(col + n0, col + n1):
-                out[t, n] += aside[t, n]
 
 
 @njit(inline="always")
