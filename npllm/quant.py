@@ -735,7 +735,9 @@ def quantize_activations_two_part(x: np.ndarray) -> tuple[np.ndarray, np.ndarray
     x = np.asarray(x, dtype=np.float32)
     q, d, _ = quantize_activations_q8(x)
     r = (x.astype(np.float64) - dequantize_activations_q8(q, d)).reshape(*d.shape, Q8_BLOCK)
-    step = d.astype(np.float64)[..., None] / 128
+    # the step in float32, as the kernels scale v (below d = 2^-119 it is a subnormal, rounded: the bound above
+    # then holds to within ~1e-41)
+    step = (d / np.float32(128)).astype(np.float64)[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
         second = np.where(step == 0, 0.0, r / step)
     return q, _round_half_away(second).astype(np.int8).reshape(q.shape), d

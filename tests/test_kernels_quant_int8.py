@@ -60,7 +60,7 @@ def test_two_part_activations_hold_15_bits(data):
     assert np.array_equal(q, quant.quantize_activations_q8(x)[0]) and np.all(np.abs(q_r.astype(np.int32)) <= 64)
     v = 128 * q.astype(np.int32) + q_r
     err = np.abs(x.astype(np.float64) - quant.dequantize_activations_q8(v, d / np.float32(128))).reshape(T, -1, 32)
-    assert np.all(err <= d[..., None].astype(np.float64) * (1 / 256) * (1 + 1e-6) + 1e-44)
+    assert np.all(err <= d[..., None].astype(np.float64) * (1 / 256) * (1 + 1e-6) + 1e-40)  # d / 128 subnormal
     K = x.shape[1]
     q8, d8, s8, h8 = np.empty_like(q), np.empty_like(d), np.empty(d.shape, np.float32), np.empty((T, K // 16), np.int32)
     kq.quantize_activations_q8_into(x, T, q8, d8, s8, h8)

@@ -707,25 +707,31 @@ def quantize_activations_q8_into(x, T, q, d, s, s16):
             d[t, b], s16[t, 2 * b], s16[t, 2 * b + 1], s[t, b] = scale, low, high, low + high
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # x / 0 is a float, not an exception (an all-zero block's, overwritten)
 def two_part_activations_into(x, T, q, d, v, d_v, s_v, s16_v):
     """quant.quantize_activations_two_part of x[:T], given its first part (q, d from quantize_activations_q8_into):
     v [>=T, 2K] int8 each token's q then its second part q' = round((x - d q) / (d / 128)) (float64, halves away
     from zero), d_v = d / 128 the scale of the 15-bit 128 q + q', s_v and s16_v that sum's over 32 and 16 values
     (float32 and int32, exact) for the types' offsets."""
     K = q.shape[1]
+    second = np.empty(32, np.float64)
     for t in range(T):
         for b in range(K // 32):
             d_v[t, b] = d[t, b] / np.float32(128)  # exact: a power of two
-            step = np.float64(d_v[t, b])
-            halves = np.zeros(2, np.int32)
-            for j in range(32):
-                k = 32 * b + j
-                r = (np.float64(x[t, k]) - np.float64(d[t, b]) * np.float64(q[t, k])) / step if step else 0.0
-                second = np.int32(np.floor(abs(r) + 0.5)) * (-1 if r < 0 else 1)
-                v[t, k], v[t, K + k] = q[t, k], second
-                halves[j // 16] += 128 * np.int32(q[t, k]) + second
-            s16_v[t, 2 * b], s16_v[t, 2 * b + 1], s_v[t, b] = halves[0], halves[1], halves[0] + halves[1]
+            step, scale = np.float64(d_v[t, b]), np.float64(d[t, b])
+            for j in range(32):  # branch-free: a vector loop
+                r = (np.float64(x[t, 32 * b + j]) - scale * np.float64(q[t, 32 * b + j])) / step
+                second[j] = np.copysign(np.floor(np.abs(r) + 0.5), r)
+            if step == 0:  # an all-zero block: x = 0 everywhere
+                second[:] = 0
+            for h in range(2):
+                total = np.int32(0)
+                for j in range(16 * h, 16 * h + 16):
+                    k = 32 * b + j
+                    v[t, k], v[t, K + k] = q[t, k], np.int8(second[j])
+                    total += 128 * np.int32(q[t, k]) + np.int32(second[j])
+                s16_v[t, 2 * b + h] = total
+            s_v[t, b] = s16_v[t, 2 * b] + s16_v[t, 2 * b + 1]
 
 
 @njit(parallel=True, cache=True)
