@@ -8,7 +8,8 @@ interleaved, for those from 16-100 tokens a call). The one-row kernels: the inte
     python scripts/bench_tiles.py --quantizer [--repeat 7]
 
 --interleaved measures instead the kernels the model runs (kernels.quant.matmul_rows_int8 on rows interleaved by
-eight, quant.interleave_rows), for each interleaved type at 1, 4, 16 and 64 tokens, with each type's ratio to Q4_0
+eight, quant.interleave_rows; Q2_K and Q3_K on two-part activations), for each interleaved type at 1, 4, 16 and 64
+tokens, with each type's ratio to Q4_0
 measured in the same rounds (the types alternate, best of --repeat rounds of 3 calls; this VM's speed moves within
 a minute, so the ratios mean more than the picoseconds). --quantizer times the activations' quantization to 8 bits
 (kernels.quant.quantize_activations_q8_into, what every product of the model starts with) on 64 tokens.
@@ -55,8 +56,11 @@ def interleaved(W: np.ndarray, x: np.ndarray, repeat: int) -> None:
         q, d, s = np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32), np.empty((T, K // 32), np.float32)
         s16, out = np.empty((T, K // 16), np.int32), np.empty((T, N), np.float32)
         kq.quantize_activations_q8_into(x[:T], T, q, d, s, s16)
-        runs = {t: (lambda w8=w8, code=code: kq.matmul_rows_int8(code, w8, q, d, s, s16, np.int64(T), out,
-                                                                 np.int64(0), np.int64(0), np.int64(N)))
+        one = (q, d, s, s16)
+        two = (np.empty((T, 2 * K), np.int8), np.empty_like(d), np.empty_like(s), np.empty_like(s16))
+        kq.two_part_activations_into(x[:T], T, q, d, *two)  # Q2_K's and Q3_K's (quant.TWO_PART_ACTIVATION_TYPES)
+        runs = {t: (lambda w8=w8, code=code, a=two if t in quant.TWO_PART_ACTIVATION_TYPES else one:
+                    kq.matmul_rows_int8(code, w8, *a, np.int64(T), out, np.int64(0), np.int64(0), np.int64(N)))
                 for t, (w8, code) in rows.items()}
         best = {t: float("inf") for t in types}
         for run in runs.values():
