@@ -434,7 +434,7 @@ def run_info(args) -> int:
     return 0
 
 
-QUANTIZE_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "f32")
+QUANTIZE_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "f16", "f32")
 
 
 def run_quantize(args) -> int:

@@ -486,25 +486,27 @@ def _pack_scales_6bit(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
     return np.concatenate([a, b, c], axis=1).astype(np.uint8)
 
 
-def _quantize_scale_min(values: np.ndarray, top: int):
-    """The K-quant rule for x = (d sc) q - dmin mn, q in 0..top, sub-blocks of 32 (Q4_K: top 15, Q5_K: 31).
+def _quantize_scale_min(values: np.ndarray, top: int, sub: int = 32, scale_top: int = 63):
+    """The K-quant rule for x = (d sc) q - dmin mn, q in 0..top, sub-blocks of `sub` values, sc and mn in
+    0..scale_top (Q4_K: top 15, Q5_K: 31, sub-blocks of 32 with 6-bit sc and mn; Q2_K: top 3, sub-blocks of 16
+    with 4-bit ones).
 
     npllm's scale choice, per sub-block, is plain min/max covering rather than llama.cpp's iterative search:
       1. mn_needed = -min(0, min x): the offset that brings the smallest value to q = 0;
-         dmin = smallest float16 >= max(mn_needed) / 63, mn = ceil(mn_needed / dmin)  (so dmin mn >= mn_needed);
+         dmin = smallest float16 >= max(mn_needed) / scale_top, mn = ceil(mn_needed / dmin) (so dmin mn >= mn_needed);
       2. sc_needed = (max x + dmin mn) / top: the step that reaches the largest value at q = top;
-         d = smallest float16 >= max(sc_needed) / 63, sc = ceil(sc_needed / d);
+         d = smallest float16 >= max(sc_needed) / scale_top, sc = ceil(sc_needed / d);
       3. q = clip(round((x + dmin mn) / (d sc)), 0, top).
     The grid [-dmin mn, top d sc - dmin mn] contains every value of the sub-block, so nothing is clipped and each
     error is at most half a step d sc / 2. llama.cpp's search trades some clipping for a lower mean error.
-    # [..., n] -> d, dmin [nb, 1]; sc, mn [nb, 8]; q [nb, 8, 32]
+    # [..., n] -> d, dmin [nb, 1]; sc, mn [nb, 256 / sub]; q [nb, 256 / sub, sub]
     """
-    x = _rows_of_blocks(values, QK_K).reshape(-1, 8, 32).astype(np.float64)
+    x = _rows_of_blocks(values, QK_K).reshape(-1, QK_K // sub, sub).astype(np.float64)
     mn_needed = -np.minimum(x.min(axis=2), 0.0)
-    dmin, mn = _scales_on_grid(mn_needed, 63)
+    dmin, mn = _scales_on_grid(mn_needed, scale_top)
     offset = (dmin * mn.astype(np.float32)).astype(np.float64)  # exactly what the decoder computes
     sc_needed = (x.max(axis=2) + offset) / top
-    d, sc = _scales_on_grid(sc_needed, 63)
+    d, sc = _scales_on_grid(sc_needed, scale_top)
     step = (d * sc.astype(np.float32)).astype(np.float64)[:, :, None]
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(step > 0, np.round((x + offset[:, :, None]) / step), 0)
@@ -549,6 +551,44 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
                            _as_half(d)], axis=1).reshape(-1)
 
 
+def _pack_sixteen_by_two_bits(q: np.ndarray) -> np.ndarray:
+    """_sixteen_by_two_bits undone: value j of sub-block s = 8 n + 2 k + h at bits 2 k of byte 32 n + 16 h + j.
+                                                                            # [nb, 16, 16] in 0..3 -> [nb, 64]"""
+    q = q.reshape(-1, 2, 4, 32)  # [nb, run n, shift k, byte 16 h + j]
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
+
+
+def quantize_q2_k(values: np.ndarray) -> np.ndarray:
+    """[..., n] (n a multiple of 256) -> Q2_K bytes [nb * 84]; scales chosen as in _quantize_scale_min (sub-blocks
+    of 16, q in 0..3, 4-bit scales and mins)."""
+    d, dmin, sc, mn, q = _quantize_scale_min(values, 3, sub=16, scale_top=15)
+    return np.concatenate([sc | (mn << 4), _pack_sixteen_by_two_bits(q), _as_half(d), _as_half(dmin)],
+                          axis=1).reshape(-1)
+
+
+def quantize_q3_k(values: np.ndarray) -> np.ndarray:
+    """[..., n] (n a multiple of 256) -> Q3_K bytes [nb * 110].
+
+    npllm's scale choice: x = step (q - 4) with q - 4 in -4..3, so each sub-block of 16 takes the smaller of the two
+    steps that cover it: a positive one of max(max x / 3, -min x / 4), or a negative one of magnitude
+    max(-min x / 3, max x / 4); d = smallest float16 >= max |step| / 31, sc = ceil(|step| / d) with the step's
+    sign (-31..31); q = clip(round(x / (d sc)) + 4, 0, 7). Nothing is clipped and each error is at most |d sc| / 2.
+    """
+    x = _rows_of_blocks(values, QK_K).reshape(-1, 16, 16).astype(np.float64)
+    high, low = np.maximum(x.max(axis=2), 0.0), np.maximum(-x.min(axis=2), 0.0)
+    positive, negative = np.maximum(high / 3, low / 4), np.maximum(low / 3, high / 4)
+    d, magnitude = _scales_on_grid(np.minimum(positive, negative), 31)
+    sc = np.where(negative < positive, -1, 1).astype(np.int8) * magnitude.astype(np.int8)
+    step = (d * sc.astype(np.float32)).astype(np.float64)[:, :, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step != 0, np.round(x / step), 0)
+    q = (np.clip(q, -4, 3) + 4).astype(np.uint8)  # [nb, 16, 16]
+    third = ((q >> 2) & 1).reshape(-1, 8, 32)  # bit b of hmask[16 h + j]: value j of sub-block 2 b + h
+    hmask = np.bitwise_or.reduce(third << np.arange(8, dtype=np.uint8)[:, None], axis=1)
+    return np.concatenate([hmask, _pack_sixteen_by_two_bits(q & 3), _pack_scales_q3_k(sc), _as_half(d)],
+                          axis=1).reshape(-1)
+
+
 def quantize_f16(values: np.ndarray) -> np.ndarray:
     values = np.asarray(values, dtype=np.float32)
     if not np.all(np.isfinite(values)) or np.abs(values).max(initial=0) > np.finfo(np.float16).max:
@@ -563,7 +603,8 @@ def quantize_f32(values: np.ndarray) -> np.ndarray:
 QUANTIZE = {
     "F32": quantize_f32, "F16": quantize_f16, "Q8_0": quantize_q8_0, "Q4_0": quantize_q4_0,
     "Q4_1": quantize_q4_1, "Q5_0": quantize_q5_0, "Q5_1": quantize_q5_1,
-    "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k,
+    "Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k,
+    "Q6_K": quantize_q6_k,
 }
 
 

@@ -117,18 +117,24 @@ def k_quant_bound(x: np.ndarray, name: str) -> np.ndarray:
         needed = np.abs(sub).max(axis=2) / 31
         d = needed.max(axis=1, keepdims=True) / 127 * slack + tiny
         step = needed + d
+    elif name == "Q3_K":  # the smaller of a positive step (q - 4 up to 3) and a negative one
+        sub = x.reshape(-1, QK_K // 16, 16)
+        high, low = np.maximum(sub.max(axis=2), 0), np.maximum(-sub.min(axis=2), 0)
+        needed = np.minimum(np.maximum(high / 3, low / 4), np.maximum(low / 3, high / 4))
+        d = needed.max(axis=1, keepdims=True) / 31 * slack + tiny
+        step = needed + d
     else:
-        top = 15 if name == "Q4_K" else 31
-        sub = x.reshape(-1, 8, 32)
+        top, size, scale_top = {"Q2_K": (3, 16, 15), "Q4_K": (15, 32, 63), "Q5_K": (31, 32, 63)}[name]
+        sub = x.reshape(-1, QK_K // size, size)
         mn = -np.minimum(sub.min(axis=2), 0)
-        dmin = mn.max(axis=1, keepdims=True) / 63 * slack + tiny
+        dmin = mn.max(axis=1, keepdims=True) / scale_top * slack + tiny
         needed = (sub.max(axis=2) + mn + dmin) / top
-        d = needed.max(axis=1, keepdims=True) / 63 * slack + tiny
+        d = needed.max(axis=1, keepdims=True) / scale_top * slack + tiny
         step = needed + d
     return np.repeat(step / 2, sub.shape[2], axis=1).reshape(x.shape) * (1 + 1e-6)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_k_quant_round_trip_error_is_within_half_a_step(name, data):
@@ -141,7 +147,8 @@ def test_k_quant_round_trip_error_is_within_half_a_step(name, data):
     assert np.all(error <= k_quant_bound(x, name))
 
 
-@pytest.mark.parametrize("name,worst", [("Q4_K", 0.10), ("Q5_K", 0.05), ("Q6_K", 0.025), ("Q8_0", 0.01)])
+@pytest.mark.parametrize("name,worst", [("Q2_K", 0.38), ("Q3_K", 0.18), ("Q4_K", 0.10), ("Q5_K", 0.05),
+                                        ("Q6_K", 0.025), ("Q8_0", 0.01)])
 def test_relative_error_on_gaussian_weights(name, worst):
     """On weight-like data each type lands where its bits put it (relative RMS error ~ 2^-bits)."""
     x = np.random.default_rng(0).standard_normal((64, 1024)).astype(np.float32)

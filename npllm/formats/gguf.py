@@ -780,7 +780,7 @@ def model_tensors(config: ModelConfig, weights: dict[str, np.ndarray], wanted: s
 def write_gguf(path: str | os.PathLike, config: ModelConfig, weights: dict[str, np.ndarray], type_name: str = "F32",
                tokenizer=None, name: str | None = None) -> list[TensorData]:
     """Write a model as a GGUF file that llama.cpp and npllm read: matrices in `type_name` (F32, F16, Q8_0, Q4_0,
-    Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; fallbacks in tensor_type_for), vectors in F32, and the tokenizer's vocabulary
+    Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; fallbacks in tensor_type_for), vectors in F32, and the tokenizer's vocabulary
     when one is given. Returns the tensors written (for a summary)."""
     meta = model_metadata(config, name or os.path.splitext(os.path.basename(os.fspath(path)))[0])
     if tokenizer is not None:

@@ -18,7 +18,8 @@ Two ways to meet activations x, both tested against a NumPy statement:
 
   - x quantized to 8 bits per block of 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; section "8-bit
     activations"): integer dot products, as llama.cpp computes; its NumPy statement is
-    quant.matmul_t_q8_activations. What npllm's Numba model runs for those types, on rows interleaved by eight.
+    quant.matmul_t_q8_activations. What npllm's Numba model runs for those types, on rows interleaved by eight;
+    Q2_K and Q3_K meet x in two 8-bit parts (15 bits, quant.matmul_t_two_part_activations).
 
 Rows are split into `threads` contiguous ranges run in parallel (numba.prange), so each weight byte is read once per
 product. Sums are reassociated by the compiler (fastmath), so results match the reference to float32 rounding, not
