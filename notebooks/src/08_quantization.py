@@ -12,8 +12,8 @@
 #    disagree with the code that reads the files;
 # 2. measures **the error of each type** on stories260K's real weights, per value and on the model's next-token
 #    distribution (KL divergence, top-1 agreement);
-# 3. sets out **speed and memory**: bytes per weight, model sizes, the measured kernel times of `docs/quant.md`, and
-#    the float16 KV cache.
+# 3. sets out **speed and memory**: bytes per weight, model sizes, decode speed against llama.cpp's on the same
+#    files (measured in `docs/bench.md`), and the float16 KV cache.
 
 # %%
 import inspect
@@ -183,7 +183,7 @@ print("every layout statement above holds for npllm's dequantizers")
 matrices = {name: np.asarray(w, np.float32) for name, w in weights.items() if w.ndim == 2}
 values = np.concatenate([w.reshape(-1) for w in matrices.values()])
 rows = values[: len(values) // 256 * 256].reshape(-1, 256)
-TYPE_NAMES = ["F16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0"]
+TYPE_NAMES = ["F16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "Q3_K", "Q2_K"]
 
 
 def round_trip(x: np.ndarray, type_name: str) -> np.ndarray:
@@ -210,7 +210,7 @@ ax.grid(alpha=0.3, which="both")
 plt.show()
 for n in TYPE_NAMES:
     print(f"{n:5s} {bits[n]:7.4g} bits/weight   relative RMS error {errors[n]:.4f}")
-assert errors["Q8_0"] < errors["Q6_K"] < errors["Q5_K"] < errors["Q4_K"]
+assert errors["Q8_0"] < errors["Q6_K"] < errors["Q5_K"] < errors["Q4_K"] < errors["Q3_K"] < errors["Q2_K"]
 assert errors["Q5_1"] < errors["Q4_1"] and errors["Q5_0"] < errors["Q4_0"] and errors["F16"] < errors["Q8_0"]
 
 # %% [markdown]
@@ -264,31 +264,41 @@ for name in ["F32", "F16", "Q8_0", "Q6_K", "Q4_K", "Q4_0"]:
           f"than F32")
 
 # %% [markdown]
-# Measured in `docs/quant.md` (`python scripts/bench_quant.py --model stories110M --threads 1`: every matrix product
-# of one decode step, float32 activations, one core of a 2-core machine shared with other jobs, so the figures move
-# by tens of percent between runs). They are quoted here, not re-measured, so the notebook runs in seconds:
+# Measured (docs/bench.md): `LLAMA_BENCH_ARGS="--repack 0" python scripts/bench_pairs.py stories110M 2 1
+# F32,Q8_0,Q4_0,Q4_K_M,Q5_K_M,Q3_K_M,Q2_K` runs llama.cpp's `llama-bench` and `npllm bench` on the same GGUF files
+# (random weights of the stories110M shape, quantized by llama.cpp's own `llama-quantize`), type after type, so each
+# pair comes from the same minute of a shared 2-core machine: decode after a 128-token prompt, two threads. Quoted
+# here, not re-measured, so the notebook runs in seconds:
 
 # %%
-measured = {  # type: (MiB of weights, ms per decode step), from docs/quant.md's table
-    "F32": (417.8, 98.4), "Q8_0": (111.0, 38.3), "Q4_0": (58.7, 42.0), "Q4_K": (58.7, 56.3), "Q6_K": (85.7, 82.3),
+measured = {  # file: (MB on disk, decode tok/s npllm, llama.cpp), one round of the command above
+    "F32": (438.8, 63.0, 53.6), "Q8_0": (117.2, 180.8, 104.6), "Q5_K_M": (81.1, 144.0, 126.0),
+    "Q4_K_M": (72.1, 185.5, 144.2), "Q4_0": (68.7, 194.2, 135.7), "Q3_K_M": (62.0, 186.1, 177.6),
+    "Q2_K": (52.2, 159.4, 178.6),
 }
-fig, ax = plt.subplots(figsize=(6, 4))
-for name, (mib, ms) in measured.items():
-    ax.scatter(mib, ms, color="tab:orange")
-    ax.annotate(f"{name}  {measured['F32'][1] / ms:.2f}x", (mib, ms), textcoords="offset points", xytext=(6, 2),
-                fontsize=8)
-ax.set_xlabel("MiB of weights read per decode step")
-ax.set_ylabel("ms per decode step (one core)")
-ax.set_title("stories110M decode products: time against bytes")
-ax.set_xlim(0, 460)
-ax.set_ylim(0, 110)
-ax.grid(alpha=0.3)
+fig, ax = plt.subplots(figsize=(7, 4))
+for name, (mb, ours, theirs) in measured.items():
+    ax.scatter(mb, ours, color="tab:orange", label="npllm" if name == "F32" else None)
+    ax.scatter(mb, theirs, color="tab:gray", marker="x", label="llama.cpp" if name == "F32" else None)
+    ax.annotate(f"{name} {ours / theirs:.2f}x", (mb, ours), textcoords="offset points", xytext=(6, 2), fontsize=8)
+ax.set_xscale("log", base=2)
+ax.set_xlabel("MB of weights read per decode step (the file)")
+ax.set_ylabel("decode tokens / s (2 threads)")
+ax.set_title("stories110M: decode speed against bytes, npllm and llama.cpp on the same files")
+ax.legend()
+ax.grid(alpha=0.3, which="both")
 plt.show()
+print(f"Q8_0 reads {measured['F32'][0] / measured['Q8_0'][0]:.1f}x fewer bytes than F32 and decodes "
+      f"{measured['Q8_0'][1] / measured['F32'][1]:.1f}x faster")
 
 # %% [markdown]
-# Q8_0 is 2.6x faster than F32 because it reads 3.8x fewer bytes; Q4_0 reads half of Q8_0's bytes but is no faster:
-# on one core these kernels are bound by the arithmetic that widens each value to float32, not by memory (llama.cpp
-# goes further with integer dot products on 8-bit activations). The K-quants pay for their extra unpacking.
+# A decode step reads every weight once, so fewer bytes make faster steps until the arithmetic that unpacks them
+# binds: Q8_0 reads 3.7x fewer bytes than F32 and runs ~2.9x faster; below it the 4-bit types gain little more on
+# two cores. npllm multiplies integers, as llama.cpp does: each product's activations are quantized to 8 bits per
+# block of 32, each weight block meets them in an integer dot product (`vpdpbusd`), and the rows are interleaved by
+# eight at load so that one vector instruction advances eight rows (docs/quant.md). Q2_K and Q3_K take their
+# activations in two 8-bit parts (15 bits), which keeps their files within the quality bar at the cost of twice the
+# dot products: the one type here where llama.cpp decodes faster is Q2_K.
 #
 # The KV cache is the other memory a model takes, and after a long prompt at batch 8 it is what attention reads
 # every step. `kv_dtype="float16"` halves it (`npllm.load(..., kv_dtype="float16")`, `--kv-dtype float16`):
