@@ -32,6 +32,7 @@ import dataclasses
 import os
 import sys
 import time
+from contextlib import contextmanager
 
 from .errors import GenerationError, NpllmError
 from .models import KV_DTYPES, WEIGHT_DTYPES
@@ -66,7 +67,7 @@ def add_generate(commands) -> None:
                      help="tokens drafted per round (default 4)")
     gen.add_argument("--num-beams", type=whole(1, MOST_BEAMS), default=1, metavar="B",
                      help="beam search with B beams (greedy, deterministic): prints the best hypothesis")
-    gen.set_defaults(run=run_generate)
+    gen.set_defaults(run=run_generate, compiles=True)
 
 
 def add_chat(commands) -> None:
@@ -79,7 +80,7 @@ def add_chat(commands) -> None:
     chat.add_argument("--max-new-tokens", type=whole(0), default=256, help="most tokens per reply (default 256)")
     add_sampling_arguments(chat)
     add_context_arguments(chat)
-    chat.set_defaults(run=run_chat)
+    chat.set_defaults(run=run_chat, compiles=True)
 
 
 def add_context_arguments(parser) -> None:
@@ -151,7 +152,7 @@ def add_bench(commands) -> None:
     bench.add_argument("--bandwidth-mib", type=whole(1, MOST_MIB), default=512,
                        help="size of the bandwidth probe (default 512)")
     bench.add_argument("--json", action="store_true", help="one JSON object per line")
-    bench.set_defaults(run=run_bench)
+    bench.set_defaults(run=run_bench, compiles=True)
 
 
 def add_perplexity(commands) -> None:
@@ -167,7 +168,7 @@ def add_perplexity(commands) -> None:
     ppl.add_argument("--kl-divergence", metavar="BASE_MODEL", default=None,
                      help="mean KL(base || model) and top-1 agreement against this model (same tokenizer)")
     ppl.add_argument("--json", action="store_true", help="one JSON object instead of a sentence")
-    ppl.set_defaults(run=run_perplexity)
+    ppl.set_defaults(run=run_perplexity, compiles=True)
 
 
 def add_serve(commands) -> None:
@@ -196,7 +197,7 @@ def add_serve(commands) -> None:
                        help="allow browser pages from this origin (repeatable; default: no CORS headers)")
     serve.add_argument("--grace", type=float, default=10.0,
                        help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default 10)")
-    serve.set_defaults(run=run_serve)
+    serve.set_defaults(run=run_serve, compiles=True)
 
 
 # Upper bounds on counts, far above any sensible use, so a typo cannot ask for a petabyte or a year of work.
@@ -535,10 +536,42 @@ def run_bench(args) -> int:
     return bench.run(args)
 
 
+@contextmanager
+def compile_notice(active: bool):
+    """While a command that runs a model is at work: one line on stderr the first time Numba compiles, so that the
+    first run's minute of silence is explained. Numba raises "numba:compile" on a cache miss only, not when it loads
+    compiled code from its cache."""
+    if not active:
+        yield
+        return
+    from numba.core import event
+
+    class Notice(event.Listener):
+        shown = False
+
+        def on_start(self, ev) -> None:
+            if not self.shown:
+                self.shown = True
+                print("[npllm] compiling kernels for this CPU: the first run of a model's kind takes up to a minute "
+                      "or two (a quantized one the longest); later runs load them from Numba's cache",
+                      file=sys.stderr, flush=True)
+
+        def on_end(self, ev) -> None:
+            pass
+
+    notice = Notice()
+    event.register("numba:compile", notice)
+    try:
+        yield
+    finally:
+        event.unregister("numba:compile", notice)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        with compile_notice(getattr(args, "compiles", False)):
+            return args.run(args)
     except NpllmError as e:
         print(f"npllm: error: {e}", file=sys.stderr)
         return 2

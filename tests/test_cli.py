@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from npllm import cli
 from tests_support import REPO
 
 
@@ -133,3 +134,27 @@ def test_ctrl_c_ends_the_line_and_exits_130(tmp_path, stories260k):
     assert proc.returncode == 130, stderr
     assert out.startswith(b"Once") and out.endswith(b"\n")
     assert b"Traceback" not in stderr and stderr.decode().strip().endswith("npllm: interrupted"), stderr
+
+
+def test_the_first_compile_of_a_run_is_announced_once(capsys):
+    """A Numba cache miss (compilation) under a model-running command prints one line on stderr, however many
+    functions compile; loading from the cache raises no event, and outside the command nothing is printed."""
+    from numba import njit
+
+    def fresh():  # a new dispatcher each call: compiled on first use, never cached
+        return njit(lambda x: x + 1)
+
+    from numba.core import event
+
+    listeners = list(event._registered["numba:compile"])
+    with cli.compile_notice(True):
+        assert fresh()(1) == 2 and fresh()(2.5) == 3.5
+    assert capsys.readouterr().err.count("[npllm] compiling kernels for this CPU") == 1
+    assert event._registered["numba:compile"] == listeners  # its listener gone with the command
+    with cli.compile_notice(False):
+        fresh()(1)
+    fresh()(1)
+    assert capsys.readouterr().err == ""
+    commands = cli.build_parser()._subparsers._group_actions[0].choices
+    announced = {name for name, parser in commands.items() if parser.get_default("compiles")}
+    assert announced == {"generate", "chat", "bench", "perplexity", "serve"}  # the commands that run a model
