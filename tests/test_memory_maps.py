@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from npllm.config import ModelConfig
-from npllm.formats import release
+from npllm.formats import release, release_files
 from npllm.formats.gguf import write_gguf
 from npllm.formats.random import random_weights
 
@@ -55,6 +55,34 @@ def test_a_released_weight_leaves_resident_memory_and_reads_back_the_same(mapped
     np.testing.assert_array_equal(w.reshape(-1), values)
 
 
+def mapping_resident_kb(path) -> int:
+    """Resident kB of this process's mappings of the file `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isalnum() and "-" in line.split()[0] and ":" not in line.split()[0]:
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_releasing_the_files_drops_every_page_of_their_maps(mapped_file):
+    """release_files drops every page of each file mapping the weights view, once the caller is done with all of
+    them: also pages that no weight's own release() covers (here: a weight smaller than a page, whose release drops
+    nothing; in a model file, the neighbours' pages that fault-around maps back in, up to a large folio's 2 MiB at
+    each boundary). Memory that is not a read-only file map is ignored, and the values read back the same."""
+    path, values = mapped_file
+    with open(path, "rb") as f:
+        flat = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), np.float32)
+    checksum = float(flat.sum(dtype=np.float64))  # every page resident
+    release(flat[:1000])
+    assert mapping_resident_kb(path) > 0.9 * values.nbytes / 1024
+    release_files([flat[:1000], values])
+    assert mapping_resident_kb(path) == 0
+    assert float(flat.sum(dtype=np.float64)) == checksum
+    np.testing.assert_array_equal(flat, values)
+
+
 def test_memory_that_is_not_a_read_only_file_map_is_left_alone(mapped_file):
     path, values = mapped_file
     with open(path, "rb") as f:
@@ -64,6 +92,7 @@ def test_memory_that_is_not_a_read_only_file_map_is_left_alone(mapped_file):
     anonymous[::1024] = 5.0
     in_memory = values.copy()
     release(private, anonymous, in_memory, in_memory.T)
+    release_files([private, anonymous, in_memory])
     np.testing.assert_array_equal(private[:3], [1.0, 2.0, 3.0])
     np.testing.assert_array_equal(private[3:], values[3:])
     assert (anonymous[::1024] == 5.0).all()

@@ -75,6 +75,7 @@ def check_finite(weights: dict[str, np.ndarray], source) -> None:
         if not finite:
             raise FormatError(f"{source}: weight {name!r} holds NaN or infinite values (a corrupt checkpoint?)")
         release(array)
+    release_files(weights.values())
 
 
 def release(*weights) -> None:
@@ -99,6 +100,23 @@ def release(*weights) -> None:
         end = (start + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > first:
             mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
+def release_files(weights) -> None:
+    """release() of every page of each read-only file mapping the weights view, one call per mapping, once the
+    caller is done with all of them (a check of every weight, a copy into a backend's layout). A weight's own
+    release() keeps the pages it shares with its neighbours, and reading the next weight can map some of its pages
+    back in (the kernel maps cached neighbours around a fault: up to a large folio, 2 MiB): 10-14 MB of a 110M
+    Q4_0 GGUF stayed resident after the pass of check_finite that way, ~18 MB after loading its F32 twin."""
+    from ..quant import QuantizedMatrix
+
+    mappings = {}
+    for w in weights:
+        mapping = _file_mapping(w.raw if isinstance(w, QuantizedMatrix) else w)
+        if mapping is not None:
+            mappings[id(mapping)] = mapping
+    for mapping in mappings.values():
+        mapping.madvise(mmap.MADV_DONTNEED, 0, len(mapping))
 
 
 def _file_mapping(a) -> mmap.mmap | None:

@@ -27,7 +27,7 @@ from .. import ops
 from ..cache import RingKVCache
 from ..config import ModelConfig
 from ..errors import ConfigError, GenerationError
-from ..formats import release
+from ..formats import release, release_files
 from ..kernels import SPINNING, cpu
 from ..kernels import quant as qk
 from ..quant import INTERLEAVE
@@ -87,6 +87,7 @@ class NumbaTransformer(Model):
         self.inv_freq = ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)  # [Dh/2] f64
         self.packed = pack(config, named)
         self.output_panels = pack_released(named.output)  # [ceil(V/16), D, 16]
+        release_files(weights.values())  # copied: what the per-weight releases left of a mapped file goes too
         self.threads = threads or numba.config.NUMBA_NUM_THREADS
         p = self.packed
         self.layer_bytes = (p.wqkv.nbytes + p.wo.nbytes + p.w13.nbytes + p.w2.nbytes) // config.n_layers
@@ -499,6 +500,7 @@ class QuantizedNumbaTransformer(NumbaTransformer):
         Model.__init__(self, config)
         self.inv_freq = ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self.packed = pack_quantized(config, named)
+        release_files(weights.values())  # copied into the pool: what the per-part releases left goes too
         self.threads = threads or numba.config.NUMBA_NUM_THREADS
         mats, L = self.packed.mats, config.n_layers
         self.type_bytes = _bytes_by_type(mats)
