@@ -17,7 +17,7 @@ from npllm.formats.gguf import TensorData, model_metadata, model_tensors, read_g
 from npllm.formats.random import random_weights
 from npllm.kernels import quant as kq
 from npllm.models import make_model
-from npllm.models.numba import NumbaTransformer, QuantizedNumbaTransformer
+from npllm.models.numba import NumbaTransformer, QuantizedNumbaTransformer, products_into
 from npllm.models.reference import Transformer
 
 # ------------------------------------------------------------------------------------------------ row workers
@@ -200,6 +200,36 @@ def test_mixed_types_rope_half_and_biases(tmp_path):
     write_gguf_file(path, model_metadata(config, "mixed"), mixed)
     llm = assert_follows_reference(path)
     assert set(llm.model.weight_types) == set(MIXED.values())
+
+
+TWO_PART_MIXED = {"token_embd": "Q3_K", "output": "Q2_K", "attn_q": "Q3_K", "attn_k": "Q8_0", "attn_v": "Q2_K",
+                  "attn_output": "Q3_K", "ffn_gate": "Q4_K", "ffn_up": "Q3_K", "ffn_down": "Q2_K"}
+
+
+def test_two_part_and_one_part_types_share_a_product(tmp_path):
+    """Q2_K and Q3_K matrices beside one-part types in the products that read the same input (q, k, v; gate, up):
+    each matrix meets the activations its type takes (written by npllm quantize's Q2_K/Q3_K), prefill and decode."""
+    config = tiny(vocab_size=99)
+    mixed = []
+    for t in model_tensors(config, random_weights(config, 4), "F32"):
+        kind = t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0]
+        qtype = TWO_PART_MIXED.get(kind, "F32") if len(t.shape) == 2 else "F32"
+        values = t.raw.view(np.float32).reshape(t.shape)
+        mixed.append(TensorData(t.name, t.shape, qtype, quant.quantize(values, qtype)))
+    path = tmp_path / "two_part_mixed.gguf"
+    write_gguf_file(path, model_metadata(config, "mixed"), mixed)
+    llm = assert_follows_reference(path, np.arange(20) * 7 % config.vocab_size)
+    assert set(llm.model.weight_types) == set(TWO_PART_MIXED.values())
+    config, tensors = read_gguf_quantized(path)
+    layer = {name: m for name, m in tensors.items() if name.startswith("layers.0.")}
+    h = np.random.default_rng(9).standard_normal((3, config.dim)).astype(np.float32)
+    q = llm.model.packed  # the first layer's q, k, v products alone, against the oracle of each one's type
+    out = np.empty((3, q.mats[0, 2] + q.mats[1, 2] + q.mats[2, 2]), np.float32)
+    products_into(q.pool, q.mats, 0, np.int64(3), h, 3, out, 1)
+    oracle = quant.with_int8_activations(layer)
+    expected = np.concatenate([oracle[f"layers.0.{n}"].matmul_t(h) for n in ("wq", "wk", "wv")], axis=1)
+    W = np.concatenate([np.abs(layer[f"layers.0.{n}"].dequantize()) for n in ("wq", "wk", "wv")])
+    assert np.all(np.abs(out - expected) <= 1e-5 * (np.abs(h) @ W.T))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "F16"])
