@@ -181,6 +181,19 @@ def test_two_and_three_bit_k_quants_follow_the_reference(tmp_path, qtype):
         assert np.all(np.abs(llm.model.lm_head(h) - oracle) <= 1e-5 * (np.abs(h) @ W.T))
 
 
+def write_mixed(path, config, seed: int, types: dict):
+    """A GGUF of random weights whose matrices take types[kind] (kind: llama.cpp's name, e.g. "attn_q"), quantized
+    by npllm; vectors F32."""
+    mixed = []
+    for t in model_tensors(config, random_weights(config, seed), "F32"):
+        kind = t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0]
+        qtype = types.get(kind, "F32") if len(t.shape) == 2 else "F32"
+        values = t.raw.view(np.float32).reshape(t.shape)
+        mixed.append(TensorData(t.name, t.shape, qtype, quant.quantize(values, qtype)))
+    write_gguf_file(path, model_metadata(config, "mixed"), mixed)
+    return path
+
+
 MIXED = {"token_embd": "Q6_K", "output": "Q8_0", "attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q5_0",
          "attn_output": "Q4_1", "ffn_gate": "F16", "ffn_up": "Q4_0", "ffn_down": "Q5_K"}
 
@@ -189,15 +202,7 @@ def test_mixed_types_rope_half_and_biases(tmp_path):
     """One file mixing types as llama.cpp's K-quant presets do (q, k and v of different types: no fused rows), in
     Qwen2's layout (half-split RoPE, q/k/v biases)."""
     config = tiny("half", arch="qwen2", attention_bias=True, tied_embeddings=False)
-    tensors = model_tensors(config, random_weights(config, 2), "F32")
-    mixed = []
-    for t in tensors:
-        kind = t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0]
-        qtype = MIXED.get(kind, "F32") if len(t.shape) == 2 else "F32"
-        values = t.raw.view(np.float32).reshape(t.shape)
-        mixed.append(TensorData(t.name, t.shape, qtype, quant.quantize(values, qtype)))
-    path = tmp_path / "mixed.gguf"
-    write_gguf_file(path, model_metadata(config, "mixed"), mixed)
+    path = write_mixed(tmp_path / "mixed.gguf", config, 2, MIXED)
     llm = assert_follows_reference(path)
     assert set(llm.model.weight_types) == set(MIXED.values())
 
@@ -210,14 +215,7 @@ def test_two_part_and_one_part_types_share_a_product(tmp_path):
     """Q2_K and Q3_K matrices beside one-part types in the products that read the same input (q, k, v; gate, up):
     each matrix meets the activations its type takes (written by npllm quantize's Q2_K/Q3_K), prefill and decode."""
     config = tiny(vocab_size=99)
-    mixed = []
-    for t in model_tensors(config, random_weights(config, 4), "F32"):
-        kind = t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0]
-        qtype = TWO_PART_MIXED.get(kind, "F32") if len(t.shape) == 2 else "F32"
-        values = t.raw.view(np.float32).reshape(t.shape)
-        mixed.append(TensorData(t.name, t.shape, qtype, quant.quantize(values, qtype)))
-    path = tmp_path / "two_part_mixed.gguf"
-    write_gguf_file(path, model_metadata(config, "mixed"), mixed)
+    path = write_mixed(tmp_path / "two_part_mixed.gguf", config, 4, TWO_PART_MIXED)
     llm = assert_follows_reference(path, np.arange(20) * 7 % config.vocab_size)
     assert set(llm.model.weight_types) == set(TWO_PART_MIXED.values())
     config, tensors = read_gguf_quantized(path)

@@ -1571,8 +1571,9 @@ INT8_TYPE_CODES = tuple(TYPES[t].type_id for t in INT8_KERNEL_TYPES)  # GGML typ
 def matmul_rows_interleaved(code, w, q, d, s, s16, T, out, col, n0, n1):
     """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1 (n0 a multiple of 8), W held as interleaved rows
     (quant.interleave_rows) of the type whose GGML id is code - INTERLEAVED_CODE, x given by
-    quantize_activations_q8_into(x, T, q, d, s, s16) (once per input, shared by every row range and matrix): what
-    the Numba model runs for every block type.
+    quantize_activations_q8_into(x, T, q, d, s, s16) (once per input, shared by every row range and matrix), or for
+    Q2_K and Q3_K by two_part_activations_into (q [>=T, 2K]: the two 8-bit parts): what the Numba model runs for
+    every block type.
           # q [>=T, K] int8, d, s [>=T, K / 32] float32, s16 [>=T, K / 16] int32 -> out [>=T, >=col + n1] float32"""
     if code == 1008:  # INTERLEAVED_CODE + Q8_0's
         _rows_q8_0_x8(w, q, d, s, s16, T, out, col, n0, n1)
