@@ -22,8 +22,9 @@ the same bits (tests hold each one to the `gguf` package's dequantizers).
     Q6_K   14    256    210      6.5625   (d * sc) * (q - 32)        16 sub-blocks of 16, int8 sc
 
 The quantizers (`quantize_*`) for Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 make the same bytes as llama.cpp's reference
-quantizers. Those for Q4_K, Q5_K and Q6_K are npllm's own, simpler than llama.cpp's (see quantize_q4_k): they cover
-each sub-block's range exactly, so no value is ever clipped and every error is at most half a quantization step.
+quantizers. Those for the K-quants are npllm's own (_k_quantize): per super-block, the closer to the values of two
+scale rules, one that covers each sub-block's range (nothing clipped, every error at most half a step) and one
+fitted by least squares (clipping where that lowers the squared error).
 """
 
 from __future__ import annotations
@@ -486,43 +487,165 @@ def _pack_scales_6bit(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
     return np.concatenate([a, b, c], axis=1).astype(np.uint8)
 
 
-def _quantize_scale_min(values: np.ndarray, top: int, sub: int = 32, scale_top: int = 63):
-    """The K-quant rule for x = (d sc) q - dmin mn, q in 0..top, sub-blocks of `sub` values, sc and mn in
-    0..scale_top (Q4_K: top 15, Q5_K: 31, sub-blocks of 32 with 6-bit sc and mn; Q2_K: top 3, sub-blocks of 16
-    with 4-bit ones).
+def _affine_levels(x: np.ndarray, step: np.ndarray, offset: np.ndarray, top: int) -> np.ndarray:
+    """q = clip(round((x + offset) / step), 0, top), and 0 where the step is 0.  # [..., n], [...] x2 -> [..., n]"""
+    step, offset = step[..., None], offset[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step > 0, np.round((x + offset) / step), 0)
+    return np.clip(q, 0, top)
 
-    npllm's scale choice, per sub-block, is plain min/max covering rather than llama.cpp's iterative search:
+
+def _covering_scale_min(values: np.ndarray, top: int, sub: int = 32, scale_top: int = 63):
+    """The covering rule for x = (d sc) q - dmin mn, q in 0..top, sub-blocks of `sub` values, sc and mn in
+    0..scale_top (Q4_K: top 15, Q5_K: 31, sub-blocks of 32 with 6-bit sc and mn; Q2_K: top 3, sub-blocks of 16
+    with 4-bit ones). Per sub-block:
       1. mn_needed = -min(0, min x): the offset that brings the smallest value to q = 0;
          dmin = smallest float16 >= max(mn_needed) / scale_top, mn = ceil(mn_needed / dmin) (so dmin mn >= mn_needed);
       2. sc_needed = (max x + dmin mn) / top: the step that reaches the largest value at q = top;
          d = smallest float16 >= max(sc_needed) / scale_top, sc = ceil(sc_needed / d);
       3. q = clip(round((x + dmin mn) / (d sc)), 0, top).
     The grid [-dmin mn, top d sc - dmin mn] contains every value of the sub-block, so nothing is clipped and each
-    error is at most half a step d sc / 2. llama.cpp's search trades some clipping for a lower mean error.
+    error is at most half a step d sc / 2.
     # [..., n] -> d, dmin [nb, 1]; sc, mn [nb, 256 / sub]; q [nb, 256 / sub, sub]
     """
     x = _rows_of_blocks(values, QK_K).reshape(-1, QK_K // sub, sub).astype(np.float64)
     mn_needed = -np.minimum(x.min(axis=2), 0.0)
     dmin, mn = _scales_on_grid(mn_needed, scale_top)
     offset = (dmin * mn.astype(np.float32)).astype(np.float64)  # exactly what the decoder computes
-    sc_needed = (x.max(axis=2) + offset) / top
-    d, sc = _scales_on_grid(sc_needed, scale_top)
-    step = (d * sc.astype(np.float32)).astype(np.float64)[:, :, None]
+    d, sc = _scales_on_grid((x.max(axis=2) + offset) / top, scale_top)
+    step = (d * sc.astype(np.float32)).astype(np.float64)
+    return d, dmin, sc, mn, _affine_levels(x, step, offset, top).astype(np.uint8)
+
+
+FIT_FACTORS = (0.7, 0.85, 1.0)  # the fitted rule's first steps, in covering steps (five from 0.6: 0.3% less error)
+
+
+def _least_squares_step_offset(x: np.ndarray, q: np.ndarray, step: np.ndarray, offset: np.ndarray):
+    """The step s > 0 and offset m >= 0 that minimise sum (s q - m - x)^2 for these levels q; where the levels
+    cannot tell them (all equal) or the fit leaves the allowed signs, the given ones.  # [.., n] x2, [..] x2 -> [..] x2
+
+    Normal equations:  s = (n Sqx - Sq Sx) / (n Sqq - Sq^2),  m = (s Sq - Sx) / n;  with m held at 0: s = Sqx / Sqq.
+    """
+    n = x.shape[-1]
+    sq, sx, sqq, sqx = q.sum(-1), x.sum(-1), (q * q).sum(-1), (q * x).sum(-1)
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(step > 0, np.round((x + offset[:, :, None]) / step), 0)
-    return d, dmin, sc, mn, np.clip(q, 0, top).astype(np.uint8)
+        s = (n * sqx - sq * sx) / (n * sqq - sq * sq)
+        m = (s * sq - sx) / n
+        s_at_zero = sqx / sqq
+    s, m = np.where(m < 0, s_at_zero, s), np.where(m < 0, 0.0, m)
+    keep = ~(np.isfinite(s) & np.isfinite(m) & (s > 0))
+    return np.where(keep, step, s), np.where(keep, offset, m)
 
 
-def quantize_q4_k(values: np.ndarray) -> np.ndarray:
-    """[..., n] (n a multiple of 256) -> Q4_K bytes [nb * 144]; scales chosen as in _quantize_scale_min."""
-    d, dmin, sc, mn, q = _quantize_scale_min(values, 15)
+def _fit_step_offset(x: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per sub-block, the step s and offset m (x ~ s q - m, q in 0..top) with the least squared error among a few
+    candidates: the covering pair, and for each f in FIT_FACTORS the covering step times f centred on the range
+    (clipping both ends), refined twice by least squares on its levels.     # [..., n] float64 -> [...] x2"""
+    low, high = np.minimum(x.min(-1), 0.0), x.max(-1)
+    best_s, best_m = (high - low) / top, -low
+    best = ((x - (best_s[..., None] * _affine_levels(x, best_s, best_m, top) - best_m[..., None])) ** 2).sum(-1)
+    for f in FIT_FACTORS:
+        s, m = (high - low) * f / top, np.maximum(-low - (1 - f) * (high - low) / 2, 0.0)
+        for _ in range(2):
+            s, m = _least_squares_step_offset(x, _affine_levels(x, s, m, top), s, m)
+        error = ((x - (s[..., None] * _affine_levels(x, s, m, top) - m[..., None])) ** 2).sum(-1)
+        better = error < best
+        best, best_s, best_m = np.where(better, error, best), np.where(better, s, best_s), np.where(better, m, best_m)
+    return best_s, best_m
+
+
+def _scales_nearest(needed: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each sub-block's scale rounded to the nearest of d * k, k in -top..top, d the float16 nearest max|v| / top.
+                                                                 # [nb, S] -> d [nb, 1] float32, k [nb, S] float64"""
+    with np.errstate(over="ignore"):
+        d = (np.abs(needed).max(axis=1, keepdims=True) / top).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.where(d > 0, np.round(needed / d.astype(np.float64)), 0)
+    return d, np.clip(k, -top, top)
+
+
+def _fitted_scale_min(values: np.ndarray, top: int, sub: int = 32, scale_top: int = 63):
+    """The fitted rule for the types of _covering_scale_min (same outputs): _fit_step_offset's step and offset per
+    sub-block, each rounded to the nearest point of its 6-bit (4-bit) grid, then q for those exact grid values."""
+    x = _rows_of_blocks(values, QK_K).reshape(-1, QK_K // sub, sub).astype(np.float64)
+    s, m = _fit_step_offset(x, top)
+    dmin, mn = _scales_nearest(m, scale_top)
+    d, sc = _scales_nearest(s, scale_top)
+    mn, sc = mn.astype(np.uint8), sc.astype(np.uint8)
+    offset = (dmin * mn.astype(np.float32)).astype(np.float64)
+    step = (d * sc.astype(np.float32)).astype(np.float64)
+    return d, dmin, sc, mn, _affine_levels(x, step, offset, top).astype(np.uint8)
+
+
+def _signed_levels(x: np.ndarray, step: np.ndarray, low: int, high: int) -> np.ndarray:
+    """k = clip(round(x / step), low, high), and 0 where the step is 0.      # [..., n], [...] -> [..., n]"""
+    step = step[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(step != 0, np.clip(np.round(x / step), low, high), 0)
+
+
+def _fit_signed_step(x: np.ndarray, low: int, high: int) -> np.ndarray:
+    """Per sub-block, the step s of either sign (x ~ s k, k in low..high, low = -high - 1) with the least squared
+    error among: for each sign, the step that covers the sub-block times each f in FIT_FACTORS, refined twice by
+    least squares on its levels (s = Sum k x / Sum k^2).                  # [..., n] float64 -> [...]"""
+    above, below = np.maximum(x.max(-1), 0.0), np.maximum(-x.min(-1), 0.0)
+    best, best_s = np.full(x.shape[:-1], np.inf), np.zeros(x.shape[:-1])
+    for sign, reach in ((1.0, np.maximum(above / high, below / -low)), (-1.0, np.maximum(below / high, above / -low))):
+        for f in FIT_FACTORS:
+            s = sign * reach * f
+            for _ in range(2):
+                k = _signed_levels(x, s, low, high)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    fit = (k * x).sum(-1) / (k * k).sum(-1)
+                s = np.where(np.isfinite(fit) & (fit * sign > 0), fit, s)
+            error = ((x - s[..., None] * _signed_levels(x, s, low, high)) ** 2).sum(-1)
+            better = error < best
+            best, best_s = np.where(better, error, best), np.where(better, s, best_s)
+    return best_s
+
+
+def _fitted_signed_scale(values: np.ndarray, low: int, high: int, scale_top: int):
+    """The fitted rule for Q3_K (k in -4..3, 6-bit signed sc) and Q6_K (k in -32..31, int8 sc): x = (d sc) k on
+    sub-blocks of 16. _fit_signed_step per sub-block, rounded to the nearest d sc, then k for that exact step.
+                                                            # [..., n] -> d [nb, 1], sc [nb, 16] int8, k [nb, 16, 16]"""
+    x = _rows_of_blocks(values, QK_K).reshape(-1, 16, 16).astype(np.float64)
+    d, sc = _scales_nearest(_fit_signed_step(x, low, high), scale_top)
+    sc = sc.astype(np.int8)
+    step = (d * sc.astype(np.float32)).astype(np.float64)
+    return d, sc, _signed_levels(x, step, low, high)
+
+
+def _closer(values: np.ndarray, qtype: str, *candidates: np.ndarray) -> np.ndarray:
+    """Per super-block, the candidate bytes whose dequantized values have the least sum of squared errors (the
+    first on ties).                                      # [..., n], [nb * block_bytes] x c -> [nb * block_bytes]"""
+    x = _rows_of_blocks(values, QK_K).astype(np.float64)
+    blocks = [c.reshape(x.shape[0], TYPES[qtype].block_bytes) for c in candidates]
+    errors = np.stack([((DEQUANTIZE[qtype](b.reshape(-1)).reshape(x.shape) - x) ** 2).sum(1) for b in blocks])
+    choice = errors.argmin(axis=0)
+    return np.take_along_axis(np.stack(blocks), choice[None, :, None], axis=0)[0].reshape(-1)
+
+
+K_QUANT_CHUNK = 4096  # super-blocks quantized at a time: the fit's float64 temporaries stay at ~8 MB each
+
+
+def _k_quantize(values: np.ndarray, qtype: str) -> np.ndarray:
+    """values [..., n] as `qtype` bytes: per super-block the closer of the covering rule's bytes (nothing clipped,
+    each error at most half a step) and the fitted rule's (clipping where that lowers the squared error), so
+    never worse than covering; chunk by chunk."""
+    blocks = _rows_of_blocks(values, QK_K)
+    covering, fitted = K_QUANT_RULES[qtype]
+    return np.concatenate([_closer(chunk, qtype, covering(chunk), fitted(chunk))
+                           for chunk in np.split(blocks, range(K_QUANT_CHUNK, len(blocks), K_QUANT_CHUNK))])
+
+
+def _pack_q4_k(d, dmin, sc, mn, q) -> np.ndarray:
+    """Q4_K bytes from its fields.                                                              # -> [nb * 144]"""
     qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # run r: sub-block 2r low, 2r + 1 high
     return np.concatenate([_as_half(d), _as_half(dmin), _pack_scales_6bit(sc, mn), qs], axis=1).reshape(-1)
 
 
-def quantize_q5_k(values: np.ndarray) -> np.ndarray:
-    """[..., n] (n a multiple of 256) -> Q5_K bytes [nb * 176]; scales chosen as in _quantize_scale_min."""
-    d, dmin, sc, mn, q = _quantize_scale_min(values, 31)
+def _pack_q5_k(d, dmin, sc, mn, q) -> np.ndarray:
+    """Q5_K bytes from its fields.                                                              # -> [nb * 176]"""
     qh = np.zeros((q.shape[0], 32), dtype=np.uint8)
     for s in range(8):  # bit s of qh[j]: fifth bit of value j of sub-block s
         qh |= ((q[:, s] >> 4) & 1) << s
@@ -531,24 +654,24 @@ def quantize_q5_k(values: np.ndarray) -> np.ndarray:
     return np.concatenate([_as_half(d), _as_half(dmin), _pack_scales_6bit(sc, mn), qh, qs], axis=1).reshape(-1)
 
 
-def quantize_q6_k(values: np.ndarray) -> np.ndarray:
-    """[..., n] (n a multiple of 256) -> Q6_K bytes [nb * 210].
-
-    npllm's scale choice: each sub-block of 16 needs step max|x| / 31 (so +-max|x| lie within q - 32 in -31..31);
-    d = smallest float16 >= max(step) / 127, sc = ceil(step / d) (int8, 0..127); q = clip(round(x / (d sc)) + 32,
-    0, 63). Nothing is clipped and each error is at most d sc / 2.
-    """
-    x = _rows_of_blocks(values, QK_K).reshape(-1, 16, 16).astype(np.float64)
-    d, sc = _scales_on_grid(np.abs(x).max(axis=2) / 31, 127)
-    step = (d * sc.astype(np.float32)).astype(np.float64)[:, :, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(step > 0, np.round(x / step), 0)
-    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [nb, half, group, l]
+def _pack_q6_k(d, sc, k) -> np.ndarray:
+    """Q6_K bytes from d [nb, 1], sc [nb, 16] int8 and k [nb, 16, 16] in -32..31.              # -> [nb * 210]"""
+    q = (k + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [nb, half, group, l]
     low, high = q & 0x0F, q >> 4
     ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2)
     qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
-    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.int8).view(np.uint8),
-                           _as_half(d)], axis=1).reshape(-1)
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _as_half(d)],
+                          axis=1).reshape(-1)
+
+
+def _covering_q6_k(values: np.ndarray):
+    """The covering rule for Q6_K: each sub-block of 16 needs step max|x| / 31 (so +-max|x| lie within k in
+    -31..31); d = smallest float16 >= max(step) / 127, sc = ceil(step / d) (0..127); k = clip(round(x / (d sc)),
+    -32, 31). Nothing is clipped and each error is at most d sc / 2.    # [..., n] -> d [nb, 1], sc, k [nb, 16, 16]"""
+    x = _rows_of_blocks(values, QK_K).reshape(-1, 16, 16).astype(np.float64)
+    d, sc = _scales_on_grid(np.abs(x).max(axis=2) / 31, 127)
+    step = (d * sc.astype(np.float32)).astype(np.float64)
+    return d, sc.astype(np.int8), _signed_levels(x, step, -32, 31)
 
 
 def _pack_sixteen_by_two_bits(q: np.ndarray) -> np.ndarray:
@@ -558,35 +681,70 @@ def _pack_sixteen_by_two_bits(q: np.ndarray) -> np.ndarray:
     return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
 
 
-def quantize_q2_k(values: np.ndarray) -> np.ndarray:
-    """[..., n] (n a multiple of 256) -> Q2_K bytes [nb * 84]; scales chosen as in _quantize_scale_min (sub-blocks
-    of 16, q in 0..3, 4-bit scales and mins)."""
-    d, dmin, sc, mn, q = _quantize_scale_min(values, 3, sub=16, scale_top=15)
+def _pack_q2_k(d, dmin, sc, mn, q) -> np.ndarray:
+    """Q2_K bytes from its fields (sub-blocks of 16, q in 0..3, 4-bit sc and mn).                  # -> [nb * 84]"""
     return np.concatenate([sc | (mn << 4), _pack_sixteen_by_two_bits(q), _as_half(d), _as_half(dmin)],
                           axis=1).reshape(-1)
 
 
-def quantize_q3_k(values: np.ndarray) -> np.ndarray:
-    """[..., n] (n a multiple of 256) -> Q3_K bytes [nb * 110].
+def _pack_q3_k(d, sc, k) -> np.ndarray:
+    """Q3_K bytes from d [nb, 1], sc [nb, 16] int8 in -31..31 and k [nb, 16, 16] in -4..3.       # -> [nb * 110]"""
+    q = (k + 4).astype(np.uint8)
+    third = ((q >> 2) & 1).reshape(-1, 8, 32)  # bit b of hmask[16 h + j]: value j of sub-block 2 b + h
+    hmask = np.bitwise_or.reduce(third << np.arange(8, dtype=np.uint8)[:, None], axis=1)
+    return np.concatenate([hmask, _pack_sixteen_by_two_bits(q & 3), _pack_scales_q3_k(sc), _as_half(d)],
+                          axis=1).reshape(-1)
 
-    npllm's scale choice: x = step (q - 4) with q - 4 in -4..3, so each sub-block of 16 takes the smaller of the two
+
+def _covering_q3_k(values: np.ndarray):
+    """The covering rule for Q3_K: x = step k with k in -4..3, so each sub-block of 16 takes the smaller of the two
     steps that cover it: a positive one of max(max x / 3, -min x / 4), or a negative one of magnitude
     max(-min x / 3, max x / 4); d = smallest float16 >= max |step| / 31, sc = ceil(|step| / d) with the step's
-    sign (-31..31); q = clip(round(x / (d sc)) + 4, 0, 7). Nothing is clipped and each error is at most |d sc| / 2.
-    """
+    sign (-31..31); k = clip(round(x / (d sc)), -4, 3). Nothing is clipped and each error is at most |d sc| / 2.
+                                                                 # [..., n] -> d [nb, 1], sc [nb, 16], k [nb, 16, 16]"""
     x = _rows_of_blocks(values, QK_K).reshape(-1, 16, 16).astype(np.float64)
     high, low = np.maximum(x.max(axis=2), 0.0), np.maximum(-x.min(axis=2), 0.0)
     positive, negative = np.maximum(high / 3, low / 4), np.maximum(low / 3, high / 4)
     d, magnitude = _scales_on_grid(np.minimum(positive, negative), 31)
     sc = np.where(negative < positive, -1, 1).astype(np.int8) * magnitude.astype(np.int8)
-    step = (d * sc.astype(np.float32)).astype(np.float64)[:, :, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(step != 0, np.round(x / step), 0)
-    q = (np.clip(q, -4, 3) + 4).astype(np.uint8)  # [nb, 16, 16]
-    third = ((q >> 2) & 1).reshape(-1, 8, 32)  # bit b of hmask[16 h + j]: value j of sub-block 2 b + h
-    hmask = np.bitwise_or.reduce(third << np.arange(8, dtype=np.uint8)[:, None], axis=1)
-    return np.concatenate([hmask, _pack_sixteen_by_two_bits(q & 3), _pack_scales_q3_k(sc), _as_half(d)],
-                          axis=1).reshape(-1)
+    step = (d * sc.astype(np.float32)).astype(np.float64)
+    return d, sc, _signed_levels(x, step, -4, 3)
+
+
+# Each K-quant's two scale rules, as functions of the values giving bytes: (covering, fitted).
+K_QUANT_RULES = {
+    "Q2_K": (lambda v: _pack_q2_k(*_covering_scale_min(v, 3, sub=16, scale_top=15)),
+             lambda v: _pack_q2_k(*_fitted_scale_min(v, 3, sub=16, scale_top=15))),
+    "Q3_K": (lambda v: _pack_q3_k(*_covering_q3_k(v)), lambda v: _pack_q3_k(*_fitted_signed_scale(v, -4, 3, 31))),
+    "Q4_K": (lambda v: _pack_q4_k(*_covering_scale_min(v, 15)), lambda v: _pack_q4_k(*_fitted_scale_min(v, 15))),
+    "Q5_K": (lambda v: _pack_q5_k(*_covering_scale_min(v, 31)), lambda v: _pack_q5_k(*_fitted_scale_min(v, 31))),
+    "Q6_K": (lambda v: _pack_q6_k(*_covering_q6_k(v)), lambda v: _pack_q6_k(*_fitted_signed_scale(v, -32, 31, 127))),
+}
+
+
+def quantize_q2_k(values: np.ndarray) -> np.ndarray:
+    """[..., n] (n a multiple of 256) -> Q2_K bytes [nb * 84] (scales: _k_quantize)."""
+    return _k_quantize(values, "Q2_K")
+
+
+def quantize_q3_k(values: np.ndarray) -> np.ndarray:
+    """[..., n] (n a multiple of 256) -> Q3_K bytes [nb * 110] (scales: _k_quantize)."""
+    return _k_quantize(values, "Q3_K")
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """[..., n] (n a multiple of 256) -> Q4_K bytes [nb * 144] (scales: _k_quantize)."""
+    return _k_quantize(values, "Q4_K")
+
+
+def quantize_q5_k(values: np.ndarray) -> np.ndarray:
+    """[..., n] (n a multiple of 256) -> Q5_K bytes [nb * 176] (scales: _k_quantize)."""
+    return _k_quantize(values, "Q5_K")
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """[..., n] (n a multiple of 256) -> Q6_K bytes [nb * 210] (scales: _k_quantize)."""
+    return _k_quantize(values, "Q6_K")
 
 
 def quantize_f16(values: np.ndarray) -> np.ndarray:
