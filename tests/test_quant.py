@@ -169,8 +169,8 @@ def test_k_quant_is_never_worse_than_its_covering_rule(name, data):
     assert same_bits(quant.dequantize(fitted, name), reference_dequantize(fitted, name))
 
 
-@pytest.mark.parametrize("name,worst", [("Q2_K", 0.27), ("Q3_K", 0.146), ("Q4_K", 0.075), ("Q5_K", 0.0375),
-                                        ("Q6_K", 0.0177), ("Q8_0", 0.0055)])
+@pytest.mark.parametrize("name,worst", [("Q2_K", 0.265), ("Q3_K", 0.145), ("Q4_K", 0.072), ("Q5_K", 0.0366),
+                                        ("Q6_K", 0.0170), ("Q8_0", 0.0055)])
 def test_relative_error_on_gaussian_weights(name, worst):
     """On weight-like data each type lands where its bits put it (relative RMS error ~ 2^-bits). The K-quants'
     fitted scales are what bring them under these bounds: by the covering rule alone they measure Q2_K 0.357,
