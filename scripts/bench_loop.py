@@ -1,6 +1,7 @@
 """How much the generation loop costs beyond the model: `npllm generate`'s loop against the model alone.
 
     python scripts/bench_loop.py [--model weights/stories260K/stories260K.bin] [--tokens 256] [--repeat 7]
+    python scripts/bench_loop.py --wall --threads 2     # wall clock, as `npllm generate` and `npllm bench` run
 
 Both run from BOS in one process, on one thread, timed in CPU time (robust to a machine shared with other jobs):
 the CLI's loop (LLM.stream with an on_step callback, as `npllm generate` drives it) and the model alone (`npllm bench`'s
@@ -24,27 +25,30 @@ GREEDY = {"temperature": 0.0}
 CLI_DEFAULT = {"temperature": 1.0, "top_p": 0.9, "seed": 0}  # what `npllm generate` samples with unless told
 
 
+CLOCK = time.process_time  # --wall: time.perf_counter
+
+
 def cli_loop(llm, tokens: int, sampling: dict) -> float:
-    """Tokens per CPU-second of LLM.stream from BOS (ignoring EOS, so that every run makes `tokens` tokens)."""
+    """Tokens per second (CLOCK) of LLM.stream from BOS (ignoring EOS, so that every run makes `tokens` tokens)."""
     count = 0
 
     def on_step(step) -> None:
         nonlocal count
         count += 1
 
-    start = time.process_time()
+    start = CLOCK()
     for _ in llm.stream("", tokens, echo=True, on_step=on_step, ignore_eos=True, **sampling):
         pass
-    return count / (time.process_time() - start)
+    return count / (CLOCK() - start)
 
 
 def model_alone(llm, tokens: int) -> float:
-    """Tokens per CPU-second of `npllm bench`'s own decode loop (bench.Session: forward of one token, then the
+    """Tokens per second (CLOCK) of `npllm bench`'s own decode loop (bench.Session: forward of one token, then the
     greedy id through the model's sampler), after the same one-token prompt."""
     session = Session(llm.model)
     cache, token, _, _ = session.prefill(1, 1, tokens + 1)
-    _, cpu_seconds = session.decode(cache, token, 1, tokens)
-    return tokens / cpu_seconds
+    wall_seconds, cpu_seconds = session.decode(cache, token, 1, tokens)
+    return tokens / (wall_seconds if CLOCK is time.perf_counter else cpu_seconds)
 
 
 def main() -> None:
@@ -53,8 +57,12 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--wall", action="store_true", help="time in wall-clock seconds, not CPU seconds")
     args = parser.parse_args()
-    llm = npllm.load(args.model, args.tokenizer, threads=1)
+    global CLOCK
+    CLOCK = time.perf_counter if args.wall else time.process_time
+    llm = npllm.load(args.model, args.tokenizer, threads=args.threads)
     cli_loop(llm, 16, GREEDY), cli_loop(llm, 16, CLI_DEFAULT), model_alone(llm, 16)  # compile and warm up
     best = {"greedy": 0.0, "sampled": 0.0, "alone": 0.0}
     for _ in range(args.repeat):  # interleaved, so that a slow spell of the machine hits all three
@@ -64,7 +72,8 @@ def main() -> None:
     alone = best["alone"]
     print(f"model alone {alone:.0f} tok/s; generate loop greedy {best['greedy']:.0f} tok/s (ratio "
           f"{best['greedy'] / alone:.2f}), temperature 1 + top-p 0.9 {best['sampled']:.0f} tok/s (ratio "
-          f"{best['sampled'] / alone:.2f}) (CPU time, best of {args.repeat})")
+          f"{best['sampled'] / alone:.2f}) ({'wall clock' if args.wall else 'CPU time'}, {args.threads} thread(s), best of "
+          f"{args.repeat})")
 
 
 if __name__ == "__main__":
