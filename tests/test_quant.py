@@ -169,6 +169,18 @@ def test_k_quant_is_never_worse_than_its_covering_rule(name, data):
     assert same_bits(quant.dequantize(fitted, name), reference_dequantize(fitted, name))
 
 
+def test_the_closer_rule_never_takes_a_block_that_reads_as_nan():
+    """_closer compares squared errors; a candidate block whose scale reads as NaN (an error of NaN) loses to any
+    finite one, even listed first (argmin alone would pick the NaN)."""
+    x = np.random.default_rng(3).standard_normal((2, QK_K)).astype(np.float32)
+    good = quant.K_QUANT_RULES["Q4_K"][0](x)
+    broken = good.copy().reshape(2, -1)
+    broken[0, :2] = np.array([np.nan], np.float16).view(np.uint8)  # block 0's d: a float16 NaN
+    chosen = quant._closer(x, "Q4_K", broken.reshape(-1), good)
+    assert np.array_equal(chosen.reshape(2, -1)[0], good.reshape(2, -1)[0])
+    assert np.array_equal(chosen.reshape(2, -1)[1], broken[1])  # a tie: the first candidate
+
+
 @pytest.mark.parametrize("name,worst", [("Q2_K", 0.265), ("Q3_K", 0.145), ("Q4_K", 0.072), ("Q5_K", 0.0366),
                                         ("Q6_K", 0.0170), ("Q8_0", 0.0055)])
 def test_relative_error_on_gaussian_weights(name, worst):
