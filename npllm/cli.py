@@ -125,7 +125,8 @@ def add_quantize(commands) -> None:
     quantize.add_argument("input", help="checkpoint path or known name (llama2.c .bin, HF directory, GGUF)")
     quantize.add_argument("output", help="the GGUF file to write")
     quantize.add_argument("--type", "-t", default="q8_0", choices=QUANTIZE_TYPES,
-                          help="type of the weight matrices (default q8_0); norms stay f32, rows that do not split "
+                          help="type of the weight matrices (default q8_0), or a mixture: q4_k_m, q5_k_m (q4_k, q5_k "
+                               "with q6_k for the LM head and some wv, w2); norms stay f32, rows that do not split "
                                "into the type's blocks fall back to q8_0 or f16")
     quantize.add_argument("--tokenizer", "-z", default=None, help="vocabulary to embed (default: found beside IN)")
     quantize.set_defaults(run=run_quantize)
@@ -435,7 +436,8 @@ def run_info(args) -> int:
     return 0
 
 
-QUANTIZE_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "f16", "f32")
+QUANTIZE_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m",
+                  "f16", "f32")
 
 
 def run_quantize(args) -> int:

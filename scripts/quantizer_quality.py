@@ -2,12 +2,12 @@
 each file scored against the F32 model (not against its own dequantized weights, as scripts/llama_cpp_files.py
 does for the kernels): how far the weights moved, and how far the model's next-token distribution moved.
 
-    python scripts/quantizer_quality.py [--types Q2_K Q3_K Q4_K Q5_K Q6_K Q4_0 Q8_0] [--ctx 128] [--stories 24]
+    python scripts/quantizer_quality.py [--types Q2_K Q3_K Q4_K Q5_K Q6_K Q4_0 Q8_0 Q4_K_M Q5_K_M] [--ctx 128]
 
 The F32 source and the text are scripts/llama_cpp_files.py's: stories260K widened to dim and FFN 256 (the same
 function with rows K-quants can hold), and stories sampled from it. llama.cpp writes every matrix in the type
 (`llama-quantize --pure --token-embedding-type T SRC OUT T`, no importance matrix), npllm too
-(`npllm quantize SRC OUT --type t`). Both files are dequantized and run by npllm's NumPy reference, so the only
+(`npllm quantize SRC OUT --type t`); a mixture (Q4_K_M, Q5_K_M) is each one's preset of that name. Both files are dequantized and run by npllm's NumPy reference, so the only
 difference between two rows is the bytes each quantizer chose. Per type it prints the relative RMS error of the
 weights (all matrices together, |W' - W| / |W|), then mean KL(F32 || quantized), top-1 agreement and perplexity.
 llama.cpp is the build scripts/compare_llama_cpp.sh makes in $LLAMA_CPP_DIR (default /tmp/npllm-llama.cpp).
@@ -24,18 +24,19 @@ import numpy as np
 from llama_cpp_files import source
 from npllm.evaluate import kl_divergence
 from npllm.formats import read_checkpoint
+from npllm.formats.gguf import MIXTURES
 from npllm.models import make_model
 
-TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q8_0"]
+TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M"]
 
 
 def write_both(build: Path, src: Path, qtype: str, out: Path) -> dict[str, Path]:
     """The F32 source in `qtype` by each quantizer: {"llama.cpp": path, "npllm": path}."""
-    paths = {"llama.cpp": out / f"{src.stem}-llamacpp-pure-{qtype}.gguf",
+    paths = {"llama.cpp": out / f"{src.stem}-llamacpp-{'' if qtype in MIXTURES else 'pure-'}{qtype}.gguf",
              "npllm": out / f"{src.stem}-npllm-{qtype}.gguf"}
-    subprocess.run([str(build / "bin" / "llama-quantize"), "--pure", "--token-embedding-type", qtype.lower(),
-                    str(src), str(paths["llama.cpp"]), qtype], check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    pure = [] if qtype in MIXTURES else ["--pure", "--token-embedding-type", qtype.lower()]
+    subprocess.run([str(build / "bin" / "llama-quantize"), *pure, str(src), str(paths["llama.cpp"]), qtype],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     subprocess.run([sys.executable, "-m", "npllm", "quantize", str(src), str(paths["npllm"]), "--type",
                     qtype.lower()], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return paths

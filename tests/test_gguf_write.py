@@ -11,8 +11,10 @@ import npllm
 from npllm import quant
 from npllm.cli import main
 from npllm.errors import ConfigError
-from npllm.formats.gguf import (TensorData, read_gguf, read_gguf_file, read_vocab, tensor_type_for, write_gguf,
-                                write_gguf_file)
+from npllm.config import ModelConfig
+from npllm.formats.gguf import (TensorData, more_bits, read_gguf, read_gguf_file, read_vocab, tensor_type_for,
+                                write_gguf, write_gguf_file)
+from npllm.formats.random import random_weights
 from npllm.formats.hf import read_hf
 
 gguf = pytest.importorskip("gguf")
@@ -79,6 +81,33 @@ def test_fallback_types():
     assert tensor_type_for((8, 64), "Q4_K") == "Q8_0"  # rows of 64 do not fill a 256-value super-block
     assert tensor_type_for((8, 172), "Q8_0") == "F16"
     assert tensor_type_for((8, 172), "F16") == "F16"
+
+
+def test_mixture_layers_with_more_bits():
+    """The first and last eighth of the layers and every third layer between them (32 layers: 0-3, 28-31 and
+    6, 9, ..., 27); fewer than 8 layers: every third from layer 2, and the last."""
+    assert [i for i in range(32) if more_bits(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert [i for i in range(5) if more_bits(i, 5)] == [2, 4]
+
+
+@pytest.mark.parametrize("mixture,base", [("Q4_K_M", "Q4_K"), ("Q5_K_M", "Q5_K")])
+@pytest.mark.parametrize("tied", [False, True])
+def test_mixture_files_give_the_lm_head_and_some_projections_q6_k(tmp_path, mixture, base, tied):
+    config = ModelConfig(dim=256, hidden_dim=256, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32,
+                         tied_embeddings=tied)
+    weights = random_weights(config, seed=3)
+    write_gguf(tmp_path / "m.gguf", config, weights, mixture)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    head = "token_embd.weight" if tied else "output.weight"
+    expected = {head: "Q6_K"} | ({} if tied else {"token_embd.weight": base})
+    for i in range(8):  # 8 layers: 0 and 7 (the first and last eighth), and 3 and 6 (1 + 2, 1 + 5)
+        more = "Q6_K" if i in (0, 3, 6, 7) else base
+        expected |= {f"blk.{i}.attn_v.weight": more, f"blk.{i}.ffn_down.weight": more,
+                     f"blk.{i}.attn_q.weight": base, f"blk.{i}.ffn_gate.weight": base,
+                     f"blk.{i}.attn_norm.weight": "F32"}
+    assert {name: types[name] for name in expected} == expected
+    _, read = read_gguf(tmp_path / "m.gguf")
+    assert np.abs(np.asarray(read["layers.3.wv"]) - weights["layers.3.wv"]).max() < 0.1  # Q6_K is close
 
 
 def logits(config, weights, tokens):
@@ -188,6 +217,16 @@ def test_cli_quantize_writes_a_file_both_readers_load(tmp_path, stories260k, cap
     on_disk = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("on disk:"))
     q4_bytes = sum(t.n_bytes for t in gguf.GGUFReader(str(out)).tensors if t.tensor_type == Q.Q4_0)
     assert f"Q4_0 x" in on_disk and f"({q4_bytes / 2**20:.1f} MiB)" in on_disk
+
+
+def test_cli_quantize_takes_a_mixture(tmp_path, stories260k, capsys):
+    """stories260K's rows (64, 172) fill no super-block: the mixture's K-quants fall back as a K-quant type does."""
+    out = tmp_path / "m.gguf"
+    assert main(["quantize", str(stories260k), str(out), "--type", "q4_k_m"]) == 0
+    assert "Q8_0 x" in capsys.readouterr().err
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(out)).tensors}
+    assert types["token_embd.weight"] == Q.Q8_0 and types["blk.0.ffn_down.weight"] == Q.F16
+    assert npllm.load(out).generate("Once upon a time", max_new_tokens=5, temperature=0).strip()
 
 
 def test_gguf_matrices_stay_quantized_over_the_memory_map(tmp_path):

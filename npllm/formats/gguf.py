@@ -758,9 +758,34 @@ def tensor_type_for(shape: tuple[int, ...], wanted: str) -> str:
     return "F16"
 
 
+# The mixtures people download most (the presets of these names in llama.cpp): a base type for most matrices, and
+# one with more bits where an error costs the most: the LM head (the output matrix, or the embedding a tied model
+# reads it from), and the value and FFN-down projections of the first and last eighth of the layers and of every
+# third layer between them.
+MIXTURES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
+
+
+def more_bits(layer: int, n_layers: int) -> bool:
+    """Whether a mixture stores layer `layer`'s wv and w2 in its type with more bits."""
+    eighth = n_layers // 8
+    return layer < eighth or layer >= 7 * n_layers // 8 or (layer - eighth) % 3 == 2
+
+
+def mixture_type(canonical: str, config: ModelConfig, wanted: str) -> str:
+    """The type `wanted` (a type, or a name in MIXTURES) gives the weight `canonical` ('layers.3.wv'), before
+    tensor_type_for's fallbacks."""
+    if wanted not in MIXTURES:
+        return wanted
+    base, more = MIXTURES[wanted]
+    parts = canonical.split(".")
+    head = canonical == "output" or (canonical == "tok_embeddings" and config.tied_embeddings)
+    projection = len(parts) == 3 and parts[2] in ("wv", "w2") and more_bits(int(parts[1]), config.n_layers)
+    return more if head or projection else base
+
+
 def model_tensors(config: ModelConfig, weights: dict[str, np.ndarray], wanted: str) -> list[TensorData]:
-    """Canonical float32 weights as GGUF tensors of type `wanted` (see tensor_type_for), in llama.cpp's names and
-    RoPE layout, plus rope_freqs for Llama 3 scaling."""
+    """Canonical float32 weights as GGUF tensors of type `wanted` (a type or a mixture: mixture_type, then
+    tensor_type_for), in llama.cpp's names and RoPE layout, plus rope_freqs for Llama 3 scaling."""
     from ..quant import quantize
 
     tensors = []
@@ -772,7 +797,7 @@ def model_tensors(config: ModelConfig, weights: dict[str, np.ndarray], wanted: s
         short = name.rsplit(".", 1)[-1]
         if config.arch != "qwen2" and config.rope_layout == "half" and short in ("wq", "wk", "bq", "bk"):
             array = half_to_interleaved(array, config.n_heads if short in ("wq", "bq") else config.n_kv_heads)
-        type_name = tensor_type_for(array.shape, wanted)
+        type_name = tensor_type_for(array.shape, mixture_type(name, config, wanted))
         tensors.append(TensorData(gguf_name(name), array.shape, type_name, quantize(array, type_name)))
     return tensors
 
@@ -780,8 +805,9 @@ def model_tensors(config: ModelConfig, weights: dict[str, np.ndarray], wanted: s
 def write_gguf(path: str | os.PathLike, config: ModelConfig, weights: dict[str, np.ndarray], type_name: str = "F32",
                tokenizer=None, name: str | None = None) -> list[TensorData]:
     """Write a model as a GGUF file that llama.cpp and npllm read: matrices in `type_name` (F32, F16, Q8_0, Q4_0,
-    Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; fallbacks in tensor_type_for), vectors in F32, and the tokenizer's vocabulary
-    when one is given. Returns the tensors written (for a summary)."""
+    Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, or a mixture in MIXTURES: Q4_K_M, Q5_K_M; fallbacks in
+    tensor_type_for), vectors in F32, and the tokenizer's vocabulary when one is given. Returns the tensors written
+    (for a summary)."""
     meta = model_metadata(config, name or os.path.splitext(os.path.basename(os.fspath(path)))[0])
     if tokenizer is not None:
         meta.update(vocab_metadata(tokenizer))
