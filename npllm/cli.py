@@ -440,12 +440,27 @@ QUANTIZE_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k"
                   "f16", "f32")
 
 
+def quantize_progress(stream=None):
+    """A progress line for `npllm quantize` on a terminal (stderr), rewritten after each weight, or None where
+    stderr is a file or a pipe (a log keeps only the summary)."""
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        return None
+
+    def show(done: int, total: int, name: str) -> None:
+        print(f"\r\033[K[npllm] quantized {done}/{total} tensors ({name})", end="\n" if done == total else "",
+              file=stream, flush=True)
+
+    return show
+
+
 def run_quantize(args) -> int:
     from collections import Counter
 
     from .formats.gguf import quantize_checkpoint
 
-    tensors, tokenizer = quantize_checkpoint(args.input, args.output, args.type.upper(), args.tokenizer)
+    tensors, tokenizer = quantize_checkpoint(args.input, args.output, args.type.upper(), args.tokenizer,
+                                             progress=quantize_progress())
     counts, sizes = Counter(t.type_name for t in tensors), Counter()
     for t in tensors:
         sizes[t.type_name] += t.raw.size

@@ -229,6 +229,30 @@ def test_cli_quantize_takes_a_mixture(tmp_path, stories260k, capsys):
     assert npllm.load(out).generate("Once upon a time", max_new_tokens=5, temperature=0).strip()
 
 
+def test_quantize_reports_progress_per_weight_and_on_a_terminal_only(tmp_path, stories260k):
+    import io
+
+    from npllm.cli import quantize_progress
+    from npllm.formats.gguf import quantize_checkpoint
+
+    calls = []
+    tensors, _ = quantize_checkpoint(stories260k, tmp_path / "p.gguf", "Q8_0",
+                                     progress=lambda done, total, name: calls.append((done, total, name)))
+    assert calls == [(i + 1, len(tensors), t.name) for i, t in enumerate(tensors)]
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert quantize_progress(io.StringIO()) is None  # a file or a pipe: the summary alone
+    terminal = Terminal()
+    show = quantize_progress(terminal)
+    show(1, 2, "a.weight")
+    show(2, 2, "b.weight")
+    assert terminal.getvalue() == ("\r\033[K[npllm] quantized 1/2 tensors (a.weight)"
+                                   "\r\033[K[npllm] quantized 2/2 tensors (b.weight)\n")
+
+
 def test_gguf_matrices_stay_quantized_over_the_memory_map(tmp_path):
     rng = np.random.default_rng(3)
     values = rng.standard_normal((4, 256)).astype(np.float32)

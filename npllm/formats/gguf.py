@@ -783,44 +783,49 @@ def mixture_type(canonical: str, config: ModelConfig, wanted: str) -> str:
     return more if head or projection else base
 
 
-def model_tensors(config: ModelConfig, weights: dict[str, np.ndarray], wanted: str) -> list[TensorData]:
+def model_tensors(config: ModelConfig, weights: dict[str, np.ndarray], wanted: str,
+                  progress=None) -> list[TensorData]:
     """Canonical float32 weights as GGUF tensors of type `wanted` (a type or a mixture: mixture_type, then
-    tensor_type_for), in llama.cpp's names and RoPE layout, plus rope_freqs for Llama 3 scaling."""
+    tensor_type_for), in llama.cpp's names and RoPE layout, plus rope_freqs for Llama 3 scaling.
+    progress(done, total, gguf name), when given, is called after each weight (quantizing a large model takes
+    minutes)."""
     from ..quant import quantize
 
     tensors = []
     if config.rope_scaling is not None and config.rope_scaling.kind == "llama3":
         factors = llama3_factors(config.rope_scaling, config.rope_theta, config.head_dim).astype(np.float32)
         tensors.append(TensorData(ROPE_FREQS, factors.shape, "F32", quantize(factors, "F32")))
-    for name, array in weights.items():
+    for done, (name, array) in enumerate(weights.items()):
         array = np.asarray(array, dtype=np.float32)
         short = name.rsplit(".", 1)[-1]
         if config.arch != "qwen2" and config.rope_layout == "half" and short in ("wq", "wk", "bq", "bk"):
             array = half_to_interleaved(array, config.n_heads if short in ("wq", "bq") else config.n_kv_heads)
         type_name = tensor_type_for(array.shape, mixture_type(name, config, wanted))
         tensors.append(TensorData(gguf_name(name), array.shape, type_name, quantize(array, type_name)))
+        if progress is not None:
+            progress(done + 1, len(weights), tensors[-1].name)
     return tensors
 
 
 def write_gguf(path: str | os.PathLike, config: ModelConfig, weights: dict[str, np.ndarray], type_name: str = "F32",
-               tokenizer=None, name: str | None = None) -> list[TensorData]:
+               tokenizer=None, name: str | None = None, progress=None) -> list[TensorData]:
     """Write a model as a GGUF file that llama.cpp and npllm read: matrices in `type_name` (F32, F16, Q8_0, Q4_0,
     Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, or a mixture in MIXTURES: Q4_K_M, Q5_K_M; fallbacks in
     tensor_type_for), vectors in F32, and the tokenizer's vocabulary when one is given. Returns the tensors written
-    (for a summary)."""
+    (for a summary). progress: see model_tensors."""
     meta = model_metadata(config, name or os.path.splitext(os.path.basename(os.fspath(path)))[0])
     if tokenizer is not None:
         meta.update(vocab_metadata(tokenizer))
-    tensors = model_tensors(config, weights, type_name)
+    tensors = model_tensors(config, weights, type_name, progress)
     write_gguf_file(path, meta, tensors)
     return tensors
 
 
 def quantize_checkpoint(model: str | os.PathLike, out: str | os.PathLike, type_name: str,
-                        tokenizer: str | os.PathLike | None = None) -> tuple[list[TensorData], object]:
+                        tokenizer: str | os.PathLike | None = None, progress=None) -> tuple[list[TensorData], object]:
     """Any checkpoint npllm reads (llama2.c .bin, HF directory, GGUF; a path or a known name) written as a GGUF file
     of `type_name`, with the vocabulary of its tokenizer (given, or found beside it) when npllm can write it.
-    Returns (tensors written, the tokenizer embedded or None)."""
+    Returns (tensors written, the tokenizer embedded or None). progress: see model_tensors."""
     from ..hub import resolve
     from ..tokenizer import load_tokenizer
     from . import read_checkpoint
@@ -833,5 +838,5 @@ def quantize_checkpoint(model: str | os.PathLike, out: str | os.PathLike, type_n
     tok = None if tok_path is None else load_tokenizer(tok_path, vocab_size=config.vocab_size)
     if tok is not None and not hasattr(tok, "score"):
         tok = None  # byte-level vocabularies are not written yet; the GGUF then needs a tokenizer beside it
-    tensors = write_gguf(out, config, weights, type_name, tok)
+    tensors = write_gguf(out, config, weights, type_name, tok, progress=progress)
     return tensors, tok
