@@ -435,7 +435,8 @@ def _bias_rule(out: np.ndarray, history: list[np.ndarray], bias: Mapping[int, fl
     values = np.fromiter(bias.values(), np.float64, len(bias))
     if ids.max() >= V:
         raise GenerationError(f"logit_bias names token {int(ids.max())}, outside the vocabulary [0, {V})")
-    out[:, ids] = np.where(values == -np.inf, -np.inf, out[:, ids] + values)
+    with np.errstate(invalid="ignore"):  # inf + -inf: NaN, replaced by the ban
+        out[:, ids] = np.where(values == -np.inf, -np.inf, out[:, ids] + values)
 
 
 def _ngram_banned(ids: np.ndarray, n: int) -> np.ndarray:
