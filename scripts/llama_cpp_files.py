@@ -97,6 +97,17 @@ def source(model: str, out: Path, stories: int) -> tuple[Path, list[int]]:
     return path, [int(i) for i in np.random.default_rng(0).integers(3, 32000, 4 * 128)]
 
 
+def llama_cpp_folders() -> tuple[Path, Path] | None:
+    """($LLAMA_CPP_DIR, where llama-quantize is built; $GGUF_DIR, created), or None, the reason on stderr."""
+    build = Path(os.environ.get("LLAMA_CPP_DIR", "/tmp/npllm-llama.cpp"))
+    out = Path(os.environ.get("GGUF_DIR", "/tmp/npllm-bench-gguf"))
+    if not (build / "bin" / "llama-quantize").exists():
+        print(f"no {build}/bin/llama-quantize: build llama.cpp first (scripts/compare_llama_cpp.sh)", file=sys.stderr)
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    return build, out
+
+
 def quantize(build: Path, source: Path, preset: str, out: Path) -> Path:
     path = out / f"{source.stem.replace('-F32', '')}-llamacpp-{preset}.gguf"
     if not path.exists():
@@ -124,12 +135,9 @@ def main() -> int:
     parser.add_argument("--ctx", type=int, default=128)
     parser.add_argument("--stories", type=int, default=24, help="stories sampled as the text (stories260K-wide)")
     args = parser.parse_args()
-    build = Path(os.environ.get("LLAMA_CPP_DIR", "/tmp/npllm-llama.cpp"))
-    out = Path(os.environ.get("GGUF_DIR", "/tmp/npllm-bench-gguf"))
-    if not (build / "bin" / "llama-quantize").exists():
-        print(f"no {build}/bin/llama-quantize: build llama.cpp first (scripts/compare_llama_cpp.sh)", file=sys.stderr)
+    if (folders := llama_cpp_folders()) is None:
         return 1
-    out.mkdir(parents=True, exist_ok=True)
+    build, out = folders
     src, ids = source(args.model, out, args.stories)
     print(f"{args.model}: {len(ids)} tokens scored in chunks of {args.ctx}; load average {os.getloadavg()[0]:.2f}")
     print("| llama.cpp preset | file | tensors as npllm holds them | mean KL | top-1 (positions) | bar |")

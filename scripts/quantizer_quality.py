@@ -14,14 +14,13 @@ llama.cpp is the build scripts/compare_llama_cpp.sh makes in $LLAMA_CPP_DIR (def
 """
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from llama_cpp_files import source
+from llama_cpp_files import llama_cpp_folders, source
 from npllm.evaluate import kl_divergence
 from npllm.formats import read_checkpoint
 from npllm.formats.gguf import MIXTURES
@@ -55,12 +54,9 @@ def main() -> int:
     parser.add_argument("--ctx", type=int, default=128)
     parser.add_argument("--stories", type=int, default=24, help="stories sampled from the model as the text")
     args = parser.parse_args()
-    build = Path(os.environ.get("LLAMA_CPP_DIR", "/tmp/npllm-llama.cpp"))
-    out = Path(os.environ.get("GGUF_DIR", "/tmp/npllm-bench-gguf"))
-    if not (build / "bin" / "llama-quantize").exists():
-        print(f"no {build}/bin/llama-quantize: build llama.cpp first (scripts/compare_llama_cpp.sh)", file=sys.stderr)
+    if (folders := llama_cpp_folders()) is None:
         return 1
-    out.mkdir(parents=True, exist_ok=True)
+    build, out = folders
     src, ids = source("stories260K-wide", out, args.stories)
     config, reference = read_checkpoint(src)
     f32 = make_model(config, reference, "numpy")
