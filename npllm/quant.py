@@ -545,9 +545,10 @@ def _covering_scale_min(values: np.ndarray, top: int, sub: int = 32, scale_top: 
     return d, dmin, sc, mn, _affine_levels(x, step, offset, top).astype(np.uint8)
 
 
-# The fitted rule's first steps, in covering steps: one narrower step centred on the range (clipping both ends),
-# three around the covering step with the offset at the minimum; each refined FIT_ROUNDS times by least squares.
-# (Chosen on stories260K's and Gaussian weights; llama.cpp's Q4_K search lands at the same error.)
+# The fitted rule's first steps, in covering steps, each refined FIT_ROUNDS times by least squares. With an offset
+# (Q2_K, Q4_K, Q5_K): the first centred on the range (clipping both ends), the others from the minimum; Q3_K and
+# Q6_K scale their covering step of either sign by each. (Chosen on stories260K's and Gaussian weights; llama.cpp's
+# Q4_K search lands at the same error.)
 FIT_FACTORS = (0.7, 0.92, 1.0, 1.08)
 FIT_ROUNDS = 4
 
