@@ -457,7 +457,7 @@ def quantize_progress(stream=None):
 def run_quantize(args) -> int:
     from collections import Counter
 
-    from .formats.gguf import quantize_checkpoint
+    from .formats.gguf import MIXTURES, fallbacks, quant_type, quantize_checkpoint
 
     tensors, tokenizer = quantize_checkpoint(args.input, args.output, args.type.upper(), args.tokenizer,
                                              progress=quantize_progress())
@@ -467,6 +467,11 @@ def run_quantize(args) -> int:
     parts = ", ".join(f"{name} x{counts[name]} ({sizes[name] / 2**20:.2f} MiB)" for name in sorted(counts))
     vocab = f"vocabulary of {tokenizer.name}" if tokenizer is not None else "no vocabulary (pass --tokenizer)"
     print(f"[npllm] wrote {args.output}: {len(tensors)} tensors: {parts}; {vocab}", file=sys.stderr)
+    wanted = args.type.upper()
+    block = quant_type(MIXTURES.get(wanted, (wanted,))[0]).block_size
+    for (stored, row), n in sorted(fallbacks(tensors, wanted).items()):
+        print(f"[npllm] {n} {'matrix' if n == 1 else 'matrices'} with rows of {row} values stored as {stored}: "
+              f"{wanted} needs rows that split into blocks of {block}", file=sys.stderr)
     return 0
 
 

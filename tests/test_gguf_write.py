@@ -206,7 +206,9 @@ def test_stories260k_q8_0_matches_golden_as_long_as_its_dequantized_model(tmp_pa
 def test_cli_quantize_writes_a_file_both_readers_load(tmp_path, stories260k, capsys):
     out = tmp_path / "s.gguf"
     assert main(["quantize", str(stories260k), str(out), "--type", "q4_0"]) == 0
-    assert "Q4_0 x" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Q4_0 x" in err and "Q4_0 needs rows that split into blocks of 32" in err
+    assert "rows of 64" not in err  # the rows of 64 took Q4_0 itself: no fallback to tell of
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(out)).tensors}
     assert types["token_embd.weight"] == Q.Q4_0 and types["blk.0.ffn_down.weight"] == Q.F16  # rows of 172
     assert types["output_norm.weight"] == Q.F32
@@ -223,7 +225,11 @@ def test_cli_quantize_takes_a_mixture(tmp_path, stories260k, capsys):
     """stories260K's rows (64, 172) fill no super-block: the mixture's K-quants fall back as a K-quant type does."""
     out = tmp_path / "m.gguf"
     assert main(["quantize", str(stories260k), str(out), "--type", "q4_k_m"]) == 0
-    assert "Q8_0 x" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Q8_0 x" in err
+    # and it says so: which matrices fell back, to what, and why
+    assert "31 matrices with rows of 64 values stored as Q8_0: Q4_K_M needs rows that split into blocks of 256" in err
+    assert "5 matrices with rows of 172 values stored as F16: Q4_K_M needs rows that split into blocks of 256" in err
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(out)).tensors}
     assert types["token_embd.weight"] == Q.Q8_0 and types["blk.0.ffn_down.weight"] == Q.F16
     assert npllm.load(out).generate("Once upon a time", max_new_tokens=5, temperature=0).strip()

@@ -783,6 +783,17 @@ def mixture_type(canonical: str, config: ModelConfig, wanted: str) -> str:
     return more if head or projection else base
 
 
+def fallbacks(tensors: list[TensorData], wanted: str) -> dict[tuple[str, int], int]:
+    """The matrices tensor_type_for stored in another type than `wanted` (a type or a mixture) asked for, because
+    their rows do not split into its blocks: (type stored, values per row) -> how many."""
+    asked = set(MIXTURES.get(wanted, (wanted,)))
+    found: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if len(t.shape) > 1 and t.type_name not in asked:
+            found[t.type_name, t.shape[-1]] = found.get((t.type_name, t.shape[-1]), 0) + 1
+    return found
+
+
 def model_tensors(config: ModelConfig, weights: dict[str, np.ndarray], wanted: str,
                   progress=None) -> list[TensorData]:
     """Canonical float32 weights as GGUF tensors of type `wanted` (a type or a mixture: mixture_type, then
