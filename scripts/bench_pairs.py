@@ -6,7 +6,9 @@ pair's ratio (npllm / llama.cpp) and, at the end, the median ratio per type and 
 
 The files are scripts/bench_llama_cpp.sh's ($GGUF_DIR, default /tmp/npllm-bench-gguf: run that script once to
 write them), llama.cpp its build ($LLAMA_CPP_DIR, default /tmp/npllm-llama.cpp); $LLAMA_BENCH_ARGS goes to
-llama-bench (e.g. "--repack 0" on a VM that lists AMX without enabling it). Decode after a 128-token prompt, 64
+llama-bench (e.g. "--repack 0" on a VM that lists AMX without enabling it; "--repack 0,1" pairs npllm with both of
+llama.cpp's CPU paths, its kernels on the file's own blocks and on the rows it repacks at load, each ratio labelled
+with its path). Decode after a 128-token prompt, 64
 steps; npllm's threads spin briefly or sleep between parallel regions as npllm.kernels decides (printed at the end)
 unless OMP_WAIT_POLICY or GOMP_SPINCOUNT says otherwise.
 """
@@ -27,12 +29,17 @@ npllm = Path(sys.executable).parent / "npllm"
 
 
 def llama_cpp(path):
-    """(prefill tok/s, decode tok/s) of llama-bench -p 128 -n 64."""
+    """{path: (prefill tok/s, decode tok/s)} of llama-bench -p 128 -n 64, one entry per CPU path the arguments ask
+    for: "" alone unless LLAMA_BENCH_ARGS lists both "--repack 0,1"."""
     args = [str(llama_bench), "-m", str(path), "-p", "128", "-n", "64", "-t", threads, "-r", "2", "-o", "json"]
     runs = json.loads(subprocess.run(args + os.environ.get("LLAMA_BENCH_ARGS", "").split(), capture_output=True,
                                      text=True, check=True).stdout)
-    by_test = {("pp" if r["n_gen"] == 0 else "tg"): r["avg_ts"] for r in runs}
-    return by_test["pp"], by_test["tg"]
+    labels = {r.get("repack") for r in runs}
+    by_test = {}
+    for r in runs:
+        label = "" if len(labels) == 1 else ("repacked " if r["repack"] else "plain ")
+        by_test.setdefault(label, {})["pp" if r["n_gen"] == 0 else "tg"] = r["avg_ts"]
+    return {label: (tests["pp"], tests["tg"]) for label, tests in by_test.items()}
 
 
 def ours(path):
@@ -50,11 +57,12 @@ print(f"{shape}, {threads} threads, {rounds} rounds; load average {open('/proc/l
 for r in range(rounds):
     for qtype in file_types:
         path = gguf / f"{shape}-{qtype}.gguf"
-        (lp, lt), (op, ot) = llama_cpp(path), ours(path)
-        ratios.setdefault((qtype, "prefill"), []).append(op / lp)
-        ratios.setdefault((qtype, "decode"), []).append(ot / lt)
-        print(f"round {r + 1} {qtype:6} prefill llama.cpp {lp:8.1f} npllm {op:8.1f} ({op / lp:.2f}x)   "
-              f"decode llama.cpp {lt:7.1f} npllm {ot:7.1f} ({ot / lt:.2f}x)", flush=True)
+        theirs, (op, ot) = llama_cpp(path), ours(path)
+        for label, (lp, lt) in theirs.items():
+            ratios.setdefault((qtype, label + "prefill"), []).append(op / lp)
+            ratios.setdefault((qtype, label + "decode"), []).append(ot / lt)
+            print(f"round {r + 1} {qtype:6} prefill llama.cpp {label}{lp:8.1f} npllm {op:8.1f} ({op / lp:.2f}x)   "
+                  f"decode llama.cpp {label}{lt:7.1f} npllm {ot:7.1f} ({ot / lt:.2f}x)", flush=True)
 print("median ratio npllm / llama.cpp: " + ", ".join(f"{t} {test} {statistics.median(v):.2f}x"
                                                       for (t, test), v in ratios.items()))
 print(f"npllm's threads between parallel regions: {', '.join(sorted(waits))} (llama.cpp's spin)")
