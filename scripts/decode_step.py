@@ -4,8 +4,12 @@ GOMP_SPINCOUNT is set; run each setting in its own process, since OpenMP reads t
 
     python scripts/decode_step.py FILE [PROMPT] [STEPS]          # defaults: 128-token prompt, 200 steps
 
-The numba model, weights kept in their file types (a GGUF) or packed float32 panels (other checkpoints).
+The numba model, weights kept in their file types (a GGUF) or packed float32 panels (other checkpoints). Also
+printed: how often the process's threads went to sleep per step (voluntary context switches: each one a wake-up to
+pay for at the next parallel region), and the steal time of the machine's CPUs meanwhile (time a VM's vCPUs were
+ready to run but the host ran another guest).
 """
+import os
 import sys
 import time
 
@@ -21,7 +25,25 @@ steps = int(sys.argv[3]) if len(sys.argv) > 3 else 200
 model = make_model(*read_checkpoint(path, keep_quantized=True), "numba")
 cache = model.new_cache(prompt + steps)
 model.forward(np.arange(1, prompt + 1) % model.config.vocab_size, np.arange(prompt), cache)
+
+
+def sleeps() -> int:
+    """Voluntary context switches of this process's threads so far."""
+    total = 0
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/status") as f:
+            total += sum(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+    return total
+
+
+def steal_s() -> float:
+    """Seconds of steal time summed over the machine's CPUs (/proc/stat, in clock ticks)."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+
+
 forward_s, head_s = [], []
+sleeps_before, steal_before, wall_before = sleeps(), steal_s(), time.perf_counter()
 for i in range(steps):
     start = time.perf_counter()
     h = model.forward([5], [prompt + i], cache)
@@ -29,6 +51,9 @@ for i in range(steps):
     model.lm_head(h)
     forward_s.append(middle - start)
     head_s.append(time.perf_counter() - middle)
+sleeps_per_step = (sleeps() - sleeps_before) / steps
+stolen = (steal_s() - steal_before) / (time.perf_counter() - wall_before)
 step = np.median(np.add(forward_s, head_s))
 print(f"threads {'spin' if kernels.SPINNING else 'sleep'}: forward {1e3 * np.median(forward_s):.3f} ms, LM head "
-      f"{1e3 * np.median(head_s):.3f} ms, step {1e3 * step:.3f} ms ({1 / step:.0f} tok/s)")
+      f"{1e3 * np.median(head_s):.3f} ms, step {1e3 * step:.3f} ms ({1 / step:.0f} tok/s); {sleeps_per_step:.2f} "
+      f"sleeps per step, steal {stolen:.2f} CPUs")

@@ -7,8 +7,13 @@ Between parallel regions Numba's OpenMP threads either spin or sleep, and which 
   7.1 ms with sleeping threads, 2.7 ms with threads that spin ~0.15 ms before they sleep (GOMP_SPINCOUNT=3000).
 - A thread that spins holds a core that the main thread or another process wants: with another process busy on
   one of those two cores, the same step took 5.4 ms sleeping and 10.0 ms spinning.
-So the threads spin briefly (GOMP_SPINCOUNT=SPIN_COUNT) when the machine has a core free for each of them (no other
-task running or waiting, as the kernel counts them at import), and sleep (OMP_WAIT_POLICY=PASSIVE) otherwise.
+- Where the host is busy (a VM whose vCPUs lose time to other guests: "steal"), a thread waits longer for the other
+  to reach the end of a region, and a short spin ran out 3-30 times per 110M decode step: each sleep a wake-up
+  through the host's scheduler, and the step took up to three times as long. Spinning ten times as long (30000
+  iterations: 0.5-1 ms on that VM, where 3000 ran out in 0.05-0.1 ms), the threads slept 0.01-0.05 times per step,
+  and decoded as fast as with the short spin while the host was quiet.
+So the threads spin (GOMP_SPINCOUNT=SPIN_COUNT) when the machine has a core free for each of them (no other task
+running or waiting, as the kernel counts them at import), and sleep (OMP_WAIT_POLICY=PASSIVE) otherwise.
 Either variable set in the environment wins. This must be decided before the OpenMP runtime starts, hence here;
 SPINNING records the decision (models/numba.py sizes its parallel regions by it, `npllm bench` reports it).
 """
@@ -16,7 +21,7 @@ SPINNING records the decision (models/numba.py sizes its parallel regions by it,
 import os
 import time
 
-SPIN_COUNT = 3000  # libgomp's busy-wait iterations before a thread sleeps (~0.15 ms here)
+SPIN_COUNT = 30000  # libgomp's busy-wait iterations before a thread sleeps (0.5-1 ms; 3000 slept mid-step)
 
 
 def _running_here() -> int:
