@@ -19,6 +19,9 @@ length N it measures (medians of R runs):
     decode_cpu_cores   CPU time of the process during decode / wall time: the cores it kept busy on average (up to
                        `threads`; less when other processes took cores, or when a call ran on one thread)
     load_avg           the machine's 1-minute load average when the figure was measured
+    steal_cpus         the machine's steal time while the figure was measured, in CPUs (seconds stolen from all
+                       its CPUs per second): on a VM, time its vCPUs were ready to run but the host ran another
+                       guest; a figure measured with more than ~0.05 is the host's, not npllm's (None off Linux)
     kv_cache_mib       the KV cache's size (B slots x (N + gen_len) positions, keys and values)
 and once per backend:
     dtype              the weights' types, largest share first ("Q4_0+Q6_K+F32"; "float32" for float models), with
@@ -209,11 +212,22 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
         yield {**r, **bandwidth, "peak_rss_mb": peak_rss_mb}
 
 
+def steal_seconds() -> float | None:
+    """Seconds of steal time summed over the machine's CPUs since boot (/proc/stat's eighth column, in clock
+    ticks), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def measure_point(session, kv_dtype: str, batch: int, prompt_len: int, gen_len: int, repeat: int,
                   step_bytes: int) -> dict:
     """Prefill and decode figures of one (KV dtype, batch, prompt length), medians of `repeat` runs."""
     prefill_s, first_s, decode_s, decode_cpu_s = [], [], [], []
     load = os.getloadavg()[0]
+    steal_start, wall_start = steal_seconds(), time.perf_counter()
     for _ in range(repeat):
         cache, tokens, p_s, f_s = session.prefill(batch, prompt_len, prompt_len + gen_len, kv_dtype)
         kv_bytes = cache.nbytes
@@ -224,6 +238,8 @@ def measure_point(session, kv_dtype: str, batch: int, prompt_len: int, gen_len: 
         decode_cpu_s.append(d_cpu_s)
         del cache
     step = _median(decode_s) / gen_len
+    steal_end = steal_seconds()
+    steal = None if steal_end is None else round((steal_end - steal_start) / (time.perf_counter() - wall_start), 2)
     return {"kv_dtype": kv_dtype, "batch": batch, "prompt_len": prompt_len,
             "prefill_tok_s": round(batch * prompt_len / _median(prefill_s), 1),
             "first_token_ms": round(1e3 * _median(first_s), 2),
@@ -231,7 +247,7 @@ def measure_point(session, kv_dtype: str, batch: int, prompt_len: int, gen_len: 
             "weight_bytes_per_token": step_bytes // batch,
             "achieved_gb_s": round(step_bytes / step / 1e9, 2),
             "decode_cpu_cores": round(sum(decode_cpu_s) / sum(decode_s), 2),
-            "load_avg": round(load, 2), "kv_cache_mib": round(kv_bytes / 2**20, 2)}
+            "load_avg": round(load, 2), "steal_cpus": steal, "kv_cache_mib": round(kv_bytes / 2**20, 2)}
 
 
 def _blas_threads() -> int:
@@ -279,4 +295,9 @@ def print_result(result: dict, as_json: bool) -> None:
           f"{result['first_token_ms']:.1f} ms (cold {result['first_token_cold_ms']:.0f} ms), decode "
           f"{result['decode_tok_s']:.1f} tok/s ({result['ms_per_token']:.2f} ms/step), "
           f"{result['achieved_gb_s']:.1f} of {result['bandwidth_gb_s']:.1f} GB/s, peak RSS "
-          f"{result['peak_rss_mb']:.0f} MB", flush=True)
+          f"{result['peak_rss_mb']:.0f} MB{_steal_warning(result.get('steal_cpus'))}", flush=True)
+
+
+def _steal_warning(steal: float | None) -> str:
+    """A note on a figure the host took time from (steal_cpus above ~0.05), else nothing."""
+    return f" (steal {steal:.2f} CPUs: the host ran other guests meanwhile)" if steal and steal >= 0.05 else ""

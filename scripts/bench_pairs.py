@@ -43,13 +43,13 @@ def llama_cpp(path):
 
 
 def ours(path):
-    """(prefill tok/s, decode tok/s) of npllm bench --batch 1 --prompt-len 128 --gen-len 64."""
+    """(prefill tok/s, decode tok/s, steal_cpus) of npllm bench --batch 1 --prompt-len 128 --gen-len 64."""
     args = [str(npllm), "bench", "--model", str(path), "--batch", "1", "--prompt-len", "128", "--gen-len", "64",
             "--repeat", "2", "--threads", threads, "--json"]
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     row = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     waits.add(row.get("threads_wait", "sleep"))
-    return row["prefill_tok_s"], row["decode_tok_s"]
+    return row["prefill_tok_s"], row["decode_tok_s"], row.get("steal_cpus")
 
 
 ratios, waits = {}, set()
@@ -57,12 +57,13 @@ print(f"{shape}, {threads} threads, {rounds} rounds; load average {open('/proc/l
 for r in range(rounds):
     for qtype in file_types:
         path = gguf / f"{shape}-{qtype}.gguf"
-        theirs, (op, ot) = llama_cpp(path), ours(path)
+        theirs, (op, ot, steal) = llama_cpp(path), ours(path)
         for label, (lp, lt) in theirs.items():
             ratios.setdefault((qtype, label + "prefill"), []).append(op / lp)
             ratios.setdefault((qtype, label + "decode"), []).append(ot / lt)
             print(f"round {r + 1} {qtype:6} prefill llama.cpp {label}{lp:8.1f} npllm {op:8.1f} ({op / lp:.2f}x)   "
-                  f"decode llama.cpp {label}{lt:7.1f} npllm {ot:7.1f} ({ot / lt:.2f}x)", flush=True)
+                  f"decode llama.cpp {label}{lt:7.1f} npllm {ot:7.1f} ({ot / lt:.2f}x)   npllm's steal {steal}",
+                  flush=True)
 print("median ratio npllm / llama.cpp: " + ", ".join(f"{t} {test} {statistics.median(v):.2f}x"
                                                       for (t, test), v in ratios.items()))
 print(f"npllm's threads between parallel regions: {', '.join(sorted(waits))} (llama.cpp's spin)")

@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from npllm import kernels
+from npllm.bench import steal_seconds
 from npllm.formats import read_checkpoint
 from npllm.models import make_model
 
@@ -36,14 +37,8 @@ def sleeps() -> int:
     return total
 
 
-def steal_s() -> float:
-    """Seconds of steal time summed over the machine's CPUs (/proc/stat, in clock ticks)."""
-    with open("/proc/stat") as f:
-        return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
-
-
 forward_s, head_s = [], []
-sleeps_before, steal_before, wall_before = sleeps(), steal_s(), time.perf_counter()
+sleeps_before, steal_before, wall_before = sleeps(), steal_seconds(), time.perf_counter()
 for i in range(steps):
     start = time.perf_counter()
     h = model.forward([5], [prompt + i], cache)
@@ -52,7 +47,7 @@ for i in range(steps):
     forward_s.append(middle - start)
     head_s.append(time.perf_counter() - middle)
 sleeps_per_step = (sleeps() - sleeps_before) / steps
-stolen = (steal_s() - steal_before) / (time.perf_counter() - wall_before)
+stolen = (steal_seconds() - steal_before) / (time.perf_counter() - wall_before)
 step = np.median(np.add(forward_s, head_s))
 print(f"threads {'spin' if kernels.SPINNING else 'sleep'}: forward {1e3 * np.median(forward_s):.3f} ms, LM head "
       f"{1e3 * np.median(head_s):.3f} ms, step {1e3 * step:.3f} ms ({1 / step:.0f} tok/s); {sleeps_per_step:.2f} "

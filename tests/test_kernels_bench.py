@@ -1,6 +1,7 @@
 """`npllm bench --json`: the interface other tools read (keys, one object per line, consistent arithmetic)."""
 
 import json
+import os
 
 import pytest
 
@@ -12,7 +13,7 @@ from npllm.formats.random import NAMED_SHAPES
 
 KEYS = {"model", "backend", "threads", "batch", "prompt_len", "gen_len", "prefill_tok_s", "decode_tok_s",
         "first_token_ms", "weight_bytes_per_token", "achieved_gb_s", "bandwidth_gb_s", "peak_rss_mb",
-        "threads_wait"}
+        "threads_wait", "steal_cpus"}
 
 
 def test_bench_json_lines(capsys):
@@ -29,6 +30,25 @@ def test_bench_json_lines(capsys):
         assert r["weight_bytes_per_token"] == step_bytes // r["batch"]
         # achieved GB/s is the bytes of one decode step over the time of one step
         assert r["achieved_gb_s"] == pytest.approx(step_bytes / (r["ms_per_token"] / 1e3) / 1e9, rel=0.02)
+        assert 0 <= r["steal_cpus"] <= os.cpu_count()  # a share of the machine's CPUs, Linux having /proc/stat
+
+
+def test_steal_seconds_reads_the_eighth_column_of_proc_stat(monkeypatch, tmp_path):
+    import builtins
+
+    from npllm import bench
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 9000 10 0 5 250 0 0\ncpu0 50 0 25 4500 5 0 2 125 0 0\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(stat if path == "/proc/stat" else path,
+                                                                            *a, **k))
+    assert bench.steal_seconds() == 250 / os.sysconf("SC_CLK_TCK")
+    stat.write_text("")  # no such line: no figure rather than an exception
+    assert bench.steal_seconds() is None
+    # the human-readable line flags a figure the host took time from, and only such a figure
+    assert "steal 0.20 CPUs" in bench._steal_warning(0.2)
+    assert bench._steal_warning(0.01) == bench._steal_warning(None) == ""
 
 
 def test_decode_weight_bytes_counts_every_matrix_once():
