@@ -10,8 +10,8 @@ Between parallel regions Numba's OpenMP threads either spin or sleep, and which 
 - Where the host is busy (a VM whose vCPUs lose time to other guests: "steal"), a thread waits longer for the other
   to reach the end of a region, and a short spin ran out 3-30 times per 110M decode step: each sleep a wake-up
   through the host's scheduler, and the step took up to three times as long. Spinning ten times as long (30000
-  iterations: 0.5-1 ms on that VM, where 3000 ran out in 0.05-0.1 ms), the threads slept 0.01-0.05 times per step,
-  and decoded as fast as with the short spin while the host was quiet.
+  iterations: 0.5-1 ms on that VM, where 3000 ran out in 0.05-0.1 ms), the threads slept 0.01-0.05 times per step
+  on a quiet host (0.3-1.8 under steal), and decoded as fast as with the short spin while the host was quiet.
 So the threads spin (GOMP_SPINCOUNT=SPIN_COUNT) when the machine has a core free for each of them (no other task
 running or waiting, as the kernel counts them at import), and sleep (OMP_WAIT_POLICY=PASSIVE) otherwise.
 Either variable set in the environment wins. This must be decided before the OpenMP runtime starts, hence here;
