@@ -8,8 +8,10 @@ The files are scripts/bench_llama_cpp.sh's ($GGUF_DIR, default /tmp/npllm-bench-
 write them), llama.cpp its build ($LLAMA_CPP_DIR, default /tmp/npllm-llama.cpp); $LLAMA_BENCH_ARGS goes to
 llama-bench (e.g. "--repack 0" on a VM that lists AMX without enabling it; "--repack 0,1" pairs npllm with both of
 llama.cpp's CPU paths, its kernels on the file's own blocks and on the rows it repacks at load, each ratio labelled
-with its path). Decode after a 128-token prompt, 64
-steps; npllm's threads spin briefly or sleep between parallel regions as npllm.kernels decides (printed at the end)
+with its path). The same work on both sides: prefill of 128 tokens into an empty cache; 64 decode steps after 128
+tokens (llama-bench's `-d 128`; from an empty cache each step would read 128 fewer keys and values); and the KV cache
+in float16, llama.cpp's default (`npllm bench --kv-dtype`; $KV_DTYPE=float32 pairs npllm's float32 cache with it
+instead). npllm's threads spin briefly or sleep between parallel regions as npllm.kernels decides (printed at the end)
 unless OMP_WAIT_POLICY or GOMP_SPINCOUNT says otherwise.
 """
 import json
@@ -26,14 +28,16 @@ file_types = (sys.argv[4] if len(sys.argv) > 4 else "F32,Q8_0,Q4_0").split(",") 
 gguf = Path(os.environ.get("GGUF_DIR", "/tmp/npllm-bench-gguf"))
 llama_bench = Path(os.environ.get("LLAMA_CPP_DIR", "/tmp/npllm-llama.cpp")) / "bin" / "llama-bench"
 npllm = Path(sys.executable).parent / "npllm"
+kv_dtype = os.environ.get("KV_DTYPE", "float16")
 
 
 def llama_cpp(path):
-    """{path: (prefill tok/s, decode tok/s)} of llama-bench -p 128 -n 64, one entry per CPU path the arguments ask
-    for: "" alone unless LLAMA_BENCH_ARGS lists both "--repack 0,1"."""
-    args = [str(llama_bench), "-m", str(path), "-p", "128", "-n", "64", "-t", threads, "-r", "2", "-o", "json"]
-    runs = json.loads(subprocess.run(args + os.environ.get("LLAMA_BENCH_ARGS", "").split(), capture_output=True,
-                                     text=True, check=True).stdout)
+    """{path: (prefill tok/s, decode tok/s)} of llama-bench -p 128 (from an empty cache) and -n 64 -d 128 (after
+    128 tokens), one entry per CPU path the arguments ask for: "" alone unless LLAMA_BENCH_ARGS lists "--repack 0,1"."""
+    args = [str(llama_bench), "-m", str(path), "-t", threads, "-r", "2", "-o", "json"]
+    args += os.environ.get("LLAMA_BENCH_ARGS", "").split()
+    runs = [run for test in (["-p", "128", "-n", "0"], ["-p", "0", "-n", "64", "-d", "128"])
+            for run in json.loads(subprocess.run(args + test, capture_output=True, text=True, check=True).stdout)]
     labels = {r.get("repack") for r in runs}
     by_test = {}
     for r in runs:
@@ -45,7 +49,7 @@ def llama_cpp(path):
 def ours(path):
     """(prefill tok/s, decode tok/s, steal_cpus) of npllm bench --batch 1 --prompt-len 128 --gen-len 64."""
     args = [str(npllm), "bench", "--model", str(path), "--batch", "1", "--prompt-len", "128", "--gen-len", "64",
-            "--repeat", "2", "--threads", threads, "--json"]
+            "--repeat", "2", "--threads", threads, "--kv-dtype", kv_dtype, "--json"]
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     row = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     waits.add(row.get("threads_wait", "sleep"))
@@ -53,7 +57,8 @@ def ours(path):
 
 
 ratios, waits = {}, set()
-print(f"{shape}, {threads} threads, {rounds} rounds; load average {open('/proc/loadavg').read().split()[:3]}")
+print(f"{shape}, {threads} threads, {rounds} rounds, npllm's KV cache {kv_dtype} (llama.cpp's float16); "
+      f"load average {open('/proc/loadavg').read().split()[:3]}")
 for r in range(rounds):
     for qtype in file_types:
         path = gguf / f"{shape}-{qtype}.gguf"
