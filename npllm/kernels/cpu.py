@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .simd import (LANES, WIDE, load_kv, prefetch_kv, store_kv, vadd, vfma, vfmav, vload, vload16, vload_kv, vstore,
+from .simd import (LANES, WIDE, load_kv, prefetch, store_kv, vadd, vfma, vfmav, vload, vload16, vload_kv, vstore,
                    vsum, vsum8, vzero, vzero16)
 
 PANEL = 16  # output rows per panel: two 8-lane vectors
@@ -441,7 +441,7 @@ def _prefetch_row(a, at, n):
     most. A head's rows lie K x Dh values apart in the ring, a stride the hardware prefetcher does not follow: cold
     decode attention ran at ~2.5 GB/s without this."""
     for i in range(0, n, 16):
-        prefetch_kv(a, at + i)
+        prefetch(a, at + i)
 
 
 @njit(inline="always")

@@ -40,8 +40,8 @@ from numba.extending import intrinsic
 from ..quant import (INTERLEAVED_BLOCK_BYTES, INTERLEAVED_TYPES, QK_K, TWO_PART_ACTIVATION_TYPES, TYPES,
                      QuantizationError)
 from .cpu import PANEL, REASSOC, TILE_T, _tile_6x16
-from .simd import (_is_f32_c_array, _lane_pointer, _vector, f32x8, f32x16, vadd, vfma, vfmav, vload, vsplat, vstore,
-                   vsum, vzero, vzero16)
+from .simd import (_is_f32_c_array, _lane_pointer, _vector, f32x8, f32x16, prefetch, vadd, vfma, vfmav, vload, vsplat,
+                   vstore, vsum, vzero, vzero16)
 
 # ---------------------------------------------------------------------------------------------- byte vectors
 # Eight weight bytes widened to eight float32 lanes in registers (simd.py's f32x8). Written as LLVM vector
@@ -1522,22 +1522,43 @@ def _group_walker(tile):
     return walk
 
 
+# STREAM_PREFETCH: the types whose decode walk (one token) asks for the bytes of its next groups (the next pair, or
+# the next group) before it multiplies the current ones. A Q6_K group's blocks are read in four runs (ql, qh, ql,
+# and the next half's), which the hardware prefetcher follows worse than one run: a Q6_K product streamed from memory
+# (a Q4_0 or Q4_K_M file's LM head, too big for the cache) took ~150 ps per multiply-add against ~100 for its bytes
+# at one core's bandwidth, and ~115 with the prefetches, at 8-10% more time with its matrix in L2
+# (scripts/bench_streaming.py). Q4_0, Q4_K and Q8_0 gained nothing streamed and lost 20-35% in L2; see docs/quant.md.
+STREAM_PREFETCH = ("Q6_K",)
+
+
+@njit(inline="always")
+def _prefetch_groups(w, g0, g1):
+    """Ask for the cache lines of groups g0 .. g1 - 1 of w [G, group bytes] uint8 (a hint, no effect on results)."""
+    for i in range(g0 * w.shape[1], g1 * w.shape[1], 64):
+        prefetch(w, i)
+
+
 def _interleaved_kernels(qtype: str):
     """rows_into(w8, q, d, s, s16, T, out, col, n0, n1) of one interleaved type, n0 a multiple of 8: pairs of
     groups where PAIRED, then single groups, then the rows of a last group that n1 cuts (a matrix whose rows are
-    not a multiple of 8: its last group is padded with zero rows, computed aside and not stored)."""
+    not a multiple of 8: its last group is padded with zero rows, computed aside and not stored). For one token and
+    a type of STREAM_PREFETCH, each step first asks for the next step's groups (within n0 .. n1: a thread's own)."""
     walk8, walk16 = _group_walker(_block_accumulators(1)[qtype]), _group_walker(_block_accumulators(2)[qtype])
-    pairs = PAIRED
+    pairs, ahead = PAIRED, qtype in STREAM_PREFETCH
 
     @njit(fastmath=REASSOC, cache=True)
     def rows_into(w, q, d, s, s16, T, out, col, n0, n1):
         """out[t, col + n] for t < T, n0 <= n < n1 (out C-contiguous float32 [>=T, >=col + n1])."""
-        g = n0 // 8
+        g, end = n0 // 8, -(-n1 // 8)
         while pairs and g + 2 <= n1 // 8:
+            if ahead and T == 1:
+                _prefetch_groups(w, g + 2, min(g + 4, end))
             walk16(w, q, d, s, s16, T, out, col, g)
             g += 2
         aside = np.empty((T if n1 % 8 else 0, 8), np.float32)
-        while g < -(-n1 // 8):
+        while g < end:
+            if ahead and T == 1:
+                _prefetch_groups(w, g + 1, min(g + 2, end))
             cut = 8 * g + 8 > n1  # a last group that n1 cuts: its eight rows into aside[t, 0:8] (one call site, so
             walk8(w, q, d, s, s16, T, aside if cut else out, -8 * g if cut else col, g)  # one inlined tile)
             g += 1

@@ -292,11 +292,15 @@ def store_kv(typingctx, array, index, value):
 
 
 @intrinsic
-def prefetch_kv(typingctx, array, index):
+def prefetch(typingctx, array, index):
     """Ask the CPU to bring the cache line holding array.flat[index] into its caches (llvm.prefetch, a hint: no
-    fault, no effect on results). Attention reads a head's keys at a stride of K heads x Dh values, a pattern the
-    hardware prefetcher does not follow; asking a few positions ahead hides the memory latency."""
+    fault, no effect on results); array a C-contiguous KV array (float32, or uint16 bits of float16) or uint8
+    bytes. Attention reads a head's keys at a stride of K heads x Dh values, a pattern the hardware prefetcher does
+    not follow; a decode product over Q6_K rows reads faster from memory when it asks for its next rows itself
+    (kernels.quant.STREAM_PREFETCH)."""
     element = _kv_element(array)
+    if isinstance(array, types.Array) and array.layout == "C" and array.dtype == types.uint8:
+        element = ir.IntType(8)
     if element is None or not isinstance(index, types.Integer):
         return None
 
