@@ -12,14 +12,18 @@ with its path). The same work on both sides: prefill of 128 tokens into an empty
 tokens (llama-bench's `-d 128`; from an empty cache each step would read 128 fewer keys and values); and the KV cache
 in float16, llama.cpp's default (`npllm bench --kv-dtype`; $KV_DTYPE=float32 pairs npllm's float32 cache with it
 instead). npllm's threads spin briefly or sleep between parallel regions as npllm.kernels decides (printed at the end)
-unless OMP_WAIT_POLICY or GOMP_SPINCOUNT says otherwise.
+unless OMP_WAIT_POLICY or GOMP_SPINCOUNT says otherwise. Beside each pair, each engine's steal: the CPUs the host
+took from this VM while it ran (npllm bench's steal_cpus; /proc/stat around llama-bench's two runs, loads included).
 """
 import json
 import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from npllm.bench import steal_seconds
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "stories110M"
 threads = sys.argv[2] if len(sys.argv) > 2 else "2"
@@ -36,8 +40,11 @@ def llama_cpp(path):
     128 tokens), one entry per CPU path the arguments ask for: "" alone unless LLAMA_BENCH_ARGS lists "--repack 0,1"."""
     args = [str(llama_bench), "-m", str(path), "-t", threads, "-r", "2", "-o", "json"]
     args += os.environ.get("LLAMA_BENCH_ARGS", "").split()
+    steal_start, wall_start = steal_seconds(), time.perf_counter()
     runs = [run for test in (["-p", "128", "-n", "0"], ["-p", "0", "-n", "64", "-d", "128"])
             for run in json.loads(subprocess.run(args + test, capture_output=True, text=True, check=True).stdout)]
+    if steal_start is not None:
+        steals.append(round((steal_seconds() - steal_start) / (time.perf_counter() - wall_start), 2))
     labels = {r.get("repack") for r in runs}
     by_test = {}
     for r in runs:
@@ -56,7 +63,7 @@ def ours(path):
     return row["prefill_tok_s"], row["decode_tok_s"], row.get("steal_cpus")
 
 
-ratios, waits = {}, set()
+ratios, waits, steals = {}, set(), []  # steals: llama.cpp's runs' steal, in CPUs (as npllm bench's steal_cpus)
 print(f"{shape}, {threads} threads, {rounds} rounds, npllm's KV cache {kv_dtype} (llama.cpp's float16); "
       f"load average {open('/proc/loadavg').read().split()[:3]}")
 for r in range(rounds):
@@ -67,7 +74,8 @@ for r in range(rounds):
             ratios.setdefault((qtype, label + "prefill"), []).append(op / lp)
             ratios.setdefault((qtype, label + "decode"), []).append(ot / lt)
             print(f"round {r + 1} {qtype:6} prefill llama.cpp {label}{lp:8.1f} npllm {op:8.1f} ({op / lp:.2f}x)   "
-                  f"decode llama.cpp {label}{lt:7.1f} npllm {ot:7.1f} ({ot / lt:.2f}x)   npllm's steal {steal}",
+                  f"decode llama.cpp {label}{lt:7.1f} npllm {ot:7.1f} ({ot / lt:.2f}x)   "
+                  f"steal llama.cpp {steals[-1] if steals else None} npllm {steal}",
                   flush=True)
 print("median ratio npllm / llama.cpp: " + ", ".join(f"{t} {test} {statistics.median(v):.2f}x"
                                                       for (t, test), v in ratios.items()))
