@@ -1524,10 +1524,11 @@ def _group_walker(tile):
 
 # STREAM_PREFETCH: the types whose decode walk (one token) asks for the bytes of its next groups (the next pair, or
 # the next group) before it multiplies the current ones. A Q6_K group's blocks are read in four runs (ql, qh, ql,
-# and the next half's), which the hardware prefetcher follows worse than one run: a Q6_K product streamed from memory
-# (a Q4_0 or Q4_K_M file's LM head, too big for the cache) took ~150 ps per multiply-add against ~100 for its bytes
-# at one core's bandwidth, and ~115 with the prefetches, at 8-10% more time with its matrix in L2
-# (scripts/bench_streaming.py). Q4_0, Q4_K and Q8_0 gained nothing streamed and lost 20-35% in L2; see docs/quant.md.
+# and the next half's), which the hardware prefetcher follows worse than one run: streamed from memory (a Q4_0 or
+# Q4_K_M file's LM head, too big for the cache) a Q6_K product took 123-128 ps per multiply-add, ~1.3x its bytes'
+# time at one core's bandwidth, and 94-100 with the prefetches; with its matrix in L2, 25-34 and 31-39 (a cost a
+# decode step never meets: no model's matrix but stories260K's stays in L2 between steps). Q4_0, Q4_K, Q8_0 and
+# Q5_K gained nothing in the model and lost 20-35% in L2; docs/quant.md, "A Q6_K decode walk asks for its next bytes".
 STREAM_PREFETCH = ("Q6_K",)
 
 
