@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from numba import njit
+from numba.core.errors import TypingError
 
 from npllm import quant
 from npllm.kernels import quant as kq
-from npllm.kernels.simd import vstore
+from npllm.kernels.simd import prefetch, vstore
 from npllm.quant import QuantizationError
 from test_kernels_quant import activations, quantized_matrix
 from tests_support import REPO
@@ -378,6 +379,25 @@ def test_interleaved_kernels_are_the_reference(qtype, data):
     one_by_one = np.concatenate([kq.matmul_int8_interleaved(quant.interleave_rows(w, qtype), qtype, x[t:t + 1], N)
                                  for t in range(T)])
     np.testing.assert_array_equal(got, one_by_one)
+
+
+@njit
+def _prefetch_every_seventh(a):
+    for i in range(0, a.size, 7):
+        prefetch(a, i)
+
+
+def test_prefetch_takes_kv_arrays_and_weight_bytes_and_refuses_others():
+    """simd.prefetch is a hint: on the arrays it takes (float32 or uint16 KV arrays, uint8 weight bytes as the Q6_K
+    decode walk passes them, 2-D) it leaves every value as it was; any other array is a typing error at compile
+    time, not a silent no-op."""
+    for a in (np.arange(96, dtype=np.float32), np.arange(96, dtype=np.uint16),
+              np.arange(96, dtype=np.uint8).reshape(8, 12)):
+        before = a.copy()
+        _prefetch_every_seventh(a)
+        np.testing.assert_array_equal(a, before)
+    with pytest.raises(TypingError):
+        _prefetch_every_seventh(np.arange(96, dtype=np.float64))
 
 
 def interleaved_dots(w, x, y):
