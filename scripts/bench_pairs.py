@@ -36,21 +36,22 @@ kv_dtype = os.environ.get("KV_DTYPE", "float16")
 
 
 def llama_cpp(path):
-    """{path: (prefill tok/s, decode tok/s)} of llama-bench -p 128 (from an empty cache) and -n 64 -d 128 (after
-    128 tokens), one entry per CPU path the arguments ask for: "" alone unless LLAMA_BENCH_ARGS lists "--repack 0,1"."""
+    """({path: (prefill tok/s, decode tok/s)}, steal in CPUs) of llama-bench -p 128 (from an empty cache) and -n 64
+    -d 128 (after 128 tokens), one entry per CPU path the arguments ask for: "" alone unless LLAMA_BENCH_ARGS lists
+    "--repack 0,1"; the steal as npllm bench's steal_cpus, over both runs (None without /proc/stat)."""
     args = [str(llama_bench), "-m", str(path), "-t", threads, "-r", "2", "-o", "json"]
     args += os.environ.get("LLAMA_BENCH_ARGS", "").split()
     steal_start, wall_start = steal_seconds(), time.perf_counter()
     runs = [run for test in (["-p", "128", "-n", "0"], ["-p", "0", "-n", "64", "-d", "128"])
             for run in json.loads(subprocess.run(args + test, capture_output=True, text=True, check=True).stdout)]
-    if steal_start is not None:
-        steals.append(round((steal_seconds() - steal_start) / (time.perf_counter() - wall_start), 2))
+    wall = time.perf_counter() - wall_start
+    steal = None if steal_start is None else round((steal_seconds() - steal_start) / wall, 2)
     labels = {r.get("repack") for r in runs}
     by_test = {}
     for r in runs:
         label = "" if len(labels) == 1 else ("repacked " if r["repack"] else "plain ")
         by_test.setdefault(label, {})["pp" if r["n_gen"] == 0 else "tg"] = r["avg_ts"]
-    return {label: (tests["pp"], tests["tg"]) for label, tests in by_test.items()}
+    return {label: (tests["pp"], tests["tg"]) for label, tests in by_test.items()}, steal
 
 
 def ours(path):
@@ -63,19 +64,19 @@ def ours(path):
     return row["prefill_tok_s"], row["decode_tok_s"], row.get("steal_cpus")
 
 
-ratios, waits, steals = {}, set(), []  # steals: llama.cpp's runs' steal, in CPUs (as npllm bench's steal_cpus)
+ratios, waits = {}, set()
 print(f"{shape}, {threads} threads, {rounds} rounds, npllm's KV cache {kv_dtype} (llama.cpp's float16); "
       f"load average {open('/proc/loadavg').read().split()[:3]}")
 for r in range(rounds):
     for qtype in file_types:
         path = gguf / f"{shape}-{qtype}.gguf"
-        theirs, (op, ot, steal) = llama_cpp(path), ours(path)
+        (theirs, their_steal), (op, ot, steal) = llama_cpp(path), ours(path)
         for label, (lp, lt) in theirs.items():
             ratios.setdefault((qtype, label + "prefill"), []).append(op / lp)
             ratios.setdefault((qtype, label + "decode"), []).append(ot / lt)
             print(f"round {r + 1} {qtype:6} prefill llama.cpp {label}{lp:8.1f} npllm {op:8.1f} ({op / lp:.2f}x)   "
                   f"decode llama.cpp {label}{lt:7.1f} npllm {ot:7.1f} ({ot / lt:.2f}x)   "
-                  f"steal llama.cpp {steals[-1] if steals else None} npllm {steal}",
+                  f"steal llama.cpp {their_steal} npllm {steal}",
                   flush=True)
 print("median ratio npllm / llama.cpp: " + ", ".join(f"{t} {test} {statistics.median(v):.2f}x"
                                                       for (t, test), v in ratios.items()))
