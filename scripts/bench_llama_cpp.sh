@@ -5,7 +5,7 @@
 #
 #   bash scripts/bench_llama_cpp.sh [SHAPE] [THREADS]         # defaults: stories110M, "1,2"
 #
-# llama.cpp is the build scripts/compare_llama_cpp.sh makes in $LLAMA_CPP_DIR (default /tmp/npllm-llama.cpp); run
+# llama.cpp is the build scripts/build_llama_cpp.sh makes in $LLAMA_CPP_DIR (default /tmp/npllm-llama.cpp); run
 # that script once first if $LLAMA_CPP_DIR/bin/llama-bench is missing. The GGUF files go to $GGUF_DIR (default
 # /tmp/npllm-bench-gguf) and are kept for reruns. Runs are short (3 repetitions, 64 decode steps after a 128-token
 # prompt): on a shared machine, read the figures with the load average printed beside them.
@@ -23,7 +23,7 @@ python=${PYTHON:-.venv/bin/python}
 npllm=${NPLLM:-.venv/bin/npllm}
 tokenizer=${TOKENIZER:-weights/llama2-tokenizer/tokenizer.model}
 if [ ! -x "$build/bin/llama-bench" ]; then
-  echo "no $build/bin/llama-bench: build llama.cpp first (scripts/compare_llama_cpp.sh)" >&2
+  echo "no $build/bin/llama-bench: build llama.cpp first (scripts/build_llama_cpp.sh)" >&2
   exit 1
 fi
 

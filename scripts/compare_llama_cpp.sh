@@ -3,8 +3,8 @@
 #
 #   bash scripts/compare_llama_cpp.sh [CHECKPOINT] [TOKENIZER] [CTX]
 #
-# llama.cpp is built here from the llama-cpp-python source package on PyPI (its vendored llama.cpp; cmake and a C++
-# compiler needed; ~15 minutes on 2 cores), once, in $LLAMA_CPP_DIR (default /tmp/npllm-llama.cpp). The text is
+# llama.cpp is built once by scripts/build_llama_cpp.sh (from the llama-cpp-python source package on PyPI; cmake and a
+# C++ compiler needed; ~15 minutes on 2 cores) in $LLAMA_CPP_DIR (default /tmp/npllm-llama.cpp). The text is
 # twelve stories sampled from the checkpoint itself (seeds 1..12); the GGUFs are written by `npllm quantize`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,16 +14,7 @@ ctx=${3:-128}
 build=${LLAMA_CPP_DIR:-/tmp/npllm-llama.cpp}
 npllm=${NPLLM:-.venv/bin/npllm}
 
-if [ ! -x "$build/bin/llama-perplexity" ]; then
-  mkdir -p "$build/src"
-  pip download --no-binary :all: --no-deps -q llama-cpp-python -d "$build/src"
-  tar xzf "$build"/src/llama_cpp_python-*.tar.gz -C "$build/src"
-  source=$(ls -d "$build"/src/llama_cpp_python-*/vendor/llama.cpp)
-  cmake -S "$source" -B "$build/cmake" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF > /dev/null
-  cmake --build "$build/cmake" --target llama-perplexity -j"$(nproc)" > /dev/null
-  mkdir -p "$build/bin" && cp -P "$build"/cmake/bin/* "$build/bin/"
-fi
+LLAMA_CPP_DIR=$build bash scripts/build_llama_cpp.sh
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

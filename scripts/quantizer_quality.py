@@ -10,7 +10,7 @@ function with rows K-quants can hold), and stories sampled from it. llama.cpp wr
 (`npllm quantize SRC OUT --type t`); a mixture (Q4_K_M, Q5_K_M) is each one's preset of that name. Both files are dequantized and run by npllm's NumPy reference, so the only
 difference between two rows is the bytes each quantizer chose. Per type it prints the relative RMS error of the
 weights (all matrices together, |W' - W| / |W|), then mean KL(F32 || quantized), top-1 agreement and perplexity.
-llama.cpp is the build scripts/compare_llama_cpp.sh makes in $LLAMA_CPP_DIR (default /tmp/npllm-llama.cpp).
+llama.cpp is the build scripts/build_llama_cpp.sh makes in $LLAMA_CPP_DIR (default /tmp/npllm-llama.cpp).
 """
 
 import argparse
