@@ -381,6 +381,36 @@ def test_interleaved_kernels_are_the_reference(qtype, data):
     np.testing.assert_array_equal(got, one_by_one)
 
 
+@functools.lru_cache(maxsize=None)
+def one_group_walk(qtype):
+    """rows_into of `qtype` walking one group of eight rows at a time, as machines without a 512-bit vpdpbusd do
+    (with STREAM_PREFETCH[False]'s prefetches at one token), whatever this machine's walk."""
+    return kq._interleaved_kernels(qtype, pairs=False)
+
+
+@pytest.mark.parametrize("qtype", kq.STREAM_PREFETCH[False])
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_the_one_group_walk_with_its_prefetches_is_the_machines_walk(qtype, data):
+    """Decode products over the rows a thread owns (any n0 .. n1, n0 a multiple of 8, with the prefetches of the
+    groups two ahead cut at n1) give the bits of the walk this machine runs (pairs of groups on AVX-512 VNNI), and
+    write nothing outside their rows."""
+    w, K = data.draw(quantized_matrix(qtype))
+    N = w.shape[0]
+    n0 = 8 * data.draw(st.integers(0, (N - 1) // 8), label="n0 / 8")
+    n1 = data.draw(st.integers(n0 + 1, N), label="n1")
+    x = activations(data.draw, (1, K))
+    q, d = np.empty((1, K), np.int8), np.empty((1, K // 32), np.float32)
+    s, s16 = np.empty((1, K // 32), np.float32), np.empty((1, K // 16), np.int32)
+    kq.quantize_activations_q8_into(x, 1, q, d, s, s16)
+    w8 = quant.interleave_rows(w, qtype)
+    got = np.full((1, N + 3), np.float32(7))
+    one_group_walk(qtype)(w8, q, d, s, s16, 1, got, 3, n0, n1)
+    machine = kq.matmul_int8_interleaved(w8, qtype, x, N)
+    np.testing.assert_array_equal(got[0, 3 + n0:3 + n1], machine[0, n0:n1])
+    assert np.all(got[0, :3 + n0] == 7) and np.all(got[0, 3 + n1:] == 7)
+
+
 @njit
 def _prefetch_every_seventh(a):
     for i in range(0, a.size, 7):

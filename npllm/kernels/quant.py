@@ -1522,14 +1522,18 @@ def _group_walker(tile):
     return walk
 
 
-# STREAM_PREFETCH: the types whose decode walk (one token) asks for the bytes of its next groups (the next pair, or
-# the next group) before it multiplies the current ones. A Q6_K group's blocks are read in four runs (ql, qh, ql,
-# and the next half's), which the hardware prefetcher follows worse than one run: streamed from memory (a Q4_0 or
-# Q4_K_M file's LM head, too big for the cache) a Q6_K product took 123-128 ps per multiply-add, ~1.3x its bytes'
-# time at one core's bandwidth, and 94-100 with the prefetches; with its matrix in L2, 25-34 and 31-39 (a cost a
-# decode step never meets: no model's matrix but stories260K's stays in L2 between steps). Q4_0, Q4_K, Q8_0 and
-# Q5_K gained nothing in the model and lost 20-35% in L2; docs/quant.md, "A Q6_K decode walk asks for its next bytes".
-STREAM_PREFETCH = ("Q6_K",)
+# STREAM_PREFETCH: the types whose decode walk (one token) asks for the bytes of the groups two ahead (the next
+# pair, or the group after next) before it multiplies the current ones; it depends on the walk. A Q6_K group's
+# blocks are read in four runs (ql, qh, ql, and the next half's), which the hardware prefetcher follows worse than
+# one run. Paired walk (AVX-512 VNNI), streamed from memory (a Q4_0 or Q4_K_M file's LM head, too big for the
+# cache): a Q6_K product took 123-128 ps per multiply-add, ~1.3x its bytes' time at one core's bandwidth, 94-100 with
+# the prefetches; with its matrix in L2, 25-34 and 31-39 (a cost a decode step never meets: no model's matrix but
+# stories260K's stays in L2 between steps). There Q4_0, Q4_K, Q8_0 and Q5_K gained nothing in the model and lost
+# 20-35% in L2. One group at a time (AVX2 without VNNI, measured by compiling for it on the same machine), streamed:
+# Q6_K 194-248 -> 140-150 ps, Q4_K 111-125 -> 85-92, Q5_K 143-175 -> 122-127, Q4_0 and Q8_0 no gain; in the model,
+# 110M decode Q4_K_M 86-94 -> 96-108 tok/s, Q5_K_M 74-89 -> 89-94. docs/quant.md, "A Q6_K decode walk asks for its
+# next bytes" and "... and on AVX2, Q4_K and Q5_K too".
+STREAM_PREFETCH = {True: ("Q6_K",), False: ("Q4_K", "Q5_K", "Q6_K")}  # keyed by the walk: pairs or not
 
 
 @njit(inline="always")
@@ -1539,13 +1543,14 @@ def _prefetch_groups(w, g0, g1):
         prefetch(w, i)
 
 
-def _interleaved_kernels(qtype: str):
+def _interleaved_kernels(qtype: str, pairs: bool = PAIRED):
     """rows_into(w8, q, d, s, s16, T, out, col, n0, n1) of one interleaved type, n0 a multiple of 8: pairs of
-    groups where PAIRED, then single groups, then the rows of a last group that n1 cuts (a matrix whose rows are
+    groups where `pairs` (PAIRED: the machine's walk), then single groups, then the rows of a last group that n1 cuts (a matrix whose rows are
     not a multiple of 8: its last group is padded with zero rows, computed aside and not stored). For one token and
-    a type of STREAM_PREFETCH, each step first asks for the next step's groups (within n0 .. n1: a thread's own)."""
+    a type of STREAM_PREFETCH[pairs], each step first asks for the groups two ahead (within n0 .. n1: a thread's
+    own)."""
     walk8, walk16 = _group_walker(_block_accumulators(1)[qtype]), _group_walker(_block_accumulators(2)[qtype])
-    pairs, ahead = PAIRED, qtype in STREAM_PREFETCH
+    ahead = qtype in STREAM_PREFETCH[pairs]
 
     @njit(fastmath=REASSOC, cache=True)
     def rows_into(w, q, d, s, s16, T, out, col, n0, n1):
@@ -1559,7 +1564,7 @@ def _interleaved_kernels(qtype: str):
         aside = np.empty((T if n1 % 8 else 0, 8), np.float32)
         while g < end:
             if ahead and T == 1:
-                _prefetch_groups(w, g + 1, min(g + 2, end))
+                _prefetch_groups(w, g + 2, min(g + 3, end))
             cut = 8 * g + 8 > n1  # a last group that n1 cuts: its eight rows into aside[t, 0:8] (one call site, so
             walk8(w, q, d, s, s16, T, aside if cut else out, -8 * g if cut else col, g)  # one inlined tile)
             g += 1
