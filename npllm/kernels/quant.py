@@ -1530,7 +1530,7 @@ def _group_walker(tile):
 # the prefetches; with its matrix in L2, 25-34 and 31-39 (a cost a decode step never meets: no model's matrix but
 # stories260K's stays in L2 between steps). There Q4_0, Q4_K, Q8_0 and Q5_K gained nothing in the model and lost
 # 20-35% in L2. One group at a time (AVX2 without VNNI, measured by compiling for it on the same machine), streamed:
-# Q6_K 194-248 -> 140-150 ps, Q4_K 111-125 -> 85-92, Q5_K 143-175 -> 122-127, Q4_0 and Q8_0 no gain; in the model,
+# Q6_K 194-248 -> 140-163 ps, Q4_K 111-125 -> 85-92, Q5_K 143-175 -> 122-127, Q4_0 and Q8_0 no gain; in the model,
 # 110M decode Q4_K_M 86-94 -> 96-108 tok/s, Q5_K_M 74-89 -> 89-94. docs/quant.md, "A Q6_K decode walk asks for its
 # next bytes" and "... and on AVX2, Q4_K and Q5_K too".
 STREAM_PREFETCH = {True: ("Q6_K",), False: ("Q4_K", "Q5_K", "Q6_K")}  # keyed by the walk: pairs or not
