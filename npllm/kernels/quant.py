@@ -1531,8 +1531,9 @@ def _group_walker(tile):
 # stories260K's stays in L2 between steps). There Q4_0, Q4_K, Q8_0 and Q5_K gained nothing in the model and lost
 # 20-35% in L2. One group at a time (AVX2 without VNNI, measured by compiling for it on the same machine), streamed:
 # Q6_K 194-248 -> 140-163 ps, Q4_K 111-125 -> 85-92, Q5_K 143-175 -> 122-127, Q4_0 and Q8_0 no gain; in the model,
-# 110M decode Q4_K_M 86-94 -> 96-108 tok/s, Q5_K_M 74-89 -> 89-94. docs/quant.md, "A Q6_K decode walk asks for its
-# next bytes" and "... and on AVX2, Q4_K and Q5_K too".
+# 110M decode Q4_K_M 86-94 -> 96-108 tok/s, Q5_K_M 74-89 -> 89-94 (compiled for AVX-VNNI: 86-102 -> 107-116 and
+# 87-88 -> 100-111). docs/quant.md, "A Q6_K decode walk asks for its next bytes" and "... and on AVX2, Q4_K and
+# Q5_K too".
 STREAM_PREFETCH = {True: ("Q6_K",), False: ("Q4_K", "Q5_K", "Q6_K")}  # keyed by the walk: pairs or not
 
 
@@ -1545,10 +1546,10 @@ def _prefetch_groups(w, g0, g1):
 
 def _interleaved_kernels(qtype: str, pairs: bool = PAIRED):
     """rows_into(w8, q, d, s, s16, T, out, col, n0, n1) of one interleaved type, n0 a multiple of 8: pairs of
-    groups where `pairs` (PAIRED: the machine's walk), then single groups, then the rows of a last group that n1 cuts (a matrix whose rows are
-    not a multiple of 8: its last group is padded with zero rows, computed aside and not stored). For one token and
-    a type of STREAM_PREFETCH[pairs], each step first asks for the groups two ahead (within n0 .. n1: a thread's
-    own)."""
+    groups where `pairs` (PAIRED: the machine's walk), then single groups, then the rows of a last group that n1
+    cuts (a matrix whose rows are not a multiple of 8: its last group is padded with zero rows, computed aside and
+    not stored). For one token and a type of STREAM_PREFETCH[pairs], each step first asks for the groups two ahead
+    (within n0 .. n1: a thread's own)."""
     walk8, walk16 = _group_walker(_block_accumulators(1)[qtype]), _group_walker(_block_accumulators(2)[qtype])
     ahead = qtype in STREAM_PREFETCH[pairs]
 
