@@ -393,8 +393,8 @@ def one_group_walk(qtype):
 @given(data=st.data())
 def test_the_one_group_walk_with_its_prefetches_is_the_machines_walk(qtype, data):
     """Decode products over the rows a thread owns (any n0 .. n1, n0 a multiple of 8, with the prefetches of the
-    groups two ahead cut at n1) give the bits of the walk this machine runs (pairs of groups on AVX-512 VNNI), and
-    write nothing outside their rows."""
+    groups two ahead cut at n1) are the NumPy reference to float32 rounding, give the bits of the walk this machine
+    runs (pairs of groups on AVX-512 VNNI), and write nothing outside their rows."""
     w, K = data.draw(quantized_matrix(qtype))
     N = w.shape[0]
     n0 = 8 * data.draw(st.integers(0, (N - 1) // 8), label="n0 / 8")
@@ -407,6 +407,9 @@ def test_the_one_group_walk_with_its_prefetches_is_the_machines_walk(qtype, data
     got = np.full((1, N + 3), np.float32(7))
     one_group_walk(qtype)(w8, q, d, s, s16, 1, got, 3, n0, n1)
     machine = kq.matmul_int8_interleaved(w8, qtype, x, N)
+    reference = quant.matmul_t_q8_activations(w, qtype, (N, K), x)
+    to_reference, _ = bounds(w, qtype, K, x)
+    assert np.all(np.abs(got[0, 3 + n0:3 + n1] - reference[0, n0:n1]) <= to_reference[0, n0:n1])
     np.testing.assert_array_equal(got[0, 3 + n0:3 + n1], machine[0, n0:n1])
     assert np.all(got[0, :3 + n0] == 7) and np.all(got[0, 3 + n1:] == 7)
 
