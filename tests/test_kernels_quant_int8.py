@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from numba import njit
@@ -459,6 +459,8 @@ def interleaved_dots(w, x, y):
 @settings(max_examples=30, deadline=None)
 @given(w=hnp.arrays(np.uint8, 512), x=hnp.arrays(np.int8, 32, elements=st.integers(-127, 127)),
        y=hnp.arrays(np.int8, 32, elements=st.integers(-64, 64)))
+@example(w=np.full(512, 255, np.uint8), x=np.full(32, 127, np.int8), y=np.full(32, 64, np.int8))  # every value
+@example(w=np.full(512, 255, np.uint8), x=np.full(32, -127, np.int8), y=np.full(32, -64, np.int8))  # at its most
 def test_interleaved_integer_dots_are_the_integer_dot(w, x, y):
     """Lane r of an interleaved block's dot: the exact integer dot of row r's 32 values (Q8_0's q, Q4_0's u - 8, a
     Q4_K run's low or high nibbles; a Q6_K group's first or last 16, q - 32; a Q5_K run's nibbles with their fifth

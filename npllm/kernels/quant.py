@@ -1026,12 +1026,39 @@ def _dot_lanes(builder, acc, w, x, w_signed: bool, avx2: bool, vnni: bool):
     return builder.add(acc, _dot(builder, w, x, w_signed, avx2, vnni))  # 8 lanes: no 16-lane code without VNNI
 
 
-def _chained_dots(builder, start, words, xs, w_signed: bool, avx2: bool, vnni: bool):
-    """start + the dots of words[k] with xs[k], in CHAINS independent sums added at the end (the same integer)."""
+def _run_length(most: int) -> int:
+    """How many words' vpmaddubsw outputs may be added in int16 before one vpmaddwd widens them: a pair's sum is at
+    most 2 * most * 127 (unsigned values <= most, |x| <= 127), and the run's sum must stay within 32767."""
+    return max(1, min(8, 32767 // (2 * most * 127)))
+
+
+def _runs_of_pairs(builder, words, xs, most: int):
+    """<8 x i32> partial dots on AVX2 without VNNI, a run of words at a time: vpmaddubsw per word, the int16 pairs
+    of a run added (exact: _run_length), one vpmaddwd per run. vpmaddubsw and vpmaddwd both take the multiply
+    ports; a widening per word (Q4's nibbles: 8 words, 8 vpmaddwd -> 1) left those ports half the work."""
+    pmaddubsw = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _ivec(_I16, 16), [_ivec(_I8, 32)] * 2)
+    pmaddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", _ivec(_I32, 8), [_ivec(_I16, 16)] * 2)
+    ones, length, dots = ir.Constant(_ivec(_I16, 16), [1] * 16), _run_length(most), []
+    for k0 in range(0, len(words), length):
+        pairs = None
+        for word, x in zip(words[k0:k0 + length], xs[k0:k0 + length]):
+            part = builder.call(pmaddubsw, [word, x])
+            pairs = part if pairs is None else builder.add(pairs, part)
+        dots.append(builder.call(pmaddwd, [pairs, ones]))
+    return dots
+
+
+def _chained_dots(builder, start, words, xs, w_signed: bool, avx2: bool, vnni: bool, most: int = 255):
+    """start + the dots of words[k] with xs[k], in CHAINS independent sums added at the end (the same integer).
+    most: the largest unsigned value in the words (on AVX2 without VNNI the products are summed in int16 runs)."""
     zero = ir.Constant(start.type, [0] * start.type.count)
     chains = [start] + [zero] * (CHAINS - 1)
-    for k, (word, x) in enumerate(zip(words, xs)):
-        chains[k % CHAINS] = _dot_lanes(builder, chains[k % CHAINS], word, x, w_signed, avx2, vnni)
+    if avx2 and not vnni and not w_signed and start.type.count == 8:
+        for k, dot in enumerate(_runs_of_pairs(builder, words, xs, most)):
+            chains[k % CHAINS] = builder.add(chains[k % CHAINS], dot)
+    else:
+        for k, (word, x) in enumerate(zip(words, xs)):
+            chains[k % CHAINS] = _dot_lanes(builder, chains[k % CHAINS], word, x, w_signed, avx2, vnni)
     total = chains[0]
     for chain in chains[1:]:
         total = builder.add(total, chain)
@@ -1045,6 +1072,7 @@ def _interleaved_idot(qtype, groups: int, avx2: bool, vnni: bool):
     w.flat[iw:] (after its scales; a pair's second group at iw + stride) with the int8 activations
     x.flat[ix : ix + 32]. A start of -bias times the activations' sum makes it the dot of the values minus bias."""
     flip_back = qtype == "Q8_0" and avx2 and not vnni  # vpmaddubsw would saturate on 255 x 127: the sign trick
+    most = {"Q8_0": 255, "Q4_0": 15, "Q5_0": 31}[qtype]  # the largest unsigned value of a word
     width = 32 * groups
     gfni = avx2 and GFNI  # avx2 is only set for a pair where the machine has AVX-512 (X16_IDOTS)
 
@@ -1072,7 +1100,7 @@ def _interleaved_idot(qtype, groups: int, avx2: bool, vnni: bool):
             start = builder.trunc(args[5], _I32) if args[5].type.width > 32 else args[5]
             xs = [_broadcast4(builder, context, signature.args[3], args[3], _offset(builder, args[4], 4 * k),
                               8 * groups) for k in range(8)]
-            acc = _chained_dots(builder, _splat32(builder, start, 8 * groups), ws, xs, flip_back, avx2, vnni)
+            acc = _chained_dots(builder, _splat32(builder, start, 8 * groups), ws, xs, flip_back, avx2, vnni, most)
             return builder.sitofp(acc, _vector(8 * groups))
 
         return _F32XN[groups](w, iw, stride, x, ix, start), codegen
@@ -1128,7 +1156,8 @@ def _interleaved_nibble_idot(groups: int, avx2: bool, vnni: bool, fifth: bool = 
         x_type, x, ix = signature.args[-2], args[-2], args[-1]
         xs = [_broadcast4(builder, context, x_type, x, _offset(builder, ix, 4 * k), 8 * groups) for k in range(8)]
         zero = ir.Constant(_ivec(_I32, 8 * groups), [0] * 8 * groups)
-        return builder.sitofp(_chained_dots(builder, zero, ws, xs, False, avx2, vnni), _vector(8 * groups))
+        dots = _chained_dots(builder, zero, ws, xs, False, avx2, vnni, 31 if fifth else 15)
+        return builder.sitofp(dots, _vector(8 * groups))
 
     if fifth:
         def typer(typingctx, w, iw, stride, shift, iqh, qh_shift, x, ix):
@@ -1170,7 +1199,7 @@ def _interleaved_split_idot(groups: int, avx2: bool, vnni: bool, part: int, bits
         def dots(ix, start):
             xs = [_broadcast4(builder, context, x_type, x, _offset(builder, ix, 4 * k), 8 * groups)
                   for k in range(4 * part, 4 * part + 4)]
-            return _chained_dots(builder, start, ws, xs, False, avx2, vnni)
+            return _chained_dots(builder, start, ws, xs, False, avx2, vnni, 2 ** (bits + high_bits) - 1)
 
         start = _splat32(builder, builder.trunc(args[-1], _I32) if args[-1].type.width > 32 else args[-1], 8 * groups)
         if not two_part:
