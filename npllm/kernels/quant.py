@@ -1040,11 +1040,10 @@ def _runs_of_pairs(builder, words, xs, most: int):
     pmaddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", _ivec(_I32, 8), [_ivec(_I16, 16)] * 2)
     ones, length, dots = ir.Constant(_ivec(_I16, 16), [1] * 16), _run_length(most), []
     for k0 in range(0, len(words), length):
-        pairs = None
-        for word, x in zip(words[k0:k0 + length], xs[k0:k0 + length]):
-            part = builder.call(pmaddubsw, [word, x])
-            pairs = part if pairs is None else builder.add(pairs, part)
-        dots.append(builder.call(pmaddwd, [pairs, ones]))
+        parts = [builder.call(pmaddubsw, [word, x]) for word, x in zip(words[k0:k0 + length], xs[k0:k0 + length])]
+        while len(parts) > 1:  # a balanced tree: 3 adds deep for 8 words, not 7 (a one-token walk waits on it)
+            parts = [builder.add(a, b) for a, b in zip(parts[::2], parts[1::2])] + parts[len(parts) // 2 * 2:]
+        dots.append(builder.call(pmaddwd, [parts[0], ones]))
     return dots
 
 
