@@ -93,5 +93,6 @@ def main():
               f"new/base {np.median(base[:, 0] / new[:, 0]):.2f} wall, {np.median(base[:, 1] / new[:, 1]):.2f} CPU "
               f"(medians of {rounds} pairs)", flush=True)
 
+
 if __name__ == "__main__":
     main()
