@@ -54,14 +54,14 @@ def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str
     if backend == "cuda" and kv not in (None, np.float32):
         raise ConfigError(f"kv_dtype {kv_dtype}: the cuda backend's cache stores float32 (float16 is for the numba "
                           f"and numpy backends)")
-    model = _make(config, weights, backend, threads, weight_dtype, **options)
+    model = _make(config, weights, backend, threads, weight_dtype, kv, **options)
     if kv is not None:
         model.kv_dtype = kv.name
     return model
 
 
 def _make(config: ModelConfig, weights: dict[str, np.ndarray], backend: str, threads: int | None,
-          weight_dtype: str, **options) -> Model:
+          weight_dtype: str, kv: np.dtype | None, **options) -> Model:
     if weight_dtype not in WEIGHT_DTYPES:
         raise ConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     if backend != "cuda" and (weight_dtype != "float32" or options):
@@ -72,9 +72,11 @@ def _make(config: ModelConfig, weights: dict[str, np.ndarray], backend: str, thr
 
         return CudaTransformer(config, weights, weight_dtype, **options)
     if backend == "numba":
-        from .numba import NumbaTransformer, QuantizedNumbaTransformer, is_quantized
+        from .numba import NumbaTransformer, QuantizedNumbaTransformer, is_quantized, link_ahead
 
-        if is_quantized(weights):  # matrices kept in their file types: read as stored, no float32 copy
+        quantized = is_quantized(weights)  # matrices kept in their file types: read as stored, no float32 copy
+        link_ahead(QuantizedNumbaTransformer if quantized else NumbaTransformer, kv)  # the code, then the weights
+        if quantized:
             return QuantizedNumbaTransformer(config, weights, threads)
         return NumbaTransformer(config, float_weights(weights), threads)
     from .reference import Transformer

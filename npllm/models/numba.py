@@ -470,12 +470,8 @@ def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     tied = matrices[-1].raw.__array_interface__["data"][0] == matrices[-2].raw.__array_interface__["data"][0]
     interleave = [m.qtype in INTERLEAVED_TYPES and (i != len(matrices) - 2 or tied)
                   for i, m in enumerate(matrices)]
-    if any(interleave):
-        pool, offsets = interleaved_pool(matrices, interleave)
-    else:
-        pool, offsets = weight_pool([m.raw for m in matrices])
-    mats = np.array([(at, TYPES[m.qtype].type_id + (qk.INTERLEAVED_CODE if inter else 0), m.shape[0], m.shape[1],
-                      stored_row_bytes(m, inter)) for at, m, inter in zip(offsets, matrices, interleave)], np.int64)
+    # The vectors first: reading one maps the cached pages around it (up to 2 MiB each), which the pool's copy
+    # then releases with the matrices' own; read after it, 14 MB of a 110M Q4_0 file came back at the peak.
     H, K, Dh = c.n_heads, c.n_kv_heads, c.head_dim
     bqkv = np.zeros((c.n_layers, (H + 2 * K) * Dh), np.float32)
     if c.attention_bias:
@@ -485,8 +481,15 @@ def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     if c.rope_layout == "half":  # q and k rows in HF's layout: permute their outputs into the interleaved one
         qk_perm = np.concatenate([permute_qk_half_to_interleaved(np.arange(H * Dh), H, Dh),
                                   H * Dh + permute_qk_half_to_interleaved(np.arange(K * Dh), K, Dh)])
-    return QPacked(pool, mats, weights.stacked("attention_norm"), bqkv, weights.stacked("ffn_norm"),
-                   np.array(weights.norm, np.float32), qk_perm.astype(np.int64))
+    attention_norm, ffn_norm = weights.stacked("attention_norm"), weights.stacked("ffn_norm")
+    norm = np.array(weights.norm, np.float32)
+    if any(interleave):
+        pool, offsets = interleaved_pool(matrices, interleave)
+    else:
+        pool, offsets = weight_pool([m.raw for m in matrices])
+    mats = np.array([(at, TYPES[m.qtype].type_id + (qk.INTERLEAVED_CODE if inter else 0), m.shape[0], m.shape[1],
+                      stored_row_bytes(m, inter)) for at, m, inter in zip(offsets, matrices, interleave)], np.int64)
+    return QPacked(pool, mats, attention_norm, bqkv, ffn_norm, norm, qk_perm.astype(np.int64))
 
 
 class QuantizedNumbaTransformer(NumbaTransformer):
@@ -763,3 +766,43 @@ def _forward_quantized(tokens, positions, seqs, w, inv_freq, dims, ring):
     cpu.rms_norm_into(x, w.norm, eps, h, T)
     _commit_positions(positions, seqs, ring)
     return h
+
+
+# ------------------------------------------------------------------------------------------- code before weights
+
+# A model small enough to build in a millisecond, with every argument type a real model's compiled calls take.
+TINY = ModelConfig(dim=32, hidden_dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=32, max_seq_len=8)
+_LINKED: set = set()  # (model class, kv storage) whose compiled calls this process has already run
+
+
+def link_ahead(model_class, kv: np.dtype | None) -> None:
+    """Load model_class's compiled code before a real model's weights arrive, then give the compiler's pages back.
+
+    Runs the class's compiled calls (a forward pass, the LM head, the sampler) once on a TINY model whose arguments
+    have the types a real model's calls will have, caches of storage `kv` (None: float32), so Numba loads their
+    code now (from its cache, or compiles it), not at the first real call; then kernels/compiler.py drops the LLVM
+    pages that loading left resident. The process's peak then holds the compiler's pages or the weights, not both:
+    a Q4_0 110M model's peak fell from 235 to ~184 MB (docs/quant.md, "Memory"). Each pair runs once a process;
+    the release every time (a model built since may have compiled something)."""
+    if (model_class, kv) not in _LINKED:
+        _LINKED.add((model_class, kv))
+        tiny = model_class(TINY, _tiny_weights(quantized=model_class is QuantizedNumbaTransformer), threads=1)
+        cache = tiny.new_cache(2, kv_dtype=None if kv is None else np.dtype(kv).name)
+        tiny.sample(tiny.forward([1, 2], [0, 1], cache)[-1:])
+    from ..kernels.compiler import release_compiler_pages
+
+    release_compiler_pages()
+
+
+def _tiny_weights(quantized: bool) -> dict:
+    """TINY's random weights, its matrices as Q8_0 blocks where the model keeps file types (any type will do: a
+    matrix's type is data in its pool, not a type the compiler sees)."""
+    from ..formats.random import random_weights
+    from ..quant import QuantizedMatrix, quantize
+
+    weights = random_weights(TINY)
+    if quantized:
+        for name, w in weights.items():
+            if w.ndim == 2:
+                weights[name] = QuantizedMatrix(quantize(w, "Q8_0").reshape(len(w), -1), "Q8_0", w.shape)
+    return weights

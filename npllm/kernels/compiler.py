@@ -1,0 +1,73 @@
+"""The compiler's pages, handed back once a model's code is loaded.
+
+Numba compiles through LLVM, which lives in this process as one large shared library (llvmlite's libllvmlite.so,
+~150 MB mapped). Loading a model's kernels, even from Numba's cache, runs parts of it (Numba builds its runtime
+module with LLVM once a process; cached object code is linked by LLVM's JIT), and every page of LLVM code and
+constants it touched stays in the process's resident memory: 60-70 MB once a quantized model's forward is loaded,
+a third of a Q4_0 110M model's peak (docs/quant.md, "Memory"). Once the model's code is loaded none of it runs
+again, unless something new is compiled.
+
+release_compiler_pages() takes those pages out of the process (madvise MADV_DONTNEED) wherever that loses nothing:
+only read-only mappings of the library whose resident pages are all the file's own bytes (no page of private,
+relocated data: /proc/self/smaps says "Anonymous: 0 kB"). The pages stay in the OS's page cache, so a later
+compile maps them back at the cost of a minor fault each. Elsewhere (no /proc, no madvise) it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+LIBRARIES = ("libllvmlite", "libLLVM")  # llvmlite's own build links LLVM in; some distributions share libLLVM
+
+
+def compiler_mappings(smaps: str) -> list[tuple[int, int]]:
+    """(start, length) of each mapping in a /proc/PID/smaps text that can be dropped losing nothing: a mapping of
+    one of LIBRARIES, not writable, with no anonymous (copied-on-write) page."""
+    found, current = [], None
+    for line in smaps.splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            name = os.path.basename(fields[5]) if len(fields) >= 6 else ""
+            keep = name.startswith(LIBRARIES) and "w" not in fields[1]
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            current = [start, end - start] if keep else None
+            if keep:
+                found.append(current)
+        elif current is not None and fields[:1] == ["Anonymous:"] and fields[1] != "0":
+            found.remove(current)
+            current = None
+    return [tuple(m) for m in found]
+
+
+def release_compiler_pages() -> int:
+    """Drop LLVM's resident pages from this process (see the module's docstring); returns the bytes of the
+    mappings advised (0 where nothing could be)."""
+    madvise = _madvise()
+    try:
+        with open("/proc/self/smaps") as f:
+            smaps = f.read()
+    except OSError:
+        return 0
+    if madvise is None:
+        return 0
+    advised = 0
+    for start, length in compiler_mappings(smaps):
+        if madvise(start, length, mmap.MADV_DONTNEED) == 0:
+            advised += length
+    return advised
+
+
+def _madvise():
+    """libc's madvise(addr, length, advice), or None where there is none to call."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise

@@ -1,0 +1,137 @@
+"""The compiler's pages leave the process once a model's code is loaded (kernels/compiler.py), and make_model loads
+that code before the weights (models/numba.py: link_ahead) for exactly the types the model's calls then use.
+
+Each check that needs a fresh process (what is compiled, what is resident) runs in a child: this test process has
+compiled and loaded much already.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from npllm.kernels.compiler import compiler_mappings
+
+SMAPS = """\
+7f0000000000-7f0000365000 r--p 00000000 fe:00 11 /venv/llvmlite/binding/libllvmlite.so
+Size:               3476 kB
+Rss:                1200 kB
+Anonymous:             0 kB
+VmFlags: rd mr mw me sd
+7f0000365000-7f0005394000 r-xp 00365000 fe:00 11 /venv/llvmlite/binding/libllvmlite.so
+Rss:               44000 kB
+Anonymous:             0 kB
+7f0005394000-7f0009677000 r--p 05394000 fe:00 11 /venv/llvmlite/binding/libllvmlite.so
+Rss:                9000 kB
+Anonymous:           700 kB
+7f0009677000-7f000983c000 rw-p 09677000 fe:00 11 /venv/llvmlite/binding/libllvmlite.so
+Rss:                1800 kB
+Anonymous:             0 kB
+7f000a000000-7f000a100000 r-xp 00000000 fe:00 12 /usr/lib/libLLVM-14.so
+Anonymous:             0 kB
+7f000b000000-7f000b100000 r-xp 00000000 fe:00 13 /venv/numpy/core/_multiarray_umath.so
+Anonymous:             0 kB
+7f000c000000-7f000c100000 rw-p 00000000 00:00 0
+Anonymous:          1024 kB
+"""
+
+
+def test_only_read_only_compiler_mappings_holding_the_files_own_bytes_are_dropped():
+    """A mapping with copied-on-write pages (relocated data: Anonymous > 0) or that may be written would lose its
+    contents to MADV_DONTNEED; other libraries' code is not the compiler's."""
+    assert compiler_mappings(SMAPS) == [(0x7f0000000000, 0x365000), (0x7f0000365000, 0x502f000),
+                                        (0x7f000a000000, 0x100000)]
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="resident pages are read from /proc")
+
+RELEASE = r"""
+import json
+from pathlib import Path
+import numba
+from npllm.kernels.compiler import LIBRARIES, release_compiler_pages
+
+def compiler_resident_kb():
+    total, counting = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            counting = len(fields) >= 6 and Path(fields[5]).name.startswith(LIBRARIES)
+        elif counting and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+@numba.njit(cache=False)
+def square(x):
+    return x * x
+
+square(3.0)
+before = compiler_resident_kb()
+advised = release_compiler_pages()
+after = compiler_resident_kb()
+
+@numba.njit(cache=False)
+def cube(x):
+    return x * x * x
+
+print(json.dumps({"before": before, "after": after, "advised": advised, "cube": cube(3.0), "square": square(4.0)}))
+"""
+
+
+@needs_proc
+def test_releasing_the_compilers_pages_leaves_most_of_them_out_and_compiling_still_works():
+    out = json.loads(subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True,
+                                    check=True).stdout.splitlines()[-1])
+    assert out["advised"] > 0
+    assert out["before"] > 20_000, out  # kB: a compile leaves tens of MB of LLVM resident
+    assert out["after"] < 0.5 * out["before"], out
+    assert (out["square"], out["cube"]) == (16.0, 27.0)  # the pages come back when LLVM runs again
+
+
+LINKED = r"""
+import json, sys
+import numpy as np
+from npllm.formats import read_checkpoint
+from npllm.kernels import cpu
+from npllm.models import make_model
+from npllm.models import numba as nm
+from npllm.quant import QuantizedMatrix, quantize
+
+DISPATCHERS = {"forward": nm._forward, "forward_quantized": nm._forward_quantized, "products": nm.products_into,
+               "lm_head": cpu.lm_head, "sample": cpu.sample_rows, "group": nm._group_by_slot}
+
+def compiled():
+    return {name: len(d.signatures) for name, d in DISPATCHERS.items()}
+
+def q4_0(w):  # the matrices whose rows are whole blocks (stories260K's FFN width, 172, is not)
+    return QuantizedMatrix(quantize(w, "Q4_0").reshape(len(w), -1), "Q4_0", w.shape) if w.shape[-1] % 32 == 0 else w
+
+runs = []
+for kv in (None, "float16"):
+    for quantized in (False, True):
+        config, weights = read_checkpoint(sys.argv[1])
+        if quantized:
+            weights = {name: q4_0(w) if w.ndim == 2 else w for name, w in weights.items()}
+        model = make_model(config, weights, "numba", kv_dtype=kv)
+        linked = compiled()
+        cache = model.new_cache(8, slots=2)
+        h = model.forward([1, 5, 9, 1], [0, 1, 2, 0], cache, slots=[0, 0, 0, 1])
+        ids = model.sample(h[[2, 3]], temperature=[0.0, 0.8], uniforms=[0.5, 0.5])
+        model.lm_head(model.forward(ids, [3, 1], cache, slots=[0, 1]))
+        runs.append({"kv": kv, "quantized": quantized, "linked": linked, "after": compiled()})
+print(json.dumps(runs))
+"""
+
+
+@needs_proc
+def test_make_model_loads_exactly_the_code_its_models_calls_then_use(stories260k):
+    """link_ahead ran the class's calls on a tiny model before the weights were copied in: a real prefill, batch,
+    sampler and LM head of a float32 and a Q4_0 model, with float32 and float16 caches, compile nothing more (each
+    type a call took that the tiny model's did not would load a second copy of the code after the weights)."""
+    runs = json.loads(subprocess.run([sys.executable, "-c", LINKED, str(stories260k)],
+                                     capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    for run in runs:
+        assert run["after"] == run["linked"], run
+    assert runs[-1]["after"]["forward"] == 2 and runs[-1]["after"]["forward_quantized"] == 2  # each kv storage
