@@ -300,6 +300,20 @@ print(f"Q8_0 reads {measured['F32'][0] / measured['Q8_0'][0]:.1f}x fewer bytes t
 # activations in two 8-bit parts (15 bits), which keeps their files within the quality bar at the cost of twice the
 # dot products: the one type here where llama.cpp decodes faster is Q2_K.
 #
+# What a process holds while it runs one of these files: the peak resident memory of `npllm generate --model FILE
+# "Once upon a time" --max-new-tokens 32 --temperature 0` (`/usr/bin/time -f %M`, one run a file). Above the file's
+# bytes are the interpreter, NumPy, Numba and npllm's compiled code, loaded before the weights so that the
+# compiler's own pages are handed back first (docs/quant.md, "The compiler's pages, then the weights"). Quoted, not
+# re-measured:
+
+# %%
+peak_mib = {"F32": 549.5, "Q8_0": 233.0, "Q5_K_M": 198.5, "Q4_K_M": 190.0, "Q4_0": 185.9, "Q2_K": 183.8}
+for name, peak in peak_mib.items():
+    file_mib = measured[name][0] * 1e6 / 2**20
+    print(f"{name:7s} file {file_mib:6.1f} MiB   peak {peak:6.1f} MiB = file + {peak - file_mib:5.1f}   "
+          f"{peak / peak_mib['F32']:.2f}x the F32 model's")
+
+# %% [markdown]
 # The KV cache is the other memory a model takes, and after a long prompt at batch 8 it is what attention reads
 # every step. `kv_dtype="float16"` halves it (`npllm.load(..., kv_dtype="float16")`, `--kv-dtype float16`):
 
