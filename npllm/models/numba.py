@@ -30,6 +30,7 @@ from ..errors import ConfigError, GenerationError
 from ..formats import release, release_files
 from ..kernels import SPINNING, cpu
 from ..kernels import quant as qk
+from ..kernels.compiler import release_compiler_pages
 from ..quant import INTERLEAVE
 from .base import Model, sampler_rows
 from .weights import Weights, fused_gate_up, fused_qkv
@@ -470,8 +471,8 @@ def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     tied = matrices[-1].raw.__array_interface__["data"][0] == matrices[-2].raw.__array_interface__["data"][0]
     interleave = [m.qtype in INTERLEAVED_TYPES and (i != len(matrices) - 2 or tied)
                   for i, m in enumerate(matrices)]
-    # The vectors first: reading one maps the cached pages around it (up to 2 MiB each), which the pool's copy
-    # then releases with the matrices' own; read after it, 14 MB of a 110M Q4_0 file came back at the peak.
+    # The vectors first, then every page of the file let go: reading a vector maps the cached pages around it (up to
+    # 2 MiB each), 17-35 MB of a 110M Q4_0 file, resident beside the pool while it is built.
     H, K, Dh = c.n_heads, c.n_kv_heads, c.head_dim
     bqkv = np.zeros((c.n_layers, (H + 2 * K) * Dh), np.float32)
     if c.attention_bias:
@@ -483,6 +484,7 @@ def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
                                   H * Dh + permute_qk_half_to_interleaved(np.arange(K * Dh), K, Dh)])
     attention_norm, ffn_norm = weights.stacked("attention_norm"), weights.stacked("ffn_norm")
     norm = np.array(weights.norm, np.float32)
+    release_files(matrices)
     if any(interleave):
         pool, offsets = interleaved_pool(matrices, interleave)
     else:
@@ -782,15 +784,15 @@ def link_ahead(model_class, kv: np.dtype | None) -> None:
     have the types a real model's calls will have, caches of storage `kv` (None: float32), so Numba loads their
     code now (from its cache, or compiles it), not at the first real call; then kernels/compiler.py drops the LLVM
     pages that loading left resident. The process's peak then holds the compiler's pages or the weights, not both:
-    a Q4_0 110M model's peak fell from 235 to ~184 MB (docs/quant.md, "Memory"). Each pair runs once a process;
-    the release every time (a model built since may have compiled something)."""
+    a Q4_0 110M model's peak fell from 235 to 173 MiB (docs/quant.md, "The compiler's pages, then the weights").
+    Each pair runs once a process; the release every time (a model built since may have compiled something)."""
     if (model_class, kv) not in _LINKED:
         _LINKED.add((model_class, kv))
         tiny = model_class(TINY, _tiny_weights(quantized=model_class is QuantizedNumbaTransformer), threads=1)
         cache = tiny.new_cache(2, kv_dtype=None if kv is None else np.dtype(kv).name)
-        tiny.sample(tiny.forward([1, 2], [0, 1], cache)[-1:])
-    from ..kernels.compiler import release_compiler_pages
-
+        h = tiny.forward([1, 2], [0, 1], cache)
+        release_compiler_pages()  # between the two loads too: the peak holds what one of them touched, not both
+        tiny.sample(h[-1:])
     release_compiler_pages()
 
 
