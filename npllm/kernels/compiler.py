@@ -4,8 +4,8 @@ Numba compiles through LLVM, which lives in this process as one large shared lib
 ~150 MB mapped). Loading a model's kernels, even from Numba's cache, runs parts of it (Numba builds its runtime
 module with LLVM once a process; cached object code is linked by LLVM's JIT), and every page of LLVM code and
 constants it touched stays in the process's resident memory: 60-70 MB once a quantized model's forward is loaded,
-a third of a Q4_0 110M model's peak (docs/quant.md, "Memory"). Once the model's code is loaded none of it runs
-again, unless something new is compiled.
+a third of a Q4_0 110M model's peak (docs/quant.md, "The compiler's pages, then the weights"). Once the model's
+code is loaded none of it runs again, unless something new is compiled.
 
 release_compiler_pages() takes those pages out of the process (madvise MADV_DONTNEED) wherever that loses nothing:
 only read-only mappings of the library whose resident pages are all the file's own bytes (no page of private,
