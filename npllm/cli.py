@@ -268,8 +268,20 @@ def check_generate_args(args) -> None:
                               "--context-policy nor --ignore-eos")
 
 
-def run_generate(args) -> int:
+def load_with_tokenizer(args, **options):
+    """npllm.load(args.model, args.tokenizer) for a command that reads or writes text. A missing tokenizer is one
+    error line before any weight is read: making the model loads its compiled code (the first time, compiles it)."""
     from . import load
+    from .hub import resolve
+
+    checkpoint, found = resolve(args.model)
+    if args.tokenizer is None and found is None:
+        raise GenerationError(f"no tokenizer was found beside {args.model}: pass --tokenizer PATH")
+    return load(checkpoint, args.tokenizer if args.tokenizer is not None else found, backend=args.backend,
+                threads=args.threads, weight_dtype=args.weight_dtype, **options)
+
+
+def run_generate(args) -> int:
     from .generate import check_request
 
     check_generate_args(args)
@@ -277,10 +289,7 @@ def run_generate(args) -> int:
         return run_generate_batch(args)
     prompt = read_prompt(args.prompt)
     params = sampling_params(args)
-    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
-               weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype)
-    if llm.tokenizer is None:
-        raise GenerationError(f"no tokenizer was found beside {args.model}: pass --tokenizer PATH")
+    llm = load_with_tokenizer(args, kv_dtype=args.kv_dtype)
     prompt_ids = llm.tokenizer.encode(prompt, bos=True)
     if args.context_policy == "error":
         check_request(llm.config, prompt_ids, args.max_new_tokens)
@@ -400,8 +409,6 @@ def read_prompt_file(path: str) -> list[str]:
 
 
 def run_generate_batch(args) -> int:
-    from . import load
-
     if args.prompt:
         raise GenerationError("give either a PROMPT or --prompt-file, not both")
     if args.context_policy != "error" or args.ignore_eos:
@@ -409,8 +416,7 @@ def run_generate_batch(args) -> int:
                               "--context-policy and --ignore-eos apply to a single PROMPT")
     prompts = read_prompt_file(args.prompt_file)
     params = sampling_params(args)
-    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
-               weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype)
+    llm = load_with_tokenizer(args, kv_dtype=args.kv_dtype)
     start = time.perf_counter()
     completions = llm.generate(prompts, args.max_new_tokens, **as_keywords(params))
     seconds = time.perf_counter() - start
@@ -486,8 +492,7 @@ def run_perplexity(args) -> int:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise GenerationError(f"--text {args.text}: cannot read it ({e})") from None
-    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
-               weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype)
+    llm = load_with_tokenizer(args, kv_dtype=args.kv_dtype)
     ids = llm._require_tokenizer().encode(text, bos=True)
     ctx = args.ctx or min(512, llm.config.max_seq_len)
     progress = sys.stderr.isatty()
@@ -520,15 +525,11 @@ def run_serve(args) -> int:
     except ImportError:
         raise NpllmError("npllm serve needs the serve extra: pip install 'npllm-engine[serve]' "
                          "(Starlette and uvicorn)") from None
-    from . import load
     from .serve.app import Limits, Server, run
 
     if args.grace < 0:
         raise GenerationError(f"--grace must be >= 0, got {args.grace}")
-    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
-               weight_dtype=args.weight_dtype)
-    if llm.tokenizer is None:
-        raise GenerationError(f"no tokenizer was found beside {args.model}: pass --tokenizer PATH")
+    llm = load_with_tokenizer(args)
     template, problem = serve_chat_template(args.chat_template, llm.source)
     limits = Limits(args.max_slots, args.max_queue, args.max_tokens_limit, args.max_body_bytes)
     server = Server(llm, args.served_model_name or Path(args.model).stem or str(args.model), limits, template,

@@ -25,12 +25,10 @@ HELP = ("commands: /reset (forget the conversation), /system TEXT (set the syste
 
 
 def run(args, params, context: dict) -> int:
-    from .. import load
-    from ..cli import as_keywords, write_out
+    from ..cli import as_keywords, load_with_tokenizer, write_out
     from .session import ChatSession
 
-    llm = load(args.model, args.tokenizer, backend=args.backend, threads=args.threads,
-               weight_dtype=args.weight_dtype)
+    llm = load_with_tokenizer(args)
     session = ChatSession(llm, args.chat_template, args.system, context["context_policy"], context["sinks"])
     interactive = sys.stdin.isatty()
     if interactive:
