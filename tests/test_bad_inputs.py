@@ -135,11 +135,14 @@ def test_bench_counts_below_one_are_refused_at_parse_time(flag, value, capsys):
 
 
 def test_hf_directory_without_a_tokenizer_is_one_error_line(tmp_path):
+    """Said before the model is made: on an empty Numba cache (as on a first run), making it would compile its
+    code first, for a minute, and print the compile notice ahead of the error."""
     folder = tmp_path / "hf"
     shutil.copytree(FIXTURE, folder)
     (folder / "tokenizer.json").unlink()
     result = subprocess.run([sys.executable, "-m", "npllm", "generate", "hi", "--model", str(folder)],
-                            capture_output=True, text=True, cwd=REPO, timeout=120)
+                            capture_output=True, text=True, cwd=REPO, timeout=120,
+                            env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")})
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("npllm: error: no tokenizer") and "Traceback" not in result.stderr
 

@@ -48,20 +48,17 @@ def test_only_read_only_compiler_mappings_holding_the_files_own_bytes_are_droppe
 needs_proc = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="resident pages are read from /proc")
 
 RELEASE = r"""
-import json
+import json, sys
 from pathlib import Path
 import numba
 from npllm.kernels.compiler import LIBRARIES, release_compiler_pages
+sys.path.insert(0, sys.argv[1])
+from tests_support import mapping_resident_kb
 
 def compiler_resident_kb():
-    total, counting = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if fields and "-" in fields[0] and not fields[0].endswith(":"):
-            counting = len(fields) >= 6 and Path(fields[5]).name.startswith(LIBRARIES)
-        elif counting and fields[0] == "Rss:":
-            total += int(fields[1])
-    return total
+    maps = (line.split() for line in Path("/proc/self/maps").read_text().splitlines())
+    libraries = {f[5] for f in maps if len(f) >= 6 and Path(f[5]).name.startswith(LIBRARIES)}
+    return sum(mapping_resident_kb(path) for path in libraries)
 
 @numba.njit(cache=False)
 def square(x):
@@ -82,8 +79,8 @@ print(json.dumps({"before": before, "after": after, "advised": advised, "cube": 
 
 @needs_proc
 def test_releasing_the_compilers_pages_leaves_most_of_them_out_and_compiling_still_works():
-    out = json.loads(subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True,
-                                    check=True).stdout.splitlines()[-1])
+    out = json.loads(subprocess.run([sys.executable, "-c", RELEASE, str(Path(__file__).parent)], capture_output=True,
+                                    text=True, check=True).stdout.splitlines()[-1])
     assert out["advised"] > 0
     assert out["before"] > 20_000, out  # kB: a compile leaves tens of MB of LLVM resident
     assert out["after"] < 0.5 * out["before"], out

@@ -17,6 +17,7 @@ from npllm.config import ModelConfig
 from npllm.formats import release, release_files
 from npllm.formats.gguf import write_gguf
 from npllm.formats.random import random_weights
+from tests_support import mapping_resident_kb
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists() or not hasattr(mmap, "MADV_DONTNEED"),
                                 reason="resident memory is read from /proc; release needs madvise")
@@ -53,17 +54,6 @@ def test_a_released_weight_leaves_resident_memory_and_reads_back_the_same(mapped
     assert before - resident_mb() > 0.9 * values.nbytes / MB
     assert float(w.sum(dtype=np.float64)) == checksum
     np.testing.assert_array_equal(w.reshape(-1), values)
-
-
-def mapping_resident_kb(path) -> int:
-    """Resident kB of this process's mappings of the file `path` (/proc/self/smaps)."""
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        if line[:1].isalnum() and "-" in line.split()[0] and ":" not in line.split()[0]:
-            inside = line.endswith(str(path))
-        elif inside and line.startswith("Rss:"):
-            total += int(line.split()[1])
-    return total
 
 
 def test_releasing_the_files_drops_every_page_of_their_maps(mapped_file):

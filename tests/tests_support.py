@@ -26,3 +26,14 @@ def require(relative: str) -> Path:
             pytest.fail(message + " and CI=true: a CI run needs every reference file", pytrace=False)
         pytest.skip(message)
     return path
+
+
+def mapping_resident_kb(path) -> int:
+    """Resident kB of this process's mappings of the file `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isalnum() and "-" in line.split()[0] and ":" not in line.split()[0]:
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
