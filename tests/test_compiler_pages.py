@@ -1,11 +1,13 @@
-"""The compiler's pages leave the process once a model's code is loaded (kernels/compiler.py), and make_model loads
-that code before the weights (models/numba.py: link_ahead) for exactly the types the model's calls then use.
+"""The compiler's pages and LLVM's modules for linking leave the process once a model's code is loaded
+(kernels/compiler.py), and make_model loads that code before the weights (models/numba.py: link_ahead) for exactly
+the types the model's calls then use.
 
 Each check that needs a fresh process (what is compiled, what is resident) runs in a child: this test process has
 compiled and loaded much already.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from npllm.kernels.compiler import compiler_mappings
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="resident pages are read from /proc")
 
 SMAPS = """\
 7f0000000000-7f0000365000 r--p 00000000 fe:00 11 /venv/llvmlite/binding/libllvmlite.so
@@ -44,8 +48,6 @@ def test_only_read_only_compiler_mappings_holding_the_files_own_bytes_are_droppe
     assert compiler_mappings(SMAPS) == [(0x7f0000000000, 0x365000), (0x7f0000365000, 0x502f000),
                                         (0x7f000a000000, 0x100000)]
 
-
-needs_proc = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="resident pages are read from /proc")
 
 RELEASE = r"""
 import json, sys
@@ -87,11 +89,62 @@ def test_releasing_the_compilers_pages_leaves_most_of_them_out_and_compiling_sti
     assert (out["square"], out["cube"]) == (16.0, 27.0)  # the pages come back when LLVM runs again
 
 
+CALLEE = """\
+import numba
+
+@numba.njit(cache=True)
+def double(x):
+    return 2.0 * x
+
+@numba.njit(cache=True)
+def first_caller(x):
+    return double(x) + 1.0
+
+@numba.njit(cache=True)
+def second_caller(x):
+    return double(x) + 2.0
+"""
+
+LINKING = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import callee
+from npllm.kernels.compiler import release_linking_modules
+
+out = {}
+if sys.argv[2] != "callers alone":
+    callee.double(1.0)
+    out["released"] = release_linking_modules("callee")
+    (result,) = callee.double.overloads.values()
+    out["kept"] = type(result.library._shared_module).__name__
+caller = callee.first_caller if sys.argv[2] == "compile one" else callee.second_caller
+out["caller"] = caller(3.0)  # compiled now: double's code is linked in from the bitcode kept in place of its module
+if sys.argv[2] == "callers alone":  # from the cache, double never compiled nor loaded: its code must be inside
+    out["caller"] = [callee.first_caller(3.0), callee.second_caller(3.0), len(callee.double.overloads)]
+print(json.dumps(out))
+"""
+
+
+def test_a_released_linking_module_still_links_into_a_later_compile(tmp_path):
+    """A function compiled after double's module for linking was replaced by its bitcode still links double's code
+    in, whether double was just compiled or came from Numba's cache: each caller, loaded from the cache in a
+    process where double never ran, works on its own."""
+    (tmp_path / "callee.py").write_text(CALLEE)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    outs = [json.loads(subprocess.run([sys.executable, "-c", LINKING, str(tmp_path), step], capture_output=True,
+                                      text=True, check=True, env=env).stdout.splitlines()[-1])
+            for step in ("compile one", "compile the other", "callers alone")]
+    assert outs[0] == {"released": 1, "kept": "LinkingBitcode", "caller": 7.0}, outs
+    assert outs[1] == {"released": 1, "kept": "LinkingBitcode", "caller": 8.0}, outs
+    assert outs[2] == {"caller": [7.0, 8.0, 0]}, outs
+
+
 LINKED = r"""
 import json, sys
 import numpy as np
+from llvmlite.binding import ModuleRef
 from npllm.formats import read_checkpoint
-from npllm.kernels import cpu
+from npllm.kernels import compiler, cpu
 from npllm.models import make_model
 from npllm.models import numba as nm
 from npllm.quant import QuantizedMatrix, quantize
@@ -101,6 +154,10 @@ DISPATCHERS = {"forward": nm._forward, "forward_quantized": nm._forward_quantize
 
 def compiled():
     return {name: len(d.signatures) for name, d in DISPATCHERS.items()}
+
+def modules_held():  # LLVM modules for linking still parsed in the heap
+    return sum(isinstance(lib._shared_module, ModuleRef) and lib._shared_module is not lib._final_module
+               for lib in compiler._libraries("npllm"))
 
 def q4_0(w):  # the matrices whose rows are whole blocks (stories260K's FFN width, 172, is not)
     return QuantizedMatrix(quantize(w, "Q4_0").reshape(len(w), -1), "Q4_0", w.shape) if w.shape[-1] % 32 == 0 else w
@@ -112,12 +169,12 @@ for kv, quantized in ((None, False), (None, True), ("float16", False)):
     if quantized:
         weights = {name: q4_0(w) if w.ndim == 2 else w for name, w in weights.items()}
     model = make_model(config, weights, "numba", kv_dtype=kv)
-    linked = compiled()
+    linked, held = compiled(), modules_held()
     cache = model.new_cache(8, slots=2)
     h = model.forward([1, 5, 9, 1], [0, 1, 2, 0], cache, slots=[0, 0, 0, 1])
     ids = model.sample(h[[2, 3]], temperature=[0.0, 0.8], uniforms=[0.5, 0.5])
     model.lm_head(model.forward(ids, [3, 1], cache, slots=[0, 1]))
-    runs.append({"kv": kv, "quantized": quantized, "linked": linked, "after": compiled()})
+    runs.append({"kv": kv, "quantized": quantized, "linked": linked, "after": compiled(), "held": held})
 print(json.dumps(runs))
 """
 
@@ -127,9 +184,10 @@ def test_make_model_loads_exactly_the_code_its_models_calls_then_use(stories260k
     """link_ahead ran the class's calls on a tiny model before the weights were copied in: a real prefill, batch,
     sampler and LM head of a float32 and a Q4_0 model on a float32 cache, and of the float32 one on a float16 cache,
     compile nothing more (each type a call took that the tiny model's did not would load a second copy of the code
-    after the weights)."""
+    after the weights); and no module for linking is left parsed in the heap."""
     runs = json.loads(subprocess.run([sys.executable, "-c", LINKED, str(stories260k)],
                                      capture_output=True, text=True, check=True).stdout.splitlines()[-1])
     for run in runs:
         assert run["after"] == run["linked"], run
+        assert run["held"] == 0, run
     assert runs[-1]["after"]["forward"] == 2  # one for each kv storage

@@ -30,7 +30,7 @@ from ..errors import ConfigError, GenerationError
 from ..formats import release, release_files
 from ..kernels import SPINNING, cpu
 from ..kernels import quant as qk
-from ..kernels.compiler import release_compiler_pages
+from ..kernels.compiler import release_compiler_pages, release_linking_modules
 from ..quant import INTERLEAVE
 from .base import Model, sampler_rows
 from .weights import Weights, fused_gate_up, fused_qkv
@@ -212,6 +212,10 @@ def pack(c: ModelConfig, weights: Weights) -> Packed:
     wo = np.empty((L, _padded(D) // PANEL, H * Dh, PANEL), np.float32)
     w13 = np.empty((L, 2 * _padded(F) // PANEL, D, PANEL), np.float32)
     w2 = np.empty((L, _padded(D) // PANEL, F, PANEL), np.float32)
+    # The vectors first, then the file's pages let go (as in pack_quantized): reading a vector maps the cached pages
+    # around it (up to 2 MiB each), 29 MiB of a 110M F32 file, resident beside the panels until the end of the load
+    attention_norm, ffn_norm = weights.stacked("attention_norm"), weights.stacked("ffn_norm")
+    release_files([layer.wq for layer in weights.layers])
     for l, layer in enumerate(weights.layers):
         qkv, bqkv[l, :n_qkv] = fused_qkv(c, layer, interleave_rope=True)
         wqkv[l] = cpu.pack_panels(qkv)
@@ -219,8 +223,8 @@ def pack(c: ModelConfig, weights: Weights) -> Packed:
         w13[l] = cpu.pack_panels(fused_gate_up(layer, PANEL))
         w2[l] = cpu.pack_panels(layer.w2)
         release(layer.wq, layer.wk, layer.wv, layer.wo, layer.w1, layer.w2, layer.w3)  # the panels are the copy
-    return Packed(lookup_table(weights.tok_embeddings), weights.stacked("attention_norm"), wqkv, bqkv, wo,
-                  weights.stacked("ffn_norm"), w13, w2, np.array(weights.norm, np.float32))
+    return Packed(lookup_table(weights.tok_embeddings), attention_norm, wqkv, bqkv, wo, ffn_norm, w13, w2,
+                  np.array(weights.norm, np.float32))
 
 
 SAMPLER_PROBLEMS = {-1: "logits row {b} contains NaN; the model output is broken",
@@ -783,9 +787,11 @@ def link_ahead(model_class, kv: np.dtype | None) -> None:
     Runs the class's compiled calls (a forward pass, the LM head, the sampler) once on a TINY model whose arguments
     have the types a real model's calls will have, caches of storage `kv` (None: float32), so Numba loads their
     code now (from its cache, or compiles it), not at the first real call; then kernels/compiler.py drops the LLVM
-    pages that loading left resident. The process's peak then holds the compiler's pages or the weights, not both:
-    a Q4_0 110M model's peak fell from 235 to 173 MiB (docs/quant.md, "The compiler's pages, then the weights").
-    Each pair runs once a process; the release every time (a model built since may have compiled something)."""
+    pages that loading left resident, and LLVM's modules for linking leave the heap. The process's peak then holds
+    the compiler's pages or the weights, not both: a Q4_0 110M model's peak fell from 235 to 159 MiB (docs/quant.md,
+    "The compiler's pages, then the weights").
+    Each pair runs once a process; the releases every time (a model built since may have compiled something)."""
+    release_compiler_pages()  # what importing Numba touched (it builds LLVM objects too): 36 MiB, not all needed now
     if (model_class, kv) not in _LINKED:
         _LINKED.add((model_class, kv))
         tiny = model_class(TINY, _tiny_weights(quantized=model_class is QuantizedNumbaTransformer), threads=1)
@@ -793,6 +799,7 @@ def link_ahead(model_class, kv: np.dtype | None) -> None:
         h = tiny.forward([1, 2], [0, 1], cache)
         release_compiler_pages()  # between the two loads too: the peak holds what one of them touched, not both
         tiny.sample(h[-1:])
+    release_linking_modules()
     release_compiler_pages()
 
 
