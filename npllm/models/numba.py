@@ -195,7 +195,7 @@ def pack_released(w) -> np.ndarray:
     the panels become the only resident copy, with no moment holding both whole.        # [N, D] -> [P, D, 16]"""
     N, D = w.shape
     panels = np.empty((-(-N // PANEL), D, PANEL), np.float32)
-    rows = PANEL * max(1, (4 << 20) // (PANEL * D * 4))  # ~4 MiB of float32 rows a block, whole panels
+    rows = PANEL * max(1, (1 << 20) // (PANEL * D * 4))  # ~1 MiB of float32 rows a block, whole panels
     for r0 in range(0, N, rows):
         block = w[r0:r0 + rows]
         panels[r0 // PANEL:(r0 + len(block) + PANEL - 1) // PANEL] = cpu.pack_panels(block)
