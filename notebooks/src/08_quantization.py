@@ -301,13 +301,13 @@ print(f"Q8_0 reads {measured['F32'][0] / measured['Q8_0'][0]:.1f}x fewer bytes t
 # dot products: the one type here where llama.cpp decodes faster is Q2_K.
 #
 # What a process holds while it runs one of these files: the peak resident memory of `npllm generate --model FILE
-# "Once upon a time" --max-new-tokens 32 --temperature 0` (`/usr/bin/time -f %M`, one run a file). Above the file's
+# "Once upon a time" --max-new-tokens 32 --temperature 0` (`/usr/bin/time -f %M`, two runs a file). Above the file's
 # bytes are the interpreter, NumPy, Numba and npllm's compiled code, loaded before the weights so that the
-# compiler's own pages are handed back first (docs/quant.md, "The compiler's pages, then the weights"). Quoted, not
-# re-measured:
+# compiler's own pages and LLVM's modules are handed back first (docs/quant.md, "The compiler's pages, then the
+# weights"). Quoted, not re-measured:
 
 # %%
-peak_mib = {"F32": 550.7, "Q8_0": 233.3, "Q5_K_M": 198.7, "Q4_K_M": 189.9, "Q4_0": 185.7, "Q2_K": 173.4}
+peak_mib = {"F32": 530.0, "Q8_0": 220.9, "Q5_K_M": 185.9, "Q4_K_M": 178.5, "Q4_0": 173.1, "Q2_K": 158.7}
 for name, peak in peak_mib.items():
     file_mib = measured[name][0] * 1e6 / 2**20
     print(f"{name:7s} file {file_mib:6.1f} MiB   peak {peak:6.1f} MiB = file + {peak - file_mib:5.1f}   "
