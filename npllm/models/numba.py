@@ -213,7 +213,7 @@ def pack(c: ModelConfig, weights: Weights) -> Packed:
     w13 = np.empty((L, 2 * _padded(F) // PANEL, D, PANEL), np.float32)
     w2 = np.empty((L, _padded(D) // PANEL, F, PANEL), np.float32)
     # The vectors first, then the file's pages let go (as in pack_quantized): reading a vector maps the cached pages
-    # around it (up to 2 MiB each), 29 MiB of a 110M F32 file, resident beside the panels until the end of the load
+    # around it (up to 2 MiB each), resident beside the panels until the end of the load: 10 MiB of a 110M F32 peak
     attention_norm, ffn_norm = weights.stacked("attention_norm"), weights.stacked("ffn_norm")
     release_files([layer.wq for layer in weights.layers])
     for l, layer in enumerate(weights.layers):
