@@ -125,5 +125,5 @@ def _malloc_trim() -> None:
     """glibc's malloc_trim(0): the heap's free pages back to the OS. Other C libraries have none: nothing to do."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows, whose CDLL needs a library's name
         pass
