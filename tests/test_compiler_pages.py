@@ -10,10 +10,13 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import numba
 import pytest
 
+from npllm.kernels import compiler
 from npllm.kernels.compiler import compiler_mappings
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="resident pages are read from /proc")
@@ -137,6 +140,30 @@ def test_a_released_linking_module_still_links_into_a_later_compile(tmp_path):
     assert outs[0] == {"released": 1, "kept": "LinkingBitcode", "caller": 7.0}, outs
     assert outs[1] == {"released": 1, "kept": "LinkingBitcode", "caller": 8.0}, outs
     assert outs[2] == {"caller": [7.0, 8.0, 0]}, outs
+
+
+def test_only_cpu_code_libraries_are_released(monkeypatch):
+    """The release walks every Numba dispatcher of a package's modules; a CUDA kernel's dispatcher is one too, but
+    its overloads are kernels without a CPU code library: they are passed over, not an AttributeError at load."""
+    module = types.ModuleType("npllm_fake_kernels")
+
+    @numba.njit(cache=False)
+    def cpu_function(x):
+        return x + 1
+
+    @numba.njit(cache=False)
+    def kernel_like(x):
+        return x
+
+    cpu_function(1)
+    module.cpu_function, module.kernel_like = cpu_function, kernel_like
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    kernel_like.overloads[(numba.types.float32,)] = types.SimpleNamespace(regs_per_thread=32)  # a kernel: no .library
+    try:
+        assert list(compiler._libraries(module.__name__)) == [cpu_function.overloads[(numba.types.int64,)].library]
+        compiler.release_linking_modules(module.__name__)
+    finally:  # Numba's own clean-up of the dispatcher expects real overloads
+        kernel_like.overloads.clear()
 
 
 LINKED = r"""

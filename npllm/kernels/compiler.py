@@ -27,6 +27,7 @@ import os
 import sys
 
 from llvmlite import binding as llvm
+from numba.core.codegen import CPUCodeLibrary
 from numba.core.dispatcher import Dispatcher
 
 LIBRARIES = ("libllvmlite", "libLLVM")  # llvmlite's own build links LLVM in; some distributions share libLLVM
@@ -113,12 +114,15 @@ def release_linking_modules(package: str = "npllm") -> int:
 
 
 def _libraries(package: str):
-    """The code libraries of every compiled overload of the Numba functions that `package`'s modules define."""
+    """The CPU code libraries of every compiled overload of the Numba functions that `package`'s modules define
+    (a CUDA kernel's dispatcher is a Dispatcher too, but its overloads are kernels, with no CPU library)."""
     for name, module in list(sys.modules.items()):
         if name == package or name.startswith(package + "."):
             for value in list(vars(module).values()):
                 if isinstance(value, Dispatcher):
-                    yield from (result.library for result in value.overloads.values())
+                    for result in list(value.overloads.values()):
+                        if isinstance(getattr(result, "library", None), CPUCodeLibrary):
+                            yield result.library
 
 
 def _malloc_trim() -> None:
