@@ -17,6 +17,11 @@ compiled function's machine code, an LLVM module of its code (parsed from the ca
 from there), so that a function compiled later that calls it can link its code in: 18 MiB of heap for a quantized
 model's forward and products. Kept as its bitcode instead (~10x smaller) and parsed again only when a later compile
 links it, it costs 1-2 MiB. Then malloc_trim gives the heap's free pages back to the OS (glibc; elsewhere a no-op).
+
+A compile itself leaves far more behind: LLVM keeps the IR of every module it compiled (its JIT owns them) for the
+life of the process, ~430 MiB after a quantized model's first compile. So a model whose code is not in Numba's cache
+yet is compiled by a child process that fills the cache (models/numba.py: link_ahead), and this process only loads
+the code; cached_here(dispatcher) tells which case it is.
 """
 
 from __future__ import annotations
@@ -131,3 +136,15 @@ def _malloc_trim() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError, TypeError):  # TypeError: Windows, whose CDLL needs a library's name
         pass
+
+
+def cached_here(dispatcher) -> bool:
+    """Whether Numba's cache holds code of `dispatcher` (a cache=True function) compiled for this CPU from its
+    current source (any signature: a miss on another one only means the old path, a compile in this process).
+    Numba's cache index is read as Numba reads it; where it cannot be read, True (nothing is gained by guessing)."""
+    try:
+        index = dispatcher._cache._cache_file._load_index()  # {} when missing or stale (the source changed)
+        magic = dispatcher.targetctx.codegen().magic_tuple()  # (target triple, CPU name, CPU features)
+    except Exception:  # a Numba whose cache is laid out otherwise
+        return True
+    return any(key[1] == magic for key in index)

@@ -16,6 +16,8 @@ The Numba model computes in float32 whatever the checkpoint's dtype; its cache s
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections import namedtuple
 
@@ -30,7 +32,7 @@ from ..errors import ConfigError, GenerationError
 from ..formats import release, release_files
 from ..kernels import SPINNING, cpu
 from ..kernels import quant as qk
-from ..kernels.compiler import release_compiler_pages, release_linking_modules
+from ..kernels.compiler import cached_here, release_compiler_pages, release_linking_modules
 from ..quant import INTERLEAVE
 from .base import Model, sampler_rows
 from .weights import Weights, fused_gate_up, fused_qkv
@@ -779,6 +781,7 @@ def _forward_quantized(tokens, positions, seqs, w, inv_freq, dims, ring):
 # A model small enough to build in a millisecond, with every argument type a real model's compiled calls take.
 TINY = ModelConfig(dim=32, hidden_dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=32, max_seq_len=8)
 _LINKED: set = set()  # (model class, kv storage) whose compiled calls this process has already run
+FORWARD = {NumbaTransformer: _forward, QuantizedNumbaTransformer: _forward_quantized}  # most of each class's code
 
 
 def link_ahead(model_class, kv: np.dtype | None) -> None:
@@ -786,21 +789,43 @@ def link_ahead(model_class, kv: np.dtype | None) -> None:
 
     Runs the class's compiled calls (a forward pass, the LM head, the sampler) once on a TINY model whose arguments
     have the types a real model's calls will have, caches of storage `kv` (None: float32), so Numba loads their
-    code now (from its cache, or compiles it), not at the first real call; then kernels/compiler.py drops the LLVM
-    pages that loading left resident, and LLVM's modules for linking leave the heap. The process's peak then holds
-    the compiler's pages or the weights, not both: a Q4_0 110M model's peak fell from 235 to 159 MiB (docs/quant.md,
-    "The compiler's pages, then the weights").
+    code now (from its cache; not there yet, a child process compiles it first), not at the first real call; then
+    kernels/compiler.py drops the LLVM pages that loading left resident, and LLVM's modules for linking leave the
+    heap. The process's peak then holds the compiler's pages or the weights, not both: a Q4_0 110M model's peak fell
+    from 235 to 159 MiB (docs/quant.md, "The compiler's pages, then the weights").
     Each pair runs once a process; the releases every time (a model built since may have compiled something)."""
     release_compiler_pages()  # what importing Numba touched (it builds LLVM objects too): 36 MiB, not all needed now
     if (model_class, kv) not in _LINKED:
         _LINKED.add((model_class, kv))
-        tiny = model_class(TINY, _tiny_weights(quantized=model_class is QuantizedNumbaTransformer), threads=1)
-        cache = tiny.new_cache(2, kv_dtype=None if kv is None else np.dtype(kv).name)
-        h = tiny.forward([1, 2], [0, 1], cache)
-        release_compiler_pages()  # between the two loads too: the peak holds what one of them touched, not both
-        tiny.sample(h[-1:])
+        if not cached_here(FORWARD[model_class]):
+            compile_in_child(model_class, kv)
+        run_tiny(model_class, kv, release_compiler_pages)
     release_linking_modules()
     release_compiler_pages()
+
+
+def run_tiny(model_class, kv: np.dtype | None, between=lambda: None) -> None:
+    """The class's compiled calls, once, on a TINY model with a cache of storage kv; between() after the forward."""
+    tiny = model_class(TINY, _tiny_weights(quantized=model_class is QuantizedNumbaTransformer), threads=1)
+    cache = tiny.new_cache(2, kv_dtype=None if kv is None else np.dtype(kv).name)
+    h = tiny.forward([1, 2], [0, 1], cache)
+    between()  # the compiler's pages released between the two loads: the peak holds what one touched, not both
+    tiny.sample(h[-1:])
+
+
+def compile_in_child(model_class, kv: np.dtype | None) -> None:
+    """run_tiny(model_class, kv) in a child process, which compiles the class's code into Numba's cache: what LLVM
+    keeps of a compile (kernels/compiler.py) then dies with the child, and this process loads the code from the
+    cache (a first run of a quantized TinyLlama peaked at 1,141 MiB with the compile in the process). Raised as a
+    "numba:compile" event, as a compile here would be (the CLI's notice listens). Where the child fails, this process
+    compiles the code itself, as before."""
+    from numba.core import event
+
+    kv_name = "None" if kv is None else repr(np.dtype(kv).name)
+    code = f"from npllm.models.numba import {model_class.__name__} as c, run_tiny; run_tiny(c, {kv_name})"
+    with event.trigger_event("numba:compile", data={"dispatcher": FORWARD[model_class], "args": None,
+                                                    "return_type": None}):
+        subprocess.run([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _tiny_weights(quantized: bool) -> dict:
