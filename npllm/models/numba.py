@@ -16,10 +16,12 @@ The Numba model computes in float32 whatever the checkpoint's dtype; its cache s
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
 from collections import namedtuple
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -823,9 +825,11 @@ def compile_in_child(model_class, kv: np.dtype | None) -> None:
 
     kv_name = "None" if kv is None else repr(np.dtype(kv).name)
     code = f"from npllm.models.numba import {model_class.__name__} as c, run_tiny; run_tiny(c, {kv_name})"
+    root = str(Path(__file__).resolve().parents[2])  # this npllm, not another one the child's path would find first
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     with event.trigger_event("numba:compile", data={"dispatcher": FORWARD[model_class], "args": None,
                                                     "return_type": None}):
-        subprocess.run([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _tiny_weights(quantized: bool) -> dict:
