@@ -2,17 +2,17 @@
 # npllm on a real NVIDIA GPU, everything written to one file:
 #   1. the environment (driver, GPU, numba / numba-cuda / toolkit versions, what npllm.device says)
 #   2. the CUDA tests without the simulator, the stories260K golden text in full (200 tokens)
-#   3. `npllm bench --backend cuda` on the stories15M, stories110M and tinyllama-1.1B shapes (random weights):
-#      prefill tok/s (prompts of 128 and 512), decode tok/s at batch 1 and 32, GPU bandwidth measured in the run
-#   4. scripts/cuda_timing.py on tinyllama-1.1B: float16 weight storage, and one launch per stage instead of one
-#      per forward call, each against the bandwidth roofline
+#   3. scripts/cuda_timing.py (npllm bench's timing, plus the bandwidth roofline) on the stories15M, stories110M and
+#      tinyllama-1.1B shapes (random weights), float32, float16 and Q8_0 weight storage: prefill tok/s, decode
+#      tok/s at batch 1 and 32, the device-to-device bandwidth measured in the run and the fraction of it reached
+#   4. (not QUICK) tinyllama-1.1B with one launch per stage instead of one per forward call
 #
 #     scripts/gpu_check.sh [RESULTS_FILE]      default $OUT/gpu_check.txt when $OUT is set, else gpu_check.txt
 #
 # Needs an NVIDIA driver, numba's CUDA target with a CUDA toolkit (pip install '.[cuda,test]', or numba 0.68's
 # own target and a system toolkit), and the stories260K files in $NPLLM_WEIGHTS or weights/stories260K (else the
 # golden test skips, saying so). Each step has its own time limit; a failing step does not stop the others.
-# QUICK=1 (for a short device session): the tests and tinyllama-1.1B only, prompts of 128.
+# QUICK=1 (for a short device session): shorter limits, the 110M and 1.1B shapes, prompts of 128.
 set -u
 cd "$(dirname "$0")/.."
 RESULTS="${1:-${OUT:+$OUT/gpu_check.txt}}"
@@ -54,17 +54,20 @@ try:
 except Exception as e:
     print('cudadevrt not found (decode falls back to one launch per stage):', e)
 PYEOF"
-step 900 "CUDA tests on the GPU, golden in full" env NPLLM_CUDA_GOLDEN_FULL=1 \
-  "$PY" -m pytest -q -rs -W error::RuntimeWarning --durations=10 tests/test_cuda_kernels.py tests/test_cuda_model.py tests/test_cuda_q8_0.py
+# QUICK=1 fits one short device session (~8 minutes at most): shorter limits, the 110M and 1.1B shapes only.
+TESTS_LIMIT=900; BENCH_LIMIT=600; MODELS="stories15M stories110M tinyllama-1.1B"; PROMPTS="128 512"; GEN=64
+if [ -n "${QUICK:-}" ]; then TESTS_LIMIT=220; BENCH_LIMIT=150; MODELS="stories110M tinyllama-1.1B"; PROMPTS="128"; GEN=32; fi
+step "$TESTS_LIMIT" "CUDA tests on the GPU, golden in full" env NPLLM_CUDA_GOLDEN_FULL=1 \
+  "$PY" -m pytest -q -rs -p no:cacheprovider -W error::RuntimeWarning --timeout 150 --durations=15 \
+  tests/test_cuda_model.py tests/test_cuda_kernels.py tests/test_cuda_q8_0.py tests/test_cuda_compile.py
 
-MODELS="stories15M stories110M tinyllama-1.1B"; PROMPTS="128 512"
-if [ -n "${QUICK:-}" ]; then MODELS="tinyllama-1.1B"; PROMPTS="128"; fi
+# npllm bench's timing (bench.Session) with the roofline columns: float32, float16 and Q8_0 storage, batch 1 and 32
 for model in $MODELS; do
-  step 600 "npllm bench --backend cuda $model" "$PY" -m npllm bench --backend cuda --model "$model" \
-    --batch 1 32 --prompt-len $PROMPTS --gen-len 64 --repeat 2 --json
+  step "$BENCH_LIMIT" "cuda_timing $model: float32, float16, q8_0 storage" "$PY" scripts/cuda_timing.py \
+    --model "$model" --dtype float32 float16 q8_0 --batch 1 32 --prompt-len $PROMPTS --gen-len "$GEN"
 done
-step 600 "cuda_timing tinyllama-1.1B float16 storage" "$PY" scripts/cuda_timing.py --model tinyllama-1.1B \
-  --dtype float16 --batch 1 32 --prompt-len 128 --gen-len 64
-step 600 "cuda_timing tinyllama-1.1B stage by stage (against the one-launch figures above)" "$PY" \
-  scripts/cuda_timing.py --model tinyllama-1.1B --stage-by-stage --batch 1 32 --prompt-len 128 --gen-len 64
+if [ -z "${QUICK:-}" ]; then
+  step 600 "cuda_timing tinyllama-1.1B stage by stage (against the one-launch figures above)" "$PY" \
+    scripts/cuda_timing.py --model tinyllama-1.1B --stage-by-stage --batch 1 32 --prompt-len 128 --gen-len 64
+fi
 echo "results in $RESULTS"
