@@ -10,6 +10,7 @@ simulator runs the same kernels, thousands of times slower: tests use it, backen
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -47,6 +48,28 @@ def cuda_problem() -> str | None:
     if not nvvm.is_available():
         return (f"the NVIDIA driver works but the CUDA toolkit's NVVM library was not found; {INSTALL_HINT} "
                 "installs it (or install the CUDA toolkit and set CUDA_HOME)")
+    return first_compile_problem()
+
+
+@functools.cache
+def first_compile_problem() -> str | None:
+    """Why numba's CUDA target cannot compile even a one-line kernel here (None when it can), checked once.
+
+    A driver and NVVM are not enough: the target's first compile imports the rest of it, which can fail against
+    the installed NumPy (numba-cuda 0.30 registers an overload of `np.row_stack`, which NumPy 2.5 removed, so on
+    an H200 with NumPy 2.5.2 every kernel failed with an AttributeError from inside numba). Saying so here turns
+    that into one sentence at `backend="cuda"` instead of a traceback at the first forward call."""
+    import numpy as np
+    from numba import cuda, types
+
+    def touch(x):  # the smallest kernel body: one store
+        x[0] = 0.0
+
+    try:
+        cuda.compile_ptx(touch, (types.float32[::1],))
+    except Exception as e:  # noqa: BLE001 - whatever breaks inside the compiler, the user needs its one line
+        return (f"numba's CUDA target cannot compile a kernel here ({type(e).__name__}: {e}) with NumPy "
+                f"{np.__version__}; {INSTALL_HINT} installs versions that work together (NumPy < 2.5)")
     return None
 
 

@@ -56,7 +56,7 @@ except Exception as e:
 PYEOF"
 # QUICK=1 fits one short device session (~8 minutes at most): shorter limits, the 110M and 1.1B shapes only.
 TESTS_LIMIT=900; BENCH_LIMIT=600; MODELS="stories15M stories110M tinyllama-1.1B"; PROMPTS="128 512"; GEN=64
-if [ -n "${QUICK:-}" ]; then TESTS_LIMIT=220; BENCH_LIMIT=150; MODELS="stories110M tinyllama-1.1B"; PROMPTS="128"; GEN=32; fi
+if [ -n "${QUICK:-}" ]; then TESTS_LIMIT=300; BENCH_LIMIT=150; MODELS="stories110M tinyllama-1.1B"; PROMPTS="128"; GEN=32; fi
 step "$TESTS_LIMIT" "CUDA tests on the GPU, golden in full" env NPLLM_CUDA_GOLDEN_FULL=1 \
   "$PY" -m pytest -q -rs -p no:cacheprovider -W error::RuntimeWarning --timeout 150 --durations=15 \
   tests/test_cuda_model.py tests/test_cuda_kernels.py tests/test_cuda_q8_0.py tests/test_cuda_compile.py

@@ -242,6 +242,27 @@ def test_a_missing_cuda_target_is_named(monkeypatch):
     assert resolve_backend("auto") == "numba"
 
 
+def test_a_target_that_cannot_compile_is_named(monkeypatch):
+    """A driver and NVVM but a target that breaks at its first compile (seen on an H200: numba-cuda 0.30.4 with
+    NumPy 2.5.2 raised AttributeError: np.row_stack from inside numba for every kernel): cuda_problem says so in
+    one sentence, naming the NumPy version, instead of every forward call failing deep inside numba."""
+    from numba import cuda
+
+    from npllm import device
+
+    def broken(*args, **kwargs):
+        raise AttributeError("module 'numpy' has no attribute 'row_stack'")
+
+    monkeypatch.setattr(cuda, "compile_ptx", broken)
+    device.first_compile_problem.cache_clear()
+    try:
+        problem = device.first_compile_problem()
+    finally:
+        device.first_compile_problem.cache_clear()
+    assert problem.startswith("numba's CUDA target cannot compile a kernel here (AttributeError: ")
+    assert f"NumPy {np.__version__}" in problem and "NumPy < 2.5" in problem
+
+
 def test_stories260k_greedy_golden_through_the_device(stories260k, golden_200, weights_dir):
     """Greedy generation from BOS, the argmax taken on the device: the NumPy model's text, the golden's start
     (GOLDEN_PREFIX tokens under the simulator, all 200 on a GPU or with NPLLM_CUDA_GOLDEN_FULL=1)."""
