@@ -21,7 +21,9 @@ stdout gets the prompt followed by the completion and nothing else (with --promp
 completion, separated by blank lines); timings go to stderr. PROMPT "-" reads the prompt from stdin.
 
 Every input is checked before anything reaches stdout: a bad request prints one `npllm: error:` line on stderr and
-exits 2. A reader that closes the pipe early (`| head`) ends the run quietly with status 141 (128 + SIGPIPE, what
+exits 2. So is an option that the mode it is given in would ignore (--num-beams with --temperature, --prompt-file
+with --draft, ...: the tables GENERATE_MODES, GENERATE_NEEDS, CHAT_NEEDS, PERPLEXITY_MODES), before any model
+loads. A reader that closes the pipe early (`| head`) ends the run quietly with status 141 (128 + SIGPIPE, what
 the shell reports for a program the closed pipe stopped); Ctrl-C ends the line it interrupted and exits 130.
 """
 
@@ -306,7 +308,8 @@ GENERATE_MODES = (
 SINKS = Needs("sinks", "--context-policy sinks", lambda args: args.context_policy == "sinks")
 GENERATE_NEEDS = (
     Needs("json", "--explain (it is --explain's machine-readable form)", lambda args: args.explain),
-    Needs("num_draft", "--draft or --draft-layers", lambda args: args.draft is not None or args.draft_layers is not None),
+    Needs("num_draft", "--draft or --draft-layers",
+          lambda args: args.draft is not None or args.draft_layers is not None),
     SINKS,
 )
 CHAT_NEEDS = (SINKS,)

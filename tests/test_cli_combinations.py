@@ -276,3 +276,45 @@ def test_chat_honours_kv_dtype(stories260k, monkeypatch, capsys):
     chat(monkeypatch, capsys, "-m", str(stories260k), "--chat-template", "chatml", "--temperature", "0",
          "--max-new-tokens", "4", "--kv-dtype", "float16", lines="Hi\n")
     assert loaded[0].model.kv_dtype == "float16"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The bad-input campaign's kind "combo" (scripts/bad_inputs.py), through the real command line
+
+
+def load_campaign():
+    import importlib.util
+    import sys
+
+    from tests_support import REPO
+
+    spec = importlib.util.spec_from_file_location("bad_inputs", REPO / "scripts" / "bad_inputs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bad_inputs"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_campaign_reports_the_combinations_refused_or_run(tmp_path, capsys):
+    """Every refused combination exits 2 with one `npllm: error:` line naming its first option, nothing on stdout;
+    the ones made to work run; the summary counts them under "combo" with no problem."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    campaign = load_campaign()
+    (tmp_path / "files").mkdir()
+    cases = campaign.combination_cases(tmp_path / "files")
+    assert {c.kind for c in cases} == {"combo"} and sum(c.expect == "error" for c in cases) >= 20
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda c: campaign.run_case(c, 240, tmp_path), cases))
+    for r in results:
+        assert r.problems == [], (r.case.name, r.stderr_tail)
+        if r.case.expect == "error":
+            last = r.stderr_tail.strip().splitlines()[-1]
+            assert r.status == 2 and last.startswith("npllm: error: "), (r.case.name, r.stderr_tail)
+            assert r.stderr_tail.count("npllm: error:") == 1
+            assert r.case.name.split()[0 if r.case.args[0] == "generate" else 1] in last, (r.case.name, last)
+    assert campaign.report(results, as_json=False) == 0
+    summary = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("combo")]
+    refused = sum(c.expect == "error" for c in cases)
+    assert summary == [["combo", str(len(cases)), str(refused), str(len(cases) - refused), "0", "0", "0", "0", "0",
+                        "0"]]
