@@ -217,12 +217,12 @@ class LLM:
         from .search import beam_search
 
         stop = SamplingParams(stop=stop).stop  # checked as a sampling option is
-        ends = None
-        if stop:
-            def ends(tokens) -> bool:
-                return self._completion(prompt_ids, tokens, stop)[1]
+
+        def stopped(tokens) -> bool:
+            return self._completion(prompt_ids, tokens, stop)[1]
+
         return beam_search(self.model, list(prompt_ids), num_beams, max_new_tokens, length_penalty, early_stopping,
-                           eos_token_id, num_return_sequences, ends)
+                           eos_token_id, num_return_sequences, stopped if stop else None)
 
     def completion_text(self, prompt_ids, token_ids, echo: bool = False, stop: tuple[str, ...] = ()) -> str:
         """The text of token_ids continuing prompt_ids (the decoder primed with the prompt, as stream's), ended
