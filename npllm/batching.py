@@ -245,11 +245,14 @@ def _cut_row(prompt, row: np.ndarray, row_logprobs, max_gen_len: int, stops: np.
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def ragged_generate(model, requests: list[Request], work: Work | None = None) -> list[Completion]:
+def ragged_generate(model, requests: list[Request], work: Work | None = None,
+                    on_draw: Callable[[int, Sampled], None] | None = None) -> list[Completion]:
     """All prompts prefilled in one forward, then one decode forward per step for every unfinished sequence.
 
     Sequence i lives in cache slot i. Each slot holds len(prompt) + max_new_tokens positions (at most the
-    context), so every sequence attends to exactly what it would attend to alone.
+    context), so every sequence attends to exactly what it would attend to alone. on_draw(i, Sampled) sees each
+    kept draw of request i (stop ids are not kept), with its log-probability and top alternatives when the
+    request's params.logprobs >= 1.
     """
     config = model.config
     if not requests:
@@ -260,11 +263,13 @@ def ragged_generate(model, requests: list[Request], work: Work | None = None) ->
     capacity = min(config.max_seq_len, max(len(r.prompt) + r.max_new_tokens for r in requests))
     cache = model.new_cache(capacity, len(requests))
     sequences = [Sequence(r, config, id=i, slot=i) for i, r in enumerate(requests)]
-    starting = [s for s in sequences if not s.done]
-    if starting:
-        advance(model, cache, starting, [], work)
-    while running := [s for s in sequences if not s.done]:
-        advance(model, cache, [], running, work)
+    report = on_draw is not None and any(r.params.logprobs for r in requests)
+    starting, running = [s for s in sequences if not s.done], []
+    while starting or running:
+        for s, drawn in advance(model, cache, starting, running, work, report):
+            if on_draw is not None:
+                on_draw(s.id, drawn)
+        starting, running = [], [s for s in sequences if not s.done]
     completions = [completion(s) for s in sequences]
     work.count_needed(completions)
     return completions

@@ -21,7 +21,9 @@ stdout gets the prompt followed by the completion and nothing else (with --promp
 completion, separated by blank lines); timings go to stderr. PROMPT "-" reads the prompt from stdin.
 
 Every input is checked before anything reaches stdout: a bad request prints one `npllm: error:` line on stderr and
-exits 2. A reader that closes the pipe early (`| head`) ends the run quietly with status 141 (128 + SIGPIPE, what
+exits 2. So is an option that the mode it is given in would ignore (--num-beams with --temperature, --prompt-file
+with --draft, ...: the tables GENERATE_MODES, GENERATE_NEEDS, CHAT_NEEDS, PERPLEXITY_MODES), before any model
+loads. A reader that closes the pipe early (`| head`) ends the run quietly with status 141 (128 + SIGPIPE, what
 the shell reports for a program the closed pipe stopped); Ctrl-C ends the line it interrupted and exits 130.
 """
 
@@ -32,6 +34,7 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 from .errors import GenerationError, NpllmError
@@ -67,7 +70,7 @@ def add_generate(commands) -> None:
                      help="tokens drafted per round (default 4)")
     gen.add_argument("--num-beams", type=whole(1, MOST_BEAMS), default=1, metavar="B",
                      help="beam search with B beams (greedy, deterministic): prints the best hypothesis")
-    gen.set_defaults(run=run_generate, compiles=True)
+    gen.set_defaults(run=run_generate, compiles=True, command_parser=gen)
 
 
 def add_chat(commands) -> None:
@@ -80,7 +83,7 @@ def add_chat(commands) -> None:
     chat.add_argument("--max-new-tokens", type=whole(0), default=256, help="most tokens per reply (default 256)")
     add_sampling_arguments(chat)
     add_context_arguments(chat)
-    chat.set_defaults(run=run_chat, compiles=True)
+    chat.set_defaults(run=run_chat, compiles=True, command_parser=chat)
 
 
 def add_context_arguments(parser) -> None:
@@ -169,7 +172,7 @@ def add_perplexity(commands) -> None:
     ppl.add_argument("--kl-divergence", metavar="BASE_MODEL", default=None,
                      help="mean KL(base || model) and top-1 agreement against this model (same tokenizer)")
     ppl.add_argument("--json", action="store_true", help="one JSON object instead of a sentence")
-    ppl.set_defaults(run=run_perplexity, compiles=True)
+    ppl.set_defaults(run=run_perplexity, compiles=True, command_parser=ppl)
 
 
 def add_serve(commands) -> None:
@@ -257,15 +260,96 @@ def as_keywords(params) -> dict:
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Options that go together: one table per command. An option given in a mode that does not honour it is refused
+# before anything loads (one `npllm: error:` line), never silently ignored.
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A way a command runs, switched on by giving `option`, and the options it honours (`takes`). Any other option
+    given beside it is refused with `why`: it would be ignored, or means nothing there. Without any mode on, every
+    option is honoured."""
+
+    option: str  # the argparse dest that switches the mode on
+    takes: frozenset[str]
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """An option that means something only when `met(args)`, which the error names as `condition`."""
+
+    option: str
+    condition: str
+    met: Callable[[argparse.Namespace], bool]
+
+
+# argparse dests. A new option is refused by every mode until a mode's `takes` names it.
+MODEL = frozenset({"model", "tokenizer", "backend", "threads", "weight_dtype", "kv_dtype"})
+SAMPLING = frozenset({"temperature", "top_p", "seed", "top_k", "min_p", "typical_p", "repetition_penalty",
+                      "presence_penalty", "frequency_penalty", "no_repeat_ngram"})
+ONE_PROMPT = MODEL | {"prompt", "max_new_tokens"}
+SPECULATIVE = ("speculative decoding continues one PROMPT with one draft, inside the context up to EOS, and reports no "
+               "log-probabilities")
+
+GENERATE_MODES = (
+    Mode("prompt_file", MODEL | SAMPLING | {"max_new_tokens", "stop", "logprobs"},
+         "a file's prompts are generated together as one batch, each inside the context up to EOS"),
+    Mode("num_beams", ONE_PROMPT | {"stop"},
+         "beam search keeps one PROMPT's most probable continuations under the model's own log-probabilities "
+         "(no sampling, no draft, no per-token report), inside the context up to EOS"),
+    Mode("draft", ONE_PROMPT | SAMPLING | {"stop", "num_draft"}, SPECULATIVE),
+    Mode("draft_layers", ONE_PROMPT | SAMPLING | {"stop", "num_draft"}, SPECULATIVE),
+    Mode("explain", ONE_PROMPT | SAMPLING | {"json"},
+         "--explain shows one PROMPT's draws stage by stage (each token's log-probability and top candidates "
+         "included), inside the context up to EOS, without stop strings"),
+)
+SINKS = Needs("sinks", "--context-policy sinks", lambda args: args.context_policy == "sinks")
+GENERATE_NEEDS = (
+    Needs("json", "--explain (it is --explain's machine-readable form)", lambda args: args.explain),
+    Needs("num_draft", "--draft or --draft-layers",
+          lambda args: args.draft is not None or args.draft_layers is not None),
+    SINKS,
+)
+CHAT_NEEDS = (SINKS,)
+PERPLEXITY_MODES = (
+    Mode("stride", MODEL | {"text", "ctx", "json"},
+         "Hugging Face's strided method runs one window at a time and measures perplexity only"),
+    Mode("kl_divergence", MODEL | {"text", "ctx", "batch", "json"},
+         "the KL divergence is measured over llama.cpp's chunks (--ctx, --batch)"),
+)
+
+
+def given_options(args) -> list[str]:
+    """The options given a value other than their default, in the parser's order (args.command_parser is the
+    sub-command's parser; "command", the sub-command's name, is the top parser's)."""
+    parser = args.command_parser
+    return [dest for dest, value in vars(args).items() if dest != "command" and value != parser.get_default(dest)]
+
+
+def flag(dest: str) -> str:
+    """How the command line spells an argparse dest: --max-new-tokens, or PROMPT for the positional argument."""
+    return "PROMPT" if dest == "prompt" else "--" + dest.replace("_", "-")
+
+
+def check_combinations(args, modes: tuple[Mode, ...] = (), needs: tuple[Needs, ...] = ()) -> None:
+    """Refuse (GenerationError) an option given where it would be ignored: one whose `needs` are not met, or one
+    beside a mode (the first in table order) that does not take it."""
+    given = given_options(args)
+    for need in needs:
+        if need.option in given and not need.met(args):
+            raise GenerationError(f"{flag(need.option)} needs {need.condition}")
+    for mode in modes:
+        if mode.option in given:
+            ignored = [dest for dest in given if dest != mode.option and dest not in mode.takes]
+            if ignored:
+                raise GenerationError(f"{flag(mode.option)} does not take {flag(ignored[0])}: {mode.why}")
+
+
 def check_generate_args(args) -> None:
     """Combinations of generate's options that mean nothing together, refused before anything loads."""
-    if args.json and not args.explain:
-        raise GenerationError("--json is the machine-readable form of --explain: pass both")
-    if args.explain and args.prompt_file is not None:
-        raise GenerationError("--explain follows a single prompt: give a PROMPT, not --prompt-file")
-    if (args.context_policy != "error" or args.ignore_eos) and (args.explain or args.num_beams > 1):
-        raise GenerationError("--explain and --num-beams run inside the context and stop at EOS: they take neither "
-                              "--context-policy nor --ignore-eos")
+    check_combinations(args, GENERATE_MODES, GENERATE_NEEDS)
 
 
 def load_with_tokenizer(args, **options):
@@ -343,14 +427,11 @@ def speculation_options(args) -> dict:
 
 def run_beam_search(args, llm, prompt_ids) -> int:
     """--num-beams: the prompt and the best hypothesis's text on stdout, every hypothesis's score on stderr."""
-    found = llm.beam_search(prompt_ids, args.num_beams, args.max_new_tokens)
-    decoder = llm.tokenizer.stream_decoder()
-    prompt_text = "".join(decoder.feed(t) for t in prompt_ids)
     from .generate import stop_ids
 
+    found = llm.beam_search(prompt_ids, args.num_beams, args.max_new_tokens, stop=tuple(args.stop))
     best = [t for t in found[0].tokens if t not in stop_ids(llm.config)]
-    sys.stdout.write(prompt_text + "".join(decoder.feed(t) for t in best) + decoder.flush() + "\n")
-    sys.stdout.flush()
+    write_out(llm.completion_text(prompt_ids, best, echo=True, stop=tuple(args.stop)) + "\n")
     for rank, h in enumerate(found):
         print(f"[beam {rank}] score {h.score:.4f} over {len(h.tokens)} tokens", file=sys.stderr)
     return 0
@@ -388,13 +469,13 @@ def write_out(text: str) -> None:
         _open_line = not text.endswith("\n")
 
 
-def print_logprobs(tokenizer, step) -> None:
-    """One stderr line per token: the piece, its log-probability, then the top alternatives."""
+def print_logprobs(tokenizer, step, label: str = "[logprobs]") -> None:
+    """One stderr line per token: the label, the piece, its log-probability, then the top alternatives."""
     def piece(token_id):
         return repr(tokenizer.id_to_piece(int(token_id)))
 
     alternatives = ", ".join(f"{piece(t)} {lp:.3f}" for t, lp in zip(step.top_ids, step.top_logprobs) if t >= 0)
-    print(f"[logprobs] {piece(step.token_ids)} {step.logprobs:.4f} | {alternatives}", file=sys.stderr)
+    print(f"{label} {piece(step.token_ids)} {step.logprobs:.4f} | {alternatives}", file=sys.stderr)
 
 
 def read_prompt_file(path: str) -> list[str]:
@@ -409,16 +490,18 @@ def read_prompt_file(path: str) -> list[str]:
 
 
 def run_generate_batch(args) -> int:
-    if args.prompt:
-        raise GenerationError("give either a PROMPT or --prompt-file, not both")
-    if args.context_policy != "error" or args.ignore_eos:
-        raise GenerationError("--prompt-file prompts are generated inside the context and stop at EOS: "
-                              "--context-policy and --ignore-eos apply to a single PROMPT")
+    """--prompt-file: every prompt with its completion on stdout (blank lines between); with --logprobs, each
+    prompt's tokens on stderr after the batch, numbered by prompt ("[logprobs 2]")."""
     prompts = read_prompt_file(args.prompt_file)
     params = sampling_params(args)
     llm = load_with_tokenizer(args, kv_dtype=args.kv_dtype)
+
+    def on_step(index: int, step) -> None:
+        print_logprobs(llm.tokenizer, step, f"[logprobs {index + 1}]")
+
     start = time.perf_counter()
-    completions = llm.generate(prompts, args.max_new_tokens, **as_keywords(params))
+    completions = llm.generate(prompts, args.max_new_tokens, on_step=on_step if params.logprobs else None,
+                               **as_keywords(params))
     seconds = time.perf_counter() - start
     write_out("\n\n".join(p + c for p, c in zip(prompts, completions)) + "\n")
     print(f"[npllm] {len(prompts)} prompts completed together in {seconds:.2f} s", file=sys.stderr)
@@ -428,6 +511,7 @@ def run_generate_batch(args) -> int:
 def run_chat(args) -> int:
     from .chat.repl import run
 
+    check_combinations(args, needs=CHAT_NEEDS)
     return run(args, sampling_params(args), context_options(args))
 
 
@@ -487,6 +571,7 @@ def run_perplexity(args) -> int:
     from . import load
     from .evaluate import kl_divergence, perplexity, strided_perplexity
 
+    check_combinations(args, PERPLEXITY_MODES)
     try:
         with open(args.text, encoding="utf-8") as f:
             text = f.read()

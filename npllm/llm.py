@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 from collections.abc import Iterator
@@ -14,11 +15,11 @@ from . import batching
 from .config import ModelConfig
 from .errors import FormatError, GenerationError, TokenizerError
 from .context import DEFAULT_SINKS, Context, check_policy, continue_steps
-from .stop import StopStrings, cut_at_stop, text_of_steps
+from .stop import StopStrings, text_of_steps
 from .generate import check_prompt, check_request, generate_ids
 from .hub import resolve
 from .models import Model
-from .sampling import SamplingParams
+from .sampling import Sampled, SamplingParams
 from .tokenizer import Tokenizer, load_tokenizer
 
 
@@ -135,15 +136,19 @@ class LLM:
     def generate(self, prompt: str | list[str] = "", max_new_tokens: int = 256, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int | None = None, **sampling) -> str | list[str]:
         """The completion of one prompt (without the prompt); for a list of prompts, the list of their completions,
-        generated together by ragged batching, each one what it would be alone (every prompt uses `seed`)."""
+        generated together by ragged batching, each one what it would be alone (every prompt uses `seed`).
+
+        on_step: for one prompt, on_step(Sampled) per generated token (see stream); for a list, on_step(i, Sampled)
+        for prompt i's tokens, prompt after prompt once the batch is done, up to where each completion ends (the
+        token that completes a stop string included, as stream does)."""
         if not isinstance(prompt, str):
             if sampling.pop("context_policy", "error") != "error" or sampling.pop("ignore_eos", False):
                 raise GenerationError("a batch of prompts is generated inside the context and stops at EOS: "
                                       "context_policy and ignore_eos apply to a single prompt")
             sampling.pop("sinks", None)
+            on_step = sampling.pop("on_step", None)
             params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, **sampling)
-            texts = self._generate_batch(list(prompt), max_new_tokens, dataclasses.replace(params, stop=()))
-            return [cut_at_stop(text, params.stop) for text in texts]
+            return self._generate_batch(list(prompt), max_new_tokens, params, on_step)
         return "".join(self.stream(prompt, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                    **sampling))
 
@@ -179,16 +184,18 @@ class LLM:
         session.reset()
         return session
 
-    def _generate_batch(self, prompts: list[str], max_new_tokens: int, params: SamplingParams) -> list[str]:
+    def _generate_batch(self, prompts: list[str], max_new_tokens: int, params: SamplingParams,
+                        on_step=None) -> list[str]:
+        """The prompts' completions by ragged batching; each one's draws then become text as stream's do (the
+        decoder primed with its prompt, cut at the first stop string to complete), with on_step(i, Sampled)."""
         tokenizer = self._require_tokenizer()
-        requests = [batching.Request(tokenizer.encode(p, bos=True), max_new_tokens, params) for p in prompts]
-        texts = []
-        for c in batching.ragged_generate(self.model, requests):
-            decoder = tokenizer.stream_decoder()
-            for t in c.prompt:  # the decoder needs the prompt's context (a leading space, a split character)
-                decoder.feed(t)
-            texts.append("".join(decoder.feed(t) for t in c.tokens) + decoder.flush())
-        return texts
+        token_level = dataclasses.replace(params, stop=())  # stop strings are text: cut below
+        requests = [batching.Request(tokenizer.encode(p, bos=True), max_new_tokens, token_level) for p in prompts]
+        draws = [[] for _ in requests]
+        batching.ragged_generate(self.model, requests, on_draw=lambda i, drawn: draws[i].append(drawn))
+        return ["".join(_text_of(tokenizer, r.prompt, steps, params.stop, False,
+                                 None if on_step is None else functools.partial(on_step, i)))
+                for i, (r, steps) in enumerate(zip(requests, draws))]
 
     def generate_tokens(self, prompt_tokens: list[list[int]], max_gen_len: int, temperature: float = 0.6,
                         top_p: float = 0.9, logprobs: bool = False, echo: bool = False, strategy: str = "ragged",
@@ -199,14 +206,38 @@ class LLM:
                                         strategy, seed)
 
     def beam_search(self, prompt_ids, num_beams: int, max_new_tokens: int, length_penalty: float = 1.0,
-                    early_stopping: bool | str = True, eos_token_id=None, num_return_sequences: int | None = None):
+                    early_stopping: bool | str = True, eos_token_id=None, num_return_sequences: int | None = None,
+                    stop: tuple[str, ...] = ()):
         """The best continuations of prompt_ids by beam search, best first (npllm.search.beam_search):
         hypotheses with .tokens (new tokens, the ending EOS included) and .score (summed log-probability /
-        len(tokens) ** length_penalty), as transformers' generate(num_beams=...) finds them."""
+        len(tokens) ** length_penalty), as transformers' generate(num_beams=...) finds them.
+
+        stop: strings that end a hypothesis as EOS does, once its text (after the prompt) contains one; the token
+        that completes it is the hypothesis' last (completion_text(..., stop=stop) gives the text before it)."""
         from .search import beam_search
 
+        stop = SamplingParams(stop=stop).stop  # checked as a sampling option is
+
+        def stopped(tokens) -> bool:
+            return self._completion(prompt_ids, tokens, stop)[1]
+
         return beam_search(self.model, list(prompt_ids), num_beams, max_new_tokens, length_penalty, early_stopping,
-                           eos_token_id, num_return_sequences)
+                           eos_token_id, num_return_sequences, stopped if stop else None)
+
+    def completion_text(self, prompt_ids, token_ids, echo: bool = False, stop: tuple[str, ...] = ()) -> str:
+        """The text of token_ids continuing prompt_ids (the decoder primed with the prompt, as stream's), ended
+        before the first stop string to complete; with echo, the prompt's text first."""
+        text, _ = self._completion(prompt_ids, token_ids, tuple(stop), echo)
+        return text
+
+    def _completion(self, prompt_ids, token_ids, stop: tuple[str, ...], echo: bool = False) -> tuple[str, bool]:
+        """(completion_text, whether a stop string ended it)."""
+        stops = StopStrings(stop)
+        steps = (Sampled(int(t), float("nan"), *_NO_ALTERNATIVES) for t in token_ids)
+        decoder = self._require_tokenizer().stream_decoder()
+        prompt_text = "".join(decoder.feed(int(t)) for t in prompt_ids)
+        text = "".join(text_of_steps(decoder, steps, stops))
+        return (prompt_text if echo else "") + text, stops.stopped
 
     def draft_model(self, draft=None, draft_layers: int | None = None) -> Model:
         """The draft for speculative decoding: another LLM's model, a checkpoint loaded on this backend, or this
@@ -233,7 +264,6 @@ class LLM:
         """speculative_decode's ids as the Sampled records generate_steps yields (no log-probabilities). The request
         and the draft are checked (and the draft built) here, before anything is generated."""
         from .generate import Request
-        from .sampling import Sampled
         from .speculative import speculative_decode
 
         if params.logprobs:
@@ -243,13 +273,15 @@ class LLM:
         request = Request(prompt_ids, max_new_tokens, dataclasses.replace(params, stop=()))
         tokens = speculative_decode(self.model, self.draft_model(draft, draft_layers), request, num_draft,
                                     stats=speculation)
-        nothing = np.empty(0, np.int64), np.empty(0)
-        return (Sampled(token, float("nan"), *nothing) for token in tokens)
+        return (Sampled(token, float("nan"), *_NO_ALTERNATIVES) for token in tokens)
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise FormatError(f"no tokenizer was found for {self.source}: pass tokenizer=PATH")
         return self.tokenizer
+
+
+_NO_ALTERNATIVES = np.empty(0, np.int64), np.empty(0)  # a Sampled's top_ids, top_logprobs when none were asked for
 
 
 def _text_of(tokenizer, prompt_ids, steps, stop, echo: bool, on_step) -> Iterator[str]:

@@ -20,6 +20,7 @@ then all come from beam 0 and no continuation is proposed twice.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,13 +60,14 @@ class _Beams:
 
 
 def beam_search(model, prompt_ids, num_beams: int, max_new_tokens: int, length_penalty: float = 1.0,
-                early_stopping: bool | str = True, eos_token_id=None,
-                num_return_sequences: int | None = None) -> list[Hypothesis]:
+                early_stopping: bool | str = True, eos_token_id=None, num_return_sequences: int | None = None,
+                ends: Callable[[tuple[int, ...]], bool] | None = None) -> list[Hypothesis]:
     """The best hypotheses continuing `prompt_ids`, best first (see the module docstring).
 
     eos_token_id: an id or a list of ids that end a hypothesis (default: the model's stop ids, generate.stop_ids).
     early_stopping: True, False or "never", as in transformers. num_return_sequences: how many to return
-    (default: num_beams).
+    (default: num_beams). ends(new tokens): a further rule under which a candidate ends as an EOS candidate does,
+    its last token kept (LLM.beam_search's stop strings).
     """
     B, N, eos = _check(model, prompt_ids, num_beams, max_new_tokens, early_stopping, eos_token_id,
                        num_return_sequences)
@@ -81,11 +83,13 @@ def beam_search(model, prompt_ids, num_beams: int, max_new_tokens: int, length_p
                    np.full(B, NEG))
     for g in range(N):
         candidates = _candidates(beams, logits, K)
-        ends = np.isin(candidates[1], eos) | (g + 1 == N)  # [K] the candidate stops (EOS or the length limit)
-        _finish(beams, candidates, ends, B, length_penalty, early_stopping)
-        parents = _advance(beams, candidates, ends, B)
+        stops = np.isin(candidates[1], eos) | (g + 1 == N)  # [K] the candidate stops (EOS or the length limit)
+        if ends is not None:
+            stops |= [ends(tuple(beams.tokens[p].tolist()) + (int(t),)) for p, t in zip(*candidates[:2])]
+        _finish(beams, candidates, stops, B, length_penalty, early_stopping)
+        parents = _advance(beams, candidates, stops, B)
         beams.improvable = beams.improvable and _improvable(beams, g + 1, N, length_penalty, early_stopping)
-        if not beams.improvable or (beams.all_finished() and early_stopping is True) or ends.all():
+        if not beams.improvable or (beams.all_finished() and early_stopping is True) or stops.all():
             break
         cache.reorder(parents)
         positions = np.full(B, P + g)

@@ -523,11 +523,68 @@ def flag_cases(out: Path) -> list[Case]:
     return cases
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Options given together
+
+
+def combination_cases(out: Path) -> list[Case]:
+    """Options that go together or do not (npllm.cli's GENERATE_MODES and friends): each combination runs, or is
+    refused before anything loads; none is silently ignored. The files they name exist, so a refusal can only come
+    from the combination."""
+    prompts, text = out / "combo_prompts.txt", out / "combo_text.txt"
+    prompts.write_text("Once upon a time\nLily and Ben\n", encoding="utf-8")
+    text.write_text("Once upon a time, there was a little girl named Lily. " * 30, encoding="utf-8")
+    short = ["--max-new-tokens", "4"]
+    batch, one = ["generate", "--prompt-file", str(prompts), *short], ["generate", "Once", *short]
+    chat, hi = ["chat", "--chat-template", "chatml", *short], b"Hi\n"
+    ppl = ["perplexity", "--text", str(text), "--ctx", "64"]
+    refused = {
+        "--prompt-file --num-beams": [*batch, "--num-beams", "2"],
+        "--prompt-file --draft": [*batch, "--draft", "stories260K"],
+        "--prompt-file --draft-layers": [*batch, "--draft-layers", "2"],
+        "--prompt-file --ignore-eos": [*batch, "--ignore-eos"],
+        "--prompt-file --context-policy": [*batch, "--context-policy", "sinks"],
+        "--prompt-file PROMPT": [*batch, "Once"],
+        "--num-beams --draft-layers": [*one, "--num-beams", "2", "--draft-layers", "2"],
+        "--num-beams --logprobs": [*one, "--num-beams", "2", "--logprobs", "2"],
+        "--num-beams --temperature": [*one, "--num-beams", "2", "--temperature", "0.7"],
+        "--num-beams --seed": [*one, "--num-beams", "2", "--seed", "1"],
+        "--num-beams --top-k": [*one, "--num-beams", "2", "--top-k", "5"],
+        "--num-beams --ignore-eos": [*one, "--num-beams", "2", "--ignore-eos"],
+        "--explain --num-beams": [*one, "--explain", "--num-beams", "2"],
+        "--explain --stop": [*one, "--explain", "--stop", "."],
+        "--explain --logprobs": [*one, "--explain", "--logprobs", "2"],
+        "--explain --draft-layers": [*one, "--explain", "--draft-layers", "2"],
+        "--draft --draft-layers": [*one, "--draft", "stories260K", "--draft-layers", "2"],
+        "--draft-layers --logprobs": [*one, "--draft-layers", "2", "--logprobs", "2"],
+        "--draft-layers --context-policy": [*one, "--draft-layers", "2", "--context-policy", "truncate"],
+        "--draft-layers --ignore-eos": [*one, "--draft-layers", "2", "--ignore-eos"],
+        "--num-draft alone": [*one, "--num-draft", "3"],
+        "--sinks alone": [*one, "--sinks", "8"],
+        "--sinks --context-policy truncate": [*one, "--context-policy", "truncate", "--sinks", "8"],
+        "chat --sinks alone": [*chat, "--sinks", "8"],
+        "perplexity --stride --kl-divergence": [*ppl, "--stride", "32", "--kl-divergence", "stories260K"],
+        "perplexity --stride --batch": [*ppl, "--stride", "32", "--batch", "2"],
+    }
+    works = {
+        "--prompt-file --logprobs --stop": [*batch, "--logprobs", "2", "--stop", "."],
+        "--num-beams --stop": [*one, "--num-beams", "2", "--stop", "."],
+        "--draft-layers --stop --top-k": [*one, "--draft-layers", "2", "--stop", ".", "--top-k", "4", "--seed", "1"],
+        "--explain --json --temperature": [*one, "--explain", "--json", "--temperature", "0.5", "--seed", "1"],
+        "chat --logprobs --kv-dtype": [*chat, "--logprobs", "2", "--kv-dtype", "float16"],
+        "perplexity --stride": [*ppl, "--stride", "32"],
+        "perplexity --kl-divergence --batch": [*ppl, "--kl-divergence", "stories260K", "--batch", "2"],
+    }
+    return ([Case("combo", name, args, stdin=hi if args[0] == "chat" else None) for name, args in refused.items()]
+            + [Case("combo", name, args, stdin=hi if args[0] == "chat" else None, expect="ok")
+               for name, args in works.items()])
+
+
 def all_cases(out: Path, weights: Path) -> list[Case]:
     os.mkfifo(out / "fifo")
     (out / "fifo_dir").mkdir()
     return (llama2c_cases(out, weights) + hf_cases(out) + gguf_cases(out, weights) + tokenizer_cases(out, weights)
-            + prompt_cases(out) + flag_cases(out))
+            + prompt_cases(out) + flag_cases(out) + combination_cases(out))
 
 
 def main(argv=None) -> int:

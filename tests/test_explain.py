@@ -126,4 +126,4 @@ def test_cli_explain_prints_a_table_per_token(stories260k):
 def test_cli_json_without_explain_is_refused(stories260k):
     result = run_cli("generate", "Once", "--model", str(stories260k), "--json")
     assert result.returncode == 2
-    assert result.stderr.strip() == "npllm: error: --json is the machine-readable form of --explain: pass both"
+    assert result.stderr.strip() == "npllm: error: --json needs --explain (it is --explain's machine-readable form)"

@@ -52,6 +52,16 @@ def test_numba_backend_finds_the_same_beams(models, case):
     assert [list(h.tokens) for h in found] == case["sequences"]
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c["eos_kind"] == "likely"][::3], ids=case_id)
+def test_an_ends_rule_ends_a_hypothesis_as_eos_does(models, case):
+    """ends(tokens) firing on the EOS id, with no EOS id given, finds transformers' beams for that EOS (LLM.beam_search
+    ends hypotheses at stop strings this way)."""
+    found = beam_search(models["numpy"], case["prompt"], case["num_beams"], case["max_new_tokens"],
+                        length_penalty=case["length_penalty"], early_stopping=case["early_stopping"],
+                        eos_token_id=[], ends=lambda tokens: tokens[-1] == case["eos"])
+    assert [list(h.tokens) for h in found] == case["sequences"]
+
+
 def test_one_beam_is_greedy(models):
     model = models["numpy"]
     prompt = [0, 45, 112]

@@ -28,7 +28,7 @@ def run(args, params, context: dict) -> int:
     from ..cli import as_keywords, load_with_tokenizer, write_out
     from .session import ChatSession
 
-    llm = load_with_tokenizer(args)
+    llm = load_with_tokenizer(args, kv_dtype=args.kv_dtype)
     session = ChatSession(llm, args.chat_template, args.system, context["context_policy"], context["sinks"])
     interactive = sys.stdin.isatty()
     if interactive:
@@ -80,6 +80,10 @@ def reply_to(session, text: str, max_new_tokens: int, ignore_eos: bool, sampling
         nonlocal first, count
         first = first or time.perf_counter()
         count += 1
+        if sampling.get("logprobs"):
+            from ..cli import print_logprobs
+
+            print_logprobs(session.tokenizer, step)
 
     reply = session.send(text, max_new_tokens, ignore_eos=ignore_eos, on_step=on_step, **sampling)
     try:
