@@ -396,9 +396,12 @@ def trickle(sock: socket.socket, piece: bytes, times: int, pause: float) -> thre
 
 
 def test_half_sent_requests_are_dropped_at_their_deadlines_and_others_are_served_meanwhile(llm):
-    server = Server(llm, MODEL, Limits(max_slots=2, header_timeout=1.0, body_timeout=1.0))
+    server = Server(llm, MODEL, Limits(max_slots=2, header_timeout=1.0, body_timeout=1.0, keep_alive_timeout=0.5))
     with running(server) as url:
         start = time.monotonic()
+        idle = connect(url, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # answered, then idle
+        answered = connect(url, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n")
+        trickle(answered, b"x", 25, 0.2)  # the body nobody reads, after the answer: its bytes must not hold it
         silent = [connect(url) for _ in range(4)]  # connected, nothing sent
         half_head = [connect(url, HEAD) for _ in range(8)]  # the blank line that ends the head never comes
         slow_head = connect(url, HEAD)  # a header line every 0.2 s for 5 s: the deadline is for the whole head
@@ -412,6 +415,10 @@ def test_half_sent_requests_are_dropped_at_their_deadlines_and_others_are_served
         done = httpx.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 3}, timeout=5)
         assert done.status_code == 200 and done.json()["choices"][0]["text"]
 
+        data, end = read_to_end(idle)
+        assert data.startswith(b"HTTP/1.1 200 ") and 0.4 < end - start < 3  # the keep-alive timeout
+        data, end = read_to_end(answered)
+        assert data.startswith(b"HTTP/1.1 200 ") and 0.9 < end - start < 4  # the next head's deadline
         for sock in silent + half_head + [slow_head]:
             data, end = read_to_end(sock)
             assert data == b"" and 0.9 < end - start < 4  # closed at the head's deadline, nothing sent

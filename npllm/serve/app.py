@@ -467,19 +467,20 @@ def _refuse(conn: socket.socket, response: bytes) -> None:
 
 
 def guarded_protocol(limits: Limits, gate: Gate):
-    """uvicorn's h11 protocol with a deadline on each request's head (slowloris): it must arrive within
-    limits.header_timeout seconds of the connection's start or of the last response's end, else the connection is
-    closed. This also ends a client that trickles the rest of a body the server answered without reading (a 413, a
-    GET with a body). Each connection made tells `gate` that it is no longer pending.
+    """uvicorn's h11 protocol with a deadline on each request's head (slowloris): it must arrive whole within
+    limits.header_timeout seconds of the connection's start, or of the first byte after the last response, else the
+    connection is closed. The deadline is for the whole head, however slowly it trickles; it also ends a client that
+    trickles the rest of a body the server answered without reading (a 413, a GET with a body). Each connection
+    made tells `gate` that it is no longer pending.
 
-    uvicorn's own keep-alive timeout closes a connection idle after a response sooner; the body's deadline is the
+    uvicorn's keep-alive timeout closes a connection idle after a response; the body's deadline is the
     application's (Server.read_json); h11 bounds the head's size (16 KiB; larger is 400); GuardedSocket bounds the
     number of connections."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class GuardedH11Protocol(H11Protocol):
         deadline = None  # the TimerHandle that closes the connection unless a new request head arrives
-        waiting_after = None  # the request cycle current when the deadline was set
+        waiting_after = None  # the last request cycle answered: while it is current, a new head is awaited
 
         def connection_made(self, transport) -> None:
             gate.made()
@@ -488,17 +489,17 @@ def guarded_protocol(limits: Limits, gate: Gate):
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.deadline is not None and self.cycle is not self.waiting_after:  # a new request's head came
+            if self.cycle is not self.waiting_after:  # a new request's head came (its body may follow)
                 self._disarm()
+            elif self.deadline is None and not self.transport.is_closing():  # the first bytes after a response
+                self._arm()
 
         def _should_upgrade(self) -> bool:
             return False  # no WebSockets here: served as plain HTTP, without uvicorn's two warnings per request
 
         def on_response_complete(self) -> None:
-            done = self.cycle
-            super().on_response_complete()
-            if self.cycle is done and not self.transport.is_closing():  # no pipelined request already began
-                self._arm()
+            self.waiting_after = self.cycle
+            super().on_response_complete()  # arms uvicorn's keep-alive timeout
 
         def connection_lost(self, exc) -> None:
             self._disarm()
@@ -506,7 +507,6 @@ def guarded_protocol(limits: Limits, gate: Gate):
 
         def _arm(self) -> None:
             self._disarm()
-            self.waiting_after = self.cycle
             self.deadline = self.loop.call_later(limits.header_timeout, self._expire)
 
         def _disarm(self) -> None:
