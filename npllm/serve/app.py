@@ -56,7 +56,7 @@ class Limits:
     max_tokens_limit: int = 4096
     max_body_bytes: int = 1 << 20
     max_connections: int = 256  # open connections; one more is answered 503 and closed at once
-    header_timeout: float = 10.0  # seconds for a request's head, from the connection (or the last response) on
+    header_timeout: float = 10.0  # seconds for a request's head, from the connection or the first byte after a response
     body_timeout: float = 30.0  # seconds for a request's whole body, from its head on; then 408
     keep_alive_timeout: float = 5.0  # seconds an idle connection stays open after a response
 
@@ -379,8 +379,8 @@ def connection_cap(wanted: int, reserve: int = 16) -> tuple[int, str]:
     them beside the files already open plus `reserve`. The soft limit is first raised toward the hard one; if it
     still does not fit, fewer. Returns (cap, a warning to show, or ""); GenerationError if no connection fits.
 
-    Past the limit accept() fails (EMFILE) and asyncio retries it a second later, over and over: the server answers
-    nobody while the connections are held. Under the cap it answers the extra connections with 503 instead."""
+    Past the open-files limit accept() fails (EMFILE): asyncio logs a traceback for each try and answers nobody
+    while the connections are held. Under the cap, GuardedSocket answers the extra connections with 503 instead."""
     try:
         import resource
     except ImportError:  # Windows: no such limit
@@ -474,8 +474,8 @@ def guarded_protocol(limits: Limits, gate: Gate):
     made tells `gate` that it is no longer pending.
 
     uvicorn's keep-alive timeout closes a connection idle after a response; the body's deadline is the
-    application's (Server.read_json); h11 bounds the head's size (16 KiB; larger is 400); GuardedSocket bounds the
-    number of connections."""
+    application's (Server.read_json); h11 bounds the head's size (400 once more than 16 KiB of it waits incomplete);
+    GuardedSocket bounds the number of connections."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class GuardedH11Protocol(H11Protocol):
