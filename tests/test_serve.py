@@ -303,13 +303,16 @@ def test_past_the_grace_period_shutdown_cancels_what_still_runs(llm):
         assert wait_until(lambda: not engine.running and sorted(engine.free) == [0, 1])  # cancelled, slot freed
 
 
-def start_subprocess_server(stories260k, *options, preexec_fn=None) -> tuple[subprocess.Popen, str, list[str]]:
-    """`npllm serve` in a child process; returns it, its port once it says it is serving, and the lines it wrote
-    on stderr up to then."""
+def start_subprocess_server(stories260k, *options, files: int | None = None) -> tuple[subprocess.Popen, str, list[str]]:
+    """`npllm serve` in a child process (with at most `files` open files, when given); returns it, its port once it
+    says it is serving, and the lines it wrote on stderr up to then."""
     command = [sys.executable, "-m", "npllm", "serve", "--model", str(stories260k), "--port", "0",
                "--backend", "numpy", "--grace", "20", *options]
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            preexec_fn=preexec_fn)
+    if files is not None:  # a launcher that lowers the limit, then becomes the server (no preexec_fn: threads here)
+        limit = (f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, ({files}, {files})); "
+                 f"os.execv(sys.executable, sys.argv[1:])")
+        command = [sys.executable, "-c", limit, *command]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines = []
     while True:  # the first lines may say that /v1/chat/completions is off (no template)
         line = proc.stderr.readline()
@@ -459,12 +462,7 @@ def healthy(url: str) -> bool:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="sets the child's open-files limit (RLIMIT_NOFILE)")
 def test_under_a_64_file_limit_held_connections_do_not_stop_the_server(stories260k):
-    import resource
-
-    def limit_files():  # in the child, before it runs npllm
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-
-    proc, port, lines = start_subprocess_server(stories260k, "--header-timeout", "1", preexec_fn=limit_files)
+    proc, port, lines = start_subprocess_server(stories260k, "--header-timeout", "1", files=64)
     url = f"http://127.0.0.1:{port}"
     try:
         assert any("--max-connections lowered from 256" in line for line in lines)
