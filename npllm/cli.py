@@ -15,7 +15,8 @@
                 [--threads T] [--weight-dtype D] [--kv-dtype D ...] [--repeat R] [--json]
     npllm info [MODEL]                         architecture, size, context and tokenizer of a checkpoint
     npllm serve --model M [--host H] [--port P] [--api-key K] [--chat-template NAME|FILE] [--max-slots N]
-                [--max-queue N] [--max-tokens-limit N] [--cors-origin URL]   an OpenAI-compatible HTTP server
+                [--max-queue N] [--max-tokens-limit N] [--cors-origin URL] [--max-connections N]
+                [--header-timeout S] [--body-timeout S] [--keep-alive-timeout S]   an OpenAI-compatible HTTP server
 
 stdout gets the prompt followed by the completion and nothing else (with --prompt-file, each prompt and its
 completion, separated by blank lines); timings go to stderr. PROMPT "-" reads the prompt from stdin.
@@ -199,7 +200,17 @@ def add_serve(commands) -> None:
                        help="largest request body; bigger ones get 413 (default 1 MiB)")
     serve.add_argument("--cors-origin", action="append", default=[], metavar="URL",
                        help="allow browser pages from this origin (repeatable; default: no CORS headers)")
-    serve.add_argument("--grace", type=float, default=10.0,
+    serve.add_argument("--max-connections", type=whole(1, MOST_CONNECTIONS), default=256,
+                       help="open connections at once; one more is answered 503 and closed (default 256; lowered "
+                            "to what the open-files limit allows)")
+    serve.add_argument("--header-timeout", type=seconds(), default=10.0,
+                       help="seconds a client has to send a request's head; a slower connection is closed "
+                            "(default 10)")
+    serve.add_argument("--body-timeout", type=seconds(), default=30.0,
+                       help="seconds a client has to send a request's body after its head; then 408 (default 30)")
+    serve.add_argument("--keep-alive-timeout", type=seconds(), default=5.0,
+                       help="seconds an idle connection stays open after a response (default 5)")
+    serve.add_argument("--grace", type=seconds(0), default=10.0,
                        help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default 10)")
     serve.set_defaults(run=run_serve, compiles=True)
 
@@ -213,6 +224,8 @@ MOST_DRAFT = MOST_BEAMS = 64
 MOST_MIB = MOST_LOGPROBS = 1 << 20
 MOST_QUEUE = 1 << 16
 MOST_BODY = 1 << 30
+MOST_CONNECTIONS = 1 << 20
+MOST_SECONDS = 7 * 24 * 3600.0
 
 
 def whole(least: int, most: int | None = None):
@@ -229,6 +242,24 @@ def whole(least: int, most: int | None = None):
         return value
 
     parse.__name__ = f"integer >= {least}"
+    return parse
+
+
+def seconds(least: float | None = None):
+    """argparse type: a finite duration in seconds, above 0 (or at least `least` when given) and at most a week,
+    refused at parse time."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not (value >= least if least is not None else value > 0):  # also false for NaN
+            raise argparse.ArgumentTypeError(f"{text} is not " + (f">= {least:g}" if least is not None else "> 0"))
+        if value > MOST_SECONDS:
+            raise argparse.ArgumentTypeError(f"{text} is above the maximum {MOST_SECONDS:g} (a week)")
+        return value
+
+    parse.__name__ = "seconds"
     return parse
 
 
@@ -610,16 +641,20 @@ def run_serve(args) -> int:
     except ImportError:
         raise NpllmError("npllm serve needs the serve extra: pip install 'npllm-engine[serve]' "
                          "(Starlette and uvicorn)") from None
-    from .serve.app import Limits, Server, run
+    from .serve.app import Limits, Server, bind, check_api_key, run
 
-    if args.grace < 0:
-        raise GenerationError(f"--grace must be >= 0, got {args.grace}")
-    llm = load_with_tokenizer(args)
-    template, problem = serve_chat_template(args.chat_template, llm.source)
-    limits = Limits(args.max_slots, args.max_queue, args.max_tokens_limit, args.max_body_bytes)
-    server = Server(llm, args.served_model_name or Path(args.model).stem or str(args.model), limits, template,
-                    problem, args.api_key)
-    return run(server, args.host, args.port, args.grace, args.cors_origin)
+    check_api_key(args.api_key)
+    sock = bind(args.host, args.port)  # before the model loads: a port in use is an error at once
+    try:
+        llm = load_with_tokenizer(args)
+        template, problem = serve_chat_template(args.chat_template, llm.source)
+        limits = Limits(args.max_slots, args.max_queue, args.max_tokens_limit, args.max_body_bytes,
+                        args.max_connections, args.header_timeout, args.body_timeout, args.keep_alive_timeout)
+        server = Server(llm, args.served_model_name or Path(args.model).stem or str(args.model), limits, template,
+                        problem, args.api_key)
+        return run(server, args.host, args.port, args.grace, args.cors_origin, sock=sock)
+    finally:
+        sock.close()
 
 
 def serve_chat_template(spec: str | None, checkpoint: str) -> tuple[str | None, str]:

@@ -4,9 +4,11 @@ solo answer, OpenAI error objects for bad requests, cancel on disconnect, a clea
 import concurrent.futures
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +23,7 @@ import npllm
 from npllm.chat import BUILTIN_TEMPLATES, render_chat_template
 from npllm.cli import main
 from npllm.sampling import log_softmax
+from npllm.errors import GenerationError
 from npllm.serve.app import Limits, Server, create_app, listen, make_uvicorn
 from npllm.serve.protocol import ApiError, Context, parse_chat
 
@@ -35,7 +38,7 @@ def running(server: Server, grace: float = 2.0, control: list | None = None):
     """The server on 127.0.0.1 at a free port, run by uvicorn in a thread; yields its base URL. `control` receives
     the uvicorn server and its thread (setting should_exit is what SIGTERM does)."""
     sock = listen("127.0.0.1", 0)
-    uv = make_uvicorn(create_app(server), grace=grace)
+    uv = make_uvicorn(create_app(server), grace=grace, limits=server.limits)
     server.start()
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -223,16 +226,21 @@ def test_wrong_key_unknown_model_malformed_json_and_size(served, client):
     assert [m.id for m in client.models.list()] == [MODEL]
 
 
-def test_full_queue_is_429(served, client):
-    server = served[0]
-    server.active += server.limits.max_slots + server.limits.max_queue  # as if that many were running or waiting
-    try:
-        with pytest.raises(openai.RateLimitError) as e:
-            client.completions.create(model=MODEL, prompt="The cat", max_tokens=3)
-        assert e.value.status_code == 429
-    finally:
-        server.active -= server.limits.max_slots + server.limits.max_queue
-    assert client.completions.create(model=MODEL, prompt="The cat", max_tokens=3).choices[0].text
+def test_full_queue_is_429(llm):
+    """One slot, two places in the queue: three real requests fill them, the fourth is refused at once, and once
+    they end the server serves again."""
+    server = Server(npllm.LLM(SlowModel(llm.model, 0.01), llm.tokenizer), MODEL, Limits(max_slots=1, max_queue=2))
+    engine = server.engine.engine
+    body = {"prompt": "Once upon a time", "max_tokens": 300, "stream": True, "logit_bias": {"1": -100, "2": -100}}
+    with running(server) as url, contextlib.ExitStack() as streams:
+        for _ in range(3):  # a stream's head comes at once, whether it runs or waits
+            streams.enter_context(httpx.stream("POST", url + "/v1/completions", json=body, timeout=10))
+        assert wait_until(lambda: server.active == 3 and len(engine.running) == 1 and len(engine.waiting) == 2)
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 3}, timeout=10)
+        assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_exceeded"
+        streams.close()  # the three clients go away: their jobs are cancelled
+        assert wait_until(lambda: not server.active and not engine.running)
+        assert httpx.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 3}).status_code == 200
 
 
 def test_no_cors_headers_unless_an_origin_is_given(llm):
@@ -295,23 +303,30 @@ def test_past_the_grace_period_shutdown_cancels_what_still_runs(llm):
         assert wait_until(lambda: not engine.running and sorted(engine.free) == [0, 1])  # cancelled, slot freed
 
 
-def start_subprocess_server(stories260k) -> tuple[subprocess.Popen, str]:
-    """`npllm serve` in a child process; returns it and its port once it says it is serving."""
+def start_subprocess_server(stories260k, *options, files: int | None = None) -> tuple[subprocess.Popen, str, list[str]]:
+    """`npllm serve` in a child process (with at most `files` open files, when given); returns it, its port once it
+    says it is serving, and the lines it wrote on stderr up to then."""
     command = [sys.executable, "-m", "npllm", "serve", "--model", str(stories260k), "--port", "0",
-               "--backend", "numpy", "--grace", "20"]
+               "--backend", "numpy", "--grace", "20", *options]
+    if files is not None:  # a launcher that lowers the limit, then becomes the server (no preexec_fn: threads here)
+        limit = (f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, ({files}, {files})); "
+                 f"os.execv(sys.executable, sys.argv[1:])")
+        command = [sys.executable, "-c", limit, *command]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
     while True:  # the first lines may say that /v1/chat/completions is off (no template)
         line = proc.stderr.readline()
+        lines.append(line)
         if not line:
             proc.kill()
-            raise AssertionError(f"the server ended before it listened (status {proc.wait()})")
+            raise AssertionError(f"the server ended before it listened (status {proc.wait()}): {''.join(lines)}")
         found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
         if found:
-            return proc, found.group(1)
+            return proc, found.group(1), lines
 
 
 def test_sigterm_right_after_the_announcement_exits_0(stories260k):
-    proc, _ = start_subprocess_server(stories260k)
+    proc, _, _ = start_subprocess_server(stories260k)
     proc.send_signal(signal.SIGTERM)  # the announcement comes once the handlers are in place
     try:
         assert proc.wait(timeout=15) == 0
@@ -321,7 +336,7 @@ def test_sigterm_right_after_the_announcement_exits_0(stories260k):
 
 
 def test_sigterm_lets_the_running_request_finish_and_exits_0(stories260k):
-    proc, port = start_subprocess_server(stories260k)
+    proc, port, _ = start_subprocess_server(stories260k)
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 150, "temperature": 0, "stream": True,
                 "logit_bias": {"1": -100, "2": -100}}  # no stop token: it runs its 150 tokens
@@ -338,6 +353,208 @@ def test_sigterm_lets_the_running_request_finish_and_exits_0(stories260k):
     finally:
         proc.kill()
         proc.wait()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Clients that hold connections (slowloris), bodies that break the parser, an empty key, a port in use
+# ----------------------------------------------------------------------------------------------------------------
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+
+
+def connect(url: str, data: bytes = b"", timeout: float = 6.0) -> socket.socket:
+    """A raw loopback connection to the server at `url` that has sent `data` (half a request, say)."""
+    sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=timeout)
+    sock.sendall(data)
+    return sock
+
+
+def read_to_end(sock: socket.socket) -> tuple[bytes, float]:
+    """What the server sends until it closes (or resets) the connection, and time.monotonic() then; socket.timeout
+    if it holds the connection open past the socket's timeout."""
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    finally:
+        sock.close()
+    return data, time.monotonic()
+
+
+def trickle(sock: socket.socket, piece: bytes, times: int, pause: float) -> threading.Thread:
+    """A thread that sends `piece` every `pause` seconds, `times` times, until the server closes the connection."""
+    def send():
+        for _ in range(times):
+            try:
+                sock.sendall(piece)
+            except OSError:
+                return
+            time.sleep(pause)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_half_sent_requests_are_dropped_at_their_deadlines_and_others_are_served_meanwhile(llm):
+    server = Server(llm, MODEL, Limits(max_slots=2, header_timeout=1.0, body_timeout=1.0, keep_alive_timeout=0.5))
+    with running(server) as url:
+        start = time.monotonic()
+        idle = connect(url, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # answered, then idle
+        answered = connect(url, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n")
+        trickle(answered, b"x", 25, 0.2)  # the body nobody reads, after the answer: its bytes must not hold it
+        silent = [connect(url) for _ in range(4)]  # connected, nothing sent
+        half_head = [connect(url, HEAD) for _ in range(8)]  # the blank line that ends the head never comes
+        slow_head = connect(url, HEAD)  # a header line every 0.2 s for 5 s: the deadline is for the whole head
+        trickle(slow_head, b"X-Slow: 1\r\n", 25, 0.2)
+        half_body = [connect(url, HEAD + b'Content-Length: 100\r\n\r\n{"prompt": ') for _ in range(4)]
+        slow_body = connect(url, HEAD + b"Content-Length: 100\r\n\r\n")
+        trickle(slow_body, b" ", 25, 0.2)
+
+        # while they hold their connections, other clients are served
+        assert httpx.get(url + "/health", timeout=2).json() == {"status": "ok"}
+        done = httpx.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 3}, timeout=5)
+        assert done.status_code == 200 and done.json()["choices"][0]["text"]
+
+        data, end = read_to_end(idle)
+        assert data.startswith(b"HTTP/1.1 200 ") and 0.4 < end - start < 3  # the keep-alive timeout
+        data, end = read_to_end(answered)
+        assert data.startswith(b"HTTP/1.1 200 ") and 0.9 < end - start < 4  # the next head's deadline
+        for sock in silent + half_head + [slow_head]:
+            data, end = read_to_end(sock)
+            assert data == b"" and 0.9 < end - start < 4  # closed at the head's deadline, nothing sent
+        for sock in half_body + [slow_body]:
+            data, end = read_to_end(sock)
+            assert data.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 1 s" in data
+            assert b"connection: close" in data.lower() and end - start < 4
+        assert httpx.get(url + "/health", timeout=2).json() == {"status": "ok"}
+
+
+def test_connections_past_the_limit_are_answered_503_at_once(llm):
+    server, control = Server(llm, MODEL, Limits(max_slots=1, max_connections=6, header_timeout=3.0)), []
+    with running(server, control=control) as url:
+        connections = control[0].server_state.connections
+        held = [connect(url, HEAD) for _ in range(6)]
+        assert wait_until(lambda: len(connections) == 6)
+        start = time.monotonic()
+        for _ in range(10):
+            data, _ = read_to_end(connect(url))
+            assert data.startswith(b"HTTP/1.1 503 ") and b"limit of 6 connections" in data
+            assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["type"] == "server_error"
+        assert time.monotonic() - start < 2  # at once, not at the held connections' deadline
+        assert len(connections) == 6
+        # once the held connections reach their deadline, clients are served again
+        assert wait_until(lambda: not connections, 6)
+        assert httpx.get(url + "/health", timeout=2).json() == {"status": "ok"}
+        for sock in held:
+            sock.close()
+
+
+def healthy(url: str) -> bool:
+    """Whether /health answers 200 now (not 503, not a reset connection)."""
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="sets the child's open-files limit (RLIMIT_NOFILE)")
+def test_under_a_64_file_limit_held_connections_do_not_stop_the_server(stories260k):
+    proc, port, lines = start_subprocess_server(stories260k, "--header-timeout", "1", files=64)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert any("--max-connections lowered from 256" in line for line in lines)
+        held = [connect(url, HEAD) for _ in range(50)]  # more than 64 files leave room for
+        data, _ = read_to_end(connect(url))  # answered at once: not left waiting for a descriptor
+        assert data.startswith(b"HTTP/1.1 503 ")
+        assert read_to_end(held[0])[0] == b""  # the first were let in, and are dropped at the deadline
+        assert wait_until(lambda: healthy(url), 5)
+        for sock in held:
+            sock.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        log = proc.stderr.read()
+        assert "Traceback" not in log and "out of system resource" not in log
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def server_log():
+    """The records the server's loggers (npllm's, uvicorn's, asyncio's) emit meanwhile, at the levels they log."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    loggers = [logging.getLogger(name) for name in ("npllm.serve", "uvicorn.error", "asyncio")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
+def test_bodies_that_break_the_parser_are_400_and_a_mid_body_disconnect_is_not_logged(served):
+    url = served[1]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with server_log() as records:
+        for body, says in [(b"[" * 100_000, "nested too deeply"),
+                           (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply"),
+                           (b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", "too many digits")]:
+            r = httpx.post(url + "/v1/completions", content=body, headers=auth)
+            assert r.status_code == 400 and says in r.json()["error"]["message"]
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        for _ in range(5):  # a client that goes away half-way through its body
+            sock = connect(url, HEAD + f"Authorization: Bearer {KEY}\r\nContent-Length: 100\r\n\r\n".encode()
+                           + b'{"prompt": "Once')
+            time.sleep(0.05)
+            sock.close()
+        time.sleep(0.3)
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert [record.getMessage() for record in records] == []
+
+
+def test_an_empty_api_key_is_refused_before_the_model_loads(llm, tmp_path, monkeypatch, capsys):
+    missing = str(tmp_path / "missing.bin")  # were the model loaded first, its absence would be the error
+    assert main(["serve", "--model", missing, "--port", "0", "--api-key", ""]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("npllm: error: the API key is empty")
+    monkeypatch.setenv("NPLLM_API_KEY", "")
+    assert main(["serve", "--model", missing, "--port", "0"]) == 2
+    assert capsys.readouterr().err.startswith("npllm: error: the API key is empty")
+    for key in ["", " sk-padded", "sk-\u00e9"]:  # none of these can be sent and compared as a header value
+        with pytest.raises(GenerationError, match="API key"):
+            Server(llm, MODEL, Limits(max_slots=1), api_key=key)
+
+
+def test_a_port_in_use_or_a_host_that_does_not_resolve_is_one_line_before_the_model_loads(tmp_path, capsys):
+    missing = str(tmp_path / "missing.bin")
+    with listen("127.0.0.1", 0) as taken:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", missing, "--port", str(port)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"npllm: error: cannot listen on 127.0.0.1:{port}: the port is in use")
+    assert main(["serve", "--model", missing, "--host", "no-such-host.invalid", "--port", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("npllm: error: cannot listen on no-such-host.invalid:0: the host 'no-such-host.invalid' "
+                          "does not resolve")
+
+
+@pytest.mark.parametrize("option, value", [("--header-timeout", "0"), ("--body-timeout", "nan"),
+                                           ("--keep-alive-timeout", "-1"), ("--grace", "inf"),
+                                           ("--grace", "nan"), ("--max-connections", "0")])
+def test_bad_limits_are_refused_before_anything_loads(option, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", option, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {option}: {value}" in err and ("is not" in err or "maximum" in err
+                                                                          or "below" in err)
 
 
 def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):

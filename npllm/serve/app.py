@@ -8,6 +8,11 @@
 Each request becomes one Job in the continuous engine. Its tokens come back through an asyncio queue; a client that
 goes away (its connection closes) cancels the job, which frees its slot before the next step. Errors are OpenAI
 error objects; an unexpected exception is logged here and answered with a bare 500 object, never a traceback.
+
+Clients that hold connections without finishing a request (slowloris) are bounded by `Limits`: a request's head must
+arrive within `header_timeout` seconds (GuardedH11Protocol), its body within `body_timeout` (Server.read_json), an idle
+keep-alive connection closes after `keep_alive_timeout`, and past `max_connections` open connections a new one is
+answered 503 and closed at once, so the process never runs out of file descriptors and stops accepting.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -41,12 +48,31 @@ log = logging.getLogger("npllm.serve")
 
 @dataclass
 class Limits:
-    """The server's bounds: how many requests run together, wait, how long they may be, how big a body is."""
+    """The server's bounds: how many requests run together, wait, how long they may be, how big a body is, and how
+    long and how many connections a client may hold."""
 
     max_slots: int = 8
     max_queue: int = 64  # requests waiting beyond the running ones; one more is answered 429
     max_tokens_limit: int = 4096
     max_body_bytes: int = 1 << 20
+    max_connections: int = 256  # open connections; one more is answered 503 and closed at once
+    header_timeout: float = 10.0  # seconds for a request's head, from the connection or the first byte after a response
+    body_timeout: float = 30.0  # seconds for a request's whole body, from its head on; then 408
+    keep_alive_timeout: float = 5.0  # seconds an idle connection stays open after a response
+
+
+def check_api_key(key: str | None) -> None:
+    """Refuse a key no client could send or that would accept an empty token: empty, blank at either end (HTTP
+    strips header values), or outside printable ASCII (header values are bytes; the comparison is of ASCII text).
+    None means no key."""
+    if key is None:
+        return
+    if not key:
+        raise GenerationError("the API key is empty (--api-key or $NPLLM_API_KEY): it would accept an empty "
+                              "'Bearer' token; give a real key, or unset NPLLM_API_KEY to serve without one")
+    if key != key.strip() or not (key.isascii() and key.isprintable()):
+        raise GenerationError("the API key must be printable ASCII with no spaces at either end (clients send it "
+                              "in an HTTP header)")
 
 
 class Server:
@@ -56,6 +82,7 @@ class Server:
                  template_problem: str = "", api_key: str | None = None):
         if llm.tokenizer is None:
             raise GenerationError("the model has no tokenizer: serving text needs one")
+        check_api_key(api_key)
         self.llm, self.limits, self.api_key = llm, limits, api_key
         self.context = Context(model_name, llm.tokenizer, llm.config, limits.max_tokens_limit, chat_template,
                                template_problem)
@@ -78,20 +105,27 @@ class Server:
             raise ApiError(401, "invalid API key: send it as 'Authorization: Bearer KEY'", None, "invalid_api_key")
 
     async def read_json(self, request: HttpRequest):
-        """The body as JSON, refused (413) past the size limit whether or not Content-Length says so."""
+        """The body as JSON: 413 past the size limit whether or not Content-Length says so, 408 when it has not all
+        arrived within the body timeout, 400 when it is not JSON Python can hold (nested too deep for the parser, an
+        integer of more digits than Python converts)."""
         limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit}")
-        data = bytearray()
-        async for part in request.stream():
-            data += part
-            if len(data) > limit:
-                raise ApiError(413, f"the request body is over the limit of {limit} bytes")
+
+        async def gather() -> bytearray:
+            data = bytearray()
+            async for part in request.stream():
+                data += part
+                if len(data) > limit:
+                    raise ApiError(413, f"the request body is over the limit of {limit} bytes")
+            return data
+
         try:
-            return json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+            data = await asyncio.wait_for(gather(), self.limits.body_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout:g} s") from None
+        return parse_json(data)
 
     def submit(self, spec, loop: asyncio.AbstractEventLoop) -> tuple[Job, asyncio.Queue]:
         if self.active >= self.limits.max_slots + self.limits.max_queue:
@@ -109,6 +143,18 @@ class Server:
         self.active += 1
         self.engine.submit(job)
         return job, events
+
+
+def parse_json(data: bytes):
+    """A request body as JSON, or ApiError(400) saying why not; never another exception."""
+    try:
+        return json.loads(data)
+    except RecursionError:  # the C parser recurses once per nested [ or {
+        raise ApiError(400, "the request body is nested too deeply to parse") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    except ValueError:  # int(): more digits than sys.get_int_max_str_digits()
+        raise ApiError(400, "the request body holds a number with too many digits") from None
 
 
 def create_app(server: Server, cors_origins: list[str] | None = None) -> Starlette:
@@ -146,12 +192,22 @@ def create_app(server: Server, cors_origins: list[str] | None = None) -> Starlet
     routes = [Route("/health", health), Route("/v1/models", models),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
-    handlers = {ApiError: api_error, HTTPException: http_error, Exception: unexpected_error}
+    handlers = {ApiError: api_error, HTTPException: http_error, ClientDisconnect: client_gone,
+                Exception: unexpected_error}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
 
 
 async def api_error(request, e: ApiError):
-    return JSONResponse(e.body(), status_code=e.status)
+    # 408: the client stopped sending its body half-way; the connection cannot carry another request
+    headers = {"connection": "close"} if e.status == 408 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def client_gone(request, e: ClientDisconnect):
+    """The client closed its connection before its body had all arrived: nobody to answer, nothing to log (a
+    client's choice, not the server's fault; logging it would let clients flood the log)."""
+    log.debug("client went away mid-body on %s %s", request.method, request.url.path)
+    return JSONResponse({}, status_code=400)  # sent nowhere: the connection is gone
 
 
 async def http_error(request, e: HTTPException):
@@ -273,29 +329,226 @@ async def _send_event(send, data: dict) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (port 0: one the system picks, read back from the socket)."""
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port, not yet listening (port 0: one the system picks, read back from the socket).
+    Bound before the model loads, so a port in use or a host that does not resolve is one clear error at once;
+    connections are refused, not left waiting, until the server listens. GenerationError says what went wrong."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # connections accepted from it inherit TCP_NODELAY: a response's head and body, or two streamed chunks, written
-    # back to back must not wait for the client's delayed ACK (about 40 ms on Linux) of the one before
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+    try:
+        address = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)[0][4]
+    except (socket.gaierror, UnicodeError) as e:
+        raise GenerationError(f"cannot listen on {where}: the host {host!r} does not resolve to an address "
+                              f"({getattr(e, 'strerror', None) or e})") from None
+    sock = GuardedSocket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # connections accepted from it inherit TCP_NODELAY: a response's head and body, or two streamed chunks,
+        # written back to back must not wait for the client's delayed ACK (about 40 ms on Linux) of the one before
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise GenerationError(f"cannot listen on {where}: {_bind_problem(e)}") from None
     sock.set_inheritable(True)
     return sock
 
 
-def make_uvicorn(app, grace: float, log_level: str = "warning", on_started=None):
+def _bind_problem(e: OSError) -> str:
+    """Why bind() failed, in words that say what to do."""
+    import errno
+
+    if e.errno == errno.EADDRINUSE:
+        return "the port is in use (another server?); choose another --port, or 0 for any free one"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return "that address is not one of this machine's (--host 127.0.0.1 or 0.0.0.0 are)"
+    if e.errno == errno.EACCES:
+        return "permission denied (ports below 1024 need privileges)"
+    return e.strerror or str(e)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket: bind(host, port), then listening."""
+    sock = bind(host, port)
+    sock.listen(2048)
+    return sock
+
+
+def connection_cap(wanted: int, reserve: int = 16) -> tuple[int, str]:
+    """How many connections this process can hold open: `wanted`, unless the open-files limit (ulimit -n) cannot fit
+    them beside the files already open plus `reserve`. The soft limit is first raised toward the hard one; if it
+    still does not fit, fewer. Returns (cap, a warning to show, or ""); GenerationError if no connection fits.
+
+    Past the open-files limit accept() fails (EMFILE): asyncio logs a traceback for each try and answers nobody
+    while the connections are held. Under the cap, GuardedSocket answers the extra connections with 503 instead."""
+    try:
+        import resource
+    except ImportError:  # Windows: no such limit
+        return wanted, ""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    unlimited = resource.RLIM_INFINITY
+    used = _open_files() + reserve
+    if soft != unlimited and soft < wanted + used:
+        raised = wanted + used if hard == unlimited else min(wanted + used, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (ValueError, OSError):
+            pass
+    if soft == unlimited or soft >= wanted + used:
+        return wanted, ""
+    cap = soft - used
+    if cap < 1:
+        raise GenerationError(f"the open-files limit ({soft}, ulimit -n) leaves no room for connections: "
+                              f"{used - reserve} files are open; raise it")
+    return cap, (f"--max-connections lowered from {wanted} to {cap}: this process may open {soft} files "
+                 f"(ulimit -n) and {used - reserve} are open")
+
+
+def _open_files() -> int:
+    """How many file descriptors this process has open (Linux, macOS); 64 where it cannot be told."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(folder))
+        except OSError:
+            continue
+    return 64
+
+
+class Gate:
+    """How many connections a server holds, and whether one more fits under `limit`: those uvicorn tracks (`live`,
+    its set of open connections) plus those accepted and not yet handed to a protocol (`pending`)."""
+
+    def __init__(self, limit: int, live=()):
+        self.limit, self.live, self.pending = limit, live, 0
+
+    def admit(self) -> bool:
+        if len(self.live) + self.pending >= self.limit:
+            return False
+        self.pending += 1
+        return True
+
+    def made(self) -> None:
+        """A connection admitted earlier has its protocol (it is in `live` now)."""
+        self.pending = max(0, self.pending - 1)
+
+
+class GuardedSocket(socket.socket):
+    """A listening socket that turns away connections past its gate's limit as it accepts them: each is answered
+    `refusal` (a 503) and closed at once, so the process never holds more descriptors than the limit allows.
+
+    Refusing later, in the protocol, would be too late: asyncio accepts every waiting connection (up to the backlog)
+    in one go before any protocol runs, and past the open-files limit accept() fails with EMFILE, which asyncio logs
+    with a traceback per attempt, up to the backlog's count each time, and then answers nobody until it retries."""
+
+    gate: Gate | None = None
+    refusal: bytes = b""
+
+    def accept(self):
+        while True:
+            conn, address = super().accept()  # BlockingIOError once none is waiting: asyncio stops there
+            if self.gate is None or self.gate.admit():
+                return conn, address
+            _refuse(conn, self.refusal)
+
+
+def _refuse(conn: socket.socket, response: bytes) -> None:
+    """Answer a connection with `response` and close it, without waiting for anything."""
+    try:
+        conn.setblocking(False)
+        conn.recv(1 << 16)  # what already arrived: closing with unread data would reset the connection at once
+    except OSError:
+        pass
+    try:
+        conn.send(response)
+    except OSError:
+        pass
+    conn.close()
+
+
+def guarded_protocol(limits: Limits, gate: Gate):
+    """uvicorn's h11 protocol with a deadline on each request's head (slowloris): it must arrive whole within
+    limits.header_timeout seconds of the connection's start, or of the first byte after the last response, else the
+    connection is closed. The deadline is for the whole head, however slowly it trickles; it also ends a client that
+    trickles the rest of a body the server answered without reading (a 413, a GET with a body). Each connection
+    made tells `gate` that it is no longer pending.
+
+    uvicorn's keep-alive timeout closes a connection idle after a response; the body's deadline is the
+    application's (Server.read_json); h11 bounds the head's size (400 once more than 16 KiB of it waits incomplete);
+    GuardedSocket bounds the number of connections."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        deadline = None  # the TimerHandle that closes the connection unless a new request head arrives
+        waiting_after = None  # the last request cycle answered: while it is current, a new head is awaited
+
+        def connection_made(self, transport) -> None:
+            gate.made()
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not self.waiting_after:  # a new request's head came (its body may follow)
+                self._disarm()
+            elif self.deadline is None and not self.transport.is_closing():  # the first bytes after a response
+                self._arm()
+
+        def _should_upgrade(self) -> bool:
+            return False  # no WebSockets here: served as plain HTTP, without uvicorn's two warnings per request
+
+        def on_response_complete(self) -> None:
+            self.waiting_after = self.cycle
+            super().on_response_complete()  # arms uvicorn's keep-alive timeout
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self.deadline = self.loop.call_later(limits.header_timeout, self._expire)
+
+        def _disarm(self) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
+
+        def _expire(self) -> None:
+            self.deadline = None
+            if self.cycle is self.waiting_after and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
+def _raw_response(status: int, reason: str, body: bytes) -> bytes:
+    """A whole HTTP/1.1 response that closes the connection, for a connection refused before h11 parsed anything."""
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"connection: close\r\n\r\n")
+    return head.encode() + body
+
+
+def make_uvicorn(app, grace: float, log_level: str = "warning", on_started=None, limits: Limits | None = None):
     """A uvicorn server that, on SIGTERM or Ctrl-C, stops accepting, gives in-flight requests `grace` seconds, then
     cancels them, and returns normally (uvicorn itself re-raises the signal afterwards, which would end the process
     with the signal's status instead of 0). on_started() is called once it accepts connections, its signal handlers
-    in place, so whoever reads that announcement may send SIGTERM at once."""
+    in place, so whoever reads that announcement may send SIGTERM at once. Connections are bounded by `limits`
+    (guarded_protocol: always h11, whether or not httptools is installed)."""
     import uvicorn
+
+    limits = limits or Limits()
+    gate = Gate(limits.max_connections)
+    busy = ApiError(503, f"the server holds its limit of {limits.max_connections} connections; retry later")
+    refusal = _raw_response(503, "Service Unavailable", json.dumps(busy.body()).encode())
 
     class Quiet(uvicorn.Server):
         async def startup(self, sockets=None):
+            gate.live = self.server_state.connections
+            for sock in sockets or ():
+                if not isinstance(sock, GuardedSocket):
+                    raise TypeError("serve on sockets made by npllm.serve.app.bind() or listen()")
+                sock.gate, sock.refusal = gate, refusal
             await super().startup(sockets)
             if on_started is not None and not self.should_exit:
                 on_started()
@@ -313,21 +566,30 @@ def make_uvicorn(app, grace: float, log_level: str = "warning", on_started=None)
                 for sig, handler in original.items():
                     signal.signal(sig, handler)
 
+    # asyncio's own loop (not uvloop, which accepts in C, past GuardedSocket.accept), h11 (not httptools, which
+    # guarded_protocol does not wrap), no WebSockets (an upgraded connection would leave the header deadline)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace, lifespan="off",
-                            access_log=False)
+                            access_log=False, loop="asyncio", http=guarded_protocol(limits, gate), ws="none",
+                            timeout_keep_alive=limits.keep_alive_timeout)
     return Quiet(config)
 
 
-def run(server: Server, host: str, port: int, grace: float, cors_origins=None, announce=sys.stderr) -> int:
-    """Serve until SIGTERM / Ctrl-C; exit status 0 after a clean shutdown."""
-    sock = listen(host, port)
+def run(server: Server, host: str, port: int, grace: float, cors_origins=None, announce=sys.stderr,
+        sock: socket.socket | None = None) -> int:
+    """Serve until SIGTERM / Ctrl-C; exit status 0 after a clean shutdown. `sock`: already bound to host:port
+    (bind()), else bound here."""
+    sock = sock or bind(host, port)
     bound = sock.getsockname()[1]
+    cap, warning = connection_cap(server.limits.max_connections)
+    if warning:
+        print(f"[npllm] {warning}", file=announce, flush=True)
+        server.limits.max_connections = cap
 
     def started():
         print(f"[npllm] serving {server.context.model_name} on http://{host}:{bound}/v1 "
               f"({server.limits.max_slots} slots)", file=announce, flush=True)
 
-    uv = make_uvicorn(create_app(server, cors_origins), grace, on_started=started)
+    uv = make_uvicorn(create_app(server, cors_origins), grace, on_started=started, limits=server.limits)
     server.start()
     try:
         uv.run(sockets=[sock])
