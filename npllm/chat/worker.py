@@ -32,6 +32,7 @@ from pathlib import Path
 from ..errors import ChatTemplateError
 
 MOST_WORKERS = 4
+SIGNAL_SLICE = 0.1  # seconds between two looks at pending signals while a render runs
 START_SECONDS = 60.0  # a worker starting on a loaded machine (imports jinja2)
 _SANDBOX = Path(__file__).with_name("sandbox.py")
 # -c puts the current folder first on the path: dropped, so that no file there can stand in for a module
@@ -166,7 +167,8 @@ class _Worker:
             if left <= 0:
                 self.stop()
                 raise TemplateFailure(late, over_limit=True)
-            if not self.selector.select(left):
+            # in slices: a signal that another thread took (Ctrl-C, SIGTERM's handler) is acted on within one
+            if not self.selector.select(min(left, SIGNAL_SLICE)):
                 continue
             chunk = os.read(fd, n - len(data))
             if not chunk:
