@@ -192,6 +192,7 @@ def test_template_errors_that_are_not_jinjas_are_chat_template_errors(template, 
     "{{ '%*d' % (10**9, 1) }}", "{{ '{:>1000000000}'.format(1) }}", "{{ '{:{}}'.format(1, 10**9) }}",
     "{{ ('\t' * 100000).expandtabs(100000) }}", "{{ (range(10) | list) | slice(10**9) | list }}",
     "{% set ns = namespace(x=['a' * 1000]) %}{% for i in range(40) %}{% set ns.x = ns.x + ns.x %}{% endfor %}",
+    "{{ lipsum(10**9) }}",
 ])
 def test_guards_refuse_a_huge_result_before_making_it(template):
     """Each would take seconds and gigabytes; the guard refuses it at once (a generous deadline: not what stops it)."""

@@ -8,7 +8,7 @@ memory: nested loops, 'a' * 10**9, indent(10**9), tojson(indent=10**9). So templ
                   `max_chars` characters (items of a list; decimal digits of an int: at most 4300, Python's own
                   limit for printing one): `*`, `+`, `**`, `%` on strings, lists and ints; str.center/ljust/rjust/
                   zfill/expandtabs/replace/join/translate/format; the filters center, indent, join, replace,
-                  format, slice, and tojson's indent (at most 100)
+                  format, slice, tojson's indent (at most 100), and lipsum()
     output        the render stops once it has written more than `max_chars` characters
     memory        an address-space limit (RLIMIT_AS: what the worker had at the request + `memory_mib`); what the
                   guards do not foresee fails with MemoryError
@@ -111,6 +111,7 @@ def environment() -> GuardedEnvironment:
     env.filters["tojson"] = tojson
     for name in ("center", "indent", "join", "replace", "format", "slice"):
         env.filters[name] = _guarded_filter(env.filters[name], name)
+    env.globals["lipsum"] = _guarded_lipsum(env.globals["lipsum"])
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.globals["namespace"] = Namespace
@@ -325,6 +326,17 @@ def _guarded_filter(original, name: str):
         elif name == "slice" and _is_int(arg(1, "slices")) and arg(1, "slices") > MAX_SLICES:
             raise LimitExceeded(f"slice({arg(1, 'slices')}): at most {MAX_SLICES} slices")
         return original(*args, **kwargs)
+
+    return guarded
+
+
+def _guarded_lipsum(original):
+    """lipsum(n, html, min, max): n paragraphs of up to `max` words (of up to 10 characters, and a space)."""
+    @functools.wraps(original)
+    def guarded(n=5, html=True, min=20, max=100):  # noqa: A002 (jinja's own parameter names)
+        if _is_int(n) and _is_int(max):
+            _check_size(n * max * 11, environment().max_chars, "lipsum's text")
+        return original(n, html, min, max)
 
     return guarded
 
