@@ -641,6 +641,7 @@ def run_serve(args) -> int:
     except ImportError:
         raise NpllmError("npllm serve needs the serve extra: pip install 'npllm-engine[serve]' "
                          "(Starlette and uvicorn)") from None
+    from .chat import chat_template_name
     from .serve.app import Limits, Server, bind, check_api_key, run
 
     check_api_key(args.api_key)
@@ -651,7 +652,7 @@ def run_serve(args) -> int:
         limits = Limits(args.max_slots, args.max_queue, args.max_tokens_limit, args.max_body_bytes,
                         args.max_connections, args.header_timeout, args.body_timeout, args.keep_alive_timeout)
         server = Server(llm, args.served_model_name or Path(args.model).stem or str(args.model), limits, template,
-                        problem, args.api_key)
+                        problem, args.api_key, template_name=chat_template_name(args.chat_template, llm.source))
         return run(server, args.host, args.port, args.grace, args.cors_origin, sock=sock)
     finally:
         sock.close()

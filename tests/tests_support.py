@@ -1,6 +1,7 @@
 """Helpers shared by test modules (imported by name: pytest puts tests/ on sys.path)."""
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,38 @@ def mapping_resident_kb(path) -> int:
         elif inside and line.startswith("Rss:"):
             total += int(line.split()[1])
     return total
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead and not yet reaped, does not). Linux's /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_gone(pid: int, seconds: float) -> bool:
+    """Whether process `pid` has ended within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while process_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not process_alive(pid)
+
+
+def template_worker_of(parent: int, seconds: float) -> int:
+    """The pid of process `parent`'s chat template worker (npllm/chat/worker.py), once it runs."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    command = f.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == parent and b"sandbox.py" in command:
+                return int(entry)
+        time.sleep(0.1)
+    raise AssertionError(f"process {parent} started no chat template worker within {seconds} s")

@@ -46,9 +46,20 @@ def run(args, params, context: dict) -> int:
             reply_to(session, line, args.max_new_tokens, context["ignore_eos"], sampling, write_out)
         except NpllmError as e:
             if not interactive:
-                raise
-            print(f"npllm: error: {e}", file=sys.stderr)
+                raise in_user_terms(e) from None
+            print(f"npllm: error: {in_user_terms(e)}", file=sys.stderr)
     return 0
+
+
+def in_user_terms(e: NpllmError) -> NpllmError:
+    """The error as `npllm chat` says it: a conversation that outgrew the context points to /reset and the flags."""
+    from ..errors import GenerationError
+    from .session import ConversationFull
+
+    if isinstance(e, ConversationFull):
+        return GenerationError(e.advice("type /reset to start over", "--context-policy truncate|sinks",
+                                        "--max-new-tokens"))
+    return e
 
 
 def user_lines(interactive: bool):
