@@ -428,7 +428,8 @@ def run_generate_batch(args) -> int:
 def run_chat(args) -> int:
     from .chat.repl import run
 
-    return run(args, sampling_params(args), context_options(args))
+    sampling = as_keywords(sampling_params(args))  # checked before the model loads
+    return run(load_with_tokenizer(args), args, sampling, context_options(args), write_out)
 
 
 def run_info(args) -> int:
