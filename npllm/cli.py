@@ -464,7 +464,8 @@ def quantize_progress(stream=None):
 def run_quantize(args) -> int:
     from collections import Counter
 
-    from .formats.gguf import MIXTURES, fallbacks, quant_type, quantize_checkpoint
+    from .convert import quantize_checkpoint
+    from .formats.gguf import MIXTURES, fallbacks, quant_type
 
     tensors, tokenizer = quantize_checkpoint(args.input, args.output, args.type.upper(), args.tokenizer,
                                              progress=quantize_progress())
