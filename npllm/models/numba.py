@@ -158,9 +158,10 @@ class NumbaTransformer(Model):
         return Sequences(order, starts[:n_seq + 1], seq_slots[:n_seq])
 
     def sample(self, h, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, uniforms=0.0) -> np.ndarray:
-        """Token ids drawn from final hidden states' logits by the compiled sampler (kernels.cpu.sample_rows):
-        greedy at temperature 0, else sampling.sample_with's draw with the given uniform numbers in [0, 1). Each
-        option is one value for every row or one per row.                             # [B, D] -> [B] int64 ids"""
+        """Token ids drawn from final hidden states' logits (lm_head's: padding ids -inf, never drawn) by the
+        compiled sampler (kernels.cpu.sample_rows): greedy at temperature 0, else sampling.sample_with's draw with
+        the given uniform numbers in [0, 1). Each option is one value for every row or one per row.
+                                                                                       # [B, D] -> [B] int64 ids"""
         logits = self.lm_head(h)
         ids = np.empty(len(logits), np.int64)
         table = sampler_rows(len(logits), temperature, top_k, top_p, min_p, uniforms, np.float64)
@@ -169,7 +170,7 @@ class NumbaTransformer(Model):
             raise GenerationError(SAMPLER_PROBLEMS[int(ids[bad])].format(b=bad))
         return ids
 
-    def lm_head(self, h: np.ndarray) -> np.ndarray:
+    def head_logits(self, h: np.ndarray) -> np.ndarray:
         """Logits from final hidden states.  # [T, D] -> [T, V]"""
         threads = self.threads_for(len(h), self.output_panels.nbytes, 1)
         use_threads(threads)
@@ -543,7 +544,7 @@ class QuantizedNumbaTransformer(NumbaTransformer):
     def _run(self, tokens, positions, sequences, dims, ring) -> np.ndarray:
         return _forward_quantized(tokens, positions, sequences, self.packed, self.inv_freq, dims, ring)
 
-    def lm_head(self, h: np.ndarray) -> np.ndarray:
+    def head_logits(self, h: np.ndarray) -> np.ndarray:
         """Logits from final hidden states, the LM head read in its own type.  # [T, D] -> [T, V]"""
         mats = self.packed.mats
         threads = self.threads_for(len(h), 4 * int(mats[-1, 2] * mats[-1, 3]), 1)
