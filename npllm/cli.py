@@ -501,12 +501,10 @@ def write_out(text: str) -> None:
 
 
 def print_logprobs(tokenizer, step, label: str = "[logprobs]") -> None:
-    """One stderr line per token: the label, the piece, its log-probability, then the top alternatives."""
-    def piece(token_id):
-        return repr(tokenizer.id_to_piece(int(token_id)))
+    """One stderr line per token (report.logprobs_line)."""
+    from .report import logprobs_line
 
-    alternatives = ", ".join(f"{piece(t)} {lp:.3f}" for t, lp in zip(step.top_ids, step.top_logprobs) if t >= 0)
-    print(f"{label} {piece(step.token_ids)} {step.logprobs:.4f} | {alternatives}", file=sys.stderr)
+    print(logprobs_line(tokenizer, step, label), file=sys.stderr)
 
 
 def read_prompt_file(path: str) -> list[str]:
@@ -543,7 +541,8 @@ def run_chat(args) -> int:
     from .chat.repl import run
 
     check_combinations(args, needs=CHAT_NEEDS)
-    return run(args, sampling_params(args), context_options(args))
+    sampling = as_keywords(sampling_params(args))  # checked before the model loads
+    return run(load_with_tokenizer(args, kv_dtype=args.kv_dtype), args, sampling, context_options(args), write_out)
 
 
 def run_info(args) -> int:
@@ -578,7 +577,8 @@ def quantize_progress(stream=None):
 def run_quantize(args) -> int:
     from collections import Counter
 
-    from .formats.gguf import MIXTURES, fallbacks, quant_type, quantize_checkpoint
+    from .convert import quantize_checkpoint
+    from .formats.gguf import MIXTURES, fallbacks, quant_type
 
     tensors, tokenizer = quantize_checkpoint(args.input, args.output, args.type.upper(), args.tokenizer,
                                              progress=quantize_progress())

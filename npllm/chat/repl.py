@@ -24,11 +24,12 @@ HELP = ("commands: /reset (forget the conversation), /system TEXT (set the syste
         "/load FILE, /help; Ctrl-C stops a reply, Ctrl-D quits")
 
 
-def run(args, params, context: dict) -> int:
-    from ..cli import as_keywords, load_with_tokenizer, write_out
+def run(llm, args, sampling: dict, context: dict, write_out) -> int:
+    """The conversation with a loaded llm: args.chat_template, args.system, args.model, args.max_new_tokens as
+    `npllm chat` parsed them, sampling and context as LLM.stream's keywords, write_out(text) the CLI's writer to
+    stdout. The CLI calls this; nothing here imports the CLI."""
     from .session import ChatSession
 
-    llm = load_with_tokenizer(args, kv_dtype=args.kv_dtype)
     session = ChatSession(llm, args.chat_template, args.system, context["context_policy"], context["sinks"])
     interactive = sys.stdin.isatty()
     if interactive:
@@ -37,7 +38,6 @@ def run(args, params, context: dict) -> int:
         except ImportError:
             pass
         print(f"[npllm] chatting with {args.model}; {HELP}", file=sys.stderr)
-    sampling = as_keywords(params)
     for line in user_lines(interactive):
         try:
             if line.startswith("/"):
@@ -92,9 +92,9 @@ def reply_to(session, text: str, max_new_tokens: int, ignore_eos: bool, sampling
         first = first or time.perf_counter()
         count += 1
         if sampling.get("logprobs"):
-            from ..cli import print_logprobs
+            from ..report import logprobs_line
 
-            print_logprobs(session.tokenizer, step)
+            print(logprobs_line(session.tokenizer, step), file=sys.stderr)
 
     reply = session.send(text, max_new_tokens, ignore_eos=ignore_eos, on_step=on_step, **sampling)
     try:
