@@ -19,10 +19,12 @@ Every count, size and offset is checked against the file before it is believed. 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
 import struct
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -348,6 +350,8 @@ def _meta(g: GGUFFile, key: str, kind=int, default=None, required=True):
     ok = isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
     if isinstance(value, bool) and kind is not bool or not ok:
         raise ConfigError(f"{g.path}: metadata {key!r} should be {kind.__name__}, got {value!r}")
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(f"{g.path}: metadata {key!r} must be a finite number, got {value}")
     return kind(value)
 
 
@@ -545,6 +549,10 @@ def read_vocab(g: GGUFFile) -> GGUFVocab | None:
         return value
 
     scores = array("tokenizer.ggml.scores", "f")
+    if scores is not None and not np.isfinite(scores).all():
+        bad = int(np.flatnonzero(~np.isfinite(scores))[0])
+        raise FormatError(f"{g.path}: tokenizer.ggml.scores holds NaN or infinite values (token {bad}: "
+                          f"{scores[bad]}); a score orders merges and must be a finite number")
     types = array("tokenizer.ggml.token_type", "iu")
     merges = g.metadata.get("tokenizer.ggml.merges")
     if merges is not None and (not isinstance(merges, list) or not all(isinstance(m, str) for m in merges)):
@@ -661,13 +669,59 @@ def write_gguf_file(path: str | os.PathLike, metadata: dict, tensors: list[Tenso
                                                           offset))
         offset += -(-t.raw.size // alignment) * alignment
     head = b"".join(header)
-    partial = path + ".partial"
-    with open(partial, "wb") as f:
+    check_output_path(path)
+    with _partial_file(path) as f:
         f.write(head + bytes(-len(head) % alignment))
         for t, start in zip(tensors, offsets):
             f.write(np.ascontiguousarray(t.raw, dtype=np.uint8).tobytes())
             f.write(bytes(-t.raw.size % alignment))
-    os.replace(partial, path)
+
+
+def check_output_path(path: str | os.PathLike) -> None:
+    """Refuse, before any work, a file to write that would replace something other than a regular file (a device,
+    a FIFO, a folder, a link to one) or that cannot be made (its folder is missing, is not a folder, or is not
+    writable). The rename that puts a finished file in place would otherwise swap a device for a plain file."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.lexists(path) and not os.path.isfile(path):
+        kind = "a folder" if os.path.isdir(path) else "not a regular file"
+        raise FormatError(f"cannot write {path}: it exists and is {kind}; name a new file or a regular one to replace")
+    if not os.path.isdir(folder):
+        what = "does not exist" if not os.path.lexists(folder) else "is not a folder"
+        raise FormatError(f"cannot write {path}: the folder {folder} {what}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise FormatError(f"cannot write {path}: the folder {folder} is not writable")
+
+
+@contextlib.contextmanager
+def _partial_file(path: str):
+    """A new file beside `path`, open for writing, renamed to `path` once the block ends without an error, else
+    removed. It is made with a unique name (never an existing file, FIFO or device opened for writing) and gets the
+    permissions a plain open() would give it (0o666 less the umask)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        fd, partial = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=folder)
+    except OSError as e:
+        raise FormatError(f"cannot write {path}: no file can be made in {folder} ({e.strerror or e})") from None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as f:
+            yield f
+        check_output_path(path)  # again: what it names may have changed while the file was written
+        os.replace(partial, path)
+    except OSError as e:
+        _remove(partial)
+        raise FormatError(f"cannot write {path}: {e.strerror or e}") from None
+    except BaseException:
+        _remove(partial)
+        raise
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def quant_type(name: str):
@@ -841,6 +895,7 @@ def quantize_checkpoint(model: str | os.PathLike, out: str | os.PathLike, type_n
     from ..tokenizer import load_tokenizer
     from . import read_checkpoint
 
+    check_output_path(out)  # before minutes of quantizing
     checkpoint, found = resolve(model)
     config, weights = read_checkpoint(checkpoint)
     if tokenizer is None and found == checkpoint and read_vocab(read_gguf_file(checkpoint)) is None:
