@@ -423,14 +423,18 @@ def _rope_scaling(g: GGUFFile, p: str, theta: float, head_dim: int) -> RopeScali
     return scaling
 
 
-def _eos_ids(g: GGUFFile) -> list[int]:
-    """The end-of-sequence id, then end-of-turn and end-of-message ids where given (chat turn ends stop too)."""
-    eos_ids = [_meta(g, "tokenizer.ggml.eos_token_id", default=2)]
+def _end_tokens(g: GGUFFile, bos_id: int | None) -> tuple[list[int], bool]:
+    """(end ids, stop_at_bos): the end-of-sequence id, then end-of-turn and end-of-message ids where given (chat
+    turn ends stop too). An end-of-turn or end-of-message id equal to BOS is llama2.c's rule that a generated BOS
+    ends the text (model_metadata writes ModelConfig.stop_at_bos that way): it comes back as stop_at_bos."""
+    eos_ids, stop_at_bos = [_meta(g, "tokenizer.ggml.eos_token_id", default=2)], False
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         extra = _meta(g, key, required=False)
-        if extra is not None and extra not in eos_ids:
+        if extra is not None and extra == bos_id:
+            stop_at_bos = True
+        elif extra is not None and extra not in eos_ids:
             eos_ids.append(extra)
-    return eos_ids
+    return eos_ids, stop_at_bos
 
 
 def config_from_gguf(g: GGUFFile) -> ModelConfig:
@@ -455,7 +459,8 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
     vocab_size = g.tensors["token_embd.weight"].shape[0]
     if _meta(g, p + "vocab_size", default=vocab_size) != vocab_size:
         raise ConfigError(f"{g.path}: {p}vocab_size disagrees with token_embd.weight's {vocab_size} rows")
-    eos_ids = _eos_ids(g)
+    bos_id = _meta(g, "tokenizer.ggml.bos_token_id", default=1)
+    eos_ids, stop_at_bos = _end_tokens(g, bos_id)
     return ModelConfig(
         dim=dim,
         hidden_dim=_meta(g, p + "feed_forward_length"),
@@ -471,8 +476,9 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
         rope_scaling=scaling,
         tied_embeddings="output.weight" not in g.tensors,
         attention_bias=bias,
-        bos_id=_meta(g, "tokenizer.ggml.bos_token_id", default=1),
+        bos_id=bos_id,
         eos_ids=tuple(eos_ids),
+        stop_at_bos=stop_at_bos,
         arch=arch,
     )
 
@@ -739,8 +745,11 @@ def model_metadata(config: ModelConfig, name: str) -> dict:
         raise ConfigError("GGUF 'llama' models carry no sliding window: this model cannot be written faithfully")
     if config.attention_bias != (gguf_arch == "qwen2"):
         raise ConfigError(f"q/k/v biases {'present' if config.attention_bias else 'absent'}: not a {gguf_arch} model")
-    if len(config.eos_ids) > 3:
-        raise ConfigError(f"GGUF stores at most three end tokens (eos, eot, eom), the model has {config.eos_ids}")
+    ends = list(config.eos_ids)
+    if config.stop_at_bos and config.bos_id is not None and config.bos_id not in ends:
+        ends.append(config.bos_id)  # a generated BOS ends the text: BOS as an end of turn (read back by _end_tokens)
+    if len(ends) > 3:
+        raise ConfigError(f"GGUF stores at most three end tokens (eos, eot, eom), the model has {ends}")
     p = gguf_arch + "."
     meta = {
         "general.architecture": gguf_arch, "general.name": name,
@@ -756,7 +765,7 @@ def model_metadata(config: ModelConfig, name: str) -> dict:
         meta[p + "rope.scaling.type"] = "linear"
         meta[p + "rope.scaling.factor"] = np.float32(config.rope_scaling.factor)
     meta["tokenizer.ggml.bos_token_id"] = config.bos_id
-    for key, eos in zip(("eos", "eot", "eom"), config.eos_ids):
+    for key, eos in zip(("eos", "eot", "eom"), ends):
         meta[f"tokenizer.ggml.{key}_token_id"] = eos
     return meta
 

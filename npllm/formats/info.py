@@ -91,6 +91,18 @@ def describe_tokenizer(path: Path) -> str:
     return f"llama2.c BPE {found.name}"
 
 
+def end_tokens(c: ModelConfig) -> str:
+    """The line naming what ends a generation: the end ids, and BOS too where the model stops on it (llama2.c)."""
+    ids = ", ".join(map(str, c.eos_ids))
+    bos = c.stop_at_bos and c.bos_id is not None and c.bos_id not in c.eos_ids
+    if bos:
+        also = f"BOS {c.bos_id} too (a generated BOS ends the text, llama2.c's rule)"
+        return f"end tokens:   {ids}; {also}" if ids else f"end tokens:   {also}"
+    if ids:
+        return f"end tokens:   {ids}"
+    return "end tokens:   none: generation stops only at its length limit (--max-new-tokens or the context)"
+
+
 def describe(config: ModelConfig, weights: dict[str, np.ndarray], path: str | os.PathLike) -> str:
     """A multi-line summary: architecture, parameters, dtypes on disk, context, memory needed, tokenizer."""
     path = Path(path)
@@ -130,7 +142,6 @@ def describe(config: ModelConfig, weights: dict[str, np.ndarray], path: str | os
         f"memory:       {_size(weight_bytes)} weights {stored} + {_size(cache_bytes)} KV cache at full context "
         f"= {_size(weight_bytes + cache_bytes)}",
         f"tokenizer:    {tokenizer}",
-        f"end tokens:   {', '.join(map(str, c.eos_ids))}" if c.eos_ids else
-        "end tokens:   none: generation stops only at its length limit (--max-new-tokens or the context)",
+        end_tokens(c),
     ]
     return "\n".join(lines)
