@@ -161,7 +161,7 @@ def download(url: str, dest: Path, sha256: str | None, progress: bool = True, ti
     once. On failure dest is absent; a .part is kept only when the transfer broke off (to resume next time).
     """
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(dest.parent)
     part = dest.with_name(dest.name + ".part")
     with _exclusive(dest.with_name(f".{dest.name}.lock")):
         if dest.exists():  # another process finished it while this one waited
@@ -177,6 +177,17 @@ def download(url: str, dest: Path, sha256: str | None, progress: bool = True, ti
             raise DownloadError(str(e)) from None
         os.replace(part, dest)
     return dest
+
+
+def make_folder(folder: Path) -> None:
+    """Make the folder a download goes to, or say in one line why it cannot be made (a file in its path, no
+    permission): $XDG_CACHE_HOME pointing at a file is a setting to fix, not a crash."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        hint = " (set XDG_CACHE_HOME to a folder, or put the model in $NPLLM_WEIGHTS)" if folder.is_relative_to(
+            cache_dir()) else ""
+        raise DownloadError(f"cannot make the folder {folder} to download into: {e.strerror or e}{hint}") from None
 
 
 class _BadChecksum(Exception):
@@ -270,7 +281,10 @@ def _exclusive(lock_path: Path):
         yield
         return
     while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise DownloadError(f"cannot make the lock file {lock_path}: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:

@@ -176,3 +176,89 @@ def test_config_json_non_finite_or_mistyped_floats_are_refused(tmp_path, field, 
     (folder / "config.json").write_text(body)
     with pytest.raises(ConfigError, match=field if field != "rope_parameters" else "factor"):
         read_checkpoint(folder)
+
+
+# ---- 10: a cache folder that cannot be made; tokenizer fields of the wrong type or encoding --------------------
+
+
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_a_cache_folder_that_cannot_be_made_is_one_error_line(tmp_path, monkeypatch, capsys, below):
+    a_file = tmp_path / "a_file"
+    a_file.write_bytes(b"")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(a_file / below))
+    monkeypatch.delenv("NPLLM_WEIGHTS", raising=False)
+    monkeypatch.setenv("NPLLM_HUB_URL", "http://127.0.0.1:9")
+    assert main(["generate", "Once", "--model", "stories15M"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("npllm: error: cannot make the folder") and "XDG_CACHE_HOME" in captured.err
+
+
+def test_every_tokenizer_json_field_of_a_wrong_type_is_a_tokenizer_error():
+    """Each field of a real tokenizer.json, at every depth, replaced by values of every other JSON type: the file
+    is refused with a TokenizerError or still makes a working tokenizer; nothing else escapes."""
+    from npllm.errors import TokenizerError
+    from npllm.tokenizer.bytelevel import ByteLevelBPE
+
+    campaign = load_campaign()
+    spec = json.loads((FIXTURE / "tokenizer.json").read_text())
+    refused = 0
+    for path, value in campaign.json_variants(spec):
+        try:
+            tokenizer = ByteLevelBPE.from_spec(campaign.json_with(spec, path, value), "t.json")
+            tokenizer.decode(tokenizer.encode("Hello world 123 <|im_start|>", bos=True))
+        except TokenizerError:
+            refused += 1
+    assert refused > 100  # the variants do reach the checks
+
+
+def deeply_nested_normalizer(depth: int) -> dict:
+    spec = {"type": "NFC"}
+    for _ in range(depth):
+        spec = {"type": "Sequence", "normalizers": [spec]}
+    return spec
+
+
+@pytest.mark.parametrize("path, value, said", [
+    (("normalizer",), [1], "normalizer must be an object"),
+    (("added_tokens",), 5, "added_tokens must be an array"),
+    (("model", "ignore_merges"), "false", "ignore_merges must be true or false"),
+    (("added_tokens", 0, "content"), 7, "malformed added token"),
+    (("added_tokens", 0, "special"), "yes", "special must be true or false"),
+    (("pre_tokenizer", "pretokenizers", 0, "pattern", "Regex"), None, "Regex must be a string"),
+    (("model", "vocab", "a"), -1, "integer ids >= 0"),
+    (("post_processor",), {"type": "TemplateProcessing", "single": [{"SpecialToken": "x"}]}, "SpecialToken"),
+    (("normalizer",), deeply_nested_normalizer(2000), "nested too deeply"),
+])
+def test_tokenizer_json_shapes_that_were_tracebacks_or_misread_name_the_field(tmp_path, path, value, said):
+    from npllm.errors import TokenizerError
+    from npllm.tokenizer.bytelevel import ByteLevelBPE
+
+    spec = json.loads((FIXTURE / "tokenizer.json").read_text())
+    with pytest.raises(TokenizerError, match=said):
+        ByteLevelBPE.from_spec(load_campaign().json_with(spec, path, value), "t.json")
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.pre", "tokenizer.ggml.add_space_prefix",
+                                 "tokenizer.ggml.add_bos_token", "tokenizer.ggml.unknown_token_id"])
+def test_gguf_tokenizer_keys_of_a_wrong_type_are_refused_naming_the_key(tmp_path, gguf_parts, key):
+    import npllm
+
+    metadata = {key: ("arr", ("i32", [1, 2]))}
+    if key == "tokenizer.ggml.pre":
+        metadata.update({"tokenizer.ggml.model": ("str", "gpt2"), "tokenizer.ggml.merges": ("arr", ("str", ["a b"]))})
+    with pytest.raises(FormatError, match=key):
+        npllm.load(bent_gguf(tmp_path, gguf_parts, **metadata), backend="numpy")
+
+
+@pytest.mark.parametrize("bend, said", [({"byte_at": 3}, "not valid UTF-8"), ({"byte_at": 0}, "not valid UTF-8"),
+                                        ({"score": math.nan}, "score nan"), ({"score": -math.inf}, "score -inf")])
+def test_sentencepiece_pieces_not_utf8_or_scores_not_finite_are_refused_at_load(tmp_path, weights_dir, bend, said):
+    from npllm.errors import TokenizerError
+    from npllm.tokenizer import load_tokenizer
+
+    model = (weights_dir / "stories260K" / "tok512.model").read_bytes()
+    path = tmp_path / "bent.model"
+    path.write_bytes(load_campaign().sentencepiece_bent(model, "\u2581the".encode(), **bend))
+    with pytest.raises(TokenizerError, match=f"piece \\d+ .*{said}"):
+        load_tokenizer(path)

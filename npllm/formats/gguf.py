@@ -569,6 +569,8 @@ def read_vocab(g: GGUFFile) -> GGUFVocab | None:
         if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < n):
             raise FormatError(f"{g.path}: tokenizer.ggml.{key}_token_id {value!r} is not a token id (vocab {n})")
         ids[key] = value
+    for key, kind in (("pre", str), ("add_bos_token", bool), ("add_space_prefix", bool), ("unknown_token_id", int)):
+        _vocab_field(g, f"tokenizer.ggml.{key}", kind)  # (BPETokenizer checks the unknown id's range)
     if model == "llama" and scores is None:
         raise FormatError(f"{g.path}: a 'llama' tokenizer needs tokenizer.ggml.scores")
     if model == "gpt2" and merges is None:
@@ -579,11 +581,21 @@ def read_vocab(g: GGUFFile) -> GGUFVocab | None:
         model=model, tokens=tokens,
         scores=None if scores is None else scores.astype(np.float32),
         token_types=None if types is None else types.astype(np.int32),
-        merges=merges, pre=g.metadata.get("tokenizer.ggml.pre"),
+        merges=merges, pre=g.metadata.get("tokenizer.ggml.pre"),  # a str or None (checked above)
         bos_id=ids["bos"], eos_id=ids["eos"],
         add_bos=add_bos if isinstance(add_bos, bool) else None,
         chat_template=template if isinstance(template, str) else None,
     )
+
+
+def _vocab_field(g: GGUFFile, key: str, kind: type):
+    """A scalar tokenizer key of the type `kind` (str, bool or int), or None when absent; any other type is a
+    FormatError naming the key."""
+    value = g.metadata.get(key)
+    if value is not None and (isinstance(value, bool) != (kind is bool) or not isinstance(value, kind)):
+        raise FormatError(f"{g.path}: {key} must be {'an integer' if kind is int else kind.__name__}, got "
+                          f"{value!r:.80}")
+    return value
 
 
 def gguf_tokenizer(path: str | os.PathLike):
@@ -598,13 +610,12 @@ def gguf_tokenizer(path: str | os.PathLike):
     if vocab is None:
         raise TokenizerError(f"{g.path}: carries no tokenizer (no tokenizer.ggml.model): pass a tokenizer file")
     if vocab.model == "llama":
-        unk = g.metadata.get("tokenizer.ggml.unknown_token_id", 0)
+        unk = g.metadata.get("tokenizer.ggml.unknown_token_id", 0)  # types checked by read_vocab
         add_space = g.metadata.get("tokenizer.ggml.add_space_prefix", True)
         return BPETokenizer(vocab.tokens, vocab.scores, vocab.token_types,
                             bos_id=1 if vocab.bos_id is None else vocab.bos_id,
                             eos_id=2 if vocab.eos_id is None else vocab.eos_id,
-                            unk_id=unk if isinstance(unk, int) else 0,
-                            add_dummy_prefix=bool(add_space), name=g.path)
+                            unk_id=unk, add_dummy_prefix=add_space, name=g.path)
     if vocab.model == "gpt2":
         return from_gguf_vocab(vocab.tokens, vocab.merges, vocab.token_types, vocab.pre, vocab.bos_id, vocab.eos_id,
                                vocab.add_bos, g.path)
@@ -689,6 +700,8 @@ def check_output_path(path: str | os.PathLike) -> None:
     writable). The rename that puts a finished file in place would otherwise swap a device for a plain file."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
+    if not path or path.endswith(os.sep):
+        raise FormatError(f"cannot write {path!r}: name a file to write")
     if os.path.lexists(path) and not os.path.isfile(path):
         kind = "a folder" if os.path.isdir(path) else "not a regular file"
         raise FormatError(f"cannot write {path}: it exists and is {kind}; name a new file or a regular one to replace")

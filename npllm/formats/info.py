@@ -8,7 +8,6 @@ on-disk dtypes and the tokenizer from the files themselves (headers only; no ten
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from pathlib import Path
@@ -81,11 +80,12 @@ def describe_tokenizer(path: Path) -> str:
             return "none embedded in the GGUF file (pass --tokenizer)"
         kind = {"llama": "SentencePiece-style BPE", "gpt2": "byte-level BPE"}.get(vocab.model, vocab.model)
         return f"{kind}, {len(vocab.tokens)} tokens, embedded in the GGUF metadata"
-    if found.suffix == ".json":
-        spec = json.loads(found.read_text(encoding="utf-8"))
-        added = {int(t["id"]) for t in spec.get("added_tokens") or []}
-        ids = set(spec.get("model", {}).get("vocab", {}).values()) | added
-        return f"byte-level BPE {found.name}: {len(ids)} tokens, {len(added)} of them added/special"
+    if found.suffix == ".json":  # read by the tokenizer's own reader, which checks every field
+        from ..tokenizer.bytelevel import ByteLevelBPE
+
+        tokenizer = ByteLevelBPE.from_file(found)
+        return (f"byte-level BPE {found.name}: {len(tokenizer.id_to_token)} tokens, {len(tokenizer.added_ids)} of "
+                "them added/special")
     if found.suffix == ".model":
         return f"SentencePiece {found.name}"
     return f"llama2.c BPE {found.name}"
