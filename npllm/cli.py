@@ -40,10 +40,24 @@ from .models import KV_DTYPES, WEIGHT_DTYPES
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npllm", description="A readable NumPy Llama inference engine.")
+    parser.add_argument("--version", action="version", version=f"npllm {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (add_generate, add_chat, add_info, add_quantize, add_bench, add_perplexity, add_serve):
         add(commands)
     return parser
+
+
+def package_version() -> str:
+    """The installed distribution's version (its metadata); from a source tree that is not installed, the
+    package's own __version__."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("npllm-engine")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
 
 
 def add_generate(commands) -> None:
