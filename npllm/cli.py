@@ -333,16 +333,23 @@ def stream_generate(args, llm, prompt: str, prompt_len: int, params) -> int:
                             **context_options(args), **as_keywords(params)):
         write_out(piece)
     write_out("\n")
-    end = time.perf_counter()
-    rate = (count - 1) / (end - first) if count > 1 else float("nan")
-    print(f"[npllm] {prompt_len} prompt + {count} new tokens; first token {1e3 * ((first or end) - start):.1f} ms;"
-          f" {rate:.1f} tok/s after it", file=sys.stderr)
+    print(timing_line(prompt_len, count, start, first, time.perf_counter()), file=sys.stderr)
     if speculation:
         stats = speculation["speculation"]
         print(f"[npllm] speculative: {stats.accepted}/{stats.drafted} drafted tokens accepted (acceptance "
               f"{stats.acceptance_rate:.2f}); {count / max(stats.rounds, 1):.2f} tokens per forward call of the model "
               f"({stats.rounds} calls, {stats.draft_calls} draft calls)", file=sys.stderr)
     return 0
+
+
+def timing_line(prompt_len: int, count: int, start: float, first: float | None, end: float) -> str:
+    """generate's stderr summary: the time to the first new token, and the rate after it where there is one (it
+    needs two tokens: with --max-new-tokens 0 or 1, or an immediate end token, there is none to give)."""
+    line = f"[npllm] {prompt_len} prompt + {count} new tokens"
+    if first is None:
+        return f"{line} in {1e3 * (end - start):.1f} ms"
+    line += f"; first token {1e3 * (first - start):.1f} ms"
+    return f"{line}; {(count - 1) / (end - first):.1f} tok/s after it" if count > 1 else line
 
 
 def speculation_options(args) -> dict:

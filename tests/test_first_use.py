@@ -19,7 +19,10 @@ EMBEDDED = REPO / "npllm" / "data" / "stories260K"
 def test_require_falls_back_to_the_embedded_copy_and_only_for_embedded_files(tmp_path, monkeypatch):
     monkeypatch.setenv("NPLLM_WEIGHTS", str(tmp_path / "empty"))
     for name in ("stories260K.bin", "tok512.bin", "tok512.model"):
-        assert require(f"stories260K/{name}") == EMBEDDED / name
+        try:
+            assert require(f"stories260K/{name}") == EMBEDDED / name
+        except pytest.skip.Exception:
+            pytest.fail(f"stories260K/{name} ships inside the package, yet require() skipped")
     monkeypatch.delenv("CI", raising=False)
     with pytest.raises(pytest.skip.Exception, match="greedy_200.txt"):
         require("stories260K/greedy_200.txt")  # not shipped: skipped ...
@@ -54,3 +57,55 @@ def test_a_fresh_clone_runs_the_stories260k_tests(tmp_path):
                           "test_sentencepiece_pieces_not_utf8_or_scores_not_finite_are_refused_at_load"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+
+
+# ---- 12: npllm --version -------------------------------------------------------------------------------------------
+
+
+def test_version_prints_the_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"npllm {version('npllm-engine')}\n"
+
+
+# ---- 15: npllm bench says what it measured; generate's timing line without a rate ------------------------------
+
+
+BENCH = ["bench", "--batch", "1", "--prompt-len", "8", "--gen-len", "2", "--repeat", "1", "--bandwidth-mib", "8"]
+
+
+def test_bench_on_a_known_name_not_on_disk_says_it_measured_random_weights(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NPLLM_WEIGHTS", str(tmp_path / "empty"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert main([*BENCH, "--model", "stories15M"]) == 0
+    line = capsys.readouterr().out
+    assert line.startswith("stories15M (random weights") and line.count("\n") == 1
+
+
+def test_bench_on_a_checkpoint_does_not_claim_random_weights(capsys):
+    assert main([*BENCH, "--model", "stories260K"]) == 0  # the embedded checkpoint
+    assert "random" not in capsys.readouterr().out
+
+
+def test_bench_prompt_far_past_the_context_is_one_error_line(capsys):
+    assert main([*BENCH[:4], "5000", *BENCH[5:], "--model", "stories260K"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("npllm: error: --prompt-len 5000") and "context of 512" in captured.err
+
+
+@pytest.mark.parametrize("tokens", ["0", "1"])
+def test_generate_without_a_rate_to_give_prints_no_nan(tokens, capsys):
+    assert main(["generate", "Once", "--max-new-tokens", tokens, "--temperature", "0"]) == 0
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"[npllm] 2 prompt + {tokens} new tokens") and "nan" not in err and "tok/s" not in err
+
+
+def test_the_timing_line_gives_the_rate_after_the_first_token():
+    from npllm.cli import timing_line
+
+    assert timing_line(3, 5, 10.0, 10.5, 12.5) == "[npllm] 3 prompt + 5 new tokens; first token 500.0 ms; 2.0 tok/s after it"
+    assert timing_line(3, 0, 10.0, None, 10.25) == "[npllm] 3 prompt + 0 new tokens in 250.0 ms"
