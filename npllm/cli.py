@@ -290,6 +290,9 @@ def load_with_tokenizer(args, **options):
 
     checkpoint, found = resolve(args.model)
     if args.tokenizer is None and found is None:
+        from .formats import read_config
+
+        read_config(checkpoint)  # a file that is no checkpoint at all says so, rather than asking for a tokenizer
         raise GenerationError(f"no tokenizer was found beside {args.model}: pass --tokenizer PATH")
     return load(checkpoint, args.tokenizer if args.tokenizer is not None else found, backend=args.backend,
                 threads=args.threads, weight_dtype=args.weight_dtype, **options)
@@ -544,7 +547,7 @@ def run_serve(args) -> int:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise NpllmError("npllm serve needs the serve extra: pip install 'npllm-engine[serve]' "
+        raise NpllmError("npllm serve needs the serve extra: pip install -e '.[serve]' in npllm's folder "
                          "(Starlette and uvicorn)") from None
     from .serve.app import Limits, Server, run
 

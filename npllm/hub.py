@@ -3,7 +3,8 @@
 "stories260K" ships inside the package (npllm/data/stories260K, see its NOTICE), so the default model needs no
 network and no weights folder. Other known names resolve to $NPLLM_WEIGHTS/<name>/, else to the user cache
 ($XDG_CACHE_HOME/npllm/<name>/, or ~/.cache/npllm/<name>/), and are downloaded into the cache when absent — never
-into the current directory.
+into the current directory. Downloads come from the Hugging Face hub, or from the server $NPLLM_HUB_URL names
+(a mirror answering <url>/<owner>/<repo>/resolve/main/<file> as the hub does).
 
 A download streams into <dest>.part beside its destination, follows the hub's redirects (it answers 302 to a CDN),
 resumes a .part left by an interrupted run with an HTTP Range request (or restarts it when the server will not

@@ -2,8 +2,10 @@
 measured, and the error for a text file given as --model."""
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +111,56 @@ def test_the_timing_line_gives_the_rate_after_the_first_token():
 
     assert timing_line(3, 5, 10.0, 10.5, 12.5) == "[npllm] 3 prompt + 5 new tokens; first token 500.0 ms; 2.0 tok/s after it"
     assert timing_line(3, 0, 10.0, None, 10.25) == "[npllm] 3 prompt + 0 new tokens in 250.0 ms"
+
+
+# ---- 16: the docs agree with the code; a text file as --model ----------------------------------------------------
+
+
+def test_a_text_file_as_model_is_said_to_be_no_checkpoint_not_to_lack_a_tokenizer(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello world, these are my notes\n")
+    assert main(["generate", "--model", str(notes)]) == 2
+    err = capsys.readouterr().err
+    assert "--tokenizer" not in err and "not a llama2.c .bin file (the file begins like text)" in err
+    lone = tmp_path / "alone" / "stories260K.bin"  # a real checkpoint with no tokenizer beside it: asked for one
+    lone.parent.mkdir()
+    lone.write_bytes((EMBEDDED / "stories260K.bin").read_bytes())
+    assert main(["generate", "--model", str(lone)]) == 2
+    assert "pass --tokenizer" in capsys.readouterr().err
+
+
+def tracked_text_files():
+    listed = subprocess.run(["git", "ls-files", "*.md", "*.py", "*.toml"], cwd=REPO, capture_output=True, text=True)
+    if listed.returncode:
+        pytest.skip("not a git checkout")
+    return [REPO / name for name in listed.stdout.split()]
+
+
+def test_install_hints_name_what_works_from_a_clone():
+    """npllm is not published: `pip install "npllm-engine[...]"` would fail; the hints say pip install -e."""
+    this = Path(__file__).resolve()
+    found = [f"{path.relative_to(REPO)}" for path in tracked_text_files() if path.resolve() != this
+             and path.exists() and "npllm-engine[" in path.read_text(encoding="utf-8")]
+    assert found == []
+
+
+def test_the_readme_counts_the_notebooks_it_lists():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    words = {"eight": 8, "nine": 9, "ten": 10, "eleven": 11, "twelve": 12}
+    said = re.search(r"\b(\w+) notebooks, one per stage", readme)
+    listed = set(re.findall(r"\(notebooks/(\d\d_\w+)\.ipynb\)", readme))
+    assert said and words[said.group(1)] == len(listed) == len(list((REPO / "notebooks").glob("*.ipynb")))
+
+
+def test_the_weights_readme_agrees_with_where_models_are_looked_up(tmp_path, monkeypatch):
+    """The README (and npllm.hub) say: $NPLLM_WEIGHTS, then the user cache; downloads go to the cache."""
+    from npllm import hub
+
+    monkeypatch.setenv("NPLLM_WEIGHTS", str(tmp_path / "w"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c"))
+    assert hub.weights_dirs() == [tmp_path / "w", tmp_path / "c" / "npllm"]
+    text = " ".join((REPO / "weights" / "README.md").read_text(encoding="utf-8").split())
+    assert "`$NPLLM_WEIGHTS/<name>/`, else the user cache" in text and "downloaded into the user cache" in text
+    assert "into `weights/<name>/`" not in text and "then in `weights/" not in text
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "NPLLM_HUB_URL" in readme and "NPLLM_HUB_URL" in hub.__doc__
