@@ -4,10 +4,16 @@ flag out of range, each run through the real command line in its own process.
     python scripts/bad_inputs.py [--weights DIR] [--jobs 2] [--timeout 60] [--sample N] [--kinds K ...] [--json]
 
 For every case it records: a Python traceback on stderr, a hang (no exit within --timeout), an exit status other than
-0, 2 (npllm's and argparse's errors), 130 or 141, text on stdout from a run that failed, and a run that succeeded on
-input that must be refused. The summary gives, per kind, how many cases were tried and how many of each problem
+0, 2 (npllm's and argparse's errors), 130 or 141, text on stdout from a run that failed, a run that succeeded on
+input that must be refused, and (kind "output") a file the run replaced that was no regular file, or a partial file
+it left behind ("damaged"). The summary gives, per kind, how many cases were tried and how many of each problem
 were seen; the exit status is 1 when any problem was seen. Children run with a 6 GiB address-space limit, so a
 runaway allocation fails fast instead of swapping the machine.
+
+Kinds: llama2c, config.json, safetensors, gguf, tokenizer, prompt, flag; output (npllm quantize's OUT: a FIFO, a
+link to one, a folder, a missing folder, a cache folder that is a file), tokenizer-fields (tokenizer.json fields and
+GGUF tokenizer keys of every wrong type, SentencePiece pieces not UTF-8, scores not finite), non-finite (NaN and
+infinite metadata floats in GGUF and config.json). --kinds K ... runs only those.
 
 Inputs are derived from stories260K (llama2.c .bin, and written here as GGUF) and the qwen2_bias HF fixture in
 tests/fixtures/hf; --sample N runs a deterministic sample of N cases (tests/test_bad_inputs.py runs a small one).

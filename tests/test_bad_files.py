@@ -6,7 +6,6 @@ import math
 import os
 import shutil
 import stat
-import subprocess
 import sys
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 
 from npllm.cli import main
 from npllm.config import ModelConfig, RopeScaling
-from npllm.errors import ConfigError, FormatError, NpllmError
+from npllm.errors import ConfigError, FormatError
 from npllm.formats import read_checkpoint
 from npllm.formats.gguf import TensorData, write_gguf_file
 from tests_support import REPO
@@ -79,6 +78,15 @@ def test_quantize_into_an_unwritable_folder_is_one_error_line(tmp_path, capsys):
     finally:
         locked.chmod(0o700)
     assert os.listdir(locked) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_quantize_into_a_folder_no_file_can_be_made_in_is_one_error_line(capsys):
+    """/proc takes no new file, even from root (where a read-only folder would not stop the write)."""
+    assert main(["quantize", "stories260K", "/proc/npllm-test.gguf", "--type", "f32"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("npllm: error: cannot write /proc/npllm-test.gguf")
 
 
 def test_a_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):

@@ -109,7 +109,8 @@ def test_generate_without_a_rate_to_give_prints_no_nan(tokens, capsys):
 def test_the_timing_line_gives_the_rate_after_the_first_token():
     from npllm.cli import timing_line
 
-    assert timing_line(3, 5, 10.0, 10.5, 12.5) == "[npllm] 3 prompt + 5 new tokens; first token 500.0 ms; 2.0 tok/s after it"
+    assert timing_line(3, 5, 10.0, 10.5, 12.5) == ("[npllm] 3 prompt + 5 new tokens; first token 500.0 ms; "
+                                                   "2.0 tok/s after it")
     assert timing_line(3, 0, 10.0, None, 10.25) == "[npllm] 3 prompt + 0 new tokens in 250.0 ms"
 
 

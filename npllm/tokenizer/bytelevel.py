@@ -459,7 +459,8 @@ def _pre_tokenizers(spec, source: str) -> list:
         if "Regex" in pattern:
             compiled = _compile(_field(pattern, "Regex", str, source, where + " pattern", required=True), source)
         elif "String" in pattern:
-            compiled = regex.compile(regex.escape(_field(pattern, "String", str, source, where + " pattern", required=True)))
+            text = _field(pattern, "String", str, source, where + " pattern", required=True)
+            compiled = regex.compile(regex.escape(text))
         else:
             raise TokenizerError(f"{source}: Split pattern {pattern!r:.80} is neither Regex nor String")
         behavior = _field(spec, "behavior", str, source, where, "Isolated")
