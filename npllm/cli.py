@@ -44,10 +44,24 @@ from .models import KV_DTYPES, WEIGHT_DTYPES
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npllm", description="A readable NumPy Llama inference engine.")
+    parser.add_argument("--version", action="version", version=f"npllm {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (add_generate, add_chat, add_info, add_quantize, add_bench, add_perplexity, add_serve):
         add(commands)
     return parser
+
+
+def package_version() -> str:
+    """The installed distribution's version (its metadata); from a source tree that is not installed, the
+    package's own __version__."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("npllm-engine")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
 
 
 def add_generate(commands) -> None:
@@ -391,6 +405,9 @@ def load_with_tokenizer(args, **options):
 
     checkpoint, found = resolve(args.model)
     if args.tokenizer is None and found is None:
+        from .formats import read_config
+
+        read_config(checkpoint)  # a file that is no checkpoint at all says so, rather than asking for a tokenizer
         raise GenerationError(f"no tokenizer was found beside {args.model}: pass --tokenizer PATH")
     return load(checkpoint, args.tokenizer if args.tokenizer is not None else found, backend=args.backend,
                 threads=args.threads, weight_dtype=args.weight_dtype, **options)
@@ -434,16 +451,23 @@ def stream_generate(args, llm, prompt: str, prompt_len: int, params) -> int:
                             **context_options(args), **as_keywords(params)):
         write_out(piece)
     write_out("\n")
-    end = time.perf_counter()
-    rate = (count - 1) / (end - first) if count > 1 else float("nan")
-    print(f"[npllm] {prompt_len} prompt + {count} new tokens; first token {1e3 * ((first or end) - start):.1f} ms;"
-          f" {rate:.1f} tok/s after it", file=sys.stderr)
+    print(timing_line(prompt_len, count, start, first, time.perf_counter()), file=sys.stderr)
     if speculation:
         stats = speculation["speculation"]
         print(f"[npllm] speculative: {stats.accepted}/{stats.drafted} drafted tokens accepted (acceptance "
               f"{stats.acceptance_rate:.2f}); {count / max(stats.rounds, 1):.2f} tokens per forward call of the model "
               f"({stats.rounds} calls, {stats.draft_calls} draft calls)", file=sys.stderr)
     return 0
+
+
+def timing_line(prompt_len: int, count: int, start: float, first: float | None, end: float) -> str:
+    """generate's stderr summary: the time to the first new token, and the rate after it where there is one (it
+    needs two tokens: with --max-new-tokens 0 or 1, or an immediate end token, there is none to give)."""
+    line = f"[npllm] {prompt_len} prompt + {count} new tokens"
+    if first is None:
+        return f"{line} in {1e3 * (end - start):.1f} ms"
+    line += f"; first token {1e3 * (first - start):.1f} ms"
+    return f"{line}; {(count - 1) / (end - first):.1f} tok/s after it" if count > 1 else line
 
 
 def speculation_options(args) -> dict:
@@ -639,7 +663,7 @@ def run_serve(args) -> int:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise NpllmError("npllm serve needs the serve extra: pip install 'npllm-engine[serve]' "
+        raise NpllmError("npllm serve needs the serve extra: pip install -e '.[serve]' in npllm's folder "
                          "(Starlette and uvicorn)") from None
     from .chat import chat_template_name
     from .serve.app import Limits, Server, bind, check_api_key, run

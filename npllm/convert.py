@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from .formats import read_checkpoint
-from .formats.gguf import TensorData, read_gguf_file, read_vocab, write_gguf
+from .formats.gguf import TensorData, check_output_path, read_gguf_file, read_vocab, write_gguf
 from .hub import resolve
 from .tokenizer import load_tokenizer
 
@@ -19,6 +19,7 @@ def quantize_checkpoint(model: str | os.PathLike, out: str | os.PathLike, type_n
     """Any checkpoint npllm reads (llama2.c .bin, HF directory, GGUF; a path or a known name) written as a GGUF file
     of `type_name`, with the vocabulary of its tokenizer (given, or found beside it) when npllm can write it.
     Returns (tensors written, the tokenizer embedded or None). progress: see formats.gguf.model_tensors."""
+    check_output_path(out)  # before minutes of quantizing
     checkpoint, found = resolve(model)
     config, weights = read_checkpoint(checkpoint)
     if tokenizer is None and found == checkpoint and read_vocab(read_gguf_file(checkpoint)) is None:

@@ -4,10 +4,16 @@ flag out of range, each run through the real command line in its own process.
     python scripts/bad_inputs.py [--weights DIR] [--jobs 2] [--timeout 60] [--sample N] [--kinds K ...] [--json]
 
 For every case it records: a Python traceback on stderr, a hang (no exit within --timeout), an exit status other than
-0, 2 (npllm's and argparse's errors), 130 or 141, text on stdout from a run that failed, and a run that succeeded on
-input that must be refused. The summary gives, per kind, how many cases were tried and how many of each problem
+0, 2 (npllm's and argparse's errors), 130 or 141, text on stdout from a run that failed, a run that succeeded on
+input that must be refused, and (kind "output") a file the run replaced that was no regular file, or a partial file
+it left behind ("damaged"). The summary gives, per kind, how many cases were tried and how many of each problem
 were seen; the exit status is 1 when any problem was seen. Children run with a 6 GiB address-space limit, so a
 runaway allocation fails fast instead of swapping the machine.
+
+Kinds: llama2c, config.json, safetensors, gguf, tokenizer, prompt, flag; output (npllm quantize's OUT: a FIFO, a
+link to one, a folder, a missing folder, a cache folder that is a file), tokenizer-fields (tokenizer.json fields and
+GGUF tokenizer keys of every wrong type, SentencePiece pieces not UTF-8, scores not finite), non-finite (NaN and
+infinite metadata floats in GGUF and config.json). --kinds K ... runs only those.
 
 Inputs are derived from stories260K (llama2.c .bin, and written here as GGUF) and the qwen2_bias HF fixture in
 tests/fixtures/hf; --sample N runs a deterministic sample of N cases (tests/test_bad_inputs.py runs a small one).
@@ -46,6 +52,8 @@ class Case:
     args: list  # str or bytes items (bytes: raw argv, e.g. invalid UTF-8)
     stdin: bytes | None = None
     expect: str = "error"  # "error": must be refused (exit 2, nothing on stdout); "ok": must run; "any": either
+    env: dict | None = None  # environment variables set for this case only
+    check: object = None  # called after the run: a str saying what the run damaged (a FIFO replaced), or None
 
 
 @dataclass
@@ -59,10 +67,11 @@ class Result:
     accepted: bool  # "error" expected, but it ran
     refused: bool  # "ok" expected, but it failed
     stderr_tail: str
+    damaged: str | None = None  # what case.check found after the run
 
     @property
     def problems(self) -> list[str]:
-        return [p for p in ("traceback", "hang", "stdout_on_error", "bad_status", "accepted", "refused")
+        return [p for p in ("traceback", "hang", "stdout_on_error", "bad_status", "accepted", "refused", "damaged")
                 if getattr(self, p)]
 
 
@@ -75,9 +84,16 @@ def limit_memory():
 
 
 def run_case(case: Case, timeout: float, cwd: Path) -> Result:
+    result = run_process(case, timeout, cwd)
+    result.damaged = case.check() if case.check is not None else None
+    return result
+
+
+def run_process(case: Case, timeout: float, cwd: Path) -> Result:
     argv = [sys.executable, "-m", "npllm", *case.args]
     env = dict(os.environ, PYTHONPATH=str(REPO), NPLLM_HUB_URL="http://127.0.0.1:9", HOME=str(cwd),
                XDG_CACHE_HOME=str(cwd / "cache"))
+    env.update(case.env or {})
     env.pop("NPLLM_WEIGHTS", None)
     try:
         done = subprocess.run(argv, input=case.stdin if case.stdin is not None else b"", capture_output=True,
@@ -625,6 +641,196 @@ def template_cases(out: Path) -> list[Case]:
         path.write_text(template, encoding="utf-8")
         cases.append(Case("template", name, ["chat", "--chat-template", str(path), *GEN], stdin=b"Hi\n",
                           expect=expect))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output paths (npllm quantize IN OUT) and cache folders: nothing but a regular file is ever replaced, no partial file
+# is left behind, and a folder that cannot be made or written is one error line
+
+
+def file_kind(path: Path) -> str:
+    """'fifo', 'folder', 'file', 'link' or 'absent': what a case must leave as it found."""
+    if path.is_symlink():
+        return "link"
+    if not path.exists():
+        return "absent"
+    return "fifo" if path.is_fifo() else "folder" if path.is_dir() else "file" if path.is_file() else "other"
+
+
+def unchanged(folder: Path, *kept: Path):
+    """A Case.check: every path in `kept` is still what it was, and `folder` holds no partial file afterwards."""
+    before = {p: file_kind(p) for p in kept}
+
+    def check() -> str | None:
+        changed = [f"{p.name} was a {k}, is a {file_kind(p)}" for p, k in before.items() if file_kind(p) != k]
+        partial = [p.name for p in folder.iterdir() if "partial" in p.name and p not in before]
+        return "; ".join(changed + [f"left {name}" for name in partial]) or None
+
+    return check
+
+
+def output_cases(out: Path, weights: Path) -> list[Case]:
+    model = str(weights / "stories260K" / "stories260K.bin")
+    place = out / "outputs"
+    place.mkdir()
+    fifo, folder, a_file = place / "fifo.gguf", place / "folder.gguf", place / "a_file"
+    os.mkfifo(fifo)
+    folder.mkdir()
+    a_file.write_bytes(b"not a folder")
+    os.mkfifo(place / "next.gguf.partial")  # the name the writer used to use: must be neither opened nor replaced
+    (place / "fifo_link.gguf").symlink_to(fifo)
+    locked = place / "locked"
+    locked.mkdir(mode=0o500)
+    cases = []
+
+    def case(name, target, expect="error", kept=()):
+        cases.append(Case("output", name, ["quantize", model, str(target), "--type", "f32"], expect=expect,
+                          check=unchanged(place, fifo, folder, a_file, place / "next.gguf.partial", *kept)))
+
+    case("OUT is a FIFO", fifo)
+    case("OUT is a link to a FIFO", place / "fifo_link.gguf", kept=[place / "fifo_link.gguf"])
+    case("OUT is a folder", folder)
+    case("OUT in a missing folder", place / "missing" / "m.gguf")
+    case("OUT below a file", a_file / "m.gguf")
+    case("OUT with a trailing slash", str(place / "new_dir") + "/")
+    case("OUT empty", "")
+    case("OUT in an unwritable folder", locked / "m.gguf", expect="any" if os.geteuid() == 0 else "error")
+    case("OUT beside a FIFO named OUT.partial", place / "next.gguf", expect="ok")
+    old = place / "old.gguf"
+    old.write_bytes(b"an older file")
+    case("OUT replaces a regular file", old, expect="ok", kept=[old])
+    cache_file = out / "cache_is_a_file"
+    cache_file.write_bytes(b"")
+    for name, env in (("XDG_CACHE_HOME is a file", {"XDG_CACHE_HOME": str(cache_file)}),
+                      ("XDG_CACHE_HOME below a file", {"XDG_CACHE_HOME": str(cache_file / "sub")})):
+        cases.append(Case("output", f"download: {name}", ["generate", "Once", "--model", "stories15M", *GEN],
+                          env=env))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer fields of the wrong type or encoding: tokenizer.json, GGUF tokenizer keys, SentencePiece pieces
+
+WRONG_JSON = [5, -1, 1.5, "x", "", [], {}, True, None, [1], {"a": 1}]
+
+
+def json_variants(spec, wrong=WRONG_JSON, skip=("vocab", "merges"), prefix=()):
+    """(path, value) for every field of a parsed JSON document at every depth (the first 3 items of a list; not
+    inside the `skip` keys' values), each with every value in `wrong`: what json_with puts there."""
+    items = spec.items() if isinstance(spec, dict) else enumerate(spec[:3]) if isinstance(spec, list) else ()
+    for key, value in items:
+        path = (*prefix, key)
+        for bad in wrong:
+            yield path, bad
+        if key not in skip:
+            yield from json_variants(value, wrong, skip, path)
+
+
+def json_with(spec, path: tuple, value):
+    """A deep copy of spec with the field at `path` replaced by `value`."""
+    import copy
+
+    bent = copy.deepcopy(spec)
+    node = bent
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return bent
+
+
+GGUF_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+                       "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                       "tokenizer.ggml.eot_token_id", "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.pre",
+                       "tokenizer.ggml.merges", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix")
+GGUF_WRONG = (("u32", 5), ("i32", -1), ("str", "x"), ("f32", math.nan), ("bool", True), ("arr", ("str", ["a", "b"])),
+              ("arr", ("i32", [1, 2])), ("arr", ("f32", [0.5])))
+
+
+def sentencepiece_bent(model: bytes, piece: bytes, byte_at: int | None = None, score: float | None = None) -> bytes:
+    """tok512.model with one piece's text byte replaced by 0xFF (byte_at) or its score set (score). A piece is a
+    protobuf message: field 1 the text (tag 0x0A, length, bytes), field 2 the score (tag 0x15, float32)."""
+    data = bytearray(model)
+    start = data.find(b"\x0a" + bytes([len(piece)]) + piece)
+    assert start >= 0, piece
+    text = start + 2
+    if byte_at is not None:
+        data[text + byte_at] = 0xFF
+    if score is not None:
+        assert data[text + len(piece)] == 0x15
+        data[text + len(piece) + 1 : text + len(piece) + 5] = struct.pack("<f", score)
+    return bytes(data)
+
+
+def tokenizer_field_cases(out: Path, weights: Path) -> list[Case]:
+    numpy = ["--backend", "numpy", *GEN]  # no kernels to compile: the tokenizer is what is tried
+    cases = []
+    spec = json.loads((FIXTURE / "tokenizer.json").read_text())
+    variants = list(json_variants(spec))
+    for i, (path, value) in enumerate(random.Random(1).sample(variants, min(120, len(variants)))):
+        target = out / f"tokjson_{i}.json"
+        target.write_text(json.dumps(json_with(spec, path, value)))
+        where = ".".join(map(str, path))
+        cases.append(Case("tokenizer-fields", f"tokenizer.json {where}={value!r}",
+                          ["generate", "Once", "--model", str(FIXTURE), "--tokenizer", str(target), *numpy],
+                          expect="any"))
+    metadata, tensors = stories_gguf(weights)
+    for key in GGUF_TOKENIZER_KEYS:
+        for kind, value in GGUF_WRONG:
+            for model in ("llama", "gpt2") if key in ("tokenizer.ggml.pre", "tokenizer.ggml.merges") else ("llama",):
+                meta = {**metadata, key: (kind, value)}
+                if model == "gpt2":
+                    meta = {"tokenizer.ggml.merges": ("arr", ("str", ["a b"])), **meta,
+                            "tokenizer.ggml.model": ("str", "gpt2")}
+                path = out / f"tokgguf_{len(cases)}.gguf"
+                write_gguf(path, meta, tensors)
+                cases.append(Case("tokenizer-fields", f"gguf {model} {key}={value!r}",
+                                  ["generate", "Once", "--model", str(path), *numpy], expect="any"))
+    model, tok = weights / "stories260K" / "stories260K.bin", weights / "stories260K" / "tok512.model"
+    piece = "\u2581the".encode()
+    for name, kwargs in (("piece not UTF-8", {"byte_at": 3}), ("piece lead byte 0xFF", {"byte_at": 0}),
+                         ("score NaN", {"score": math.nan}), ("score inf", {"score": math.inf})):
+        path = out / f"sp_{name.replace(' ', '_')}.model"
+        path.write_bytes(sentencepiece_bent(tok.read_bytes(), piece, **kwargs))
+        cases.append(Case("tokenizer-fields", f"tok512.model {name}",
+                          ["generate", "the cat", "--model", str(model), "--tokenizer", str(path), *numpy]))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# NaN and infinite metadata values: refused at load, whichever format carries them
+
+
+def non_finite_cases(out: Path, weights: Path) -> list[Case]:
+    numpy = ["--backend", "numpy", *GEN]
+    cases = []
+    metadata, tensors = stories_gguf(weights)
+    linear = {"llama.rope.scaling.type": ("str", "linear")}
+    scores = metadata["tokenizer.ggml.scores"][1][1]
+    for value in (math.nan, math.inf, -math.inf):
+        for key, extra in (("llama.rope.scaling.factor", linear), ("llama.rope.freq_base", {}),
+                           ("llama.attention.layer_norm_rms_epsilon", {}), ("tokenizer.ggml.scores", {})):
+            bent = ("arr", ("f32", [value] + scores[1:])) if key == "tokenizer.ggml.scores" else ("f32", value)
+            path = out / f"nonfinite_{len(cases)}.gguf"
+            write_gguf(path, {**metadata, **extra, key: bent}, tensors)
+            cases.append(Case("non-finite", f"gguf {key}={value}", ["generate", "Once", "--model", str(path),
+                                                                     *numpy]))
+    config = json.loads((FIXTURE / "config.json").read_text())
+    config.pop("rope_scaling", None)
+    config.pop("rope_parameters", None)
+    llama3 = '{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": %s, "high_freq_factor": 4.0, ' \
+             '"original_max_position_embeddings": 64}'
+    for literal in ("NaN", "Infinity", "-Infinity"):
+        for field, text in (("rms_norm_eps", literal), ("rope_theta", literal),
+                            ("rope_parameters", '{"rope_type": "linear", "factor": %s}' % literal),
+                            ("rope_parameters", llama3 % literal)):
+            folder = out / f"nonfinite_hf_{len(cases)}"
+            folder.mkdir()
+            for f in FIXTURE.iterdir():
+                (folder / f.name).symlink_to(f)
+            (folder / "config.json").unlink()
+            (folder / "config.json").write_text(json.dumps({**config, field: "@@"}).replace('"@@"', text))
+            cases.append(Case("non-finite", f"config.json {field}={text}", ["generate", "Once", "--model",
+                                                                             str(folder), *numpy]))
     return cases
 
 
@@ -632,7 +838,8 @@ def all_cases(out: Path, weights: Path) -> list[Case]:
     os.mkfifo(out / "fifo")
     (out / "fifo_dir").mkdir()
     return (llama2c_cases(out, weights) + hf_cases(out) + gguf_cases(out, weights) + tokenizer_cases(out, weights)
-            + prompt_cases(out) + flag_cases(out) + combination_cases(out) + template_cases(out))
+            + prompt_cases(out) + flag_cases(out) + combination_cases(out) + template_cases(out)
+            + output_cases(out, weights) + tokenizer_field_cases(out, weights) + non_finite_cases(out, weights))
 
 
 def main(argv=None) -> int:
@@ -672,13 +879,13 @@ def report(results: list[Result], as_json: bool) -> int:
                     "stderr": r.stderr_tail.strip().splitlines()[-1:] }
             print(json.dumps(line) if as_json else f"PROBLEM {line}")
     columns = ["tried", "refused (exit 2)", "ran (exit 0)", "traceback", "hang", "stdout_on_error", "bad_status",
-               "accepted", "refused"]
-    print(f"{'kind':12}" + "".join(f"{c:>18}" for c in columns))
+               "accepted", "refused", "damaged"]
+    print(f"{'kind':18}" + "".join(f"{c:>18}" for c in columns))
     total = collections.Counter()
     for kind, counts in sorted(per_kind.items()):
         total.update(counts)
-        print(f"{kind:12}" + "".join(f"{counts[c]:>18}" for c in columns))
-    print(f"{'total':12}" + "".join(f"{total[c]:>18}" for c in columns))
+        print(f"{kind:18}" + "".join(f"{counts[c]:>18}" for c in columns))
+    print(f"{'total':18}" + "".join(f"{total[c]:>18}" for c in columns))
     return 1 if any(r.problems for r in results) else 0
 
 

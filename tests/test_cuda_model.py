@@ -245,7 +245,7 @@ def test_a_missing_cuda_target_is_named(monkeypatch):
         raise ImportError(f"No module named {name!r}")
 
     monkeypatch.setattr(importlib, "import_module", no_cuda)
-    assert "npllm-engine[cuda]" in device.cuda_problem()
+    assert "pip install -e '.[cuda]'" in device.cuda_problem()
     with pytest.raises(DeviceError, match="CUDA target cannot be imported"):
         resolve_backend("cuda")
     with pytest.raises(DeviceError, match="CUDA target cannot be imported"):

@@ -562,7 +562,7 @@ def test_bad_limits_are_refused_before_anything_loads(option, value, capsys):
 def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn now raises ImportError
     assert main(["serve"]) == 2
-    assert "pip install 'npllm-engine[serve]'" in capsys.readouterr().err
+    assert "pip install -e '.[serve]'" in capsys.readouterr().err
 
 
 def test_the_core_package_does_not_import_the_server_stack():

@@ -63,6 +63,29 @@ def read_checkpoint(path: str | os.PathLike, keep_quantized: bool = False) -> tu
     return config, weights
 
 
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a checkpoint from its headers alone (config.json, GGUF metadata, llama2.c header), no
+    weight read: enough to tell a checkpoint that lacks a tokenizer from a file that is no checkpoint at all."""
+    path = Path(path)
+    if not path.exists():
+        raise FormatError(f"checkpoint {path} does not exist")
+    if not (path.is_file() or path.is_dir()):
+        raise FormatError(f"checkpoint {path} is not a regular file or a directory")
+    if path.is_dir() or path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"):
+        from .hf import CONFIG_FILE, read_config_json
+
+        return read_config_json((path if path.is_dir() else path.parent) / CONFIG_FILE)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == GGUF_MAGIC:
+        from .gguf import config_from_gguf, read_gguf_file
+
+        return config_from_gguf(read_gguf_file(path))
+    from .llama2c import read_llama2c
+
+    return read_llama2c(path)[0]  # its tensors are memory-mapped, not read (a v2 file's are dequantized)
+
+
 def check_finite(weights: dict[str, np.ndarray], source) -> None:
     """Every weight a finite number. NaN or infinity in a checkpoint (a corrupt file, F16 bits read as BF16) would
     only show up later as NaN logits, after the prompt was echoed; one pass over the weights catches it at load.

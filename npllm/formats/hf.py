@@ -16,6 +16,7 @@ logits.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -73,6 +74,8 @@ def _field(cfg: dict, key: str, source: str, kind=int, default=None, required=Tr
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{source}: {key!r} must be a number, got {value!r}")
         value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"{source}: {key!r} must be a finite number, got {value}")
     if kind is bool and not isinstance(value, bool):
         raise ConfigError(f"{source}: {key!r} must be true or false, got {value!r}")
     return value
@@ -93,11 +96,12 @@ def _rope_settings(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
         raise ConfigError(f"{source}: RoPE parameters must be a JSON object, got {spec!r}")
     spec = spec or {}
 
-    theta_top, theta_inner = cfg.get("rope_theta"), spec.get("rope_theta")
-    if theta_top is not None and theta_inner is not None and float(theta_top) != float(theta_inner):
+    theta_top = _field(cfg, "rope_theta", source, float, required=False)
+    theta_inner = _field(spec, "rope_theta", source + " rope_parameters", float, required=False)
+    if theta_top is not None and theta_inner is not None and theta_top != theta_inner:
         raise ConfigError(f"{source}: rope_theta {theta_top} disagrees with rope_parameters' {theta_inner}")
     theta = theta_inner if theta_inner is not None else theta_top
-    theta = 10000.0 if theta is None else _field({"rope_theta": theta}, "rope_theta", source, float)
+    theta = 10000.0 if theta is None else theta
     if not theta > 0:
         raise ConfigError(f"{source}: rope_theta must be > 0, got {theta}")
 

@@ -8,7 +8,6 @@ on-disk dtypes and the tokenizer from the files themselves (headers only; no ten
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from pathlib import Path
@@ -81,14 +80,27 @@ def describe_tokenizer(path: Path) -> str:
             return "none embedded in the GGUF file (pass --tokenizer)"
         kind = {"llama": "SentencePiece-style BPE", "gpt2": "byte-level BPE"}.get(vocab.model, vocab.model)
         return f"{kind}, {len(vocab.tokens)} tokens, embedded in the GGUF metadata"
-    if found.suffix == ".json":
-        spec = json.loads(found.read_text(encoding="utf-8"))
-        added = {int(t["id"]) for t in spec.get("added_tokens") or []}
-        ids = set(spec.get("model", {}).get("vocab", {}).values()) | added
-        return f"byte-level BPE {found.name}: {len(ids)} tokens, {len(added)} of them added/special"
+    if found.suffix == ".json":  # read by the tokenizer's own reader, which checks every field
+        from ..tokenizer.bytelevel import ByteLevelBPE
+
+        tokenizer = ByteLevelBPE.from_file(found)
+        return (f"byte-level BPE {found.name}: {len(tokenizer.id_to_token)} tokens, {len(tokenizer.added_ids)} of "
+                "them added/special")
     if found.suffix == ".model":
         return f"SentencePiece {found.name}"
     return f"llama2.c BPE {found.name}"
+
+
+def end_tokens(c: ModelConfig) -> str:
+    """The line naming what ends a generation: the end ids, and BOS too where the model stops on it (llama2.c)."""
+    ids = ", ".join(map(str, c.eos_ids))
+    bos = c.stop_at_bos and c.bos_id is not None and c.bos_id not in c.eos_ids
+    if bos:
+        also = f"BOS {c.bos_id} too (a generated BOS ends the text, llama2.c's rule)"
+        return f"end tokens:   {ids}; {also}" if ids else f"end tokens:   {also}"
+    if ids:
+        return f"end tokens:   {ids}"
+    return "end tokens:   none: generation stops only at its length limit (--max-new-tokens or the context)"
 
 
 def describe(config: ModelConfig, weights: dict[str, np.ndarray], path: str | os.PathLike) -> str:
@@ -130,7 +142,6 @@ def describe(config: ModelConfig, weights: dict[str, np.ndarray], path: str | os
         f"memory:       {_size(weight_bytes)} weights {stored} + {_size(cache_bytes)} KV cache at full context "
         f"= {_size(weight_bytes + cache_bytes)}",
         f"tokenizer:    {tokenizer}",
-        f"end tokens:   {', '.join(map(str, c.eos_ids))}" if c.eos_ids else
-        "end tokens:   none: generation stops only at its length limit (--max-new-tokens or the context)",
+        end_tokens(c),
     ]
     return "\n".join(lines)

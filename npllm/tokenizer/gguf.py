@@ -19,13 +19,12 @@ def gguf_tokenizer(path: str | os.PathLike):
     if vocab is None:
         raise TokenizerError(f"{g.path}: carries no tokenizer (no tokenizer.ggml.model): pass a tokenizer file")
     if vocab.model == "llama":
-        unk = g.metadata.get("tokenizer.ggml.unknown_token_id", 0)
+        unk = g.metadata.get("tokenizer.ggml.unknown_token_id", 0)  # types checked by read_vocab
         add_space = g.metadata.get("tokenizer.ggml.add_space_prefix", True)
         return BPETokenizer(vocab.tokens, vocab.scores, vocab.token_types,
                             bos_id=1 if vocab.bos_id is None else vocab.bos_id,
                             eos_id=2 if vocab.eos_id is None else vocab.eos_id,
-                            unk_id=unk if isinstance(unk, int) else 0,
-                            add_dummy_prefix=bool(add_space), name=g.path)
+                            unk_id=unk, add_dummy_prefix=add_space, name=g.path)
     if vocab.model == "gpt2":
         return from_gguf_vocab(vocab.tokens, vocab.merges, vocab.token_types, vocab.pre, vocab.bos_id, vocab.eos_id,
                                vocab.add_bos, g.path)
