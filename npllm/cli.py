@@ -571,7 +571,7 @@ def run_chat(args) -> int:
 
 def run_info(args) -> int:
     from .formats import read_checkpoint
-    from .formats.info import describe
+    from .info import describe
     from .hub import resolve
 
     checkpoint, _ = resolve(args.model)

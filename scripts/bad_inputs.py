@@ -13,7 +13,10 @@ runaway allocation fails fast instead of swapping the machine.
 Kinds: llama2c, config.json, safetensors, gguf, tokenizer, prompt, flag; output (npllm quantize's OUT: a FIFO, a
 link to one, a folder, a missing folder, a cache folder that is a file), tokenizer-fields (tokenizer.json fields and
 GGUF tokenizer keys of every wrong type, SentencePiece pieces not UTF-8, scores not finite), non-finite (NaN and
-infinite metadata floats in GGUF and config.json). --kinds K ... runs only those.
+infinite metadata floats in GGUF and config.json), http (one `npllm serve` child over loopback: bodies that break
+the JSON parser, half-sent heads and bodies held past their deadlines, 20 held connections while /health is asked, a
+disconnect mid-body, empty and wrong keys, bytes that are not HTTP, a runaway chat template). --kinds K ... runs
+only those; --sample leaves out http.
 
 Inputs are derived from stories260K (llama2.c .bin, and written here as GGUF) and the qwen2_bias HF fixture in
 tests/fixtures/hf; --sample N runs a deterministic sample of N cases (tests/test_bad_inputs.py runs a small one).
@@ -27,13 +30,17 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
+import socket
 import struct
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, TimeoutError
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -594,6 +601,9 @@ def combination_cases(out: Path) -> list[Case]:
     return ([Case("combo", name, args, stdin=hi if args[0] == "chat" else None) for name, args in refused.items()]
             + [Case("combo", name, args, stdin=hi if args[0] == "chat" else None, expect="ok")
                for name, args in works.items()])
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Chat templates (code from a model file): each must end in one error line, within its deadline
 
 
@@ -641,6 +651,7 @@ def template_cases(out: Path) -> list[Case]:
         path.write_text(template, encoding="utf-8")
         cases.append(Case("template", name, ["chat", "--chat-template", str(path), *GEN], stdin=b"Hi\n",
                           expect=expect))
+    return cases
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -834,6 +845,180 @@ def non_finite_cases(out: Path, weights: Path) -> list[Case]:
     return cases
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# HTTP: one `npllm serve` child under abuse over loopback (bounded: a few dozen connections, each with a deadline).
+# A probe's outcome is the HTTP status it got (None: the server closed the connection without one); after each,
+# /health must still answer (else "hang": the server stalled its other clients) and the server's stderr must hold no
+# traceback. An outcome outside the probe's `expect` counts as "accepted" when it is a 2xx, else as "bad_status".
+
+HTTP_KEY = "sk-bad-inputs"
+HTTP_TIMEOUTS = ["--header-timeout", "2", "--body-timeout", "2"]
+RUNAWAY_TEMPLATE = ("{% if messages[0]['content'] == 'hang' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+                    "{% endfor %}{% endfor %}{% endif %}"
+                    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+
+
+@dataclass
+class Probe:
+    name: str
+    send: object  # port -> the HTTP status seen, or None
+    expect: tuple = (400,)
+
+
+class Server:
+    """`npllm serve` on the stories260K checkpoint in a child process; its stderr collected line by line."""
+
+    def __init__(self, out: Path, weights: Path):
+        template = out / "runaway.jinja"
+        template.write_text(RUNAWAY_TEMPLATE, encoding="utf-8")
+        argv = [sys.executable, "-m", "npllm", "serve", "--model", str(weights / "stories260K" / "stories260K.bin"),
+                "--backend", "numpy", "--port", "0", "--api-key", HTTP_KEY, "--chat-template", str(template),
+                "--max-body-bytes", "65536", "--grace", "1", *HTTP_TIMEOUTS]
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", NPLLM_TEMPLATE_TIMEOUT="2")
+        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+        self.lines: list[str] = []
+        self.port = self._wait_for_port()
+        threading.Thread(target=self._collect, daemon=True).start()
+
+    def _wait_for_port(self) -> int:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+            if found:
+                return int(found.group(1))
+        raise RuntimeError(f"npllm serve ended before it listened: {''.join(self.lines)[-500:]}")
+
+    def _collect(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def http_status(sock: socket.socket) -> int | None:
+    """The status code of the response on `sock` (None: closed, or nothing within the socket's timeout)."""
+    data = b""
+    try:
+        while b"\r\n" not in data:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        pass
+    found = re.match(rb"HTTP/1\.[01] (\d{3})", data)
+    return int(found.group(1)) if found else None
+
+
+def send_raw(port: int, data: bytes, hold: float = 0.0, timeout: float = 15.0) -> int | None:
+    """Send `data` on a new connection, wait `hold` seconds, then read the response's status."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        time.sleep(hold)
+        return http_status(sock)
+
+
+def post(path: str, body: bytes, key: str | None = HTTP_KEY, length: int | None = None) -> bytes:
+    """A whole POST request's bytes (Content-Length `length` when given, to send less than it announces)."""
+    auth = b"" if key is None else f"Authorization: Bearer {key}\r\n".encode()
+    size = len(body) if length is None else length
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {size}\r\nConnection: close\r\n").encode() + auth + b"\r\n" + body
+
+
+def completion(**fields) -> bytes:
+    return json.dumps({"model": "stories260K", "prompt": "Once", "max_tokens": 2, **fields}).encode()
+
+
+def health(port: int) -> int | None:
+    return send_raw(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n", timeout=5.0)
+
+
+def held_heads(port: int, n: int = 20) -> int | None:
+    """n connections send half a request head and hold it: /health must answer meanwhile (its status is the
+    outcome), and the server must drop every one by its head deadline (else the outcome is None)."""
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=10.0) for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        answer = health(port)
+        dropped = all(http_status(sock) in (None, 408) for sock in socks)  # closed by the server, not timed out
+        return answer if dropped else None
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def disconnect_mid_body(port: int) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=5.0) as sock:
+        sock.sendall(post("/v1/completions", b'{"model": "m", "pro', length=500))
+    return 0  # the outcome is what the server logs (a traceback is counted after the probe)
+
+
+def http_probes() -> list[Probe]:
+    chat = b'{"model": "stories260K", "messages": [{"role": "user", "content": "hang"}], "max_tokens": 2}'
+    return [
+        Probe("60,000 nested [", lambda port: send_raw(port, post("/v1/completions", b"[" * 60_000))),
+        Probe("a 5,000-digit integer", lambda port: send_raw(
+            port, post("/v1/completions", completion()[:-1] + b', "seed": ' + b"9" * 5000 + b"}"))),
+        Probe("invalid JSON", lambda port: send_raw(port, post("/v1/completions", b'{"model": '))),
+        Probe("NaN temperature", lambda port: send_raw(
+            port, post("/v1/completions", completion()[:-1] + b', "temperature": NaN}'))),
+        Probe("max_tokens -1", lambda port: send_raw(port, post("/v1/completions", completion(max_tokens=-1)))),
+        Probe("a body past --max-body-bytes", lambda port: send_raw(
+            port, post("/v1/completions", b" " * 70_000)), (413,)),
+        Probe("half a body, held", lambda port: send_raw(
+            port, post("/v1/completions", b'{"model"', length=1000), hold=3.0), (408, None)),
+        Probe("half a head, held", lambda port: send_raw(
+            port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", hold=3.0), (408, None)),
+        Probe("20 half heads held while /health is asked", held_heads, (200,)),
+        Probe("a disconnect mid-body", disconnect_mid_body, (0,)),
+        Probe("an empty bearer token", lambda port: send_raw(port, post("/v1/completions", completion(), key="")),
+              (401,)),
+        Probe("a wrong key", lambda port: send_raw(port, post("/v1/completions", completion(), key="sk-no")), (401,)),
+        Probe("no key", lambda port: send_raw(port, post("/v1/completions", completion(), key=None)), (401,)),
+        Probe("not HTTP", lambda port: send_raw(port, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" * 8),
+              (400, None)),
+        Probe("a runaway chat template", lambda port: send_raw(port, post("/v1/chat/completions", chat))),
+        Probe("an unknown path", lambda port: send_raw(port, post("/v1/nothing", completion())), (404,)),
+        Probe("a completion that must work", lambda port: send_raw(port, post("/v1/completions", completion())),
+              (200,)),
+    ]
+
+
+def http_results(out: Path, weights: Path, timeout: float) -> list[Result]:
+    server = Server(out, weights)
+    try:
+        return [run_probe(server, probe, timeout) for probe in http_probes()]
+    finally:
+        server.stop()
+
+
+def run_probe(server: Server, probe: Probe, timeout: float) -> Result:
+    case = Case("http", probe.name, [], expect="ok" if 200 in probe.expect else "error")
+    seen = len(server.lines)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(probe.send, server.port)
+        try:
+            outcome, hang = future.result(timeout), False
+        except TimeoutError:
+            outcome, hang = None, True
+    hang = hang or health(server.port) != 200  # the server still answers its other clients
+    time.sleep(0.2)  # what the probe made the server log
+    logged = "".join(server.lines[seen:])
+    unexpected = outcome not in probe.expect
+    ok = outcome is not None and 200 <= outcome < 300
+    return Result(case, outcome, traceback="Traceback" in logged, hang=hang, stdout_on_error=False,
+                  bad_status=unexpected and not ok, accepted=unexpected and ok, refused=False,
+                  stderr_tail=logged[-300:])
+
+
 def all_cases(out: Path, weights: Path) -> list[Case]:
     os.mkfifo(out / "fifo")
     (out / "fifo_dir").mkdir()
@@ -862,6 +1047,8 @@ def main(argv=None) -> int:
             cases = random.Random(0).sample(cases, min(args.sample, len(cases)))
         with ThreadPoolExecutor(args.jobs) as pool:
             results = list(pool.map(lambda c: run_case(c, args.timeout, out), cases))
+        if not args.sample and (args.kinds is None or "http" in args.kinds):
+            results += http_results(out / "files", args.weights, args.timeout)
     return report(results, args.json)
 
 

@@ -30,7 +30,7 @@ LAYERS = {
     "generation": ("npllm.generate", "npllm.report", "npllm.batching", "npllm.context", "npllm.search",
                    "npllm.speculative", "npllm.explain", "npllm.evaluate", "npllm.stop"),
     "chat": ("npllm.chat",),
-    "api": ("npllm", "npllm.llm", "npllm.convert", "npllm.bench"),
+    "api": ("npllm", "npllm.llm", "npllm.convert", "npllm.bench", "npllm.info"),
     "front ends": ("npllm.chat.repl", "npllm.serve"),
     "cli": ("npllm.cli", "npllm.__main__"),
 }

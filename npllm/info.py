@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..errors import NpllmError
-from ..quant import QuantizedMatrix
+from .config import ModelConfig
+from .errors import NpllmError
+from .quant import QuantizedMatrix
 
 MiB = 1024 * 1024
 
@@ -35,11 +35,11 @@ def _size(nbytes: int) -> str:
 def disk_dtypes(path: Path) -> Counter:
     """Tensor count per on-disk element type, read from the file headers."""
     if path.suffix == ".gguf":
-        from .gguf import read_gguf_file
+        from .formats.gguf import read_gguf_file
 
         return Counter(info.type.name for info in read_gguf_file(path).tensors.values())
     if path.is_dir() or path.suffix == ".safetensors" or path.name.endswith(".index.json"):
-        from .safetensors import read_header
+        from .formats.safetensors import read_header
 
         folder = path if path.is_dir() else path.parent
         files = [path] if path.suffix == ".safetensors" else sorted(folder.glob("*.safetensors"))
@@ -53,7 +53,7 @@ def disk_dtypes(path: Path) -> Counter:
 
 def gguf_type_bytes(path: Path) -> Counter:
     """Bytes per tensor type of a GGUF file (each tensor keeps its own type)."""
-    from .gguf import read_gguf_file
+    from .formats.gguf import read_gguf_file
 
     sizes = Counter()
     for info in read_gguf_file(path).tensors.values():
@@ -67,13 +67,13 @@ def kv_cache_bytes(config: ModelConfig, positions: int, itemsize: int = 4) -> in
 
 
 def describe_tokenizer(path: Path) -> str:
-    from ..hub import find_tokenizer
+    from .hub import find_tokenizer
 
     found = find_tokenizer(path)
     if found is None:
         return "none found beside the checkpoint (pass --tokenizer)"
     if found.suffix == ".gguf":
-        from .gguf import read_gguf_file, read_vocab
+        from .formats.gguf import read_gguf_file, read_vocab
 
         vocab = read_vocab(read_gguf_file(found))
         if vocab is None:
@@ -81,7 +81,7 @@ def describe_tokenizer(path: Path) -> str:
         kind = {"llama": "SentencePiece-style BPE", "gpt2": "byte-level BPE"}.get(vocab.model, vocab.model)
         return f"{kind}, {len(vocab.tokens)} tokens, embedded in the GGUF metadata"
     if found.suffix == ".json":  # read by the tokenizer's own reader, which checks every field
-        from ..tokenizer.bytelevel import ByteLevelBPE
+        from .tokenizer.bytelevel import ByteLevelBPE
 
         tokenizer = ByteLevelBPE.from_file(found)
         return (f"byte-level BPE {found.name}: {len(tokenizer.id_to_token)} tokens, {len(tokenizer.added_ids)} of "
