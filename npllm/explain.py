@@ -12,8 +12,8 @@ whether the filters kept them, and the token the sampler drew with the log-proba
       ...
       the filters kept 2 tokens, 94.7% of the probability before filtering
 
-The loop is generate_ids' own loop (npllm.generate.decode: prefill, then one decode step per token, the same stop
-rules and the same random draws), watched through the step's observe hook, so a seeded run explains exactly the
+The loop is generate_ids' own loop (npllm.generate.decode, the one single-sequence loop: prefill, then one decode
+step per token, the same stop rules and the same random draws), watched through the step's observe hook, so a seeded run explains exactly the
 tokens `npllm generate` prints; the tests hold the two to that.
 """
 
@@ -102,7 +102,7 @@ def explain_ids(model, tokenizer, prompt_ids, max_new_tokens: int, params: Sampl
     stops = stop_ids(model.config)
     request = Request(prompt_ids, max_new_tokens, replace(params, stop=()))
     shown = 0
-    for _ in decode(model, request, params.generator(), report=True, observe=observe):
+    for _ in decode(model, request, rng=params.generator(), report=True, observe=observe):
         yield from steps[shown:]
         shown = len(steps)
     yield from steps[shown:]  # the stop token's step, which decode does not yield

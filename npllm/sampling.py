@@ -562,6 +562,16 @@ class SamplingParams:
         return np.random.default_rng(self.seed)
 
 
+def with_keywords(params: SamplingParams | None, keywords: Mapping) -> SamplingParams:
+    """The SamplingParams a call draws with: `params` (default: SamplingParams()) with the sampling keywords given
+    beside it replacing its fields, checked as on construction."""
+    if params is None:
+        return SamplingParams(**keywords)
+    if not isinstance(params, SamplingParams):
+        raise GenerationError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return dataclasses.replace(params, **keywords) if keywords else params
+
+
 class Sampled(NamedTuple):
     """What `sample` and `sample_step` return: for [V] logits a Python int and float and [N] arrays; for [B, V]
     logits [B], [B], [B, N], [B, N]. (A generation step that was asked for ids only carries NaN log-probabilities
