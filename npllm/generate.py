@@ -224,7 +224,8 @@ class Sequence:
         self.prompt_logprobs: list[float] | None = None
         self.stops = (frozenset() if request.ignore_eos else stop_ids(config)) | request.stop_ids
         self.room = config.max_seq_len if context is None else context.room
-        if request.ignore_eos and self.room is not None and len(request.prompt) + request.max_new_tokens - 1 > self.room:
+        reach = len(request.prompt) + request.max_new_tokens - 1  # the last token drawn is never fed
+        if request.ignore_eos and self.room is not None and reach > self.room:
             raise GenerationError(f"{len(request.prompt)} prompt tokens + {request.max_new_tokens} new ones do not "
                                   f"fit the context of {self.room} (context_policy='truncate' or 'sinks' go past it)")
         self.finish_reason: str | None = None if request.max_new_tokens > 0 else "length"

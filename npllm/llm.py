@@ -93,9 +93,10 @@ class LLM:
     def stream(self, prompt: str = "", max_new_tokens: int = 256, echo: bool = False, on_step=None,
                draft=None, draft_layers: int | None = None, num_draft: int = 4, speculation=None,
                context_policy: str = "error", ignore_eos: bool = False, sinks: int = DEFAULT_SINKS,
-               params: SamplingParams | None = None, **sampling) -> Iterator[str]:
-        """Yield the completion's text as it is produced (with echo, the prompt's text first). params: how to
-        sample (SamplingParams, default SamplingParams()); sampling keywords beside it replace its fields.
+               **sampling) -> Iterator[str]:
+        """Yield the completion's text as it is produced (with echo, the prompt's text first). How to sample:
+        params=SamplingParams(...) (default SamplingParams()), and/or its fields as keywords, which replace the
+        params' own.
 
         Text is released only once whole UTF-8 characters are known, so a character split over byte tokens is
         never printed broken, and only once it cannot be the start of a stop string (`stop=`), which ends the
@@ -110,7 +111,7 @@ class LLM:
         is full), "truncate" (recompute over the most recent half context) or "sinks" (StreamingLLM: `sinks` first
         tokens + the most recent window, bounded memory). ignore_eos: end-of-sequence ids do not end the completion.
         """
-        params = with_keywords(params, sampling)
+        params = with_keywords(sampling.pop("params", None), sampling)
         prompt_ids = self._require_tokenizer().encode(prompt, bos=True)
         steps = self._steps(prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft, speculation,
                             context_policy, ignore_eos, sinks)

@@ -99,6 +99,15 @@ def test_error_policy_stops_at_the_context_and_refuses_what_cannot_fit(llm):
         Context(llm.model).prefill(story_ids(llm, llm.config.max_seq_len + 1))
 
 
+def test_only_the_error_policy_ends_the_loop_at_the_cache(llm):
+    """The one loop's context rule (Sequence.accept): under "error" a 32-position cache ends the generation after
+    32 - 20 + 1 tokens; "truncate" and "sinks" run the 40 asked for through the same cache, and refuse nothing."""
+    ends = {policy: len(list(continue_steps(Context(llm.model, policy, capacity=32), story_ids(llm, 20), 40, GREEDY,
+                                            ignore_eos=policy != "error")))
+            for policy in ("error", "truncate", "sinks")}
+    assert ends == {"error": 13, "truncate": 40, "sinks": 40}
+
+
 def test_truncate_recomputes_the_most_recent_half_context(llm):
     """Past a 32-position cache the model sees the last 16 tokens again from position 0: the logits are a fresh
     run's over exactly those tokens."""

@@ -25,7 +25,7 @@ HELP = ("commands: /reset (forget the conversation), /system TEXT (set the syste
 
 
 def run(args, params, context: dict) -> int:
-    from ..cli import as_keywords, load_with_tokenizer, write_out
+    from ..cli import load_with_tokenizer, write_out
     from .session import ChatSession
 
     llm = load_with_tokenizer(args, kv_dtype=args.kv_dtype)
@@ -37,13 +37,12 @@ def run(args, params, context: dict) -> int:
         except ImportError:
             pass
         print(f"[npllm] chatting with {args.model}; {HELP}", file=sys.stderr)
-    sampling = as_keywords(params)
     for line in user_lines(interactive):
         try:
             if line.startswith("/"):
                 command(session, line)
                 continue
-            reply_to(session, line, args.max_new_tokens, context["ignore_eos"], sampling, write_out)
+            reply_to(session, line, args.max_new_tokens, context["ignore_eos"], params, write_out)
         except NpllmError as e:
             if not interactive:
                 raise
@@ -71,7 +70,7 @@ def user_lines(interactive: bool):
             yield line
 
 
-def reply_to(session, text: str, max_new_tokens: int, ignore_eos: bool, sampling: dict, write_out) -> None:
+def reply_to(session, text: str, max_new_tokens: int, ignore_eos: bool, params, write_out) -> None:
     """Stream the reply to one user turn; Ctrl-C ends the reply (kept as far as it went), not the program."""
     start, first, count = time.perf_counter(), None, 0
     before = session.context.prefilled
@@ -80,12 +79,12 @@ def reply_to(session, text: str, max_new_tokens: int, ignore_eos: bool, sampling
         nonlocal first, count
         first = first or time.perf_counter()
         count += 1
-        if sampling.get("logprobs"):
+        if params.logprobs:
             from ..cli import print_logprobs
 
             print_logprobs(session.tokenizer, step)
 
-    reply = session.send(text, max_new_tokens, ignore_eos=ignore_eos, on_step=on_step, **sampling)
+    reply = session.send(text, max_new_tokens, ignore_eos=ignore_eos, on_step=on_step, params=params)
     try:
         for piece in reply:
             write_out(piece)
