@@ -498,12 +498,10 @@ def write_out(text: str) -> None:
 
 
 def print_logprobs(tokenizer, step, label: str = "[logprobs]") -> None:
-    """One stderr line per token: the label, the piece, its log-probability, then the top alternatives."""
-    def piece(token_id):
-        return repr(tokenizer.id_to_piece(int(token_id)))
+    """One stderr line per token (report.logprobs_line)."""
+    from .report import logprobs_line
 
-    alternatives = ", ".join(f"{piece(t)} {lp:.3f}" for t, lp in zip(step.top_ids, step.top_logprobs) if t >= 0)
-    print(f"{label} {piece(step.token_ids)} {step.logprobs:.4f} | {alternatives}", file=sys.stderr)
+    print(logprobs_line(tokenizer, step, label), file=sys.stderr)
 
 
 def read_prompt_file(path: str) -> list[str]:
@@ -540,7 +538,8 @@ def run_chat(args) -> int:
     from .chat.repl import run
 
     check_combinations(args, needs=CHAT_NEEDS)
-    return run(args, sampling_params(args), context_options(args))
+    params = sampling_params(args)  # checked before the model loads
+    return run(load_with_tokenizer(args, kv_dtype=args.kv_dtype), args, params, context_options(args), write_out)
 
 
 def run_info(args) -> int:
@@ -575,7 +574,8 @@ def quantize_progress(stream=None):
 def run_quantize(args) -> int:
     from collections import Counter
 
-    from .formats.gguf import MIXTURES, fallbacks, quant_type, quantize_checkpoint
+    from .convert import quantize_checkpoint
+    from .formats.gguf import MIXTURES, fallbacks, quant_type
 
     tensors, tokenizer = quantize_checkpoint(args.input, args.output, args.type.upper(), args.tokenizer,
                                              progress=quantize_progress())
@@ -638,6 +638,7 @@ def run_serve(args) -> int:
     except ImportError:
         raise NpllmError("npllm serve needs the serve extra: pip install 'npllm-engine[serve]' "
                          "(Starlette and uvicorn)") from None
+    from .chat import chat_template_name
     from .serve.app import Limits, Server, bind, check_api_key, run
 
     check_api_key(args.api_key)
@@ -648,7 +649,7 @@ def run_serve(args) -> int:
         limits = Limits(args.max_slots, args.max_queue, args.max_tokens_limit, args.max_body_bytes,
                         args.max_connections, args.header_timeout, args.body_timeout, args.keep_alive_timeout)
         server = Server(llm, args.served_model_name or Path(args.model).stem or str(args.model), limits, template,
-                        problem, args.api_key)
+                        problem, args.api_key, template_name=chat_template_name(args.chat_template, llm.source))
         return run(server, args.host, args.port, args.grace, args.cors_origin, sock=sock)
     finally:
         sock.close()

@@ -70,6 +70,10 @@ class ModelConfig:
     # llama2.c's TinyStories convention: a generated BOS ends the story (run.c stops on it).
     stop_at_bos: bool = False
     arch: str = "llama"
+    # ids [0, usable_vocab) are the tokenizer's; the embedding rows past it pad the vocabulary to a round size (Qwen2:
+    # 151,665 tokens, 151,936 rows) and the model never produces them. None: every one of the vocab_size ids.
+    # No checkpoint says it: npllm.load sets it from the tokenizer.
+    usable_vocab: int | None = None
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -95,6 +99,10 @@ class ModelConfig:
             raise ConfigError(f"head_dim {self.head_dim} must be even for RoPE")
         if self.rope_layout not in ("interleaved", "half"):
             raise ConfigError(f"rope_layout must be 'interleaved' or 'half', got {self.rope_layout!r}")
+        if self.usable_vocab is not None and not (isinstance(self.usable_vocab, int)
+                                                  and 0 < self.usable_vocab <= self.vocab_size):
+            raise ConfigError(f"usable_vocab must be an id count in [1, vocab_size {self.vocab_size}], "
+                              f"got {self.usable_vocab!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
         if not 0 < self.norm_eps < float("inf"):

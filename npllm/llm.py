@@ -23,39 +23,15 @@ from .sampling import Sampled, SamplingParams, with_keywords
 from .tokenizer import Tokenizer, load_tokenizer
 
 
-class PaddedVocab:
-    """A model whose embedding has rows past the tokenizer's last id (Qwen2 pads its vocabulary to a round size):
-    those ids are padding, so their logits are set to -inf where logits leave the model and they are never sampled.
-    Everything else is the wrapped model's.  lm_head: [T, D] -> [T, V], columns n_tokens.. = -inf
-    """
-
-    sample_next = None  # a sampler on the device would not see the mask: the masked logits are sampled on the host
-
-    def __init__(self, model, n_tokens: int):
-        self.model, self.n_tokens = model, n_tokens
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def lm_head(self, hidden) -> np.ndarray:
-        logits = np.array(self.model.lm_head(hidden), dtype=np.float32)  # a copy: the model's buffer stays as is
-        logits[..., self.n_tokens:] = -np.inf
-        return logits
-
-    def logits(self, tokens, positions=None, cache=None) -> np.ndarray:
-        tokens = np.asarray(tokens, dtype=np.int64)
-        positions = np.arange(len(tokens)) if positions is None else positions
-        return self.lm_head(self.forward(tokens, positions, self.new_cache() if cache is None else cache))
-
-
 # A padded vocabulary adds a few rows (Qwen2.5: 151,665 tokens, 151,936 rows); a tokenizer much smaller than the
 # embedding belongs to another model.
 MIN_TOKENIZER_SHARE = 0.9
 
 
 def fit_tokenizer(tokenizer: Tokenizer, config: ModelConfig, path) -> int | None:
-    """How many ids the model may produce when its embedding is padded past the tokenizer; None when they match.
-    A tokenizer with more ids than the embedding has rows, or far fewer, belongs to another model."""
+    """How many ids the model may produce when its embedding is padded past the tokenizer (the model's
+    config.usable_vocab: its lm_head masks the rest); None when they match. A tokenizer with more ids than the
+    embedding has rows, or far fewer, belongs to another model."""
     n = tokenizer.vocab_size
     if n == config.vocab_size:
         return None
@@ -339,5 +315,7 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
         # vocabulary does not exist); other tokenizers know their size and may be smaller than a padded embedding
         tok = load_tokenizer(tok_path, vocab_size=config.vocab_size if tok_path.suffix.lower() == ".bin" else None)
         n_tokens = fit_tokenizer(tok, config, tok_path)
+    if n_tokens is not None:
+        config = config.replace(usable_vocab=n_tokens)
     model = make_model(config, weights, backend, threads, weight_dtype, kv_dtype)
-    return LLM(model if n_tokens is None else PaddedVocab(model, n_tokens), tok, str(checkpoint), backend, threads)
+    return LLM(model, tok, str(checkpoint), backend, threads)

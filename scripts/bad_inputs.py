@@ -578,13 +578,61 @@ def combination_cases(out: Path) -> list[Case]:
     return ([Case("combo", name, args, stdin=hi if args[0] == "chat" else None) for name, args in refused.items()]
             + [Case("combo", name, args, stdin=hi if args[0] == "chat" else None, expect="ok")
                for name, args in works.items()])
+# Chat templates (code from a model file): each must end in one error line, within its deadline
+
+
+TEMPLATES = {  # name -> (template, expect)
+    "nested range loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                           "error"),
+    "nested loops writing": ("{% for i in range(100000) %}{% for j in range(100000) %}xxxx{% endfor %}{% endfor %}",
+                             "error"),
+    "string * 10**9": ("{{ 'a' * 10**9 }}", "error"),
+    "list * 10**9": ("{{ ['a'] * 10**9 }}", "error"),
+    "indent(10**9)": ("{{ 'x' | indent(10**9) }}", "error"),
+    "center(10**9)": ("{{ 'x' | center(10**9) }}", "error"),
+    "str.ljust(10**9)": ("{{ 'x'.ljust(10**9) }}", "error"),
+    "tojson(indent=10**9)": ("{{ messages | tojson(indent=10**9) }}", "error"),
+    "replace('', big)": ("{{ ('a' * 100000).replace('', 'b' * 100000) }}", "error"),
+    "join of a repeated list": ("{{ (['b' * 100000] * 100000) | join }}", "error"),
+    "%-format width": ("{{ '%1000000000d' % 1 }}", "error"),
+    "str.format width": ("{{ '{:>1000000000}'.format(1) }}", "error"),
+    "doubling list": ("{% set ns = namespace(x=['a']) %}{% for i in range(64) %}{% set ns.x = ns.x + ns.x %}"
+                      "{% endfor %}", "error"),
+    "10**100000": ("{{ 10 ** 100000 }}", "error"),
+    "1/0": ("{{ 1/0 }}", "error"),
+    "tojson of undefined": ("{{ nothing | tojson }}", "error"),
+    "recursive macro": ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "error"),
+    "include": ("{% include 'x.jinja' %}", "error"),
+    "import": ("{% import 'x.jinja' as x %}", "error"),
+    "extends": ("{% extends 'x.jinja' %}", "error"),
+    "range(10**10)|length": ("{{ range(10**10) | length }}", "error"),
+    "str + int": ("{{ 'a' + 1 }}", "error"),
+    "100,000-digit literal": ("{{ " + "7" * 100_000 + " }}", "error"),
+    "strftime_now(5)": ("{{ strftime_now(5) }}", "error"),
+    "wordwrap(0)": ("{{ 'a b' | wordwrap(0) }}", "error"),
+    "syntax error": ("{% for %}", "error"),
+    "raise_exception": ("{{ raise_exception('no') }}", "error"),
+    "python internals": ("{{ messages.__class__.__mro__ }}", "error"),
+    "plain": ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", "ok"),
+}
+
+
+def template_cases(out: Path) -> list[Case]:
+    """`npllm chat --chat-template FILE` with one user line, for each template above (stories260K, greedy)."""
+    cases = []
+    for i, (name, (template, expect)) in enumerate(TEMPLATES.items()):
+        path = out / f"template_{i}.jinja"
+        path.write_text(template, encoding="utf-8")
+        cases.append(Case("template", name, ["chat", "--chat-template", str(path), *GEN], stdin=b"Hi\n",
+                          expect=expect))
+    return cases
 
 
 def all_cases(out: Path, weights: Path) -> list[Case]:
     os.mkfifo(out / "fifo")
     (out / "fifo_dir").mkdir()
     return (llama2c_cases(out, weights) + hf_cases(out) + gguf_cases(out, weights) + tokenizer_cases(out, weights)
-            + prompt_cases(out) + flag_cases(out) + combination_cases(out))
+            + prompt_cases(out) + flag_cases(out) + combination_cases(out) + template_cases(out))
 
 
 def main(argv=None) -> int:

@@ -15,9 +15,9 @@ import npllm
 from npllm.config import RopeScaling
 from npllm.errors import ConfigError, FormatError
 from npllm.formats import read_checkpoint
-from npllm.formats.hf import (config_from_hf, permute_qk_half_to_interleaved, permute_qk_interleaved_to_half,
-                              read_hf, to_interleaved)
+from npllm.formats.hf import config_from_hf, read_hf, to_interleaved
 from npllm.models.reference import Transformer
+from npllm.tensors import permute_qk_half_to_interleaved, permute_qk_interleaved_to_half
 from test_formats_safetensors import encode
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"

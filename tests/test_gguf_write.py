@@ -239,7 +239,7 @@ def test_quantize_reports_progress_per_weight_and_on_a_terminal_only(tmp_path, s
     import io
 
     from npllm.cli import quantize_progress
-    from npllm.formats.gguf import quantize_checkpoint
+    from npllm.convert import quantize_checkpoint
 
     calls = []
     tensors, _ = quantize_checkpoint(stories260k, tmp_path / "p.gguf", "Q8_0",
@@ -294,7 +294,7 @@ def test_reference_model_runs_on_weights_kept_quantized(tmp_path, qtype):
 def test_quantize_checkpoint_from_hf_and_from_gguf(tmp_path, source):
     """A Hugging Face directory (half-split RoPE rows, a byte-level tokenizer npllm does not write yet) and a GGUF
     file both become Q8_0 files computing the model of their Q8_0-rounded weights."""
-    from npllm.formats.gguf import quantize_checkpoint
+    from npllm.convert import quantize_checkpoint
 
     src = FIXTURES / "llama_gqa"
     config, weights = read_hf(src)

@@ -24,11 +24,12 @@ HELP = ("commands: /reset (forget the conversation), /system TEXT (set the syste
         "/load FILE, /help; Ctrl-C stops a reply, Ctrl-D quits")
 
 
-def run(args, params, context: dict) -> int:
-    from ..cli import load_with_tokenizer, write_out
+def run(llm, args, params, context: dict, write_out) -> int:
+    """The conversation with a loaded llm: args.chat_template, args.system, args.model, args.max_new_tokens as
+    `npllm chat` parsed them, params the SamplingParams its flags ask for, context as LLM.stream's keywords,
+    write_out(text) the CLI's writer to stdout. The CLI calls this; nothing here imports the CLI."""
     from .session import ChatSession
 
-    llm = load_with_tokenizer(args, kv_dtype=args.kv_dtype)
     session = ChatSession(llm, args.chat_template, args.system, context["context_policy"], context["sinks"])
     interactive = sys.stdin.isatty()
     if interactive:
@@ -45,9 +46,20 @@ def run(args, params, context: dict) -> int:
             reply_to(session, line, args.max_new_tokens, context["ignore_eos"], params, write_out)
         except NpllmError as e:
             if not interactive:
-                raise
-            print(f"npllm: error: {e}", file=sys.stderr)
+                raise in_user_terms(e) from None
+            print(f"npllm: error: {in_user_terms(e)}", file=sys.stderr)
     return 0
+
+
+def in_user_terms(e: NpllmError) -> NpllmError:
+    """The error as `npllm chat` says it: a conversation that outgrew the context points to /reset and the flags."""
+    from ..errors import GenerationError
+    from .session import ConversationFull
+
+    if isinstance(e, ConversationFull):
+        return GenerationError(e.advice("type /reset to start over", "--context-policy truncate|sinks",
+                                        "--max-new-tokens"))
+    return e
 
 
 def user_lines(interactive: bool):
@@ -80,9 +92,9 @@ def reply_to(session, text: str, max_new_tokens: int, ignore_eos: bool, params, 
         first = first or time.perf_counter()
         count += 1
         if params.logprobs:
-            from ..cli import print_logprobs
+            from ..report import logprobs_line
 
-            print_logprobs(session.tokenizer, step)
+            print(logprobs_line(session.tokenizer, step), file=sys.stderr)
 
     reply = session.send(text, max_new_tokens, ignore_eos=ignore_eos, on_step=on_step, params=params)
     try:

@@ -30,7 +30,7 @@ import numpy as np
 from ..config import ModelConfig, RopeScaling
 from ..errors import ConfigError, FormatError
 from ..quant import DEQUANTIZE
-from .hf import check_weights
+from ..tensors import check_weights
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -572,31 +572,6 @@ def read_vocab(g: GGUFFile) -> GGUFVocab | None:
     )
 
 
-def gguf_tokenizer(path: str | os.PathLike):
-    """npllm's tokenizer for the vocabulary a GGUF file embeds: "llama" vocabularies (tokens, scores, token types,
-    SentencePiece spelling) feed BPETokenizer; "gpt2" ones (tokens and merges) feed ByteLevelBPE."""
-    from ..errors import TokenizerError
-    from ..tokenizer.bpe import BPETokenizer
-    from ..tokenizer.bytelevel import from_gguf_vocab
-
-    g = read_gguf_file(path)
-    vocab = read_vocab(g)
-    if vocab is None:
-        raise TokenizerError(f"{g.path}: carries no tokenizer (no tokenizer.ggml.model): pass a tokenizer file")
-    if vocab.model == "llama":
-        unk = g.metadata.get("tokenizer.ggml.unknown_token_id", 0)
-        add_space = g.metadata.get("tokenizer.ggml.add_space_prefix", True)
-        return BPETokenizer(vocab.tokens, vocab.scores, vocab.token_types,
-                            bos_id=1 if vocab.bos_id is None else vocab.bos_id,
-                            eos_id=2 if vocab.eos_id is None else vocab.eos_id,
-                            unk_id=unk if isinstance(unk, int) else 0,
-                            add_dummy_prefix=bool(add_space), name=g.path)
-    if vocab.model == "gpt2":
-        return from_gguf_vocab(vocab.tokens, vocab.merges, vocab.token_types, vocab.pre, vocab.bos_id, vocab.eos_id,
-                               vocab.add_bos, g.path)
-    raise TokenizerError(f"{g.path}: tokenizer model {vocab.model!r} is not supported (npllm reads llama and gpt2)")
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Writing: npllm models as GGUF files in llama.cpp's names and layout
 
@@ -709,7 +684,7 @@ def model_metadata(config: ModelConfig, name: str) -> dict:
 
 def vocab_metadata(tokenizer) -> dict:
     """tokenizer.ggml.* keys for a SentencePiece-style vocabulary (pieces, scores, token types): what
-    gguf_tokenizer reads back as a BPETokenizer. Byte-level (tokenizer.json) vocabularies are not written yet."""
+    tokenizer.gguf.gguf_tokenizer reads back as a BPETokenizer. Byte-level (tokenizer.json) vocabularies are not written yet."""
     if not hasattr(tokenizer, "score"):
         raise ConfigError(f"tokenizer {tokenizer.name}: npllm writes only SentencePiece-style vocabularies to GGUF")
     ids = range(tokenizer.vocab_size)
@@ -830,24 +805,3 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, weights: dict[str, 
     tensors = model_tensors(config, weights, type_name, progress)
     write_gguf_file(path, meta, tensors)
     return tensors
-
-
-def quantize_checkpoint(model: str | os.PathLike, out: str | os.PathLike, type_name: str,
-                        tokenizer: str | os.PathLike | None = None, progress=None) -> tuple[list[TensorData], object]:
-    """Any checkpoint npllm reads (llama2.c .bin, HF directory, GGUF; a path or a known name) written as a GGUF file
-    of `type_name`, with the vocabulary of its tokenizer (given, or found beside it) when npllm can write it.
-    Returns (tensors written, the tokenizer embedded or None). progress: see model_tensors."""
-    from ..hub import resolve
-    from ..tokenizer import load_tokenizer
-    from . import read_checkpoint
-
-    checkpoint, found = resolve(model)
-    config, weights = read_checkpoint(checkpoint)
-    if tokenizer is None and found == checkpoint and read_vocab(read_gguf_file(checkpoint)) is None:
-        found = None  # a GGUF input without a vocabulary: the output has none either
-    tok_path = tokenizer if tokenizer is not None else found
-    tok = None if tok_path is None else load_tokenizer(tok_path, vocab_size=config.vocab_size)
-    if tok is not None and not hasattr(tok, "score"):
-        tok = None  # byte-level vocabularies are not written yet; the GGUF then needs a tokenizer beside it
-    tensors = write_gguf(out, config, weights, type_name, tok, progress=progress)
-    return tensors, tok

@@ -60,6 +60,7 @@ class Context:
     max_tokens_limit: int
     chat_template: str | None = None  # None: /v1/chat/completions answers 400 naming --chat-template
     template_problem: str = ""
+    template_name: str = ""  # how errors name the template (npllm.chat.chat_template_name)
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,9 @@ def _messages(messages) -> list[dict]:
 
 def _chat_prompt_ids(messages: list[dict], ctx: Context) -> list[int]:
     """The conversation laid out by the chat template (ending with the assistant's header), then encoded. A template
-    that writes the BOS piece as text gets the BOS id instead (text "<s>" would be encoded as characters)."""
+    that writes the BOS piece as text gets the BOS id instead (text "<s>" would be encoded as characters). The render
+    runs in a worker process with a deadline (npllm/chat/worker.py); this waits for it, so the server calls parse_chat
+    off its event loop. Any failure of the template is the request's 400, naming the template."""
     from ..chat import render_chat_template
 
     tok, config = ctx.tokenizer, ctx.config
@@ -224,7 +227,7 @@ def _chat_prompt_ids(messages: list[dict], ctx: Context) -> list[int]:
     eos = tok.id_to_piece(config.eos_ids[0]) if config.eos_ids else None
     try:
         text = render_chat_template(ctx.chat_template, messages, add_generation_prompt=True, bos_token=bos,
-                                    eos_token=eos)
+                                    eos_token=eos, template_name=ctx.template_name or None)
     except ChatTemplateError as e:
         raise ApiError(400, str(e), "messages") from None
     if bos and text.startswith(bos):
