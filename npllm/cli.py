@@ -40,6 +40,7 @@ from contextlib import contextmanager
 
 from .errors import GenerationError, NpllmError
 from .models import KV_DTYPES, WEIGHT_DTYPES
+from .sampling import Option, SamplingParams, options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,22 +115,27 @@ def context_options(args) -> dict:
     return {"context_policy": args.context_policy, "sinks": args.sinks, "ignore_eos": args.ignore_eos}
 
 
-def add_sampling_arguments(gen) -> None:
-    gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
-    gen.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (default 0.9)")
-    gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    gen.add_argument("--top-k", type=whole(0), default=0, help="keep the k most probable tokens (0: off)")
-    gen.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * p_max (0: off)")
-    gen.add_argument("--typical-p", type=float, default=1.0, help="locally typical sampling mass (1: off)")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL penalty on seen tokens (1: off)")
-    gen.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this from seen tokens' logits")
-    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract this times each token's count")
-    gen.add_argument("--no-repeat-ngram", type=whole(0), default=0,
-                     help="forbid repeating any n-gram of this size")
-    gen.add_argument("--stop", action="append", default=[], metavar="STR",
-                     help="end the completion before this text (repeatable; may span tokens)")
-    gen.add_argument("--logprobs", type=whole(0, MOST_LOGPROBS), default=0, metavar="N",
-                     help="print each token's log-probability and the top N alternatives to stderr")
+def add_sampling_arguments(parser, params_type: type = SamplingParams) -> None:
+    """One flag per SamplingParams field that has one, built from the field's Option (npllm.sampling): its name,
+    type and range, default and help. A value the parser lets through is checked by SamplingParams itself."""
+    for f, option in options(params_type):
+        if option.flag is not None:
+            parser.add_argument(option.flag, dest=f.name, **flag_spec(option, f.default))
+
+
+def flag_spec(option: Option, default) -> dict:
+    """argparse's keywords for an Option's flag: "real" -> float, "integer" -> int (whole(least, most) when it has
+    bounds), "text" -> a repeatable string."""
+    default = default if option.cli_default is None else option.cli_default
+    spec = {"help": option.help, "metavar": option.metavar}
+    if option.kind == "text":
+        return {**spec, "action": "append", "default": []}
+    if option.kind == "real":
+        return {**spec, "type": float, "default": default}
+    if option.kind == "integer":
+        kind = int if option.least is None else whole(option.least, option.most)
+        return {**spec, "type": kind, "default": default}
+    raise ValueError(f"a {option.kind!r} option has no command-line flag; give it flag=None")
 
 
 def add_info(commands) -> None:
@@ -235,7 +241,7 @@ MOST_TOKENS = 1 << 24  # ModelConfig's MAX_CONTEXT
 MOST_REPEAT = 1000
 MOST_LAYERS = 1 << 12  # ModelConfig's layer cap
 MOST_DRAFT = MOST_BEAMS = 64
-MOST_MIB = MOST_LOGPROBS = 1 << 20
+MOST_MIB = 1 << 20
 MOST_QUEUE = 1 << 16
 MOST_BODY = 1 << 30
 MOST_CONNECTIONS = 1 << 20
@@ -291,18 +297,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="float16: the KV cache stores keys and values in half precision (numba, numpy)")
 
 
-def sampling_params(args):
-    """SamplingParams from the command line (validated there: a bad value is a clear error)."""
-    from .sampling import SamplingParams
-
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, top_k=args.top_k,
-                          min_p=args.min_p, typical_p=args.typical_p, repetition_penalty=args.repetition_penalty,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          no_repeat_ngram=args.no_repeat_ngram, stop=tuple(args.stop), logprobs=args.logprobs)
-
-
-def as_keywords(params) -> dict:
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+def sampling_params(args, params_type: type = SamplingParams) -> SamplingParams:
+    """The SamplingParams the flags ask for (validated there: a bad value is a clear error)."""
+    return params_type(**{f.name: getattr(args, f.name) for f, option in options(params_type) if option.flag})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -332,8 +329,8 @@ class Needs:
 
 # argparse dests. A new option is refused by every mode until a mode's `takes` names it.
 MODEL = frozenset({"model", "tokenizer", "backend", "threads", "weight_dtype", "kv_dtype"})
-SAMPLING = frozenset({"temperature", "top_p", "seed", "top_k", "min_p", "typical_p", "repetition_penalty",
-                      "presence_penalty", "frequency_penalty", "no_repeat_ngram"})
+# every sampling flag but --stop and --logprobs (text and a report, not a stage of the draw: each mode names them)
+SAMPLING = frozenset(f.name for f, option in options() if option.flag is not None) - {"stop", "logprobs"}
 ONE_PROMPT = MODEL | {"prompt", "max_new_tokens"}
 SPECULATIVE = ("speculative decoding continues one PROMPT with one draft, inside the context up to EOS, and reports no "
                "log-probabilities")
@@ -447,8 +444,8 @@ def stream_generate(args, llm, prompt: str, prompt_len: int, params) -> int:
         if params.logprobs:
             print_logprobs(llm.tokenizer, step)
 
-    for piece in llm.stream(prompt, args.max_new_tokens, echo=True, on_step=on_step, **speculation,
-                            **context_options(args), **as_keywords(params)):
+    for piece in llm.stream(prompt, args.max_new_tokens, echo=True, on_step=on_step, params=params, **speculation,
+                            **context_options(args)):
         write_out(piece)
     write_out("\n")
     print(timing_line(prompt_len, count, start, first, time.perf_counter()), file=sys.stderr)
@@ -553,8 +550,8 @@ def run_generate_batch(args) -> int:
         print_logprobs(llm.tokenizer, step, f"[logprobs {index + 1}]")
 
     start = time.perf_counter()
-    completions = llm.generate(prompts, args.max_new_tokens, on_step=on_step if params.logprobs else None,
-                               **as_keywords(params))
+    completions = llm.generate(prompts, args.max_new_tokens, params=params,
+                               on_step=on_step if params.logprobs else None)
     seconds = time.perf_counter() - start
     write_out("\n\n".join(p + c for p, c in zip(prompts, completions)) + "\n")
     print(f"[npllm] {len(prompts)} prompts completed together in {seconds:.2f} s", file=sys.stderr)
@@ -565,8 +562,8 @@ def run_chat(args) -> int:
     from .chat.repl import run
 
     check_combinations(args, needs=CHAT_NEEDS)
-    sampling = as_keywords(sampling_params(args))  # checked before the model loads
-    return run(load_with_tokenizer(args, kv_dtype=args.kv_dtype), args, sampling, context_options(args), write_out)
+    params = sampling_params(args)  # checked before the model loads
+    return run(load_with_tokenizer(args, kv_dtype=args.kv_dtype), args, params, context_options(args), write_out)
 
 
 def run_info(args) -> int:

@@ -14,12 +14,12 @@ import numpy as np
 from . import batching
 from .config import ModelConfig
 from .errors import FormatError, GenerationError, TokenizerError
-from .context import DEFAULT_SINKS, Context, check_policy, continue_steps
+from .context import DEFAULT_SINKS, Context, check_policy
 from .stop import StopStrings, text_of_steps
-from .generate import check_prompt, check_request, generate_ids
+from .generate import Request, check_prompt, check_request, decode, generate_ids
 from .hub import resolve
 from .models import Model
-from .sampling import Sampled, SamplingParams
+from .sampling import Sampled, SamplingParams, with_keywords
 from .tokenizer import Tokenizer, load_tokenizer
 
 
@@ -60,15 +60,19 @@ class LLM:
         check_prompt(self.config, ids)
         return self.model.logits(ids).astype(np.float32)
 
-    def generate_ids(self, prompt_ids, max_new_tokens: int = 256, **sampling) -> Iterator[int]:
-        """Yield new token ids for a prompt given as ids (sampling keywords as in SamplingParams)."""
-        return generate_ids(self.model, list(prompt_ids), max_new_tokens, SamplingParams(**sampling))
+    def generate_ids(self, prompt_ids, max_new_tokens: int = 256, params: SamplingParams | None = None,
+                     **sampling) -> Iterator[int]:
+        """Yield new token ids for a prompt given as ids. params: how to sample (SamplingParams); sampling keywords
+        given beside it (or instead) replace its fields."""
+        return generate_ids(self.model, list(prompt_ids), max_new_tokens, with_keywords(params, sampling))
 
     def stream(self, prompt: str = "", max_new_tokens: int = 256, echo: bool = False, on_step=None,
                draft=None, draft_layers: int | None = None, num_draft: int = 4, speculation=None,
                context_policy: str = "error", ignore_eos: bool = False, sinks: int = DEFAULT_SINKS,
                **sampling) -> Iterator[str]:
-        """Yield the completion's text as it is produced (with echo, the prompt's text first).
+        """Yield the completion's text as it is produced (with echo, the prompt's text first). How to sample:
+        params=SamplingParams(...) (default SamplingParams()), and/or its fields as keywords, which replace the
+        params' own.
 
         Text is released only once whole UTF-8 characters are known, so a character split over byte tokens is
         never printed broken, and only once it cannot be the start of a stop string (`stop=`), which ends the
@@ -83,7 +87,7 @@ class LLM:
         is full), "truncate" (recompute over the most recent half context) or "sinks" (StreamingLLM: `sinks` first
         tokens + the most recent window, bounded memory). ignore_eos: end-of-sequence ids do not end the completion.
         """
-        params = SamplingParams(**sampling)
+        params = with_keywords(sampling.pop("params", None), sampling)
         prompt_ids = self._require_tokenizer().encode(prompt, bos=True)
         steps = self._steps(prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft, speculation,
                             context_policy, ignore_eos, sinks)
@@ -91,8 +95,8 @@ class LLM:
 
     def _steps(self, prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft, speculation,
                context_policy, ignore_eos, sinks) -> Iterator:
-        """The generation steps stream() asked for: speculative, or on a Context (continue_steps: the same draws
-        as generate_steps, with the context policies on top)."""
+        """The generation steps stream() asked for: speculative, or the single-sequence loop (generate.decode) on
+        a Context under the policy asked for."""
         check_policy(context_policy, sinks)
         speculative = draft is not None or draft_layers is not None
         if context_policy == "error":
@@ -106,31 +110,31 @@ class LLM:
         # "error" never goes past prompt + max_new_tokens positions: a cache that size, not the whole context
         room = min(self.config.max_seq_len, len(prompt_ids) + max(max_new_tokens, 1))
         context = Context(self.model, context_policy, sinks, room if context_policy == "error" else None)
-        steps = continue_steps(context, prompt_ids, max_new_tokens, params, ignore_eos)
+        request = Request(prompt_ids, max_new_tokens, dataclasses.replace(params, stop=()), ignore_eos=ignore_eos)
+        steps = decode(self.model, request, context, report=params.logprobs > 0)
         return _started(steps)  # a request refused (ignore_eos past the context) fails before the echo
 
-    def generate(self, prompt: str | list[str] = "", max_new_tokens: int = 256, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int | None = None, **sampling) -> str | list[str]:
+    def generate(self, prompt: str | list[str] = "", max_new_tokens: int = 256, params: SamplingParams | None = None,
+                 **options) -> str | list[str]:
         """The completion of one prompt (without the prompt); for a list of prompts, the list of their completions,
-        generated together by ragged batching, each one what it would be alone (every prompt uses `seed`).
+        generated together by ragged batching, each one what it would be alone (every prompt uses params.seed).
+        params and the other keywords are stream's (sampling keywords beside params replace its fields).
 
         on_step: for one prompt, on_step(Sampled) per generated token (see stream); for a list, on_step(i, Sampled)
         for prompt i's tokens, prompt after prompt once the batch is done, up to where each completion ends (the
         token that completes a stop string included, as stream does)."""
-        if not isinstance(prompt, str):
-            if sampling.pop("context_policy", "error") != "error" or sampling.pop("ignore_eos", False):
-                raise GenerationError("a batch of prompts is generated inside the context and stops at EOS: "
-                                      "context_policy and ignore_eos apply to a single prompt")
-            sampling.pop("sinks", None)
-            on_step = sampling.pop("on_step", None)
-            params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, **sampling)
-            return self._generate_batch(list(prompt), max_new_tokens, params, on_step)
-        return "".join(self.stream(prompt, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                   **sampling))
+        if isinstance(prompt, str):
+            return "".join(self.stream(prompt, max_new_tokens, params=params, **options))
+        if options.pop("context_policy", "error") != "error" or options.pop("ignore_eos", False):
+            raise GenerationError("a batch of prompts is generated inside the context and stops at EOS: "
+                                  "context_policy and ignore_eos apply to a single prompt")
+        options.pop("sinks", None)
+        on_step = options.pop("on_step", None)
+        return self._generate_batch(list(prompt), max_new_tokens, with_keywords(params, options), on_step)
 
     def chat_stream(self, messages: list[dict], max_new_tokens: int = 256, chat_template: str | None = None,
                     context_policy: str = "error", sinks: int = DEFAULT_SINKS, ignore_eos: bool = False,
-                    on_step=None, **sampling) -> Iterator[str]:
+                    on_step=None, params: SamplingParams | None = None, **sampling) -> Iterator[str]:
         """The assistant's reply to `messages` ([{"role", "content"}, ...]), streamed as text.
 
         The conversation is laid out by the model's chat template (tokenizer_config.json, GGUF
@@ -140,7 +144,8 @@ class LLM:
         grows by a turn runs only the new tokens through the model (npllm.chat.ChatSession, npllm.context).
         """
         session = self.chat_session(chat_template, context_policy=context_policy, sinks=sinks)
-        return session.stream(messages, max_new_tokens, ignore_eos=ignore_eos, on_step=on_step, **sampling)
+        return session.stream(messages, max_new_tokens, ignore_eos=ignore_eos, on_step=on_step, params=params,
+                              **sampling)
 
     def chat(self, messages: list[dict], max_new_tokens: int = 256, **options) -> str:
         """The assistant's reply to `messages`, whole (the keywords of chat_stream)."""

@@ -18,9 +18,12 @@ import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..context import DEFAULT_SINKS, Context, continue_steps
+from dataclasses import replace
+
+from ..context import DEFAULT_SINKS, Context
 from ..errors import ChatTemplateError, GenerationError
-from ..sampling import SamplingParams
+from ..generate import Request, decode
+from ..sampling import SamplingParams, with_keywords
 from ..stop import StopStrings, text_of_steps
 from ..tokenizer.base import TokenType
 from .templates import (ChatTemplateLimitError, chat_template_name, find_chat_template, render_chat_template,
@@ -102,13 +105,16 @@ class ChatSession:
         return ids
 
     def stream(self, messages, max_new_tokens: int = 256, ignore_eos: bool = False,
-               on_step: Callable | None = None, **sampling) -> Iterator[str]:
-        """The assistant's reply to `messages`, streamed as text (stop strings and the end of turn cut it)."""
-        params = SamplingParams(**sampling)
+               on_step: Callable | None = None, params: SamplingParams | None = None, **sampling) -> Iterator[str]:
+        """The assistant's reply to `messages`, streamed as text (stop strings and the end of turn cut it).
+        params: how to sample (the sampling keywords beside it replace its fields)."""
+        params = with_keywords(params, sampling)
         prompt = self.prompt_ids(messages)
         self.check_fits(len(prompt), max_new_tokens, ignore_eos)
         stops = StopStrings(tuple(params.stop) + ((self.end_of_turn,) if self.end_of_turn else ()))
-        steps = continue_steps(self.context, prompt, max_new_tokens, params, ignore_eos, self.end_ids)
+        request = Request(prompt, max_new_tokens, replace(params, stop=()), stop_ids=self.end_ids,
+                          ignore_eos=ignore_eos)
+        steps = decode(self.llm.model, request, self.context, report=params.logprobs > 0)
         # a fresh decoder, not primed with the prompt: the reply is text of its own, without a leading space
         yield from text_of_steps(self.tokenizer.stream_decoder(), steps, stops, on_step)
 
