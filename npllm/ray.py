@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -181,13 +182,17 @@ def _connect(ray, address: str | None) -> bool:
     return True
 
 
+@contextmanager
 def _ordered(ray):
-    """This process's Ray Data context with results kept in input order and Ray's own progress bars off (npllm
-    draws one bar)."""
+    """While it lasts, this process's Ray Data context keeps results in input order and draws no progress bars of
+    its own (npllm draws one); then both settings are put back."""
     context = ray.data.DataContext.get_current()
-    context.execution_options.preserve_order = True
-    context.enable_progress_bars = False
-    return context
+    before = context.execution_options.preserve_order, context.enable_progress_bars
+    context.execution_options.preserve_order, context.enable_progress_bars = True, False
+    try:
+        yield
+    finally:
+        context.execution_options.preserve_order, context.enable_progress_bars = before
 
 
 def run_batch(model, input_path, output, errors, *, address: str | None = None, workers: int = 1,
@@ -202,16 +207,16 @@ def run_batch(model, input_path, output, errors, *, address: str | None = None, 
         return write_results(work, iter(()), output, errors, progress)
     joined = _connect(ray, address)
     try:
-        _ordered(ray)
+        predictor = dict(model=str(model), tokenizer=tokenizer, backend=backend, threads=threads,
+                         chat_template=chat_template, slots=batch_size, json_column="body",
+                         weight_dtype=weight_dtype, kv_dtype=kv_dtype)
         rows = [{"line": line.number, "body": json.dumps(line.body)} for line in work.pending]
-        done = ray.data.from_items(rows).map_batches(
-            Predictor, batch_size=batch_size, batch_format="numpy", compute=_pool(ray, workers),
-            num_cpus=threads or 1,
-            fn_constructor_kwargs=dict(model=str(model), tokenizer=tokenizer, backend=backend, threads=threads,
-                                       chat_template=chat_template, slots=batch_size, json_column="body",
-                                       weight_dtype=weight_dtype, kv_dtype=kv_dtype))
-        results = ((int(row["line"]), record_of(row)) for row in done.iter_rows())
-        return write_results(work, results, output, errors, progress)
+        with _ordered(ray):
+            done = ray.data.from_items(rows).map_batches(
+                Predictor, batch_size=batch_size, batch_format="numpy", compute=_pool(ray, workers),
+                num_cpus=threads or 1, fn_constructor_kwargs=predictor)
+            results = ((int(row["line"]), record_of(row)) for row in done.iter_rows())
+            return write_results(work, results, output, errors, progress)
     finally:
         if joined:
             ray.shutdown()
@@ -250,19 +255,18 @@ def perplexity(dataset, model="stories260K", ctx: int | None = None, *, column: 
     ray = require_ray()
     start = time.perf_counter()
     tok, config = load_tokenizer_of(model, tokenizer)
-    context = _ordered(ray)
-    texts = [str(row[column]) for row in dataset.iter_rows()]
     ctx = ctx or min(512, config.max_seq_len)
     if ctx > config.max_seq_len:
         raise GenerationError(f"ctx {ctx} is longer than the model's context ({config.max_seq_len})")
-    chunks = llama_cpp_chunks(tok.encode(separator.join(texts), bos=True), ctx, config.bos_id)
-    items = ray.data.from_items([{"chunk": i, "tokens": chunk} for i, chunk in enumerate(chunks)])
-    context.execution_options.preserve_order = True
-    scored = items.map_batches(ChunkScorer, batch_size=batch, batch_format="numpy", compute=_pool(ray, workers),
-                               num_cpus=threads or 1,
-                               fn_constructor_kwargs=dict(model=str(model), tokenizer=tokenizer, backend=backend,
-                                                          threads=threads))
-    nll = np.empty((len(chunks), ctx - 1 - ctx // 2))
-    for row in scored.iter_rows():
-        nll[int(row["chunk"])] = row["nll"]
+    with _ordered(ray):
+        texts = [str(row[column]) for row in dataset.iter_rows()]
+        chunks = llama_cpp_chunks(tok.encode(separator.join(texts), bos=True), ctx, config.bos_id)
+        items = ray.data.from_items([{"chunk": i, "tokens": chunk} for i, chunk in enumerate(chunks)])
+        scored = items.map_batches(ChunkScorer, batch_size=batch, batch_format="numpy",
+                                   compute=_pool(ray, workers), num_cpus=threads or 1,
+                                   fn_constructor_kwargs=dict(model=str(model), tokenizer=tokenizer,
+                                                              backend=backend, threads=threads))
+        nll = np.empty((len(chunks), ctx - 1 - ctx // 2))
+        for row in scored.iter_rows():
+            nll[int(row["chunk"])] = row["nll"]
     return perplexity_of(nll, time.perf_counter() - start)
