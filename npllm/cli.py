@@ -17,6 +17,8 @@
     npllm serve --model M [--host H] [--port P] [--api-key K] [--chat-template NAME|FILE] [--max-slots N]
                 [--max-queue N] [--max-tokens-limit N] [--cors-origin URL] [--max-connections N]
                 [--header-timeout S] [--body-timeout S] [--keep-alive-timeout S]   an OpenAI-compatible HTTP server
+    npllm batch --model M --input IN.jsonl --output OUT.jsonl [--ray [ADDRESS]] [--workers N] [--batch-size B]
+                [--errors FILE] [--chat-template NAME|FILE]       a JSONL file of requests, resumable (docs/batch.md)
 
 stdout gets the prompt followed by the completion and nothing else (with --prompt-file, each prompt and its
 completion, separated by blank lines); timings go to stderr. PROMPT "-" reads the prompt from stdin.
@@ -47,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npllm", description="A readable NumPy Llama inference engine.")
     parser.add_argument("--version", action="version", version=f"npllm {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (add_generate, add_chat, add_info, add_quantize, add_bench, add_perplexity, add_serve):
+    for add in (add_generate, add_chat, add_info, add_quantize, add_bench, add_perplexity, add_serve, add_batch):
         add(commands)
     return parser
 
@@ -233,6 +235,30 @@ def add_serve(commands) -> None:
     serve.add_argument("--grace", type=seconds(0), default=10.0,
                        help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default 10)")
     serve.set_defaults(run=run_serve, compiles=True)
+
+
+def add_batch(commands) -> None:
+    batch = commands.add_parser("batch", help="a JSONL file of requests through the model, resumable, results in "
+                                              "input order (docs/batch.md)")
+    add_model_arguments(batch)
+    batch.add_argument("--input", "-i", required=True,
+                       help='requests, one JSON object a line: {"id", "prompt" or "messages", fields of the '
+                            "server's requests (max_tokens, temperature, top_p, seed, stop, ...)}")
+    batch.add_argument("--output", "-o", required=True,
+                       help="results are appended here in input order; ids already in it are skipped")
+    batch.add_argument("--errors", default=None,
+                       help="bad lines, with their line number and reason (default: OUTPUT's name + .errors.jsonl)")
+    batch.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                       help="run on Ray Data: the cluster at ADDRESS, else $RAY_ADDRESS, else one on this machine "
+                            "(needs the ray extra)")
+    batch.add_argument("--workers", type=whole(1, MOST_BATCH), default=1,
+                       help="with --ray: actors, each loading the model once (default 1)")
+    batch.add_argument("--batch-size", type=whole(1, MOST_BATCH), default=8,
+                       help="requests decoded together, one cache slot each (default 8; with --ray, also the rows "
+                            "an actor takes at a time)")
+    batch.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                       help='template for "messages" lines (default: the model\'s own)')
+    batch.set_defaults(run=run_batch, compiles=True, command_parser=batch)
 
 
 # Upper bounds on counts, far above any sensible use, so a typo cannot ask for a petabyte or a year of work.
@@ -683,16 +709,44 @@ def serve_chat_template(spec: str | None, checkpoint: str) -> tuple[str | None, 
     """(template, "") for the chat endpoint; (None, why) when the model ships none and none was named, so the
     server still serves completions and the chat endpoint answers 400 with the reason. A named template that
     cannot be read stops the server at once."""
-    from .chat import find_chat_template, resolve_chat_template
-    from .errors import ChatTemplateError
+    from .batch import chat_template_for
 
-    if spec is not None:
-        return resolve_chat_template(spec, None), ""
-    try:
-        return resolve_chat_template(None, find_chat_template(checkpoint)), ""
-    except ChatTemplateError as e:
-        print(f"[npllm] /v1/chat/completions is off: {e}", file=sys.stderr)
-        return None, str(e)
+    template, problem = chat_template_for(spec, checkpoint)
+    if problem:
+        print(f"[npllm] /v1/chat/completions is off: {problem}", file=sys.stderr)
+    return template, problem
+
+
+BATCH_NEEDS = (Needs("workers", "--ray", lambda args: args.ray is not None),)
+
+
+def run_batch(args) -> int:
+    """npllm batch: the input's requests without a result in the output, in this process or on Ray Data; one
+    summary line on stderr, nothing on stdout."""
+    from .batch import Runner, chat_template_for, errors_path, plan, run
+
+    check_combinations(args, needs=BATCH_NEEDS)
+    errors = args.errors or str(errors_path(args.output))
+    if args.ray is not None:
+        from .ray import run_batch as run_on_ray
+
+        if args.chat_template is not None:
+            chat_template_for(args.chat_template, None)  # a template that cannot be read: an error before Ray starts
+        summary = run_on_ray(args.model, args.input, args.output, errors, address=args.ray or None,
+                             workers=args.workers, batch_size=args.batch_size, tokenizer=args.tokenizer,
+                             backend=args.backend, threads=args.threads, chat_template=args.chat_template,
+                             weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype)
+    else:
+        from .chat import chat_template_name
+
+        work = plan(args.input, args.output, errors)  # bad files are refused before the model loads
+        llm = load_with_tokenizer(args, kv_dtype=args.kv_dtype)
+        template, problem = chat_template_for(args.chat_template, llm.source)
+        runner = Runner(llm, None, template, problem, chat_template_name(args.chat_template, llm.source),
+                        args.batch_size)
+        summary = run(runner, work, args.output, errors)
+    print(summary.line(args.output, errors), file=sys.stderr)
+    return 0
 
 
 def run_bench(args) -> int:

@@ -305,17 +305,35 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
     # cuda model keeps a file's Q8_0 blocks when asked for weight_dtype "q8_0"
     keep_quantized = backend == "numba" or (backend == "cuda" and weight_dtype == "q8_0")
     config, weights = read_checkpoint(checkpoint, keep_quantized=keep_quantized)
-    tok_path = tokenizer if tokenizer is not None else found_tokenizer
-    tok, n_tokens = None, None
-    if tok_path is not None:
-        tok_path = Path(tok_path)
-        if tok_path.exists() and not tok_path.is_file():
-            raise TokenizerError(f"tokenizer {tok_path} is not a regular file")
-        # a llama2.c .bin does not record its size: it is read for exactly the model's ids (a padded llama2.c
-        # vocabulary does not exist); other tokenizers know their size and may be smaller than a padded embedding
-        tok = load_tokenizer(tok_path, vocab_size=config.vocab_size if tok_path.suffix.lower() == ".bin" else None)
-        n_tokens = fit_tokenizer(tok, config, tok_path)
-    if n_tokens is not None:
-        config = config.replace(usable_vocab=n_tokens)
+    tok, config = _tokenizer_for(config, tokenizer if tokenizer is not None else found_tokenizer)
     model = make_model(config, weights, backend, threads, weight_dtype, kv_dtype)
     return LLM(model, tok, str(checkpoint), backend, threads)
+
+
+def _tokenizer_for(config: ModelConfig, tok_path) -> tuple[Tokenizer | None, ModelConfig]:
+    """The tokenizer at tok_path (None: none) checked against the model's vocabulary, and the config with
+    usable_vocab set when the embedding is padded past it."""
+    if tok_path is None:
+        return None, config
+    tok_path = Path(tok_path)
+    if tok_path.exists() and not tok_path.is_file():
+        raise TokenizerError(f"tokenizer {tok_path} is not a regular file")
+    # a llama2.c .bin does not record its size: it is read for exactly the model's ids (a padded llama2.c
+    # vocabulary does not exist); other tokenizers know their size and may be smaller than a padded embedding
+    tok = load_tokenizer(tok_path, vocab_size=config.vocab_size if tok_path.suffix.lower() == ".bin" else None)
+    n_tokens = fit_tokenizer(tok, config, tok_path)
+    return tok, (config if n_tokens is None else config.replace(usable_vocab=n_tokens))
+
+
+def load_tokenizer_of(model: str | os.PathLike = "stories260K",
+                      tokenizer: str | os.PathLike | None = None) -> tuple[Tokenizer, ModelConfig]:
+    """The tokenizer load(model, tokenizer) pairs with the model, and the model's config, without building the
+    model (the checkpoint is only mapped; nothing is compiled): for a process that only encodes text."""
+    from .formats import read_checkpoint
+
+    checkpoint, found = resolve(model)
+    config, _ = read_checkpoint(checkpoint, keep_quantized=True)
+    tok, config = _tokenizer_for(config, tokenizer if tokenizer is not None else found)
+    if tok is None:
+        raise FormatError(f"no tokenizer was found for {checkpoint}: pass tokenizer=PATH")
+    return tok, config

@@ -31,7 +31,7 @@ LAYERS = {
                    "npllm.speculative", "npllm.explain", "npllm.evaluate", "npllm.stop"),
     "chat": ("npllm.chat",),
     "api": ("npllm", "npllm.llm", "npllm.convert", "npllm.bench", "npllm.info"),
-    "front ends": ("npllm.chat.repl", "npllm.serve"),
+    "front ends": ("npllm.chat.repl", "npllm.serve", "npllm.batch", "npllm.ray"),
     "cli": ("npllm.cli", "npllm.__main__"),
 }
 MAY_IMPORT = {
