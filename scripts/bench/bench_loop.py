@@ -18,7 +18,7 @@ from pathlib import Path
 import npllm
 from npllm.bench import Session
 
-WEIGHTS = Path(__file__).resolve().parent.parent / "weights" / "stories260K"
+WEIGHTS = Path(__file__).resolve().parents[2] / "weights" / "stories260K"
 
 
 GREEDY = {"temperature": 0.0}

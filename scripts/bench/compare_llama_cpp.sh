@@ -7,7 +7,7 @@
 # C++ compiler needed; ~15 minutes on 2 cores) in $LLAMA_CPP_DIR (default /tmp/npllm-llama.cpp). The text is
 # twelve stories sampled from the checkpoint itself (seeds 1..12); the GGUFs are written by `npllm quantize`.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 checkpoint=${1:-weights/stories260K/stories260K.bin}
 tokenizer=${2:-weights/stories260K/tok512.model}
 ctx=${3:-128}

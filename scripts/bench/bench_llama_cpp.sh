@@ -14,7 +14,7 @@
 # without enabling it, a native build's weight repacking runs AMX tile instructions and dies of SIGILL on Q8_0 and
 # Q4_0: there, LLAMA_BENCH_ARGS="--repack 0" (llama.cpp's plain CPU kernels on the file's own blocks).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 shape=${1:-stories110M}
 threads=${2:-1,2}
 build=${LLAMA_CPP_DIR:-/tmp/npllm-llama.cpp}
