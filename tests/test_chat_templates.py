@@ -1,6 +1,6 @@
 """Chat templates render exactly as transformers' apply_chat_template(tokenize=False) renders them.
 
-tests/fixtures/chat/renders.json was written by scripts/make_chat_fixtures.py with transformers itself: published
+tests/fixtures/chat/renders.json was written by scripts/fixtures/make_chat_fixtures.py with transformers itself: published
 templates (ChatML, Qwen2, Llama 2 with <<SYS>> and raise_exception, Llama 3, Zephyr), templates using namespace(),
 loop controls, tojson, a refused namespace attribute and a syntax error, and npllm's own built-ins, each over several
 conversations with and without the generation prompt.

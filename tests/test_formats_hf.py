@@ -1,6 +1,6 @@
 """Hugging Face checkpoints: config.json mapping, weight names, RoPE layouts, bad checkpoints, and the end-to-end
 acceptance: npllm's logits within 1e-4 of transformers' and greedy generation identical for 32 tokens, on tiny
-random-weight fixtures made by scripts/make_hf_fixtures.py (the references were computed by transformers)."""
+random-weight fixtures made by scripts/fixtures/make_hf_fixtures.py (the references were computed by transformers)."""
 
 import json
 import shutil

@@ -1,11 +1,11 @@
 """Two versions of npllm on one model file in ONE process, their prefills and decode steps alternated: the A/B of
-a change to the model or its kernels that a noisy shared machine allows (scripts/ab_kernels.py does the same for
+a change to the model or its kernels that a noisy shared machine allows (scripts/bench/ab_kernels.py does the same for
 quant.py's tiles alone). Timed one process after the other, two runs of the same code here differ by up to 1.5x when
 the host takes CPUs from this VM in bursts; alternated in one process, each pair of timings meets the same machine.
 
-    python scripts/ab_model.py BASE_CHECKOUT FILE.gguf [THREADS] [PROMPT] [STEPS] [ROUNDS]
+    python scripts/bench/ab_model.py BASE_CHECKOUT FILE.gguf [THREADS] [PROMPT] [STEPS] [ROUNDS]
     # e.g. git worktree add /tmp/base HEAD~1, then
-    #      python scripts/ab_model.py /tmp/base stories110M-Q4_K_M.gguf 2 128 64 5
+    #      python scripts/bench/ab_model.py /tmp/base stories110M-Q4_K_M.gguf 2 128 64 5
 
 BASE_CHECKOUT's npllm package is copied to $TMPDIR/npllm-ab/<its path, flattened>/npllm_base (every import inside
 npllm is relative, so it runs as a second package; set NUMBA_CACHE_DIR to keep its compiled code between runs) and

@@ -1,7 +1,7 @@
 """One decode product with its weights in the cache, and streamed from memory: whether decode is bound by the
 kernel's instructions or by the memory bus on this machine.
 
-    python scripts/bench_streaming.py [--types Q4_0 Q8_0 Q4_K] [--rows 2048] [--cols 768] [--mb 300] [--rounds 3]
+    python scripts/bench/bench_streaming.py [--types Q4_0 Q8_0 Q4_K] [--rows 2048] [--cols 768] [--mb 300] [--rounds 3]
 
 One thread, one token (what a decode step runs), the kernel the model runs (kernels.quant.matmul_rows_interleaved
 on rows interleaved by eight): first the same matrix again and again (it stays in L2), then a new copy each call,

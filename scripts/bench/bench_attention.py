@@ -2,10 +2,10 @@
 tokens into an empty ring, and one decode step after S positions. Prints ns per (query head, key) pair, best of
 `repeat` (one thread unless THREADS says otherwise).
 
-    python scripts/bench_attention.py [H] [K] [Dh] [T] [S] [THREADS] [REPEAT]   # defaults: 12 12 64 128 128 1 9
+    python scripts/bench/bench_attention.py [H] [K] [Dh] [T] [S] [THREADS] [REPEAT]   # defaults: 12 12 64 128 128 1 9
 
 To compare two versions, run it with PYTHONPATH at a checkout of each, in alternated processes (this VM's speed
-moves by up to 2x between minutes): `PYTHONPATH=/tmp/old python scripts/bench_attention.py`.
+moves by up to 2x between minutes): `PYTHONPATH=/tmp/old python scripts/bench/bench_attention.py`.
 """
 import sys
 import time

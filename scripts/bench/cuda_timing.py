@@ -1,6 +1,6 @@
 """CudaTransformer on a real GPU against its memory-bandwidth roofline, float32, float16 or Q8_0 weight storage.
 
-    python scripts/cuda_timing.py --model stories110M tinyllama-1.1B --dtype float32 float16 q8_0 --batch 1 32
+    python scripts/bench/cuda_timing.py --model stories110M tinyllama-1.1B --dtype float32 float16 q8_0 --batch 1 32
 
 (`npllm bench --backend cuda --weight-dtype float16` gives the same timings without the roofline columns.)
 

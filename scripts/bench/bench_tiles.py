@@ -3,9 +3,9 @@ dots (kernels.quant.matmul_int8) at 1, 4, 16 and 64 tokens, and the rows decoded
 (kernels.quant.matmul_rows, what the model takes for types without integer dots; until the K-quants were
 interleaved, for those from 16-100 tokens a call). The one-row kernels: the interleaved ones are in docs/quant.md.
 
-    python scripts/bench_tiles.py [--rows 2048] [--cols 768] [--repeat 5]
-    python scripts/bench_tiles.py --interleaved [--repeat 7]
-    python scripts/bench_tiles.py --quantizer [--repeat 7]
+    python scripts/bench/bench_tiles.py [--rows 2048] [--cols 768] [--repeat 5]
+    python scripts/bench/bench_tiles.py --interleaved [--repeat 7]
+    python scripts/bench/bench_tiles.py --quantizer [--repeat 7]
 
 --interleaved measures instead the kernels the model runs (kernels.quant.matmul_rows_int8 on rows interleaved by
 eight, quant.interleave_rows; Q2_K and Q3_K on two-part activations), for each interleaved type at 1, 4, 16 and 64

@@ -1,7 +1,7 @@
 """Peak resident memory of loading a GGUF model and decoding a few tokens, each file in a fresh process.
 
-    python scripts/bench_memory.py [--shape stories110M] [--types F32 Q8_0 Q4_0] [--dir /tmp] [--steps 16]
-    python scripts/bench_memory.py --files a.gguf b.gguf
+    python scripts/bench/bench_memory.py [--shape stories110M] [--types F32 Q8_0 Q4_0] [--dir /tmp] [--steps 16]
+    python scripts/bench/bench_memory.py --files a.gguf b.gguf
 
 Random weights of a named shape (formats/random.py) are written with npllm's own write_gguf into --dir (once; not
 meant to be committed), then each file is loaded the way npllm.load loads it (backend numba: matrices kept in

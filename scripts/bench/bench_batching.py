@@ -1,7 +1,7 @@
 """Benchmark of batched generation: aggregate decode throughput by batch size, and the work each strategy wastes.
 
-    python scripts/bench_batching.py                      # everything (a few minutes on 2 cores)
-    python scripts/bench_batching.py --only throughput    # or: --only waste
+    python scripts/bench/bench_batching.py                      # everything (a few minutes on 2 cores)
+    python scripts/bench/bench_batching.py --only throughput    # or: --only waste
 
 Throughput: B greedy requests with 8-token prompts decode together (ContinuousEngine, B slots); the first step
 (the prefill) is not timed, the rest are: tokens produced / seconds = aggregate decode tok/s. Models: stories260K
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import npllm  # noqa: E402

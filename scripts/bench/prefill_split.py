@@ -3,7 +3,7 @@ the same weights, every layer's four calls), in one process, interleaved, best o
 everything else: norms, RoPE, attention, SwiGLU, and quantizing the activations to 8 bits (serial, inside
 products_into but outside its parallel region).
 
-    python scripts/prefill_split.py FILE.gguf [THREADS] [T] [REPEAT]      # defaults: 2 threads, 128 tokens, 5
+    python scripts/bench/prefill_split.py FILE.gguf [THREADS] [T] [REPEAT]      # defaults: 2 threads, 128 tokens, 5
 
 The numba model on weights kept in their file types (a quantized GGUF).
 """

@@ -1,7 +1,7 @@
 """llama2.c's run.c and npllm side by side on one llama2.c checkpoint (the issue's small-model target: run.c's decode
 of the stories15M shape).
 
-    python scripts/bench_run_c.py [SHAPE] [THREADS] [ROUNDS]     # defaults: stories15M 2 3
+    python scripts/bench/bench_run_c.py [SHAPE] [THREADS] [ROUNDS]     # defaults: stories15M 2 3
 
 run.c comes from the package index: the `llamac2py` source package carries llama2.c's run.c of August 2023 (the
 version whose file format npllm calls legacy: multi-head attention, RoPE tables read from the checkpoint). The script

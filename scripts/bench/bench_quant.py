@@ -1,7 +1,7 @@
 """Matrix-vector products on quantized weights (npllm/kernels/quant.py) against the float32 kernel of the same shape,
 for every weight matrix of a model shape: the weight-reading part of one decode step.
 
-    python scripts/bench_quant.py [--model stories110M] [--threads 1 2] [--repeat 7] [--resident]
+    python scripts/bench/bench_quant.py [--model stories110M] [--threads 1 2] [--repeat 7] [--resident]
 
 For each type it prints the time of one pass over every matrix of the model (all layers and the LM head, random
 weights; attention, norms and sampling not included), the weight bytes read, the rate in GB/s of those bytes, the

@@ -1,6 +1,6 @@
 """Benchmark npllm.sampling on a [32, 32000] float32 batch: median (and minimum) milliseconds per call.
 
-    python scripts/bench_sampling.py [--repeats 50] [--batch 32] [--vocab 32000]
+    python scripts/bench/bench_sampling.py [--repeats 50] [--batch 32] [--vocab 32000]
 
 Two kinds of logits: "peaked" (normal with std 4: top-p 0.9 keeps about 1k tokens per row, close to what a
 language model gives on open-ended text) and "flat" (standard normal: top-p 0.9 keeps ~75% of the vocabulary,
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from npllm import sampling  # noqa: E402
 

@@ -2,7 +2,7 @@
 as npllm's Numba model computes it (weights kept in their type, every product on int8 activation blocks) against
 the same weights dequantized and multiplied in float32 (the exact dequantized model).
 
-    python scripts/int8_quality.py [--type Q8_0] [--stories 12] [--ctx 128]
+    python scripts/bench/int8_quality.py [--type Q8_0] [--stories 12] [--ctx 128]
 
 The text is `stories` stories sampled from the float checkpoint (seeds 1..stories, temperature 1, top-p 0.95); the
 measure is llama.cpp's --kl-divergence one (npllm.evaluate.kl_divergence): mean KL(dequantized || int8) over the

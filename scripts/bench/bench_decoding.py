@@ -1,6 +1,6 @@
 """Speculative decoding against plain decoding, greedy, in one run: tokens/s, acceptance, tokens per model call.
 
-    python scripts/bench_decoding.py [--model weights/stories260K/stories260K.bin] [--shape stories15M] [--tokens 200]
+    python scripts/bench/bench_decoding.py [--model weights/stories260K/stories260K.bin] [--shape stories15M] [--tokens 200]
 
 For a checkpoint, drafts are its first N layers; for a named shape (random weights) too, where acceptance says how
 often early layers already pick the final argmax of an untrained network (a floor, not a forecast).

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Perplexity side by side: npllm and llama.cpp on the same GGUF files and the same text (llama.cpp's method).
 #
-#   bash scripts/compare_llama_cpp.sh [CHECKPOINT] [TOKENIZER] [CTX]
+#   bash scripts/bench/compare_llama_cpp.sh [CHECKPOINT] [TOKENIZER] [CTX]
 #
-# llama.cpp is built once by scripts/build_llama_cpp.sh (from the llama-cpp-python source package on PyPI; cmake and a
+# llama.cpp is built once by scripts/bench/build_llama_cpp.sh (from the llama-cpp-python source package on PyPI; cmake and a
 # C++ compiler needed; ~15 minutes on 2 cores) in $LLAMA_CPP_DIR (default /tmp/npllm-llama.cpp). The text is
 # twelve stories sampled from the checkpoint itself (seeds 1..12); the GGUFs are written by `npllm quantize`.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 checkpoint=${1:-weights/stories260K/stories260K.bin}
 tokenizer=${2:-weights/stories260K/tok512.model}
 ctx=${3:-128}
 build=${LLAMA_CPP_DIR:-/tmp/npllm-llama.cpp}
 npllm=${NPLLM:-.venv/bin/npllm}
 
-LLAMA_CPP_DIR=$build bash scripts/build_llama_cpp.sh
+LLAMA_CPP_DIR=$build bash scripts/bench/build_llama_cpp.sh
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -1,6 +1,6 @@
 """Time `npllm batch` in one process and on Ray Data (a local cluster each run starts), for docs/batch.md.
 
-    python scripts/bench_batch.py [--model stories260K] [--prompts 64] [--tokens 256] [--batch-size 8]
+    python scripts/bench/bench_batch.py [--model stories260K] [--prompts 64] [--tokens 256] [--batch-size 8]
 
 Each configuration is a fresh `npllm batch` process on a fresh output file, so its wall time includes loading the
 model (and, with --ray, starting Ray and its actors). Tokens/s is completion tokens over that wall time. The last

@@ -1,6 +1,6 @@
 """Time to first token of each turn of a chat, with the cache kept between turns and without it.
 
-    python scripts/bench_chat.py [--model stories260K] [--template chatml] [--reply 24] [--repeat 3] [--json]
+    python scripts/bench/bench_chat.py [--model stories260K] [--template chatml] [--reply 24] [--repeat 3] [--json]
 
 One conversation grows turn by turn (user messages "Tell me about friend number N.", greedy replies of up to
 --reply tokens) until the next turn no longer fits the context. Each turn is answered twice from the same messages:
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import npllm  # noqa: E402
 from npllm.chat.session import ChatSession  # noqa: E402

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Build llama.cpp for the side-by-side scripts, from the llama-cpp-python source package on PyPI (its vendored
 # llama.cpp; cmake and a C++ compiler needed; ~12-15 minutes on 2 cores): llama-perplexity
-# (scripts/compare_llama_cpp.sh), llama-bench (scripts/bench_llama_cpp.sh, scripts/bench_pairs.py) and
-# llama-quantize (scripts/llama_cpp_files.py, scripts/quantizer_quality.py), into $LLAMA_CPP_DIR/bin (default
+# (scripts/bench/compare_llama_cpp.sh), llama-bench (scripts/bench/bench_llama_cpp.sh, scripts/bench/bench_pairs.py) and
+# llama-quantize (scripts/bench/llama_cpp_files.py, scripts/bench/quantizer_quality.py), into $LLAMA_CPP_DIR/bin (default
 # /tmp/npllm-llama.cpp). Does nothing when all three are there.
 #
-#   bash scripts/build_llama_cpp.sh
+#   bash scripts/bench/build_llama_cpp.sh
 #   LLAMA_CPP_DIR=/tmp/npllm-llama.cpp-avx2 LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
-#     -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON" bash scripts/build_llama_cpp.sh    # a laptop's AVX2, no AVX-512
+#     -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON" bash scripts/bench/build_llama_cpp.sh    # a laptop's AVX2, no AVX-512
 #
 # $LLAMA_CMAKE_ARGS chooses the instruction set (default -DGGML_NATIVE=ON: this machine's). On a VM that lists AMX
 # without enabling it, a native build's repacked kernels die of SIGILL: there, list the machine's features without

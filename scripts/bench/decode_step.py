@@ -2,7 +2,7 @@
 in one process. The threads' wait policy is whatever npllm.kernels chose (printed), unless OMP_WAIT_POLICY or
 GOMP_SPINCOUNT is set; run each setting in its own process, since OpenMP reads them once.
 
-    python scripts/decode_step.py FILE [PROMPT] [STEPS]          # defaults: 128-token prompt, 200 steps
+    python scripts/bench/decode_step.py FILE [PROMPT] [STEPS]          # defaults: 128-token prompt, 200 steps
 
 The numba model, weights kept in their file types (a GGUF) or packed float32 panels (other checkpoints). Also
 printed: how often the process's threads went to sleep per step (voluntary context switches: each one a wake-up to

@@ -1,16 +1,16 @@
 """What a quantizer loses: `npllm quantize` and llama.cpp's `llama-quantize` on the same F32 file, type by type,
-each file scored against the F32 model (not against its own dequantized weights, as scripts/llama_cpp_files.py
+each file scored against the F32 model (not against its own dequantized weights, as scripts/bench/llama_cpp_files.py
 does for the kernels): how far the weights moved, and how far the model's next-token distribution moved.
 
-    python scripts/quantizer_quality.py [--types Q2_K Q3_K Q4_K Q5_K Q6_K Q4_0 Q8_0 Q4_K_M Q5_K_M] [--ctx 128]
+    python scripts/bench/quantizer_quality.py [--types Q2_K Q3_K Q4_K Q5_K Q6_K Q4_0 Q8_0 Q4_K_M Q5_K_M] [--ctx 128]
 
-The F32 source and the text are scripts/llama_cpp_files.py's: stories260K widened to dim and FFN 256 (the same
+The F32 source and the text are scripts/bench/llama_cpp_files.py's: stories260K widened to dim and FFN 256 (the same
 function with rows K-quants can hold), and stories sampled from it. llama.cpp writes every matrix in the type
 (`llama-quantize --pure --token-embedding-type T SRC OUT T`, no importance matrix), npllm too
 (`npllm quantize SRC OUT --type t`); a mixture (Q4_K_M, Q5_K_M) is each one's preset of that name. Both files are dequantized and run by npllm's NumPy reference, so the only
 difference between two rows is the bytes each quantizer chose. Per type it prints the relative RMS error of the
 weights (all matrices together, |W' - W| / |W|), then mean KL(F32 || quantized), top-1 agreement and perplexity.
-llama.cpp is the build scripts/build_llama_cpp.sh makes in $LLAMA_CPP_DIR (default /tmp/npllm-llama.cpp).
+llama.cpp is the build scripts/bench/build_llama_cpp.sh makes in $LLAMA_CPP_DIR (default /tmp/npllm-llama.cpp).
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """Matrix products of the model shapes: npllm's Numba kernel against NumPy's BLAS, the measurement behind the
 choice to run prefill on npllm's own kernel (docs/bench.md).
 
-    python scripts/bench_matmul.py [--threads T] [--tokens 512] [--repeat 7]
+    python scripts/bench/bench_matmul.py [--threads T] [--tokens 512] [--repeat 7]
 
 For each weight matrix of stories15M / stories110M it prints GFLOP/s of x @ W.T for T tokens (a prefill) and GB/s
 of weights read for one token (a decode step): best of `repeat`, wall clock and CPU time (CPU time is what the

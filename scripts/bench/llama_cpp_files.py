@@ -2,9 +2,9 @@
 them, and the quality bar of issue 12 (mean KL divergence of npllm's next-token distribution from the exact
 dequantized model <= 1e-3, top-1 agreement >= 98%, llama.cpp's --kl-divergence measure).
 
-    python scripts/llama_cpp_files.py [--model stories260K-wide|SHAPE] [--types Q8_0 Q4_K_M ...] [--ctx 128]
+    python scripts/bench/llama_cpp_files.py [--model stories260K-wide|SHAPE] [--types Q8_0 Q4_K_M ...] [--ctx 128]
 
-llama.cpp's `llama-quantize` is the build scripts/build_llama_cpp.sh makes in $LLAMA_CPP_DIR (default
+llama.cpp's `llama-quantize` is the build scripts/bench/build_llama_cpp.sh makes in $LLAMA_CPP_DIR (default
 /tmp/npllm-llama.cpp); files go to $GGUF_DIR (default /tmp/npllm-bench-gguf). K-quants need rows that are multiples
 of 256 (llama.cpp falls back to Q5_0/Q8_0 elsewhere), which stories260K's 64 and 172 are not, so the default source
 is stories260K *widened*: the same function at dim 256 and FFN 256 (widen() below), written as an F32 GGUF; the
@@ -102,7 +102,7 @@ def llama_cpp_folders() -> tuple[Path, Path] | None:
     build = Path(os.environ.get("LLAMA_CPP_DIR", "/tmp/npllm-llama.cpp"))
     out = Path(os.environ.get("GGUF_DIR", "/tmp/npllm-bench-gguf"))
     if not (build / "bin" / "llama-quantize").exists():
-        print(f"no {build}/bin/llama-quantize: build llama.cpp first (scripts/build_llama_cpp.sh)", file=sys.stderr)
+        print(f"no {build}/bin/llama-quantize: build llama.cpp first (scripts/bench/build_llama_cpp.sh)", file=sys.stderr)
         return None
     out.mkdir(parents=True, exist_ok=True)
     return build, out

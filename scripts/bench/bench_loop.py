@@ -1,7 +1,7 @@
 """How much the generation loop costs beyond the model: `npllm generate`'s loop against the model alone.
 
-    python scripts/bench_loop.py [--model weights/stories260K/stories260K.bin] [--tokens 256] [--repeat 7]
-    python scripts/bench_loop.py --wall --threads 2     # wall clock, as `npllm generate` and `npllm bench` run
+    python scripts/bench/bench_loop.py [--model weights/stories260K/stories260K.bin] [--tokens 256] [--repeat 7]
+    python scripts/bench/bench_loop.py --wall --threads 2     # wall clock, as `npllm generate` and `npllm bench` run
 
 Both run from BOS in one process, on one thread, timed in CPU time (robust to a machine shared with other jobs):
 the CLI's loop (LLM.stream with an on_step callback, as `npllm generate` drives it) and the model alone (`npllm bench`'s
@@ -18,7 +18,7 @@ from pathlib import Path
 import npllm
 from npllm.bench import Session
 
-WEIGHTS = Path(__file__).resolve().parent.parent / "weights" / "stories260K"
+WEIGHTS = Path(__file__).resolve().parents[2] / "weights" / "stories260K"
 
 
 GREEDY = {"temperature": 0.0}

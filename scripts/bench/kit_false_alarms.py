@@ -1,6 +1,6 @@
 """Measure npllm.testing on correct implementations: false alarms over repeated random searches, and CPU time.
 
-    python scripts/kit_false_alarms.py [runs]      # default 20 runs of every correct implementation
+    python scripts/bench/kit_false_alarms.py [runs]      # default 20 runs of every correct implementation
 
 The correct implementations are the independent NumPy ones of tests/test_testing_kit.py. Each run is a fresh
 random Hypothesis search (derandomize=False, a new seed) with check_filter's default number of examples; a run
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from test_testing_kit import CORRECT, name_of, sample_choice, sample_ok  # noqa: E402
 

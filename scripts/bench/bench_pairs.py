@@ -2,9 +2,9 @@
 type after type, so the two figures of a pair come from the same minute of a noisy shared machine. Prints each
 pair's ratio (npllm / llama.cpp) and, at the end, the median ratio per type and test.
 
-    python scripts/bench_pairs.py [SHAPE] [THREADS] [ROUNDS] [TYPES]   # defaults: stories110M 2 3 F32,Q8_0,Q4_0
+    python scripts/bench/bench_pairs.py [SHAPE] [THREADS] [ROUNDS] [TYPES]   # defaults: stories110M 2 3 F32,Q8_0,Q4_0
 
-The files are scripts/bench_llama_cpp.sh's ($GGUF_DIR, default /tmp/npllm-bench-gguf: run that script once to
+The files are scripts/bench/bench_llama_cpp.sh's ($GGUF_DIR, default /tmp/npllm-bench-gguf: run that script once to
 write them), llama.cpp its build ($LLAMA_CPP_DIR, default /tmp/npllm-llama.cpp); $LLAMA_BENCH_ARGS goes to
 llama-bench (e.g. "--repack 0" on a VM that lists AMX without enabling it; "--repack 0,1" pairs npllm with both of
 llama.cpp's CPU paths, its kernels on the file's own blocks and on the rows it repacks at load, each ratio labelled

@@ -3,9 +3,9 @@ shared machine allows. The host takes time from this VM in bursts (docs/bench.md
 the other can differ by 1.5x with no change at all; alternating the calls of both in one process gives each pair of
 calls the same machine, and the median of the paired ratios is what the change did.
 
-    python scripts/ab_kernels.py BASE_QUANT_PY [TOKENS] [TYPES] [CALLS] [ROWS] [COLUMNS]
+    python scripts/bench/ab_kernels.py BASE_QUANT_PY [TOKENS] [TYPES] [CALLS] [ROWS] [COLUMNS]
     # e.g. git worktree add /tmp/base HEAD~1, then
-    #      python scripts/ab_kernels.py /tmp/base/npllm/kernels/quant.py 16 Q4_0,Q4_K,Q8_0 300
+    #      python scripts/bench/ab_kernels.py /tmp/base/npllm/kernels/quant.py 16 Q4_0,Q4_K,Q8_0 300
 
 BASE_QUANT_PY is another checkout's npllm/kernels/quant.py (loaded beside this one's under another module name; its
 own imports are this checkout's, so only quant.py may differ). Each type: a ROWS x COLUMNS matrix (default 512 x

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Decode and prefill speed side by side: llama.cpp's llama-bench and npllm on the same GGUF files (random weights at
 # a model shape, F32, Q8_0 and Q4_0, written by npllm's write_gguf), plus npllm's kernel-level pass over the same
-# matrices (scripts/bench_quant.py: float32 and 8-bit activations).
+# matrices (scripts/bench/bench_quant.py: float32 and 8-bit activations).
 #
-#   bash scripts/bench_llama_cpp.sh [SHAPE] [THREADS]         # defaults: stories110M, "1,2"
+#   bash scripts/bench/bench_llama_cpp.sh [SHAPE] [THREADS]         # defaults: stories110M, "1,2"
 #
-# llama.cpp is the build scripts/build_llama_cpp.sh makes in $LLAMA_CPP_DIR (default /tmp/npllm-llama.cpp); run
+# llama.cpp is the build scripts/bench/build_llama_cpp.sh makes in $LLAMA_CPP_DIR (default /tmp/npllm-llama.cpp); run
 # that script once first if $LLAMA_CPP_DIR/bin/llama-bench is missing. The GGUF files go to $GGUF_DIR (default
 # /tmp/npllm-bench-gguf) and are kept for reruns. Runs are short (3 repetitions, 64 decode steps after a 128-token
 # prompt): on a shared machine, read the figures with the load average printed beside them.
@@ -14,7 +14,7 @@
 # without enabling it, a native build's weight repacking runs AMX tile instructions and dies of SIGILL on Q8_0 and
 # Q4_0: there, LLAMA_BENCH_ARGS="--repack 0" (llama.cpp's plain CPU kernels on the file's own blocks).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 shape=${1:-stories110M}
 threads=${2:-1,2}
 build=${LLAMA_CPP_DIR:-/tmp/npllm-llama.cpp}
@@ -23,7 +23,7 @@ python=${PYTHON:-.venv/bin/python}
 npllm=${NPLLM:-.venv/bin/npllm}
 tokenizer=${TOKENIZER:-weights/llama2-tokenizer/tokenizer.model}
 if [ ! -x "$build/bin/llama-bench" ]; then
-  echo "no $build/bin/llama-bench: build llama.cpp first (scripts/build_llama_cpp.sh)" >&2
+  echo "no $build/bin/llama-bench: build llama.cpp first (scripts/bench/build_llama_cpp.sh)" >&2
   exit 1
 fi
 
@@ -58,6 +58,6 @@ for policy in PASSIVE ACTIVE; do
     done
   done
 done
-echo "== npllm (kernel level): $python scripts/bench_quant.py --model $shape --threads ${threads//,/ } --repeat 5"
-"$python" scripts/bench_quant.py --model "$shape" --threads ${threads//,/ } --repeat 5
+echo "== npllm (kernel level): $python scripts/bench/bench_quant.py --model $shape --threads ${threads//,/ } --repeat 5"
+"$python" scripts/bench/bench_quant.py --model "$shape" --threads ${threads//,/ } --repeat 5
 echo "== load average: $(cut -d' ' -f1-3 /proc/loadavg)"
