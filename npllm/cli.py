@@ -383,6 +383,13 @@ def check_generate_args(args) -> None:
     check_combinations(args, GENERATE_MODES, GENERATE_NEEDS)
 
 
+# Commands whose first run on a machine does not wait for the numba backend's compile: the NumPy reference answers
+# while a detached process compiles (npllm.models.make_model's cold_start). Not bench, which times the compiled
+# kernels, nor serve or perplexity, long runs better served by waiting. $WAIT_COMPILE=1: wait for it as they do.
+COLD_START_COMMANDS = ("generate", "chat")
+WAIT_COMPILE = "NPLLM_WAIT_COMPILE"
+
+
 def load_with_tokenizer(args, **options):
     """npllm.load(args.model, args.tokenizer) for a command that reads or writes text. A missing tokenizer is one
     error line before any weight is read: making the model loads its compiled code (the first time, compiles it)."""
@@ -392,8 +399,10 @@ def load_with_tokenizer(args, **options):
     checkpoint, found = resolve(args.model)
     if args.tokenizer is None and found is None:
         raise GenerationError(f"no tokenizer was found beside {args.model}: pass --tokenizer PATH")
+    waits = args.command not in COLD_START_COMMANDS or os.environ.get(WAIT_COMPILE, "") not in ("", "0")
     return load(checkpoint, args.tokenizer if args.tokenizer is not None else found, backend=args.backend,
-                threads=args.threads, weight_dtype=args.weight_dtype, **options)
+                threads=args.threads, weight_dtype=args.weight_dtype, cold_start="wait" if waits else "reference",
+                **options)
 
 
 def run_generate(args) -> int:
@@ -683,12 +692,15 @@ def run_bench(args) -> int:
 @contextmanager
 def compile_notice(active: bool):
     """While a command that runs a model is at work: one line on stderr the first time Numba compiles, so that the
-    first run's minute of silence is explained. Numba raises "numba:compile" on a cache miss only, not when it loads
-    compiled code from its cache."""
+    first run's minute of silence is explained (Numba raises "numba:compile" on a cache miss only, not when it
+    loads compiled code from its cache), or when the compile is left to a detached process and the NumPy reference
+    answers meanwhile (npllm.models.BEHIND)."""
     if not active:
         yield
         return
     from numba.core import event
+
+    from .models import BEHIND
 
     class Notice(event.Listener):
         shown = False
@@ -696,7 +708,8 @@ def compile_notice(active: bool):
         def on_start(self, ev) -> None:
             if not self.shown:
                 self.shown = True
-                print("[npllm] compiling kernels for this CPU: the first run of a model's kind takes up to a minute "
+                print(behind_notice(ev.data["quantized"]) if ev.kind == BEHIND else
+                      "[npllm] compiling kernels for this CPU: the first run of a model's kind takes up to a minute "
                       "or two (a quantized one the longest); later runs load them from Numba's cache",
                       file=sys.stderr, flush=True)
 
@@ -704,11 +717,21 @@ def compile_notice(active: bool):
             pass
 
     notice = Notice()
-    event.register("numba:compile", notice)
+    for kind in ("numba:compile", BEHIND):
+        event.register(kind, notice)
     try:
         yield
     finally:
-        event.unregister("numba:compile", notice)
+        for kind in ("numba:compile", BEHIND):
+            event.unregister(kind, notice)
+
+
+def behind_notice(quantized: bool) -> str:
+    """The line that says this run goes on without its compiled kernels, and for how long that lasts."""
+    took = "2-4 minutes for a quantized model on 2 cores" if quantized else "about a minute on 2 cores"
+    return (f"[npllm] this CPU's kernels for this kind of model are not compiled yet: this run uses the NumPy "
+            f"reference (the same greedy tokens, slower per token) while a background process compiles them into "
+            f"Numba's cache, once ({took}); later runs use them. {WAIT_COMPILE}=1 waits for the compile instead")
 
 
 def main(argv=None) -> int:

@@ -6,6 +6,12 @@
     auto   cuda where a real GPU is usable, else numba
 
 make_model is the one place a model is built; weights.py names the tensors every backend starts from.
+
+The Numba backend's code is compiled the first time a kind of model runs on a machine (a minute or more), then
+loaded from Numba's cache. make_model(..., cold_start="reference") does not wait for that compile: a detached
+process compiles the code into the cache (compile_behind) while this model is the NumPy reference computing as the
+Numba model would (stand_in.py); the runs after it load the compiled code. cold_start="wait" (the default) compiles
+first, as always.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from .base import KV_DTYPES, Model, kv_storage
 
 BACKENDS = ("numba", "numpy", "cuda", "auto")
 WEIGHT_DTYPES = ("float32", "float16", "q8_0")
+COLD_STARTS = ("wait", "reference")
+BEHIND = "npllm:compile-behind"  # the event raised when a model's code is left to a detached compile (the CLI's notice)
+LOCK_WAIT_S = 900  # at most this long, a run that waits for the compile waits for a detached one to end
 
 
 def resolve_backend(backend: str) -> str:
@@ -38,7 +47,7 @@ def resolve_backend(backend: str) -> str:
 
 def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str = "numba",
                threads: int | None = None, weight_dtype: str = "float32", kv_dtype: str | None = None,
-               **options) -> Model:
+               cold_start: str = "wait", **options) -> Model:
     """A model over `weights` (a format reader's dict) run by `backend`, on `threads` CPU cores (default: all).
 
     weight_dtype "float16" stores the CUDA model's matrices in half precision, "q8_0" as GGUF Q8_0 blocks (float32
@@ -47,21 +56,24 @@ def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str
     (formats.gguf.read_gguf_quantized) stay in their file types in the numba model (npllm.load reads a GGUF file
     that way for numba, and for cuda with "q8_0"). kv_dtype "float16" makes the model's caches store keys and
     values in half precision (numpy and numba backends; None: the compute dtype). options go to the CUDA model
-    (geometry, one_launch: see cuda.CudaTransformer).
+    (geometry, one_launch: see cuda.CudaTransformer). cold_start: what the numba backend does when its code is not
+    compiled yet, "wait" (compile it first) or "reference" (see the module's docstring).
     """
+    if cold_start not in COLD_STARTS:
+        raise ConfigError(f"cold_start must be one of {', '.join(COLD_STARTS)}, got {cold_start!r}")
     backend = resolve_backend(backend)
     kv = None if kv_dtype is None else kv_storage(kv_dtype)
     if backend == "cuda" and kv not in (None, np.float32):
         raise ConfigError(f"kv_dtype {kv_dtype}: the cuda backend's cache stores float32 (float16 is for the numba "
                           f"and numpy backends)")
-    model = _make(config, weights, backend, threads, weight_dtype, kv, **options)
+    model = _make(config, weights, backend, threads, weight_dtype, kv, cold_start, **options)
     if kv is not None:
         model.kv_dtype = kv.name
     return model
 
 
 def _make(config: ModelConfig, weights: dict[str, np.ndarray], backend: str, threads: int | None,
-          weight_dtype: str, kv: np.dtype | None, **options) -> Model:
+          weight_dtype: str, kv: np.dtype | None, cold_start: str, **options) -> Model:
     if weight_dtype not in WEIGHT_DTYPES:
         raise ConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     if backend != "cuda" and (weight_dtype != "float32" or options):
@@ -75,15 +87,63 @@ def _make(config: ModelConfig, weights: dict[str, np.ndarray], backend: str, thr
         from .numba import NumbaTransformer, QuantizedNumbaTransformer, is_quantized, link_ahead
 
         quantized = is_quantized(weights)  # matrices kept in their file types: read as stored, no float32 copy
-        link_ahead(QuantizedNumbaTransformer if quantized else NumbaTransformer, kv)  # the code, then the weights
+        model_class = QuantizedNumbaTransformer if quantized else NumbaTransformer
+        if cold_start == "reference" and compile_behind(model_class, kv):
+            from .stand_in import stand_in
+
+            return _reference(stand_in(config, weights), threads)
+        wait_for_detached(model_class)
+        link_ahead(model_class, kv)  # the code, then the weights
         if quantized:
             return QuantizedNumbaTransformer(config, weights, threads)
         return NumbaTransformer(config, float_weights(weights), threads)
     from .reference import Transformer
 
+    return _reference(Transformer(config, weights), threads)
+
+
+def _reference(model: Model, threads: int | None) -> Model:
+    """A NumPy model, its BLAS held to `threads` threads (None: all)."""
     if threads is not None:
         limit_blas_threads(threads)
-    return Transformer(config, weights)
+    return model
+
+
+def compile_behind(model_class, kv: np.dtype | None) -> bool:
+    """Whether model_class's code is left to a detached process that compiles it into Numba's cache (one already
+    compiling into that cache, or one started now: kernels/compiler.py, start_detached), raising the event BEHIND
+    (data: {"quantized": ...}) when it is; False where the code is in the cache already, or no detached compile
+    can run here (then the caller compiles as always)."""
+    from numba.core import event
+
+    from ..kernels.compiler import cache_lock, cached_here, compiling_elsewhere, start_detached
+    from .numba import FORWARD, QuantizedNumbaTransformer, child_code
+
+    lock = cache_lock(FORWARD[model_class])
+    if lock is None:
+        return False
+    # a compile still running may have cached the forward and not the rest: its end, not the forward, says done
+    behind = compiling_elsewhere(lock) or (not cached_here(FORWARD[model_class])
+                                           and start_detached(*child_code(model_class, kv), lock))
+    if behind:
+        with event.trigger_event(BEHIND, data={"quantized": model_class is QuantizedNumbaTransformer}):
+            pass
+    return behind
+
+
+def wait_for_detached(model_class) -> None:
+    """Let a detached compile into model_class's cache finish (at most LOCK_WAIT_S), so that this process loads its
+    code rather than compiling the same code beside it; raised as a "numba:compile" event (the CLI's notice)."""
+    from numba.core import event
+
+    from ..kernels.compiler import cache_lock, compiling_elsewhere, wait_for_lock
+    from .numba import FORWARD
+
+    lock = cache_lock(FORWARD[model_class])
+    if lock is not None and compiling_elsewhere(lock):
+        with event.trigger_event("numba:compile", data={"dispatcher": FORWARD[model_class], "args": None,
+                                                        "return_type": None}):
+            wait_for_lock(lock, LOCK_WAIT_S)
 
 
 def float_weights(weights: dict) -> dict:

@@ -1,0 +1,69 @@
+"""What runs in the Numba backend's place while its code is compiled behind the run (models/__init__.py,
+make_model(cold_start="reference")): the NumPy reference (reference.Transformer) on the weights as the Numba model
+computes with them, so that greedy decoding gives the same tokens.
+
+- Float32 weights: the reference as it is. On stories260K it gives run.c's tokens for every golden, and the Numba
+  model's for 100 prompts x 200 tokens (tests/test_cold_start.py; docs/bench.md, "A first token before the
+  compile"). The two sum in other orders, so a near-tie of two logits within float32 rounding (~1e-5 here; the
+  goldens' closest top-2 gap is 1e-3) could still pick another token.
+- A GGUF file's matrices (quant.QuantizedMatrix): dequantized once to float32 (the reference would otherwise decode
+  every matrix at every call), and those of quant.INT8_ACTIVATION_TYPES multiply as the Numba model's kernels do,
+  on activations rounded to 8-bit blocks (two 8-bit parts for Q2_K, Q3_K): quant.matmul_t_q8_activations's
+  product, in float32. Rounding to 8 bits is a step function, so float32 sums in another order move an activation
+  across a step now and then (tests/test_numba_quantized.py): rarer than a float near-tie, not never.
+  The dequantized copy takes 4 bytes a weight (4.4 GB for a 1.1B model) for the run; the Numba model reads the
+  file's blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import quant
+from ..config import ModelConfig
+from .reference import Transformer
+
+
+@dataclass(frozen=True)
+class DecodedInt8Matrix(quant.Int8ActivationMatrix):
+    """An Int8ActivationMatrix decoded once: `values` is W as float32, and x @ W.T is x^ W^T in float32, x^ the
+    activations as the Numba model's 8-bit kernels take them (two_part: in two parts)."""
+
+    values: np.ndarray | None = None  # [N, K] float32: dequantize(raw)
+    two_part: bool = False
+
+    def dequantize(self) -> np.ndarray:
+        return self.values
+
+    def rows(self, ids) -> np.ndarray:
+        return self.values[np.asarray(ids, dtype=np.int64)]
+
+    def matmul_t(self, x: np.ndarray) -> np.ndarray:
+        """x^ W^T.  # [T, K] -> [T, N] float32"""
+        rounded = quant.two_part_activations(x) if self.two_part else quant.q8_activations(x)
+        return rounded.astype(np.float32) @ self.values.T
+
+
+def numba_weights(weights: dict) -> dict:
+    """A format reader's weights as the Numba model computes with them, for the NumPy reference: arrays as they
+    are, QuantizedMatrix values decoded to float32 once, those of the 8-bit activation types as DecodedInt8Matrix."""
+    done: dict[int, object] = {}  # by id: a tied LM head is the embedding's one matrix, decoded once
+
+    def decoded(w):
+        if not isinstance(w, quant.QuantizedMatrix):
+            return w
+        if id(w) not in done:
+            values = w.dequantize()
+            two_part = w.qtype in quant.TWO_PART_ACTIVATION_TYPES
+            done[id(w)] = (DecodedInt8Matrix(w.raw, w.qtype, w.shape, values, two_part)
+                           if w.qtype in quant.INT8_ACTIVATION_TYPES else values)
+        return done[id(w)]
+
+    return {name: decoded(w) for name, w in weights.items()}
+
+
+def stand_in(config: ModelConfig, weights: dict) -> Transformer:
+    """The NumPy reference computing as the Numba model would on `weights` (see the module's docstring)."""
+    return Transformer(config, numba_weights(weights))
