@@ -14,6 +14,7 @@ import pytest
 
 import npllm
 from npllm import quant
+from npllm.config import ModelConfig
 from npllm.errors import ConfigError
 from npllm.formats import read_checkpoint
 from npllm.hub import resolve
@@ -28,6 +29,8 @@ from npllm.sampling import SamplingParams
 from test_golden import golden, golden_cases
 from tests_support import REPO, process_alive, wait_gone
 
+TIED = ModelConfig(dim=64, hidden_dim=64, n_layers=1, n_heads=1, n_kv_heads=1, vocab_size=8, max_seq_len=8,
+                   tied_embeddings=True)
 COMPILE_S = 540  # at most this long for a detached compile of the float model (niced, on a busy 2-core machine)
 QUICK_S = 30  # a first run that waits for the compile takes >= 50 s here; the reference answers in 2-5 s
 
@@ -199,7 +202,7 @@ def test_a_decoded_matrix_multiplies_as_the_int8_kernels_statement(qtype):
     rng = np.random.default_rng(1)
     w = quant.QuantizedMatrix.from_values(rng.standard_normal((24, 512)).astype(np.float32), qtype)
     x = rng.standard_normal((3, 512)).astype(np.float32)
-    decoded = numba_weights({"w": w})["w"]
+    decoded = numba_weights(TIED, {"w": w})["w"]
     assert isinstance(decoded, DecodedInt8Matrix) and decoded.two_part == (qtype in ("Q2_K", "Q3_K"))
     exact = quant.with_int8_activations({"w": w})["w"].matmul_t(x)
     np.testing.assert_allclose(x @ decoded.T, exact, rtol=1e-5, atol=1e-4)
@@ -207,13 +210,16 @@ def test_a_decoded_matrix_multiplies_as_the_int8_kernels_statement(qtype):
     assert np.abs(plain - exact).max() > 1e-3
 
 
-def test_decoded_weights_keep_float_types_plain_and_a_tied_head_decoded_once():
+def test_decoded_weights_keep_float_types_plain_a_tied_head_decoded_once_and_a_lookup_table_as_stored():
     rng = np.random.default_rng(2)
-    table = quant.QuantizedMatrix.from_values(rng.standard_normal((8, 64)).astype(np.float32), "Q8_0")
+    table, head = (quant.QuantizedMatrix.from_values(rng.standard_normal((8, 64)).astype(np.float32), "Q8_0")
+                   for _ in range(2))
     half = quant.QuantizedMatrix.from_values(rng.standard_normal((8, 64)).astype(np.float32), "F16")
     norm = np.ones(64, np.float32)
-    out = numba_weights({"tok_embeddings": table, "output": table, "wo": half, "norm": norm})
-    assert out["output"] is out["tok_embeddings"]
+    out = numba_weights(TIED, {"tok_embeddings": table, "output": table, "wo": half, "norm": norm})
+    assert out["output"] is out["tok_embeddings"] and isinstance(out["output"], DecodedInt8Matrix)
+    untied = numba_weights(TIED.replace(tied_embeddings=False), {"tok_embeddings": table, "output": head})
+    assert untied["tok_embeddings"] is table and isinstance(untied["output"], DecodedInt8Matrix)
     assert type(out["wo"]) is np.ndarray and out["wo"].dtype == np.float32
     np.testing.assert_array_equal(out["wo"], half.dequantize())
     assert out["norm"] is norm

@@ -46,24 +46,40 @@ class DecodedInt8Matrix(quant.Int8ActivationMatrix):
         return rounded.astype(np.float32) @ self.values.T
 
 
-def numba_weights(weights: dict) -> dict:
+CHUNK_VALUES = 1 << 16  # values decoded at a time: temporaries that stay in cache (2.2 ns a Q4_0 value, not 3.7)
+
+
+def decoded_values(w: quant.QuantizedMatrix) -> np.ndarray:
+    """W as float32 (quant.dequantize), decoded CHUNK_VALUES values' worth of rows at a time.    # -> [N, K]"""
+    N, K = w.shape
+    rows = max(1, CHUNK_VALUES // K)
+    out = np.empty((N, K), np.float32)
+    for i in range(0, N, rows):
+        out[i:i + rows] = quant.dequantize(w.raw[i:i + rows], w.qtype, (min(rows, N - i), K))
+    return out
+
+
+def numba_weights(config: ModelConfig, weights: dict) -> dict:
     """A format reader's weights as the Numba model computes with them, for the NumPy reference: arrays as they
-    are, QuantizedMatrix values decoded to float32 once, those of the 8-bit activation types as DecodedInt8Matrix."""
+    are, QuantizedMatrix values decoded to float32 once, those of the 8-bit activation types as DecodedInt8Matrix.
+    An embedding table that is not also the LM head (config.tied_embeddings) stays as it is: a lookup decodes
+    the rows it reads."""
+    lookup_only = not config.tied_embeddings
     done: dict[int, object] = {}  # by id: a tied LM head is the embedding's one matrix, decoded once
 
-    def decoded(w):
-        if not isinstance(w, quant.QuantizedMatrix):
+    def decoded(name, w):
+        if not isinstance(w, quant.QuantizedMatrix) or (name == "tok_embeddings" and lookup_only):
             return w
         if id(w) not in done:
-            values = w.dequantize()
+            values = decoded_values(w)
             two_part = w.qtype in quant.TWO_PART_ACTIVATION_TYPES
             done[id(w)] = (DecodedInt8Matrix(w.raw, w.qtype, w.shape, values, two_part)
                            if w.qtype in quant.INT8_ACTIVATION_TYPES else values)
         return done[id(w)]
 
-    return {name: decoded(w) for name, w in weights.items()}
+    return {name: decoded(name, w) for name, w in weights.items()}
 
 
 def stand_in(config: ModelConfig, weights: dict) -> Transformer:
     """The NumPy reference computing as the Numba model would on `weights` (see the module's docstring)."""
-    return Transformer(config, numba_weights(weights))
+    return Transformer(config, numba_weights(config, weights))
