@@ -17,6 +17,7 @@ computes with them, so that greedy decoding gives the same tokens.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,11 +50,19 @@ class DecodedInt8Matrix(quant.Int8ActivationMatrix):
 CHUNK_VALUES = 1 << 16  # values decoded at a time: temporaries that stay in cache (2.2 ns a Q4_0 value, not 3.7)
 
 
+def small_pages(N: int, K: int) -> np.ndarray:
+    """An uninitialised [N, K] float32 array in its own anonymous mapping. NumPy asks the kernel for huge pages for
+    large arrays (MADV_HUGEPAGE), and finding free 2 MiB pages (the kernel compacts memory for them, in the page
+    fault) made writing a 1.1B model's 4.4 GB take 7-10 s on a 2-core VM, against 1-3.5 s on 4 KiB pages; products
+    over either run at the same speed."""
+    return np.frombuffer(mmap.mmap(-1, max(4 * N * K, 1)), np.float32, count=N * K).reshape(N, K)
+
+
 def decoded_values(w: quant.QuantizedMatrix) -> np.ndarray:
     """W as float32 (quant.dequantize), decoded CHUNK_VALUES values' worth of rows at a time.    # -> [N, K]"""
     N, K = w.shape
     rows = max(1, CHUNK_VALUES // K)
-    out = np.empty((N, K), np.float32)
+    out = small_pages(N, K)
     for i in range(0, N, rows):
         out[i:i + rows] = quant.dequantize(w.raw[i:i + rows], w.qtype, (min(rows, N - i), K))
     return out
