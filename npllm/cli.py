@@ -390,6 +390,16 @@ COLD_START_COMMANDS = ("generate", "chat")
 WAIT_COMPILE = "NPLLM_WAIT_COMPILE"
 
 
+def cold_start(args) -> str:
+    """make_model's cold_start for this command: "wait" (not a COLD_START_COMMANDS, or $WAIT_COMPILE set), "exact"
+    for a run whose tokens are meant to be reproduced (greedy, --seed, beams: a quantized model waits for the
+    compile, whose tokens the reference does not always give), else "reference"."""
+    if args.command not in COLD_START_COMMANDS or os.environ.get(WAIT_COMPILE, "") not in ("", "0"):
+        return "wait"
+    reproduced = args.temperature == 0 or args.seed is not None or getattr(args, "num_beams", 1) > 1
+    return "exact" if reproduced else "reference"
+
+
 def load_with_tokenizer(args, **options):
     """npllm.load(args.model, args.tokenizer) for a command that reads or writes text. A missing tokenizer is one
     error line before any weight is read: making the model loads its compiled code (the first time, compiles it)."""
@@ -399,10 +409,8 @@ def load_with_tokenizer(args, **options):
     checkpoint, found = resolve(args.model)
     if args.tokenizer is None and found is None:
         raise GenerationError(f"no tokenizer was found beside {args.model}: pass --tokenizer PATH")
-    waits = args.command not in COLD_START_COMMANDS or os.environ.get(WAIT_COMPILE, "") not in ("", "0")
     return load(checkpoint, args.tokenizer if args.tokenizer is not None else found, backend=args.backend,
-                threads=args.threads, weight_dtype=args.weight_dtype, cold_start="wait" if waits else "reference",
-                **options)
+                threads=args.threads, weight_dtype=args.weight_dtype, cold_start=cold_start(args), **options)
 
 
 def run_generate(args) -> int:
@@ -708,7 +716,7 @@ def compile_notice(active: bool):
         def on_start(self, ev) -> None:
             if not self.shown:
                 self.shown = True
-                print(behind_notice(ev.data["quantized"]) if ev.kind == BEHIND else
+                print(behind_notice(**ev.data) if ev.kind == BEHIND else
                       "[npllm] compiling kernels for this CPU: the first run of a model's kind takes up to a minute "
                       "or two (a quantized one the longest); later runs load them from Numba's cache",
                       file=sys.stderr, flush=True)
@@ -726,12 +734,18 @@ def compile_notice(active: bool):
             event.unregister(kind, notice)
 
 
-def behind_notice(quantized: bool) -> str:
-    """The line that says this run goes on without its compiled kernels, and for how long that lasts."""
+def behind_notice(quantized: bool, waits: bool) -> str:
+    """The line that says this run goes on without its compiled kernels (or, waits: why it does not), and how long
+    the one-time compile takes."""
     took = "2-4 minutes for a quantized model on 2 cores" if quantized else "about a minute on 2 cores"
+    if waits:
+        return (f"[npllm] compiling kernels for this CPU, once ({took}; later runs load them from Numba's cache): a "
+                f"greedy or seeded run of a quantized model waits for them, since the NumPy reference could pick "
+                f"other tokens (a sampled run without --seed would not wait)")
+    same = "" if quantized else " (the same greedy tokens)"
     return (f"[npllm] this CPU's kernels for this kind of model are not compiled yet: this run uses the NumPy "
-            f"reference (the same greedy tokens, slower per token) while a background process compiles them into "
-            f"Numba's cache, once ({took}); later runs use them. {WAIT_COMPILE}=1 waits for the compile instead")
+            f"reference{same}, slower per token, while a background process compiles them into Numba's cache, "
+            f"once ({took}); later runs use them. {WAIT_COMPILE}=1 waits for the compile instead")
 
 
 def main(argv=None) -> int:

@@ -290,9 +290,10 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
     numba). threads: CPU cores to use. weight_dtype "float16" or "q8_0": the cuda backend stores matrices in half
     precision or as Q8_0 blocks (a GGUF file's own Q8_0 blocks are kept byte for byte; other matrices are quantized).
     kv_dtype "float16": the KV cache stores keys and values in half precision, half the bytes (numba and numpy).
-    cold_start "reference": where the numba backend's code is not compiled yet, run the NumPy reference (computing
-    as the Numba model does) while a detached process compiles it for later runs, rather than wait for the compile
-    ("wait", the default; npllm.models.make_model).
+    cold_start "exact" or "reference": where the numba backend's code is not compiled yet, run the NumPy reference
+    (computing as the Numba model does) while a detached process compiles it for later runs, rather than wait for
+    the compile ("wait", the default); "exact" only where the reference gives the compiled model's greedy tokens
+    (float32 weights, not a GGUF file's quantized ones; npllm.models.make_model).
     """
     from .formats import read_checkpoint
     from .models import make_model, resolve_backend

@@ -229,3 +229,42 @@ def test_cold_start_is_checked():
     config, weights = read_checkpoint(resolve("stories260K")[0])
     with pytest.raises(ConfigError, match="cold_start"):
         make_model(config, weights, "numpy", cold_start="later")
+
+
+def test_a_quantized_model_waits_for_the_compile_where_its_tokens_are_to_be_reproduced(empty_cache):
+    """cold_start "exact": a float32 model does not wait, a quantized one does (the reference's tokens can part from
+    the compiled model's); "reference": neither waits. Each decision raises BEHIND saying which. Nothing is started
+    (the returned function starts the compile)."""
+    code = ("from numba.core import event\n"
+            "from npllm.models import BEHIND, compile_behind\n"
+            "from npllm.models.numba import NumbaTransformer as F, QuantizedNumbaTransformer as Q\n"
+            "seen = []\n"
+            "class Seen(event.Listener):\n"
+            "    def on_start(self, ev): seen.append(ev.data)\n"
+            "    def on_end(self, ev): pass\n"
+            "event.register(BEHIND, Seen())\n"
+            "print([compile_behind(Q, None, 'exact') is None, compile_behind(Q, None, 'reference') is None,\n"
+            "       compile_behind(F, None, 'exact') is None], seen)\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(empty_cache), "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ("[True, False, False] [{'quantized': True, 'waits': True}, "
+                                     "{'quantized': True, 'waits': False}, {'quantized': False, 'waits': False}]")
+    assert not list(empty_cache.rglob(LOCK_NAME))
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "Once"], "reference"),
+    (["generate", "Once", "--temperature", "0"], "exact"),
+    (["generate", "Once", "--seed", "3"], "exact"),
+    (["generate", "Once", "--num-beams", "2"], "exact"),
+    (["chat"], "reference"),
+    (["perplexity", "--text", "t.txt"], "wait"),
+])
+def test_the_cli_waits_for_the_compile_only_where_it_should(argv, expected, monkeypatch):
+    from npllm.cli import build_parser, cold_start
+
+    monkeypatch.delenv("NPLLM_WAIT_COMPILE", raising=False)
+    assert cold_start(build_parser().parse_args(argv)) == expected
+    monkeypatch.setenv("NPLLM_WAIT_COMPILE", "1")
+    assert cold_start(build_parser().parse_args(argv)) == "wait"

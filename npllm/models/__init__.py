@@ -8,10 +8,14 @@
 make_model is the one place a model is built; weights.py names the tensors every backend starts from.
 
 The Numba backend's code is compiled the first time a kind of model runs on a machine (a minute or more), then
-loaded from Numba's cache. make_model(..., cold_start="reference") does not wait for that compile: a detached
-process compiles the code into the cache (compile_behind) while this model is the NumPy reference computing as the
-Numba model would (stand_in.py); the runs after it load the compiled code. cold_start="wait" (the default) compiles
-first, as always.
+loaded from Numba's cache. make_model's cold_start says whether a model waits for that compile:
+    wait       compile first (the default)
+    exact      don't wait where the NumPy reference gives the compiled model's greedy tokens (float32 weights):
+               a detached process compiles the code into the cache (compile_behind) while the model is the
+               reference computing as the Numba model would (stand_in.py); a GGUF file's quantized matrices wait
+    reference  don't wait, quantized matrices too (their tokens can part from the compiled model's after some
+               tens of tokens: stand_in.py), for runs whose tokens are drawn at random anyway
+The runs after it load the compiled code.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from .base import KV_DTYPES, Model, kv_storage
 
 BACKENDS = ("numba", "numpy", "cuda", "auto")
 WEIGHT_DTYPES = ("float32", "float16", "q8_0")
-COLD_STARTS = ("wait", "reference")
+COLD_STARTS = ("wait", "exact", "reference")
 BEHIND = "npllm:compile-behind"  # the event raised when a model's code is left to a detached compile (the CLI's notice)
 LOCK_WAIT_S = 900  # at most this long, a run that waits for the compile waits for a detached one to end
 
@@ -59,7 +63,7 @@ def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str
     that way for numba, and for cuda with "q8_0"). kv_dtype "float16" makes the model's caches store keys and
     values in half precision (numpy and numba backends; None: the compute dtype). options go to the CUDA model
     (geometry, one_launch: see cuda.CudaTransformer). cold_start: what the numba backend does when its code is not
-    compiled yet, "wait" (compile it first) or "reference" (see the module's docstring).
+    compiled yet, "wait" (compile it first), "exact" or "reference" (see the module's docstring).
     """
     if cold_start not in COLD_STARTS:
         raise ConfigError(f"cold_start must be one of {', '.join(COLD_STARTS)}, got {cold_start!r}")
@@ -90,7 +94,7 @@ def _make(config: ModelConfig, weights: dict[str, np.ndarray], backend: str, thr
 
         quantized = is_quantized(weights)  # matrices kept in their file types: read as stored, no float32 copy
         model_class = QuantizedNumbaTransformer if quantized else NumbaTransformer
-        start_compile = compile_behind(model_class, kv) if cold_start == "reference" else None
+        start_compile = None if cold_start == "wait" else compile_behind(model_class, kv, cold_start)
         if start_compile is not None:
             from .stand_in import stand_in
 
@@ -116,11 +120,13 @@ def _reference(model: Model, threads: int | None) -> Model:
     return model
 
 
-def compile_behind(model_class, kv: np.dtype | None):
+def compile_behind(model_class, kv: np.dtype | None, cold_start: str):
     """Where model_class's code is not in Numba's cache yet and a detached process can compile it there: a function
     that starts that process (kernels/compiler.py, start_detached; it does nothing where one is compiling into that
-    cache already), to call once this run's stand-in is made, and the event BEHIND raised now (data: {"quantized":
-    ...}). None where the code is cached, or no detached compile can run here: the caller compiles as always.
+    cache already), to call once this run's stand-in is made. None where the code is cached, where no detached
+    compile can run here, or for a quantized model under cold_start "exact": the caller compiles as always (waiting
+    for a compile under way first). The event BEHIND (data: {"quantized": ..., "waits": ...}) says which, unless
+    the code is cached.
 
     The compile starts after the stand-in is made because its first seconds slowed the making: a TinyLlama-shape
     Q4_0 file's 4.4 GB of decoded weights took 16.6 s with a compile starting beside them, 9.6 s without."""
@@ -133,16 +139,20 @@ def compile_behind(model_class, kv: np.dtype | None):
     if lock is None:
         return None
     # a compile still running may have cached the forward and not the rest: its end, not the forward, says done
-    if compiling_elsewhere(lock):
-        def start() -> None:
-            pass
-    elif cached_here(FORWARD[model_class]):
+    running = compiling_elsewhere(lock)
+    if not running and cached_here(FORWARD[model_class]):
         return None
-    else:
-        def start() -> None:
-            start_detached(*child_code(model_class, kv), lock)  # a second one started meanwhile: this one exits
-    with event.trigger_event(BEHIND, data={"quantized": model_class is QuantizedNumbaTransformer}):
+    quantized = model_class is QuantizedNumbaTransformer
+    waits = quantized and cold_start == "exact"
+    with event.trigger_event(BEHIND, data={"quantized": quantized, "waits": waits}):
         pass
+    if waits:
+        return None
+
+    def start() -> None:
+        if not running:
+            start_detached(*child_code(model_class, kv), lock)  # a second one started meanwhile: this one exits
+
     return start
 
 
