@@ -268,3 +268,26 @@ def test_the_cli_waits_for_the_compile_only_where_it_should(argv, expected, monk
     assert cold_start(build_parser().parse_args(argv)) == expected
     monkeypatch.setenv("NPLLM_WAIT_COMPILE", "1")
     assert cold_start(build_parser().parse_args(argv)) == "wait"
+
+
+@pytest.mark.parametrize("quantized, waits, says", [
+    (False, False, "uses the NumPy reference (the same greedy tokens)"),
+    (True, False, "uses the NumPy reference, slower per token"),
+    (True, True, "a greedy or seeded run of a quantized model waits for them"),
+])
+def test_the_notice_says_what_happens_and_how_long_it_takes_once(quantized, waits, says, capsys):
+    from numba.core import event
+
+    from npllm import cli
+    from npllm.models import BEHIND
+
+    with cli.compile_notice(True):
+        with event.trigger_event(BEHIND, data={"quantized": quantized, "waits": waits}):
+            pass
+        with event.trigger_event("numba:compile", data={"dispatcher": None, "args": None, "return_type": None}):
+            pass
+    err = capsys.readouterr().err
+    assert err.count("[npllm]") == 1 and says in err
+    assert ("2-4 minutes" if quantized else "about a minute") in err
+    assert ("NPLLM_WAIT_COMPILE=1" in err) != waits
+    assert event._registered[BEHIND] == []
