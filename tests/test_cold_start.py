@@ -18,10 +18,10 @@ from npllm.config import ModelConfig
 from npllm.errors import ConfigError
 from npllm.formats import read_checkpoint
 from npllm.hub import resolve
-from npllm.kernels.compiler import (BACKGROUND_NICE, LOCK_NAME, cache_lock, compiling_elsewhere, start_detached,
-                                    wait_for_lock)
+from npllm.kernels.compiler import (BACKGROUND_NICE, LOCK_NAME, cache_lock, compiling, compiling_elsewhere,
+                                    start_detached, wait_for_lock)
 from npllm.models import make_model
-from npllm.models.numba import FORWARD, NumbaTransformer
+from npllm.models.numba import FORWARD, NumbaTransformer, QuantizedNumbaTransformer
 from npllm.models.reference import Transformer
 from npllm.models.stand_in import DecodedInt8Matrix, numba_weights, stand_in
 from npllm.generate import generate_ids
@@ -42,8 +42,8 @@ def run_cli(*args, env):
 
 def lock_pid(lock: Path) -> int | None:
     """The pid a detached compile wrote into its lock, while it holds it (None once released)."""
-    text = lock.read_text().strip() if lock.exists() else ""
-    return int(text) if text and compiling_elsewhere(lock) else None
+    text = lock.read_text().split() if lock.exists() else []
+    return int(text[0]) if text and compiling_elsewhere(lock) else None
 
 
 @pytest.fixture
@@ -121,18 +121,18 @@ def test_a_detached_process_is_alone_niced_in_its_own_session_and_its_lock_goes_
     code = (f"import os, time\nopen({str(report)!r}, 'w').write(f'{{os.getppid()}} {{os.getsid(0)}} "
             f"{{os.nice(0)}}')\ntime.sleep(60)\n")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    assert start_detached(code, env, lock)
+    assert start_detached(code, env, lock, "Label")
     pid = None
     try:
         deadline = time.monotonic() + 30
         while not report.exists() or not report.read_text():
             assert time.monotonic() < deadline, "the detached process did not start"
             time.sleep(0.05)
-        pid = int(lock.read_text())
+        pid = lock_pid(lock)
         parent, session, nice = map(int, report.read_text().split())
         assert parent != os.getpid() and session != os.getsid(0)
         assert nice >= os.nice(0) + BACKGROUND_NICE
-        assert compiling_elsewhere(lock)
+        assert compiling_elsewhere(lock) and compiling(lock) == "Label"
         # a second one finds the lock held and runs nothing
         second = subprocess.run([sys.executable, "-c", "from npllm.kernels.compiler import hold_lock; "
                                  f"print(hold_lock({str(lock)!r}))"], capture_output=True, text=True, env=env,
@@ -143,17 +143,22 @@ def test_a_detached_process_is_alone_niced_in_its_own_session_and_its_lock_goes_
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
     assert wait_gone(pid, 10)
-    assert wait_for_lock(lock, 5) and not compiling_elsewhere(lock)
+    assert wait_for_lock(lock, 5) and not compiling_elsewhere(lock) and compiling(lock) is None
 
 
-def test_a_run_while_a_compile_is_running_does_not_start_another(tmp_path):
-    """With the lock of this process's cache held (a detached compile under way), cold_start="reference" gives the
-    reference even where the code is cached (the compile may not have cached all of it yet), and starts nothing."""
+@pytest.mark.parametrize("compiling_class, expected", [(NumbaTransformer, Transformer),
+                                                       (QuantizedNumbaTransformer, NumbaTransformer)])
+def test_a_run_while_a_compile_is_running_does_not_start_another(compiling_class, expected):
+    """With the lock of this process's cache held by a detached compile of the float32 class, cold_start "exact"
+    gives the reference even where the code is cached (the compile may not have cached all of it yet), and starts
+    nothing; a compile of the other class leaves a cached float32 model to run compiled."""
     lock = cache_lock(FORWARD[NumbaTransformer])
     if lock is None:
         pytest.skip("no detached compiles here (no flock, or a Numba outside the tested versions)")
+    config, weights = read_checkpoint(resolve("stories260K")[0])
+    make_model(config, weights, "numba")  # the float32 class's code cached (compiled first, where it was not)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    assert start_detached("import time\ntime.sleep(60)\n", env, lock)
+    assert start_detached("import time\ntime.sleep(60)\n", env, lock, compiling_class.__name__)
     pid = None
     try:
         deadline = time.monotonic() + 30
@@ -161,9 +166,8 @@ def test_a_run_while_a_compile_is_running_does_not_start_another(tmp_path):
             assert time.monotonic() < deadline, "the detached process did not take the lock"
             pid = lock_pid(lock)
             time.sleep(0.05)
-        config, weights = read_checkpoint(resolve("stories260K")[0])
-        model = make_model(config, weights, "numba", cold_start="reference")
-        assert type(model) is Transformer
+        model = make_model(config, weights, "numba", cold_start="exact")
+        assert type(model) is expected
         assert lock_pid(lock) == pid
     finally:
         if pid is not None:

@@ -33,7 +33,8 @@ kept as Numba keeps them, and a model's code not yet cached is compiled in this 
 A run may also go on without the code while a detached process compiles it behind it (models/__init__.py:
 compile_behind): start_detached() starts that process, which outlives the run, lowers its priority (BACKGROUND_NICE)
 and holds a lock file in the cache's directory (cache_lock(dispatcher)) while it compiles, so that one compile at a
-time fills a cache directory; compiling_elsewhere(lock) and wait_for_lock(lock) read the lock. The lock is the
+time fills a cache directory; compiling_elsewhere(lock), compiling(lock) (what it compiles) and wait_for_lock(lock)
+read the lock. The lock is the
 kernel's (flock): it goes with the process however it ends, and Numba writes each cache file beside its place and
 renames it there, so a compile killed half-way leaves no broken file (at worst an index entry whose data is missing,
 which Numba treats as not cached). Where there is no flock (Windows), no detached compile is started.
@@ -224,7 +225,8 @@ def cache_lock(dispatcher) -> Path | None:
 
 
 def compiling_elsewhere(lock: Path) -> bool:
-    """Whether a process holds `lock` (a detached compile into its directory is running)."""
+    """Whether a process holds `lock` (a detached compile into its directory is running); compiling(lock) says what
+    it compiles."""
     try:
         fd = os.open(lock, os.O_RDONLY)
     except OSError:  # no lock file: no compile has ever been started there
@@ -238,6 +240,16 @@ def compiling_elsewhere(lock: Path) -> bool:
         os.close(fd)  # drops the shared lock, if it was taken
 
 
+def compiling(lock: Path) -> str | None:
+    """The label of the detached compile holding `lock` (start_detached's), or None where none holds it."""
+    if not compiling_elsewhere(lock):
+        return None
+    try:
+        return lock.read_text().partition(" ")[2].strip()
+    except OSError:
+        return ""
+
+
 def wait_for_lock(lock: Path, timeout: float, poll: float = 0.2) -> bool:
     """Wait until no process holds `lock`, at most `timeout` seconds; returns whether it was released."""
     deadline = time.monotonic() + timeout
@@ -248,9 +260,9 @@ def wait_for_lock(lock: Path, timeout: float, poll: float = 0.2) -> bool:
     return True
 
 
-def start_detached(code: str, env: dict, lock: Path) -> bool:
-    """Run Python `code` in a detached process that holds `lock` while it runs (hold_lock; none is started when
-    another holds it), at BACKGROUND_NICE, in its own session (a Ctrl-C of the terminal does not reach it), with no
+def start_detached(code: str, env: dict, lock: Path, label: str = "") -> bool:
+    """Run Python `code` in a detached process that holds `lock` while it runs, `label` written there after its pid
+    (hold_lock; the process exits at once where another holds the lock), at BACKGROUND_NICE, in its own session (a Ctrl-C of the terminal does not reach it), with no
     stdin, stdout or stderr, outliving this process. Returns whether the process was started.
 
     The process started here forks and exits at once, so the one that runs `code` is nobody's child to wait for
@@ -258,7 +270,7 @@ def start_detached(code: str, env: dict, lock: Path) -> bool:
     launcher = ("import os, sys\n"
                 "if os.fork(): os._exit(0)\n"
                 "from npllm.kernels.compiler import hold_lock\n"
-                f"hold_lock({str(lock)!r}) or sys.exit(0)\n") + code
+                f"hold_lock({str(lock)!r}, {label!r}) or sys.exit(0)\n") + code
     try:
         subprocess.run([sys.executable, "-c", launcher], env=env, stdin=subprocess.DEVNULL,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, timeout=60,
@@ -271,9 +283,9 @@ def start_detached(code: str, env: dict, lock: Path) -> bool:
 _held_lock = None  # the descriptor hold_lock locked: open, and so locked, for the rest of the process
 
 
-def hold_lock(path: str) -> bool:
-    """In a detached compile (start_detached): lock `path` for the rest of this process, write its pid there and
-    lower its priority; False, touching nothing, where another process holds the lock."""
+def hold_lock(path: str, label: str = "") -> bool:
+    """In a detached compile (start_detached): lock `path` for the rest of this process, write its pid and `label`
+    there and lower its priority; False, touching nothing, where another process holds the lock."""
     global _held_lock
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -282,7 +294,7 @@ def hold_lock(path: str) -> bool:
         os.close(fd)
         return False
     os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    os.write(fd, f"{os.getpid()} {label}\n".encode())
     _held_lock = fd
     os.nice(BACKGROUND_NICE)
     return True

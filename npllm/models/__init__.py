@@ -132,15 +132,15 @@ def compile_behind(model_class, kv: np.dtype | None, cold_start: str):
     Q4_0 file's 4.4 GB of decoded weights took 16.6 s with a compile starting beside them, 9.6 s without."""
     from numba.core import event
 
-    from ..kernels.compiler import cache_lock, cached_here, compiling_elsewhere, start_detached
+    from ..kernels.compiler import cache_lock, cached_here, compiling, start_detached
     from .numba import FORWARD, QuantizedNumbaTransformer, child_code
 
     lock = cache_lock(FORWARD[model_class])
     if lock is None:
         return None
-    # a compile still running may have cached the forward and not the rest: its end, not the forward, says done
-    running = compiling_elsewhere(lock)
-    if not running and cached_here(FORWARD[model_class]):
+    # a compile of this class still running may have cached the forward and not the rest: its end says done
+    running = compiling(lock)
+    if running != model_class.__name__ and cached_here(FORWARD[model_class]):
         return None
     quantized = model_class is QuantizedNumbaTransformer
     waits = quantized and cold_start == "exact"
@@ -150,22 +150,22 @@ def compile_behind(model_class, kv: np.dtype | None, cold_start: str):
         return None
 
     def start() -> None:
-        if not running:
-            start_detached(*child_code(model_class, kv), lock)  # a second one started meanwhile: this one exits
+        if running is None:  # (one compiling another class: this class's compile waits for a later run)
+            start_detached(*child_code(model_class, kv), lock, model_class.__name__)  # one started since: it exits
 
     return start
 
 
 def wait_for_detached(model_class) -> None:
-    """Let a detached compile into model_class's cache finish (at most LOCK_WAIT_S), so that this process loads its
+    """Let a detached compile of model_class's code finish (at most LOCK_WAIT_S), so that this process loads its
     code rather than compiling the same code beside it; raised as a "numba:compile" event (the CLI's notice)."""
     from numba.core import event
 
-    from ..kernels.compiler import cache_lock, compiling_elsewhere, wait_for_lock
+    from ..kernels.compiler import cache_lock, compiling, wait_for_lock
     from .numba import FORWARD
 
     lock = cache_lock(FORWARD[model_class])
-    if lock is not None and compiling_elsewhere(lock):
+    if lock is not None and compiling(lock) == model_class.__name__:
         with event.trigger_event("numba:compile", data={"dispatcher": FORWARD[model_class], "args": None,
                                                         "return_type": None}):
             wait_for_lock(lock, LOCK_WAIT_S)
