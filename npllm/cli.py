@@ -420,6 +420,23 @@ def check_generate_args(args) -> None:
     check_combinations(args, GENERATE_MODES, GENERATE_NEEDS)
 
 
+# Commands whose first run on a machine does not wait for the numba backend's compile: the NumPy reference answers
+# while a detached process compiles (npllm.models.make_model's cold_start). Not bench, which times the compiled
+# kernels, nor serve or perplexity, long runs better served by waiting. $WAIT_COMPILE=1: wait for it as they do.
+COLD_START_COMMANDS = ("generate", "chat")
+WAIT_COMPILE = "NPLLM_WAIT_COMPILE"
+
+
+def cold_start(args) -> str:
+    """make_model's cold_start for this command: "wait" (not a COLD_START_COMMANDS, or $WAIT_COMPILE set), "exact"
+    for a run whose tokens are meant to be reproduced (greedy, --seed, beams: a quantized model waits for the
+    compile, whose tokens the reference does not always give), else "reference"."""
+    if args.command not in COLD_START_COMMANDS or os.environ.get(WAIT_COMPILE, "") not in ("", "0"):
+        return "wait"
+    reproduced = args.temperature == 0 or args.seed is not None or getattr(args, "num_beams", 1) > 1
+    return "exact" if reproduced else "reference"
+
+
 def load_with_tokenizer(args, **options):
     """npllm.load(args.model, args.tokenizer) for a command that reads or writes text. A missing tokenizer is one
     error line before any weight is read: making the model loads its compiled code (the first time, compiles it)."""
@@ -433,7 +450,7 @@ def load_with_tokenizer(args, **options):
         read_config(checkpoint)  # a file that is no checkpoint at all says so, rather than asking for a tokenizer
         raise GenerationError(f"no tokenizer was found beside {args.model}: pass --tokenizer PATH")
     return load(checkpoint, args.tokenizer if args.tokenizer is not None else found, backend=args.backend,
-                threads=args.threads, weight_dtype=args.weight_dtype, **options)
+                threads=args.threads, weight_dtype=args.weight_dtype, cold_start=cold_start(args), **options)
 
 
 def run_generate(args) -> int:
@@ -758,12 +775,15 @@ def run_bench(args) -> int:
 @contextmanager
 def compile_notice(active: bool):
     """While a command that runs a model is at work: one line on stderr the first time Numba compiles, so that the
-    first run's minute of silence is explained. Numba raises "numba:compile" on a cache miss only, not when it loads
-    compiled code from its cache."""
+    first run's minute of silence is explained (Numba raises "numba:compile" on a cache miss only, not when it
+    loads compiled code from its cache), or when the compile is left to a detached process and the NumPy reference
+    answers meanwhile (npllm.models.BEHIND)."""
     if not active:
         yield
         return
     from numba.core import event
+
+    from .models import BEHIND
 
     class Notice(event.Listener):
         shown = False
@@ -771,7 +791,8 @@ def compile_notice(active: bool):
         def on_start(self, ev) -> None:
             if not self.shown:
                 self.shown = True
-                print("[npllm] compiling kernels for this CPU: the first run of a model's kind takes up to a minute "
+                print(behind_notice(**ev.data) if ev.kind == BEHIND else
+                      "[npllm] compiling kernels for this CPU: the first run of a model's kind takes up to a minute "
                       "or two (a quantized one the longest); later runs load them from Numba's cache",
                       file=sys.stderr, flush=True)
 
@@ -779,11 +800,27 @@ def compile_notice(active: bool):
             pass
 
     notice = Notice()
-    event.register("numba:compile", notice)
+    for kind in ("numba:compile", BEHIND):
+        event.register(kind, notice)
     try:
         yield
     finally:
-        event.unregister("numba:compile", notice)
+        for kind in ("numba:compile", BEHIND):
+            event.unregister(kind, notice)
+
+
+def behind_notice(quantized: bool, waits: bool) -> str:
+    """The line that says this run goes on without its compiled kernels (or, waits: why it does not), and how long
+    the one-time compile takes."""
+    took = "2-4 minutes for a quantized model on 2 cores" if quantized else "about a minute on 2 cores"
+    if waits:
+        return (f"[npllm] compiling kernels for this CPU, once ({took}; later runs load them from Numba's cache): a "
+                f"greedy or seeded run of a quantized model waits for them, since the NumPy reference could pick "
+                f"other tokens (a sampled run without --seed would not wait)")
+    same = "" if quantized else " (the same greedy tokens)"
+    return (f"[npllm] this CPU's kernels for this kind of model are not compiled yet: this run uses the NumPy "
+            f"reference{same}, slower per token, while a background process compiles them into Numba's cache, "
+            f"once ({took}); later runs use them. {WAIT_COMPILE}=1 waits for the compile instead")
 
 
 def main(argv=None) -> int:

@@ -287,7 +287,7 @@ def _started(steps: Iterator) -> Iterator:
 
 def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None,
          backend: str = "numba", threads: int | None = None, weight_dtype: str = "float32",
-         kv_dtype: str = "float32") -> LLM:
+         kv_dtype: str = "float32", cold_start: str = "wait") -> LLM:
     """Load a checkpoint (a path or a known name such as "stories260K") and its tokenizer.
 
     backend: "numba" (compiled CPU kernels, the default), "numpy" (the reference), "cuda" (an NVIDIA GPU through
@@ -295,9 +295,14 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
     numba). threads: CPU cores to use. weight_dtype "float16" or "q8_0": the cuda backend stores matrices in half
     precision or as Q8_0 blocks (a GGUF file's own Q8_0 blocks are kept byte for byte; other matrices are quantized).
     kv_dtype "float16": the KV cache stores keys and values in half precision, half the bytes (numba and numpy).
+    cold_start "exact" or "reference": where the numba backend's code is not compiled yet, run the NumPy reference
+    (computing as the Numba model does) while a detached process compiles it for later runs, rather than wait for
+    the compile ("wait", the default); "exact" only where the reference gives the compiled model's greedy tokens
+    (float32 weights, not a GGUF file's quantized ones; npllm.models.make_model).
     """
     from .formats import read_checkpoint
     from .models import make_model, resolve_backend
+    from .models.reference import Transformer
 
     backend = resolve_backend(backend)  # before reading weights: a missing GPU is reported at once
     checkpoint, found_tokenizer = resolve(model)
@@ -306,7 +311,9 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
     keep_quantized = backend == "numba" or (backend == "cuda" and weight_dtype == "q8_0")
     config, weights = read_checkpoint(checkpoint, keep_quantized=keep_quantized)
     tok, config = _tokenizer_for(config, tokenizer if tokenizer is not None else found_tokenizer)
-    model = make_model(config, weights, backend, threads, weight_dtype, kv_dtype)
+    model = make_model(config, weights, backend, threads, weight_dtype, kv_dtype, cold_start)
+    if isinstance(model, Transformer):
+        backend = "numpy"  # (the reference stands in for numba while its code compiles) drafts are built the same way
     return LLM(model, tok, str(checkpoint), backend, threads)
 
 

@@ -29,6 +29,15 @@ any release. They are used only with a Numba in TESTED_NUMBA, the range pyprojec
 Numba's source are the same in 0.59.1 and 0.68.1 (read side by side), and the suite runs on 0.68.1. With any other
 Numba, one notice on stderr says so (once a process) and Numba's plain behaviour stays: the modules for linking are
 kept as Numba keeps them, and a model's code not yet cached is compiled in this process, as Numba does.
+
+A run may also go on without the code while a detached process compiles it behind it (models/__init__.py:
+compile_behind): start_detached() starts that process, which outlives the run, lowers its priority (BACKGROUND_NICE)
+and holds a lock file in the cache's directory (cache_lock(dispatcher)) while it compiles, so that one compile at a
+time fills a cache directory; compiling_elsewhere(lock), compiling(lock) (what it compiles) and wait_for_lock(lock)
+read the lock. The lock is the
+kernel's (flock): it goes with the process however it ends, and Numba writes each cache file beside its place and
+renames it there, so a compile killed half-way leaves no broken file (at worst an index entry whose data is missing,
+which Numba treats as not cached). Where there is no flock (Windows), no detached compile is started.
 """
 
 from __future__ import annotations
@@ -37,7 +46,15 @@ import ctypes
 import mmap
 import os
 import re
+import subprocess
 import sys
+import time
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so no detached compile
+    fcntl = None
 
 import numba
 from llvmlite import binding as llvm
@@ -184,3 +201,100 @@ def cached_here(dispatcher) -> bool:
     except Exception:  # a Numba whose cache is laid out otherwise
         return True
     return any(key[1] == magic for key in index)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Compiling behind a run: a detached process fills Numba's cache while the run goes on without the compiled code.
+
+LOCK_NAME = "npllm-compile.lock"  # in the cache directory: holds the pid of the process compiling into it
+BACKGROUND_NICE = 10  # how much a detached compile lowers its priority: the run in front keeps the cores it needs
+
+
+def cache_lock(dispatcher) -> Path | None:
+    """The lock file of detached compiles into the cache directory of `dispatcher` (a cache=True function), that
+    directory made if missing; None where no detached compile can run: no flock, a Numba outside TESTED_NUMBA or
+    whose cache is laid out otherwise, a directory that cannot be made."""
+    if fcntl is None or not internals_tested():
+        return None
+    try:
+        folder = Path(dispatcher._cache._cache_path)
+        folder.mkdir(parents=True, exist_ok=True)
+    except Exception:  # a Numba whose cache is laid out otherwise, or a directory that cannot be made
+        return None
+    return folder / LOCK_NAME
+
+
+def compiling_elsewhere(lock: Path) -> bool:
+    """Whether a process holds `lock` (a detached compile into its directory is running); compiling(lock) says what
+    it compiles."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:  # no lock file: no compile has ever been started there
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:  # held
+        return True
+    finally:
+        os.close(fd)  # drops the shared lock, if it was taken
+
+
+def compiling(lock: Path) -> str | None:
+    """The label of the detached compile holding `lock` (start_detached's), or None where none holds it."""
+    if not compiling_elsewhere(lock):
+        return None
+    try:
+        return lock.read_text().partition(" ")[2].strip()
+    except OSError:
+        return ""
+
+
+def wait_for_lock(lock: Path, timeout: float, poll: float = 0.2) -> bool:
+    """Wait until no process holds `lock`, at most `timeout` seconds; returns whether it was released."""
+    deadline = time.monotonic() + timeout
+    while compiling_elsewhere(lock):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
+    return True
+
+
+def start_detached(code: str, env: dict, lock: Path, label: str = "") -> bool:
+    """Run Python `code` in a detached process that holds `lock` while it runs, `label` written there after its pid
+    (hold_lock; the process exits at once where another holds the lock), at BACKGROUND_NICE, in its own session (a Ctrl-C of the terminal does not reach it), with no
+    stdin, stdout or stderr, outliving this process. Returns whether the process was started.
+
+    The process started here forks and exits at once, so the one that runs `code` is nobody's child to wait for
+    (no zombie in a long-lived caller, no "still running" warning): this waits only for that fork."""
+    launcher = ("import os, sys\n"
+                "if os.fork(): os._exit(0)\n"
+                "from npllm.kernels.compiler import hold_lock\n"
+                f"hold_lock({str(lock)!r}, {label!r}) or sys.exit(0)\n") + code
+    try:
+        subprocess.run([sys.executable, "-c", launcher], env=env, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, timeout=60,
+                       check=True)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return True
+
+
+_held_lock = None  # the descriptor hold_lock locked: open, and so locked, for the rest of the process
+
+
+def hold_lock(path: str, label: str = "") -> bool:
+    """In a detached compile (start_detached): lock `path` for the rest of this process, write its pid and `label`
+    there and lower its priority; False, touching nothing, where another process holds the lock."""
+    global _held_lock
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {label}\n".encode())
+    _held_lock = fd
+    os.nice(BACKGROUND_NICE)
+    return True

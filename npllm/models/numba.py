@@ -824,13 +824,20 @@ def compile_in_child(model_class, kv: np.dtype | None) -> None:
     compiles the code itself, as before."""
     from numba.core import event
 
+    code, env = child_code(model_class, kv)
+    with event.trigger_event("numba:compile", data={"dispatcher": FORWARD[model_class], "args": None,
+                                                    "return_type": None}):
+        subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def child_code(model_class, kv: np.dtype | None) -> tuple[str, dict]:
+    """(Python code, environment) of a child process that runs run_tiny(model_class, kv): compile_in_child's, and
+    the detached compile's that fills Numba's cache behind a run (models/__init__.py: compile_behind)."""
     kv_name = "None" if kv is None else repr(np.dtype(kv).name)
     code = f"from npllm.models.numba import {model_class.__name__} as c, run_tiny; run_tiny(c, {kv_name})"
     root = str(Path(__file__).resolve().parents[2])  # this npllm, not another one the child's path would find first
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    with event.trigger_event("numba:compile", data={"dispatcher": FORWARD[model_class], "args": None,
-                                                    "return_type": None}):
-        subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return code, env
 
 
 def _tiny_weights(quantized: bool) -> dict:
