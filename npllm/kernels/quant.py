@@ -936,7 +936,7 @@ def _int8_kernels(acc_block, block_size: int):
 # multiply-add, and the eight lanes of the dot hold parts of ONE sum. Here word k's dot with the four activations
 # 4k .. 4k + 3 broadcast to every lane advances eight rows at once, lane r for row r: eight such dots sum a block
 # for eight rows, and one conversion and one multiply-add by the eight rows' scales finish it. About a third of the
-# instructions per block (scripts/bench_tiles.py, docs/quant.md).
+# instructions per block (scripts/bench/bench_tiles.py, docs/quant.md).
 #
 #     Q8_0:  out[t, 8g + r] = sum_b  d_r d_x (sum_k lane r of (word k . x[4k .. 4k+3]) - 128 s_x)
 #     Q4_0:  out[t, 8g + r] = sum_b  d_r d_x (sum_k lane r of (nibbles of word k . x[4k .. 4k+3]) - 8 s_x)

@@ -1,8 +1,8 @@
 """Time to first token on a fresh install: `npllm generate PROMPT` with an empty Numba cache, then again once the
 detached compile that first run started has filled it.
 
-    python scripts/cold_start.py                                   # the README's first command (stories260K)
-    python scripts/cold_start.py --model tinyllama-1.1B-Q4_0.gguf  # a quantized file
+    python scripts/bench/cold_start.py                                   # the README's first command (stories260K)
+    python scripts/bench/cold_start.py --model tinyllama-1.1B-Q4_0.gguf  # a quantized file
 
 Prints, for each run, the seconds from starting the process to the first byte on stdout (the CLI echoes the prompt
 only once the first token is computed, so this is the time to the first token), the whole run's seconds and its
