@@ -122,16 +122,41 @@ def test_a_conversation_past_the_context_is_refused_under_error(llm):
     assert llm.chat(long, chat_template="chatml", context_policy="truncate", max_new_tokens=5, temperature=0.0)
 
 
-def test_npllm_chat_answers_one_turn_per_line(stories260k):
-    """The acceptance script: two lines on stdin, two replies, status 0; a command on the way."""
+def greedy_reply(llm, session, messages, max_new_tokens: int) -> str:
+    """The assistant's greedy reply to `messages` computed without the session's cache or decode loop: every step
+    recomputes the whole sequence's logits on the NumPy reference (no KV cache, no prefix reuse across turns)."""
+    from npllm.generate import stop_ids
+
+    model = npllm.load(llm.source, backend="numpy").model
+    prompt, reply = session.prompt_ids(messages), []
+    ends = stop_ids(model.config) | session.end_ids
+    for _ in range(max_new_tokens):
+        token = int(np.argmax(model.logits(prompt + reply)[-1]))
+        if token in ends:
+            break
+        reply.append(token)
+    text = llm.tokenizer.decode(reply)
+    return text.split(session.end_of_turn)[0] if session.end_of_turn else text
+
+
+def test_npllm_chat_answers_one_turn_per_line(stories260k, llm):
+    """The acceptance script: two lines on stdin, two replies, status 0; a command on the way. Each reply is the
+    one a plain greedy loop over the whole conversation gives (no cache kept between turns)."""
     run = subprocess.run([sys.executable, "-m", "npllm", "chat", "--model", str(stories260k), "--chat-template",
-                          "chatml", "--max-new-tokens", "40", "--seed", "3"],
+                          "chatml", "--max-new-tokens", "40", "--temperature", "0"],
                          input="Hi\n/system You tell stories.\nTell me a story\n", capture_output=True, text=True,
                          timeout=120, cwd=REPO)
     assert run.returncode == 0, run.stderr
     turns = [line for line in run.stderr.splitlines() if "prompt tokens prefilled" in line]
-    assert len(turns) == 2 and run.stdout.strip()
+    assert len(turns) == 2
     assert "system message set" in run.stderr
+    session = ChatSession(llm, "chatml")
+    first = greedy_reply(llm, session, [{"role": "user", "content": "Hi"}], 40)
+    second = greedy_reply(llm, session, [{"role": "system", "content": "You tell stories."},
+                                         {"role": "user", "content": "Hi"}, {"role": "assistant", "content": first},
+                                         {"role": "user", "content": "Tell me a story"}], 40)
+    assert first and second and first != second
+    assert run.stdout == first + "\n" + second + "\n"
 
 
 def test_npllm_chat_script_ends_at_the_first_error(stories260k, monkeypatch, capsys):
