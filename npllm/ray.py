@@ -9,7 +9,7 @@
 Results equal the single-process ones whatever the number of actors and the batch size: every request computes
 alone what it computes in a batch (npllm.batching), greedy or with its own seed; every chunk of a perplexity is
 scored on a fresh cache. Ray is imported when one of these runs, so `import npllm.ray` works without it (the `ray`
-extra: pip install 'npllm-engine[ray]').
+extra: pip install -e ".[ray]" from a clone).
 
     import ray, npllm.ray
     ds = ray.data.from_items([{"prompt": "Once upon a time", "max_tokens": 50, "temperature": 0}])
@@ -41,7 +41,8 @@ def require_ray():
         import ray
         import ray.data  # noqa: F401
     except ImportError:
-        raise NpllmError("this needs Ray Data: pip install 'npllm-engine[ray]' (or 'ray[data]')") from None
+        raise NpllmError("this needs Ray Data: pip install -e '.[ray]' in npllm's folder "
+                         "(or pip install 'ray[data]')") from None
     return ray
 
 
