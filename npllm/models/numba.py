@@ -597,7 +597,7 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     quantized to 8 bits per block of 32 (as llama.cpp does): integer dot products, with x quantized once here for
     every matrix and row range (on every thread from QUANTIZE_IN_PARALLEL_FROM tokens; docs/quant.md, "8-bit
     activations", for the rounding bound and the measured KL divergence). Q2_K and Q3_K meet x in two 8-bit parts
-    (quant.quantize_activations_two_part: 15 bits, two dot instructions a word). Other types take x in float32.
+    (quant.oracle.quantize_activations_two_part: 15 bits, two dot instructions a word). Other types take x in float32.
     """
     unit = qk.ROWS_AT_ONCE if T == 1 else PANEL  # whole groups (or pairs) of interleaved rows
     total = np.int64(0)  # not a literal 0 (see _forward_quantized)
@@ -651,7 +651,7 @@ def _int8_type(code, T) -> bool:
 def _two_part_type(code) -> bool:
     """Whether weights of type `code` take their activations in two 8-bit parts (quant.TWO_PART_ACTIVATION_TYPES:
     Q2_K and Q3_K, interleaved)."""
-    return code == qk.INTERLEAVED_CODE + qk.Q2_K or code == qk.INTERLEAVED_CODE + qk.Q3_K
+    return qk.takes_two_parts(code)
 
 
 @njit(parallel=True, cache=True)
