@@ -337,9 +337,9 @@ def test_interleaved_kernels_are_the_reference(qtype, data):
     x = activations(data.draw, (T, K))
     N = w.shape[0]
     got = kq.matmul_int8_interleaved(quant.interleave_rows(w, qtype), qtype, x, N)
-    oracle = (oracle.matmul_t_two_part_activations if qtype in quant.TWO_PART_ACTIVATION_TYPES
-              else oracle.matmul_t_q8_activations)
-    reference = oracle(w, qtype, (w.shape[0], K), x)
+    statement = (oracle.matmul_t_two_part_activations if qtype in quant.TWO_PART_ACTIVATION_TYPES
+                 else oracle.matmul_t_q8_activations)
+    reference = statement(w, qtype, (w.shape[0], K), x)
     to_reference, _ = bounds(w, qtype, K, x)
     assert got.dtype == np.float32 and got.shape == (T, w.shape[0])
     assert np.all(np.abs(got - reference) <= to_reference)
