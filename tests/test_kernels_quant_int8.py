@@ -204,6 +204,20 @@ def test_row_range_workers_fill_their_rows_at_their_column(qtype):
 
 # ------------------------------------------------------------------------------------------------ interleaved rows
 
+def test_every_type_has_its_kernel_record_and_the_dispatchers_take_each():
+    """Every type npllm computes has one BlockKernels record of its name: a tile and a gather where its QuantType
+    interleaves (and only there), a float matvec for the float types; the dispatchers cover exactly those."""
+    assert set(kq.KERNELS) == set(quant.TYPES)
+    for name, t in quant.TYPES.items():
+        k = kq.KERNELS[name]
+        assert (k.tile is not None) == (k.gather is not None) == bool(t.interleaved_bytes), name
+        assert (k.matvec is not None) == (t.activations == "float"), name
+    assert kq.INTERLEAVED_TYPES == quant.INTERLEAVED_TYPES and set(kq.ROW_TYPES) == set(quant.TYPES)
+    assert all(kq.takes_two_parts(kq.INTERLEAVED_CODE + quant.TYPES[name].type_id) for name in ("Q2_K", "Q3_K"))
+    assert not kq.takes_two_parts(quant.TYPES["Q3_K"].type_id)  # held in the file's layout: float activations
+
+
+
 @pytest.mark.parametrize("qtype", quant.INTERLEAVED_TYPES)
 @settings(max_examples=20, deadline=None)
 @given(data=st.data())
