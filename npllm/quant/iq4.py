@@ -24,7 +24,13 @@ from .kfit import FIT_FACTORS, FIT_ROUNDS, by_two_rules, dot_last, scales_neares
 
 KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 _LEVELS = KVALUES.astype(np.float32)
-_MIDPOINTS = (KVALUES[1:].astype(np.float32) + KVALUES[:-1]) / 2  # the boundaries between nearest levels
+# The nearest level of v: every boundary between two levels (their midpoint) is a multiple of 1/2, so v's half-unit
+# bin ceil(2 v) (the bin (k - 1) / 2 < v <= k / 2) lies on one side of each; a tie goes to the lower level. Bins are
+# clipped to the codebook's range.
+_MIDPOINTS = (KVALUES[1:].astype(np.float32) + KVALUES[:-1]) / 2
+_BINS = np.arange(-256, 257)  # ceil(2 v), clipped
+_NEAREST = np.searchsorted(_MIDPOINTS, _BINS / 2).astype(np.uint8)  # [513]: the index nearest each bin
+_NEAREST_LEVEL = _LEVELS[_NEAREST]
 
 
 def _levels(indices: np.ndarray) -> np.ndarray:
@@ -74,18 +80,30 @@ def dequantize_iq4_xs(raw: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------------- quantizers
 
-def _nearest_indices(x: np.ndarray, step: np.ndarray) -> np.ndarray:
-    """The index of the level nearest x / step (index 8, level 1, where the step is 0: every value then 0).
-                                                                               # [..., n], [...] -> [..., n] uint8"""
+def _bins(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """ceil(2 x / step) clipped to -256..256, plus 256: the row of _NEAREST of each value (x / step = 0, level 1,
+    where the step is 0: every value then 0).                                   # [..., n], [...] -> [..., n] int"""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        inverse = np.where(step != 0, 1 / np.where(step != 0, step, 1), 0).astype(np.float32)
+        inverse = np.where(step != 0, 2 / np.where(step != 0, step, 1), 0).astype(np.float32)
         v = x * inverse[..., None]
-    return np.searchsorted(_MIDPOINTS, v).astype(np.uint8)
+    np.ceil(v, out=v)
+    np.clip(v, -256, 256, out=v)
+    return np.nan_to_num(v, copy=False).astype(np.intp) + 256  # NaN: 0 x an inverse beyond float32 (inf)
+
+
+def _nearest_indices(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The index of the level nearest x / step (the lower one on a tie).     # [..., n], [...] -> [..., n] uint8"""
+    return _NEAREST[_bins(x, step)]
+
+
+def _nearest_levels(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The level nearest x / step, as float32.                               # [..., n], [...] -> [..., n] float32"""
+    return _NEAREST_LEVEL[_bins(x, step)]
 
 
 def _squared_error(x: np.ndarray, step: np.ndarray) -> np.ndarray:
     """sum (x - step KVALUES[i])^2 per group, i the nearest indices.                   # [..., n], [...] -> [...]"""
-    e = x - step[..., None] * _levels(_nearest_indices(x, step))
+    e = x - step[..., None] * _nearest_levels(x, step)
     return dot_last(e, e)
 
 
@@ -100,7 +118,7 @@ def fit_codebook_step(x: np.ndarray) -> np.ndarray:
         for f in FIT_FACTORS:
             s = (largest * np.float32(f / end)).astype(np.float32)
             for _ in range(FIT_ROUNDS):
-                k = _levels(_nearest_indices(x, s))
+                k = _nearest_levels(x, s)
                 with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                     fit = (dot_last(k, x) / dot_last(k, k)).astype(np.float32)
                 s = np.where(np.isfinite(fit) & (fit != 0), fit, s)
