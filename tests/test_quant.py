@@ -241,6 +241,18 @@ def test_iq4_quantizers_choose_the_nearest_level_and_beat_the_plain_rule(name, d
     assert np.all(error <= plain_error)
 
 
+@given(v=hnp.arrays(np.float32, 64, elements=st.floats(-300, 300, width=32)
+                   | st.sampled_from([float(m) for m in iq4._MIDPOINTS])))
+def test_the_nearest_level_table_is_the_nearest_level(v):
+    """iq4's table of half-unit bins gives the index of the nearest level, the lower one on a tie (the midpoints
+    themselves are drawn), as a search of the midpoints does."""
+    expected = np.searchsorted(iq4._MIDPOINTS, v)  # side "left": v equal to a midpoint takes the lower level
+    assert np.array_equal(iq4._nearest_indices(v[None], np.float32([1.0]))[0], expected)
+    levels = quant.KVALUES.astype(np.float64)
+    distance = np.abs(v[:, None].astype(np.float64) - levels)
+    assert np.all(distance[np.arange(64), expected] == distance.min(axis=1))
+
+
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "F16", "IQ4_NL", "IQ4_XS"])
 def test_quantize_refuses_what_it_cannot_store(name):
     with pytest.raises(QuantizationError, match="not finite"):
