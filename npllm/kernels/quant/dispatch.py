@@ -50,27 +50,28 @@ def _code(name: str, interleaved: bool = False) -> int:
 # ---------------------------------------------------------------------------------------------- the chains
 
 def _case(code: int, then, rest):
-    """case(c, *args): then(*args) where c == code, else rest(c, *args)."""
+    """case(c, args): then(*args) where c == code, else rest(c, args). Inlined into its caller (Numba's IR), so a
+    chain of cases compiles to the branches one would write by hand."""
 
-    @njit
-    def case(c, *args):
+    @njit(inline="always")
+    def case(c, args):
         if c == code:
             then(*args)
         else:
-            rest(c, *args)
+            rest(c, args)
 
     return case
 
 
-@njit
-def _no_case(c, *args):
+@njit(inline="always")
+def _no_case(c, args):
     raise ValueError("no kernel for this type code (kernels.quant.dispatch: a GGML type id, + INTERLEAVED_CODE for "
                      "a matrix held interleaved)")
 
 
 def _cases(cases: list) -> object:
-    """One compiled dispatcher from [(code, function)]: the functions take the same arguments, called with the
-    dispatcher's after the code; an unknown code raises ValueError."""
+    """One dispatcher from [(code, function)]: dispatch(code, args) calls the function of that code with the tuple
+    args; an unknown code raises ValueError."""
     call = _no_case
     for code, function in reversed(cases):
         call = _case(code, function, call)
@@ -151,7 +152,7 @@ def matmul_rows_interleaved(code, w, q, d, s, s16, T, out, col, n0, n1):
     the types of activations "two_part" by two_part_activations_into (q [>=T, 2K]: the two 8-bit parts): what the
     Numba model runs for every block type.
           # q [>=T, K] int8, d, s [>=T, K / 32] float32, s16 [>=T, K / 16] int32 -> out [>=T, >=col + n1] float32"""
-    _matmul_rows_interleaved(code, w, q, d, s, s16, T, out, col, n0, n1)
+    _matmul_rows_interleaved(code, (w, q, d, s, s16, T, out, col, n0, n1))
 
 
 @njit(inline="always")
@@ -180,7 +181,7 @@ _decode_row_of = _cases([(_code(name), _decode_row(k.decode, quant.TYPES[name].b
 @njit(cache=True)
 def decode_row(code, w, n, out):
     """Row n of W (GGML type `code`) as float32 into out[:K]: an embedding lookup reads no other row."""
-    _decode_row_of(code, w, n, out)
+    _decode_row_of(code, (w, n, out))
 
 
 def _gather(gather):
@@ -198,7 +199,7 @@ _gather_of = _cases([(_code(name, True), _gather(KERNELS[name].gather)) for name
 def gather_interleaved_row(code, w8, n, row):
     """Row n of an interleaved matrix (quant.interleave_rows; code: INTERLEAVED_CODE + its GGML type id) back in its
     file's layout, into row [row bytes] uint8 (an embedding lookup on a table held interleaved for the LM head)."""
-    _gather_of(code, w8.reshape(w8.size), n // INTERLEAVE * w8.shape[1], n % INTERLEAVE, w8.shape[1], row)
+    _gather_of(code, (w8.reshape(w8.size), n // INTERLEAVE * w8.shape[1], n % INTERLEAVE, w8.shape[1], row))
 
 
 @njit(cache=True)
@@ -226,7 +227,7 @@ _matvec_rows = _cases([(_code(name), KERNELS[name].matvec) for name in FLOAT_TYP
 def matvec_rows(code, w, x, sums, out, col, n0, n1):
     """out[col + n] = W[n] . x for n0 <= n < n1, W of a float type `code` (F32, F16, BF16: the block types' products
     run interleaved, matmul_rows_interleaved)."""
-    _matvec_rows(code, w, x, sums, out, col, n0, n1)
+    _matvec_rows(code, (w, x, sums, out, col, n0, n1))
 
 
 @njit(fastmath=REASSOC, cache=True)
