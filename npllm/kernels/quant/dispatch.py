@@ -18,7 +18,7 @@ from numba import njit
 
 from ... import quant
 from ...quant import INTERLEAVE, QuantizationError
-from ..cpu import PANEL, REASSOC, TILE_T, _dot as _dot_f32, _tile_6x16
+from ..cpu import PANEL, REASSOC, TILE_T, _tile_6x16
 from ..simd import prefetch, vstore
 from . import floats, iq4, kquants, legacy
 from .activations import quantize_activations_q8_into, two_part_activations_into
