@@ -1,5 +1,5 @@
 """The Numba model on weights kept in their GGUF types (models/numba.py: QuantizedNumbaTransformer) against the NumPy
-reference on the same weights dequantized, and the row-range workers it calls (kernels/quant.py) against
+reference on the same weights dequantized, and the row-range workers it calls (kernels/quant) against
 `x @ dequantize(w).T` for every type a GGUF file holds."""
 
 import numpy as np

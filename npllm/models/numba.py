@@ -350,9 +350,9 @@ def _forward(tokens, positions, seqs, w, inv_freq, dims, ring):
 #
 # Nothing is fused at load (fusing would copy): q, k and v (and gate and up), which read the same input, are
 # computed in ONE parallel region over their concatenated rows, each matrix by the row-range worker of its own type
-# (kernels/quant.py), so a file that mixes types (Q4_K_M: Q4_K, Q6_K, Q5_0, ...) runs every matrix as stored.
+# (kernels/quant), so a file that mixes types (Q4_K_M: Q4_K, Q6_K, Q5_0, ...) runs every matrix as stored.
 
-# A product's input quantized to 8 bits per block of 32 (kernels/quant.py quantize_activations_q8_into), or in two
+# A product's input quantized to 8 bits per block of 32 (kernels/quant quantize_activations_q8_into), or in two
 # 8-bit parts (two_part_activations_into: q [T, 2K] each token's first part then its second, d, s and s16 those of
 # the 15-bit sum v = 128 q + q').
 Int8Activations = namedtuple("Int8Activations", [
@@ -364,7 +364,7 @@ Int8Activations = namedtuple("Int8Activations", [
 WQ, WK, WV, WO, W1, W3, W2 = range(7)
 PER_LAYER = 7
 # Quantized forward: the float32 panels of a product over T tokens come from decoding 16 rows; rows of one token
-# are read straight from the blocks (see kernels/quant.py).
+# are read straight from the blocks (see kernels/quant).
 QPacked = namedtuple("QPacked", [
     "pool",  # [bytes] uint8, read-only
     "mats",  # [7 L + 2, 5] int64 (see above)
@@ -472,7 +472,7 @@ def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     names = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
     matrices = [_as_quantized(getattr(layer, name)) for layer in weights.layers for name in names]
     matrices += [_as_quantized(weights.tok_embeddings), _as_quantized(weights.output)]
-    # Every block type's products run on rows interleaved by eight (kernels/quant.py), which needs a copy
+    # Every block type's products run on rows interleaved by eight (kernels/quant), which needs a copy
     # of the file's bytes in that order. The embedding table stays as stored (its rows are looked up one by one, and a
     # mapped table's unused rows never load), unless the LM head is tied to it: then the one copy is interleaved for
     # the head's product (the largest of a decode step), and a lookup gathers its row back (decode_any_row).
@@ -591,7 +591,7 @@ def products_into(pool, mats, first, count, x, T, out, threads):
 
     The concatenated groups of 8 or 16 rows (one token: qk.ROWS_AT_ONCE) or panels of 16 rows (several tokens) are
     split into one contiguous range per thread, in ONE parallel region (none on one thread: a small model's step is
-    mostly such calls); each matrix's part of a range goes to its type's row-range worker (kernels/quant.py).
+    mostly such calls); each matrix's part of a range goes to its type's row-range worker (kernels/quant).
 
     Every block type's weights (Q2_K .. Q8_0, as interleaved rows), in calls of any length, meet activations
     quantized to 8 bits per block of 32 (as llama.cpp does): integer dot products, with x quantized once here for
