@@ -22,6 +22,22 @@ A compile itself leaves far more behind: LLVM keeps the IR of every module it co
 life of the process, ~430 MiB after a quantized model's first compile. So a model whose code is not in Numba's cache
 yet is compiled by a child process that fills the cache (models/numba.py: link_ahead), and this process only loads
 the code; cached_here(dispatcher) tells which case it is.
+
+release_linking_modules() and cached_here() reach into Numba's internals (a code library's _shared_module and
+_final_module, how finalize() links them, the cache index behind a dispatcher's _cache), which Numba may change in
+any release. They are used only with a Numba in TESTED_NUMBA, the range pyproject.toml allows: those parts of
+Numba's source are the same in 0.59.1 and 0.68.1 (read side by side), and the suite runs on 0.68.1. With any other
+Numba, one notice on stderr says so (once a process) and Numba's plain behaviour stays: the modules for linking are
+kept as Numba keeps them, and a model's code not yet cached is compiled in this process, as Numba does.
+
+A run may also go on without the code while a detached process compiles it behind it (models/__init__.py:
+compile_behind): start_detached() starts that process, which outlives the run, lowers its priority (BACKGROUND_NICE)
+and holds a lock file in the cache's directory (cache_lock(dispatcher)) while it compiles, so that one compile at a
+time fills a cache directory; compiling_elsewhere(lock), compiling(lock) (what it compiles) and wait_for_lock(lock)
+read the lock. The lock is the
+kernel's (flock): it goes with the process however it ends, and Numba writes each cache file beside its place and
+renames it there, so a compile killed half-way leaves no broken file (at worst an index entry whose data is missing,
+which Numba treats as not cached). Where there is no flock (Windows), no detached compile is started.
 """
 
 from __future__ import annotations
@@ -29,13 +45,44 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import re
+import subprocess
 import sys
+import time
+from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so no detached compile
+    fcntl = None
+
+import numba
 from llvmlite import binding as llvm
 from numba.core.codegen import CPUCodeLibrary
 from numba.core.dispatcher import Dispatcher
 
 LIBRARIES = ("libllvmlite", "libLLVM")  # llvmlite's own build links LLVM in; some distributions share libLLVM
+# The Numba versions the internals used here are known in: [first, first not), as (major, minor).
+TESTED_NUMBA = ((0, 59), (0, 69))
+NUMBA_VERSION = numba.__version__  # the version internals_tested() checks
+_noticed = False  # whether this process has said that its Numba is outside TESTED_NUMBA
+
+
+def internals_tested() -> bool:
+    """Whether this process's Numba (NUMBA_VERSION) lies in TESTED_NUMBA. Outside it (or where the version cannot
+    be read), the first call prints one notice on stderr, and the callers keep to Numba's plain behaviour."""
+    global _noticed
+    found = re.match(r"(\d+)\.(\d+)", NUMBA_VERSION)
+    low, high = TESTED_NUMBA
+    if found and low <= (int(found[1]), int(found[2])) < high:
+        return True
+    if not _noticed:
+        _noticed = True
+        print(f"[npllm] numba {NUMBA_VERSION} is outside the versions npllm's compiler tweaks were tested with "
+              f"({low[0]}.{low[1]} <= numba < {high[0]}.{high[1]}): Numba's own behaviour is kept (no compile in a "
+              f"child process, LLVM's modules for linking kept), so loading a model may take more memory",
+              file=sys.stderr, flush=True)
+    return False
 
 
 def compiler_mappings(smaps: str) -> list[tuple[int, int]]:
@@ -105,7 +152,10 @@ class LinkingBitcode:
 
 def release_linking_modules(package: str = "npllm") -> int:
     """Replace the linking module of every compiled function of `package`'s modules by its bitcode (see the
-    module's docstring), then trim the heap; returns how many modules were released."""
+    module's docstring), then trim the heap; returns how many modules were released (none, touching nothing,
+    with a Numba outside TESTED_NUMBA)."""
+    if not internals_tested():
+        return 0
     released = 0
     for library in _libraries(package):
         module = getattr(library, "_shared_module", None)
@@ -141,10 +191,110 @@ def _malloc_trim() -> None:
 def cached_here(dispatcher) -> bool:
     """Whether Numba's cache holds code of `dispatcher` (a cache=True function) compiled for this CPU from its
     current source (any signature: a miss on another one only means the old path, a compile in this process).
-    Numba's cache index is read as Numba reads it; where it cannot be read, True (nothing is gained by guessing)."""
+    Numba's cache index is read as Numba reads it; where it cannot be read, or with a Numba outside TESTED_NUMBA,
+    True (nothing is gained by guessing: the code is compiled here, if it must be, as Numba does)."""
+    if not internals_tested():
+        return True
     try:
         index = dispatcher._cache._cache_file._load_index()  # {} when missing or stale (the source changed)
         magic = dispatcher.targetctx.codegen().magic_tuple()  # (target triple, CPU name, CPU features)
     except Exception:  # a Numba whose cache is laid out otherwise
         return True
     return any(key[1] == magic for key in index)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Compiling behind a run: a detached process fills Numba's cache while the run goes on without the compiled code.
+
+LOCK_NAME = "npllm-compile.lock"  # in the cache directory: holds the pid of the process compiling into it
+BACKGROUND_NICE = 10  # how much a detached compile lowers its priority: the run in front keeps the cores it needs
+
+
+def cache_lock(dispatcher) -> Path | None:
+    """The lock file of detached compiles into the cache directory of `dispatcher` (a cache=True function), that
+    directory made if missing; None where no detached compile can run: no flock, a Numba outside TESTED_NUMBA or
+    whose cache is laid out otherwise, a directory that cannot be made."""
+    if fcntl is None or not internals_tested():
+        return None
+    try:
+        folder = Path(dispatcher._cache._cache_path)
+        folder.mkdir(parents=True, exist_ok=True)
+    except Exception:  # a Numba whose cache is laid out otherwise, or a directory that cannot be made
+        return None
+    return folder / LOCK_NAME
+
+
+def compiling_elsewhere(lock: Path) -> bool:
+    """Whether a process holds `lock` (a detached compile into its directory is running); compiling(lock) says what
+    it compiles."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:  # no lock file: no compile has ever been started there
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:  # held
+        return True
+    finally:
+        os.close(fd)  # drops the shared lock, if it was taken
+
+
+def compiling(lock: Path) -> str | None:
+    """The label of the detached compile holding `lock` (start_detached's), or None where none holds it."""
+    if not compiling_elsewhere(lock):
+        return None
+    try:
+        return lock.read_text().partition(" ")[2].strip()
+    except OSError:
+        return ""
+
+
+def wait_for_lock(lock: Path, timeout: float, poll: float = 0.2) -> bool:
+    """Wait until no process holds `lock`, at most `timeout` seconds; returns whether it was released."""
+    deadline = time.monotonic() + timeout
+    while compiling_elsewhere(lock):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
+    return True
+
+
+def start_detached(code: str, env: dict, lock: Path, label: str = "") -> bool:
+    """Run Python `code` in a detached process that holds `lock` while it runs, `label` written there after its pid
+    (hold_lock; the process exits at once where another holds the lock), at BACKGROUND_NICE, in its own session (a Ctrl-C of the terminal does not reach it), with no
+    stdin, stdout or stderr, outliving this process. Returns whether the process was started.
+
+    The process started here forks and exits at once, so the one that runs `code` is nobody's child to wait for
+    (no zombie in a long-lived caller, no "still running" warning): this waits only for that fork."""
+    launcher = ("import os, sys\n"
+                "if os.fork(): os._exit(0)\n"
+                "from npllm.kernels.compiler import hold_lock\n"
+                f"hold_lock({str(lock)!r}, {label!r}) or sys.exit(0)\n") + code
+    try:
+        subprocess.run([sys.executable, "-c", launcher], env=env, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, timeout=60,
+                       check=True)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return True
+
+
+_held_lock = None  # the descriptor hold_lock locked: open, and so locked, for the rest of the process
+
+
+def hold_lock(path: str, label: str = "") -> bool:
+    """In a detached compile (start_detached): lock `path` for the rest of this process, write its pid and `label`
+    there and lower its priority; False, touching nothing, where another process holds the lock."""
+    global _held_lock
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {label}\n".encode())
+    _held_lock = fd
+    os.nice(BACKGROUND_NICE)
+    return True

@@ -6,9 +6,21 @@
     auto   cuda where a real GPU is usable, else numba
 
 make_model is the one place a model is built; weights.py names the tensors every backend starts from.
+
+The Numba backend's code is compiled the first time a kind of model runs on a machine (a minute or more), then
+loaded from Numba's cache. make_model's cold_start says whether a model waits for that compile:
+    wait       compile first (the default)
+    exact      don't wait where the NumPy reference gives the compiled model's greedy tokens (float32 weights):
+               a detached process compiles the code into the cache (compile_behind) while the model is the
+               reference computing as the Numba model would (stand_in.py); a GGUF file's quantized matrices wait
+    reference  don't wait, quantized matrices too (their tokens can part from the compiled model's after some
+               tens of tokens: stand_in.py), for runs whose tokens are drawn at random anyway
+The runs after it load the compiled code.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -18,6 +30,9 @@ from .base import KV_DTYPES, Model, kv_storage
 
 BACKENDS = ("numba", "numpy", "cuda", "auto")
 WEIGHT_DTYPES = ("float32", "float16", "q8_0")
+COLD_STARTS = ("wait", "exact", "reference")
+BEHIND = "npllm:compile-behind"  # the event raised when a model's code is left to a detached compile (the CLI's notice)
+LOCK_WAIT_S = 900  # at most this long, a run that waits for the compile waits for a detached one to end
 
 
 def resolve_backend(backend: str) -> str:
@@ -38,7 +53,7 @@ def resolve_backend(backend: str) -> str:
 
 def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str = "numba",
                threads: int | None = None, weight_dtype: str = "float32", kv_dtype: str | None = None,
-               **options) -> Model:
+               cold_start: str = "wait", **options) -> Model:
     """A model over `weights` (a format reader's dict) run by `backend`, on `threads` CPU cores (default: all).
 
     weight_dtype "float16" stores the CUDA model's matrices in half precision, "q8_0" as GGUF Q8_0 blocks (float32
@@ -47,21 +62,24 @@ def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str
     (formats.gguf.read_gguf_quantized) stay in their file types in the numba model (npllm.load reads a GGUF file
     that way for numba, and for cuda with "q8_0"). kv_dtype "float16" makes the model's caches store keys and
     values in half precision (numpy and numba backends; None: the compute dtype). options go to the CUDA model
-    (geometry, one_launch: see cuda.CudaTransformer).
+    (geometry, one_launch: see cuda.CudaTransformer). cold_start: what the numba backend does when its code is not
+    compiled yet, "wait" (compile it first), "exact" or "reference" (see the module's docstring).
     """
+    if cold_start not in COLD_STARTS:
+        raise ConfigError(f"cold_start must be one of {', '.join(COLD_STARTS)}, got {cold_start!r}")
     backend = resolve_backend(backend)
     kv = None if kv_dtype is None else kv_storage(kv_dtype)
     if backend == "cuda" and kv not in (None, np.float32):
         raise ConfigError(f"kv_dtype {kv_dtype}: the cuda backend's cache stores float32 (float16 is for the numba "
                           f"and numpy backends)")
-    model = _make(config, weights, backend, threads, weight_dtype, kv, **options)
+    model = _make(config, weights, backend, threads, weight_dtype, kv, cold_start, **options)
     if kv is not None:
         model.kv_dtype = kv.name
     return model
 
 
 def _make(config: ModelConfig, weights: dict[str, np.ndarray], backend: str, threads: int | None,
-          weight_dtype: str, kv: np.dtype | None, **options) -> Model:
+          weight_dtype: str, kv: np.dtype | None, cold_start: str, **options) -> Model:
     if weight_dtype not in WEIGHT_DTYPES:
         raise ConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     if backend != "cuda" and (weight_dtype != "float32" or options):
@@ -75,15 +93,82 @@ def _make(config: ModelConfig, weights: dict[str, np.ndarray], backend: str, thr
         from .numba import NumbaTransformer, QuantizedNumbaTransformer, is_quantized, link_ahead
 
         quantized = is_quantized(weights)  # matrices kept in their file types: read as stored, no float32 copy
-        link_ahead(QuantizedNumbaTransformer if quantized else NumbaTransformer, kv)  # the code, then the weights
+        model_class = QuantizedNumbaTransformer if quantized else NumbaTransformer
+        start_compile = None if cold_start == "wait" else compile_behind(model_class, kv, cold_start)
+        if start_compile is not None:
+            from .stand_in import stand_in
+
+            model = stand_in(config, weights)
+            start_compile()
+            # BLAS leaves the compile a core: its threads wait for each other by spinning, and a core that
+            # another process holds makes every product wait (a TinyLlama prefill: 12 s on 2 threads, 2.6 on 1)
+            return _reference(model, threads or max(1, (os.cpu_count() or 1) - 1))
+        wait_for_detached(model_class)
+        link_ahead(model_class, kv)  # the code, then the weights
         if quantized:
             return QuantizedNumbaTransformer(config, weights, threads)
         return NumbaTransformer(config, float_weights(weights), threads)
     from .reference import Transformer
 
+    return _reference(Transformer(config, weights), threads)
+
+
+def _reference(model: Model, threads: int | None) -> Model:
+    """A NumPy model, its BLAS held to `threads` threads (None: all)."""
     if threads is not None:
         limit_blas_threads(threads)
-    return Transformer(config, weights)
+    return model
+
+
+def compile_behind(model_class, kv: np.dtype | None, cold_start: str):
+    """Where model_class's code is not in Numba's cache yet and a detached process can compile it there: a function
+    that starts that process (kernels/compiler.py, start_detached; it does nothing where one is compiling into that
+    cache already), to call once this run's stand-in is made. None where the code is cached, where no detached
+    compile can run here, or for a quantized model under cold_start "exact": the caller compiles as always (waiting
+    for a compile under way first). The event BEHIND (data: {"quantized": ..., "waits": ...}) says which, unless
+    the code is cached.
+
+    The compile starts after the stand-in is made because its first seconds slowed the making: a TinyLlama-shape
+    Q4_0 file's 4.4 GB of decoded weights took 16.6 s with a compile starting beside them, 9.6 s without."""
+    from numba.core import event
+
+    from ..kernels.compiler import cache_lock, cached_here, compiling, start_detached
+    from .numba import FORWARD, QuantizedNumbaTransformer, child_code
+
+    lock = cache_lock(FORWARD[model_class])
+    if lock is None:
+        return None
+    # a compile of this class still running may have cached the forward and not the rest: its end says done
+    running = compiling(lock)
+    if running != model_class.__name__ and cached_here(FORWARD[model_class]):
+        return None
+    quantized = model_class is QuantizedNumbaTransformer
+    waits = quantized and cold_start == "exact"
+    with event.trigger_event(BEHIND, data={"quantized": quantized, "waits": waits}):
+        pass
+    if waits:
+        return None
+
+    def start() -> None:
+        if running is None:  # (one compiling another class: this class's compile waits for a later run)
+            start_detached(*child_code(model_class, kv), lock, model_class.__name__)  # one started since: it exits
+
+    return start
+
+
+def wait_for_detached(model_class) -> None:
+    """Let a detached compile of model_class's code finish (at most LOCK_WAIT_S), so that this process loads its
+    code rather than compiling the same code beside it; raised as a "numba:compile" event (the CLI's notice)."""
+    from numba.core import event
+
+    from ..kernels.compiler import cache_lock, compiling, wait_for_lock
+    from .numba import FORWARD
+
+    lock = cache_lock(FORWARD[model_class])
+    if lock is not None and compiling(lock) == model_class.__name__:
+        with event.trigger_event("numba:compile", data={"dispatcher": FORWARD[model_class], "args": None,
+                                                        "return_type": None}):
+            wait_for_lock(lock, LOCK_WAIT_S)
 
 
 def float_weights(weights: dict) -> dict:

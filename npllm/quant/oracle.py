@@ -1,7 +1,8 @@
 """The NumPy statement of what the Numba model's products compute on quantized weights (kernels/quant): activations
 quantized per block of 32 to int8, as Q8_0 quantizes weights (or in two 8-bit parts, for the types whose products
 take them), each weight block meeting its activation block in an integer dot product. The oracle the kernels and
-the Numba model's logits are held to (tests, scripts/int8_quality.py); nothing in the engine runs it.
+the Numba model's logits are held to (tests, scripts/bench/int8_quality.py), and what the cold-start stand-in
+(models/stand_in.py) computes while the kernels compile.
 """
 
 from __future__ import annotations
@@ -55,8 +56,14 @@ def matmul_t_q8_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int],
     product x W^T is the activations', so
         |out[t, n] - (x W^T)[t, n]| <= sum_b (d_x[t, b] / 2) sum_j |W[n, 32 b + j]|.
     """
-    q_x, d_x, _ = quantize_activations_q8(np.atleast_2d(x))
-    return dequantize_activations_q8(q_x, d_x) @ dequantize(raw, qtype, shape).astype(np.float64).T
+    return q8_activations(np.atleast_2d(x)) @ dequantize(raw, qtype, shape).astype(np.float64).T
+
+
+def q8_activations(x: np.ndarray) -> np.ndarray:
+    """The values x stands for once quantized to 8-bit blocks: x^ = d q (quantize_activations_q8).
+                                                                           # [..., K] float32 -> [..., K] float64"""
+    q_x, d_x, _ = quantize_activations_q8(x)
+    return dequantize_activations_q8(q_x, d_x)
 
 
 def quantize_activations_two_part(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -84,9 +91,14 @@ def matmul_t_two_part_activations(raw: np.ndarray, qtype: str, shape: tuple[int,
     """x W^T with x in two 8-bit parts (quantize_activations_two_part): x^ W^T in float64, x^ = (d / 128) (128 q +
     q'), W the dequantized weights; the kernels compute it as matmul_t_q8_activations states, with v = 128 q + q'
     for q_x and d / 128 for d_x.                                           # [T, K] float32 -> [T, N] float64"""
-    q, q_r, d = quantize_activations_two_part(np.atleast_2d(x))
-    v = 128 * q.astype(np.int32) + q_r
-    return dequantize_activations_q8(v, d / np.float32(128)) @ dequantize(raw, qtype, shape).astype(np.float64).T
+    return two_part_activations(np.atleast_2d(x)) @ dequantize(raw, qtype, shape).astype(np.float64).T
+
+
+def two_part_activations(x: np.ndarray) -> np.ndarray:
+    """The values x stands for in two 8-bit parts: (d / 128) (128 q + q') (quantize_activations_two_part).
+                                                                           # [..., K] float32 -> [..., K] float64"""
+    q, q_r, d = quantize_activations_two_part(x)
+    return dequantize_activations_q8(128 * q.astype(np.int32) + q_r, d / np.float32(128))
 
 
 
