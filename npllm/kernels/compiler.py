@@ -138,13 +138,14 @@ def _malloc_trim() -> None:
         pass
 
 
-def cached_here(dispatcher) -> bool:
+def cached_here(dispatcher, accepts=lambda signature: True) -> bool:
     """Whether Numba's cache holds code of `dispatcher` (a cache=True function) compiled for this CPU from its
-    current source (any signature: a miss on another one only means the old path, a compile in this process).
-    Numba's cache index is read as Numba reads it; where it cannot be read, True (nothing is gained by guessing)."""
+    current source, for a signature (a tuple of Numba types) that `accepts` takes (any that the caller cannot tell
+    apart: a miss on another one only means the old path, a compile in this process). Numba's cache index is read
+    as Numba reads it; where it cannot be read, True (nothing is gained by guessing)."""
     try:
         index = dispatcher._cache._cache_file._load_index()  # {} when missing or stale (the source changed)
         magic = dispatcher.targetctx.codegen().magic_tuple()  # (target triple, CPU name, CPU features)
     except Exception:  # a Numba whose cache is laid out otherwise
         return True
-    return any(key[1] == magic for key in index)
+    return any(key[1] == magic and accepts(key[0]) for key in index)
