@@ -78,6 +78,21 @@ def load_weights(model: str, keep_quantized: bool = False) -> tuple[ModelConfig,
     return NAMED_SHAPES[model], random_weights(NAMED_SHAPES[model]), "random"
 
 
+# Positions past a model's context time the same arithmetic, so a bench may go past it (the default 512 + 256 on
+# stories15M's 256); this many contexts further, the figures describe no run a model makes and attention's cost,
+# which grows with the square of the length, turns a typo into hours.
+MOST_CONTEXTS = 4
+
+
+def check_lengths(config: ModelConfig, prompt_lens, gen_len: int) -> None:
+    """Refuse a prompt length whose prompt plus gen_len decode steps run past MOST_CONTEXTS x the context."""
+    most = MOST_CONTEXTS * config.max_seq_len
+    longest = max(prompt_lens)
+    if longest + gen_len > most:
+        raise ConfigError(f"--prompt-len {longest} + --gen-len {gen_len} positions run far past the model's context "
+                          f"of {config.max_seq_len} tokens: at most {most} ({MOST_CONTEXTS} contexts) are timed")
+
+
 def decode_weight_bytes(c: ModelConfig) -> int:
     """Bytes of float32 weights a decode step reads: every layer matrix, the norms and the LM head."""
     D, F, Dh = c.dim, c.hidden_dim, c.head_dim
@@ -181,6 +196,7 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
     """Yield one result dict per (KV dtype, batch, prompt length) for one backend, in this process."""
     backend = resolve_backend(backend)
     config, weights, kind = load_weights(model_name, keep_quantized=backend == "numba")
+    check_lengths(config, prompt_lens, gen_len)
     start = time.perf_counter()
     model = make_model(config, weights, backend, threads, weight_dtype)
     load_s = time.perf_counter() - start
@@ -288,7 +304,8 @@ def print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result), flush=True)
         return
-    print(f"{result['model']} {result['backend']} threads={result['threads']} ({result['threads_wait']}) "
+    random = " (random weights: no checkpoint of that name on disk)" if result.get("weights") == "random" else ""
+    print(f"{result['model']}{random} {result['backend']} threads={result['threads']} ({result['threads_wait']}) "
           f"kv={result['kv_dtype']} "
           f"batch={result['batch']} "
           f"prompt={result['prompt_len']}: prefill {result['prefill_tok_s']:.0f} tok/s, first token "

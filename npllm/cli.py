@@ -17,6 +17,8 @@
     npllm serve --model M [--host H] [--port P] [--api-key K] [--chat-template NAME|FILE] [--max-slots N]
                 [--max-queue N] [--max-tokens-limit N] [--cors-origin URL] [--max-connections N]
                 [--header-timeout S] [--body-timeout S] [--keep-alive-timeout S]   an OpenAI-compatible HTTP server
+    npllm batch --model M --input IN.jsonl --output OUT.jsonl [--ray [ADDRESS]] [--workers N] [--batch-size B]
+                [--errors FILE] [--chat-template NAME|FILE]       a JSONL file of requests, resumable (docs/batch.md)
 
 stdout gets the prompt followed by the completion and nothing else (with --prompt-file, each prompt and its
 completion, separated by blank lines); timings go to stderr. PROMPT "-" reads the prompt from stdin.
@@ -40,14 +42,29 @@ from contextlib import contextmanager
 
 from .errors import GenerationError, NpllmError
 from .models import KV_DTYPES, WEIGHT_DTYPES
+from .sampling import Option, SamplingParams, options
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npllm", description="A readable NumPy Llama inference engine.")
+    parser.add_argument("--version", action="version", version=f"npllm {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (add_generate, add_chat, add_info, add_quantize, add_bench, add_perplexity, add_serve):
+    for add in (add_generate, add_chat, add_info, add_quantize, add_bench, add_perplexity, add_serve, add_batch):
         add(commands)
     return parser
+
+
+def package_version() -> str:
+    """The installed distribution's version (its metadata); from a source tree that is not installed, the
+    package's own __version__."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("npllm-engine")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
 
 
 def add_generate(commands) -> None:
@@ -100,22 +117,27 @@ def context_options(args) -> dict:
     return {"context_policy": args.context_policy, "sinks": args.sinks, "ignore_eos": args.ignore_eos}
 
 
-def add_sampling_arguments(gen) -> None:
-    gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
-    gen.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (default 0.9)")
-    gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    gen.add_argument("--top-k", type=whole(0), default=0, help="keep the k most probable tokens (0: off)")
-    gen.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * p_max (0: off)")
-    gen.add_argument("--typical-p", type=float, default=1.0, help="locally typical sampling mass (1: off)")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL penalty on seen tokens (1: off)")
-    gen.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this from seen tokens' logits")
-    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract this times each token's count")
-    gen.add_argument("--no-repeat-ngram", type=whole(0), default=0,
-                     help="forbid repeating any n-gram of this size")
-    gen.add_argument("--stop", action="append", default=[], metavar="STR",
-                     help="end the completion before this text (repeatable; may span tokens)")
-    gen.add_argument("--logprobs", type=whole(0, MOST_LOGPROBS), default=0, metavar="N",
-                     help="print each token's log-probability and the top N alternatives to stderr")
+def add_sampling_arguments(parser, params_type: type = SamplingParams) -> None:
+    """One flag per SamplingParams field that has one, built from the field's Option (npllm.sampling): its name,
+    type and range, default and help. A value the parser lets through is checked by SamplingParams itself."""
+    for f, option in options(params_type):
+        if option.flag is not None:
+            parser.add_argument(option.flag, dest=f.name, **flag_spec(option, f.default))
+
+
+def flag_spec(option: Option, default) -> dict:
+    """argparse's keywords for an Option's flag: "real" -> float, "integer" -> int (whole(least, most) when it has
+    bounds), "text" -> a repeatable string."""
+    default = default if option.cli_default is None else option.cli_default
+    spec = {"help": option.help, "metavar": option.metavar}
+    if option.kind == "text":
+        return {**spec, "action": "append", "default": []}
+    if option.kind == "real":
+        return {**spec, "type": float, "default": default}
+    if option.kind == "integer":
+        kind = int if option.least is None else whole(option.least, option.most)
+        return {**spec, "type": kind, "default": default}
+    raise ValueError(f"a {option.kind!r} option has no command-line flag; give it flag=None")
 
 
 def add_info(commands) -> None:
@@ -215,13 +237,37 @@ def add_serve(commands) -> None:
     serve.set_defaults(run=run_serve, compiles=True)
 
 
+def add_batch(commands) -> None:
+    batch = commands.add_parser("batch", help="a JSONL file of requests through the model, resumable, results in "
+                                              "input order (docs/batch.md)")
+    add_model_arguments(batch)
+    batch.add_argument("--input", "-i", required=True,
+                       help='requests, one JSON object a line: {"id", "prompt" or "messages", fields of the '
+                            "server's requests (max_tokens, temperature, top_p, seed, stop, ...)}")
+    batch.add_argument("--output", "-o", required=True,
+                       help="results are appended here in input order; ids already in it are skipped")
+    batch.add_argument("--errors", default=None,
+                       help="bad lines, with their line number and reason (default: OUTPUT's name + .errors.jsonl)")
+    batch.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                       help="run on Ray Data: the cluster at ADDRESS, else $RAY_ADDRESS, else one on this machine "
+                            "(needs the ray extra)")
+    batch.add_argument("--workers", type=whole(1, MOST_BATCH), default=1,
+                       help="with --ray: actors, each loading the model once (default 1)")
+    batch.add_argument("--batch-size", type=whole(1, MOST_BATCH), default=8,
+                       help="requests decoded together, one cache slot each (default 8; with --ray, also the rows "
+                            "an actor takes at a time)")
+    batch.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                       help='template for "messages" lines (default: the model\'s own)')
+    batch.set_defaults(run=run_batch, compiles=True, command_parser=batch)
+
+
 # Upper bounds on counts, far above any sensible use, so a typo cannot ask for a petabyte or a year of work.
 MOST_THREADS = MOST_BATCH = 1 << 12
 MOST_TOKENS = 1 << 24  # ModelConfig's MAX_CONTEXT
 MOST_REPEAT = 1000
 MOST_LAYERS = 1 << 12  # ModelConfig's layer cap
 MOST_DRAFT = MOST_BEAMS = 64
-MOST_MIB = MOST_LOGPROBS = 1 << 20
+MOST_MIB = 1 << 20
 MOST_QUEUE = 1 << 16
 MOST_BODY = 1 << 30
 MOST_CONNECTIONS = 1 << 20
@@ -277,18 +323,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="float16: the KV cache stores keys and values in half precision (numba, numpy)")
 
 
-def sampling_params(args):
-    """SamplingParams from the command line (validated there: a bad value is a clear error)."""
-    from .sampling import SamplingParams
-
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, top_k=args.top_k,
-                          min_p=args.min_p, typical_p=args.typical_p, repetition_penalty=args.repetition_penalty,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          no_repeat_ngram=args.no_repeat_ngram, stop=tuple(args.stop), logprobs=args.logprobs)
-
-
-def as_keywords(params) -> dict:
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+def sampling_params(args, params_type: type = SamplingParams) -> SamplingParams:
+    """The SamplingParams the flags ask for (validated there: a bad value is a clear error)."""
+    return params_type(**{f.name: getattr(args, f.name) for f, option in options(params_type) if option.flag})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -318,8 +355,8 @@ class Needs:
 
 # argparse dests. A new option is refused by every mode until a mode's `takes` names it.
 MODEL = frozenset({"model", "tokenizer", "backend", "threads", "weight_dtype", "kv_dtype"})
-SAMPLING = frozenset({"temperature", "top_p", "seed", "top_k", "min_p", "typical_p", "repetition_penalty",
-                      "presence_penalty", "frequency_penalty", "no_repeat_ngram"})
+# every sampling flag but --stop and --logprobs (text and a report, not a stage of the draw: each mode names them)
+SAMPLING = frozenset(f.name for f, option in options() if option.flag is not None) - {"stop", "logprobs"}
 ONE_PROMPT = MODEL | {"prompt", "max_new_tokens"}
 SPECULATIVE = ("speculative decoding continues one PROMPT with one draft, inside the context up to EOS, and reports no "
                "log-probabilities")
@@ -391,6 +428,9 @@ def load_with_tokenizer(args, **options):
 
     checkpoint, found = resolve(args.model)
     if args.tokenizer is None and found is None:
+        from .formats import read_config
+
+        read_config(checkpoint)  # a file that is no checkpoint at all says so, rather than asking for a tokenizer
         raise GenerationError(f"no tokenizer was found beside {args.model}: pass --tokenizer PATH")
     return load(checkpoint, args.tokenizer if args.tokenizer is not None else found, backend=args.backend,
                 threads=args.threads, weight_dtype=args.weight_dtype, **options)
@@ -430,20 +470,27 @@ def stream_generate(args, llm, prompt: str, prompt_len: int, params) -> int:
         if params.logprobs:
             print_logprobs(llm.tokenizer, step)
 
-    for piece in llm.stream(prompt, args.max_new_tokens, echo=True, on_step=on_step, **speculation,
-                            **context_options(args), **as_keywords(params)):
+    for piece in llm.stream(prompt, args.max_new_tokens, echo=True, on_step=on_step, params=params, **speculation,
+                            **context_options(args)):
         write_out(piece)
     write_out("\n")
-    end = time.perf_counter()
-    rate = (count - 1) / (end - first) if count > 1 else float("nan")
-    print(f"[npllm] {prompt_len} prompt + {count} new tokens; first token {1e3 * ((first or end) - start):.1f} ms;"
-          f" {rate:.1f} tok/s after it", file=sys.stderr)
+    print(timing_line(prompt_len, count, start, first, time.perf_counter()), file=sys.stderr)
     if speculation:
         stats = speculation["speculation"]
         print(f"[npllm] speculative: {stats.accepted}/{stats.drafted} drafted tokens accepted (acceptance "
               f"{stats.acceptance_rate:.2f}); {count / max(stats.rounds, 1):.2f} tokens per forward call of the model "
               f"({stats.rounds} calls, {stats.draft_calls} draft calls)", file=sys.stderr)
     return 0
+
+
+def timing_line(prompt_len: int, count: int, start: float, first: float | None, end: float) -> str:
+    """generate's stderr summary: the time to the first new token, and the rate after it where there is one (it
+    needs two tokens: with --max-new-tokens 0 or 1, or an immediate end token, there is none to give)."""
+    line = f"[npllm] {prompt_len} prompt + {count} new tokens"
+    if first is None:
+        return f"{line} in {1e3 * (end - start):.1f} ms"
+    line += f"; first token {1e3 * (first - start):.1f} ms"
+    return f"{line}; {(count - 1) / (end - first):.1f} tok/s after it" if count > 1 else line
 
 
 def speculation_options(args) -> dict:
@@ -501,12 +548,10 @@ def write_out(text: str) -> None:
 
 
 def print_logprobs(tokenizer, step, label: str = "[logprobs]") -> None:
-    """One stderr line per token: the label, the piece, its log-probability, then the top alternatives."""
-    def piece(token_id):
-        return repr(tokenizer.id_to_piece(int(token_id)))
+    """One stderr line per token (report.logprobs_line)."""
+    from .report import logprobs_line
 
-    alternatives = ", ".join(f"{piece(t)} {lp:.3f}" for t, lp in zip(step.top_ids, step.top_logprobs) if t >= 0)
-    print(f"{label} {piece(step.token_ids)} {step.logprobs:.4f} | {alternatives}", file=sys.stderr)
+    print(logprobs_line(tokenizer, step, label), file=sys.stderr)
 
 
 def read_prompt_file(path: str) -> list[str]:
@@ -531,8 +576,8 @@ def run_generate_batch(args) -> int:
         print_logprobs(llm.tokenizer, step, f"[logprobs {index + 1}]")
 
     start = time.perf_counter()
-    completions = llm.generate(prompts, args.max_new_tokens, on_step=on_step if params.logprobs else None,
-                               **as_keywords(params))
+    completions = llm.generate(prompts, args.max_new_tokens, params=params,
+                               on_step=on_step if params.logprobs else None)
     seconds = time.perf_counter() - start
     write_out("\n\n".join(p + c for p, c in zip(prompts, completions)) + "\n")
     print(f"[npllm] {len(prompts)} prompts completed together in {seconds:.2f} s", file=sys.stderr)
@@ -543,12 +588,13 @@ def run_chat(args) -> int:
     from .chat.repl import run
 
     check_combinations(args, needs=CHAT_NEEDS)
-    return run(args, sampling_params(args), context_options(args))
+    params = sampling_params(args)  # checked before the model loads
+    return run(load_with_tokenizer(args, kv_dtype=args.kv_dtype), args, params, context_options(args), write_out)
 
 
 def run_info(args) -> int:
     from .formats import read_checkpoint
-    from .formats.info import describe
+    from .info import describe
     from .hub import resolve
 
     checkpoint, _ = resolve(args.model)
@@ -578,7 +624,8 @@ def quantize_progress(stream=None):
 def run_quantize(args) -> int:
     from collections import Counter
 
-    from .formats.gguf import MIXTURES, fallbacks, quant_type, quantize_checkpoint
+    from .convert import quantize_checkpoint
+    from .formats.gguf import MIXTURES, fallbacks, quant_type
 
     tensors, tokenizer = quantize_checkpoint(args.input, args.output, args.type.upper(), args.tokenizer,
                                              progress=quantize_progress())
@@ -639,8 +686,9 @@ def run_serve(args) -> int:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise NpllmError("npllm serve needs the serve extra: pip install 'npllm-engine[serve]' "
+        raise NpllmError("npllm serve needs the serve extra: pip install -e '.[serve]' in npllm's folder "
                          "(Starlette and uvicorn)") from None
+    from .chat import chat_template_name
     from .serve.app import Limits, Server, bind, check_api_key, run
 
     check_api_key(args.api_key)
@@ -651,7 +699,7 @@ def run_serve(args) -> int:
         limits = Limits(args.max_slots, args.max_queue, args.max_tokens_limit, args.max_body_bytes,
                         args.max_connections, args.header_timeout, args.body_timeout, args.keep_alive_timeout)
         server = Server(llm, args.served_model_name or Path(args.model).stem or str(args.model), limits, template,
-                        problem, args.api_key)
+                        problem, args.api_key, template_name=chat_template_name(args.chat_template, llm.source))
         return run(server, args.host, args.port, args.grace, args.cors_origin, sock=sock)
     finally:
         sock.close()
@@ -661,16 +709,44 @@ def serve_chat_template(spec: str | None, checkpoint: str) -> tuple[str | None, 
     """(template, "") for the chat endpoint; (None, why) when the model ships none and none was named, so the
     server still serves completions and the chat endpoint answers 400 with the reason. A named template that
     cannot be read stops the server at once."""
-    from .chat import find_chat_template, resolve_chat_template
-    from .errors import ChatTemplateError
+    from .batch import chat_template_for
 
-    if spec is not None:
-        return resolve_chat_template(spec, None), ""
-    try:
-        return resolve_chat_template(None, find_chat_template(checkpoint)), ""
-    except ChatTemplateError as e:
-        print(f"[npllm] /v1/chat/completions is off: {e}", file=sys.stderr)
-        return None, str(e)
+    template, problem = chat_template_for(spec, checkpoint)
+    if problem:
+        print(f"[npllm] /v1/chat/completions is off: {problem}", file=sys.stderr)
+    return template, problem
+
+
+BATCH_NEEDS = (Needs("workers", "--ray", lambda args: args.ray is not None),)
+
+
+def run_batch(args) -> int:
+    """npllm batch: the input's requests without a result in the output, in this process or on Ray Data; one
+    summary line on stderr, nothing on stdout."""
+    from .batch import Runner, chat_template_for, errors_path, plan, run
+
+    check_combinations(args, needs=BATCH_NEEDS)
+    errors = args.errors or str(errors_path(args.output))
+    if args.ray is not None:
+        from .ray import run_batch as run_on_ray
+
+        if args.chat_template is not None:
+            chat_template_for(args.chat_template, None)  # a template that cannot be read: an error before Ray starts
+        summary = run_on_ray(args.model, args.input, args.output, errors, address=args.ray or None,
+                             workers=args.workers, batch_size=args.batch_size, tokenizer=args.tokenizer,
+                             backend=args.backend, threads=args.threads, chat_template=args.chat_template,
+                             weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype)
+    else:
+        from .chat import chat_template_name
+
+        work = plan(args.input, args.output, errors)  # bad files are refused before the model loads
+        llm = load_with_tokenizer(args, kv_dtype=args.kv_dtype)
+        template, problem = chat_template_for(args.chat_template, llm.source)
+        runner = Runner(llm, None, template, problem, chat_template_name(args.chat_template, llm.source),
+                        args.batch_size)
+        summary = run(runner, work, args.output, errors)
+    print(summary.line(args.output, errors), file=sys.stderr)
+    return 0
 
 
 def run_bench(args) -> int:

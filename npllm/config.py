@@ -14,6 +14,8 @@ Dimension legend used in shape comments throughout npllm:
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -22,6 +24,19 @@ from .errors import ConfigError
 # tokens): a header claiming more is corrupt, and believing it would mean allocating tables of that size.
 MAX_LAYERS = 1 << 12
 MAX_CONTEXT = 1 << 24
+
+
+def check_finite_floats(description) -> None:
+    """Raise ConfigError if any float field of the dataclass `description` is NaN or infinite.
+
+    Every format's reader maps its metadata into ModelConfig / RopeScaling, so this one check covers them all: a
+    NaN or infinite epsilon, RoPE base or scaling factor loads but turns every activation into NaN or garbage.
+    """
+    for field in dataclasses.fields(description):
+        value = getattr(description, field.name)
+        is_float = isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)  # NumPy's too
+        if is_float and not math.isfinite(value):
+            raise ConfigError(f"{field.name} must be a finite number, got {value} ({type(description).__name__})")
 
 
 @dataclass(frozen=True)
@@ -42,8 +57,16 @@ class RopeScaling:
     def __post_init__(self):
         if self.kind not in ("linear", "llama3"):
             raise ConfigError(f"unsupported RoPE scaling type {self.kind!r} (npllm knows 'linear' and 'llama3')")
+        check_finite_floats(self)
         if not self.factor > 0:
             raise ConfigError(f"RoPE scaling factor must be > 0, got {self.factor}")
+        if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ConfigError(f"llama3 RoPE scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                              f"{self.low_freq_factor} and {self.high_freq_factor}")
+        if self.kind == "llama3" and not (isinstance(self.original_max_position_embeddings, int)
+                                          and 0 < self.original_max_position_embeddings <= MAX_CONTEXT):
+            raise ConfigError(f"llama3 RoPE scaling's original_max_position_embeddings must be a positive integer, "
+                              f"got {self.original_max_position_embeddings!r}")
 
 
 @dataclass(frozen=True)
@@ -70,8 +93,13 @@ class ModelConfig:
     # llama2.c's TinyStories convention: a generated BOS ends the story (run.c stops on it).
     stop_at_bos: bool = False
     arch: str = "llama"
+    # ids [0, usable_vocab) are the tokenizer's; the embedding rows past it pad the vocabulary to a round size (Qwen2:
+    # 151,665 tokens, 151,936 rows) and the model never produces them. None: every one of the vocab_size ids.
+    # No checkpoint says it: npllm.load sets it from the tokenizer.
+    usable_vocab: int | None = None
 
     def __post_init__(self):
+        check_finite_floats(self)
         if self.head_dim == 0:
             if self.n_heads <= 0 or self.dim % self.n_heads:
                 raise ConfigError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
@@ -95,6 +123,10 @@ class ModelConfig:
             raise ConfigError(f"head_dim {self.head_dim} must be even for RoPE")
         if self.rope_layout not in ("interleaved", "half"):
             raise ConfigError(f"rope_layout must be 'interleaved' or 'half', got {self.rope_layout!r}")
+        if self.usable_vocab is not None and not (isinstance(self.usable_vocab, int)
+                                                  and 0 < self.usable_vocab <= self.vocab_size):
+            raise ConfigError(f"usable_vocab must be an id count in [1, vocab_size {self.vocab_size}], "
+                              f"got {self.usable_vocab!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
         if not 0 < self.norm_eps < float("inf"):

@@ -5,7 +5,9 @@
         prefill(ids)  make the sequence equal `ids`: keep the longest common prefix with `tokens` in the cache
                     (rewound there) and run only the rest through the model -> hidden state of the last token
         feed(ids)   append tokens -> hidden state of the last one
-    continue_steps(context, prompt_ids, ...)   generation on a Context: prefill, then one draw and one feed per token
+
+Generation on a Context is the one single-sequence loop, npllm.generate.decode(model, request, context): prefill,
+then a draw and a feed per token, its stop, length and context rules those of generate.Sequence.
 
 A chat sends the whole conversation every turn; everything up to the new user message is already in the cache, so
 a turn costs only its new tokens (`prefilled` counts what went through the model).
@@ -36,15 +38,10 @@ ring are fed one at a time, since each one slides the sinks.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import replace
-
 import numpy as np
 
 from .cache import RingKVCache
 from .errors import GenerationError
-from .generate import Row, check_prompt, draw_next, stop_ids
-from .sampling import Sampled, SamplingParams
 
 POLICIES = ("error", "truncate", "sinks")
 DEFAULT_SINKS = 4  # StreamingLLM's choice: four initial tokens suffice as attention sinks
@@ -55,6 +52,19 @@ def check_policy(policy: str, sinks: int = DEFAULT_SINKS) -> None:
         raise GenerationError(f"context_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if not isinstance(sinks, (int, np.integer)) or sinks < 0:
         raise GenerationError(f"sinks must be an integer >= 0, got {sinks!r}")
+
+
+def check_prompt(config, prompt_ids) -> None:
+    """A prompt the model can start from: at least one token, every id in the vocabulary, no longer than the
+    context."""
+    if len(prompt_ids) == 0:
+        raise GenerationError("the prompt has no tokens (encode with bos=True to start from BOS)")
+    if len(prompt_ids) > config.max_seq_len:
+        raise GenerationError(f"the prompt has {len(prompt_ids)} tokens but the model's context is "
+                              f"{config.max_seq_len} tokens")
+    bad = [t for t in prompt_ids if not 0 <= int(t) < config.vocab_size]
+    if bad:
+        raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size})")
 
 
 def common_prefix(a, b) -> int:
@@ -100,14 +110,26 @@ class Context:
 
         At least the last token is run again (its hidden state is what the caller samples from)."""
         ids = [int(t) for t in ids]
-        check_prompt(self.model.config, ids if self.policy == "error" else ids[:1])  # the others go past the context
-        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
-        if bad:
-            check_prompt(self.model.config, bad[:1])  # its message names the ids outside the vocabulary
+        self.check(ids)
         keep = min(common_prefix(self.tokens, ids), len(ids) - 1)
         if keep < len(self.tokens):
             self._rewind(keep)
         return self.feed(ids[len(self.tokens):])
+
+    def check(self, ids) -> None:
+        """A prompt this context can start from (check_prompt; longer than the context only when its policy goes
+        past the context)."""
+        ids = [int(t) for t in ids]
+        check_prompt(self.model.config, ids if self.policy == "error" else ids[:1])  # the others go past the context
+        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            check_prompt(self.model.config, bad[:1])  # its message names the ids outside the vocabulary
+
+    @property
+    def room(self) -> int | None:
+        """The positions a sequence may fill here: the cache's under "error"; None (no end) for the policies that
+        go past the context."""
+        return self.capacity if self.policy == "error" else None
 
     def _rewind(self, length: int) -> None:
         """Forget tokens[length:]. The ring can go back only while it still holds everything before `length` in
@@ -163,36 +185,3 @@ class Context:
             return  # a plain sliding window: the ring overwrites its oldest entry by itself
         src = (P - C + np.arange(S)) % C
         self.model.move_cached_keys(self.cache, 0, src, (src + 1) % C, 1)
-
-
-def continue_steps(context: Context, prompt_ids, max_new_tokens: int, params: SamplingParams,
-                   ignore_eos: bool = False, extra_stop_ids=(), rng: np.random.Generator | None = None,
-                   report: bool | None = None) -> Iterator[Sampled]:
-    """Generate on a Context: prefill prompt_ids (reusing its cache), then draw a token, yield it, feed it, ...
-
-    Stops at a stop id (not yielded; the model's own unless ignore_eos, and extra_stop_ids always), after
-    max_new_tokens, or under "error" when the context is full (the last token drawn is yielded, not fed). The
-    caller's stop strings are the caller's (text). Draws are sampling's, as in generate.decode: one generator
-    seeded with params.seed, the penalties looking at the whole sequence.
-    """
-    model = context.model
-    if max_new_tokens < 0:
-        raise GenerationError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if context.policy == "error" and ignore_eos and len(prompt_ids) + max_new_tokens - 1 > context.capacity:
-        raise GenerationError(f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new ones do not fit the context of "
-                              f"{context.capacity} (context_policy='truncate' or 'sinks' go past it)")
-    stops = (frozenset() if ignore_eos else stop_ids(model.config)) | frozenset(int(t) for t in extra_stop_ids)
-    report = params.logprobs > 0 if report is None else report
-    rng = np.random.default_rng(params.seed) if rng is None else rng
-    hidden = context.prefill(prompt_ids)
-    row = Row(replace(params, seed=None, stop=()), rng, context.tokens)
-    for n in range(max_new_tokens):
-        drawn = draw_next(model, hidden, row, report)
-        token = drawn.token_ids
-        if token in stops:
-            return
-        yield drawn
-        if n == max_new_tokens - 1 or (context.policy == "error" and context.positions_held >= context.capacity):
-            return
-        hidden = context.feed([token])
-        row.history = context.tokens  # "truncate" may have replaced the list

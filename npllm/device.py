@@ -17,7 +17,7 @@ import sys
 
 from .errors import DeviceError
 
-INSTALL_HINT = "pip install 'npllm-engine[cuda]'"
+INSTALL_HINT = "pip install -e '.[cuda]' in npllm's folder"
 
 
 def cuda_simulated() -> bool:

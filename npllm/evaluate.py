@@ -115,11 +115,25 @@ def perplexity(model, token_ids, ctx: int, batch: int = 1, bos_id: int | None = 
     start = time.perf_counter()
     bos = model.config.bos_id if bos_id is None else bos_id
     chunks = llama_cpp_chunks(token_ids, ctx, bos)
-    nll = np.concatenate([_nll(logits, targets) for logits, targets in
-                          _progress(scored_logits(model, chunks, batch), len(chunks), batch, progress)])
-    mean, stderr = _mean_and_stderr(nll)
+    return perplexity_of(chunk_nll(model, chunks, batch, progress), time.perf_counter() - start)
+
+
+def chunk_nll(model, chunks: np.ndarray, batch: int = 1, progress: bool = False) -> np.ndarray:
+    """-log p of each scored token of each chunk, `batch` chunks per forward call (the rows do not depend on which
+    chunks share a call).               # [n_chunks, ctx] -> [n_chunks, n] float64, n = ctx - 1 - ctx // 2"""
+    n_chunks, ctx = chunks.shape
+    nll = [_nll(logits, targets) for logits, targets in
+           _progress(scored_logits(model, chunks, batch), n_chunks, batch, progress)]
+    return np.concatenate(nll).reshape(n_chunks, ctx - 1 - ctx // 2)
+
+
+def perplexity_of(nll: np.ndarray, seconds: float = 0.0) -> Perplexity:
+    """llama.cpp's figures from the chunks' scored tokens in chunk order: PPL = exp(mean nll) and its standard
+    error (the module docstring).                                                         # [n_chunks, n] -> Perplexity"""
+    values = np.asarray(nll, dtype=np.float64).reshape(-1)
+    mean, stderr = _mean_and_stderr(values)
     ppl = float(np.exp(mean))
-    return Perplexity(ppl, ppl * stderr, len(nll), len(chunks), time.perf_counter() - start, "llama.cpp")
+    return Perplexity(ppl, ppl * stderr, len(values), len(nll), seconds, "llama.cpp")
 
 
 def kl_divergence(model, base, token_ids, ctx: int, batch: int = 1, bos_id: int | None = None,

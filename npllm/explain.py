@@ -12,9 +12,9 @@ whether the filters kept them, and the token the sampler drew with the log-proba
       ...
       the filters kept 2 tokens, 94.7% of the probability before filtering
 
-The loop is generate_ids' own loop (npllm.generate.decode: prefill, then one decode step per token, the same stop
-rules and the same random draws), watched through the step's observe hook, so a seeded run explains exactly the
-tokens `npllm generate` prints; the tests hold the two to that.
+The loop is generate_ids' own loop (npllm.generate.decode, the one single-sequence loop: prefill, then one decode
+step per token, the same stop rules and the same random draws), watched through the step's observe hook, so a
+seeded run explains exactly the tokens `npllm generate` prints; the tests hold the two to that.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from typing import TextIO
 import numpy as np
 
 from .generate import Request, check_prompt, decode, stop_ids
-from .sampling import SamplingParams, explain_steps
+from .sampling import PIPELINE, SamplingParams, explain_steps
 
-FILTERS = ("top_k", "top_p", "min_p", "typical_p")
+FILTERS = tuple(stage.name for stage in PIPELINE if stage.kind == "filter")  # top_k, top_p, min_p, typical_p
 BANS = FILTERS + ("logit_bias", "no_repeat_ngram")  # the stages that can remove a token (give it -inf)
 # Column headings of the terminal table, one per pipeline stage.
 HEADINGS = {"logits": "raw", "repetition_penalty": "rep_pen", "presence_frequency_penalty": "pres_freq",
@@ -102,7 +102,7 @@ def explain_ids(model, tokenizer, prompt_ids, max_new_tokens: int, params: Sampl
     stops = stop_ids(model.config)
     request = Request(prompt_ids, max_new_tokens, replace(params, stop=()))
     shown = 0
-    for _ in decode(model, request, params.generator(), report=True, observe=observe):
+    for _ in decode(model, request, rng=params.generator(), report=True, observe=observe):
         yield from steps[shown:]
         shown = len(steps)
     yield from steps[shown:]  # the stop token's step, which decode does not yield

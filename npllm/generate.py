@@ -4,16 +4,21 @@
                    hidden = forward(tokens, positions, cache, slots)      # [T, D]
                    logits = lm_head(hidden at each sequence's last token)  # [B, V]
                    ids    = the sampling pipeline on each row              # [B]
-    advance    a step over Sequences: the whole prompt of each starting one, the last token of each running one;
-               each drawn token is kept, or ends its sequence (a stop id, the token limit, a full context)
-    generate   one prompt: prefill once, then one decode step per token, all through `advance`
+    take       one draw per Sequence from its last hidden state, offered to the Sequence, which keeps it or ends
+               (a stop id, the token limit, a full context: Sequence.accept, the one place these rules live)
+    advance    a step over Sequences in one cache: the whole prompt of each starting one, the last token of each
+               running one, then `take`
+    decode     the one single-sequence loop, on a Context (npllm.context: a cache kept between calls, and the
+               context policies): prefill, then `take` and a feed per token
 
-Every loop uses these: `generate_steps` and `explain_ids` (one sequence), ragged and continuous batching (many
-sequences, batching.py), and static batching (Meta's grid, which calls `step` directly). A loop watches a step
-through its `observe` hook, which sees the logits and the draws; explain builds its tables there.
+Every loop uses these: `decode` runs generate_ids / generate_steps, LLM.stream, explain and chat; ragged and
+continuous batching run `advance` (many sequences, batching.py), static batching (Meta's grid) calls `step`
+directly. A loop watches a step through its `observe` hook, which sees the logits and the draws; explain builds its
+tables there.
 
-A stop happens at an end-of-sequence id (and at BOS for llama2.c's TinyStories checkpoints, as run.c does), at the
-token limit, or when the next token would fall outside the model's context.
+A stop happens at an end-of-sequence id (and at BOS for llama2.c's TinyStories checkpoints, as run.c does; neither
+with ignore_eos), at a request's own stop ids, at the token limit, or when the next token would fall outside the
+context (under the context policy "error"; "truncate" and "sinks" go past it).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .context import Context, check_prompt
 from .errors import GenerationError
 from .sampling import Sampled, SamplingParams, log_softmax, sample_step, sample_with
 
@@ -34,17 +40,6 @@ def stop_ids(config) -> frozenset[int]:
     if config.stop_at_bos and config.bos_id is not None:
         ids.add(config.bos_id)
     return frozenset(ids)
-
-
-def check_prompt(config, prompt_ids) -> None:
-    if len(prompt_ids) == 0:
-        raise GenerationError("the prompt has no tokens (encode with bos=True to start from BOS)")
-    if len(prompt_ids) > config.max_seq_len:
-        raise GenerationError(f"the prompt has {len(prompt_ids)} tokens but the model's context is "
-                              f"{config.max_seq_len} tokens")
-    bad = [t for t in prompt_ids if not 0 <= int(t) < config.vocab_size]
-    if bad:
-        raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size})")
 
 
 def check_request(config, prompt_ids, max_new_tokens: int) -> None:
@@ -121,21 +116,26 @@ def step(model, cache, tokens, positions, slots, ends, rows: list[Row], report: 
     """One forward call and one draw per row: (hidden [T, D], Sampled of [B]).
 
         hidden = model.forward(tokens, positions, cache, slots)       # [T], [T], [T] -> [T, D]
-        logits = model.lm_head(hidden[ends])                          # ends[b]: row b's last token -> [B, V]
-        drawn  = draw(rows, logits, report);  observe(rows, logits, drawn)
+        drawn  = draw_rows(model, hidden[ends], rows, report, observe)  # ends[b]: row b's last token -> [B]
+    """
+    hidden = model.forward(tokens, positions, cache, slots)
+    return hidden, draw_rows(model, hidden[ends], rows, report, observe)
+
+
+def draw_rows(model, last, rows: list[Row], report: bool = False, observe: Observer | None = None) -> Sampled:
+    """One draw per row from the rows' final hidden states last [B, D]: draw() on logits = lm_head(last) [B, V],
+    then observe(rows, logits, drawn).
 
     A lone row nobody needs the logits of (no observer) is drawn by draw_next: through the model's own sampler
     where it has one, so that only the id travels back, the same id draw() would pick.
     """
-    hidden = model.forward(tokens, positions, cache, slots)
-    last = hidden[ends]  # [B, D]
     if len(rows) == 1 and observe is None:
-        return hidden, as_batch(draw_next(model, last, rows[0], report))
+        return as_batch(draw_next(model, last, rows[0], report))
     logits = model.lm_head(last)  # [B, V]
     drawn = draw(rows, logits, report)
     if observe is not None:
         observe(rows, logits, drawn)
-    return hidden, drawn
+    return drawn
 
 
 def draw_next(model, last, row: Row, report: bool = False) -> Sampled:
@@ -179,8 +179,9 @@ class Request:
     """One generation job: a prompt (token ids), how to sample, and when to stop.
 
     The request's generator is seeded with params.seed, so its draws are the same whatever else runs beside it.
-    Generation ends at a model stop id or one of `stop_ids` (neither is returned), after `max_new_tokens`, or when
-    the context is full, whether the request runs alone (generate_steps) or batched (npllm.batching).
+    Generation ends at a model stop id (unless ignore_eos) or one of `stop_ids` (neither is returned), after
+    `max_new_tokens`, or when the context is full (Sequence), whether the request runs alone (decode) or batched
+    (npllm.batching).
     """
 
     prompt: tuple[int, ...]
@@ -189,6 +190,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # ends the generation besides the model's own stop ids
     logprobs: bool = False  # record log p(token | everything before it) of each new token
     prompt_logprobs: bool = False  # ... and of each prompt token after the first
+    ignore_eos: bool = False  # the model's own stop ids do not end the generation (stop_ids still do)
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
@@ -204,18 +206,28 @@ class Request:
 
 
 class Sequence:
-    """A request being generated: its Row (params, generator, history), its new tokens, its cache slot."""
+    """A request being generated: its Row (params, generator, history), its new tokens, its cache slot, and the
+    rules that end it (accept).
+
+    context: the Context it runs on alone (decode), whose policy says how far it may go (Context.room: the cache
+    under "error", no end under "truncate" and "sinks"); None for a slot of a batch's cache, which holds the model's
+    context. A request that ignores EOS and cannot fit that room is refused here, before anything runs.
+    """
 
     def __init__(self, request: Request, config, id: int, slot: int | None = None,
-                 rng: np.random.Generator | None = None):
+                 rng: np.random.Generator | None = None, context: Context | None = None):
         self.request, self.id, self.slot = request, id, slot
         rng = np.random.default_rng(request.params.seed) if rng is None else rng
         self.row = Row(replace(request.params, seed=None), rng, list(request.prompt))
         self.tokens: list[int] = []
         self.logprobs: list[float] | None = [] if request.logprobs else None
         self.prompt_logprobs: list[float] | None = None
-        self.stops = stop_ids(config) | request.stop_ids
-        self.max_seq_len = config.max_seq_len
+        self.stops = (frozenset() if request.ignore_eos else stop_ids(config)) | request.stop_ids
+        self.room = config.max_seq_len if context is None else context.room
+        reach = len(request.prompt) + request.max_new_tokens - 1  # the last token drawn is never fed
+        if request.ignore_eos and self.room is not None and reach > self.room:
+            raise GenerationError(f"{len(request.prompt)} prompt tokens + {request.max_new_tokens} new ones do not "
+                                  f"fit the context of {self.room} (context_policy='truncate' or 'sinks' go past it)")
         self.finish_reason: str | None = None if request.max_new_tokens > 0 else "length"
 
     @property
@@ -227,7 +239,9 @@ class Sequence:
         return self.finish_reason is not None
 
     def accept(self, token: int, logprob: float | None) -> bool:
-        """Take a drawn token; False when it is a stop id (which ends the sequence and is not kept)."""
+        """Take a drawn token; False when it is a stop id (which ends the sequence and is not kept). A kept token
+        ends the sequence when it is the last one asked for, or when its position falls outside the room (it
+        cannot be fed: the last token drawn is never fed back)."""
         if token in self.stops:
             self.finish_reason = "stop"
             return False
@@ -237,7 +251,7 @@ class Sequence:
             self.logprobs.append(logprob)
         if len(self.tokens) == self.request.max_new_tokens:
             self.finish_reason = "length"
-        elif len(self.history) - 1 >= self.max_seq_len:  # its position is outside the context: it cannot be fed
+        elif self.room is not None and len(self.history) - 1 >= self.room:
             self.finish_reason = "context"
         return True
 
@@ -261,18 +275,27 @@ def advance(model, cache, starting: list[Sequence], running: list[Sequence], wor
     positions = [p for s in starting for p in range(len(s.history))] + firsts[len(starting):]  # [T]
     slots = [s.slot for s, n in zip(sequences, sizes) for _ in range(n)]  # [T]
     ends = [end - 1 for end in accumulate(sizes)]  # each sequence's last token in the call
-    scored = {}  # row -> log p(drawn token) at temperature 1, for the sequences that asked (Meta's logprobs)
-    wanted = [i for i, s in enumerate(sequences) if s.logprobs is not None]
-    if wanted:
-        observe = _scoring(wanted, scored, observe)
-    hidden, drawn = step(model, cache, np.array(tokens, np.int64), np.array(positions, np.int64),
-                         np.array(slots, np.int64), ends, [s.row for s in sequences], report, observe)
+    hidden = model.forward(np.array(tokens, np.int64), np.array(positions, np.int64), cache, np.array(slots, np.int64))
+    kept = take(model, hidden[ends], sequences, report, observe)
     for s, end, n in zip(starting, ends, sizes):
         if s.request.prompt_logprobs:  # rows 0 .. n-2 of the prompt predict prompt tokens 1 .. n-1
             s.prompt_logprobs = [float(x) for x in token_logprobs(model.lm_head(hidden[end - n + 1:end]),
                                                                   s.history[1:n])]
     if work is not None:
         work.record([(s.id, a, int(n), False) for s, a, n in zip(sequences, firsts, sizes)])
+    return kept
+
+
+def take(model, last, sequences: list[Sequence], report: bool = False,
+         observe: Observer | None = None) -> list[tuple[Sequence, Sampled]]:
+    """One draw per sequence from its final hidden state last [B, D] (draw_rows), offered to the sequence
+    (Sequence.accept): the (sequence, its draw) pairs kept, a stop id ending its sequence unreturned. Sequences
+    whose request asked for logprobs record log p(drawn token) at temperature 1 (Meta's)."""
+    scored = {}  # row -> log p(drawn token), for the sequences that asked
+    wanted = [i for i, s in enumerate(sequences) if s.logprobs is not None]
+    if wanted:
+        observe = _scoring(wanted, scored, observe)
+    drawn = draw_rows(model, last, [s.row for s in sequences], report, observe)
     kept = [(i, s) for i, s in enumerate(sequences) if s.accept(int(drawn.token_ids[i]), scored.get(i))]
     return [(s, row_of(drawn, i)) for i, s in kept]
 
@@ -293,20 +316,31 @@ def _scoring(wanted: list[int], scored: dict, observe: Observer | None) -> Obser
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def decode(model, request: Request, rng: np.random.Generator | None = None, report: bool = False,
-           observe: Observer | None = None) -> Iterator[Sampled]:
-    """Run one request alone on a fresh cache: the prompt's prefill, then one decode step per token. Yields each
-    kept draw (stop ids are not yielded; `observe` sees them). rng: the sequence's generator (default: seeded
-    from params.seed)."""
-    sequence = Sequence(request, model.config, id=0, slot=0, rng=rng)
-    # room for every position this request can reach, not the whole context: a model claiming a huge context
-    # still serves a short request (the last token is never fed back, so len(prompt) + max_new_tokens suffices)
-    cache = model.new_cache(min(model.config.max_seq_len, len(request.prompt) + max(request.max_new_tokens, 1)))
-    starting, running = [sequence], []
-    while not sequence.done:
-        for _, drawn in advance(model, cache, starting, running, report=report, observe=observe):
+def decode(model, request: Request, context: Context | None = None, rng: np.random.Generator | None = None,
+           report: bool = False, observe: Observer | None = None) -> Iterator[Sampled]:
+    """The single-sequence loop: prefill the prompt through `context`, then take a draw (stop, length and context
+    rules: Sequence.accept) and feed the kept token, until the sequence ends. Yields each kept draw (stop ids are
+    not yielded; `observe` sees them).
+
+    context: a Context holding the sequence's cache (a chat's keeps earlier turns, whose common prefix is not run
+    again) and its policy past the context; default a fresh "error" one with room for every position this request
+    can reach. rng: the sequence's generator (default: seeded from params.seed).
+    """
+    if context is None:  # not the whole context: a model claiming a huge one still serves a short request (the last
+        # token is never fed back, so len(prompt) + max_new_tokens positions suffice)
+        room = min(model.config.max_seq_len, len(request.prompt) + max(request.max_new_tokens, 1))
+        context = Context(model, "error", capacity=room)
+    sequence = Sequence(request, model.config, id=0, slot=0, rng=rng, context=context)
+    context.check(request.prompt)
+    if sequence.done:
+        return
+    hidden = context.prefill(request.prompt)  # [1, D]
+    while True:
+        for _, drawn in take(model, hidden, [sequence], report, observe):
             yield drawn
-        starting, running = [], [sequence]
+        if sequence.done:
+            return
+        hidden = context.feed(sequence.history[-1:])
 
 
 def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
@@ -326,4 +360,4 @@ def generate_steps(model, prompt_ids, max_new_tokens: int, params: SamplingParam
     probable alternatives are computed only when N >= 1; otherwise the step draws the id alone (logprob NaN)."""
     check_request(model.config, prompt_ids, max_new_tokens)
     request = Request(prompt_ids, max_new_tokens, replace(params, stop=()))  # stop strings: the caller's (text)
-    return decode(model, request, rng, report=params.logprobs > 0)
+    return decode(model, request, rng=rng, report=params.logprobs > 0)

@@ -3,7 +3,8 @@
 "stories260K" ships inside the package (npllm/data/stories260K, see its NOTICE), so the default model needs no
 network and no weights folder. Other known names resolve to $NPLLM_WEIGHTS/<name>/, else to the user cache
 ($XDG_CACHE_HOME/npllm/<name>/, or ~/.cache/npllm/<name>/), and are downloaded into the cache when absent — never
-into the current directory.
+into the current directory. Downloads come from the Hugging Face hub, or from the server $NPLLM_HUB_URL names
+(a mirror answering <url>/<owner>/<repo>/resolve/main/<file> as the hub does).
 
 A download streams into <dest>.part beside its destination, follows the hub's redirects (it answers 302 to a CDN),
 resumes a .part left by an interrupted run with an HTTP Range request (or restarts it when the server will not
@@ -161,7 +162,7 @@ def download(url: str, dest: Path, sha256: str | None, progress: bool = True, ti
     once. On failure dest is absent; a .part is kept only when the transfer broke off (to resume next time).
     """
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(dest.parent)
     part = dest.with_name(dest.name + ".part")
     with _exclusive(dest.with_name(f".{dest.name}.lock")):
         if dest.exists():  # another process finished it while this one waited
@@ -177,6 +178,17 @@ def download(url: str, dest: Path, sha256: str | None, progress: bool = True, ti
             raise DownloadError(str(e)) from None
         os.replace(part, dest)
     return dest
+
+
+def make_folder(folder: Path) -> None:
+    """Make the folder a download goes to, or say in one line why it cannot be made (a file in its path, no
+    permission): $XDG_CACHE_HOME pointing at a file is a setting to fix, not a crash."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        hint = " (set XDG_CACHE_HOME to a folder, or put the model in $NPLLM_WEIGHTS)" if folder.is_relative_to(
+            cache_dir()) else ""
+        raise DownloadError(f"cannot make the folder {folder} to download into: {e.strerror or e}{hint}") from None
 
 
 class _BadChecksum(Exception):
@@ -270,7 +282,10 @@ def _exclusive(lock_path: Path):
         yield
         return
     while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise DownloadError(f"cannot make the lock file {lock_path}: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:

@@ -14,38 +14,13 @@ import numpy as np
 from . import batching
 from .config import ModelConfig
 from .errors import FormatError, GenerationError, TokenizerError
-from .context import DEFAULT_SINKS, Context, check_policy, continue_steps
+from .context import DEFAULT_SINKS, Context, check_policy
 from .stop import StopStrings, text_of_steps
-from .generate import check_prompt, check_request, generate_ids
+from .generate import Request, check_prompt, check_request, decode, generate_ids
 from .hub import resolve
 from .models import Model
-from .sampling import Sampled, SamplingParams
+from .sampling import Sampled, SamplingParams, with_keywords
 from .tokenizer import Tokenizer, load_tokenizer
-
-
-class PaddedVocab:
-    """A model whose embedding has rows past the tokenizer's last id (Qwen2 pads its vocabulary to a round size):
-    those ids are padding, so their logits are set to -inf where logits leave the model and they are never sampled.
-    Everything else is the wrapped model's.  lm_head: [T, D] -> [T, V], columns n_tokens.. = -inf
-    """
-
-    sample_next = None  # a sampler on the device would not see the mask: the masked logits are sampled on the host
-
-    def __init__(self, model, n_tokens: int):
-        self.model, self.n_tokens = model, n_tokens
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def lm_head(self, hidden) -> np.ndarray:
-        logits = np.array(self.model.lm_head(hidden), dtype=np.float32)  # a copy: the model's buffer stays as is
-        logits[..., self.n_tokens:] = -np.inf
-        return logits
-
-    def logits(self, tokens, positions=None, cache=None) -> np.ndarray:
-        tokens = np.asarray(tokens, dtype=np.int64)
-        positions = np.arange(len(tokens)) if positions is None else positions
-        return self.lm_head(self.forward(tokens, positions, self.new_cache() if cache is None else cache))
 
 
 # A padded vocabulary adds a few rows (Qwen2.5: 151,665 tokens, 151,936 rows); a tokenizer much smaller than the
@@ -54,8 +29,9 @@ MIN_TOKENIZER_SHARE = 0.9
 
 
 def fit_tokenizer(tokenizer: Tokenizer, config: ModelConfig, path) -> int | None:
-    """How many ids the model may produce when its embedding is padded past the tokenizer; None when they match.
-    A tokenizer with more ids than the embedding has rows, or far fewer, belongs to another model."""
+    """How many ids the model may produce when its embedding is padded past the tokenizer (the model's
+    config.usable_vocab: its lm_head masks the rest); None when they match. A tokenizer with more ids than the
+    embedding has rows, or far fewer, belongs to another model."""
     n = tokenizer.vocab_size
     if n == config.vocab_size:
         return None
@@ -84,15 +60,19 @@ class LLM:
         check_prompt(self.config, ids)
         return self.model.logits(ids).astype(np.float32)
 
-    def generate_ids(self, prompt_ids, max_new_tokens: int = 256, **sampling) -> Iterator[int]:
-        """Yield new token ids for a prompt given as ids (sampling keywords as in SamplingParams)."""
-        return generate_ids(self.model, list(prompt_ids), max_new_tokens, SamplingParams(**sampling))
+    def generate_ids(self, prompt_ids, max_new_tokens: int = 256, params: SamplingParams | None = None,
+                     **sampling) -> Iterator[int]:
+        """Yield new token ids for a prompt given as ids. params: how to sample (SamplingParams); sampling keywords
+        given beside it (or instead) replace its fields."""
+        return generate_ids(self.model, list(prompt_ids), max_new_tokens, with_keywords(params, sampling))
 
     def stream(self, prompt: str = "", max_new_tokens: int = 256, echo: bool = False, on_step=None,
                draft=None, draft_layers: int | None = None, num_draft: int = 4, speculation=None,
                context_policy: str = "error", ignore_eos: bool = False, sinks: int = DEFAULT_SINKS,
                **sampling) -> Iterator[str]:
-        """Yield the completion's text as it is produced (with echo, the prompt's text first).
+        """Yield the completion's text as it is produced (with echo, the prompt's text first). How to sample:
+        params=SamplingParams(...) (default SamplingParams()), and/or its fields as keywords, which replace the
+        params' own.
 
         Text is released only once whole UTF-8 characters are known, so a character split over byte tokens is
         never printed broken, and only once it cannot be the start of a stop string (`stop=`), which ends the
@@ -107,7 +87,7 @@ class LLM:
         is full), "truncate" (recompute over the most recent half context) or "sinks" (StreamingLLM: `sinks` first
         tokens + the most recent window, bounded memory). ignore_eos: end-of-sequence ids do not end the completion.
         """
-        params = SamplingParams(**sampling)
+        params = with_keywords(sampling.pop("params", None), sampling)
         prompt_ids = self._require_tokenizer().encode(prompt, bos=True)
         steps = self._steps(prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft, speculation,
                             context_policy, ignore_eos, sinks)
@@ -115,8 +95,8 @@ class LLM:
 
     def _steps(self, prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft, speculation,
                context_policy, ignore_eos, sinks) -> Iterator:
-        """The generation steps stream() asked for: speculative, or on a Context (continue_steps: the same draws
-        as generate_steps, with the context policies on top)."""
+        """The generation steps stream() asked for: speculative, or the single-sequence loop (generate.decode) on
+        a Context under the policy asked for."""
         check_policy(context_policy, sinks)
         speculative = draft is not None or draft_layers is not None
         if context_policy == "error":
@@ -130,31 +110,31 @@ class LLM:
         # "error" never goes past prompt + max_new_tokens positions: a cache that size, not the whole context
         room = min(self.config.max_seq_len, len(prompt_ids) + max(max_new_tokens, 1))
         context = Context(self.model, context_policy, sinks, room if context_policy == "error" else None)
-        steps = continue_steps(context, prompt_ids, max_new_tokens, params, ignore_eos)
+        request = Request(prompt_ids, max_new_tokens, dataclasses.replace(params, stop=()), ignore_eos=ignore_eos)
+        steps = decode(self.model, request, context, report=params.logprobs > 0)
         return _started(steps)  # a request refused (ignore_eos past the context) fails before the echo
 
-    def generate(self, prompt: str | list[str] = "", max_new_tokens: int = 256, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int | None = None, **sampling) -> str | list[str]:
+    def generate(self, prompt: str | list[str] = "", max_new_tokens: int = 256, params: SamplingParams | None = None,
+                 **options) -> str | list[str]:
         """The completion of one prompt (without the prompt); for a list of prompts, the list of their completions,
-        generated together by ragged batching, each one what it would be alone (every prompt uses `seed`).
+        generated together by ragged batching, each one what it would be alone (every prompt uses params.seed).
+        params and the other keywords are stream's (sampling keywords beside params replace its fields).
 
         on_step: for one prompt, on_step(Sampled) per generated token (see stream); for a list, on_step(i, Sampled)
         for prompt i's tokens, prompt after prompt once the batch is done, up to where each completion ends (the
         token that completes a stop string included, as stream does)."""
-        if not isinstance(prompt, str):
-            if sampling.pop("context_policy", "error") != "error" or sampling.pop("ignore_eos", False):
-                raise GenerationError("a batch of prompts is generated inside the context and stops at EOS: "
-                                      "context_policy and ignore_eos apply to a single prompt")
-            sampling.pop("sinks", None)
-            on_step = sampling.pop("on_step", None)
-            params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, **sampling)
-            return self._generate_batch(list(prompt), max_new_tokens, params, on_step)
-        return "".join(self.stream(prompt, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                   **sampling))
+        if isinstance(prompt, str):
+            return "".join(self.stream(prompt, max_new_tokens, params=params, **options))
+        if options.pop("context_policy", "error") != "error" or options.pop("ignore_eos", False):
+            raise GenerationError("a batch of prompts is generated inside the context and stops at EOS: "
+                                  "context_policy and ignore_eos apply to a single prompt")
+        options.pop("sinks", None)
+        on_step = options.pop("on_step", None)
+        return self._generate_batch(list(prompt), max_new_tokens, with_keywords(params, options), on_step)
 
     def chat_stream(self, messages: list[dict], max_new_tokens: int = 256, chat_template: str | None = None,
                     context_policy: str = "error", sinks: int = DEFAULT_SINKS, ignore_eos: bool = False,
-                    on_step=None, **sampling) -> Iterator[str]:
+                    on_step=None, params: SamplingParams | None = None, **sampling) -> Iterator[str]:
         """The assistant's reply to `messages` ([{"role", "content"}, ...]), streamed as text.
 
         The conversation is laid out by the model's chat template (tokenizer_config.json, GGUF
@@ -164,7 +144,8 @@ class LLM:
         grows by a turn runs only the new tokens through the model (npllm.chat.ChatSession, npllm.context).
         """
         session = self.chat_session(chat_template, context_policy=context_policy, sinks=sinks)
-        return session.stream(messages, max_new_tokens, ignore_eos=ignore_eos, on_step=on_step, **sampling)
+        return session.stream(messages, max_new_tokens, ignore_eos=ignore_eos, on_step=on_step, params=params,
+                              **sampling)
 
     def chat(self, messages: list[dict], max_new_tokens: int = 256, **options) -> str:
         """The assistant's reply to `messages`, whole (the keywords of chat_stream)."""
@@ -324,15 +305,35 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
     # cuda model keeps a file's Q8_0 blocks when asked for weight_dtype "q8_0"
     keep_quantized = backend == "numba" or (backend == "cuda" and weight_dtype == "q8_0")
     config, weights = read_checkpoint(checkpoint, keep_quantized=keep_quantized)
-    tok_path = tokenizer if tokenizer is not None else found_tokenizer
-    tok, n_tokens = None, None
-    if tok_path is not None:
-        tok_path = Path(tok_path)
-        if tok_path.exists() and not tok_path.is_file():
-            raise TokenizerError(f"tokenizer {tok_path} is not a regular file")
-        # a llama2.c .bin does not record its size: it is read for exactly the model's ids (a padded llama2.c
-        # vocabulary does not exist); other tokenizers know their size and may be smaller than a padded embedding
-        tok = load_tokenizer(tok_path, vocab_size=config.vocab_size if tok_path.suffix.lower() == ".bin" else None)
-        n_tokens = fit_tokenizer(tok, config, tok_path)
+    tok, config = _tokenizer_for(config, tokenizer if tokenizer is not None else found_tokenizer)
     model = make_model(config, weights, backend, threads, weight_dtype, kv_dtype)
-    return LLM(model if n_tokens is None else PaddedVocab(model, n_tokens), tok, str(checkpoint), backend, threads)
+    return LLM(model, tok, str(checkpoint), backend, threads)
+
+
+def _tokenizer_for(config: ModelConfig, tok_path) -> tuple[Tokenizer | None, ModelConfig]:
+    """The tokenizer at tok_path (None: none) checked against the model's vocabulary, and the config with
+    usable_vocab set when the embedding is padded past it."""
+    if tok_path is None:
+        return None, config
+    tok_path = Path(tok_path)
+    if tok_path.exists() and not tok_path.is_file():
+        raise TokenizerError(f"tokenizer {tok_path} is not a regular file")
+    # a llama2.c .bin does not record its size: it is read for exactly the model's ids (a padded llama2.c
+    # vocabulary does not exist); other tokenizers know their size and may be smaller than a padded embedding
+    tok = load_tokenizer(tok_path, vocab_size=config.vocab_size if tok_path.suffix.lower() == ".bin" else None)
+    n_tokens = fit_tokenizer(tok, config, tok_path)
+    return tok, (config if n_tokens is None else config.replace(usable_vocab=n_tokens))
+
+
+def load_tokenizer_of(model: str | os.PathLike = "stories260K",
+                      tokenizer: str | os.PathLike | None = None) -> tuple[Tokenizer, ModelConfig]:
+    """The tokenizer load(model, tokenizer) pairs with the model, and the model's config, without building the
+    model (the checkpoint is only mapped; nothing is compiled): for a process that only encodes text."""
+    from .formats import read_checkpoint
+
+    checkpoint, found = resolve(model)
+    config, _ = read_checkpoint(checkpoint, keep_quantized=True)
+    tok, config = _tokenizer_for(config, tokenizer if tokenizer is not None else found)
+    if tok is None:
+        raise FormatError(f"no tokenizer was found for {checkpoint}: pass tokenizer=PATH")
+    return tok, config

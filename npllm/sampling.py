@@ -56,6 +56,8 @@ __all__ = [
     "logit_bias",
     "greedy",
     "SamplingParams",
+    "Option",
+    "options",
     "Sampled",
     "Stage",
     "PIPELINE",
@@ -510,26 +512,82 @@ def greedy(logits) -> int | np.ndarray:
 
 
 @dataclass(frozen=True)
+class Option:
+    """How a SamplingParams field is asked for from outside Python. The command line's flags (npllm.cli) and the
+    HTTP server's request fields (npllm.serve.protocol) are built from these, so a field declared with an Option is
+    offered by both with nothing else to change.
+
+        kind         "real": a float (SamplingParams checks its range); "integer": an int, in [least, most] on the
+                     command line when least is given; "text": strings, the flag repeatable; "bias": a token -> bias
+                     mapping (no flag; the server checks ids against the vocabulary)
+        flag, help   the command-line flag ("--top-k"; its argparse dest is the field's name) and its help text;
+                     flag None: not on the command line
+        least, most  an integer flag's bounds, refused by the parser (most None: unbounded)
+        cli_default  the flag's default where it differs from the field's (top_p: 0.9, llama2.c's choice);
+                     None: the field's
+        api          the OpenAI request field that sets it (None: not served); a number must lie in `api_range`
+                     (low, high; None: unbounded), low excluded when `api_open`
+    """
+
+    kind: str
+    flag: str | None = None
+    help: str = ""
+    least: int | None = None
+    most: int | None = None
+    cli_default: float | None = None
+    metavar: str | None = None
+    api: str | None = None
+    api_range: tuple[float | None, float | None] = (None, None)
+    api_open: bool = False
+
+
+def _option(default, kind: str, hash: bool = True, **how):
+    """A SamplingParams field with its default and its Option (in the field's metadata, under "option")."""
+    return field(default=default, hash=hash, metadata={"option": Option(kind, **how)})
+
+
+MOST_LOGPROBS = 1 << 20  # far above any sensible use: a typo cannot ask for a vocabulary's worth of lines
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Everything that decides how the next token is chosen, validated on construction.
 
     Defaults disable every stage except plain sampling at temperature 1. `stop` is used by the generation loop, not
     by `sample`; `seed` seeds `generator()`. A bad value raises GenerationError (a ValueError) naming the field.
+    Each field's Option says how the command line and the server ask for it (`options()`).
     """
 
-    temperature: float = 1.0  # >= 0; 0 is greedy
-    top_k: int = 0  # >= 0; 0 disables
-    top_p: float = 1.0  # (0, 1]; 1 disables
-    min_p: float = 0.0  # [0, 1]; 0 disables
-    typical_p: float = 1.0  # (0, 1]; 1 disables
-    repetition_penalty: float = 1.0  # > 0; 1 disables
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    no_repeat_ngram: int = 0  # n-gram size; 0 disables
-    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
-    seed: int | None = None
-    logprobs: int = 0  # how many top alternatives to report per step
-    stop: tuple[str, ...] = ()
+    temperature: float = _option(1.0, "real", flag="--temperature", help="0 = greedy (default 1.0)",
+                                 api="temperature", api_range=(0.0, 2.0))  # >= 0; 0 is greedy
+    top_k: int = _option(0, "integer", flag="--top-k", least=0,
+                         help="keep the k most probable tokens (0: off)")  # >= 0; 0 disables
+    top_p: float = _option(1.0, "real", flag="--top-p", cli_default=0.9, help="nucleus mass in (0, 1] (default 0.9)",
+                           api="top_p", api_range=(0.0, 1.0), api_open=True)  # (0, 1]; 1 disables
+    min_p: float = _option(0.0, "real", flag="--min-p",
+                           help="keep tokens with p >= min_p * p_max (0: off)")  # [0, 1]; 0 disables
+    typical_p: float = _option(1.0, "real", flag="--typical-p",
+                               help="locally typical sampling mass (1: off)")  # (0, 1]; 1 disables
+    repetition_penalty: float = _option(1.0, "real", flag="--repetition-penalty",
+                                        help="CTRL penalty on seen tokens (1: off)")  # > 0; 1 disables
+    presence_penalty: float = _option(0.0, "real", flag="--presence-penalty",
+                                      help="subtract this from seen tokens' logits",
+                                      api="presence_penalty", api_range=(-2.0, 2.0))
+    frequency_penalty: float = _option(0.0, "real", flag="--frequency-penalty",
+                                       help="subtract this times each token's count",
+                                       api="frequency_penalty", api_range=(-2.0, 2.0))
+    no_repeat_ngram: int = _option(0, "integer", flag="--no-repeat-ngram", least=0,
+                                   help="forbid repeating any n-gram of this size")  # n-gram size; 0 disables
+    logit_bias: Mapping[int, float] | None = _option(None, "bias", hash=False, api="logit_bias",
+                                                     api_range=(-100.0, 100.0))
+    seed: int | None = _option(None, "integer", flag="--seed", help="seed for reproducible sampling",
+                               api="seed", api_range=(0, None))
+    logprobs: int = _option(0, "integer", flag="--logprobs", least=0, most=MOST_LOGPROBS, metavar="N",
+                            help="print each token's log-probability and the top N alternatives to stderr")
+    # how many top alternatives to report per step (the server reads its own logprobs fields: they differ by endpoint)
+    stop: tuple[str, ...] = _option((), "text", flag="--stop", metavar="STR",
+                                    help="end the completion before this text (repeatable; may span tokens)")
+    # stop strings are text: the server reads its `stop` beside the request, which stops on token ids
 
     def __post_init__(self):
         put = object.__setattr__
@@ -560,6 +618,21 @@ class SamplingParams:
     def generator(self) -> np.random.Generator:
         """A fresh generator from `seed` (fresh OS entropy when seed is None). Create it once per generation."""
         return np.random.default_rng(self.seed)
+
+
+def options(params_type: type = SamplingParams) -> list[tuple[dataclasses.Field, Option]]:
+    """The fields of a SamplingParams class that carry an Option, in declaration order, each with its Option."""
+    return [(f, f.metadata["option"]) for f in dataclasses.fields(params_type) if "option" in f.metadata]
+
+
+def with_keywords(params: SamplingParams | None, keywords: Mapping) -> SamplingParams:
+    """The SamplingParams a call draws with: `params` (default: SamplingParams()) with the sampling keywords given
+    beside it replacing its fields, checked as on construction."""
+    if params is None:
+        return SamplingParams(**keywords)
+    if not isinstance(params, SamplingParams):
+        raise GenerationError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return dataclasses.replace(params, **keywords) if keywords else params
 
 
 class Sampled(NamedTuple):

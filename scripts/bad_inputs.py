@@ -4,10 +4,19 @@ flag out of range, each run through the real command line in its own process.
     python scripts/bad_inputs.py [--weights DIR] [--jobs 2] [--timeout 60] [--sample N] [--kinds K ...] [--json]
 
 For every case it records: a Python traceback on stderr, a hang (no exit within --timeout), an exit status other than
-0, 2 (npllm's and argparse's errors), 130 or 141, text on stdout from a run that failed, and a run that succeeded on
-input that must be refused. The summary gives, per kind, how many cases were tried and how many of each problem
+0, 2 (npllm's and argparse's errors), 130 or 141, text on stdout from a run that failed, a run that succeeded on
+input that must be refused, and (kind "output") a file the run replaced that was no regular file, or a partial file
+it left behind ("damaged"). The summary gives, per kind, how many cases were tried and how many of each problem
 were seen; the exit status is 1 when any problem was seen. Children run with a 6 GiB address-space limit, so a
 runaway allocation fails fast instead of swapping the machine.
+
+Kinds: llama2c, config.json, safetensors, gguf, tokenizer, prompt, flag; output (npllm quantize's OUT: a FIFO, a
+link to one, a folder, a missing folder, a cache folder that is a file), tokenizer-fields (tokenizer.json fields and
+GGUF tokenizer keys of every wrong type, SentencePiece pieces not UTF-8, scores not finite), non-finite (NaN and
+infinite metadata floats in GGUF and config.json), http (one `npllm serve` child over loopback: bodies that break
+the JSON parser, half-sent heads and bodies held past their deadlines, 20 held connections while /health is asked, a
+disconnect mid-body, empty and wrong keys, bytes that are not HTTP, a runaway chat template). --kinds K ... runs
+only those; --sample leaves out http.
 
 Inputs are derived from stories260K (llama2.c .bin, and written here as GGUF) and the qwen2_bias HF fixture in
 tests/fixtures/hf; --sample N runs a deterministic sample of N cases (tests/test_bad_inputs.py runs a small one).
@@ -21,13 +30,17 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
+import socket
 import struct
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, TimeoutError
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +59,8 @@ class Case:
     args: list  # str or bytes items (bytes: raw argv, e.g. invalid UTF-8)
     stdin: bytes | None = None
     expect: str = "error"  # "error": must be refused (exit 2, nothing on stdout); "ok": must run; "any": either
+    env: dict | None = None  # environment variables set for this case only
+    check: object = None  # called after the run: a str saying what the run damaged (a FIFO replaced), or None
 
 
 @dataclass
@@ -59,10 +74,11 @@ class Result:
     accepted: bool  # "error" expected, but it ran
     refused: bool  # "ok" expected, but it failed
     stderr_tail: str
+    damaged: str | None = None  # what case.check found after the run
 
     @property
     def problems(self) -> list[str]:
-        return [p for p in ("traceback", "hang", "stdout_on_error", "bad_status", "accepted", "refused")
+        return [p for p in ("traceback", "hang", "stdout_on_error", "bad_status", "accepted", "refused", "damaged")
                 if getattr(self, p)]
 
 
@@ -75,9 +91,16 @@ def limit_memory():
 
 
 def run_case(case: Case, timeout: float, cwd: Path) -> Result:
+    result = run_process(case, timeout, cwd)
+    result.damaged = case.check() if case.check is not None else None
+    return result
+
+
+def run_process(case: Case, timeout: float, cwd: Path) -> Result:
     argv = [sys.executable, "-m", "npllm", *case.args]
     env = dict(os.environ, PYTHONPATH=str(REPO), NPLLM_HUB_URL="http://127.0.0.1:9", HOME=str(cwd),
                XDG_CACHE_HOME=str(cwd / "cache"))
+    env.update(case.env or {})
     env.pop("NPLLM_WEIGHTS", None)
     try:
         done = subprocess.run(argv, input=case.stdin if case.stdin is not None else b"", capture_output=True,
@@ -580,11 +603,428 @@ def combination_cases(out: Path) -> list[Case]:
                for name, args in works.items()])
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Chat templates (code from a model file): each must end in one error line, within its deadline
+
+
+TEMPLATES = {  # name -> (template, expect)
+    "nested range loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                           "error"),
+    "nested loops writing": ("{% for i in range(100000) %}{% for j in range(100000) %}xxxx{% endfor %}{% endfor %}",
+                             "error"),
+    "string * 10**9": ("{{ 'a' * 10**9 }}", "error"),
+    "list * 10**9": ("{{ ['a'] * 10**9 }}", "error"),
+    "indent(10**9)": ("{{ 'x' | indent(10**9) }}", "error"),
+    "center(10**9)": ("{{ 'x' | center(10**9) }}", "error"),
+    "str.ljust(10**9)": ("{{ 'x'.ljust(10**9) }}", "error"),
+    "tojson(indent=10**9)": ("{{ messages | tojson(indent=10**9) }}", "error"),
+    "replace('', big)": ("{{ ('a' * 100000).replace('', 'b' * 100000) }}", "error"),
+    "join of a repeated list": ("{{ (['b' * 100000] * 100000) | join }}", "error"),
+    "%-format width": ("{{ '%1000000000d' % 1 }}", "error"),
+    "str.format width": ("{{ '{:>1000000000}'.format(1) }}", "error"),
+    "doubling list": ("{% set ns = namespace(x=['a']) %}{% for i in range(64) %}{% set ns.x = ns.x + ns.x %}"
+                      "{% endfor %}", "error"),
+    "10**100000": ("{{ 10 ** 100000 }}", "error"),
+    "1/0": ("{{ 1/0 }}", "error"),
+    "tojson of undefined": ("{{ nothing | tojson }}", "error"),
+    "recursive macro": ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "error"),
+    "include": ("{% include 'x.jinja' %}", "error"),
+    "import": ("{% import 'x.jinja' as x %}", "error"),
+    "extends": ("{% extends 'x.jinja' %}", "error"),
+    "range(10**10)|length": ("{{ range(10**10) | length }}", "error"),
+    "str + int": ("{{ 'a' + 1 }}", "error"),
+    "100,000-digit literal": ("{{ " + "7" * 100_000 + " }}", "error"),
+    "strftime_now(5)": ("{{ strftime_now(5) }}", "error"),
+    "wordwrap(0)": ("{{ 'a b' | wordwrap(0) }}", "error"),
+    "syntax error": ("{% for %}", "error"),
+    "raise_exception": ("{{ raise_exception('no') }}", "error"),
+    "python internals": ("{{ messages.__class__.__mro__ }}", "error"),
+    "plain": ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", "ok"),
+}
+
+
+def template_cases(out: Path) -> list[Case]:
+    """`npllm chat --chat-template FILE` with one user line, for each template above (stories260K, greedy)."""
+    cases = []
+    for i, (name, (template, expect)) in enumerate(TEMPLATES.items()):
+        path = out / f"template_{i}.jinja"
+        path.write_text(template, encoding="utf-8")
+        cases.append(Case("template", name, ["chat", "--chat-template", str(path), *GEN], stdin=b"Hi\n",
+                          expect=expect))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output paths (npllm quantize IN OUT) and cache folders: nothing but a regular file is ever replaced, no partial file
+# is left behind, and a folder that cannot be made or written is one error line
+
+
+def file_kind(path: Path) -> str:
+    """'fifo', 'folder', 'file', 'link' or 'absent': what a case must leave as it found."""
+    if path.is_symlink():
+        return "link"
+    if not path.exists():
+        return "absent"
+    return "fifo" if path.is_fifo() else "folder" if path.is_dir() else "file" if path.is_file() else "other"
+
+
+def unchanged(folder: Path, *kept: Path):
+    """A Case.check: every path in `kept` is still what it was, and `folder` holds no partial file afterwards."""
+    before = {p: file_kind(p) for p in kept}
+
+    def check() -> str | None:
+        changed = [f"{p.name} was a {k}, is a {file_kind(p)}" for p, k in before.items() if file_kind(p) != k]
+        partial = [p.name for p in folder.iterdir() if "partial" in p.name and p not in before]
+        return "; ".join(changed + [f"left {name}" for name in partial]) or None
+
+    return check
+
+
+def output_cases(out: Path, weights: Path) -> list[Case]:
+    model = str(weights / "stories260K" / "stories260K.bin")
+    place = out / "outputs"
+    place.mkdir()
+    fifo, folder, a_file = place / "fifo.gguf", place / "folder.gguf", place / "a_file"
+    os.mkfifo(fifo)
+    folder.mkdir()
+    a_file.write_bytes(b"not a folder")
+    os.mkfifo(place / "next.gguf.partial")  # the name the writer used to use: must be neither opened nor replaced
+    (place / "fifo_link.gguf").symlink_to(fifo)
+    locked = place / "locked"
+    locked.mkdir(mode=0o500)
+    cases = []
+
+    def case(name, target, expect="error", kept=()):
+        cases.append(Case("output", name, ["quantize", model, str(target), "--type", "f32"], expect=expect,
+                          check=unchanged(place, fifo, folder, a_file, place / "next.gguf.partial", *kept)))
+
+    case("OUT is a FIFO", fifo)
+    case("OUT is a link to a FIFO", place / "fifo_link.gguf", kept=[place / "fifo_link.gguf"])
+    case("OUT is a folder", folder)
+    case("OUT in a missing folder", place / "missing" / "m.gguf")
+    case("OUT below a file", a_file / "m.gguf")
+    case("OUT with a trailing slash", str(place / "new_dir") + "/")
+    case("OUT empty", "")
+    case("OUT in an unwritable folder", locked / "m.gguf", expect="any" if os.geteuid() == 0 else "error")
+    case("OUT beside a FIFO named OUT.partial", place / "next.gguf", expect="ok")
+    old = place / "old.gguf"
+    old.write_bytes(b"an older file")
+    case("OUT replaces a regular file", old, expect="ok", kept=[old])
+    cache_file = out / "cache_is_a_file"
+    cache_file.write_bytes(b"")
+    for name, env in (("XDG_CACHE_HOME is a file", {"XDG_CACHE_HOME": str(cache_file)}),
+                      ("XDG_CACHE_HOME below a file", {"XDG_CACHE_HOME": str(cache_file / "sub")})):
+        cases.append(Case("output", f"download: {name}", ["generate", "Once", "--model", "stories15M", *GEN],
+                          env=env))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer fields of the wrong type or encoding: tokenizer.json, GGUF tokenizer keys, SentencePiece pieces
+
+WRONG_JSON = [5, -1, 1.5, "x", "", [], {}, True, None, [1], {"a": 1}]
+
+
+def json_variants(spec, wrong=WRONG_JSON, skip=("vocab", "merges"), prefix=()):
+    """(path, value) for every field of a parsed JSON document at every depth (the first 3 items of a list; not
+    inside the `skip` keys' values), each with every value in `wrong`: what json_with puts there."""
+    items = spec.items() if isinstance(spec, dict) else enumerate(spec[:3]) if isinstance(spec, list) else ()
+    for key, value in items:
+        path = (*prefix, key)
+        for bad in wrong:
+            yield path, bad
+        if key not in skip:
+            yield from json_variants(value, wrong, skip, path)
+
+
+def json_with(spec, path: tuple, value):
+    """A deep copy of spec with the field at `path` replaced by `value`."""
+    import copy
+
+    bent = copy.deepcopy(spec)
+    node = bent
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return bent
+
+
+GGUF_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+                       "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                       "tokenizer.ggml.eot_token_id", "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.pre",
+                       "tokenizer.ggml.merges", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix")
+GGUF_WRONG = (("u32", 5), ("i32", -1), ("str", "x"), ("f32", math.nan), ("bool", True), ("arr", ("str", ["a", "b"])),
+              ("arr", ("i32", [1, 2])), ("arr", ("f32", [0.5])))
+
+
+def sentencepiece_bent(model: bytes, piece: bytes, byte_at: int | None = None, score: float | None = None) -> bytes:
+    """tok512.model with one piece's text byte replaced by 0xFF (byte_at) or its score set (score). A piece is a
+    protobuf message: field 1 the text (tag 0x0A, length, bytes), field 2 the score (tag 0x15, float32)."""
+    data = bytearray(model)
+    start = data.find(b"\x0a" + bytes([len(piece)]) + piece)
+    assert start >= 0, piece
+    text = start + 2
+    if byte_at is not None:
+        data[text + byte_at] = 0xFF
+    if score is not None:
+        assert data[text + len(piece)] == 0x15
+        data[text + len(piece) + 1 : text + len(piece) + 5] = struct.pack("<f", score)
+    return bytes(data)
+
+
+def tokenizer_field_cases(out: Path, weights: Path) -> list[Case]:
+    numpy = ["--backend", "numpy", *GEN]  # no kernels to compile: the tokenizer is what is tried
+    cases = []
+    spec = json.loads((FIXTURE / "tokenizer.json").read_text())
+    variants = list(json_variants(spec))
+    for i, (path, value) in enumerate(random.Random(1).sample(variants, min(120, len(variants)))):
+        target = out / f"tokjson_{i}.json"
+        target.write_text(json.dumps(json_with(spec, path, value)))
+        where = ".".join(map(str, path))
+        cases.append(Case("tokenizer-fields", f"tokenizer.json {where}={value!r}",
+                          ["generate", "Once", "--model", str(FIXTURE), "--tokenizer", str(target), *numpy],
+                          expect="any"))
+    metadata, tensors = stories_gguf(weights)
+    for key in GGUF_TOKENIZER_KEYS:
+        for kind, value in GGUF_WRONG:
+            for model in ("llama", "gpt2") if key in ("tokenizer.ggml.pre", "tokenizer.ggml.merges") else ("llama",):
+                meta = {**metadata, key: (kind, value)}
+                if model == "gpt2":
+                    meta = {"tokenizer.ggml.merges": ("arr", ("str", ["a b"])), **meta,
+                            "tokenizer.ggml.model": ("str", "gpt2")}
+                path = out / f"tokgguf_{len(cases)}.gguf"
+                write_gguf(path, meta, tensors)
+                cases.append(Case("tokenizer-fields", f"gguf {model} {key}={value!r}",
+                                  ["generate", "Once", "--model", str(path), *numpy], expect="any"))
+    model, tok = weights / "stories260K" / "stories260K.bin", weights / "stories260K" / "tok512.model"
+    piece = "\u2581the".encode()
+    for name, kwargs in (("piece not UTF-8", {"byte_at": 3}), ("piece lead byte 0xFF", {"byte_at": 0}),
+                         ("score NaN", {"score": math.nan}), ("score inf", {"score": math.inf})):
+        path = out / f"sp_{name.replace(' ', '_')}.model"
+        path.write_bytes(sentencepiece_bent(tok.read_bytes(), piece, **kwargs))
+        cases.append(Case("tokenizer-fields", f"tok512.model {name}",
+                          ["generate", "the cat", "--model", str(model), "--tokenizer", str(path), *numpy]))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# NaN and infinite metadata values: refused at load, whichever format carries them
+
+
+def non_finite_cases(out: Path, weights: Path) -> list[Case]:
+    numpy = ["--backend", "numpy", *GEN]
+    cases = []
+    metadata, tensors = stories_gguf(weights)
+    linear = {"llama.rope.scaling.type": ("str", "linear")}
+    scores = metadata["tokenizer.ggml.scores"][1][1]
+    for value in (math.nan, math.inf, -math.inf):
+        for key, extra in (("llama.rope.scaling.factor", linear), ("llama.rope.freq_base", {}),
+                           ("llama.attention.layer_norm_rms_epsilon", {}), ("tokenizer.ggml.scores", {})):
+            bent = ("arr", ("f32", [value] + scores[1:])) if key == "tokenizer.ggml.scores" else ("f32", value)
+            path = out / f"nonfinite_{len(cases)}.gguf"
+            write_gguf(path, {**metadata, **extra, key: bent}, tensors)
+            cases.append(Case("non-finite", f"gguf {key}={value}", ["generate", "Once", "--model", str(path),
+                                                                     *numpy]))
+    config = json.loads((FIXTURE / "config.json").read_text())
+    config.pop("rope_scaling", None)
+    config.pop("rope_parameters", None)
+    llama3 = '{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": %s, "high_freq_factor": 4.0, ' \
+             '"original_max_position_embeddings": 64}'
+    for literal in ("NaN", "Infinity", "-Infinity"):
+        for field, text in (("rms_norm_eps", literal), ("rope_theta", literal),
+                            ("rope_parameters", '{"rope_type": "linear", "factor": %s}' % literal),
+                            ("rope_parameters", llama3 % literal)):
+            folder = out / f"nonfinite_hf_{len(cases)}"
+            folder.mkdir()
+            for f in FIXTURE.iterdir():
+                (folder / f.name).symlink_to(f)
+            (folder / "config.json").unlink()
+            (folder / "config.json").write_text(json.dumps({**config, field: "@@"}).replace('"@@"', text))
+            cases.append(Case("non-finite", f"config.json {field}={text}", ["generate", "Once", "--model",
+                                                                             str(folder), *numpy]))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HTTP: one `npllm serve` child under abuse over loopback (bounded: a few dozen connections, each with a deadline).
+# A probe's outcome is the HTTP status it got (None: the server closed the connection without one); after each,
+# /health must still answer (else "hang": the server stalled its other clients) and the server's stderr must hold no
+# traceback. An outcome outside the probe's `expect` counts as "accepted" when it is a 2xx, else as "bad_status".
+
+HTTP_KEY = "sk-bad-inputs"
+HTTP_TIMEOUTS = ["--header-timeout", "2", "--body-timeout", "2"]
+RUNAWAY_TEMPLATE = ("{% if messages[0]['content'] == 'hang' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+                    "{% endfor %}{% endfor %}{% endif %}"
+                    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+
+
+@dataclass
+class Probe:
+    name: str
+    send: object  # port -> the HTTP status seen, or None
+    expect: tuple = (400,)
+
+
+class Server:
+    """`npllm serve` on the stories260K checkpoint in a child process; its stderr collected line by line."""
+
+    def __init__(self, out: Path, weights: Path):
+        template = out / "runaway.jinja"
+        template.write_text(RUNAWAY_TEMPLATE, encoding="utf-8")
+        argv = [sys.executable, "-m", "npllm", "serve", "--model", str(weights / "stories260K" / "stories260K.bin"),
+                "--backend", "numpy", "--port", "0", "--api-key", HTTP_KEY, "--chat-template", str(template),
+                "--max-body-bytes", "65536", "--grace", "1", *HTTP_TIMEOUTS]
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", NPLLM_TEMPLATE_TIMEOUT="2")
+        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+        self.lines: list[str] = []
+        self.port = self._wait_for_port()
+        threading.Thread(target=self._collect, daemon=True).start()
+
+    def _wait_for_port(self) -> int:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+            if found:
+                return int(found.group(1))
+        raise RuntimeError(f"npllm serve ended before it listened: {''.join(self.lines)[-500:]}")
+
+    def _collect(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def http_status(sock: socket.socket) -> int | None:
+    """The status code of the response on `sock` (None: closed, or nothing within the socket's timeout)."""
+    data = b""
+    try:
+        while b"\r\n" not in data:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        pass
+    found = re.match(rb"HTTP/1\.[01] (\d{3})", data)
+    return int(found.group(1)) if found else None
+
+
+def send_raw(port: int, data: bytes, hold: float = 0.0, timeout: float = 15.0) -> int | None:
+    """Send `data` on a new connection, wait `hold` seconds, then read the response's status."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        time.sleep(hold)
+        return http_status(sock)
+
+
+def post(path: str, body: bytes, key: str | None = HTTP_KEY, length: int | None = None) -> bytes:
+    """A whole POST request's bytes (Content-Length `length` when given, to send less than it announces)."""
+    auth = b"" if key is None else f"Authorization: Bearer {key}\r\n".encode()
+    size = len(body) if length is None else length
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {size}\r\nConnection: close\r\n").encode() + auth + b"\r\n" + body
+
+
+def completion(**fields) -> bytes:
+    return json.dumps({"model": "stories260K", "prompt": "Once", "max_tokens": 2, **fields}).encode()
+
+
+def health(port: int) -> int | None:
+    return send_raw(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n", timeout=5.0)
+
+
+def held_heads(port: int, n: int = 20) -> int | None:
+    """n connections send half a request head and hold it: /health must answer meanwhile (its status is the
+    outcome), and the server must drop every one by its head deadline (else the outcome is None)."""
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=10.0) for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        answer = health(port)
+        dropped = all(http_status(sock) in (None, 408) for sock in socks)  # closed by the server, not timed out
+        return answer if dropped else None
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def disconnect_mid_body(port: int) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=5.0) as sock:
+        sock.sendall(post("/v1/completions", b'{"model": "m", "pro', length=500))
+    return 0  # the outcome is what the server logs (a traceback is counted after the probe)
+
+
+def http_probes() -> list[Probe]:
+    chat = b'{"model": "stories260K", "messages": [{"role": "user", "content": "hang"}], "max_tokens": 2}'
+    return [
+        Probe("60,000 nested [", lambda port: send_raw(port, post("/v1/completions", b"[" * 60_000))),
+        Probe("a 5,000-digit integer", lambda port: send_raw(
+            port, post("/v1/completions", completion()[:-1] + b', "seed": ' + b"9" * 5000 + b"}"))),
+        Probe("invalid JSON", lambda port: send_raw(port, post("/v1/completions", b'{"model": '))),
+        Probe("NaN temperature", lambda port: send_raw(
+            port, post("/v1/completions", completion()[:-1] + b', "temperature": NaN}'))),
+        Probe("max_tokens -1", lambda port: send_raw(port, post("/v1/completions", completion(max_tokens=-1)))),
+        Probe("a body past --max-body-bytes", lambda port: send_raw(
+            port, post("/v1/completions", b" " * 70_000)), (413,)),
+        Probe("half a body, held", lambda port: send_raw(
+            port, post("/v1/completions", b'{"model"', length=1000), hold=3.0), (408, None)),
+        Probe("half a head, held", lambda port: send_raw(
+            port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", hold=3.0), (408, None)),
+        Probe("20 half heads held while /health is asked", held_heads, (200,)),
+        Probe("a disconnect mid-body", disconnect_mid_body, (0,)),
+        Probe("an empty bearer token", lambda port: send_raw(port, post("/v1/completions", completion(), key="")),
+              (401,)),
+        Probe("a wrong key", lambda port: send_raw(port, post("/v1/completions", completion(), key="sk-no")), (401,)),
+        Probe("no key", lambda port: send_raw(port, post("/v1/completions", completion(), key=None)), (401,)),
+        Probe("not HTTP", lambda port: send_raw(port, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" * 8),
+              (400, None)),
+        Probe("a runaway chat template", lambda port: send_raw(port, post("/v1/chat/completions", chat))),
+        Probe("an unknown path", lambda port: send_raw(port, post("/v1/nothing", completion())), (404,)),
+        Probe("a completion that must work", lambda port: send_raw(port, post("/v1/completions", completion())),
+              (200,)),
+    ]
+
+
+def http_results(out: Path, weights: Path, timeout: float) -> list[Result]:
+    server = Server(out, weights)
+    try:
+        return [run_probe(server, probe, timeout) for probe in http_probes()]
+    finally:
+        server.stop()
+
+
+def run_probe(server: Server, probe: Probe, timeout: float) -> Result:
+    case = Case("http", probe.name, [], expect="ok" if 200 in probe.expect else "error")
+    seen = len(server.lines)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(probe.send, server.port)
+        try:
+            outcome, hang = future.result(timeout), False
+        except TimeoutError:
+            outcome, hang = None, True
+    hang = hang or health(server.port) != 200  # the server still answers its other clients
+    time.sleep(0.2)  # what the probe made the server log
+    logged = "".join(server.lines[seen:])
+    unexpected = outcome not in probe.expect
+    ok = outcome is not None and 200 <= outcome < 300
+    return Result(case, outcome, traceback="Traceback" in logged, hang=hang, stdout_on_error=False,
+                  bad_status=unexpected and not ok, accepted=unexpected and ok, refused=False,
+                  stderr_tail=logged[-300:])
+
+
 def all_cases(out: Path, weights: Path) -> list[Case]:
     os.mkfifo(out / "fifo")
     (out / "fifo_dir").mkdir()
     return (llama2c_cases(out, weights) + hf_cases(out) + gguf_cases(out, weights) + tokenizer_cases(out, weights)
-            + prompt_cases(out) + flag_cases(out) + combination_cases(out))
+            + prompt_cases(out) + flag_cases(out) + combination_cases(out) + template_cases(out)
+            + output_cases(out, weights) + tokenizer_field_cases(out, weights) + non_finite_cases(out, weights))
 
 
 def main(argv=None) -> int:
@@ -607,6 +1047,8 @@ def main(argv=None) -> int:
             cases = random.Random(0).sample(cases, min(args.sample, len(cases)))
         with ThreadPoolExecutor(args.jobs) as pool:
             results = list(pool.map(lambda c: run_case(c, args.timeout, out), cases))
+        if not args.sample and (args.kinds is None or "http" in args.kinds):
+            results += http_results(out / "files", args.weights, args.timeout)
     return report(results, args.json)
 
 
@@ -624,13 +1066,13 @@ def report(results: list[Result], as_json: bool) -> int:
                     "stderr": r.stderr_tail.strip().splitlines()[-1:] }
             print(json.dumps(line) if as_json else f"PROBLEM {line}")
     columns = ["tried", "refused (exit 2)", "ran (exit 0)", "traceback", "hang", "stdout_on_error", "bad_status",
-               "accepted", "refused"]
-    print(f"{'kind':12}" + "".join(f"{c:>18}" for c in columns))
+               "accepted", "refused", "damaged"]
+    print(f"{'kind':18}" + "".join(f"{c:>18}" for c in columns))
     total = collections.Counter()
     for kind, counts in sorted(per_kind.items()):
         total.update(counts)
-        print(f"{kind:12}" + "".join(f"{counts[c]:>18}" for c in columns))
-    print(f"{'total':12}" + "".join(f"{total[c]:>18}" for c in columns))
+        print(f"{kind:18}" + "".join(f"{counts[c]:>18}" for c in columns))
+    print(f"{'total':18}" + "".join(f"{total[c]:>18}" for c in columns))
     return 1 if any(r.problems for r in results) else 0
 
 

@@ -2,7 +2,7 @@
 # npllm on a real NVIDIA GPU, everything written to one file:
 #   1. the environment (driver, GPU, numba / numba-cuda / toolkit versions, what npllm.device says)
 #   2. the CUDA tests without the simulator, the stories260K golden text in full (200 tokens)
-#   3. scripts/cuda_timing.py (npllm bench's timing, plus the bandwidth roofline) on the stories15M, stories110M and
+#   3. scripts/bench/cuda_timing.py (npllm bench's timing, plus the bandwidth roofline) on the stories15M, stories110M and
 #      tinyllama-1.1B shapes (random weights), float32, float16 and Q8_0 weight storage: prefill tok/s, decode
 #      tok/s at batch 1 and 32, the device-to-device bandwidth measured in the run and the fraction of it reached
 #   4. (not QUICK) tinyllama-1.1B with one launch per stage instead of one per forward call
@@ -63,11 +63,11 @@ step "$TESTS_LIMIT" "CUDA tests on the GPU, golden in full" env NPLLM_CUDA_GOLDE
 
 # npllm bench's timing (bench.Session) with the roofline columns: float32, float16 and Q8_0 storage, batch 1 and 32
 for model in $MODELS; do
-  step "$BENCH_LIMIT" "cuda_timing $model: float32, float16, q8_0 storage" "$PY" scripts/cuda_timing.py \
+  step "$BENCH_LIMIT" "cuda_timing $model: float32, float16, q8_0 storage" "$PY" scripts/bench/cuda_timing.py \
     --model "$model" --dtype float32 float16 q8_0 --batch 1 32 --prompt-len $PROMPTS --gen-len "$GEN"
 done
 if [ -z "${QUICK:-}" ]; then
   step 600 "cuda_timing tinyllama-1.1B stage by stage (against the one-launch figures above)" "$PY" \
-    scripts/cuda_timing.py --model tinyllama-1.1B --stage-by-stage --batch 1 32 --prompt-len 128 --gen-len 64
+    scripts/bench/cuda_timing.py --model tinyllama-1.1B --stage-by-stage --batch 1 32 --prompt-len 128 --gen-len 64
 fi
 echo "results in $RESULTS"

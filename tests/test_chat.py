@@ -3,18 +3,21 @@ turns (equal to recomputation, fewer tokens run), the end of turn, /save and /lo
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 import npllm
-from npllm.chat.session import ChatSession, turn_end
+from npllm.chat.session import ChatSession, ConversationFull, turn_end
 from npllm.chat.templates import BUILTIN_TEMPLATES
 from npllm.errors import ChatTemplateError, GenerationError
 from npllm.generate import generate_ids
 from npllm.sampling import SamplingParams
+from tests_support import template_worker_of, wait_gone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HI = [{"role": "user", "content": "Hi"}]
@@ -150,3 +153,75 @@ def test_a_reply_cut_short_is_kept_as_far_as_it_went(llm):
     assert session.messages[-1] == {"role": "assistant", "content": "".join(pieces)}
     "".join(session.send("More", 5, temperature=0.0))  # and the conversation goes on from there
     assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A conversation that outgrows the context; a template that fails or runs away, in `npllm chat`
+# ----------------------------------------------------------------------------------------------------------------
+
+LONG = "Once upon a time " * 200  # ~600 tokens for stories260K: more than its context of 512
+
+
+def test_a_conversation_past_the_context_says_how_to_go_on(llm):
+    session = ChatSession(llm, "chatml")
+    with pytest.raises(ConversationFull) as raised:
+        "".join(session.send(LONG))
+    assert "reset()" in str(raised.value) and 'context_policy="truncate" or "sinks"' in str(raised.value)
+    assert session.messages == []  # the turn that could not start is not kept
+    with pytest.raises(ConversationFull, match="max_new_tokens"):
+        "".join(session.send("Hi", max_new_tokens=600, ignore_eos=True))
+
+
+def chat_cli(stories260k, lines: str, *flags, env=None, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "npllm", "chat", "--model", str(stories260k), "--backend", "numpy",
+                           "--max-new-tokens", "4", *flags], input=lines, capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
+
+
+def test_npllm_chat_past_the_context_names_reset_and_the_flag(stories260k):
+    run = chat_cli(stories260k, f"Hi\n{LONG}\n", "--chat-template", "chatml")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("npllm: error:")]
+    assert len(errors) == 1 and "/reset" in errors[0] and "--context-policy truncate|sinks" in errors[0]
+    assert "context_policy=" not in run.stderr  # not the Python API's spelling
+    run = chat_cli(stories260k, "Hi\n", "--chat-template", "chatml", "--ignore-eos", "--max-new-tokens", "600")
+    assert run.returncode == 2 and "--max-new-tokens" in run.stderr and "/reset" in run.stderr
+
+
+@pytest.mark.parametrize("template, says", [("{{ 1/0 }}", "division by zero"),
+                                            ("{% include 'x.jinja' %}", "cannot include"),
+                                            ("{{ 'a' * 10**9 }}", "went over a limit")])
+def test_npllm_chat_with_a_failing_template_writes_one_error_line(stories260k, tmp_path, template, says):
+    path = tmp_path / "bad.jinja"
+    path.write_text(template)
+    run = chat_cli(stories260k, "Hi\n", "--chat-template", str(path))
+    assert run.returncode == 2 and run.stdout == "" and "Traceback" not in run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("npllm: error:")]
+    assert len(errors) == 1 and f"the chat template {path}" in errors[0] and says in errors[0]
+
+
+def test_npllm_chat_stops_a_runaway_template_at_its_deadline(stories260k, tmp_path):
+    path = tmp_path / "hang.jinja"
+    path.write_text("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    run = chat_cli(stories260k, "Hi\n", "--chat-template", str(path), env={"NPLLM_TEMPLATE_TIMEOUT": "1"})
+    assert run.returncode == 2 and run.stdout == "" and "Traceback" not in run.stderr
+    assert f"npllm: error: the chat template {path} did not finish within 1 s" in run.stderr
+
+
+def test_sigterm_ends_npllm_chat_while_a_template_runs(stories260k, tmp_path):
+    path = tmp_path / "hang.jinja"
+    path.write_text("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    proc = subprocess.Popen([sys.executable, "-m", "npllm", "chat", "--model", str(stories260k), "--backend",
+                             "numpy", "--chat-template", str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=REPO, env={**os.environ, "NPLLM_TEMPLATE_TIMEOUT": "120"})
+    try:
+        worker = template_worker_of(proc.pid, 60)  # loaded, and rendering (one exchange, to find the end of turn)
+        time.sleep(0.5)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == -signal.SIGTERM
+        assert wait_gone(worker, 10)  # and its worker with it, long before the render's deadline
+    finally:
+        proc.kill()
+        proc.communicate()
+

@@ -1,20 +1,27 @@
 """Chat templates render exactly as transformers' apply_chat_template(tokenize=False) renders them.
 
-tests/fixtures/chat/renders.json was written by scripts/make_chat_fixtures.py with transformers itself: published
+tests/fixtures/chat/renders.json was written by scripts/fixtures/make_chat_fixtures.py with transformers itself: published
 templates (ChatML, Qwen2, Llama 2 with <<SYS>> and raise_exception, Llama 3, Zephyr), templates using namespace(),
 loop controls, tojson, a refused namespace attribute and a syntax error, and npllm's own built-ins, each over several
 conversations with and without the generation prompt.
 """
 
+import _thread
 import json
+import subprocess
+import sys
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from npllm.chat import (BUILTIN_TEMPLATES, find_chat_template, render_chat_template, resolve_chat_template,
-                        select_template)
+from npllm.chat import (BUILTIN_TEMPLATES, TemplateLimits, find_chat_template, render_chat_template,
+                        resolve_chat_template, select_template)
+from npllm.chat.templates import ChatTemplateLimitError
 from npllm.errors import ChatTemplateError
+from tests_support import REPO, template_worker_of, wait_gone
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures/chat/renders.json").read_text(encoding="utf-8"))
 CASES = FIXTURE["cases"]
@@ -146,3 +153,124 @@ def test_resolve_chat_template(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ChatTemplateError):
         resolve_chat_template(str(tmp_path / "bad.json"), None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A template is code from a model file: every failure is one ChatTemplateError naming it, and a render is bounded
+# ----------------------------------------------------------------------------------------------------------------
+
+HI = [{"role": "user", "content": "hi"}]
+NAME = "the chat template bad.jinja"
+HANG = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("template, says", [
+    ("{{ 1/0 }}", "division by zero"),
+    ("{{ nothing | tojson }}", "undefined"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed"),
+    ("{% include 'other.jinja' %}", "cannot include"),
+    ("{% import 'other.jinja' as o %}", "cannot include"),
+    ("{% extends 'other.jinja' %}", "cannot include"),
+    ("{{ range(10**10) | length }}", "range"),
+    ("{{ 'a' + 1 }}", "concatenate"),
+    ("{{ " + "7" * 100_000 + " }}", "does not compile"),
+    ("{{ strftime_now(5) }}", "format string"),
+    ("{{ 'some words' | wordwrap(0) }}", "width"),
+])
+def test_template_errors_that_are_not_jinjas_are_chat_template_errors(template, says):
+    with pytest.raises(ChatTemplateError) as raised:
+        render_chat_template(template, HI, template_name=NAME)
+    assert str(raised.value).startswith(NAME + " ") and says in str(raised.value)
+
+
+@pytest.mark.parametrize("template", [
+    "{{ 'a' * 10**9 }}", "{{ ['a'] * 10**9 }}", "{{ 10 ** 100000 }}", "{{ (10**4000) * (10**4000) }}",
+    "{{ 'x' | indent(10**9) }}", "{{ 'x' | center(10**9) }}", "{{ 'x'.center(10**9) }}", "{{ 'x'.zfill(10**9) }}",
+    "{{ messages | tojson(indent=10**9) }}", "{{ ('a' * 100000).replace('', 'b' * 100000) }}",
+    "{{ ('a' * 100000) | replace('', 'b' * 100000) }}", "{{ ('a' * 100000).join(['b' * 100000] * 100000) }}",
+    "{{ (['b' * 100000] * 100000) | join }}", "{{ '%1000000000d' | format(1) }}", "{{ '%1000000000d' % 1 }}",
+    "{{ '%*d' % (10**9, 1) }}", "{{ '{:>1000000000}'.format(1) }}", "{{ '{:{}}'.format(1, 10**9) }}",
+    "{{ ('\t' * 100000).expandtabs(100000) }}", "{{ (range(10) | list) | slice(10**9) | list }}",
+    "{% set ns = namespace(x=['a' * 1000]) %}{% for i in range(40) %}{% set ns.x = ns.x + ns.x %}{% endfor %}",
+    "{{ lipsum(10**9) }}",
+])
+def test_guards_refuse_a_huge_result_before_making_it(template):
+    """Each would take seconds and gigabytes; the guard refuses it at once (a generous deadline: not what stops it)."""
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateLimitError, match="went over a limit") as raised:
+        render_chat_template(template, HI, template_name=NAME, limits=TemplateLimits(seconds=60))
+    assert str(raised.value).startswith(NAME) and time.monotonic() - started < 10
+
+
+def test_a_runaway_template_is_stopped_at_its_deadline_and_the_next_render_works():
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateLimitError, match="did not finish within 1 s") as raised:
+        render_chat_template(HANG, HI, template_name=NAME, limits=TemplateLimits(seconds=1))
+    assert str(raised.value).startswith(NAME) and time.monotonic() - started < 5
+    assert render_chat_template(BUILTIN_TEMPLATES["chatml"], HI) == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_the_output_cap_and_the_memory_limit():
+    many = "{% for i in range(100000) %}{% for j in range(100000) %}0123456789{% endfor %}{% endfor %}"
+    with pytest.raises(ChatTemplateLimitError, match="wrote more than 1,000 characters"):
+        render_chat_template(many, HI, limits=TemplateLimits(max_chars=1000))
+    assert len(render_chat_template("{{ 'x' * 1000 }}", HI, limits=TemplateLimits(max_chars=1000))) == 1000
+    # 10,000 references to one 3 MB string pass the guards; printing the list would make 30 GB
+    huge = "{% set x = [['a' * 3000000] * 100] * 100 %}{{ x }}"
+    with pytest.raises(ChatTemplateLimitError, match="64 MiB of memory"):
+        render_chat_template(huge, HI, limits=TemplateLimits(seconds=60, memory_mib=64))
+
+
+def test_limits_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("NPLLM_TEMPLATE_TIMEOUT", "1.5")
+    monkeypatch.setenv("NPLLM_TEMPLATE_MAX_CHARS", "100")
+    assert TemplateLimits.from_environment() == TemplateLimits(seconds=1.5, max_chars=100)
+    with pytest.raises(ChatTemplateLimitError, match="wrote more than 100 characters"):
+        render_chat_template("{{ 'x' * 60 }}{{ 'y' * 60 }}", HI)
+    for variable, bad in (("NPLLM_TEMPLATE_TIMEOUT", "soon"), ("NPLLM_TEMPLATE_MAX_CHARS", "-1"),
+                          ("NPLLM_TEMPLATE_MEMORY_MIB", "1.5")):
+        monkeypatch.setenv(variable, bad)
+        with pytest.raises(ChatTemplateError, match=variable):
+            TemplateLimits.from_environment()
+        monkeypatch.delenv(variable)
+
+
+def test_a_normal_render_stays_fast():
+    """The server renders once per chat request: a ten-message ChatML conversation takes well under a millisecond
+    in the worker (0.1 ms measured); a worker started per render would take ~50 ms."""
+    messages = [{"role": ("user", "assistant")[i % 2], "content": "Tell me a story about a cat. " * 5}
+                for i in range(10)]
+    render_chat_template(BUILTIN_TEMPLATES["chatml"], messages)  # the worker starts
+    times = []
+    for _ in range(30):
+        started = time.perf_counter()
+        render_chat_template(BUILTIN_TEMPLATES["chatml"], messages, add_generation_prompt=True)
+        times.append(time.perf_counter() - started)
+    assert sorted(times)[len(times) // 2] < 0.02
+
+
+def test_ctrl_c_during_a_render_stops_it():
+    timer = threading.Timer(0.5, _thread.interrupt_main)
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        render_chat_template(HANG, HI, limits=TemplateLimits(seconds=60))
+    assert time.monotonic() - started < 5
+    assert render_chat_template("{{ messages[0]['content'] }}", HI) == "hi"
+
+
+def test_a_worker_does_not_outlive_its_parent():
+    """The parent killed in the middle of a render (SIGKILL: nothing of it runs): its worker exits too, long before
+    the render's own deadline."""
+    code = ("from npllm.chat import render_chat_template, TemplateLimits\n"
+            f"render_chat_template({HANG!r}, [{{'role': 'user', 'content': 'x'}}], limits=TemplateLimits(seconds=120))")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
+    try:
+        worker = template_worker_of(parent.pid, 60)
+        time.sleep(0.3)  # rendering
+        parent.kill()
+        parent.wait()
+        assert wait_gone(worker, 10)
+    finally:
+        parent.kill()
+        parent.wait()

@@ -157,4 +157,4 @@ def test_the_first_compile_of_a_run_is_announced_once(capsys):
     assert capsys.readouterr().err == ""
     commands = cli.build_parser()._subparsers._group_actions[0].choices
     announced = {name for name, parser in commands.items() if parser.get_default("compiles")}
-    assert announced == {"generate", "chat", "bench", "perplexity", "serve"}  # the commands that run a model
+    assert announced == {"generate", "chat", "bench", "perplexity", "serve", "batch"}  # the commands that run a model

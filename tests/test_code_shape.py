@@ -34,7 +34,8 @@ ALLOWED_PARAMETERS = {
     ("npllm/kernels/quant.py", "q3_k_token"),
     ("npllm/kernels/quant.py", "q2_k_token"),
     ("npllm/kernels/quant.py", "token"),
-    ("npllm/llm.py", "stream"),  # sampling options as keywords until SamplingParams goes end to end
+    ("npllm/llm.py", "stream"),  # sampling options as keywords beside params=SamplingParams
+    ("npllm/ray.py", "run_batch"),
 }
 
 

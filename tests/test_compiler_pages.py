@@ -14,6 +14,7 @@ import types
 from pathlib import Path
 
 import numba
+import numpy as np
 import pytest
 
 from npllm.kernels import compiler
@@ -249,3 +250,49 @@ def test_a_model_not_in_numbas_cache_is_compiled_by_a_child_and_loaded_here(stor
     assert out["events"] == ["_forward"], out
     assert (out["misses"], out["hits"] > 0) == (0, True), out
     assert out["peak_mb"] < 200, out  # 134 here; 287 with the compile in this process
+
+
+class CacheProbe:
+    """A dispatcher stand-in that records whether cached_here read Numba's cache internals (it has none)."""
+
+    touched = False
+
+    @property
+    def _cache(self):
+        CacheProbe.touched = True
+        raise AttributeError("_cache")
+
+
+def test_outside_the_tested_numba_its_plain_behaviour_stays_with_one_notice(monkeypatch, capsys, stories260k):
+    """With a Numba version outside TESTED_NUMBA, nothing reads or patches its internals: no module for linking is
+    replaced, no cache index is read, no child compiles (the code is compiled or loaded here, as Numba does); one
+    notice on stderr says so however often the check runs; and the model's logits are those of the patched path."""
+    from npllm.formats import read_checkpoint
+    from npllm.models import make_model
+    from npllm.models import numba as nm
+
+    config, weights = read_checkpoint(stories260k)
+    ids = [1, 403, 407, 261, 378]
+    patched = make_model(config, weights, "numba").logits(ids)
+    assert compiler.internals_tested() and capsys.readouterr().err == ""
+    CacheProbe.touched = False
+    compiler.cached_here(CacheProbe())
+    assert CacheProbe.touched  # in the tested range, the probe is read
+
+    def forbidden(*args):
+        raise AssertionError("Numba's internals were used outside the tested range")
+
+    monkeypatch.setattr(compiler, "NUMBA_VERSION", "0.70.0")
+    monkeypatch.setattr(compiler, "_noticed", False)
+    monkeypatch.setattr(compiler, "LinkingBitcode", forbidden)
+    monkeypatch.setattr(nm, "compile_in_child", forbidden)
+    monkeypatch.setattr(nm, "_LINKED", set())  # link_ahead runs again, as in a fresh process
+    CacheProbe.touched = False
+    assert compiler.cached_here(CacheProbe()) is True and not CacheProbe.touched
+    assert compiler.release_linking_modules() == 0
+    plain = make_model(*read_checkpoint(stories260k), "numba").logits(ids)
+    np.testing.assert_array_equal(plain, patched)
+    notices = capsys.readouterr().err.splitlines()
+    assert notices == [line for line in notices if "numba 0.70.0 is outside" in line] and len(notices) == 1, notices
+    monkeypatch.setattr(compiler, "NUMBA_VERSION", "0.58.2")
+    assert not compiler.internals_tested() and capsys.readouterr().err == ""  # once a process

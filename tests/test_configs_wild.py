@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 import npllm
+from npllm.config import ModelConfig
 from npllm.errors import ConfigError, TokenizerError
 from npllm.formats import read_checkpoint
 from npllm.formats.llama2c import write_llama2c
-from npllm.llm import PaddedVocab
-from tests_support import REPO
+from npllm.formats.random import random_weights
+from npllm.models import make_model
+from tests_support import REPO, assert_padding_never_drawn, pad_vocabulary
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 PROMPT = "Once upon a time"
@@ -91,24 +93,50 @@ def padded_stories(tmp_path_factory, stories260k):
     return path
 
 
-def test_padded_vocabulary_loads_and_padding_is_never_sampled(padded_stories, stories260k):
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_padded_vocabulary_loads_and_padding_is_never_sampled(padded_stories, stories260k, backend):
+    """The model masks the padding (its config's usable_vocab, set by npllm.load from the tokenizer): every path
+    out of the model, single or batched, greedy or sampled, on the host or by the compiled sampler."""
     tokenizer = stories260k.parent / "tok512.model"
-    llm = npllm.load(padded_stories, tokenizer=tokenizer, backend="numpy")
-    plain = npllm.load(stories260k, tokenizer=tokenizer, backend="numpy")
-    assert isinstance(llm.model, PaddedVocab) and llm.config.vocab_size == 520
+    llm = npllm.load(padded_stories, tokenizer=tokenizer, backend=backend)
+    plain = npllm.load(stories260k, tokenizer=tokenizer, backend=backend)
+    assert llm.config.usable_vocab == 512 and llm.config.vocab_size == 520
     ids = plain.tokenizer.encode(PROMPT, bos=True)
-    raw = llm.model.model.logits(ids)
+    hidden = llm.model.forward(ids, np.arange(len(ids)), llm.model.new_cache())
+    raw = llm.model.head_logits(hidden)
     assert (raw.argmax(axis=1) >= 512).all()  # unmasked, a padding id would be every greedy pick
     logits = llm.logits(ids)
     assert np.isneginf(logits[:, 512:]).all()
     np.testing.assert_array_equal(logits[:, :512], plain.logits(ids))
     new = list(llm.generate_ids(ids, 60, temperature=1.0, seed=0))
-    assert new and max(new) < 512
+    assert new and max(new) < 512 and new == list(plain.generate_ids(ids, 60, temperature=1.0, seed=0))
     assert llm.generate("Once upon a time", 40, temperature=0) == plain.generate("Once upon a time", 40,
                                                                                  temperature=0)
     for strategy in ("static", "ragged", "continuous"):  # batched generation goes through the same mask
         tokens, _ = llm.generate_tokens([ids, ids[:2]], 40, temperature=1.0, strategy=strategy, seed=1)
         assert max(max(t) for t in tokens) < 512, strategy
+
+
+# A model small enough for any backend (its compiled code is the same as any model's)
+SMALL = ModelConfig(dim=32, hidden_dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=32)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_the_model_masks_a_padded_vocabulary_on_every_backend(backend):
+    """lm_head gives the ids past config.usable_vocab -inf, and every draw (the compiled sampler's, the host's)
+    is the unpadded model's; models/cuda.py's device sampler: test_cuda_model.py."""
+    weights = random_weights(SMALL, seed=5)
+    plain = make_model(SMALL, weights, backend)
+    hidden = plain.forward([1, 7, 9, 30], [0, 1, 2, 3], plain.new_cache())
+    padded = make_model(*pad_vocabulary(SMALL, weights, np.resize(plain.lm_head(hidden).argmax(axis=1), 6)), backend)
+    assert_padding_never_drawn(plain, padded, hidden)
+
+
+def test_usable_vocab_is_an_id_count_inside_the_vocabulary():
+    assert SMALL.replace(usable_vocab=50).usable_vocab == 50
+    for bad in (0, 51, 2.5):
+        with pytest.raises(ConfigError, match="usable_vocab"):
+            SMALL.replace(usable_vocab=bad)
 
 
 def test_a_tokenizer_far_smaller_than_the_embedding_is_refused(padded_stories, stories260k, tmp_path):

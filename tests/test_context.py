@@ -5,12 +5,14 @@ import numpy as np
 import pytest
 
 import npllm
+from npllm import ops
 from npllm.config import ModelConfig
-from npllm.context import Context, common_prefix, continue_steps
+from npllm.context import Context, common_prefix
 from npllm.errors import GenerationError
 from npllm.formats.random import random_weights
+from npllm.generate import Request, decode
 from npllm.models import make_model
-from npllm.sampling import SamplingParams
+from npllm.sampling import SamplingParams, log_softmax
 
 GREEDY = SamplingParams(temperature=0.0)
 TINY = ModelConfig(dim=32, hidden_dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=64)
@@ -28,6 +30,39 @@ def story_ids(llm, n, seed=0):
 
 def last_logits(model, hidden):
     return model.lm_head(hidden)[0]
+
+
+def continue_steps(context, prompt_ids, max_new_tokens, params, ignore_eos=False):
+    """The single-sequence loop (generate.decode) on `context`."""
+    return decode(context.model, Request(prompt_ids, max_new_tokens, params, ignore_eos=ignore_eos), context)
+
+
+def streaming_logits(model, tokens, sinks: int, capacity: int) -> np.ndarray:
+    """StreamingLLM computed plainly, one token at a time, without a ring and without moving keys: the token at
+    position P attends, in every layer, to all tokens so far while P < capacity; past that, to the first `sinks`
+    tokens placed at positions P - capacity + 1 + i and the most recent capacity - sinks at their own (the paper's
+    in-cache distances). Keys are kept unrotated and rotated at those positions anew at every step. model: the NumPy
+    reference, for its weights, RoPE, feed-forward and head.                                     # [N] -> [N, V]"""
+    c, w = model.config, model.weights
+    raw_k = np.empty((c.n_layers, len(tokens), c.n_kv_heads, c.head_dim), model.dtype)  # each token's unrotated keys
+    raw_v = np.empty_like(raw_k)
+    logits = []
+    for P, token in enumerate(tokens):
+        seen = np.arange(P + 1) if P < capacity else np.r_[0:sinks, P - capacity + sinks + 1:P + 1]
+        at = np.where(seen < sinks, P - capacity + 1 + seen, seen) if P >= capacity else seen
+        cos, sin = ops.rope_angles(at, model.inv_freq, model.dtype)  # [S, Dh/2]
+        x = ops.embed(w.tok_embeddings, np.array([token]))  # [1, D]
+        for layer, lw in enumerate(w.layers):
+            h = ops.rms_norm(x, lw.attention_norm, c.norm_eps)
+            raw_k[layer, P] = (h @ lw.wk.T).reshape(c.n_kv_heads, c.head_dim)
+            raw_v[layer, P] = (h @ lw.wv.T).reshape(c.n_kv_heads, c.head_dim)
+            q = model.rope((h @ lw.wq.T).reshape(1, c.n_heads, c.head_dim), cos[-1:], sin[-1:])
+            k = model.rope(raw_k[layer, seen], cos, sin)  # [S, K, Dh]
+            out = ops.attention(q, k, raw_v[layer, seen], np.zeros((1, len(seen)), np.float32))
+            x = x + out.reshape(1, -1) @ lw.wo.T
+            x = x + model.ffn_block(layer, x)
+        logits.append(model.lm_head(ops.rms_norm(x, w.norm, c.norm_eps))[0])
+    return np.array(logits)
 
 
 def test_common_prefix():
@@ -62,6 +97,15 @@ def test_error_policy_stops_at_the_context_and_refuses_what_cannot_fit(llm):
                             ignore_eos=True))
     with pytest.raises(GenerationError, match="context"):
         Context(llm.model).prefill(story_ids(llm, llm.config.max_seq_len + 1))
+
+
+def test_only_the_error_policy_ends_the_loop_at_the_cache(llm):
+    """The one loop's context rule (Sequence.accept): under "error" a 32-position cache ends the generation after
+    32 - 20 + 1 tokens; "truncate" and "sinks" run the 40 asked for through the same cache, and refuse nothing."""
+    ends = {policy: len(list(continue_steps(Context(llm.model, policy, capacity=32), story_ids(llm, 20), 40, GREEDY,
+                                            ignore_eos=policy != "error")))
+            for policy in ("error", "truncate", "sinks")}
+    assert ends == {"error": 13, "truncate": 40, "sinks": 40}
 
 
 def test_truncate_recomputes_the_most_recent_half_context(llm):
@@ -119,18 +163,27 @@ def test_sinks_agree_across_backends_past_the_window(stories260k):
     assert np.abs(logits["numba"] - logits["numpy"]).max() <= 1e-4
 
 
-def test_generate_1500_tokens_with_sinks_in_a_512_context(llm):
-    """The acceptance request: 1,500 tokens from stories260K (context 512), memory bounded by the cache."""
+def test_generate_1500_tokens_with_sinks_in_a_512_context(llm, stories260k):
+    """The acceptance request: 1,500 tokens from stories260K (context 512), memory bounded by the cache. Every token's
+    reported log-probabilities (its own and the top 5) are those of streaming_logits, StreamingLLM computed without
+    the ring by the NumPy reference; the ring holds exactly the last 512 positions, and never grew."""
     counted = []
     text = "".join(llm.stream("Once upon a time", max_new_tokens=1500, ignore_eos=True, context_policy="sinks",
-                              temperature=0.0, on_step=counted.append))
+                              temperature=0.0, logprobs=5, on_step=counted.append))
     assert len(counted) == 1500 and len(text) > 3000
+    prompt = llm.tokenizer.encode("Once upon a time", bos=True)
+    full = prompt + [int(s.token_ids) for s in counted]
+    C = llm.config.max_seq_len
+    reference = streaming_logits(npllm.load(stories260k, backend="numpy").model, full[:-1], 4, C)[len(prompt) - 1:]
+    logp = log_softmax(reference.astype(np.float64))  # [1500, V]
+    rows = np.arange(len(counted))[:, None]
+    reported = np.array([s.top_logprobs for s in counted])  # [1500, 5]
+    assert np.abs(logp[rows, np.array([s.top_ids for s in counted])] - reported).max() <= 1e-4
     context = Context(llm.model, "sinks")
-    steps = list(continue_steps(context, llm.tokenizer.encode("Once upon a time"), 1500, GREEDY, ignore_eos=True))
-    assert [s.token_ids for s in steps] == [s.token_ids for s in counted]
-    assert context.cache.k.shape[2] == llm.config.max_seq_len  # the ring never grew
-    assert (context.cache.positions[0] >= 0).sum() == llm.config.max_seq_len
-    assert context.cache.positions[0].max() == len(context.tokens) - 1
+    context.prefill(full[:-1])  # the last token drawn is never fed
+    assert context.cache.k.shape[2] == C  # the ring never grew
+    assert (context.cache.positions[0] >= 0).sum() == C
+    assert context.cache.positions[0].max() == len(full) - 2
 
 
 def test_ignore_eos_continues_where_greedy_stops(llm):

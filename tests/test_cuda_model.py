@@ -31,6 +31,7 @@ from npllm.models.cuda import CudaTransformer  # noqa: E402
 from npllm.models.reference import Transformer  # noqa: E402
 from npllm.tokenizer import load_tokenizer  # noqa: E402
 from npllm.sampling import SamplingParams, sample_with  # noqa: E402
+from tests_support import assert_padding_never_drawn, pad_vocabulary  # noqa: E402
 
 # The one-launch kernels fall back to stage-by-stage launches with a RuntimeWarning: here that is a failure.
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -167,6 +168,16 @@ def test_device_sampling_draws_what_the_host_draws():
         assert device.sample_next(hidden, params, params.generator()) == expected
 
 
+def test_a_padded_vocabulary_is_never_drawn_on_the_device():
+    """A vocabulary padded past the tokenizer (config.usable_vocab): lm_head's padding ids are -inf, and the device
+    sampler computes and draws from the tokenizer's ids alone, the unpadded model's draws."""
+    weights = random_weights(GQA, seed=6)
+    plain = make_model(GQA, weights, "cuda")
+    hidden = plain.forward([4, 5, 6], [0, 1, 2], plain.new_cache())
+    padded = make_model(*pad_vocabulary(GQA, weights, np.resize(plain.lm_head(hidden).argmax(axis=1), 6)), "cuda")
+    assert_padding_never_drawn(plain, padded, hidden, seeds=2)
+
+
 def test_sampling_options_the_device_lacks_go_to_the_host():
     """Penalties, typical-p, logit bias and log-probabilities need the host sampler: the logits go there, and the
     draw is still sample_with's."""
@@ -234,7 +245,7 @@ def test_a_missing_cuda_target_is_named(monkeypatch):
         raise ImportError(f"No module named {name!r}")
 
     monkeypatch.setattr(importlib, "import_module", no_cuda)
-    assert "npllm-engine[cuda]" in device.cuda_problem()
+    assert "pip install -e '.[cuda]'" in device.cuda_problem()
     with pytest.raises(DeviceError, match="CUDA target cannot be imported"):
         resolve_backend("cuda")
     with pytest.raises(DeviceError, match="CUDA target cannot be imported"):

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 import npllm
 from npllm.config import RopeScaling
 from npllm.errors import ConfigError, FormatError, NpllmError, TokenizerError
-from npllm.formats.gguf import gguf_tokenizer, llama3_scaling_from_freq_factors, read_gguf, read_gguf_file, read_vocab
+from npllm.formats.gguf import llama3_scaling_from_freq_factors, read_gguf, read_gguf_file, read_vocab
 from npllm.formats.hf import read_hf
 from npllm.quant import dequantize_q4_0, dequantize_q8_0
+from npllm.tokenizer.gguf import gguf_tokenizer
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402

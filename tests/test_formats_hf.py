@@ -1,6 +1,6 @@
 """Hugging Face checkpoints: config.json mapping, weight names, RoPE layouts, bad checkpoints, and the end-to-end
 acceptance: npllm's logits within 1e-4 of transformers' and greedy generation identical for 32 tokens, on tiny
-random-weight fixtures made by scripts/make_hf_fixtures.py (the references were computed by transformers)."""
+random-weight fixtures made by scripts/fixtures/make_hf_fixtures.py (the references were computed by transformers)."""
 
 import json
 import shutil
@@ -15,9 +15,9 @@ import npllm
 from npllm.config import RopeScaling
 from npllm.errors import ConfigError, FormatError
 from npllm.formats import read_checkpoint
-from npllm.formats.hf import (config_from_hf, permute_qk_half_to_interleaved, permute_qk_interleaved_to_half,
-                              read_hf, to_interleaved)
+from npllm.formats.hf import config_from_hf, read_hf, to_interleaved
 from npllm.models.reference import Transformer
+from npllm.tensors import permute_qk_half_to_interleaved, permute_qk_interleaved_to_half
 from test_formats_safetensors import encode
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from npllm.formats import read_checkpoint
-from npllm.formats.info import describe, kv_cache_bytes
+from npllm.info import describe, kv_cache_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 

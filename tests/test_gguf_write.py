@@ -239,7 +239,7 @@ def test_quantize_reports_progress_per_weight_and_on_a_terminal_only(tmp_path, s
     import io
 
     from npllm.cli import quantize_progress
-    from npllm.formats.gguf import quantize_checkpoint
+    from npllm.convert import quantize_checkpoint
 
     calls = []
     tensors, _ = quantize_checkpoint(stories260k, tmp_path / "p.gguf", "Q8_0",
@@ -294,7 +294,7 @@ def test_reference_model_runs_on_weights_kept_quantized(tmp_path, qtype):
 def test_quantize_checkpoint_from_hf_and_from_gguf(tmp_path, source):
     """A Hugging Face directory (half-split RoPE rows, a byte-level tokenizer npllm does not write yet) and a GGUF
     file both become Q8_0 files computing the model of their Q8_0-rounded weights."""
-    from npllm.formats.gguf import quantize_checkpoint
+    from npllm.convert import quantize_checkpoint
 
     src = FIXTURES / "llama_gqa"
     config, weights = read_hf(src)
@@ -310,3 +310,22 @@ def test_quantize_checkpoint_from_hf_and_from_gguf(tmp_path, source):
     g_config, g_weights = read_gguf(out)
     np.testing.assert_allclose(logits(g_config, g_weights, tokens), logits(config, rounded, tokens),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_quantizing_a_llama2c_model_keeps_its_stop_at_bos_rule(tmp_path, stories260k, capsys):
+    """llama2.c's checkpoints end a story at a generated BOS; the GGUF written from one stops there too (BOS as its
+    end-of-turn id), with the same seed the same text, and `npllm info` says so for both."""
+    from npllm.convert import quantize_checkpoint
+
+    out = tmp_path / "f32.gguf"
+    quantize_checkpoint(stories260k, out, "F32")
+    assert read_gguf_file(out).metadata["tokenizer.ggml.eot_token_id"] == 1
+    source, written = npllm.load(stories260k, backend="numpy"), npllm.load(out, backend="numpy")
+    assert written.config.stop_at_bos and written.config.eos_ids == source.config.eos_ids == (2,)
+    seed = 3  # this seed's story ends at a BOS well before the limit
+    text = source.generate("Once", max_new_tokens=400, temperature=1.0, seed=seed)
+    assert text != source.generate("Once", max_new_tokens=400, temperature=1.0, seed=seed, ignore_eos=True)
+    assert written.generate("Once", max_new_tokens=400, temperature=1.0, seed=seed) == text
+    for model in (stories260k, out):
+        assert main(["info", str(model)]) == 0
+        assert "end tokens:   2; BOS 1 too" in capsys.readouterr().out

@@ -22,11 +22,11 @@ from npllm.quant import QuantizationError
 from test_kernels_quant import activations, quantized_matrix
 from tests_support import REPO
 
-_spec = importlib.util.spec_from_file_location("int8_quality", REPO / "scripts" / "int8_quality.py")
+_spec = importlib.util.spec_from_file_location("int8_quality", REPO / "scripts" / "bench" / "int8_quality.py")
 int8_quality = importlib.util.module_from_spec(_spec)
 sys.modules["int8_quality"] = int8_quality  # dataclasses look their module up by name
 _spec.loader.exec_module(int8_quality)
-_spec = importlib.util.spec_from_file_location("llama_cpp_files", REPO / "scripts" / "llama_cpp_files.py")
+_spec = importlib.util.spec_from_file_location("llama_cpp_files", REPO / "scripts" / "bench" / "llama_cpp_files.py")
 llama_cpp_files = importlib.util.module_from_spec(_spec)  # its widen(): stories260K at the K-quants' width
 _spec.loader.exec_module(llama_cpp_files)
 

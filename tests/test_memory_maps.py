@@ -1,4 +1,4 @@
-"""Weights read through a memory map leave one resident copy: formats.release drops a mapped weight's pages once it
+"""Weights read through a memory map leave one resident copy: tensors.release drops a mapped weight's pages once it
 is checked or copied, and nothing is lost (a released page is read back from the file).
 
 Resident memory is read from /proc (Linux): VmRSS for what is resident now, VmHWM for the peak of a child process
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from npllm.config import ModelConfig
-from npllm.formats import release, release_files
+from npllm.tensors import release, release_files
 from npllm.formats.gguf import write_gguf
 from npllm.formats.random import random_weights
 from tests_support import mapping_resident_kb

@@ -1,5 +1,5 @@
 """Beam search equals transformers' on the tiny random Llama fixture (tests/fixtures/hf/beam_search.json, made by
-scripts/make_beam_fixtures.py): same sequences in the same order, scores within 1e-3."""
+scripts/fixtures/make_beam_fixtures.py): same sequences in the same order, scores within 1e-3."""
 
 import json
 from pathlib import Path

@@ -26,6 +26,7 @@ from npllm.sampling import log_softmax
 from npllm.errors import GenerationError
 from npllm.serve.app import Limits, Server, create_app, listen, make_uvicorn
 from npllm.serve.protocol import ApiError, Context, parse_chat
+from tests_support import template_worker_of, wait_gone
 
 KEY = "sk-test-key"
 MODEL = "stories260K"
@@ -303,7 +304,8 @@ def test_past_the_grace_period_shutdown_cancels_what_still_runs(llm):
         assert wait_until(lambda: not engine.running and sorted(engine.free) == [0, 1])  # cancelled, slot freed
 
 
-def start_subprocess_server(stories260k, *options, files: int | None = None) -> tuple[subprocess.Popen, str, list[str]]:
+def start_subprocess_server(stories260k, *options, files: int | None = None,
+                            env: dict | None = None) -> tuple[subprocess.Popen, str, list[str]]:
     """`npllm serve` in a child process (with at most `files` open files, when given); returns it, its port once it
     says it is serving, and the lines it wrote on stderr up to then."""
     command = [sys.executable, "-m", "npllm", "serve", "--model", str(stories260k), "--port", "0",
@@ -312,7 +314,7 @@ def start_subprocess_server(stories260k, *options, files: int | None = None) -> 
         limit = (f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, ({files}, {files})); "
                  f"os.execv(sys.executable, sys.argv[1:])")
         command = [sys.executable, "-c", limit, *command]
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     lines = []
     while True:  # the first lines may say that /v1/chat/completions is off (no template)
         line = proc.stderr.readline()
@@ -560,7 +562,7 @@ def test_bad_limits_are_refused_before_anything_loads(option, value, capsys):
 def test_serve_without_the_extra_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn now raises ImportError
     assert main(["serve"]) == 2
-    assert "pip install 'npllm-engine[serve]'" in capsys.readouterr().err
+    assert "pip install -e '.[serve]'" in capsys.readouterr().err
 
 
 def test_the_core_package_does_not_import_the_server_stack():
@@ -580,3 +582,68 @@ def test_a_template_that_writes_bos_as_text_gets_the_bos_id(llm):
     assert rendered.startswith(bos)
     assert list(spec.request.prompt) == llm.tokenizer.encode(rendered[len(bos):], bos=True)
     assert list(spec.request.prompt).count(llm.config.bos_id) == 1 and spec.request.max_new_tokens == 5
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The chat template comes from the model file: its failures are 400s, and a slow one stalls nothing
+# ----------------------------------------------------------------------------------------------------------------
+
+HANG = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+FAILING = ("{% set c = messages[0]['content'] %}{% if c == 'zero' %}{{ 1/0 }}{% elif c == 'include' %}"
+           "{% include 'x.jinja' %}{% elif c == 'big' %}{{ 'a' * 10**9 }}{% elif c == 'hang' %}" + HANG +
+           "{% else %}{{ c + 1 }}{% endif %}")
+
+
+def chat_request(url: str, content: str, timeout: float = 30) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                           "max_tokens": 3}, timeout=timeout)
+
+
+def test_a_failing_template_is_a_400_naming_it_and_nothing_is_logged(llm, caplog, monkeypatch):
+    monkeypatch.setenv("NPLLM_TEMPLATE_TIMEOUT", "1")
+    server = Server(llm, MODEL, Limits(max_slots=1), FAILING, template_name="the chat template bad.jinja")
+    with caplog.at_level(logging.INFO), running(server) as url:
+        for content, says in (("zero", "division by zero"), ("include", "cannot include"),
+                              ("big", "went over a limit"), ("text", "concatenate"), ("hang", "within 1 s")):
+            answer = chat_request(url, content)
+            message = answer.json()["error"]["message"]
+            assert answer.status_code == 400 and message.startswith("the chat template bad.jinja ") and says in message
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "a template's failure is the client's"
+
+
+def test_a_runaway_template_stalls_no_other_request(llm, monkeypatch):
+    monkeypatch.setenv("NPLLM_TEMPLATE_TIMEOUT", "4")
+    server = Server(llm, MODEL, Limits(max_slots=2), HANG, template_name="the chat template hang.jinja")
+    with running(server) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stalled = pool.submit(chat_request, url, "hi")
+        time.sleep(0.5)  # the render runs
+        started = time.monotonic()
+        assert httpx.get(url + "/health", timeout=2).status_code == 200
+        done = httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 3}, timeout=3)
+        assert done.status_code == 200 and time.monotonic() - started < 3
+        answer = stalled.result(timeout=30)
+        assert answer.status_code == 400
+        assert answer.json()["error"]["message"] == ("the chat template hang.jinja did not finish within 4 s "
+                                                     "(NPLLM_TEMPLATE_TIMEOUT; the render was stopped)")
+
+
+def test_sigterm_is_honoured_while_a_template_renders(stories260k, tmp_path):
+    template = tmp_path / "hang.jinja"
+    template.write_text(HANG)
+    proc, port, _ = start_subprocess_server(stories260k, "--chat-template", str(template), "--grace", "1",
+                                            env={"NPLLM_TEMPLATE_TIMEOUT": "120"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            stalled = pool.submit(chat_request, url, "hi", 60)
+            worker = template_worker_of(proc.pid, 30)
+            time.sleep(0.3)  # rendering
+            assert httpx.get(url + "/health", timeout=2).status_code == 200
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=15) == 0
+            assert wait_gone(worker, 10)
+            with contextlib.suppress(httpx.HTTPError):
+                assert stalled.result(timeout=30).status_code != 200
+    finally:
+        proc.kill()
+        proc.wait()

@@ -173,5 +173,5 @@ assert rows[-1]["prompt"] > 4 * rows[-1]["prefilled"]
 # text, stored in the conversation, and tokenized again inside the next render. When that round trip gives the same
 # tokens (as it does for this vocabulary and this reply), everything up to the new user message is reused; when it
 # does not (a tokenizer that would merge differently), the prefix ends earlier and the rest is recomputed, which
-# costs time but never changes the answer (the assert above). `scripts/bench_chat.py` measures the same over a
+# costs time but never changes the answer (the assert above). `scripts/bench/bench_chat.py` measures the same over a
 # conversation that grows until the context is full.

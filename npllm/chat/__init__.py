@@ -4,10 +4,13 @@
     BUILTIN_TEMPLATES                    llama2, llama3, chatml, zephyr
     find_chat_template(checkpoint)       tokenizer_config.json's or GGUF's template of a checkpoint, else None
     resolve_chat_template(spec, found)   a --chat-template NAME|FILE, else the model's own
+    chat_template_name(spec, checkpoint) how error messages name that template
+    TemplateLimits                       a render's deadline, output cap and memory (NPLLM_TEMPLATE_* variables)
 """
 
-from .templates import (BUILTIN_TEMPLATES, find_chat_template, render_chat_template, resolve_chat_template,
-                        select_template)
+from .templates import (BUILTIN_TEMPLATES, chat_template_name, find_chat_template, render_chat_template,
+                        resolve_chat_template, select_template)
+from .worker import TemplateLimits
 
-__all__ = ["BUILTIN_TEMPLATES", "find_chat_template", "render_chat_template", "resolve_chat_template",
-           "select_template"]
+__all__ = ["BUILTIN_TEMPLATES", "TemplateLimits", "chat_template_name", "find_chat_template", "render_chat_template",
+           "resolve_chat_template", "select_template"]

@@ -24,11 +24,12 @@ HELP = ("commands: /reset (forget the conversation), /system TEXT (set the syste
         "/load FILE, /help; Ctrl-C stops a reply, Ctrl-D quits")
 
 
-def run(args, params, context: dict) -> int:
-    from ..cli import as_keywords, load_with_tokenizer, write_out
+def run(llm, args, params, context: dict, write_out) -> int:
+    """The conversation with a loaded llm: args.chat_template, args.system, args.model, args.max_new_tokens as
+    `npllm chat` parsed them, params the SamplingParams its flags ask for, context as LLM.stream's keywords,
+    write_out(text) the CLI's writer to stdout. The CLI calls this; nothing here imports the CLI."""
     from .session import ChatSession
 
-    llm = load_with_tokenizer(args, kv_dtype=args.kv_dtype)
     session = ChatSession(llm, args.chat_template, args.system, context["context_policy"], context["sinks"])
     interactive = sys.stdin.isatty()
     if interactive:
@@ -37,18 +38,28 @@ def run(args, params, context: dict) -> int:
         except ImportError:
             pass
         print(f"[npllm] chatting with {args.model}; {HELP}", file=sys.stderr)
-    sampling = as_keywords(params)
     for line in user_lines(interactive):
         try:
             if line.startswith("/"):
                 command(session, line)
                 continue
-            reply_to(session, line, args.max_new_tokens, context["ignore_eos"], sampling, write_out)
+            reply_to(session, line, args.max_new_tokens, context["ignore_eos"], params, write_out)
         except NpllmError as e:
             if not interactive:
-                raise
-            print(f"npllm: error: {e}", file=sys.stderr)
+                raise in_user_terms(e) from None
+            print(f"npllm: error: {in_user_terms(e)}", file=sys.stderr)
     return 0
+
+
+def in_user_terms(e: NpllmError) -> NpllmError:
+    """The error as `npllm chat` says it: a conversation that outgrew the context points to /reset and the flags."""
+    from ..errors import GenerationError
+    from .session import ConversationFull
+
+    if isinstance(e, ConversationFull):
+        return GenerationError(e.advice("type /reset to start over", "--context-policy truncate|sinks",
+                                        "--max-new-tokens"))
+    return e
 
 
 def user_lines(interactive: bool):
@@ -71,7 +82,7 @@ def user_lines(interactive: bool):
             yield line
 
 
-def reply_to(session, text: str, max_new_tokens: int, ignore_eos: bool, sampling: dict, write_out) -> None:
+def reply_to(session, text: str, max_new_tokens: int, ignore_eos: bool, params, write_out) -> None:
     """Stream the reply to one user turn; Ctrl-C ends the reply (kept as far as it went), not the program."""
     start, first, count = time.perf_counter(), None, 0
     before = session.context.prefilled
@@ -80,12 +91,12 @@ def reply_to(session, text: str, max_new_tokens: int, ignore_eos: bool, sampling
         nonlocal first, count
         first = first or time.perf_counter()
         count += 1
-        if sampling.get("logprobs"):
-            from ..cli import print_logprobs
+        if params.logprobs:
+            from ..report import logprobs_line
 
-            print_logprobs(session.tokenizer, step)
+            print(logprobs_line(session.tokenizer, step), file=sys.stderr)
 
-    reply = session.send(text, max_new_tokens, ignore_eos=ignore_eos, on_step=on_step, **sampling)
+    reply = session.send(text, max_new_tokens, ignore_eos=ignore_eos, on_step=on_step, params=params)
     try:
         for piece in reply:
             write_out(piece)

@@ -18,12 +18,16 @@ import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..context import DEFAULT_SINKS, Context, continue_steps
+from dataclasses import replace
+
+from ..context import DEFAULT_SINKS, Context
 from ..errors import ChatTemplateError, GenerationError
-from ..sampling import SamplingParams
+from ..generate import Request, decode
+from ..sampling import SamplingParams, with_keywords
 from ..stop import StopStrings, text_of_steps
 from ..tokenizer.base import TokenType
-from .templates import find_chat_template, render_chat_template, resolve_chat_template
+from .templates import (ChatTemplateLimitError, chat_template_name, find_chat_template, render_chat_template,
+                        resolve_chat_template)
 
 ROLES = ("system", "user", "assistant", "tool")
 _SENTINEL = "\u2063reply\u2063"  # an assistant message no template changes, to find the text written after it
@@ -35,9 +39,10 @@ class ChatSession:
         self.llm = llm
         self.tokenizer = llm._require_tokenizer()
         self.template = resolve_chat_template(chat_template, find_chat_template(llm.source) if llm.source else None)
+        self.template_name = chat_template_name(chat_template, llm.source)
         tok = self.tokenizer
         self.bos_text, self.eos_text = tok.id_to_piece(tok.bos_id), tok.id_to_piece(tok.eos_id)
-        self.end_of_turn = turn_end(self.template, self.bos_text, self.eos_text)
+        self.end_of_turn = turn_end(self.template, self.bos_text, self.eos_text, self.template_name)
         end_ids = self.encode(self.end_of_turn) if self.end_of_turn else []
         self.end_ids = frozenset(end_ids) if len(end_ids) == 1 else frozenset()  # a special token such as <|im_end|>
         self.context = Context(llm.model, context_policy, sinks, capacity)
@@ -78,7 +83,7 @@ class ChatSession:
     def prompt_ids(self, messages) -> list[int]:
         """The token ids of `messages` laid out by the template, opening the assistant's turn."""
         text = render_chat_template(self.template, check_messages(messages), add_generation_prompt=True,
-                                    bos_token=self.bos_text, eos_token=self.eos_text)
+                                    bos_token=self.bos_text, eos_token=self.eos_text, template_name=self.template_name)
         return self.encode(text)
 
     def encode(self, text: str) -> list[int]:
@@ -100,14 +105,29 @@ class ChatSession:
         return ids
 
     def stream(self, messages, max_new_tokens: int = 256, ignore_eos: bool = False,
-               on_step: Callable | None = None, **sampling) -> Iterator[str]:
-        """The assistant's reply to `messages`, streamed as text (stop strings and the end of turn cut it)."""
-        params = SamplingParams(**sampling)
+               on_step: Callable | None = None, params: SamplingParams | None = None, **sampling) -> Iterator[str]:
+        """The assistant's reply to `messages`, streamed as text (stop strings and the end of turn cut it).
+        params: how to sample (the sampling keywords beside it replace its fields)."""
+        params = with_keywords(params, sampling)
         prompt = self.prompt_ids(messages)
+        self.check_fits(len(prompt), max_new_tokens, ignore_eos)
         stops = StopStrings(tuple(params.stop) + ((self.end_of_turn,) if self.end_of_turn else ()))
-        steps = continue_steps(self.context, prompt, max_new_tokens, params, ignore_eos, self.end_ids)
+        request = Request(prompt, max_new_tokens, replace(params, stop=()), stop_ids=self.end_ids,
+                          ignore_eos=ignore_eos)
+        steps = decode(self.llm.model, request, self.context, report=params.logprobs > 0)
         # a fresh decoder, not primed with the prompt: the reply is text of its own, without a leading space
         yield from text_of_steps(self.tokenizer.stream_decoder(), steps, stops, on_step)
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int, ignore_eos: bool) -> None:
+        """ConversationFull when, under context_policy "error", the rendered conversation does not fit the context
+        (or, with ignore_eos, it and max_new_tokens do not)."""
+        capacity = self.context.capacity
+        if self.context.policy != "error":
+            return
+        if prompt_len > capacity:
+            raise ConversationFull(prompt_len, capacity)
+        if ignore_eos and prompt_len + max_new_tokens - 1 > capacity:
+            raise ConversationFull(prompt_len, capacity, max_new_tokens)
 
     def send(self, text: str, max_new_tokens: int = 256, **options) -> Iterator[str]:
         """Append a user message, stream the reply, and append it as the assistant's message. A reply cut short
@@ -126,6 +146,25 @@ class ChatSession:
                 self.messages.append({"role": "assistant", "content": "".join(pieces)})
 
 
+class ConversationFull(GenerationError):
+    """The conversation no longer fits the context under context_policy "error". `advice` says what to do in the
+    caller's terms; the message gives the Python API's (the chat REPL words its own: /reset, --context-policy)."""
+
+    def __init__(self, tokens: int, capacity: int, max_new_tokens: int | None = None):
+        self.tokens, self.capacity, self.max_new_tokens = tokens, capacity, max_new_tokens
+        super().__init__(self.advice("start over with reset()", 'context_policy="truncate" or "sinks"',
+                                     "max_new_tokens"))
+
+    def advice(self, restart: str, policies: str, limit: str) -> str:
+        """The message, with the caller's words for starting over, for the policies, and for the token limit."""
+        if self.max_new_tokens is None:
+            return (f"the conversation is {self.tokens} tokens, more than the model's context of {self.capacity}: "
+                    f"{restart}, or use {policies} to go past the context")
+        return (f"the conversation ({self.tokens} tokens) and {self.max_new_tokens} new tokens do not fit the "
+                f"model's context of {self.capacity}: ask for fewer with {limit}, {restart}, or use {policies} to go "
+                "past the context")
+
+
 def check_messages(messages) -> list[dict]:
     """A list of {"role", "content"} dicts with a known role and text content, or a GenerationError."""
     if not isinstance(messages, list):
@@ -137,12 +176,16 @@ def check_messages(messages) -> list[dict]:
     return messages
 
 
-def turn_end(template: str, bos_text: str, eos_text: str) -> str:
+def turn_end(template: str, bos_text: str, eos_text: str, template_name: str | None = None) -> str:
     """The text a template writes right after an assistant message ("<|im_end|>", "</s>", "<|eot_id|>"), found by
-    rendering one exchange with a sentinel reply; "" when it writes none or cannot render one."""
+    rendering one exchange with a sentinel reply; "" when it writes none or its own error stops it. A template
+    that overruns its limits (a deadline, a guard) is an error here already, not at the first turn."""
     exchange = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}]
     try:
-        text = render_chat_template(template, exchange, bos_token=bos_text, eos_token=eos_text)
+        text = render_chat_template(template, exchange, bos_token=bos_text, eos_token=eos_text,
+                                    template_name=template_name)
+    except ChatTemplateLimitError:
+        raise
     except ChatTemplateError:
         return ""
     at = text.find(_SENTINEL)

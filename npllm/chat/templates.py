@@ -14,20 +14,22 @@ same string, byte for byte:
     variables     messages (None-valued keys dropped), add_generation_prompt, tools, documents, bos_token,
                   eos_token (the tokenizer's special pieces; unset ones are left undefined), and any extra keyword
 
-A template that fails to compile or raises while rendering ends in a ChatTemplateError (a ValueError) carrying the
-template's own message.
+Templates come from model files, so a render is bounded: it runs in a worker process (npllm/chat/worker.py) with a
+deadline, an output cap and a memory limit, and guards refuse the operations that would pass them
+(npllm/chat/sandbox.py). Whatever goes wrong (a syntax error, raise_exception, 1/0, a guard, the deadline) ends in
+one ChatTemplateError (a ValueError) whose message names the template and says what happened, the template's own
+message kept.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from ..errors import ChatTemplateError
+from .worker import TemplateFailure, TemplateLimits, render_in_worker
 
 # Built-in templates, for models that ship none (`--chat-template NAME`). Each writes its family's published layout.
 LLAMA2 = (
@@ -74,22 +76,41 @@ ZEPHYR = (
 BUILTIN_TEMPLATES = {"llama2": LLAMA2, "llama3": LLAMA3, "chatml": CHATML, "zephyr": ZEPHYR}
 
 
+class ChatTemplateLimitError(ChatTemplateError):
+    """A render stopped by a limit (its deadline, the output cap, a guard, memory) rather than its own error."""
+
+
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = False,
-                         bos_token: str | None = None, eos_token: str | None = None, **extra: Any) -> str:
+                         bos_token: str | None = None, eos_token: str | None = None, *,
+                         template_name: str | None = None, limits: TemplateLimits | None = None, **extra: Any) -> str:
     """The text of `messages` laid out by `template`, as transformers' apply_chat_template(tokenize=False) gives it.
 
     add_generation_prompt: end with the header that opens an assistant turn (what a model answering needs).
     bos_token, eos_token: the tokenizer's special pieces, as text (e.g. "<s>", "</s>"); None leaves them undefined.
+    template_name: how errors name the template (chat_template_name() gives one; default "the chat template").
+    limits: the render's deadline, output cap and memory (default TemplateLimits.from_environment()).
     extra: further variables for the template (tools=, documents=, date_string=, ...).
     """
+    name = template_name or "the chat template"
+    if not isinstance(template, str):
+        raise ChatTemplateError(f"a chat template is a string, got {type(template).__name__}")
     variables = {"tools": None, "documents": None, **_defined(bos_token=bos_token, eos_token=eos_token), **extra}
     variables = {key: _plain(value) for key, value in variables.items()}
-    compiled = _compile(template)
+    variables.update(messages=_normalized(messages), add_generation_prompt=bool(add_generation_prompt))
     try:
-        return compiled.render(messages=_normalized(messages), add_generation_prompt=bool(add_generation_prompt),
-                               **variables)
-    except _jinja().TemplateError as e:  # raise_exception(), a sandbox refusal, an undefined attribute called, ...
-        raise ChatTemplateError(f"the chat template raised: {e}") from None
+        return render_in_worker(template, variables, limits or TemplateLimits.from_environment())
+    except TemplateFailure as e:
+        raise (ChatTemplateLimitError if e.over_limit else ChatTemplateError)(f"{name} {e}") from None
+
+
+def chat_template_name(spec: str | None, checkpoint: str | os.PathLike | None = None) -> str:
+    """How messages name the template resolve_chat_template(spec, ...) gives: a built-in's name, the file, or the
+    checkpoint that ships it."""
+    if spec is None:
+        return f"the chat template of {checkpoint}" if checkpoint else "the chat template"
+    if spec in BUILTIN_TEMPLATES:
+        return f"the built-in chat template {spec!r}"
+    return f"the chat template {spec}"
 
 
 def select_template(chat_template: str | list, name: str | None = None) -> str:
@@ -151,93 +172,6 @@ def resolve_chat_template(spec: str | None, found: str | None) -> str:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ChatTemplateError(f"chat template file {path} is not UTF-8 text ({e})") from None
-
-
-# -- the environment ------------------------------------------------------------------------------------------------
-
-
-def _jinja():
-    try:
-        import jinja2
-    except ImportError:  # a runtime dependency; a broken install still deserves a sentence, not a traceback
-        raise ChatTemplateError("chat templates need the jinja2 package (pip install jinja2)") from None
-    return jinja2
-
-
-@functools.lru_cache(maxsize=32)
-def _compile(template: str):
-    """The compiled template (cached: a chat renders the same template every turn)."""
-    if not isinstance(template, str):
-        raise ChatTemplateError(f"a chat template is a string, got {type(template).__name__}")
-    jinja2 = _jinja()
-    try:
-        return _environment().from_string(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"the chat template does not compile: {e.message} (line {e.lineno})") from None
-
-
-@functools.lru_cache(maxsize=1)
-def _environment():
-    jinja2 = _jinja()
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols, _generation_extension(jinja2)])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["namespace"] = _namespace_class(jinja2)
-    return env
-
-
-def _raise_exception(message):
-    raise _jinja().TemplateError(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    """JSON as json.dumps writes it: Jinja's own tojson escapes <, >, & and ' for HTML, which a prompt must not."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _generation_extension(jinja2):
-    """`{% generation %}...{% endgeneration %}` marks the assistant's text (training masks use it); rendering
-    outputs its body unchanged, in a scope of its own."""
-
-    class Generation(jinja2.ext.Extension):
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    return Generation
-
-
-def _namespace_class(jinja2):
-    """Jinja's namespace(), refusing attribute names that start with "_" (a way toward Python internals)."""
-
-    def check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
-
-    class Namespace(jinja2.utils.Namespace):
-        def __init__(*args, **kwargs):  # Jinja's own signature trick: `self` may also be an attribute name
-            self, rest = args[0], args[1:]
-            attributes = dict(*rest, **kwargs)
-            for name in attributes:
-                check(name)
-            jinja2.utils.Namespace.__init__(self, attributes)
-
-        def __setitem__(self, name, value):
-            check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    return Namespace
 
 
 # -- inputs ---------------------------------------------------------------------------------------------------------

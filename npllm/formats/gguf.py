@@ -19,10 +19,12 @@ Every count, size and offset is checked against the file before it is believed. 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
 import struct
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +32,7 @@ import numpy as np
 from ..config import ModelConfig, RopeScaling
 from ..errors import ConfigError, FormatError
 from ..quant import DEQUANTIZE
-from .hf import check_weights
+from ..tensors import check_weights
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -348,6 +350,8 @@ def _meta(g: GGUFFile, key: str, kind=int, default=None, required=True):
     ok = isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
     if isinstance(value, bool) and kind is not bool or not ok:
         raise ConfigError(f"{g.path}: metadata {key!r} should be {kind.__name__}, got {value!r}")
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(f"{g.path}: metadata {key!r} must be a finite number, got {value}")
     return kind(value)
 
 
@@ -419,14 +423,18 @@ def _rope_scaling(g: GGUFFile, p: str, theta: float, head_dim: int) -> RopeScali
     return scaling
 
 
-def _eos_ids(g: GGUFFile) -> list[int]:
-    """The end-of-sequence id, then end-of-turn and end-of-message ids where given (chat turn ends stop too)."""
-    eos_ids = [_meta(g, "tokenizer.ggml.eos_token_id", default=2)]
+def _end_tokens(g: GGUFFile, bos_id: int | None) -> tuple[list[int], bool]:
+    """(end ids, stop_at_bos): the end-of-sequence id, then end-of-turn and end-of-message ids where given (chat
+    turn ends stop too). An end-of-turn or end-of-message id equal to BOS is llama2.c's rule that a generated BOS
+    ends the text (model_metadata writes ModelConfig.stop_at_bos that way): it comes back as stop_at_bos."""
+    eos_ids, stop_at_bos = [_meta(g, "tokenizer.ggml.eos_token_id", default=2)], False
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         extra = _meta(g, key, required=False)
-        if extra is not None and extra not in eos_ids:
+        if extra is not None and extra == bos_id:
+            stop_at_bos = True
+        elif extra is not None and extra not in eos_ids:
             eos_ids.append(extra)
-    return eos_ids
+    return eos_ids, stop_at_bos
 
 
 def config_from_gguf(g: GGUFFile) -> ModelConfig:
@@ -451,7 +459,8 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
     vocab_size = g.tensors["token_embd.weight"].shape[0]
     if _meta(g, p + "vocab_size", default=vocab_size) != vocab_size:
         raise ConfigError(f"{g.path}: {p}vocab_size disagrees with token_embd.weight's {vocab_size} rows")
-    eos_ids = _eos_ids(g)
+    bos_id = _meta(g, "tokenizer.ggml.bos_token_id", default=1)
+    eos_ids, stop_at_bos = _end_tokens(g, bos_id)
     return ModelConfig(
         dim=dim,
         hidden_dim=_meta(g, p + "feed_forward_length"),
@@ -467,8 +476,9 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
         rope_scaling=scaling,
         tied_embeddings="output.weight" not in g.tensors,
         attention_bias=bias,
-        bos_id=_meta(g, "tokenizer.ggml.bos_token_id", default=1),
+        bos_id=bos_id,
         eos_ids=tuple(eos_ids),
+        stop_at_bos=stop_at_bos,
         arch=arch,
     )
 
@@ -545,6 +555,10 @@ def read_vocab(g: GGUFFile) -> GGUFVocab | None:
         return value
 
     scores = array("tokenizer.ggml.scores", "f")
+    if scores is not None and not np.isfinite(scores).all():
+        bad = int(np.flatnonzero(~np.isfinite(scores))[0])
+        raise FormatError(f"{g.path}: tokenizer.ggml.scores holds NaN or infinite values (token {bad}: "
+                          f"{scores[bad]}); a score orders merges and must be a finite number")
     types = array("tokenizer.ggml.token_type", "iu")
     merges = g.metadata.get("tokenizer.ggml.merges")
     if merges is not None and (not isinstance(merges, list) or not all(isinstance(m, str) for m in merges)):
@@ -555,6 +569,8 @@ def read_vocab(g: GGUFFile) -> GGUFVocab | None:
         if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < n):
             raise FormatError(f"{g.path}: tokenizer.ggml.{key}_token_id {value!r} is not a token id (vocab {n})")
         ids[key] = value
+    for key, kind in (("pre", str), ("add_bos_token", bool), ("add_space_prefix", bool), ("unknown_token_id", int)):
+        _vocab_field(g, f"tokenizer.ggml.{key}", kind)  # (BPETokenizer checks the unknown id's range)
     if model == "llama" and scores is None:
         raise FormatError(f"{g.path}: a 'llama' tokenizer needs tokenizer.ggml.scores")
     if model == "gpt2" and merges is None:
@@ -565,36 +581,21 @@ def read_vocab(g: GGUFFile) -> GGUFVocab | None:
         model=model, tokens=tokens,
         scores=None if scores is None else scores.astype(np.float32),
         token_types=None if types is None else types.astype(np.int32),
-        merges=merges, pre=g.metadata.get("tokenizer.ggml.pre"),
+        merges=merges, pre=g.metadata.get("tokenizer.ggml.pre"),  # a str or None (checked above)
         bos_id=ids["bos"], eos_id=ids["eos"],
         add_bos=add_bos if isinstance(add_bos, bool) else None,
         chat_template=template if isinstance(template, str) else None,
     )
 
 
-def gguf_tokenizer(path: str | os.PathLike):
-    """npllm's tokenizer for the vocabulary a GGUF file embeds: "llama" vocabularies (tokens, scores, token types,
-    SentencePiece spelling) feed BPETokenizer; "gpt2" ones (tokens and merges) feed ByteLevelBPE."""
-    from ..errors import TokenizerError
-    from ..tokenizer.bpe import BPETokenizer
-    from ..tokenizer.bytelevel import from_gguf_vocab
-
-    g = read_gguf_file(path)
-    vocab = read_vocab(g)
-    if vocab is None:
-        raise TokenizerError(f"{g.path}: carries no tokenizer (no tokenizer.ggml.model): pass a tokenizer file")
-    if vocab.model == "llama":
-        unk = g.metadata.get("tokenizer.ggml.unknown_token_id", 0)
-        add_space = g.metadata.get("tokenizer.ggml.add_space_prefix", True)
-        return BPETokenizer(vocab.tokens, vocab.scores, vocab.token_types,
-                            bos_id=1 if vocab.bos_id is None else vocab.bos_id,
-                            eos_id=2 if vocab.eos_id is None else vocab.eos_id,
-                            unk_id=unk if isinstance(unk, int) else 0,
-                            add_dummy_prefix=bool(add_space), name=g.path)
-    if vocab.model == "gpt2":
-        return from_gguf_vocab(vocab.tokens, vocab.merges, vocab.token_types, vocab.pre, vocab.bos_id, vocab.eos_id,
-                               vocab.add_bos, g.path)
-    raise TokenizerError(f"{g.path}: tokenizer model {vocab.model!r} is not supported (npllm reads llama and gpt2)")
+def _vocab_field(g: GGUFFile, key: str, kind: type):
+    """A scalar tokenizer key of the type `kind` (str, bool or int), or None when absent; any other type is a
+    FormatError naming the key."""
+    value = g.metadata.get(key)
+    if value is not None and (isinstance(value, bool) != (kind is bool) or not isinstance(value, kind)):
+        raise FormatError(f"{g.path}: {key} must be {'an integer' if kind is int else kind.__name__}, got "
+                          f"{value!r:.80}")
+    return value
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -661,13 +662,61 @@ def write_gguf_file(path: str | os.PathLike, metadata: dict, tensors: list[Tenso
                                                           offset))
         offset += -(-t.raw.size // alignment) * alignment
     head = b"".join(header)
-    partial = path + ".partial"
-    with open(partial, "wb") as f:
+    check_output_path(path)
+    with _partial_file(path) as f:
         f.write(head + bytes(-len(head) % alignment))
         for t, start in zip(tensors, offsets):
             f.write(np.ascontiguousarray(t.raw, dtype=np.uint8).tobytes())
             f.write(bytes(-t.raw.size % alignment))
-    os.replace(partial, path)
+
+
+def check_output_path(path: str | os.PathLike) -> None:
+    """Refuse, before any work, a file to write that would replace something other than a regular file (a device,
+    a FIFO, a folder, a link to one) or that cannot be made (its folder is missing, is not a folder, or is not
+    writable). The rename that puts a finished file in place would otherwise swap a device for a plain file."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not path or path.endswith(os.sep):
+        raise FormatError(f"cannot write {path!r}: name a file to write")
+    if os.path.lexists(path) and not os.path.isfile(path):
+        kind = "a folder" if os.path.isdir(path) else "not a regular file"
+        raise FormatError(f"cannot write {path}: it exists and is {kind}; name a new file or a regular one to replace")
+    if not os.path.isdir(folder):
+        what = "does not exist" if not os.path.lexists(folder) else "is not a folder"
+        raise FormatError(f"cannot write {path}: the folder {folder} {what}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise FormatError(f"cannot write {path}: the folder {folder} is not writable")
+
+
+@contextlib.contextmanager
+def _partial_file(path: str):
+    """A new file beside `path`, open for writing, renamed to `path` once the block ends without an error, else
+    removed. It is made with a unique name (never an existing file, FIFO or device opened for writing) and gets the
+    permissions a plain open() would give it (0o666 less the umask)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        fd, partial = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=folder)
+    except OSError as e:
+        raise FormatError(f"cannot write {path}: no file can be made in {folder} ({e.strerror or e})") from None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as f:
+            yield f
+        check_output_path(path)  # again: what it names may have changed while the file was written
+        os.replace(partial, path)
+    except OSError as e:
+        _remove(partial)
+        raise FormatError(f"cannot write {path}: {e.strerror or e}") from None
+    except BaseException:
+        _remove(partial)
+        raise
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def quant_type(name: str):
@@ -685,8 +734,11 @@ def model_metadata(config: ModelConfig, name: str) -> dict:
         raise ConfigError("GGUF 'llama' models carry no sliding window: this model cannot be written faithfully")
     if config.attention_bias != (gguf_arch == "qwen2"):
         raise ConfigError(f"q/k/v biases {'present' if config.attention_bias else 'absent'}: not a {gguf_arch} model")
-    if len(config.eos_ids) > 3:
-        raise ConfigError(f"GGUF stores at most three end tokens (eos, eot, eom), the model has {config.eos_ids}")
+    ends = list(config.eos_ids)
+    if config.stop_at_bos and config.bos_id is not None and config.bos_id not in ends:
+        ends.append(config.bos_id)  # a generated BOS ends the text: BOS as an end of turn (read back by _end_tokens)
+    if len(ends) > 3:
+        raise ConfigError(f"GGUF stores at most three end tokens (eos, eot, eom), the model has {ends}")
     p = gguf_arch + "."
     meta = {
         "general.architecture": gguf_arch, "general.name": name,
@@ -702,14 +754,14 @@ def model_metadata(config: ModelConfig, name: str) -> dict:
         meta[p + "rope.scaling.type"] = "linear"
         meta[p + "rope.scaling.factor"] = np.float32(config.rope_scaling.factor)
     meta["tokenizer.ggml.bos_token_id"] = config.bos_id
-    for key, eos in zip(("eos", "eot", "eom"), config.eos_ids):
+    for key, eos in zip(("eos", "eot", "eom"), ends):
         meta[f"tokenizer.ggml.{key}_token_id"] = eos
     return meta
 
 
 def vocab_metadata(tokenizer) -> dict:
     """tokenizer.ggml.* keys for a SentencePiece-style vocabulary (pieces, scores, token types): what
-    gguf_tokenizer reads back as a BPETokenizer. Byte-level (tokenizer.json) vocabularies are not written yet."""
+    tokenizer.gguf.gguf_tokenizer reads back as a BPETokenizer. Byte-level (tokenizer.json) vocabularies are not written yet."""
     if not hasattr(tokenizer, "score"):
         raise ConfigError(f"tokenizer {tokenizer.name}: npllm writes only SentencePiece-style vocabularies to GGUF")
     ids = range(tokenizer.vocab_size)
@@ -830,24 +882,3 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, weights: dict[str, 
     tensors = model_tensors(config, weights, type_name, progress)
     write_gguf_file(path, meta, tensors)
     return tensors
-
-
-def quantize_checkpoint(model: str | os.PathLike, out: str | os.PathLike, type_name: str,
-                        tokenizer: str | os.PathLike | None = None, progress=None) -> tuple[list[TensorData], object]:
-    """Any checkpoint npllm reads (llama2.c .bin, HF directory, GGUF; a path or a known name) written as a GGUF file
-    of `type_name`, with the vocabulary of its tokenizer (given, or found beside it) when npllm can write it.
-    Returns (tensors written, the tokenizer embedded or None). progress: see model_tensors."""
-    from ..hub import resolve
-    from ..tokenizer import load_tokenizer
-    from . import read_checkpoint
-
-    checkpoint, found = resolve(model)
-    config, weights = read_checkpoint(checkpoint)
-    if tokenizer is None and found == checkpoint and read_vocab(read_gguf_file(checkpoint)) is None:
-        found = None  # a GGUF input without a vocabulary: the output has none either
-    tok_path = tokenizer if tokenizer is not None else found
-    tok = None if tok_path is None else load_tokenizer(tok_path, vocab_size=config.vocab_size)
-    if tok is not None and not hasattr(tok, "score"):
-        tok = None  # byte-level vocabularies are not written yet; the GGUF then needs a tokenizer beside it
-    tensors = write_gguf(out, config, weights, type_name, tok, progress=progress)
-    return tensors, tok

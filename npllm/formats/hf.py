@@ -8,13 +8,15 @@ The three architectures are one network with a few options, so config.json maps 
     qwen2    + biases on the q/k/v projections (never on o_proj)
 
 HF stores q_proj/k_proj rows in the "half-split" RoPE layout (dimension i pairs with i + Dh/2); the weights are
-returned as stored, with `rope_layout="half"`. `permute_qk_half_to_interleaved` converts to Meta's interleaved layout
-(pairs (2i, 2i+1)) for readers and tests that want it; both layouts compute the same logits.
+returned as stored, with `rope_layout="half"`. `to_interleaved` converts to Meta's interleaved layout (pairs (2i, 2i+1))
+for readers and tests that want it (npllm.tensors.permute_qk_half_to_interleaved); both layouts compute the same
+logits.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -22,7 +24,7 @@ import numpy as np
 
 from ..config import MAX_LAYERS, ModelConfig, RopeScaling
 from ..errors import ConfigError, FormatError
-from . import check_weights
+from ..tensors import check_weights, permute_qk_half_to_interleaved
 from .safetensors import read_safetensors
 
 CONFIG_FILE = "config.json"
@@ -72,6 +74,8 @@ def _field(cfg: dict, key: str, source: str, kind=int, default=None, required=Tr
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{source}: {key!r} must be a number, got {value!r}")
         value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"{source}: {key!r} must be a finite number, got {value}")
     if kind is bool and not isinstance(value, bool):
         raise ConfigError(f"{source}: {key!r} must be true or false, got {value!r}")
     return value
@@ -92,11 +96,12 @@ def _rope_settings(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
         raise ConfigError(f"{source}: RoPE parameters must be a JSON object, got {spec!r}")
     spec = spec or {}
 
-    theta_top, theta_inner = cfg.get("rope_theta"), spec.get("rope_theta")
-    if theta_top is not None and theta_inner is not None and float(theta_top) != float(theta_inner):
+    theta_top = _field(cfg, "rope_theta", source, float, required=False)
+    theta_inner = _field(spec, "rope_theta", source + " rope_parameters", float, required=False)
+    if theta_top is not None and theta_inner is not None and theta_top != theta_inner:
         raise ConfigError(f"{source}: rope_theta {theta_top} disagrees with rope_parameters' {theta_inner}")
     theta = theta_inner if theta_inner is not None else theta_top
-    theta = 10000.0 if theta is None else _field({"rope_theta": theta}, "rope_theta", source, float)
+    theta = 10000.0 if theta is None else theta
     if not theta > 0:
         raise ConfigError(f"{source}: rope_theta must be > 0, got {theta}")
 
@@ -242,31 +247,6 @@ def read_config_json(path: str | os.PathLike) -> ModelConfig:
 
 # ----------------------------------------------------------------------------------------------------------------
 # RoPE layouts
-
-
-def permute_qk_half_to_interleaved(w: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
-    """Reorder the rows of a q or k projection (or its bias) from HF's half-split layout to the interleaved one.
-
-    Within each head, half-split output j < Dh/2 pairs with j + Dh/2; interleaved pairs are (2i, 2i+1). So the new
-    row 2i of a head is old row i, and new row 2i+1 is old row i + Dh/2:
-
-        [n_heads * Dh, ...] -> view [n_heads, 2, Dh/2, ...] -> swap axes 1, 2 -> [n_heads * Dh, ...]
-    """
-    _check_qk(w, n_heads, head_dim)
-    rest = w.shape[1:]
-    return w.reshape(n_heads, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
-def permute_qk_interleaved_to_half(w: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
-    """Inverse of permute_qk_half_to_interleaved: [n_heads, Dh/2, 2, ...] -> swap axes 1, 2 -> flat rows."""
-    _check_qk(w, n_heads, head_dim)
-    rest = w.shape[1:]
-    return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
-def _check_qk(w: np.ndarray, n_heads: int, head_dim: int) -> None:
-    if head_dim % 2 or w.ndim < 1 or w.shape[0] != n_heads * head_dim:
-        raise ConfigError(f"q/k rows {w.shape} do not split into {n_heads} heads of even size {head_dim}")
 
 
 def to_interleaved(config: ModelConfig, weights: dict[str, np.ndarray]) -> tuple[ModelConfig, dict[str, np.ndarray]]:

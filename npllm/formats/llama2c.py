@@ -83,8 +83,10 @@ def _config_from_header(path: Path, ints: tuple[int, ...], tied: bool) -> ModelC
                   vocab_size=vocab_size, seq_len=seq_len)
     for name, value in fields.items():
         if value <= 0 or value > 1 << 24:
-            raise FormatError(f"checkpoint {path}: header field {name} = {value} is not a plausible size "
-                              f"(is this a llama2.c .bin file?)")
+            text = " (the file begins like text)" if _looks_like_text(path) else ""
+            raise FormatError(f"checkpoint {path}: header field {name} = {value} is not a plausible size: not a "
+                              f"llama2.c .bin file{text}; npllm reads llama2.c .bin, GGUF, and Hugging Face "
+                              "folders or .safetensors files")
     if dim % n_heads or n_heads % n_kv_heads:
         raise FormatError(f"checkpoint {path}: header says dim {dim}, n_heads {n_heads}, n_kv_heads {n_kv_heads}, "
                           f"which do not divide evenly")
@@ -92,6 +94,16 @@ def _config_from_header(path: Path, ints: tuple[int, ...], tied: bool) -> ModelC
                        vocab_size=vocab_size, max_seq_len=seq_len, tied_embeddings=tied, norm_eps=1e-5,
                        rope_theta=10000.0, rope_layout="interleaved", bos_id=1, eos_ids=(2,), stop_at_bos=True,
                        arch="llama2c")
+
+
+def _looks_like_text(path: Path) -> bool:
+    """Whether a file's first bytes are printable UTF-8 text (a prompt or notes given as --model)."""
+    with open(path, "rb") as f:
+        head = f.read(LEGACY_HEADER_BYTES)
+    try:
+        return all(c.isprintable() or c.isspace() for c in head.decode("utf-8"))
+    except UnicodeDecodeError:
+        return False
 
 
 def _layer_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -22,6 +22,13 @@ A compile itself leaves far more behind: LLVM keeps the IR of every module it co
 life of the process, ~430 MiB after a quantized model's first compile. So a model whose code is not in Numba's cache
 yet is compiled by a child process that fills the cache (models/numba.py: link_ahead), and this process only loads
 the code; cached_here(dispatcher) tells which case it is.
+
+release_linking_modules() and cached_here() reach into Numba's internals (a code library's _shared_module and
+_final_module, how finalize() links them, the cache index behind a dispatcher's _cache), which Numba may change in
+any release. They are used only with a Numba in TESTED_NUMBA, the range pyproject.toml allows: those parts of
+Numba's source are the same in 0.59.1 and 0.68.1 (read side by side), and the suite runs on 0.68.1. With any other
+Numba, one notice on stderr says so (once a process) and Numba's plain behaviour stays: the modules for linking are
+kept as Numba keeps them, and a model's code not yet cached is compiled in this process, as Numba does.
 """
 
 from __future__ import annotations
@@ -29,13 +36,36 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import re
 import sys
 
+import numba
 from llvmlite import binding as llvm
 from numba.core.codegen import CPUCodeLibrary
 from numba.core.dispatcher import Dispatcher
 
 LIBRARIES = ("libllvmlite", "libLLVM")  # llvmlite's own build links LLVM in; some distributions share libLLVM
+# The Numba versions the internals used here are known in: [first, first not), as (major, minor).
+TESTED_NUMBA = ((0, 59), (0, 69))
+NUMBA_VERSION = numba.__version__  # the version internals_tested() checks
+_noticed = False  # whether this process has said that its Numba is outside TESTED_NUMBA
+
+
+def internals_tested() -> bool:
+    """Whether this process's Numba (NUMBA_VERSION) lies in TESTED_NUMBA. Outside it (or where the version cannot
+    be read), the first call prints one notice on stderr, and the callers keep to Numba's plain behaviour."""
+    global _noticed
+    found = re.match(r"(\d+)\.(\d+)", NUMBA_VERSION)
+    low, high = TESTED_NUMBA
+    if found and low <= (int(found[1]), int(found[2])) < high:
+        return True
+    if not _noticed:
+        _noticed = True
+        print(f"[npllm] numba {NUMBA_VERSION} is outside the versions npllm's compiler tweaks were tested with "
+              f"({low[0]}.{low[1]} <= numba < {high[0]}.{high[1]}): Numba's own behaviour is kept (no compile in a "
+              f"child process, LLVM's modules for linking kept), so loading a model may take more memory",
+              file=sys.stderr, flush=True)
+    return False
 
 
 def compiler_mappings(smaps: str) -> list[tuple[int, int]]:
@@ -105,7 +135,10 @@ class LinkingBitcode:
 
 def release_linking_modules(package: str = "npllm") -> int:
     """Replace the linking module of every compiled function of `package`'s modules by its bitcode (see the
-    module's docstring), then trim the heap; returns how many modules were released."""
+    module's docstring), then trim the heap; returns how many modules were released (none, touching nothing,
+    with a Numba outside TESTED_NUMBA)."""
+    if not internals_tested():
+        return 0
     released = 0
     for library in _libraries(package):
         module = getattr(library, "_shared_module", None)
@@ -142,7 +175,10 @@ def cached_here(dispatcher, accepts=lambda signature: True) -> bool:
     """Whether Numba's cache holds code of `dispatcher` (a cache=True function) compiled for this CPU from its
     current source, for a signature (a tuple of Numba types) that `accepts` takes (any that the caller cannot tell
     apart: a miss on another one only means the old path, a compile in this process). Numba's cache index is read
-    as Numba reads it; where it cannot be read, True (nothing is gained by guessing)."""
+    as Numba reads it; where it cannot be read, or with a Numba outside TESTED_NUMBA, True (nothing is gained by
+    guessing: the code is compiled here, if it must be, as Numba does)."""
+    if not internals_tested():
+        return True
     try:
         index = dispatcher._cache._cache_file._load_index()  # {} when missing or stale (the source changed)
         magic = dispatcher.targetctx.codegen().magic_tuple()  # (target triple, CPU name, CPU features)

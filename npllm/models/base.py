@@ -3,7 +3,7 @@
     config      ModelConfig
     forward(tokens, positions, cache, slots)   final-norm hidden states [T, D] of any set of tokens, each at its
                 own position in its own cache slot (prefill, batched decode and ragged batches are all one call)
-    lm_head(h)  logits on the host                                                    # [T, D] -> [T, V]
+    lm_head(h)  logits on the host, the ids past the tokenizer (config.usable_vocab..) -inf   # [T, D] -> [T, V]
     new_cache(capacity, slots, kv_dtype)   a KV cache this model's forward fills (kv_dtype: how it stores keys and
                 values; default the model's kv_dtype)
     window(cache)  how many recent positions a query sees
@@ -13,8 +13,9 @@
                 every option in use, else sampling.sample_with on host logits
 
 A backend subclass lays out its weights its own way from the named weights (weights.Weights, built from a format
-reader's dict) and implements forward and lm_head (and new_cache where its cache is not a host RingKVCache); the
-rest lives here.
+reader's dict) and implements forward and head_logits (every row of the LM head; lm_head masks the padding), and
+new_cache where its cache is not a host RingKVCache, and a compiled `sample` that never draws a padding id where it
+has one; the rest lives here.
 """
 
 from __future__ import annotations
@@ -73,7 +74,19 @@ class Model:
         raise NotImplementedError
 
     def lm_head(self, h) -> np.ndarray:
-        """Logits from final hidden states, on the host.  # [T, D] -> [T, V]"""
+        """Logits from final hidden states, on the host.                                 # [T, D] -> [T, V]
+
+        A vocabulary padded past the tokenizer (config.usable_vocab < V) has rows no text maps to: their ids get
+        -inf, so no sampler, search or score ever produces or counts them."""
+        logits = self.head_logits(h)
+        n = self.config.usable_vocab
+        if n is not None and n < logits.shape[-1]:
+            logits[..., n:] = -np.inf  # the backends' heads return new arrays: masked in place
+        return logits
+
+    def head_logits(self, h) -> np.ndarray:
+        """The backend's LM head: logits of every row of the output matrix, padding included, as a new array on
+        the host.                                                                         # [T, D] -> [T, V]"""
         raise NotImplementedError
 
     def sample_next(self, h, params: SamplingParams, rng, history=()) -> int:

@@ -4,8 +4,9 @@ Same interface (models/base.py), same arithmetic in float32; what differs:
     weights      uploaded once, stacked over layers (float32, or float16 or Q8_0 storage read into float32 sums)
     KV cache     CudaKVCache: RingKVCache's layout, resident on the device
     forward      returns the final hidden states as a *device* array [T, D]: activations never leave the GPU
-    lm_head      brings logits to the host (for code that samples there)
-    sample       runs lm_head and the sampler on the device: only the token ids come back (sample_next's route)
+    lm_head      brings logits to the host (for code that samples there; padding ids -inf, as every backend's)
+    sample       runs the LM head and the sampler on the device over the tokenizer's ids only (a padded
+                 vocabulary's rows are not even computed): only the token ids come back (sample_next's route)
 
 A forward call of T tokens runs all layers in one cooperative launch (numba's per-launch cost, ~10 us + 4 us per
 array argument, would otherwise dominate decoding): matrix-vector products for T <= 8 (decode_step_kernel), tiled
@@ -395,30 +396,33 @@ class CudaTransformer(Model):
 
     # -- logits and sampling ------------------------------------------------------------------------------------
 
-    def _device_logits(self, h):
-        """Logits on the device.  # [T, D] -> device [T, V]"""
+    def _device_logits(self, h, ids: int | None = None):
+        """Logits of the first `ids` ids (default all V) on the device.  # [T, D] -> device [T, ids]"""
         if isinstance(h, DeviceArray):
             h = h.data
         elif not hasattr(h, "copy_to_host"):  # a host array: upload it
             h = self.cuda.to_device(np.ascontiguousarray(h, np.float32))
-        logits = self.cuda.device_array((h.shape[0], self.config.vocab_size), np.float32)
-        self._matmul(h, self.output, logits, residual=False)
+        ids = self.config.vocab_size if ids is None else ids
+        logits = self.cuda.device_array((h.shape[0], ids), np.float32)
+        self._matmul(h, self.output if ids == self.config.vocab_size else self.output[:ids], logits, residual=False)
         return logits
 
     def synchronize(self) -> None:
         """Wait until the device has finished what was queued (launches return before the work is done)."""
         self.cuda.synchronize()
 
-    def lm_head(self, h) -> np.ndarray:
+    def head_logits(self, h) -> np.ndarray:
         """Logits from final hidden states, on the host.  # [T, D] -> [T, V]"""
         return self._device_logits(h).copy_to_host()
 
     def sample(self, h, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, uniforms=0.0) -> np.ndarray:
         """Token ids chosen on the device from final hidden states, one per row: greedy at temperature 0, else
         sampling.sample_with's draw with the given uniform numbers in [0, 1) (kernels.sample_rows). Each option is
-        one value for every row or one per row.                     # [B, D] -> [B] int ids on the host"""
+        one value for every row or one per row. Only the tokenizer's ids are computed and drawn from (the first
+        config.usable_vocab): the same draw as from lm_head's logits, whose padding ids are -inf.
+                                                                    # [B, D] -> [B] int ids on the host"""
         k, g = self.kernels, self.geometry
-        logits = self._device_logits(h)
+        logits = self._device_logits(h, self.config.usable_vocab)
         B, V = logits.shape
         params = sampler_rows(B, temperature, top_k, top_p, min_p, uniforms, np.float32)
         params[:, 4] = np.minimum(params[:, 4], UNIFORM_MAX)

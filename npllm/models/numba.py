@@ -33,11 +33,11 @@ from .. import ops
 from ..cache import RingKVCache
 from ..config import ModelConfig
 from ..errors import ConfigError, GenerationError
-from ..formats import release, release_files
 from ..kernels import SPINNING, cpu
 from ..kernels import quant as qk
 from ..kernels.compiler import cached_here, release_compiler_pages, release_linking_modules
 from ..quant import INTERLEAVE
+from ..tensors import release, release_files
 from .base import Model, sampler_rows
 from .weights import Weights, fused_gate_up, fused_qkv
 
@@ -156,9 +156,10 @@ class NumbaTransformer(Model):
         return Sequences(order, starts[:n_seq + 1], seq_slots[:n_seq])
 
     def sample(self, h, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, uniforms=0.0) -> np.ndarray:
-        """Token ids drawn from final hidden states' logits by the compiled sampler (kernels.cpu.sample_rows):
-        greedy at temperature 0, else sampling.sample_with's draw with the given uniform numbers in [0, 1). Each
-        option is one value for every row or one per row.                             # [B, D] -> [B] int64 ids"""
+        """Token ids drawn from final hidden states' logits (lm_head's: padding ids -inf, never drawn) by the
+        compiled sampler (kernels.cpu.sample_rows): greedy at temperature 0, else sampling.sample_with's draw with
+        the given uniform numbers in [0, 1). Each option is one value for every row or one per row.
+                                                                                       # [B, D] -> [B] int64 ids"""
         logits = self.lm_head(h)
         ids = np.empty(len(logits), np.int64)
         table = sampler_rows(len(logits), temperature, top_k, top_p, min_p, uniforms, np.float64)
@@ -167,7 +168,7 @@ class NumbaTransformer(Model):
             raise GenerationError(SAMPLER_PROBLEMS[int(ids[bad])].format(b=bad))
         return ids
 
-    def lm_head(self, h: np.ndarray) -> np.ndarray:
+    def head_logits(self, h: np.ndarray) -> np.ndarray:
         """Logits from final hidden states.  # [T, D] -> [T, V]"""
         threads = self.threads_for(len(h), self.output_panels.nbytes, 1)
         use_threads(threads)
@@ -372,7 +373,7 @@ def weight_pool(raws: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
 def interleaved_pool(matrices: list, interleave: list[bool]) -> tuple[np.ndarray, list[int]]:
     """weight_pool's one uint8 array, built as a copy: the matrices marked in `interleave` as
     quant.interleave_rows(raw) (eight rows per group), the others as they are, each distinct matrix once. A mapped
-    source's pages are released once copied (formats.release), so the pool is the only resident copy, with no moment
+    source's pages are released once copied (tensors.release), so the pool is the only resident copy, with no moment
     holding both whole."""
     from ..quant import interleave_rows
 
@@ -424,8 +425,8 @@ def _as_quantized(w):
 
 def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     """The matrices in their own types over one byte pool, the vectors as float32 arrays stacked along L."""
-    from ..formats.hf import permute_qk_half_to_interleaved
     from ..quant import INTERLEAVED_TYPES, TYPES
+    from ..tensors import permute_qk_half_to_interleaved
 
     names = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
     matrices = [_as_quantized(getattr(layer, name)) for layer in weights.layers for name in names]
@@ -498,7 +499,7 @@ class QuantizedNumbaTransformer(NumbaTransformer):
     def _layer_cost(self) -> int:
         return self.layer_cost_bytes
 
-    def lm_head(self, h: np.ndarray) -> np.ndarray:
+    def head_logits(self, h: np.ndarray) -> np.ndarray:
         """Logits from final hidden states, the LM head read in its own type.  # [T, D] -> [T, V]"""
         mats = self.packed.mats
         threads = self.threads_for(len(h), 4 * int(mats[-1, 2] * mats[-1, 3]), 1)
@@ -903,12 +904,14 @@ def compile_in_child(model_class, kv: np.dtype | None) -> None:
 
 
 def _tiny_weights(quantized: bool) -> dict:
-    """TINY's random weights, its matrices as Q8_0 blocks where the model keeps file types (any type will do: a
-    matrix's type is data in its pool, not a type the compiler sees)."""
-    from ..formats.random import random_weights
+    """TINY's weights, random (their values do not matter: only the types the compiled calls see), its matrices as
+    Q8_0 blocks where the model keeps file types (any type will do: a matrix's type is data in its pool, not a type
+    the compiler sees)."""
     from ..quant import QuantizedMatrix, quantize
+    from ..tensors import expected_shapes
 
-    weights = random_weights(TINY)
+    rng = np.random.default_rng(0)
+    weights = {name: rng.standard_normal(shape, dtype=np.float32) / 4 for name, shape in expected_shapes(TINY).items()}
     if quantized:
         for name, w in weights.items():
             if w.ndim == 2:

@@ -75,6 +75,6 @@ class Transformer(Model):
         h = ops.rms_norm(x, w.ffn_norm, self.config.norm_eps)
         return ops.swiglu(h, w.w1, w.w2, w.w3)
 
-    def lm_head(self, h: np.ndarray) -> np.ndarray:
+    def head_logits(self, h: np.ndarray) -> np.ndarray:
         """Logits from final hidden states.  # [T, D] -> [T, V]"""
         return ops.lm_head(h, self.weights.output)

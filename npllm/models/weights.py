@@ -16,8 +16,7 @@ import dataclasses
 import numpy as np
 
 from ..config import ModelConfig
-from ..formats import check_weights
-from ..formats.hf import permute_qk_half_to_interleaved
+from ..tensors import check_weights, permute_qk_half_to_interleaved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +50,7 @@ class Weights:
     def from_checkpoint(cls, config: ModelConfig, tensors: "dict[str, np.ndarray] | Weights",
                         source: str = "checkpoint") -> "Weights":
         """Named weights from a format reader's dict (or another model's Weights), checked against the config first
-        (formats.check_weights)."""
+        (tensors.check_weights)."""
         if isinstance(tensors, Weights):
             tensors = tensors.as_dict()
         tensors = check_weights(config, tensors, source)

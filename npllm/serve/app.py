@@ -5,7 +5,10 @@
     POST /v1/completions          text completion; "stream": true for server-sent events
     POST /v1/chat/completions     chat completion (the chat template lays the messages out); "stream": true too
 
-Each request becomes one Job in the continuous engine. Its tokens come back through an asyncio queue; a client that
+A request body is checked (and a chat's template rendered, in a worker process with a deadline) on a thread of the
+server's `parsers` pool, never on the event loop: /health and streaming keep answering while a slow template runs,
+and SIGTERM is honoured (closing the server stops the template workers). Each request becomes one Job in the
+continuous engine. Its tokens come back through an asyncio queue; a client that
 goes away (its connection closes) cancels the job, which frees its slot before the next step. Errors are OpenAI
 error objects; an unexpected exception is logged here and answered with a bare 500 object, never a traceback.
 
@@ -27,6 +30,7 @@ import signal
 import socket
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
@@ -38,12 +42,14 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ..batching import ContinuousEngine
+from ..chat.worker import close_workers
 from ..errors import GenerationError, NpllmError
 from .engine import EngineThread, Job
 from .protocol import (ApiError, Context, Output, chat_body, chat_chunk, completion_body, completion_chunk, new_id,
                        parse_chat, parse_completion)
 
 log = logging.getLogger("npllm.serve")
+PARSE_THREADS = 4  # requests checked (tokenized, their chat template rendered) at once, off the event loop
 
 
 @dataclass
@@ -79,14 +85,15 @@ class Server:
     """The state every route shares: the model's context for parsing, the engine thread, the count of jobs."""
 
     def __init__(self, llm, model_name: str, limits: Limits, chat_template: str | None = None,
-                 template_problem: str = "", api_key: str | None = None):
+                 template_problem: str = "", api_key: str | None = None, template_name: str = ""):
         if llm.tokenizer is None:
             raise GenerationError("the model has no tokenizer: serving text needs one")
         check_api_key(api_key)
         self.llm, self.limits, self.api_key = llm, limits, api_key
         self.context = Context(model_name, llm.tokenizer, llm.config, limits.max_tokens_limit, chat_template,
-                               template_problem)
+                               template_problem, template_name)
         self.engine = EngineThread(ContinuousEngine(llm.model, slots=limits.max_slots))
+        self.parsers = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="npllm-parse")
         self.active = 0  # jobs admitted and not finished (touched only on the event loop)
 
     def start(self) -> None:
@@ -94,6 +101,12 @@ class Server:
 
     def close(self) -> None:
         self.engine.close()
+        close_workers()  # a render still running (past the grace period) ends now, and its thread with it
+        self.parsers.shutdown(wait=False, cancel_futures=True)
+
+    async def parse(self, parse, body):
+        """parse(body, context) on a thread of `parsers`: tokenizing a prompt, rendering a chat template."""
+        return await asyncio.get_running_loop().run_in_executor(self.parsers, parse, body, self.context)
 
     def check_key(self, request: HttpRequest) -> None:
         if self.api_key is None:
@@ -177,7 +190,7 @@ def create_app(server: Server, cors_origins: list[str] | None = None) -> Starlet
         server.check_key(request)
         body = await server.read_json(request)
         try:
-            spec = parse(body, server.context)
+            spec = await server.parse(parse, body)
         except NpllmError as e:  # a check below the API's own (the tokenizer, the sampler): still the request's fault
             raise ApiError(400, str(e)) from None
         job, events = server.submit(spec, asyncio.get_running_loop())

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..errors import ChatTemplateError, GenerationError
 from ..generate import Request, check_prompt
-from ..sampling import SamplingParams
+from ..sampling import Option, SamplingParams, options
 from ..stop import StopStrings
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -60,6 +60,7 @@ class Context:
     max_tokens_limit: int
     chat_template: str | None = None  # None: /v1/chat/completions answers 400 naming --chat-template
     template_problem: str = ""
+    template_name: str = ""  # how errors name the template (npllm.chat.chat_template_name)
 
 
 @dataclass(frozen=True)
@@ -125,24 +126,31 @@ def _spec(body: dict, ctx: Context, prompt_ids: list[int], max_tokens: int, logp
     return Spec(request, _stops(body.get("stop")), stream, include_usage, logprobs, chat)
 
 
-def _sampling(body: dict, ctx: Context, logprobs: int | None) -> SamplingParams:
-    temperature = _number(body, "temperature", 0.0, 2.0, default=1.0)
-    top_p = _number(body, "top_p", 0.0, 1.0, default=1.0)
-    if top_p == 0.0:
-        raise ApiError(400, "top_p must be in (0, 1], got 0", "top_p")
-    seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or seed < 0):
-        raise ApiError(400, f"seed must be an integer >= 0, got {seed!r}", "seed")
-    keywords = dict(temperature=temperature, top_p=top_p, seed=seed,
-                    presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, default=0.0),
-                    frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, default=0.0),
-                    logit_bias=_logit_bias(body.get("logit_bias"), ctx),
-                    # the chosen token's log-probability comes with its alternatives: ask for at least one
-                    logprobs=0 if logprobs is None else max(logprobs, 1))
+def _sampling(body: dict, ctx: Context, logprobs: int | None, params_type: type = SamplingParams) -> SamplingParams:
+    """SamplingParams from the request's fields, one per field whose Option names one (npllm.sampling.options):
+    a number in its range, an integer, or a token -> bias map; absent fields keep SamplingParams' defaults. The
+    log-probabilities asked for (the endpoint's own fields) come as `logprobs`: the chosen token's log-probability
+    comes with its alternatives, so at least one is asked for."""
+    keywords = {f.name: _field(body, option, ctx) for f, option in options(params_type)
+                if option.api is not None and body.get(option.api) is not None}
     try:
-        return SamplingParams(**keywords)
+        return params_type(**keywords, logprobs=0 if logprobs is None else max(logprobs, 1))
     except GenerationError as e:
         raise ApiError(400, str(e)) from None
+
+
+def _field(body: dict, option: Option, ctx: Context):
+    """The value of the request field `option.api` (present), checked: "real" a number in option.api_range
+    (its low end excluded when api_open), "integer" an integer in it, "bias" a token -> bias map."""
+    name, (least, most) = option.api, option.api_range
+    if option.kind == "bias":
+        return _logit_bias(body[name], ctx, least, most)
+    if option.kind == "integer":
+        return _integer(body, name, least, most)
+    value = _number(body, name, -math.inf if least is None else least, math.inf if most is None else most, None)
+    if option.api_open and value == least:
+        raise ApiError(400, f"{name} must be in ({least:g}, {most:g}], got {body[name]!r}", name)
+    return value
 
 
 def _object(body) -> dict:
@@ -209,7 +217,9 @@ def _messages(messages) -> list[dict]:
 
 def _chat_prompt_ids(messages: list[dict], ctx: Context) -> list[int]:
     """The conversation laid out by the chat template (ending with the assistant's header), then encoded. A template
-    that writes the BOS piece as text gets the BOS id instead (text "<s>" would be encoded as characters)."""
+    that writes the BOS piece as text gets the BOS id instead (text "<s>" would be encoded as characters). The render
+    runs in a worker process with a deadline (npllm/chat/worker.py); this waits for it, so the server calls parse_chat
+    off its event loop. Any failure of the template is the request's 400, naming the template."""
     from ..chat import render_chat_template
 
     tok, config = ctx.tokenizer, ctx.config
@@ -217,7 +227,7 @@ def _chat_prompt_ids(messages: list[dict], ctx: Context) -> list[int]:
     eos = tok.id_to_piece(config.eos_ids[0]) if config.eos_ids else None
     try:
         text = render_chat_template(ctx.chat_template, messages, add_generation_prompt=True, bos_token=bos,
-                                    eos_token=eos)
+                                    eos_token=eos, template_name=ctx.template_name or None)
     except ChatTemplateError as e:
         raise ApiError(400, str(e), "messages") from None
     if bos and text.startswith(bos):
@@ -261,7 +271,8 @@ def _utf8(text: str, param: str) -> str:
     return text
 
 
-def _logit_bias(bias, ctx: Context) -> dict[int, float] | None:
+def _logit_bias(bias, ctx: Context, least: float = -100.0, most: float = 100.0) -> dict[int, float] | None:
+    """A token id -> bias map: ids in the vocabulary (JSON keys are strings), biases numbers in [least, most]."""
     if bias is None:
         return None
     if not isinstance(bias, dict):
@@ -275,8 +286,9 @@ def _logit_bias(bias, ctx: Context) -> dict[int, float] | None:
         if not 0 <= token < ctx.config.vocab_size:
             raise ApiError(400, f"logit_bias token {token} is outside the vocabulary [0, {ctx.config.vocab_size})",
                            "logit_bias")
-        if not _is_number(value) or not -100 <= value <= 100:
-            raise ApiError(400, f"logit_bias values must be numbers in [-100, 100], got {value!r}", "logit_bias")
+        if not _is_number(value) or not least <= value <= most:
+            raise ApiError(400, f"logit_bias values must be numbers in [{least:g}, {most:g}], got {value!r}",
+                           "logit_bias")
         out[token] = float(value)
     return out or None
 
@@ -289,13 +301,14 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _integer(body: dict, name: str, least: int, most: int | None) -> int | None:
+def _integer(body: dict, name: str, least: int | None, most: int | None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if not _is_int(value) or value < least or (most is not None and value > most):
-        bounds = f">= {least}" if most is None else f"in [{least}, {most}]"
-        raise ApiError(400, f"{name} must be an integer {bounds}, got {value!r}", name)
+    if not _is_int(value) or (least is not None and value < least) or (most is not None and value > most):
+        ends = [f"{sign} {end}" for sign, end in ((">=", least), ("<=", most)) if end is not None]
+        bounds = f" in [{least}, {most}]" if len(ends) == 2 else "".join(" " + e for e in ends)
+        raise ApiError(400, f"{name} must be an integer{bounds}, got {value!r}", name)
     return value
 
 

@@ -5,7 +5,7 @@
     check_filter(my_top_p, "top_p")          # every law of top-p, Hypothesis search, minimal failing example
     check_sampler(my_sample)                 # chi-square goodness of fit against softmax, seed reproducibility
 
-check_filter and the strategies need Hypothesis (`pip install "npllm-engine[testing]"`); check_sampler needs only
+check_filter and the strategies need Hypothesis (`pip install -e ".[testing]"` in npllm's folder); check_sampler needs only
 NumPy. `import npllm` never imports this package. docs/testing.md lists every law.
 """
 
@@ -26,7 +26,7 @@ def __getattr__(name):
         import hypothesis  # noqa: F401
     except ImportError as err:
         raise ImportError(
-            f"npllm.testing.{name} needs Hypothesis: pip install 'npllm-engine[testing]' (or pip install hypothesis)"
+            f"npllm.testing.{name} needs Hypothesis: pip install hypothesis (or, in npllm's folder, pip install -e '.[testing]')"
         ) from err
     import importlib
 

@@ -53,7 +53,7 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None) -> To
 
         tokenizer = ByteLevelBPE.from_file(path)
     elif suffix == ".gguf":
-        from ..formats.gguf import gguf_tokenizer
+        from .gguf import gguf_tokenizer
 
         tokenizer = gguf_tokenizer(path)
     else:

@@ -1,35 +1,20 @@
 """The one interface every npllm tokenizer offers, and the checks shared by all of them.
 
 A tokenizer maps text to ids (encode) and ids back to text (decode). Decoding is the same for every vocabulary of the
-SentencePiece family, so it lives here once: each piece is one of a few kinds (TokenType) and the StreamDecoder turns
-a sequence of (kind, piece) into text. Subclasses only say how to encode and what each id is.
+SentencePiece family, so it lives here once: each piece is one of a few kinds (TokenType, pieces.py) and the
+StreamDecoder (stream.py) turns a sequence of (kind, piece) into text. Subclasses only say how to encode and what each
+id is.
 """
 
 from __future__ import annotations
 
-import enum
 import os
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 from ..errors import TokenizerError
-
-if TYPE_CHECKING:
-    from .stream import StreamDecoder
-
-# SentencePiece writes a space as this symbol ("lower one eighth block") inside its pieces.
-SPACE_SYMBOL = "\u2581"
-
-
-class TokenType(enum.IntEnum):
-    """What an id stands for, numbered as SentencePiece's ModelProto and GGUF's tokenizer.ggml.token_type do."""
-
-    NORMAL = 1  # a piece of text, spaces written as SPACE_SYMBOL
-    UNKNOWN = 2  # <unk>: text the vocabulary cannot spell (never produced when byte fallback exists)
-    CONTROL = 3  # <s>, </s>, ...: structure, never text; decodes to nothing
-    USER_DEFINED = 4  # a piece matched whole in the input and never merged further
-    UNUSED = 5  # a piece BPE may form on the way but never emits (it is split back into its halves)
-    BYTE = 6  # <0xXX>: one raw byte, the fallback for characters outside the vocabulary
+from .pieces import SPACE_SYMBOL, TokenType  # noqa: F401  (re-exported: the kinds every tokenizer names)
+from .stream import StreamDecoder
 
 
 class Tokenizer(ABC):
@@ -74,10 +59,8 @@ class Tokenizer(ABC):
         stream = self.stream_decoder(continuation)
         return "".join(stream.feed(i) for i in ids) + stream.flush()
 
-    def stream_decoder(self, continuation: bool = False) -> "StreamDecoder":
+    def stream_decoder(self, continuation: bool = False) -> StreamDecoder:
         """A decoder fed one id at a time that returns only complete characters; see StreamDecoder."""
-        from .stream import StreamDecoder  # stream.py imports this module for TokenType
-
         return StreamDecoder(self, continuation)
 
     def _check_id(self, token_id: int) -> int:

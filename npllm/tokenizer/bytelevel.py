@@ -329,11 +329,19 @@ class ByteLevelBPE(Tokenizer):
 
     @classmethod
     def from_spec(cls, spec: dict, source: str = "tokenizer.json") -> "ByteLevelBPE":
-        """Build from a parsed tokenizer.json; parts npllm does not implement raise TokenizerError, never ignored."""
+        """Build from a parsed tokenizer.json; parts npllm does not implement raise TokenizerError, never ignored,
+        and so does every field of the wrong JSON type (a list where an object belongs, a string for a flag)."""
+        try:
+            return cls._from_spec(spec, source)
+        except RecursionError:  # "Sequence" steps nested past Python's recursion limit
+            raise TokenizerError(f"{source}: its steps are nested too deeply") from None
+
+    @classmethod
+    def _from_spec(cls, spec: dict, source: str) -> "ByteLevelBPE":
         if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
             raise TokenizerError(f"{source}: no 'model' section")
         model = spec["model"]
-        if model.get("type", "BPE") != "BPE":
+        if _field(model, "type", str, source, "model", "BPE") != "BPE":
             raise TokenizerError(f"{source}: model type {model.get('type')!r} is not BPE")
         for key in ("continuing_subword_prefix", "end_of_word_suffix", "dropout"):
             if model.get(key):
@@ -342,19 +350,10 @@ class ByteLevelBPE(Tokenizer):
             raise TokenizerError(f"{source}: byte_fallback BPE (SentencePiece-style) is not byte-level; "
                                  "use the tokenizer.model beside it")
         vocab = model.get("vocab")
-        if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
-            raise TokenizerError(f"{source}: model.vocab must map tokens to integer ids")
-        merges = [_parse_merge(m, source) for m in model.get("merges", [])]
-
-        added = []
-        for entry in spec.get("added_tokens") or []:
-            try:
-                added.append(AddedToken(int(entry["id"]), str(entry["content"]), bool(entry.get("special", False)),
-                                        bool(entry.get("lstrip", False)), bool(entry.get("rstrip", False)),
-                                        bool(entry.get("single_word", False))))
-            except (KeyError, TypeError, ValueError):
-                raise TokenizerError(f"{source}: malformed added token {entry!r}") from None
-
+        if not isinstance(vocab, dict) or not all(_is_id(i) for i in vocab.values()):
+            raise TokenizerError(f"{source}: model.vocab must map tokens to integer ids >= 0")
+        merges = [_parse_merge(m, source) for m in _field(model, "merges", list, source, "model", [])]
+        added = [_added_token(entry, source) for entry in _field(spec, "added_tokens", list, source, "", [])]
         _check_decoder(spec.get("decoder"), source)
         prefix, suffix = _template_ids(spec.get("post_processor"), source)
         return cls(
@@ -363,7 +362,7 @@ class ByteLevelBPE(Tokenizer):
             pre_tokenizers=_pre_tokenizers(spec.get("pre_tokenizer"), source),
             added_tokens=added,
             normalizers=_normalizers(spec.get("normalizer"), source),
-            ignore_merges=bool(model.get("ignore_merges", False)),
+            ignore_merges=_field(model, "ignore_merges", bool, source, "model", False),
             prefix_ids=prefix,
             suffix_ids=suffix,
             source=source,
@@ -385,6 +384,45 @@ class ByteStreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
+JSON_NAMES = {dict: "an object", list: "an array", str: "a string", bool: "true or false", int: "an integer"}
+
+
+def _field(spec: dict, key: str, kind: type, source: str, where: str, default=None, required: bool = False):
+    """spec[key] when it is of the JSON type `kind` (dict, list, str, bool, int), `default` when absent or null
+    (unless required); any other type is a TokenizerError naming the field. (JSON's true is no integer here, nor 1
+    a flag.)"""
+    value = spec.get(key)
+    if value is None and not required:
+        return default
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+        name = f"{where}.{key}" if where else key
+        raise TokenizerError(f"{source}: {name} must be {JSON_NAMES[kind]}, got {value!r:.80}")
+    return value
+
+
+def _step(spec, source: str, what: str) -> dict | None:
+    """A normalizer / pre-tokenizer / decoder / post-processor object (None: absent): it must be a JSON object."""
+    if spec is not None and not isinstance(spec, dict):
+        raise TokenizerError(f"{source}: {what} must be an object, got {spec!r:.80}")
+    return spec
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _added_token(entry, source: str) -> AddedToken:
+    """One added_tokens entry: an integer id >= 0, a string content, and true/false flags."""
+    if not isinstance(entry, dict) or not _is_id(entry.get("id")) or not isinstance(entry.get("content"), str):
+        raise TokenizerError(f"{source}: malformed added token {entry!r:.80} (needs an integer id >= 0 and a "
+                             "string content)")
+    flags = [_field(entry, key, bool, source, "added token", False)
+             for key in ("special", "lstrip", "rstrip", "single_word")]
+    if not entry["content"]:
+        raise TokenizerError(f"{source}: added token {entry['id']} has an empty content")
+    return AddedToken(entry["id"], entry["content"], *flags)
+
+
 def _parse_merge(merge, source: str) -> tuple[str, str]:
     """A merge is "left right" (older files) or ["left", "right"] (newer files)."""
     if isinstance(merge, str):
@@ -397,43 +435,48 @@ def _parse_merge(merge, source: str) -> tuple[str, str]:
 
 
 def _normalizers(spec, source: str) -> list[str]:
-    if spec is None:
+    if _step(spec, source, "normalizer") is None:
         return []
     kind = spec.get("type")
     if kind == "Sequence":
-        return [form for sub in spec.get("normalizers", []) for form in _normalizers(sub, source)]
+        subs = _field(spec, "normalizers", list, source, "normalizer", [])
+        return [form for sub in subs for form in _normalizers(sub, source)]
     if kind in ("NFC", "NFD", "NFKC", "NFKD"):
         return [kind]
     raise TokenizerError(f"{source}: normalizer {kind!r} is not supported")
 
 
 def _pre_tokenizers(spec, source: str) -> list:
-    if spec is None:
+    if _step(spec, source, "pre-tokenizer") is None:
         return []
     kind = spec.get("type")
+    where = f"pre-tokenizer {kind}"
     if kind == "Sequence":
-        return [step for sub in spec.get("pretokenizers", []) for step in _pre_tokenizers(sub, source)]
+        subs = _field(spec, "pretokenizers", list, source, where, [])
+        return [step for sub in subs for step in _pre_tokenizers(sub, source)]
     if kind == "Split":
-        pattern = spec.get("pattern", {})
+        pattern = _field(spec, "pattern", dict, source, where, {})
         if "Regex" in pattern:
-            compiled = _compile(pattern["Regex"], source)
+            compiled = _compile(_field(pattern, "Regex", str, source, where + " pattern", required=True), source)
         elif "String" in pattern:
-            compiled = regex.compile(regex.escape(pattern["String"]))
+            text = _field(pattern, "String", str, source, where + " pattern", required=True)
+            compiled = regex.compile(regex.escape(text))
         else:
-            raise TokenizerError(f"{source}: Split pattern {pattern!r} is neither Regex nor String")
-        behavior, invert = spec.get("behavior", "Isolated"), bool(spec.get("invert", False))
+            raise TokenizerError(f"{source}: Split pattern {pattern!r:.80} is neither Regex nor String")
+        behavior = _field(spec, "behavior", str, source, where, "Isolated")
+        invert = _field(spec, "invert", bool, source, where, False)
         _apply_behavior([], behavior)  # reject an unknown behavior now, not at the first encode
         return [lambda pieces: split_by_regex(pieces, compiled, behavior, invert)]
     if kind == "ByteLevel":
         steps = []
-        if spec.get("add_prefix_space", False):
+        if _field(spec, "add_prefix_space", bool, source, where, False):
             steps.append(lambda pieces: [p if p.startswith(" ") else " " + p for p in pieces])
-        if spec.get("use_regex", True):
+        if _field(spec, "use_regex", bool, source, where, True):
             gpt2 = _compile(GPT2_SPLIT, source)
             steps.append(lambda pieces: split_by_regex(pieces, gpt2, "Isolated", False))
         return steps  # the byte-to-character mapping itself happens for every tokenizer of this class
     if kind == "Digits":
-        individual = bool(spec.get("individual_digits", False))
+        individual = _field(spec, "individual_digits", bool, source, where, False)
         return [lambda pieces: split_digits(pieces, individual)]
     raise TokenizerError(f"{source}: pre-tokenizer {kind!r} is not supported")
 
@@ -446,11 +489,11 @@ def _compile(pattern: str, source: str) -> regex.Pattern:
 
 
 def _check_decoder(spec, source: str) -> None:
-    if spec is None:
+    if _step(spec, source, "decoder") is None:
         return
     kind = spec.get("type")
     if kind == "Sequence":
-        for sub in spec.get("decoders", []):
+        for sub in _field(spec, "decoders", list, source, "decoder", []):
             _check_decoder(sub, source)
     elif kind != "ByteLevel":
         raise TokenizerError(f"{source}: decoder {kind!r} is not supported (npllm decodes byte-level BPE)")
@@ -458,29 +501,35 @@ def _check_decoder(spec, source: str) -> None:
 
 def _template_ids(spec, source: str) -> tuple[list[int], list[int]]:
     """Ids a TemplateProcessing post-processor puts before and after a single sequence."""
-    if spec is None:
+    if _step(spec, source, "post-processor") is None:
         return [], []
     kind = spec.get("type")
     if kind == "ByteLevel":
         return [], []
     if kind == "Sequence":
         prefix, suffix = [], []
-        for sub in spec.get("processors", []):
+        for sub in _field(spec, "processors", list, source, "post-processor", []):
             p, s = _template_ids(sub, source)
             prefix, suffix = prefix + p, s + suffix
         return prefix, suffix
     if kind != "TemplateProcessing":
         raise TokenizerError(f"{source}: post-processor {kind!r} is not supported")
-    specials = spec.get("special_tokens", {})
+    where = "post-processor TemplateProcessing"
+    specials = _field(spec, "special_tokens", dict, source, where, {})
     prefix, suffix, seen_sequence = [], [], False
-    for item in spec.get("single", []):
+    for item in _field(spec, "single", list, source, where, []):
+        item = _step(item, source, f"an item of {where}'s single") or {}
         if "Sequence" in item:
             seen_sequence = True
         elif "SpecialToken" in item:
-            name = item["SpecialToken"].get("id")
-            if name not in specials:
-                raise TokenizerError(f"{source}: template names special token {name!r} without its ids")
-            (suffix if seen_sequence else prefix).extend(int(i) for i in specials[name]["ids"])
+            name = _field(item, "SpecialToken", dict, source, where, {}).get("id")
+            special = specials.get(name) if isinstance(name, str) else None
+            if special is None:
+                raise TokenizerError(f"{source}: template names special token {name!r:.80} without its ids")
+            ids = _field(_step(special, source, f"special token {name!r}"), "ids", list, source, name, [])
+            if not all(_is_id(i) for i in ids):
+                raise TokenizerError(f"{source}: special token {name!r}'s ids must be integers >= 0, got {ids!r:.80}")
+            (suffix if seen_sequence else prefix).extend(ids)
     return prefix, suffix
 
 

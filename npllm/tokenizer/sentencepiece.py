@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -30,8 +31,22 @@ class SentencePieceTokenizer(Tokenizer):
         self.bos_id, self.eos_id, self.unk_id = self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id()
         if self.bos_id < 0 or self.eos_id < 0:
             raise TokenizerError(f"tokenizer {self.name} defines no BOS or no EOS piece; npllm needs both")
+        self._check_pieces()
         # Whether the normaliser puts a U+2581 in front of the text; decode then removes one from the first piece.
         self.add_dummy_prefix = self._sp.normalize("a").startswith(SPACE_SYMBOL)
+
+    def _check_pieces(self) -> None:
+        """Every piece valid UTF-8 and every score a finite number: a protobuf does not enforce either, and a bad
+        piece would otherwise fail only when first decoded, mid-generation; a NaN score would reorder merges."""
+        for i in range(self.vocab_size):
+            try:
+                self._sp.id_to_piece(i)
+            except UnicodeDecodeError as e:
+                raise TokenizerError(f"tokenizer {self.name}: piece {i} is not valid UTF-8 ({e.reason} at byte "
+                                     f"{e.start})") from None
+            if not math.isfinite(self._sp.get_score(i)):
+                raise TokenizerError(f"tokenizer {self.name}: piece {i} has score {self._sp.get_score(i)}; scores "
+                                     "must be finite numbers")
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         """sentencepiece's ids for `text`, with BOS/EOS added when asked."""

@@ -8,18 +8,14 @@ complete, or until it is certain it never will be (then each stray byte prints a
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
 
-from .base import SPACE_SYMBOL, TokenType
-
-if TYPE_CHECKING:
-    from .base import Tokenizer
+from .pieces import SPACE_SYMBOL, TokenType
 
 REPLACEMENT = "\ufffd"
 # Each tokenizer's plain pieces as printed mid-text (U+2581 read as a space), filled as ids are first decoded and
 # shared by its decoders: a generation prints one piece a step, and looking the piece up again costs more than
 # the rest of the step's Python.
-_TEXTS: "weakref.WeakKeyDictionary[Tokenizer, dict[int, str]]" = weakref.WeakKeyDictionary()
+_TEXTS: "weakref.WeakKeyDictionary[object, dict[int, str]]" = weakref.WeakKeyDictionary()
 # How SentencePiece renders <unk> when decoding.
 UNK_SURFACE = " \u2047 "
 
@@ -67,9 +63,11 @@ class StreamDecoder:
       " \u2047 ");
     - the first non-control piece loses one leading U+2581 (the dummy prefix the encoder added) unless the
       tokenizer adds none or `continuation` says the ids continue text already printed.
+    `tokenizer`: a Tokenizer (base.py), asked for _check_id, token_type, byte_value, id_to_piece and
+    add_dummy_prefix.
     """
 
-    def __init__(self, tokenizer: "Tokenizer", continuation: bool = False):
+    def __init__(self, tokenizer, continuation: bool = False):
         self.tokenizer = tokenizer
         self._pending = bytearray()
         self._at_start = tokenizer.add_dummy_prefix and not continuation
