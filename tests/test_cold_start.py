@@ -153,7 +153,7 @@ def test_a_run_while_a_compile_is_running_does_not_start_another(compiling_class
     """With the lock of this process's cache held by a detached compile of the float32 class, cold_start "exact"
     gives the reference even where the code is cached (the compile may not have cached all of it yet), and starts
     nothing; a compile of the other class leaves a cached float32 model to run compiled."""
-    lock = cache_lock(FORWARD[NumbaTransformer])
+    lock = cache_lock(FORWARD)
     if lock is None:
         pytest.skip("no detached compiles here (no flock, or a Numba outside the tested versions)")
     config, weights = read_checkpoint(resolve("stories260K")[0])
