@@ -42,6 +42,7 @@ from contextlib import contextmanager
 
 from .errors import GenerationError, NpllmError
 from .models import KV_DTYPES, WEIGHT_DTYPES
+from .quant import MIXTURES, QUANTIZE
 from .sampling import Option, SamplingParams, options
 
 
@@ -620,8 +621,8 @@ def run_info(args) -> int:
     return 0
 
 
-QUANTIZE_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m",
-                  "f16", "f32")
+# every type npllm writes and every mixture, from quant's table
+QUANTIZE_TYPES = tuple(name.lower() for name in (*QUANTIZE, *MIXTURES))
 
 
 def quantize_progress(stream=None):
@@ -642,7 +643,7 @@ def run_quantize(args) -> int:
     from collections import Counter
 
     from .convert import quantize_checkpoint
-    from .formats.gguf import MIXTURES, fallbacks, quant_type
+    from .formats.gguf import fallbacks, quant_type
 
     tensors, tokenizer = quantize_checkpoint(args.input, args.output, args.type.upper(), args.tokenizer,
                                              progress=quantize_progress())

@@ -58,9 +58,14 @@ class Divergence:
     tokens: int
     chunks: int
     seconds: float
+    decisive_agreement: float  # top-1 agreement where the base's top logit leads its second by >= DECISIVE_LEAD
+    decisive: int  # how many such positions (a near-tie's argmax is a coin toss between two ids)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+DECISIVE_LEAD = 0.1  # logits
 
 
 def llama_cpp_chunks(token_ids, ctx: int, bos_id: int) -> np.ndarray:
@@ -144,19 +149,22 @@ def kl_divergence(model, base, token_ids, ctx: int, batch: int = 1, bos_id: int 
                               f"{base.config.vocab_size} ids): their distributions cannot be compared")
     start = time.perf_counter()
     chunks = llama_cpp_chunks(token_ids, ctx, base.config.bos_id if bos_id is None else bos_id)
-    kl, agree, nll, base_nll = [], [], [], []
+    kl, agree, nll, base_nll, decisive = [], [], [], [], []
     pairs = zip(scored_logits(model, chunks, batch), scored_logits(base, chunks, batch))
     for (q_logits, targets), (p_logits, _) in _progress(pairs, len(chunks), batch, progress):
         log_q, log_p = log_softmax(q_logits), log_softmax(p_logits)  # [N, V] each
         kl.append((np.exp(log_p) * (log_p - log_q)).sum(axis=-1))
         agree.append(q_logits.argmax(axis=-1) == p_logits.argmax(axis=-1))
+        second, first = np.partition(p_logits, -2, axis=-1)[:, -2:].T
+        decisive.append(first - second >= DECISIVE_LEAD)
         nll.append(-log_q[np.arange(len(targets)), targets])
         base_nll.append(-log_p[np.arange(len(targets)), targets])
-    kl_all = np.concatenate(kl)
+    kl_all, agree, decisive = np.concatenate(kl), np.concatenate(agree), np.concatenate(decisive)
     mean, stderr = _mean_and_stderr(kl_all)
-    return Divergence(mean, stderr, float(np.concatenate(agree).mean()), float(np.exp(np.concatenate(nll).mean())),
+    return Divergence(mean, stderr, float(agree.mean()), float(np.exp(np.concatenate(nll).mean())),
                       float(np.exp(np.concatenate(base_nll).mean())), len(kl_all), len(chunks),
-                      time.perf_counter() - start)
+                      time.perf_counter() - start, float(agree[decisive].mean()) if decisive.any() else float("nan"),
+                      int(decisive.sum()))
 
 
 def strided_windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:

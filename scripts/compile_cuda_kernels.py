@@ -77,23 +77,27 @@ def main() -> int:
     cases["gather_rows"] = (k.gather_rows_kernel(), (arr(f32, 2), arr(i32, 1), arr(f32, 2)))
     for ndim in (2, 3):
         cases[f"compact {ndim}-D"] = (k.compact_kernel(ndim), (arr(f32, ndim, "A"), arr(f32, ndim)))
+    def step_args(wt, w13_ndim, work_arrays):
+        """The step kernels' argument types: (weights, shape, cos, sin, meta, cache, work, hidden)."""
+        def record(cls, *members):
+            return typeof(cls(*(np.empty((2,) * ndim, dtype) if ndim else dtype(0) for dtype, ndim in members)))
+
+        weights = record(k.StepWeights, (wt, 2), (f32, 3), (wt, 3), (f32, 2), (wt, 3), (wt, w13_ndim), (wt, 3),
+                         (f32, 1))
+        shape = record(k.StepShape, (f32, 0), (i32, 0), (i32, 0), (i32, 0), (i32, 0), (f32, 0))
+        cache = record(k.StepCache, (f32, 5), (f32, 5), (i32, 2))
+        work = record(k.StepWork, *[(f32, 2)] * work_arrays)
+        return (weights, shape, arr(f32, 2), arr(f32, 2), arr(i32, 2), cache, work, arr(f32, 2))
+
     for rows in (1, 2, 4, 8):
         for interleaved in (True, False):
             for wt in (f32, f16, q80):
                 cases[f"decode_step rows={rows} interleaved={interleaved} {name_of(wt)}"] = (
-                    k.decode_step_kernel(rows, g.threads, g.lanes, interleaved, wt is q80),
-                    (arr(wt, 2), arr(f32, 3), arr(wt, 3), arr(f32, 2), arr(wt, 3), arr(wt, 4), arr(wt, 3),
-                     arr(f32, 1), f, i, i, i, arr(f32, 2), arr(f32, 2), arr(i32, 2), arr(f32, 5), arr(f32, 5),
-                     arr(i32, 2), i, f, arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2),
-                     arr(f32, 2)))
+                    k.decode_step_kernel(rows, g.threads, g.lanes, interleaved, wt is q80), step_args(wt, 4, 7))
     for interleaved in (True, False):
         for wt in (f32, f16, q80):
             cases[f"batch_step interleaved={interleaved} {name_of(wt)}"] = (
-                k.batch_step_kernel(g.tile, interleaved, wt is q80),
-                (arr(wt, 2), arr(f32, 3), arr(wt, 3), arr(f32, 2), arr(wt, 3), arr(wt, 3), arr(wt, 3),
-                 arr(f32, 1), f, i, i, i, arr(f32, 2), arr(f32, 2), arr(i32, 2), arr(f32, 5), arr(f32, 5),
-                 arr(i32, 2), i, f, arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(f32, 2),
-                 arr(f32, 2), arr(f32, 2)))
+                k.batch_step_kernel(g.tile, interleaved, wt is q80), step_args(wt, 3, 7))
     if args.quick:
         cases = {name: case for name, case in cases.items() if quick(name)}
     failed = 0

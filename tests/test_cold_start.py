@@ -14,6 +14,7 @@ import pytest
 
 import npllm
 from npllm import quant
+from npllm.quant import oracle
 from npllm.config import ModelConfig
 from npllm.errors import ConfigError
 from npllm.formats import read_checkpoint
@@ -152,7 +153,7 @@ def test_a_run_while_a_compile_is_running_does_not_start_another(compiling_class
     """With the lock of this process's cache held by a detached compile of the float32 class, cold_start "exact"
     gives the reference even where the code is cached (the compile may not have cached all of it yet), and starts
     nothing; a compile of the other class leaves a cached float32 model to run compiled."""
-    lock = cache_lock(FORWARD[NumbaTransformer])
+    lock = cache_lock(FORWARD)
     if lock is None:
         pytest.skip("no detached compiles here (no flock, or a Numba outside the tested versions)")
     config, weights = read_checkpoint(resolve("stories260K")[0])
@@ -201,14 +202,14 @@ def test_the_reference_standing_in_gives_the_numba_models_greedy_tokens():
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q2_K", "Q3_K"])
 def test_a_decoded_matrix_multiplies_as_the_int8_kernels_statement(qtype):
-    """DecodedInt8Matrix's float32 product is quant.matmul_t_q8_activations's (two parts for Q2_K, Q3_K), to
+    """DecodedInt8Matrix's float32 product is quant.oracle.matmul_t_q8_activations's (two parts for Q2_K, Q3_K), to
     float32 rounding: the weights decoded once, the activations rounded as the Numba model rounds them."""
     rng = np.random.default_rng(1)
     w = quant.QuantizedMatrix.from_values(rng.standard_normal((24, 512)).astype(np.float32), qtype)
     x = rng.standard_normal((3, 512)).astype(np.float32)
     decoded = numba_weights(TIED, {"w": w})["w"]
     assert isinstance(decoded, DecodedInt8Matrix) and decoded.two_part == (qtype in ("Q2_K", "Q3_K"))
-    exact = quant.with_int8_activations({"w": w})["w"].matmul_t(x)
+    exact = oracle.with_int8_activations({"w": w})["w"].matmul_t(x)
     np.testing.assert_allclose(x @ decoded.T, exact, rtol=1e-5, atol=1e-4)
     plain = x @ w.dequantize().T  # what the reference alone computes: the rounding of x shows
     assert np.abs(plain - exact).max() > 1e-3

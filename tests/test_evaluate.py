@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import npllm
 from npllm.errors import GenerationError
-from npllm.evaluate import (_mean_and_stderr, kl_divergence, llama_cpp_chunks, perplexity, strided_perplexity,
-                            strided_windows)
+from npllm.evaluate import (DECISIVE_LEAD, _mean_and_stderr, kl_divergence, llama_cpp_chunks, perplexity,
+                            scored_logits, strided_perplexity, strided_windows)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,12 @@ def test_kl_divergence_of_a_model_from_itself_and_across_backends(models, story_
     ids = models["numpy"].tokenizer.encode(story_text, bos=True)
     same = kl_divergence(models["numba"].model, models["numba"].model, ids, 64, batch=2)
     assert same.mean_kl == pytest.approx(0, abs=1e-12) and same.top1_agreement == 1.0
+    assert same.decisive_agreement == 1.0 and 0 < same.decisive <= same.tokens
+    model = models["numba"].model
+    chunks = llama_cpp_chunks(ids, 64, model.config.bos_id)
+    logits = np.concatenate([scored for scored, _ in scored_logits(model, chunks)])
+    lead = np.diff(np.sort(logits, axis=-1)[:, -2:], axis=-1)[:, 0]  # the top logit minus the second
+    assert same.decisive == (lead >= DECISIVE_LEAD).sum()
     across = kl_divergence(models["numba"].model, models["numpy"].model, ids, 64, batch=2)
     assert 0 <= across.mean_kl < 1e-8 and across.top1_agreement >= 0.99
     assert across.base_ppl == pytest.approx(perplexity(models["numpy"].model, ids, 64).ppl, rel=1e-6)

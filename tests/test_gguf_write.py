@@ -21,7 +21,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-WRITABLE = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+WRITABLE = list(quant.QUANTIZE)  # every type npllm writes (F32 .. Q6_K, IQ4_NL, IQ4_XS)
 
 
 def same_bits(a, b) -> bool:
@@ -57,11 +57,11 @@ def test_npllm_reads_every_type_llama_cpp_writes_bit_exactly(tmp_path):
     rng = np.random.default_rng(1)
     path = tmp_path / "mix.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    for name in ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]:
+    for name in quant.INTERLEAVED_TYPES:  # every block type
         t = quant.TYPES[name]
         raw = rng.integers(0, 256, size=(2, 2 * t.block_bytes), dtype=np.uint8)
         halves = np.array([quant.quantize(np.float32([s]), "F16") for s in rng.uniform(-2, 2, size=raw.size)])
-        for at in {"Q2_K": [80, 82], "Q3_K": [108], "Q6_K": [208]}.get(name, [0, 2] if name[-1] in "1K" else [0]):
+        for at in t.scale_fields:
             blocks = raw.reshape(-1, t.block_bytes)  # a view: write finite float16 scales into every block
             blocks[:, at : at + 2] = halves[: blocks.shape[0]]
         w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=Q[name])
@@ -233,6 +233,23 @@ def test_cli_quantize_takes_a_mixture(tmp_path, stories260k, capsys):
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(out)).tensors}
     assert types["token_embd.weight"] == Q.Q8_0 and types["blk.0.ffn_down.weight"] == Q.F16
     assert npllm.load(out).generate("Once upon a time", max_new_tokens=5, temperature=0).strip()
+
+
+@pytest.mark.parametrize("kind, fallback", [("iq4_nl", None), ("iq4_xs", "Q8_0")])
+def test_cli_quantize_writes_iq4(tmp_path, stories260k, capsys, kind, fallback):
+    """`npllm quantize --type iq4_nl|iq4_xs`: the rows of 64 in IQ4_NL's blocks of 32, or (IQ4_XS's super-blocks of
+    256) in Q8_0, as for a K-quant; the gguf package reads every tensor as npllm does."""
+    out = tmp_path / f"{kind}.gguf"
+    assert main(["quantize", str(stories260k), str(out), "--type", kind]) == 0
+    err = capsys.readouterr().err
+    stored = fallback or kind.upper()
+    assert f"{stored} x" in err and (fallback is None) == (f"rows of 64 values stored as {fallback}" not in err)
+    reader = gguf.GGUFReader(str(out))
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["token_embd.weight"] == Q[stored] and types["blk.0.ffn_down.weight"] == Q.F16  # rows of 172
+    ours = read_gguf_file(out)
+    for t in reader.tensors:
+        assert same_bits(ours.tensor(t.name).reshape(-1), gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1))
 
 
 def test_quantize_reports_progress_per_weight_and_on_a_terminal_only(tmp_path, stories260k):

@@ -78,10 +78,11 @@ def ring_attention(q, k, v, past: int, storage):
     qkv = np.concatenate([q.reshape(T, -1), k[past:].reshape(T, -1), v[past:].reshape(T, -1)], axis=1)
     positions, order, starts, slots = np.arange(past, S), np.arange(T), np.array([0, T]), np.array([0])
     valid_from = np.empty(1, np.int64)
-    cpu.valid_from_into(positions, order, starts, slots, ring_pos, S, valid_from)
+    seqs = cpu.Sequences(order, starts, slots)
+    cpu.valid_from_into(positions, seqs, ring_pos, S, valid_from)
     out = np.empty((T, H * Dh), np.float32)
-    cpu.attention_ring_into(qkv, H, K, positions, order, starts, slots, valid_from, ring_k.view(storage),
-                            ring_v.view(storage), ring_pos, S, out)
+    cpu.attention_ring_into(qkv, H, K, positions, seqs, valid_from,
+                            cpu.LayerRing(ring_k.view(storage), ring_v.view(storage), ring_pos), S, out)
     return out, ring_k.astype(np.float32), ring_v.astype(np.float32)
 
 

@@ -1,5 +1,5 @@
 """The Numba model on weights kept in their GGUF types (models/numba.py: QuantizedNumbaTransformer) against the NumPy
-reference on the same weights dequantized, and the row-range workers it calls (kernels/quant.py) against
+reference on the same weights dequantized, and the row-range workers it calls (kernels/quant) against
 `x @ dequantize(w).T` for every type a GGUF file holds."""
 
 import numpy as np
@@ -10,6 +10,7 @@ from hypothesis.extra import numpy as hnp
 
 import npllm
 from npllm import quant
+from npllm.quant import oracle
 from npllm.config import ModelConfig
 from npllm.formats import read_checkpoint
 from npllm.formats.gguf import TensorData, model_metadata, model_tensors, read_gguf, read_gguf_quantized, write_gguf, \
@@ -36,7 +37,7 @@ def matrix_bytes(draw, qtype):
         return np.ascontiguousarray(raw).reshape(N, -1), K
     blocks = draw(st.integers(1, 2 if t.block_size == 256 else 4), label="blocks per row")
     raw = draw(hnp.arrays(np.uint8, (N * blocks, t.block_bytes)))
-    for at in quant.SCALE_FIELDS[qtype]:
+    for at in t.scale_fields:
         scale = draw(hnp.arrays(np.float16, N * blocks, elements=st.floats(-2, 2, width=16)))
         raw[:, at:at + 2] = scale.view(np.uint8).reshape(-1, 2)
     return raw.reshape(N, -1), blocks * t.block_size
@@ -53,6 +54,8 @@ def near(got, w, x):
 @settings(max_examples=8, deadline=None)
 @given(data=st.data())
 def test_row_workers_are_the_reference(qtype, data):
+    """Rows of every type decode to the NumPy dequantizer's bits (embedding lookups); the float types' products on
+    float32 activations (one token, and panels of several) are x W^T to float32 rounding."""
     raw, K = data.draw(matrix_bytes(qtype))
     raw.flags.writeable = False  # as a memory map gives them
     N, code = raw.shape[0], quant.TYPES[qtype].type_id
@@ -62,6 +65,11 @@ def test_row_workers_are_the_reference(qtype, data):
     n0 = data.draw(st.integers(0, (N - 1) // 16), label="first panel") * 16  # matmul ranges start on a panel
     n1 = data.draw(st.integers(n0 + 1, N), label="end")
 
+    row = np.empty(K, np.float32)
+    kq.decode_row(code, raw, n1 - 1, row)
+    np.testing.assert_array_equal(row, w[n1 - 1])
+    if qtype not in kq.FLOAT_TYPES:  # the block types' products run interleaved (test_kernels_quant_int8.py)
+        return
     out = np.full((T, N + 3), np.nan, np.float32)
     kq.matmul_rows(code, raw, x, T, out, 3, n0, n1)
     assert near(out[:, 3 + n0:3 + n1], w[n0:n1], x)
@@ -69,9 +77,6 @@ def test_row_workers_are_the_reference(qtype, data):
     vec = np.full(N + 2, np.nan, np.float32)
     kq.matvec_rows(code, raw, x[0], sums, vec, 2, n0, n1)
     assert near(vec[2 + n0:2 + n1], w[n0:n1], x[0])
-    row = np.empty(K, np.float32)
-    kq.decode_row(code, raw, n1 - 1, row)
-    np.testing.assert_array_equal(row, w[n1 - 1])
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -93,13 +98,13 @@ def load(path, backend="numba"):
 def assert_follows_reference(path, tokens=TOKENS):
     """Prefill logits and token-by-token decode logits of the numba model (weights kept in their types) equal the
     reference model's on the file's weights: dequantized, with the products of the INT8_ACTIVATION_TYPES taken
-    on 8-bit activations as the Numba model takes them (quant.Int8ActivationMatrix)."""
+    on 8-bit activations as the Numba model takes them (oracle.Int8ActivationMatrix)."""
     llm = load(path)
     assert isinstance(llm.model, QuantizedNumbaTransformer)
     config, tensors = read_gguf_quantized(path)
-    reference = Transformer(config, quant.with_int8_activations(tensors)).logits(tokens)
+    reference = Transformer(config, oracle.with_int8_activations(tensors)).logits(tokens)
     logits = llm.model.logits(tokens)
-    if any(isinstance(m, quant.Int8ActivationMatrix) for m in quant.with_int8_activations(tensors).values()):
+    if any(isinstance(m, oracle.Int8ActivationMatrix) for m in oracle.with_int8_activations(tensors).values()):
         # Rounding x to 8 bits is a step function: float32 sums taken in another order than NumPy's move an
         # activation across a rounding boundary now and then, one step of d = max|x| / 127 in one block, and the
         # layers after carry that on. A product in the wrong type, row or column would be off by O(1) of the scale.
@@ -114,7 +119,8 @@ def assert_follows_reference(path, tokens=TOKENS):
     return llm
 
 
-@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                                   "IQ4_XS"])
 def test_quantized_model_is_the_reference_on_each_type(tmp_path, qtype):
     """Every matrix of one type; a vocabulary of 99, so that the LM head's last interleaved group holds 3 rows."""
     config = tiny(vocab_size=99)
@@ -177,8 +183,8 @@ def test_two_and_three_bit_k_quants_follow_the_reference(tmp_path, qtype):
     W = np.abs(quant.dequantize(table.raw, qtype, table.shape).astype(np.float64))
     for T in (1, 6):  # a decode step's kernels, and tiles
         h = rng.standard_normal((T, config.dim)).astype(np.float32)
-        oracle = quant.matmul_t_two_part_activations(table.raw, qtype, table.shape, h)
-        assert np.all(np.abs(llm.model.lm_head(h) - oracle) <= 1e-5 * (np.abs(h) @ W.T))
+        expected = oracle.matmul_t_two_part_activations(table.raw, qtype, table.shape, h)
+        assert np.all(np.abs(llm.model.lm_head(h) - expected) <= 1e-5 * (np.abs(h) @ W.T))
 
 
 def write_mixed(path, config, seed: int, types: dict):
@@ -224,8 +230,8 @@ def test_two_part_and_one_part_types_share_a_product(tmp_path):
     q = llm.model.packed  # the first layer's q, k, v products alone, against the oracle of each one's type
     out = np.empty((3, q.mats[0, 2] + q.mats[1, 2] + q.mats[2, 2]), np.float32)
     products_into(q.pool, q.mats, 0, np.int64(3), h, 3, out, 1)
-    oracle = quant.with_int8_activations(layer)
-    expected = np.concatenate([oracle[f"layers.0.{n}"].matmul_t(h) for n in ("wq", "wk", "wv")], axis=1)
+    as_numba = oracle.with_int8_activations(layer)
+    expected = np.concatenate([as_numba[f"layers.0.{n}"].matmul_t(h) for n in ("wq", "wk", "wv")], axis=1)
     W = np.concatenate([np.abs(layer[f"layers.0.{n}"].dequantize()) for n in ("wq", "wk", "wv")])
     assert np.all(np.abs(out - expected) <= 1e-5 * (np.abs(h) @ W.T))
 
@@ -253,7 +259,11 @@ def test_a_loaded_quantized_model_holds_no_float32_matrix(tmp_path, qtype):
     if interleaved:
         wq = packed.mats[0]
         stored = packed.pool[wq[0]:wq[0] + wq[2] * wq[4]].reshape(wq[2] // 8, -1)
-        np.testing.assert_array_equal(quant.deinterleave_rows(stored, qtype), tensors["layers.0.wq"].raw)
+        raw = tensors["layers.0.wq"].raw
+        for n in range(len(raw)):  # each row gathers back to the file's (an embedding lookup's gather)
+            row = np.empty(raw.shape[1], np.uint8)
+            kq.gather_interleaved_row(wq[1], stored, n, row)
+            np.testing.assert_array_equal(row, raw[n])
     smallest_matrix = 4 * config.n_kv_heads * config.head_dim * config.dim  # wk as float32
     for name, array in packed._asdict().items():
         assert array.dtype != np.float32 or array.nbytes < smallest_matrix, name

@@ -8,14 +8,14 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from npllm import quant
-from npllm.quant import QK_K, QuantizationError
+from npllm.quant import QK_K, QuantizationError, iq4, kfit
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 # byte offsets of the float16 scales in each block: the only fields whose bits can spell inf or NaN
 HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82],
-               "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+               "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
 QUANTIZED = list(HALF_FIELDS)
 
 
@@ -48,7 +48,24 @@ def test_type_table_agrees_with_the_gguf_package():
     for t in quant.TYPES.values():  # the reader's layout table (every ggml type) agrees on the ones npllm computes
         assert (GGML_TYPES[t.type_id].name, GGML_TYPES[t.type_id].block_size, GGML_TYPES[t.type_id].block_bytes) == (
             t.name, t.block_size, t.block_bytes)
+    assert GGML_TYPES is quant.TYPES_BY_ID  # one table
     assert quant.TYPES["Q4_K"].bits_per_value == 4.5 and quant.TYPES["Q8_0"].nbytes((3, 64)) == 3 * 2 * 34
+    assert {name: list(t.scale_fields) for name, t in quant.TYPES.items() if t.block_size > 1} == HALF_FIELDS
+
+
+def test_every_list_of_types_derives_from_the_records():
+    """The lists other modules read come from the QuantType records: what is read, written, interleaved, on which
+    activations; the mixtures name types npllm writes; the CLI offers every type npllm writes and every mixture."""
+    from npllm.cli import QUANTIZE_TYPES
+
+    types = quant.TYPES.values()
+    assert list(quant.QUANTIZE) == [t.name for t in types if t.quantize is not None]
+    assert quant.INTERLEAVED_TYPES == tuple(t.name for t in types if t.interleaved_bytes)
+    assert quant.TWO_PART_ACTIVATION_TYPES == ("Q2_K", "Q3_K")
+    assert set(quant.INT8_ACTIVATION_TYPES) == set(quant.INTERLEAVED_TYPES)  # every block type, none of the floats
+    assert {"IQ4_NL", "IQ4_XS"} <= set(quant.INTERLEAVED_TYPES) & set(quant.QUANTIZE)
+    assert all(name in quant.QUANTIZE for pair in quant.MIXTURES.values() for name in pair)
+    assert set(QUANTIZE_TYPES) == {name.lower() for name in (*quant.QUANTIZE, *quant.MIXTURES)}
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
@@ -108,7 +125,7 @@ def test_quantize_matches_the_reference_quantizer_byte_for_byte(name, data):
 
 
 def k_quant_bound(x: np.ndarray, name: str) -> np.ndarray:
-    """The largest error the covering rule of npllm's K-quants allows, per value (quant._covering_scale_min):
+    """The largest error the covering rule of npllm's K-quants allows, per value (quant.kfit.covering_scale_min):
     half a step, where the step exceeds the sub-block's covering step by at most one grid unit of each scale."""
     slack, tiny = 1 + 2.0**-10, 2.0**-24  # float16 rounding up of a super-scale: relative, or subnormal spacing
     x = x.astype(np.float64)
@@ -170,29 +187,73 @@ def test_k_quant_is_never_worse_than_its_covering_rule(name, data):
 
 
 def test_the_closer_rule_never_takes_a_block_that_reads_as_nan():
-    """_closer compares squared errors; a candidate block whose scale reads as NaN (an error of NaN) loses to any
-    finite one, even listed first (argmin alone would pick the NaN)."""
+    """kfit.closest compares squared errors; a candidate block whose scale reads as NaN (an error of NaN) loses to
+    any finite one, even listed first (argmin alone would pick the NaN)."""
     x = np.random.default_rng(3).standard_normal((2, QK_K)).astype(np.float32)
     good = quant.K_QUANT_RULES["Q4_K"][0](x)
     broken = good.copy().reshape(2, -1)
     broken[0, :2] = np.array([np.nan], np.float16).view(np.uint8)  # block 0's d: a float16 NaN
-    chosen = quant._closer(x, "Q4_K", broken.reshape(-1), good)
+    chosen = kfit.closest(x, quant.dequantize_q4_k, 144, broken.reshape(-1), good)
     assert np.array_equal(chosen.reshape(2, -1)[0], good.reshape(2, -1)[0])
     assert np.array_equal(chosen.reshape(2, -1)[1], broken[1])  # a tie: the first candidate
 
 
 @pytest.mark.parametrize("name,worst", [("Q2_K", 0.265), ("Q3_K", 0.145), ("Q4_K", 0.072), ("Q5_K", 0.0366),
-                                        ("Q6_K", 0.0170), ("Q8_0", 0.0055)])
+                                        ("Q6_K", 0.0170), ("Q8_0", 0.0055), ("IQ4_NL", 0.074), ("IQ4_XS", 0.075)])
 def test_relative_error_on_gaussian_weights(name, worst):
     """On weight-like data each type lands where its bits put it (relative RMS error ~ 2^-bits). The K-quants'
     fitted scales are what bring them under these bounds: by the covering rule alone they measure Q2_K 0.357,
-    Q3_K 0.164, Q4_K 0.080, Q5_K 0.039, Q6_K 0.0197."""
+    Q3_K 0.164, Q4_K 0.080, Q5_K 0.039, Q6_K 0.0197. The IQ4 types' non-linear levels land below Q4_0's 0.086 (by
+    the plain rule alone: IQ4_NL 0.080, IQ4_XS 0.080)."""
     x = np.random.default_rng(0).standard_normal((64, 1024)).astype(np.float32)
     y = quant.dequantize(quant.quantize(x, name), name).reshape(x.shape)
     assert np.sqrt(np.mean((x - y) ** 2) / np.mean(x**2)) < worst
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "F16"])
+@pytest.mark.parametrize("name", ["IQ4_NL", "IQ4_XS"])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_iq4_quantizers_choose_the_nearest_level_and_beat_the_plain_rule(name, data):
+    """npllm's IQ4 bytes as the gguf package reads them: every value at the level nearest x / step for its block's
+    (sub-block's) stored step, and per block (super-block) no further from the values, in squared error, than the
+    plain rule's (the largest value at level -127)."""
+    size = 32 if name == "IQ4_NL" else QK_K
+    x = data.draw(weight_rows(size))
+    raw = quant.quantize(x, name)
+    assert raw.size == x.size // size * quant.TYPES[name].block_bytes
+    y = reference_dequantize(raw, name).astype(np.float64).reshape(-1, size // 32 if size > 32 else 1, 32)
+    blocks = raw.reshape(-1, quant.TYPES[name].block_bytes)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float64)
+    if name == "IQ4_XS":
+        d = d * iq4._iq4_xs_scales(blocks).astype(np.float64)  # [nb, 8]: each sub-block's step
+    steps = d.reshape(y.shape[0], -1, 1)
+    levels = quant.KVALUES.astype(np.float64)
+    x64 = x.astype(np.float64).reshape(y.shape)
+    nearest = np.abs(x64[..., None] - steps[..., None] * levels).min(axis=-1)
+    assert np.all(np.abs(y - x64) <= nearest * (1 + 1e-6) + 1e-30)
+    if name == "IQ4_NL":
+        step = iq4._as_half(iq4.plain_step(x.reshape(-1, 32))[:, None]).copy().view(np.float16).astype(np.float32)
+        plain_y = step * iq4._levels(iq4._nearest_indices(x.reshape(-1, 32), step[:, 0]))
+        plain_error = ((plain_y.astype(np.float64) - x.reshape(-1, 32)) ** 2).sum(axis=1)
+    else:
+        plain_error = squared_error_per_super_block(iq4._iq4_xs_rule(False)(x), name, x)
+    error = ((y - x64) ** 2).reshape(len(plain_error), -1).sum(axis=1)
+    assert np.all(error <= plain_error)
+
+
+@given(v=hnp.arrays(np.float32, 64, elements=st.floats(-300, 300, width=32)
+                   | st.sampled_from([float(m) for m in iq4._MIDPOINTS])))
+def test_the_nearest_level_table_is_the_nearest_level(v):
+    """iq4's table of half-unit bins gives the index of the nearest level, the lower one on a tie (the midpoints
+    themselves are drawn), as a search of the midpoints does."""
+    expected = np.searchsorted(iq4._MIDPOINTS, v)  # side "left": v equal to a midpoint takes the lower level
+    assert np.array_equal(iq4._nearest_indices(v[None], np.float32([1.0]))[0], expected)
+    levels = quant.KVALUES.astype(np.float64)
+    distance = np.abs(v[:, None].astype(np.float64) - levels)
+    assert np.all(distance[np.arange(64), expected] == distance.min(axis=1))
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "F16", "IQ4_NL", "IQ4_XS"])
 def test_quantize_refuses_what_it_cannot_store(name):
     with pytest.raises(QuantizationError, match="not finite"):
         quant.quantize(np.full((1, 256), np.nan, np.float32), name)

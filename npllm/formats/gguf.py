@@ -31,7 +31,7 @@ import numpy as np
 
 from ..config import ModelConfig, RopeScaling
 from ..errors import ConfigError, FormatError
-from ..quant import DEQUANTIZE
+from ..quant import DEQUANTIZE, MIXTURES, TYPES_BY_ID, QuantType
 from ..tensors import check_weights
 
 MAGIC = b"GGUF"
@@ -49,23 +49,9 @@ SCALAR_TYPES = {
 }
 
 
-@dataclass(frozen=True)
-class GGMLType:
-    name: str
-    block_size: int  # values per block
-    block_bytes: int  # bytes per block
-
-
-# ggml tensor types by id. Sizes are listed for every type npllm can lay out (to validate a file and describe it);
+# ggml tensor types by id: quant's table of every type npllm lays out (to validate a file and describe it);
 # npllm.quant.DEQUANTIZE says which ones it can turn into numbers.
-GGML_TYPES = {
-    0: GGMLType("F32", 1, 4), 1: GGMLType("F16", 1, 2), 2: GGMLType("Q4_0", 32, 18), 3: GGMLType("Q4_1", 32, 20),
-    6: GGMLType("Q5_0", 32, 22), 7: GGMLType("Q5_1", 32, 24), 8: GGMLType("Q8_0", 32, 34),
-    9: GGMLType("Q8_1", 32, 36), 10: GGMLType("Q2_K", 256, 84), 11: GGMLType("Q3_K", 256, 110),
-    12: GGMLType("Q4_K", 256, 144), 13: GGMLType("Q5_K", 256, 176), 14: GGMLType("Q6_K", 256, 210),
-    15: GGMLType("Q8_K", 256, 292), 24: GGMLType("I8", 1, 1), 25: GGMLType("I16", 1, 2),
-    26: GGMLType("I32", 1, 4), 27: GGMLType("I64", 1, 8), 28: GGMLType("F64", 1, 8), 30: GGMLType("BF16", 1, 2),
-}
+GGML_TYPES = TYPES_BY_ID
 
 
 @dataclass(frozen=True)
@@ -77,7 +63,7 @@ class TensorInfo:
     nbytes: int
 
     @property
-    def type(self) -> GGMLType:
+    def type(self) -> QuantType:
         return GGML_TYPES[self.type_id]
 
 
@@ -810,11 +796,7 @@ def tensor_type_for(shape: tuple[int, ...], wanted: str) -> str:
     return "F16"
 
 
-# The mixtures people download most (the presets of these names in llama.cpp): a base type for most matrices, and
-# one with more bits where an error costs the most: the LM head (the output matrix, or the embedding a tied model
-# reads it from), and the value and FFN-down projections of the first and last eighth of the layers and of every
-# third layer between them.
-MIXTURES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
+# The mixtures (quant.MIXTURES): a base type for most matrices, and one with more bits where an error costs the most.
 
 
 def more_bits(layer: int, n_layers: int) -> bool:
@@ -872,8 +854,8 @@ def model_tensors(config: ModelConfig, weights: dict[str, np.ndarray], wanted: s
 
 def write_gguf(path: str | os.PathLike, config: ModelConfig, weights: dict[str, np.ndarray], type_name: str = "F32",
                tokenizer=None, name: str | None = None, progress=None) -> list[TensorData]:
-    """Write a model as a GGUF file that llama.cpp and npllm read: matrices in `type_name` (F32, F16, Q8_0, Q4_0,
-    Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, or a mixture in MIXTURES: Q4_K_M, Q5_K_M; fallbacks in
+    """Write a model as a GGUF file that llama.cpp and npllm read: matrices in `type_name` (a type of quant.QUANTIZE,
+    or a mixture in quant.MIXTURES: Q4_K_M, Q5_K_M; fallbacks in
     tensor_type_for), vectors in F32, and the tokenizer's vocabulary when one is given. Returns the tensors written
     (for a summary). progress: see model_tensors."""
     meta = model_metadata(config, name or os.path.splitext(os.path.basename(os.fspath(path)))[0])

@@ -188,11 +188,12 @@ def _malloc_trim() -> None:
         pass
 
 
-def cached_here(dispatcher) -> bool:
+def cached_here(dispatcher, accepts=lambda signature: True) -> bool:
     """Whether Numba's cache holds code of `dispatcher` (a cache=True function) compiled for this CPU from its
-    current source (any signature: a miss on another one only means the old path, a compile in this process).
-    Numba's cache index is read as Numba reads it; where it cannot be read, or with a Numba outside TESTED_NUMBA,
-    True (nothing is gained by guessing: the code is compiled here, if it must be, as Numba does)."""
+    current source, for a signature (a tuple of Numba types) that `accepts` takes (any that the caller cannot tell
+    apart: a miss on another one only means the old path, a compile in this process). Numba's cache index is read
+    as Numba reads it; where it cannot be read, or with a Numba outside TESTED_NUMBA, True (nothing is gained by
+    guessing: the code is compiled here, if it must be, as Numba does)."""
     if not internals_tested():
         return True
     try:
@@ -200,7 +201,7 @@ def cached_here(dispatcher) -> bool:
         magic = dispatcher.targetctx.codegen().magic_tuple()  # (target triple, CPU name, CPU features)
     except Exception:  # a Numba whose cache is laid out otherwise
         return True
-    return any(key[1] == magic for key in index)
+    return any(key[1] == magic and accepts(key[0]) for key in index)
 
 
 # --------------------------------------------------------------------------------------------------------------------

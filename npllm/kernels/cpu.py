@@ -16,6 +16,8 @@ position p likewise walks its keys in position order with block boundaries fixed
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 from numba import njit, prange
 
@@ -444,15 +446,31 @@ def _prefetch_row(a, at, n):
         prefetch(a, at + i)
 
 
+# A forward call's tokens grouped by cache slot: sequence s is order[starts[s] : starts[s + 1]], in slot slots[s].
+Sequences = namedtuple("Sequences", ["order", "starts", "slots"])
+# One layer of a ring cache: keys and values k, v [B, C, K, Dh] (float32, or float16 bits as uint16; flattened to
+# [B C K Dh] inside the kernels) and positions [B, C] (the position each entry held before the call, -1 empty).
+LayerRing = namedtuple("LayerRing", ["k", "v", "positions"])
+# Attention's shape: K kv heads of G query heads each, head dim Dh, a query at p sees p - window < position <= p,
+# scores scaled by `scale` (float32 1 / sqrt(Dh)).
+AttentionShape = namedtuple("AttentionShape", ["K", "G", "Dh", "window", "scale"])
+# One work item's scratch: scores, bases, held, bits [KEY_BLOCK]; stats [QUERY_BLOCK, 2, G] (running max and sum).
+Scratch = namedtuple("Scratch", ["scores", "bases", "held", "bits", "stats"])
+
+
 @njit(inline="always")
-def _key_block(keys, values, ring_pos, b, g, K, C, Dh, p0, p1, valid_from, bases, held):
+def _key_block(ring, shape, b, g, p0, p1, valid_from, bases, held):
     """Where the keys of positions p0 .. p1-1 (kv head g, slot b) lie and whether the ring holds them:
     bases[j] = offset of position p0 + j's key (and value) row, held[j] = whether it counts.
 
     A key at position >= valid_from is known to be there (written by this call, or checked once per call);
     an older one counts only if ring_pos (the positions held before this call) says so. Each position also asks
     for the key PREFETCH_AHEAD positions on and for its own value row, so cold rows arrive before they are read.
+    ring: LayerRing of flat keys and values; shape: AttentionShape.
     """
+    keys, values, ring_pos = ring.k, ring.v, ring.positions  # attributes: parfors' array analysis fails on unpacking
+    K, Dh = shape.K, shape.Dh
+    C = ring_pos.shape[1]
     r = p0 % C  # ring index of position p0 + j, advanced without a division per key
     ahead = (p0 + PREFETCH_AHEAD) % C  # ring index PREFETCH_AHEAD positions further on
     for j in range(p1 - p0):
@@ -479,18 +497,20 @@ def _score_block(q, q_col, keys, bases, held, n, Dh, scale, scores):
 
 
 @njit(inline="always")
-def _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K, Dh, window, valid_from, scale,
-                    scores, bases, held, bits, stats, out):
-    """Attention of Q consecutive queries of one sequence (positions first_pos .. first_pos+Q-1, token rows
-    rows[0 .. Q-1]), each through the G query heads of kv head g, over the ring of slot b.
+def _attend_queries(qkv, rows, first_pos, g, b, valid_from, ring, shape, scratch, out):
+    """Attention of Q = len(rows) consecutive queries of one sequence (positions first_pos .. first_pos+Q-1, token
+    rows rows[0 .. Q-1]), each through the G query heads of kv head g, over the ring of slot b (a LayerRing of flat
+    keys and values; shape: AttentionShape).
 
     Query p sees positions lo = max(0, p - window + 1) .. p, visited in blocks aligned to multiples of KEY_BLOCK
     (so the blocks, and every rounding, depend on p alone: one query at a time gives the same bits). The Q queries
     take each block in turn, so its keys and values are read from memory once and from cache Q - 1 times, and
-    where its rows lie (_key_block) is worked out once.
-    scores [KEY_BLOCK], bases, held, bits [KEY_BLOCK]: scratch; stats [Q, 2, G]: running max and sum per query head.
+    where its rows lie (_key_block) is worked out once. scratch: a Scratch (stats [Q, 2, G] running max and sum per
+    query head).
     """
-    C = ring_pos.shape[1]
+    G, Dh, window, scale = shape.G, shape.Dh, shape.window, shape.scale
+    scores, bases, held, bits, stats = scratch.scores, scratch.bases, scratch.held, scratch.bits, scratch.stats
+    Q = rows.shape[0]
     for i in range(Q):
         for hh in range(G):
             stats[i, 0, hh], stats[i, 1, hh] = -np.inf, 0.0
@@ -499,8 +519,7 @@ def _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K,
     lo_first = max(0, first_pos - window + 1)
     for block in range(lo_first - lo_first % KEY_BLOCK, first_pos + Q, KEY_BLOCK):
         p0 = max(block, lo_first)  # the block's first position any query sees; bases[j] is position p0 + j
-        _key_block(keys, values, ring_pos, b, g, K, C, Dh, p0, min(block + KEY_BLOCK, first_pos + Q), valid_from,
-                   bases, held)
+        _key_block(ring, shape, b, g, p0, min(block + KEY_BLOCK, first_pos + Q), valid_from, bases, held)
         for i in range(Q):
             p = first_pos + i
             j0, j1 = max(block, p - window + 1, 0), min(block + KEY_BLOCK, p + 1)
@@ -510,8 +529,8 @@ def _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K,
             key_bases, key_held = bases[j0 - p0:], held[j0 - p0:]
             for hh in range(G):
                 col = (g * G + hh) * Dh
-                _score_block(q, col, keys, key_bases, key_held, j1 - j0, Dh, scale, scores)
-                stats[i, 0, hh], stats[i, 1, hh] = _online_softmax_block(scores, key_bases, j1 - j0, values, o, col,
+                _score_block(q, col, ring.k, key_bases, key_held, j1 - j0, Dh, scale, scores)
+                stats[i, 0, hh], stats[i, 1, hh] = _online_softmax_block(scores, key_bases, j1 - j0, ring.v, o, col,
                                                                          Dh, stats[i, 0, hh], stats[i, 1, hh], bits)
     for i in range(Q):
         for hh in range(G):
@@ -520,16 +539,16 @@ def _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K,
 
 
 @njit(cache=True)
-def valid_from_into(positions, order, seq_starts, seq_slots, ring_pos, window, out):
+def valid_from_into(positions, seqs, ring_pos, window, out):
     """out[s] = the oldest position from which sequence s's keys are all present: its first position in this call,
     extended back over the contiguous run of positions the ring holds (at most a window's worth).
 
     Checking this once per call spares attention a lookup in ring_pos per key.
     """
     C = ring_pos.shape[1]
-    for s in range(seq_slots.shape[0]):
-        b = seq_slots[s]
-        first = positions[order[seq_starts[s]]]
+    for s in range(seqs.slots.shape[0]):
+        b = seqs.slots[s]
+        first = positions[seqs.order[seqs.starts[s]]]
         q = first
         while q > 0 and q > first - window and ring_pos[b, (q - 1) % C] == q - 1:
             q -= 1
@@ -537,17 +556,16 @@ def valid_from_into(positions, order, seq_starts, seq_slots, ring_pos, window, o
 
 
 @njit(parallel=True, cache=True)
-def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, valid_from, ring_k, ring_v, ring_pos,
-                        window, out):
+def attention_ring_into(qkv, H, K, positions, seqs, valid_from, ring, window, out):
     """Causal attention of this call's tokens over the ring cache, writing their keys and values into it.
 
         qkv       [T, (H + 2K) Dh]  rotated queries (heads 0..H-1), rotated keys, values, per token
-        order     [T]   token indices grouped by sequence, each sequence's tokens in position order;
-                        sequence s is order[seq_starts[s] : seq_starts[s + 1]], in cache slot seq_slots[s]
+        seqs      Sequences: token indices grouped by sequence (order [T]), each sequence's tokens in position
+                  order; sequence s is order[starts[s] : starts[s + 1]], in cache slot slots[s]
         valid_from [n_seq]  see valid_from_into
-        ring_k/v  [B, C, K, Dh]  one layer of the cache, float32 or float16 bits (uint16: keys and values are
-                  rounded to float16 when stored, widened when read)
-        ring_pos  [B, C]  the positions the ring held before the call
+        ring      LayerRing: k, v [B, C, K, Dh] one layer of the cache, float32 or float16 bits (uint16: keys and
+                  values are rounded to float16 when stored, widened when read); positions [B, C] those the ring
+                  held before the call
         out       [T, H Dh]
 
     One work item per (sequence, kv head). It takes the sequence's tokens QUERY_BLOCK at a time: stores their keys
@@ -555,12 +573,14 @@ def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, vali
     storing a block would overwrite a key that one of its own queries still needs (a ring shorter than the prompt),
     the tokens go one at a time. A query at position p sees positions max(0, p - window + 1) .. p.
     """
-    B, C, _, Dh = ring_k.shape
+    B, C, _, Dh = ring.k.shape
     G = H // K
-    scale = np.float32(1.0 / np.sqrt(Dh))
-    keys = ring_k.reshape(B * C * K * Dh)
-    values = ring_v.reshape(B * C * K * Dh)
-    n_items = seq_slots.shape[0] * K
+    shape = AttentionShape(K, G, Dh, window, np.float32(1.0 / np.sqrt(Dh)))
+    keys = ring.k.reshape(B * C * K * Dh)
+    values = ring.v.reshape(B * C * K * Dh)
+    flat = LayerRing(keys, values, ring.positions)
+    order, seq_starts = seqs.order, seqs.starts
+    n_items = seqs.slots.shape[0] * K
     scores = np.empty((n_items, KEY_BLOCK), np.float32)  # scratch, one row per work item
     bases = np.empty((n_items, KEY_BLOCK), np.int64)
     held = np.empty((n_items, KEY_BLOCK), np.bool_)
@@ -568,7 +588,7 @@ def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, vali
     stats = np.empty((n_items, QUERY_BLOCK, 2, G), np.float32)
     for item in prange(n_items):
         s, g = item // K, item % K
-        b = seq_slots[s]
+        b = seqs.slots[s]
         i = seq_starts[s]
         while i < seq_starts[s + 1]:
             first_pos = positions[order[i]]
@@ -581,8 +601,8 @@ def attention_ring_into(qkv, H, K, positions, order, seq_starts, seq_slots, vali
                 for d in range(Dh):
                     store_kv(keys, slot_base + d, qkv[t, (H + g) * Dh + d])
                     store_kv(values, slot_base + d, qkv[t, (H + K + g) * Dh + d])
-            _attend_queries(qkv, rows, first_pos, Q, g, G, keys, values, ring_pos, b, K, Dh, window, valid_from[s],
-                            scale, scores[item], bases[item], held[item], bits[item], stats[item], out)
+            _attend_queries(qkv, rows, first_pos, g, b, valid_from[s], flat, shape,
+                            Scratch(scores[item], bases[item], held[item], bits[item], stats[item]), out)
             i += Q
 
 

@@ -3,9 +3,10 @@
 Every stage is a *device function* that walks its work items (token rows, heads, output tiles) in a block-strided
 loop: item i is done by block i % nblocks, so any grid size is correct. A kernel for one stage is a thin wrapper
 calling it with its own block index. The step kernels (`decode_step_kernel` with matrix-vector products for up to
-8 tokens, `batch_step_kernel` with tiled products for more) call the same device functions one after another
-with a grid-wide barrier between them, so a whole forward pass (all layers) is one launch: numba spends about
-10 us plus 4 us per array argument on every launch, which would otherwise dominate decoding.
+8 tokens, `batch_step_kernel` with tiled products for more: one body, `_step_kernel`, given the products) call
+the same device functions one after another with a grid-wide barrier between them, so a whole forward pass (all
+layers) is one launch: numba spends about 10 us plus 4 us per array argument on every launch, which would
+otherwise dominate decoding.
 
 Arrays (row-major, float32 unless said; weights may be stored float16 and are widened as they are read, or as
 Q8_0 blocks, see `weight_reader`):
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import namedtuple
 from dataclasses import dataclass
 
 import numpy as np
@@ -870,123 +872,129 @@ def compact_kernel(ndim: int):
     return kernel
 
 
-@functools.cache
-def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool, q8_0: bool = False):
-    """A whole forward pass of up to `rows` tokens (all layers, then the final norm) in one cooperative launch.
+# The step kernels' arguments, grouped by meaning (numba.cuda passes a tuple of device arrays and numbers to a kernel
+# as its members; models/cuda.py kernel_record makes the simulator do the same):
+#     weights  tok_embeddings [V, D], stacked over layers norms [L, 2, D] (attention, ffn), wqkv [L, W, D], bqkv
+#              [L, W], wo [L, D, H Dh], w13 (see each kernel), w2 [L, D, F]; final_norm [D] (q8_0: matrices in blocks)
+#     shape    eps (float32), n_heads, n_kv, head_dim, window (int32), scale (float32, 1 / sqrt(head_dim))
+#     cache    the ring: k, v [L, B, C, K, Dh], positions [B, C] int32
+#     work     buffers x, xn [T, D], qkv [T, W], att [T, H Dh], gate_up [T, 2F], h [T, F], scores [blocks, C + T]
+StepWeights = namedtuple("StepWeights", ["tok_embeddings", "norms", "wqkv", "bqkv", "wo", "w13", "w2", "final_norm"])
+StepShape = namedtuple("StepShape", ["eps", "n_heads", "n_kv", "head_dim", "window", "scale"])
+StepCache = namedtuple("StepCache", ["k", "v", "positions"])
+StepWork = namedtuple("StepWork", ["x", "xn", "qkv", "att", "gate_up", "h", "scores"])
 
-    The stages are the device functions above, in the order the reference Transformer runs them, separated by grid-wide
+
+def _step_kernel(products, interleaved: bool, q8_0: bool, threads: int, shared: tuple):
+    """A whole forward pass (all layers, then the final norm) in one cooperative launch, the products given.
+
+    The stages are the device functions above, in the reference Transformer's order, separated by grid-wide
     barriers (every block finishes a stage before any starts the next):
-        embed | per layer: [norm + qkv] [bias + rope] [attention] [kv write + wo + residual]
-                           [norm + gate/up + SwiGLU] [w2 + residual] | final norm + commit positions
-    Weights are stacked over layers: norms [L, 2, D] (attention, ffn), wqkv [L, W, D], bqkv [L, W], wo [L, D, H Dh],
-    w13 [L, 2, F, D], w2 [L, D, F] (with q8_0 the embedding and these matrices are Q8_0 blocks, last axis / 32).
-    The grid must fit on the device at once (a cooperative launch).
-    """
-    qkv_proj = matvec_rows(rows, threads, lanes, True, False, False, q8_0)
-    residual_proj = matvec_rows(rows, threads, lanes, False, True, False, q8_0)
-    gate_up_proj = matvec_rows(rows, threads, lanes, True, False, True, q8_0)
+        embed | per layer: [normed: norm + qkv] [bias + rope] [attention] [kv write + residual: wo]
+                           [gated: norm + gate/up + SwiGLU] [residual: w2] | final norm + commit positions
+    products = (normed, gated, residual), the variant's device functions (they may keep barriers of their own):
+        normed(x, g, eps, w, y, work, xs, tile, red, scale, block, nblocks)   y = rms_norm(x, g) W^T
+        gated(...the same)                                                    y = swiglu(rms_norm(x, g) W13^T)
+        residual(x, w, y, xs, tile, red, scale, block, nblocks)               y += x W^T
+    shared: the shapes of xs, tile and scale. kernel(weights, shape, cos, sin, meta, cache, work, hidden): records
+    as above, cos, sin [P, Dh/2], meta [6, T], hidden [T, D] out. The grid must fit on the device at once."""
+    normed, gated, residual = products
     embed = embed_rows(q8_0)
     bias_rope = bias_rope_rows(interleaved)
-    xs_shape, part_shape = (rows, matvec_tile(rows)), (2 * MAX_ROWS, threads)
+    xs_shape, tile_shape, scale_shape = shared
     vacc_size = max(threads, MAX_HEAD_DIM)
-    # ptxas (sm_90) wants ~135 registers per thread for this kernel: one block of 256 threads per SM. Capped at
-    # 128 (under 200 bytes spilled) two blocks fit: twice the loads in flight. The simulator has no such option.
+    # ptxas (sm_90) wants ~135 registers per thread for the decode kernel: one block of 256 threads per SM. Capped
+    # at 128 (under 200 bytes spilled) two blocks fit: twice the loads in flight. The simulator has no such option.
     options = {} if numba_config.ENABLE_CUDASIM else {"max_registers": 128}
 
     @cuda.jit(**options)
-    def kernel(tok_embeddings, norms, wqkv, bqkv, wo, w13, w2, final_norm, eps, n_heads, n_kv, head_dim,
-               cos, sin, meta, ring_k, ring_v, ring_pos, window, scale, x, qkv, att, h, scores, hidden):
+    def kernel(weights, shape, cos, sin, meta, cache, work, hidden):
         xs = cuda.shared.array(xs_shape, np.float32)
-        part = cuda.shared.array(part_shape, np.float32)
+        tile = cuda.shared.array(tile_shape, np.float32)
         red = cuda.shared.array(threads, np.float32)
         red2 = cuda.shared.array(threads, np.float32)
-        scale_rows = cuda.shared.array(rows, np.float32)
+        scale_rows = cuda.shared.array(scale_shape, np.float32)
         qs = cuda.shared.array(MAX_HEAD_DIM, np.float32)
         vacc = cuda.shared.array(vacc_size, np.float32)
         grid = cuda.cg.this_grid()
         block, nblocks = cuda.blockIdx.x, cuda.gridDim.x
+        eps, n_heads, n_kv, head_dim, window, scale = shape
+        x, qkv, att, h, scores = work.x, work.qkv, work.att, work.h, work.scores
         attending = nblocks if nblocks < scores.shape[0] else scores.shape[0]  # a row of scores per block
-        embed(tok_embeddings, meta, x, block, nblocks)
+        embed(weights.tok_embeddings, meta, x, block, nblocks)
         grid.sync()
-        for layer in range(wqkv.shape[0]):
-            qkv_proj(x, norms[layer, 0], eps, wqkv[layer], qkv, xs, part, red, scale_rows, block, nblocks)
+        for layer in range(weights.wqkv.shape[0]):
+            normed(x, weights.norms[layer, 0], eps, weights.wqkv[layer], qkv, work, xs, tile, red, scale_rows, block,
+                   nblocks)
             grid.sync()
-            bias_rope(qkv, bqkv[layer], n_heads + n_kv, head_dim, cos, sin, meta, block, nblocks)
+            bias_rope(qkv, weights.bqkv[layer], n_heads + n_kv, head_dim, cos, sin, meta, block, nblocks)
             grid.sync()
             if block < attending:
-                attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k[layer], ring_v[layer], ring_pos,
+                attention_rows(qkv, meta, n_heads, n_kv, head_dim, cache.k[layer], cache.v[layer], cache.positions,
                                window, scale, scores, att, qs, vacc, red, red2, block, attending)
             grid.sync()
-            kv_write_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k[layer], ring_v[layer], block, nblocks)
-            residual_proj(att, final_norm, eps, wo[layer], x, xs, part, red, scale_rows, block, nblocks)
+            kv_write_rows(qkv, meta, n_heads, n_kv, head_dim, cache.k[layer], cache.v[layer], block, nblocks)
+            residual(att, weights.wo[layer], x, xs, tile, red, scale_rows, block, nblocks)
             grid.sync()
-            gate_up_proj(x, norms[layer, 1], eps, w13[layer], h, xs, part, red, scale_rows, block, nblocks)
+            gated(x, weights.norms[layer, 1], eps, weights.w13[layer], h, work, xs, tile, red, scale_rows, block,
+                  nblocks)
             grid.sync()
-            residual_proj(h, final_norm, eps, w2[layer], x, xs, part, red, scale_rows, block, nblocks)
+            residual(h, weights.w2[layer], x, xs, tile, red, scale_rows, block, nblocks)
             grid.sync()
-        rms_norm_rows(x, final_norm, eps, hidden, red, block, nblocks)
-        commit_positions(meta, ring_pos, block, nblocks)
+        rms_norm_rows(x, weights.final_norm, eps, hidden, red, block, nblocks)
+        commit_positions(meta, cache.positions, block, nblocks)
 
     return kernel
+
+
+@functools.cache
+def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool, q8_0: bool = False):
+    """_step_kernel with matrix-vector products for up to `rows` tokens: the RMSNorms fused into the products
+    that read them (normed, gated), SwiGLU into the gate/up product (matvec_rows' variants). w13 [L, 2, F, D]."""
+    qkv_proj = matvec_rows(rows, threads, lanes, True, False, False, q8_0)
+    gate_up_proj = matvec_rows(rows, threads, lanes, True, False, True, q8_0)
+    residual_proj = matvec_rows(rows, threads, lanes, False, True, False, q8_0)
+
+    @cuda.jit(device=True)
+    def normed(x, g, eps, w, y, work, xs, part, red, scale, block, nblocks):
+        qkv_proj(x, g, eps, w, y, xs, part, red, scale, block, nblocks)
+
+    @cuda.jit(device=True)
+    def gated(x, g, eps, w, y, work, xs, part, red, scale, block, nblocks):
+        gate_up_proj(x, g, eps, w, y, xs, part, red, scale, block, nblocks)
+
+    @cuda.jit(device=True)
+    def residual(x, w, y, xs, part, red, scale, block, nblocks):  # no norm: the gain (`scale` here) is not read
+        residual_proj(x, scale, np.float32(0), w, y, xs, part, red, scale, block, nblocks)
+
+    shared = ((rows, matvec_tile(rows)), (2 * MAX_ROWS, threads), rows)
+    return _step_kernel((normed, gated, residual), interleaved, q8_0, threads, shared)
 
 
 @functools.cache
 def batch_step_kernel(tile: tuple[int, int, int, int, int], interleaved: bool, q8_0: bool = False):
-    """decode_step_kernel for calls of any number of tokens (larger decode batches, prefill): the same stages in
-    one cooperative launch, the products by tiled matrix-matrix stages (a weight tile read once serves BM tokens),
-    so the RMSNorms and SwiGLU get stages of their own:
-        embed | per layer: [norm] [qkv] [bias + rope] [attention] [kv write + wo + residual] [norm] [gate/up]
-                           [SwiGLU] [w2 + residual] | final norm + commit positions
-    Blocks have the tile's (BM / TM) (BN / TN) threads. Weights as decode_step_kernel's, but w13 [L, 2F, D] (W1's
-    rows, then W3's); buffers xn [T, D] and gate_up [T, 2F] besides.
-    """
+    """_step_kernel for any number of tokens (larger decode batches, prefill): tiled matrix-matrix products (a
+    weight tile read once serves BM tokens), so the RMSNorms (into work.xn) and SwiGLU (from work.gate_up) get
+    stages of their own. Blocks of (BM / TM) (BN / TN) threads. w13 [L, 2F, D] (W1's rows, then W3's)."""
     BM, BN, BK, TM, TN = tile
-    threads = (BM // TM) * (BN // TN)
     product = matmul_tiles(tile, False, q8_0)
     residual_product = matmul_tiles(tile, True, q8_0)
-    embed = embed_rows(q8_0)
-    bias_rope = bias_rope_rows(interleaved)
-    xs_shape, ws_shape = (BK, BM), (BK, BN)
-    vacc_size = max(threads, MAX_HEAD_DIM)
-    options = {} if numba_config.ENABLE_CUDASIM else {"max_registers": 128}  # as decode_step_kernel
 
-    @cuda.jit(**options)
-    def kernel(tok_embeddings, norms, wqkv, bqkv, wo, w13, w2, final_norm, eps, n_heads, n_kv, head_dim,
-               cos, sin, meta, ring_k, ring_v, ring_pos, window, scale, x, xn, qkv, att, gate_up, h, scores, hidden):
-        xs = cuda.shared.array(xs_shape, np.float32)
-        ws = cuda.shared.array(ws_shape, np.float32)
-        red = cuda.shared.array(threads, np.float32)
-        red2 = cuda.shared.array(threads, np.float32)
-        qs = cuda.shared.array(MAX_HEAD_DIM, np.float32)
-        vacc = cuda.shared.array(vacc_size, np.float32)
-        grid = cuda.cg.this_grid()
-        block, nblocks = cuda.blockIdx.x, cuda.gridDim.x
-        attending = nblocks if nblocks < scores.shape[0] else scores.shape[0]  # a row of scores per block
-        embed(tok_embeddings, meta, x, block, nblocks)
-        grid.sync()
-        for layer in range(wqkv.shape[0]):
-            rms_norm_rows(x, norms[layer, 0], eps, xn, red, block, nblocks)
-            grid.sync()
-            product(xn, wqkv[layer], qkv, xs, ws, block, nblocks)
-            grid.sync()
-            bias_rope(qkv, bqkv[layer], n_heads + n_kv, head_dim, cos, sin, meta, block, nblocks)
-            grid.sync()
-            if block < attending:
-                attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k[layer], ring_v[layer], ring_pos,
-                               window, scale, scores, att, qs, vacc, red, red2, block, attending)
-            grid.sync()
-            kv_write_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k[layer], ring_v[layer], block, nblocks)
-            residual_product(att, wo[layer], x, xs, ws, block, nblocks)
-            grid.sync()
-            rms_norm_rows(x, norms[layer, 1], eps, xn, red, block, nblocks)
-            grid.sync()
-            product(xn, w13[layer], gate_up, xs, ws, block, nblocks)
-            grid.sync()
-            swiglu_rows(gate_up, h, block, nblocks)
-            grid.sync()
-            residual_product(h, w2[layer], x, xs, ws, block, nblocks)
-            grid.sync()
-        rms_norm_rows(x, final_norm, eps, hidden, red, block, nblocks)
-        commit_positions(meta, ring_pos, block, nblocks)
+    @cuda.jit(device=True)
+    def normed(x, g, eps, w, y, work, xs, ws, red, scale, block, nblocks):
+        rms_norm_rows(x, g, eps, work.xn, red, block, nblocks)
+        cuda.cg.this_grid().sync()
+        product(work.xn, w, y, xs, ws, block, nblocks)
 
-    return kernel
+    @cuda.jit(device=True)
+    def gated(x, g, eps, w, y, work, xs, ws, red, scale, block, nblocks):
+        normed(x, g, eps, w, work.gate_up, work, xs, ws, red, scale, block, nblocks)
+        cuda.cg.this_grid().sync()
+        swiglu_rows(work.gate_up, y, block, nblocks)
+
+    @cuda.jit(device=True)
+    def residual(x, w, y, xs, ws, red, scale, block, nblocks):
+        residual_product(x, w, y, xs, ws, block, nblocks)
+
+    shared = ((BK, BM), (BK, BN), 1)
+    return _step_kernel((normed, gated, residual), interleaved, q8_0, (BM // TM) * (BN // TN), shared)

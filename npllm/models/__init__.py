@@ -132,15 +132,15 @@ def compile_behind(model_class, kv: np.dtype | None, cold_start: str):
     Q4_0 file's 4.4 GB of decoded weights took 16.6 s with a compile starting beside them, 9.6 s without."""
     from numba.core import event
 
-    from ..kernels.compiler import cache_lock, cached_here, compiling, start_detached
-    from .numba import FORWARD, QuantizedNumbaTransformer, child_code
+    from ..kernels.compiler import cache_lock, compiling, start_detached
+    from .numba import FORWARD, QuantizedNumbaTransformer, child_code, code_cached
 
-    lock = cache_lock(FORWARD[model_class])
+    lock = cache_lock(FORWARD)
     if lock is None:
         return None
     # a compile of this class still running may have cached the forward and not the rest: its end says done
     running = compiling(lock)
-    if running != model_class.__name__ and cached_here(FORWARD[model_class]):
+    if running != model_class.__name__ and code_cached(model_class):
         return None
     quantized = model_class is QuantizedNumbaTransformer
     waits = quantized and cold_start == "exact"
@@ -164,9 +164,9 @@ def wait_for_detached(model_class) -> None:
     from ..kernels.compiler import cache_lock, compiling, wait_for_lock
     from .numba import FORWARD
 
-    lock = cache_lock(FORWARD[model_class])
+    lock = cache_lock(FORWARD)
     if lock is not None and compiling(lock) == model_class.__name__:
-        with event.trigger_event("numba:compile", data={"dispatcher": FORWARD[model_class], "args": None,
+        with event.trigger_event("numba:compile", data={"dispatcher": FORWARD, "args": None,
                                                         "return_type": None}):
             wait_for_lock(lock, LOCK_WAIT_S)
 

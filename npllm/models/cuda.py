@@ -320,20 +320,22 @@ class CudaTransformer(Model):
         c, k, g = self.config, self.kernels, self.geometry
         T, L = ws.x.shape[0], c.n_layers
         interleaved = c.rope_layout == "interleaved"
-        head = (self.tok_embeddings, self.norms, self.wqkv, self.bqkv, self.wo)
-        tail = (np.float32(c.norm_eps), *self._heads(), self.cos, self.sin, ws.meta, cache.k, cache.v,
-                cache.positions, np.int32(self.window(cache)), np.float32(1.0 / np.sqrt(c.head_dim)))
         if T <= k.MAX_ROWS:
             rows = 1 if T == 1 else k.MAX_ROWS
             key, threads = ("decode", rows), g.threads
             kernel = k.decode_step_kernel(rows, g.threads, g.lanes, interleaved, self.q8_0)
-            args = (*head, self.w13, self.w2, self.final_norm, *tail, ws.x, ws.qkv, ws.att, ws.h, ws.scores, hidden)
+            w13 = self.w13
         else:
             key, threads = ("batch",), g.matmul_threads
             kernel = k.batch_step_kernel(g.tile, interleaved, self.q8_0)
             w13 = self.w13.reshape(L, 2 * c.hidden_dim, self.w13.shape[3])  # W1's rows, then W3's: one product
-            args = (*head, w13, self.w2, self.final_norm, *tail, ws.x, ws.xn, ws.qkv, ws.att, ws.gate_up, ws.h,
-                    ws.scores, hidden)
+        weights = k.StepWeights(self.tok_embeddings, self.norms, self.wqkv, self.bqkv, self.wo, w13, self.w2,
+                                self.final_norm)
+        shape = k.StepShape(np.float32(c.norm_eps), *self._heads(), np.int32(self.window(cache)),
+                            np.float32(1.0 / np.sqrt(c.head_dim)))
+        work = k.StepWork(ws.x, ws.xn, ws.qkv, ws.att, ws.gate_up, ws.h, ws.scores)
+        args = (kernel_record(weights), shape, self.cos, self.sin, ws.meta,
+                kernel_record(k.StepCache(cache.k, cache.v, cache.positions)), kernel_record(work), hidden)
         blocks = self._grids.get(key)
         if blocks is not None:
             kernel[blocks, threads](*args)
@@ -462,6 +464,17 @@ def device_bandwidth_gb_s(mib: int = 2048, repeat: int = 5) -> float:
         cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return 2 * a.nbytes / best / 1e9
+
+
+def kernel_record(record):
+    """A record of device arrays as a kernel argument (kernels.StepWeights, ...). On hardware, as it is. The
+    simulator wraps a kernel's top-level array arguments (so that a record dtype's fields read as attributes,
+    Q8_0's block.d) but not those inside a tuple: here they get the same wrapper."""
+    if not cuda_simulated():
+        return record
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
+
+    return type(record)(*(FakeWithinKernelCUDAArray(v) if isinstance(v, FakeCUDAArray) else v for v in record))
 
 
 UNIFORM_MAX = np.nextafter(np.float32(1), np.float32(0))  # a float64 uniform below 1 may round up to 1 in float32

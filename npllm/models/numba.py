@@ -16,6 +16,7 @@ The Numba model computes in float32 whatever the checkpoint's dtype; its cache s
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -25,7 +26,8 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from .. import ops
 from ..cache import RingKVCache
@@ -59,9 +61,9 @@ Packed = namedtuple("Packed", [
     "w13",  # [L, 2 ceil(F/16), D, 16]     gate and up panels alternating
     "w2",  # [L, ceil(D/16), F, 16]
     "norm",  # [D]
+    "qk_perm",  # [0] int64: empty, fused_qkv put q and k rows in the interleaved RoPE layout at load (see QPacked)
 ])
-# A forward call's tokens grouped by cache slot: sequence s is order[starts[s] : starts[s + 1]], in slot slots[s].
-Sequences = namedtuple("Sequences", ["order", "starts", "slots"])
+Sequences = cpu.Sequences  # a forward call's tokens grouped by cache slot (order, starts, slots)
 # One ring cache's arrays (RingKVCache): k, v [L, B, C, K, Dh], positions [B, C], lengths [B].
 Ring = namedtuple("Ring", ["k", "v", "positions", "lengths"])
 # Shape and options of a call: heads H, kv heads K, head dim Dh, norm eps, attention window, threads.
@@ -129,15 +131,11 @@ class NumbaTransformer(Model):
         c = self.config
         dims = Dims(c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps, self.window(cache), threads)
         ring = Ring(*_kv_arrays(cache), cache.positions, cache.lengths)
-        return self._run(tokens, positions, sequences, dims, ring)
+        return _forward(tokens, positions, sequences, self.packed, self.inv_freq, dims, ring)
 
     def _layer_cost(self) -> int:
         """Weight bytes one layer's products read (what threads_for weighs)."""
         return self.layer_bytes
-
-    def _run(self, tokens, positions, sequences, dims, ring) -> np.ndarray:
-        """The one compiled call of a forward pass.  # -> [T, D]"""
-        return _forward(tokens, positions, sequences, self.packed, self.inv_freq, dims, ring)
 
     def _check_cache(self, cache) -> None:
         c = self.config
@@ -229,7 +227,7 @@ def pack(c: ModelConfig, weights: Weights) -> Packed:
         w2[l] = cpu.pack_panels(layer.w2)
         release(layer.wq, layer.wk, layer.wv, layer.wo, layer.w1, layer.w2, layer.w3)  # the panels are the copy
     return Packed(lookup_table(weights.tok_embeddings), attention_norm, wqkv, bqkv, wo, ffn_norm, w13, w2,
-                  np.array(weights.norm, np.float32))
+                  np.array(weights.norm, np.float32), np.empty(0, np.int64))
 
 
 SAMPLER_PROBLEMS = {-1: "logits row {b} contains NaN; the model output is broken",
@@ -295,51 +293,6 @@ def _commit_positions(positions, seqs, ring):
         ring.lengths[b] = max(ring.lengths[b], positions[seqs.order[seqs.starts[s + 1] - 1]] + 1)
 
 
-@njit(cache=True)
-def _forward(tokens, positions, seqs, w, inv_freq, dims, ring):
-    """Every layer of the reference Transformer.forward for T tokens, then the cache's position table.  # -> [T, D]
-
-    x = embed(tokens); per layer: x += wo(attention(rope(qkv(rms_norm(x))))); x += w2(swiglu(w13(rms_norm(x))));
-    then rms_norm(x).
-    """
-    H, K, Dh, eps, window, threads = dims
-    T = tokens.shape[0]
-    L, D = w.attention_norm.shape
-    x = np.empty((T, D), np.float32)  # the residual stream
-    h = np.empty((T, D), np.float32)  # normed input of a block
-    o = np.empty((T, w.wo.shape[1] * PANEL), np.float32)  # output of a block, before the residual add
-    qkv = np.empty((T, w.bqkv.shape[1]), np.float32)
-    attn = np.empty((T, H * Dh), np.float32)
-    gate_up = np.empty((T, w.w13.shape[1] * PANEL), np.float32)
-    hidden = np.empty((T, gate_up.shape[1] // 2), np.float32)
-    cos = np.empty((T, Dh // 2), np.float32)
-    sin = np.empty((T, Dh // 2), np.float32)
-    cpu.rope_angles_into(positions, inv_freq, cos, sin, T)
-    valid_from = np.empty(seqs.slots.shape[0], np.int64)
-    cpu.valid_from_into(positions, seqs.order, seqs.starts, seqs.slots, ring.positions, window, valid_from)
-    for t in range(T):
-        x[t] = w.embeddings[tokens[t]]
-    for l in range(L):
-        cpu.rms_norm_into(x, w.attention_norm[l], eps, h, T)
-        cpu.matmul_into(h, w.wqkv[l], qkv, T, threads)
-        for t in range(T):  # a loop, not qkv[t] += bqkv[l]: the array addition cost ~3 ms of a 110M prefill
-            for i in range(qkv.shape[1]):
-                qkv[t, i] += w.bqkv[l, i]
-        cpu.rope_interleaved_into(qkv, H + K, Dh, cos, sin, T)  # queries and keys: the first H + K heads
-        cpu.attention_ring_into(qkv, H, K, positions, seqs.order, seqs.starts, seqs.slots, valid_from, ring.k[l],
-                                ring.v[l], ring.positions, window, attn)
-        cpu.matmul_into(attn, w.wo[l], o, T, threads)
-        _residual_add(x, o, T, D)
-        cpu.rms_norm_into(x, w.ffn_norm[l], eps, h, T)
-        cpu.matmul_into(h, w.w13[l], gate_up, T, threads)
-        cpu.swiglu_hidden_into(gate_up, hidden, T)
-        cpu.matmul_into(hidden, w.w2[l], o, T, threads)
-        _residual_add(x, o, T, D)
-    cpu.rms_norm_into(x, w.norm, eps, h, T)
-    _commit_positions(positions, seqs, ring)
-    return h
-
-
 # ================================================================================================================
 # Weights kept in their file types (a GGUF checkpoint's quantized blocks, F16, ...): no float32 copy, no repacking.
 #
@@ -351,9 +304,9 @@ def _forward(tokens, positions, seqs, w, inv_freq, dims, ring):
 #
 # Nothing is fused at load (fusing would copy): q, k and v (and gate and up), which read the same input, are
 # computed in ONE parallel region over their concatenated rows, each matrix by the row-range worker of its own type
-# (kernels/quant.py), so a file that mixes types (Q4_K_M: Q4_K, Q6_K, Q5_0, ...) runs every matrix as stored.
+# (kernels/quant), so a file that mixes types (Q4_K_M: Q4_K, Q6_K, Q5_0, ...) runs every matrix as stored.
 
-# A product's input quantized to 8 bits per block of 32 (kernels/quant.py quantize_activations_q8_into), or in two
+# A product's input quantized to 8 bits per block of 32 (kernels/quant quantize_activations_q8_into), or in two
 # 8-bit parts (two_part_activations_into: q [T, 2K] each token's first part then its second, d, s and s16 those of
 # the 15-bit sum v = 128 q + q').
 Int8Activations = namedtuple("Int8Activations", [
@@ -362,10 +315,15 @@ Int8Activations = namedtuple("Int8Activations", [
     "s",  # [T, K/32]         block sums of q (for offsets: Q4_0's -8, the K-quants' mins)
     "s16",  # [T, K/16] int32  the sums of each half block (where the interleaved kernels' dots start)
 ])
+# The matrices of one products_into call: `count` consecutive rows of `mats` from `first`, over the byte pool.
+Matrices = namedtuple("Matrices", ["pool", "mats", "first", "count"])
+# The input of one products_into call as its kernels read it: x [>=T, K] float32, T tokens, x's sums of 16 [K/16]
+# (one token), and x quantized to 8 bits (xq) and in two 8-bit parts (xv), each Int8Activations (empty if unused).
+Operand = namedtuple("Operand", ["x", "T", "sums", "xq", "xv"])
 WQ, WK, WV, WO, W1, W3, W2 = range(7)
 PER_LAYER = 7
 # Quantized forward: the float32 panels of a product over T tokens come from decoding 16 rows; rows of one token
-# are read straight from the blocks (see kernels/quant.py).
+# are read straight from the blocks (see kernels/quant).
 QPacked = namedtuple("QPacked", [
     "pool",  # [bytes] uint8, read-only
     "mats",  # [7 L + 2, 5] int64 (see above)
@@ -473,7 +431,7 @@ def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     names = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
     matrices = [_as_quantized(getattr(layer, name)) for layer in weights.layers for name in names]
     matrices += [_as_quantized(weights.tok_embeddings), _as_quantized(weights.output)]
-    # Every block type's products run on rows interleaved by eight (kernels/quant.py), which needs a copy
+    # Every block type's products run on rows interleaved by eight (kernels/quant), which needs a copy
     # of the file's bytes in that order. The embedding table stays as stored (its rows are looked up one by one, and a
     # mapped table's unused rows never load), unless the LM head is tied to it: then the one copy is interleaved for
     # the head's product (the largest of a decode step), and a lookup gathers its row back (decode_any_row).
@@ -541,9 +499,6 @@ class QuantizedNumbaTransformer(NumbaTransformer):
     def _layer_cost(self) -> int:
         return self.layer_cost_bytes
 
-    def _run(self, tokens, positions, sequences, dims, ring) -> np.ndarray:
-        return _forward_quantized(tokens, positions, sequences, self.packed, self.inv_freq, dims, ring)
-
     def head_logits(self, h: np.ndarray) -> np.ndarray:
         """Logits from final hidden states, the LM head read in its own type.  # [T, D] -> [T, V]"""
         mats = self.packed.mats
@@ -592,16 +547,16 @@ def products_into(pool, mats, first, count, x, T, out, threads):
 
     The concatenated groups of 8 or 16 rows (one token: qk.ROWS_AT_ONCE) or panels of 16 rows (several tokens) are
     split into one contiguous range per thread, in ONE parallel region (none on one thread: a small model's step is
-    mostly such calls); each matrix's part of a range goes to its type's row-range worker (kernels/quant.py).
+    mostly such calls); each matrix's part of a range goes to its type's row-range worker (kernels/quant).
 
     Every block type's weights (Q2_K .. Q8_0, as interleaved rows), in calls of any length, meet activations
     quantized to 8 bits per block of 32 (as llama.cpp does): integer dot products, with x quantized once here for
     every matrix and row range (on every thread from QUANTIZE_IN_PARALLEL_FROM tokens; docs/quant.md, "8-bit
     activations", for the rounding bound and the measured KL divergence). Q2_K and Q3_K meet x in two 8-bit parts
-    (quant.quantize_activations_two_part: 15 bits, two dot instructions a word). Other types take x in float32.
+    (quant.oracle.quantize_activations_two_part: 15 bits, two dot instructions a word). Other types take x in float32.
     """
     unit = qk.ROWS_AT_ONCE if T == 1 else PANEL  # whole groups (or pairs) of interleaved rows
-    total = np.int64(0)  # not a literal 0 (see _forward_quantized)
+    total = np.int64(0)  # not a literal 0 (see _product_pool)
     for i in range(count):
         total += -(-mats[first + i, 2] // unit)
     K = mats[first, 3]
@@ -628,10 +583,11 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     elif two_part:
         qk.two_part_activations_into(x, T, xq.q, xq.d, xv.q, xv.d, xv.s, xv.s16)
     chunks = max(1, min(total, threads))
+    group = Matrices(pool, mats, first, count)
     if chunks == 1:
-        _product_units(pool, mats, first, count, x, T, out, sums, xq, xv, unit, np.int64(0), total)
+        _product_units(group, Operand(x, T, sums, xq, xv), out, unit, np.int64(0), total)
     else:
-        _products_parallel(pool, mats, first, count, x, T, out, sums, xq, xv, unit, total, chunks)
+        _products_parallel(group, x, T, sums, xq, xv, out, unit, total, chunks)
 
 
 @njit(inline="always")
@@ -652,35 +608,38 @@ def _int8_type(code, T) -> bool:
 def _two_part_type(code) -> bool:
     """Whether weights of type `code` take their activations in two 8-bit parts (quant.TWO_PART_ACTIVATION_TYPES:
     Q2_K and Q3_K, interleaved)."""
-    return code == qk.INTERLEAVED_CODE + qk.Q2_K or code == qk.INTERLEAVED_CODE + qk.Q3_K
+    return qk.takes_two_parts(code)
 
 
 @njit(parallel=True, cache=True)
-def _products_parallel(pool, mats, first, count, x, T, out, sums, xq, xv, unit, total, chunks):
+def _products_parallel(group, x, T, sums, xq, xv, out, unit, total, chunks):
+    """_product_units of `chunks` ranges of the `total` units, in one parallel region. The input comes as
+    Operand's fields: a parallel region's records must be arguments, each a tuple of arrays and numbers."""
     for c in prange(chunks):
-        _product_units(pool, mats, first, count, x, T, out, sums, xq, xv, unit, c * total // chunks,
-                       (c + 1) * total // chunks)
+        _product_units(group, Operand(x, T, sums, xq, xv), out, unit, c * total // chunks, (c + 1) * total // chunks)
 
 
 @njit(cache=True)
-def _product_units(pool, mats, first, count, x, T, out, sums, xq, xv, unit, u0, u1):
-    """Units u0 .. u1-1 of the concatenated rows (unit 1) or panels (unit 16) of matrices first .. first+count-1."""
+def _product_units(group, a, out, unit, u0, u1):
+    """Units u0 .. u1-1 of the concatenated rows (unit 1) or panels (unit 16) of the group's matrices, from input a
+    (Operand) into out."""
+    mats, T = group.mats, a.T
     base, col = np.int64(0), np.int64(0)
-    for i in range(count):
-        m = first + i
+    for i in range(group.count):
+        m = group.first + i
         N = mats[m, 2]
         units = -(-N // unit)
         lo, hi = max(u0, base), min(u1, base + units)
         if lo < hi:
-            w = _matrix(pool, mats, m)
+            w = _matrix(group.pool, mats, m)
             n0, n1 = (lo - base) * unit, min((hi - base) * unit, N)
             if _int8_type(mats[m, 1], T):
-                a = xv if _two_part_type(mats[m, 1]) else xq  # one call site: each kernel compiled in once
-                qk.matmul_rows_interleaved(mats[m, 1], w, a.q, a.d, a.s, a.s16, T, out, col, n0, n1)
+                q = a.xv if _two_part_type(mats[m, 1]) else a.xq  # one call site: each kernel compiled in once
+                qk.matmul_rows_interleaved(mats[m, 1], w, q.q, q.d, q.s, q.s16, T, out, col, n0, n1)
             elif T == 1:
-                qk.matvec_rows(mats[m, 1], w, x[0], sums, out[0], col, n0, n1)
+                qk.matvec_rows(mats[m, 1], w, a.x[0], a.sums, out[0], col, n0, n1)
             else:
-                qk.matmul_rows(mats[m, 1], w, x, T, out, col, n0, n1)
+                qk.matmul_rows(mats[m, 1], w, a.x, T, out, col, n0, n1)
         base += units
         col += N
 
@@ -728,63 +687,180 @@ def _swiglu_halves_into(gate_up, F, out, T):
             out[t, i] = gate_up[t, i] / (np.float32(1.0) + e[i]) * gate_up[t, F + i]
 
 
+# ================================================================================================================
+# The forward pass, once for both weights records.
+#
+# The layer loop (_forward) is written once. What differs between float32 panels (Packed) and weights kept in their
+# file types (QPacked) is how an embedding row is found, how a layer's matrix products run and how SwiGLU reads
+# their output: each such stage is a stub below whose compiled body is chosen by the type of its first argument,
+# the weights record, when _forward is compiled for it (numba.extending.overload). Numba compiles _forward once per
+# record type; each copy calls only its record's stages, with the arithmetic of the code they replace.
+
+QKV, OUT, GATE_UP, DOWN = range(4)  # a layer's products: [q; k; v], the attention output's, [gate; up], the FFN's
+
+
+def by_record(implementations: dict):
+    """Decorator: compiled calls of the decorated stub(w, ...) run implementations[w's record class], a Python
+    function with the stub's parameters, chosen when the caller is compiled (w: a Packed or QPacked)."""
+
+    def register(stub):
+        def choose(w, *args):
+            if isinstance(w, types.BaseNamedTuple):
+                return implementations.get(w.instance_class)
+            return None
+
+        choose.__signature__ = inspect.signature(stub)  # Numba requires the implementations' signature
+        overload(stub)(choose)
+        return stub
+
+    return register
+
+
+def _embed_panels(w, tokens, x):
+    for t in range(tokens.shape[0]):
+        x[t] = w.embeddings[tokens[t]]
+
+
+def _embed_pool(w, tokens, x):
+    _embed_rows(w, tokens, x)
+
+
+@by_record({Packed: _embed_panels, QPacked: _embed_pool})
+def embed_tokens(w, tokens, x):
+    """x[t] = row tokens[t] of the embedding table, in float32.                                  # [T] -> [T, D]"""
+    raise NotImplementedError("compiled code only")
+
+
+def _product_panels(w, l, which, x, T, out, threads):
+    cpu.matmul_into(x, (w.wqkv, w.wo, w.w13, w.w2)[which][l], out, T, threads)
+
+
+FIRST_MATRIX = (WQ, WO, W1, W2)  # the first of each product's matrices in a layer's rows of mats, and how many
+MATRICES = (3, 1, 2, 1)
+
+
+def _product_pool(w, l, which, x, T, out, threads):
+    # the count as np.int64, not a literal: Numba compiles a called function once per literal argument value, and
+    # each compilation re-optimises every kernel linked below it (minutes)
+    products_into(w.pool, w.mats, PER_LAYER * l + FIRST_MATRIX[which], np.int64(MATRICES[which]), x, T, out, threads)
+
+
+@by_record({Packed: _product_panels, QPacked: _product_pool})
+def layer_product(w, l, which, x, T, out, threads):
+    """out[:T] = x[:T] @ W.T for product `which` (QKV, OUT, GATE_UP, DOWN) of layer l.  # [>=T, K] -> [>=T, N]
+
+    Packed: its fused matrix's panels (fused_qkv, fused_gate_up: gate and up panels alternate in out); QPacked:
+    the matrices side by side in out (q | k | v, gate | up), each read in its own type (products_into)."""
+    raise NotImplementedError("compiled code only")
+
+
+def _swiglu_panels(w, gate_up, hidden, T, threads):
+    cpu.swiglu_hidden_into(gate_up, hidden, T)
+
+
+def _swiglu_pool(w, gate_up, hidden, T, threads):
+    _swiglu(gate_up, hidden.shape[1], hidden, T, threads)
+
+
+@by_record({Packed: _swiglu_panels, QPacked: _swiglu_pool})
+def swiglu_product(w, gate_up, hidden, T, threads):
+    """hidden = silu(gate) * up from the GATE_UP product's output, laid out as the record's product writes it.
+                                                                                   # [>=T, 2F] -> [>=T, F]"""
+    raise NotImplementedError("compiled code only")
+
+
+def _widths_panels(w):
+    return w.wo.shape[1] * PANEL, w.w13.shape[1] * PANEL
+
+
+def _widths_pool(w):
+    return w.attention_norm.shape[1], 2 * w.mats[W1, 2]
+
+
+@by_record({Packed: _widths_panels, QPacked: _widths_pool})
+def product_widths(w):
+    """Columns of the OUT and GATE_UP products' outputs: D and 2F, or (Packed) rounded up to whole panels."""
+    raise NotImplementedError("compiled code only")
+
+
+# A forward call's buffers, float32 [T, ...]: x the residual stream [D], h a block's normed input [D], o a block's
+# output before the residual add [>= D], qkv [(H + 2K) Dh, padded as bqkv], attn [H Dh], gate_up [>= 2F], hidden
+# [>= F], cos and sin the RoPE angles [Dh/2].
+Buffers = namedtuple("Buffers", ["x", "h", "o", "qkv", "attn", "gate_up", "hidden", "cos", "sin"])
+
+
+@njit(inline="always")
+def _buffers(w, T, dims) -> Buffers:
+    """Room for a forward call of T tokens on weights record w (product_widths says how wide its outputs are)."""
+    D = w.attention_norm.shape[1]
+    o_cols, gate_up_cols = product_widths(w)
+    half = dims.Dh // 2
+    return Buffers(np.empty((T, D), np.float32), np.empty((T, D), np.float32), np.empty((T, o_cols), np.float32),
+                   np.empty((T, w.bqkv.shape[1]), np.float32), np.empty((T, dims.H * dims.Dh), np.float32),
+                   np.empty((T, gate_up_cols), np.float32), np.empty((T, gate_up_cols // 2), np.float32),
+                   np.empty((T, half), np.float32), np.empty((T, half), np.float32))
+
+
+@njit(inline="always")
+def _add_bias(qkv, bias, perm, T):
+    """qkv[t] += bias for t < T, then, where perm is not empty, the q|k columns in the interleaved RoPE layout:
+    column i takes column perm[i] (rope_layout "half" read in its file's row order).     # [>=T, W], [W], [P]"""
+    unpermuted = np.empty(perm.shape[0], np.float32)
+    for t in range(T):
+        for i in range(qkv.shape[1]):  # a loop, not qkv[t] += bias (an array addition per token: ~3 ms at 110M)
+            qkv[t, i] += bias[i]
+        if perm.shape[0]:
+            unpermuted[:] = qkv[t, :perm.shape[0]]
+            for i in range(perm.shape[0]):
+                qkv[t, i] = unpermuted[perm[i]]
+
+
 @njit(cache=True)
-def _forward_quantized(tokens, positions, seqs, w, inv_freq, dims, ring):
-    """_forward on weights kept in their file types (QPacked): the same layers, each matrix product a
-    products_into over the byte pool, the embedding rows decoded one by one.  # -> [T, D]"""
+def _forward(tokens, positions, seqs, w, inv_freq, dims, ring):
+    """Every layer of the reference Transformer.forward for T tokens, then the cache's position table.  # -> [T, D]
+
+    x = embed(tokens); per layer: x += wo(attention(rope(qkv(rms_norm(x))))); x += w2(swiglu(w13(rms_norm(x))));
+    then rms_norm(x). w: Packed or QPacked (compiled once for each; see by_record).
+    """
     H, K, Dh, eps, window, threads = dims
     T = tokens.shape[0]
     L, D = w.attention_norm.shape
-    F = w.mats[W1, 2]
-    x = np.empty((T, D), np.float32)
-    h = np.empty((T, D), np.float32)
-    o = np.empty((T, D), np.float32)
-    qkv = np.empty((T, (H + 2 * K) * Dh), np.float32)
-    attn = np.empty((T, H * Dh), np.float32)
-    gate_up = np.empty((T, 2 * F), np.float32)
-    hidden = np.empty((T, F), np.float32)
-    cos = np.empty((T, Dh // 2), np.float32)
-    sin = np.empty((T, Dh // 2), np.float32)
-    qk_cols = w.qk_perm.shape[0]
-    unpermuted = np.empty(qk_cols, np.float32)
-    cpu.rope_angles_into(positions, inv_freq, cos, sin, T)
+    b = _buffers(w, T, dims)
+    cpu.rope_angles_into(positions, inv_freq, b.cos, b.sin, T)
     valid_from = np.empty(seqs.slots.shape[0], np.int64)
-    cpu.valid_from_into(positions, seqs.order, seqs.starts, seqs.slots, ring.positions, window, valid_from)
-    _embed_rows(w, tokens, x)
+    cpu.valid_from_into(positions, seqs, ring.positions, window, valid_from)
+    embed_tokens(w, tokens, b.x)
     for l in range(L):
-        m = PER_LAYER * l
-        cpu.rms_norm_into(x, w.attention_norm[l], eps, h, T)
-        # counts as np.int64, not literals: Numba compiles a called function once per literal argument value, and
-        # each compilation re-optimises every kernel linked below it (minutes for the quantized path)
-        products_into(w.pool, w.mats, m + WQ, np.int64(3), h, T, qkv, threads)
-        for t in range(T):
-            for i in range(qkv.shape[1]):  # a loop, not qkv[t] += bqkv[l] (an array addition per token: ~3 ms)
-                qkv[t, i] += w.bqkv[l, i]
-            if qk_cols:
-                unpermuted[:] = qkv[t, :qk_cols]
-                for i in range(qk_cols):
-                    qkv[t, i] = unpermuted[w.qk_perm[i]]
-        cpu.rope_interleaved_into(qkv, H + K, Dh, cos, sin, T)
-        cpu.attention_ring_into(qkv, H, K, positions, seqs.order, seqs.starts, seqs.slots, valid_from, ring.k[l],
-                                ring.v[l], ring.positions, window, attn)
-        products_into(w.pool, w.mats, m + WO, np.int64(1), attn, T, o, threads)
-        _residual_add(x, o, T, D)
-        cpu.rms_norm_into(x, w.ffn_norm[l], eps, h, T)
-        products_into(w.pool, w.mats, m + W1, np.int64(2), h, T, gate_up, threads)
-        _swiglu(gate_up, F, hidden, T, threads)
-        products_into(w.pool, w.mats, m + W2, np.int64(1), hidden, T, o, threads)
-        _residual_add(x, o, T, D)
-    cpu.rms_norm_into(x, w.norm, eps, h, T)
+        cpu.rms_norm_into(b.x, w.attention_norm[l], eps, b.h, T)
+        layer_product(w, l, QKV, b.h, T, b.qkv, threads)
+        _add_bias(b.qkv, w.bqkv[l], w.qk_perm, T)
+        cpu.rope_interleaved_into(b.qkv, H + K, Dh, b.cos, b.sin, T)  # queries and keys: the first H + K heads
+        cpu.attention_ring_into(b.qkv, H, K, positions, seqs, valid_from,
+                                cpu.LayerRing(ring.k[l], ring.v[l], ring.positions), window, b.attn)
+        layer_product(w, l, OUT, b.attn, T, b.o, threads)
+        _residual_add(b.x, b.o, T, D)
+        cpu.rms_norm_into(b.x, w.ffn_norm[l], eps, b.h, T)
+        layer_product(w, l, GATE_UP, b.h, T, b.gate_up, threads)
+        swiglu_product(w, b.gate_up, b.hidden, T, threads)
+        layer_product(w, l, DOWN, b.hidden, T, b.o, threads)
+        _residual_add(b.x, b.o, T, D)
+    cpu.rms_norm_into(b.x, w.norm, eps, b.h, T)
     _commit_positions(positions, seqs, ring)
-    return h
-
+    return b.h
 
 # ------------------------------------------------------------------------------------------- code before weights
 
 # A model small enough to build in a millisecond, with every argument type a real model's compiled calls take.
 TINY = ModelConfig(dim=32, hidden_dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=32, max_seq_len=8)
 _LINKED: set = set()  # (model class, kv storage) whose compiled calls this process has already run
-FORWARD = {NumbaTransformer: _forward, QuantizedNumbaTransformer: _forward_quantized}  # most of each class's code
+RECORD = {NumbaTransformer: Packed, QuantizedNumbaTransformer: QPacked}  # the weights record _forward gets
+FORWARD = _forward  # the one compiled forward: each class's weights record is one of its signatures
+
+
+def code_cached(model_class) -> bool:
+    """Whether Numba's cache holds _forward compiled for model_class's weights record, for this CPU."""
+    return cached_here(_forward, lambda signature: getattr(signature[3], "instance_class", None)
+                       is RECORD[model_class])
 
 
 def link_ahead(model_class, kv: np.dtype | None) -> None:
@@ -800,7 +876,7 @@ def link_ahead(model_class, kv: np.dtype | None) -> None:
     release_compiler_pages()  # what importing Numba touched (it builds LLVM objects too): 36 MiB, not all needed now
     if (model_class, kv) not in _LINKED:
         _LINKED.add((model_class, kv))
-        if not cached_here(FORWARD[model_class]):
+        if not code_cached(model_class):
             compile_in_child(model_class, kv)
         run_tiny(model_class, kv, release_compiler_pages)
     release_linking_modules()
@@ -825,7 +901,7 @@ def compile_in_child(model_class, kv: np.dtype | None) -> None:
     from numba.core import event
 
     code, env = child_code(model_class, kv)
-    with event.trigger_event("numba:compile", data={"dispatcher": FORWARD[model_class], "args": None,
+    with event.trigger_event("numba:compile", data={"dispatcher": FORWARD, "args": None,
                                                     "return_type": None}):
         subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

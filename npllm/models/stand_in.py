@@ -8,7 +8,7 @@ with them, so that greedy decoding gives the same tokens where it can.
   goldens' closest top-2 gap is 1e-3) could still pick another token.
 - A GGUF file's matrices (quant.QuantizedMatrix): dequantized once to float32 (the reference would otherwise decode
   every matrix at every call), and those of quant.INT8_ACTIVATION_TYPES multiply as the Numba model's kernels do,
-  on activations rounded to 8-bit blocks (two 8-bit parts for Q2_K, Q3_K): quant.matmul_t_q8_activations's
+  on activations rounded to 8-bit blocks (two 8-bit parts for Q2_K, Q3_K): quant.oracle.matmul_t_q8_activations's
   product, in float32. Rounding to 8 bits is a step function, so float32 sums in another order move an activation
   across a step now and then (tests/test_numba_quantized.py), and greedy tokens part: in 39 / 49 of 100 prompts
   within 200 tokens on stories260K as Q8_0 / Q4_0. Hence make_model's cold_start "exact" leaves quantized models to
@@ -24,12 +24,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import quant
+from ..quant import oracle
 from ..config import ModelConfig
 from .reference import Transformer
 
 
 @dataclass(frozen=True)
-class DecodedInt8Matrix(quant.Int8ActivationMatrix):
+class DecodedInt8Matrix(oracle.Int8ActivationMatrix):
     """An Int8ActivationMatrix decoded once: `values` is W as float32, and x @ W.T is x^ W^T in float32, x^ the
     activations as the Numba model's 8-bit kernels take them (two_part: in two parts)."""
 
@@ -44,7 +45,7 @@ class DecodedInt8Matrix(quant.Int8ActivationMatrix):
 
     def matmul_t(self, x: np.ndarray) -> np.ndarray:
         """x^ W^T.  # [T, K] -> [T, N] float32"""
-        rounded = quant.two_part_activations(x) if self.two_part else quant.q8_activations(x)
+        rounded = oracle.two_part_activations(x) if self.two_part else oracle.q8_activations(x)
         return rounded.astype(np.float32) @ self.values.T
 
 

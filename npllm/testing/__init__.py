@@ -32,4 +32,5 @@ def __getattr__(name):
 
     if name in ("laws", "strategies"):
         return importlib.import_module(f"{__name__}.{name}")
-    return getattr(importlib.import_module(f"{__name__}.laws"), name)
+    module = "check" if name in ("check_filter", "check_law", "check_case") else "laws"
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -3,12 +3,13 @@ shared machine allows. The host takes time from this VM in bursts (docs/bench.md
 the other can differ by 1.5x with no change at all; alternating the calls of both in one process gives each pair of
 calls the same machine, and the median of the paired ratios is what the change did.
 
-    python scripts/bench/ab_kernels.py BASE_QUANT_PY [TOKENS] [TYPES] [CALLS] [ROWS] [COLUMNS]
+    python scripts/bench/ab_kernels.py BASE_QUANT [TOKENS] [TYPES] [CALLS] [ROWS] [COLUMNS]
     # e.g. git worktree add /tmp/base HEAD~1, then
-    #      python scripts/bench/ab_kernels.py /tmp/base/npllm/kernels/quant.py 16 Q4_0,Q4_K,Q8_0 300
+    #      python scripts/bench/ab_kernels.py /tmp/base/npllm/kernels/quant 16 Q4_0,Q4_K,Q8_0 300
 
-BASE_QUANT_PY is another checkout's npllm/kernels/quant.py (loaded beside this one's under another module name; its
-own imports are this checkout's, so only quant.py may differ). Each type: a ROWS x COLUMNS matrix (default 512 x
+BASE_QUANT is another checkout's npllm/kernels/quant package (or, before it was split, its npllm/kernels/quant.py),
+loaded beside this one's under another module name; its imports outside it are this checkout's, so only the kernels
+may differ. Each type: a ROWS x COLUMNS matrix (default 512 x
 1024) of Gaussian weights quantized by npllm and interleaved, TOKENS [T, COLUMNS] activations,
 `matmul_int8_interleaved` on one thread (the matrix stays in L2 by default: the tile's cost, not memory's; one
 larger than the last-level cache streams). Both versions must give the same bits (checked first). Prints
@@ -19,6 +20,7 @@ NUMBA_CACHE_DIR.
 import importlib.util
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -27,7 +29,9 @@ from npllm.kernels import quant as new
 
 
 def load_base(path: str):
-    spec = importlib.util.spec_from_file_location("npllm.kernels.quant_base", path)
+    package = Path(path).is_dir()
+    spec = importlib.util.spec_from_file_location("npllm.kernels.quant_base", Path(path, "__init__.py") if package
+                                                  else path, submodule_search_locations=[path] if package else None)
     base = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = base
     spec.loader.exec_module(base)

@@ -34,8 +34,8 @@ def call(first, n, capacity, held):
     qkv = rng.standard_normal((n, (H + 2 * K) * Dh)).astype(np.float32)
     k, v, ring_pos = ring(capacity, held)
     out = np.empty((n, H * Dh), np.float32)
-    args = (qkv, H, K, np.arange(first, first + n), np.arange(n), np.array([0, n]), np.array([0]),
-            np.array([0], np.int64), k, v, ring_pos, capacity, out)
+    args = (qkv, H, K, np.arange(first, first + n), cpu.Sequences(np.arange(n), np.array([0, n]), np.array([0])),
+            np.array([0], np.int64), cpu.LayerRing(k, v, ring_pos), capacity, out)
     return lambda: cpu.attention_ring_into(*args)
 
 

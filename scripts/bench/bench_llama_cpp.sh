@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Decode and prefill speed side by side: llama.cpp's llama-bench and npllm on the same GGUF files (random weights at
-# a model shape, F32, Q8_0 and Q4_0, written by npllm's write_gguf), plus npllm's kernel-level pass over the same
-# matrices (scripts/bench/bench_quant.py: float32 and 8-bit activations).
+# a model shape, F32, Q8_0 and Q4_0, written by npllm's write_gguf). (The kernel-level pass that followed,
+# scripts/bench/bench_quant.py, timed kernels the model no longer runs and is gone; scripts/bench/bench_tiles.py times the
+# model's.)
 #
 #   bash scripts/bench/bench_llama_cpp.sh [SHAPE] [THREADS]         # defaults: stories110M, "1,2"
 #
@@ -58,6 +59,4 @@ for policy in PASSIVE ACTIVE; do
     done
   done
 done
-echo "== npllm (kernel level): $python scripts/bench/bench_quant.py --model $shape --threads ${threads//,/ } --repeat 5"
-"$python" scripts/bench/bench_quant.py --model "$shape" --threads ${threads//,/ } --repeat 5
 echo "== load average: $(cut -d' ' -f1-3 /proc/loadavg)"

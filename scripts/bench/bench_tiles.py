@@ -1,18 +1,15 @@
-"""Cost per multiply-add of each quantized type's products, single thread, CPU time: the 8-bit-activation integer
-dots (kernels.quant.matmul_int8) at 1, 4, 16 and 64 tokens, and the rows decoded into float32 then multiplied
-(kernels.quant.matmul_rows, what the model takes for types without integer dots; until the K-quants were
-interleaved, for those from 16-100 tokens a call). The one-row kernels: the interleaved ones are in docs/quant.md.
+"""Cost per multiply-add of each quantized type's products, single thread, CPU time: the kernels the model runs
+(kernels.quant.matmul_rows_interleaved on rows interleaved by eight, quant.interleave_rows; the types of activations
+"two_part" on two 8-bit parts), for each interleaved type at 1, 4, 16 and 64 tokens, with each type's ratio to Q4_0
+measured in the same rounds (the types alternate, best of --repeat rounds of 3 calls; this VM's speed moves within
+a minute, so the ratios mean more than the picoseconds).
 
-    python scripts/bench/bench_tiles.py [--rows 2048] [--cols 768] [--repeat 5]
-    python scripts/bench/bench_tiles.py --interleaved [--repeat 7]
+    python scripts/bench/bench_tiles.py [--rows 2048] [--cols 768] [--repeat 7]
     python scripts/bench/bench_tiles.py --quantizer [--repeat 7]
 
---interleaved measures instead the kernels the model runs (kernels.quant.matmul_rows_int8 on rows interleaved by
-eight, quant.interleave_rows; Q2_K and Q3_K on two-part activations), for each interleaved type at 1, 4, 16 and 64
-tokens, with each type's ratio to Q4_0
-measured in the same rounds (the types alternate, best of --repeat rounds of 3 calls; this VM's speed moves within
-a minute, so the ratios mean more than the picoseconds). --quantizer times the activations' quantization to 8 bits
-(kernels.quant.quantize_activations_q8_into, what every product of the model starts with) on 64 tokens.
+--quantizer times the activations' quantization to 8 bits (kernels.quant.quantize_activations_q8_into, what every
+product of the model starts with) on 64 tokens. (The one-row kernels this script also timed, and the rows decoded
+into float32, are gone: the model runs every block type interleaved.)
 """
 
 import argparse
@@ -60,7 +57,8 @@ def interleaved(W: np.ndarray, x: np.ndarray, repeat: int) -> None:
         two = (np.empty((T, 2 * K), np.int8), np.empty_like(d), np.empty_like(s), np.empty_like(s16))
         kq.two_part_activations_into(x[:T], T, q, d, *two)  # Q2_K's and Q3_K's (quant.TWO_PART_ACTIVATION_TYPES)
         runs = {t: (lambda w8=w8, code=code, a=two if t in quant.TWO_PART_ACTIVATION_TYPES else one:
-                    kq.matmul_rows_int8(code, w8, *a, np.int64(T), out, np.int64(0), np.int64(0), np.int64(N)))
+                    kq.matmul_rows_interleaved(code, w8, *a, np.int64(T), out, np.int64(0), np.int64(0),
+                                               np.int64(N)))
                 for t, (w8, code) in rows.items()}
         best = {t: float("inf") for t in types}
         for run in runs.values():
@@ -88,8 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2048)
     parser.add_argument("--cols", type=int, default=768)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--interleaved", action="store_true", help="the interleaved kernels the model runs")
+    parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--quantizer", action="store_true", help="the activations' quantizer alone")
     args = parser.parse_args()
     N, K = args.rows, args.cols
@@ -99,21 +96,7 @@ def main() -> None:
     if args.quantizer:
         quantizer(x, args.repeat)
         return
-    if args.interleaved:
-        interleaved(W, x, args.repeat)
-        return
-    out = np.empty((64, N), np.float32)
-    print("ps per multiply-add, one thread   " + "  ".join(f"T={T:<3d}" for T in (1, 4, 16, 64)))
-    for qtype in kq.INT8_KERNEL_TYPES:
-        w = quant.quantize(W, qtype).reshape(N, -1)
-        code = np.int64(quant.TYPES[qtype].type_id)
-        int8 = [best_seconds(lambda: kq.matmul_int8(w, qtype, x[:T], 1), args.repeat) / (N * K * T) for T in
-                (1, 4, 16, 64)]
-        rows = [best_seconds(lambda: kq.matmul_rows(code, w, x, np.int64(T), out, np.int64(0), np.int64(0),
-                                                    np.int64(N)), args.repeat) / (N * K * T) for T in (1, 4, 16, 64)]
-        print(f"{qtype:5s} integer dots on 8-bit x   " + "  ".join(f"{1e12 * c:5.0f}" for c in int8))
-        print(f"{qtype:5s} rows decoded to float32   " + "  ".join(f"{1e12 * c:5.0f}" for c in rows))
-
+    interleaved(W, x, args.repeat)
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,6 @@ from npllm import quant
 from npllm.evaluate import kl_divergence
 from npllm.formats.gguf import tensor_type_for
 from npllm.formats.llama2c import read_llama2c
-from npllm.kernels import quant as kq
 from npllm.models import make_model
 from npllm.tokenizer import load_tokenizer
 
@@ -61,7 +60,7 @@ def sampled_text(config, weights, tokenizer, stories: int) -> list[int]:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", default="weights/stories260K/stories260K.bin")
-    parser.add_argument("--type", default="Q8_0", choices=kq.INT8_KERNEL_TYPES)
+    parser.add_argument("--type", default="Q8_0", choices=quant.INT8_ACTIVATION_TYPES)
     parser.add_argument("--stories", type=int, default=12)
     parser.add_argument("--ctx", type=int, default=128)
     args = parser.parse_args()

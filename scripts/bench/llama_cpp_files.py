@@ -28,12 +28,12 @@ from pathlib import Path
 import numpy as np
 
 import npllm
-from npllm.evaluate import kl_divergence
+from npllm.evaluate import DECISIVE_LEAD, kl_divergence
 from npllm.formats import read_checkpoint
 from npllm.models import make_model
 
 PRESETS = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S",
-           "Q4_K_M", "Q5_K_M", "Q6_K"]
+           "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
 def widen(config, weights, dim: int, hidden: int):
@@ -140,8 +140,9 @@ def main() -> int:
     build, out = folders
     src, ids = source(args.model, out, args.stories)
     print(f"{args.model}: {len(ids)} tokens scored in chunks of {args.ctx}; load average {os.getloadavg()[0]:.2f}")
-    print("| llama.cpp preset | file | tensors as npllm holds them | mean KL | top-1 (positions) | bar |")
-    print("|---|---|---|---|---|---|")
+    print(f"| llama.cpp preset | file | tensors as npllm holds them | mean KL | top-1 (positions) | top-1 where the "
+          f"reference leads by >= {DECISIVE_LEAD} (positions) | bar |")
+    print("|---|---|---|---|---|---|---|")
     failed = 0
     for preset in args.types:
         start = time.perf_counter()
@@ -151,7 +152,8 @@ def main() -> int:
         failed += not ok
         held = ", ".join(f"{t} {size(b)}" for t, b in sorted(types.items(), key=lambda kv: -kv[1]))
         print(f"| {preset} | {size(path.stat().st_size)} | {held} | {d.mean_kl:.2e} | "
-              f"{100 * d.top1_agreement:.2f}% ({d.tokens}) | {'meets' if ok else 'MISSES'} "
+              f"{100 * d.top1_agreement:.2f}% ({d.tokens}) | {100 * d.decisive_agreement:.2f}% ({d.decisive}) | "
+              f"{'meets' if ok else 'MISSES'} "
               f"({time.perf_counter() - start:.0f} s) |", flush=True)
     return 1 if failed else 0
 

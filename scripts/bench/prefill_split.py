@@ -36,7 +36,7 @@ tokens = rng.integers(0, c.vocab_size, T)
 
 
 def products():
-    """Every layer's four products_into calls, as _forward_quantized makes them (inputs random)."""
+    """Every layer's four products_into calls, as _forward makes them for a QPacked record (inputs random)."""
     numba.set_num_threads(threads)
     for l in range(c.n_layers):
         m = PER_LAYER * l

@@ -1,0 +1,105 @@
+"""F32, F16 and BF16 rows: read 8 values at a time straight from their bytes, on float32 activations (the model's
+products on these types: one token's rows dotted with x, several tokens' through cpu.py's panel tile)."""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from ..cpu import REASSOC
+from ..simd import _vector, f32x8, vfmav, vload, vsum, vzero
+from .intrinsics import _is_byte_c_array, load_half
+from .record import BlockKernels
+
+
+def _float_lanes(kind: str):
+    """f32x8 of the 8 values of a float row stored as `kind` ("F32", "F16" or "BF16") at bytes array.flat[index:]."""
+
+    def typer(typingctx, array, index):
+        if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            at = builder.gep(data, [args[1]])
+            if kind == "F32":
+                return builder.load(builder.bitcast(at, _vector(8).as_pointer()), align=1)
+            if kind == "F16":
+                halves = builder.load(builder.bitcast(at, ir.VectorType(ir.HalfType(), 8).as_pointer()), align=1)
+                return builder.fpext(halves, _vector(8))
+            i16x8, i32x8 = ir.VectorType(ir.IntType(16), 8), ir.VectorType(ir.IntType(32), 8)
+            words = builder.zext(builder.load(builder.bitcast(at, i16x8.as_pointer()), align=1), i32x8)
+            return builder.bitcast(builder.shl(words, ir.Constant(i32x8, [16] * 8)), _vector(8))
+
+        return f32x8(array, index), codegen
+
+    return typer
+
+
+def _float_scalar(kind: str):
+    """The one float stored as `kind` ("F32" or "BF16") at bytes array.flat[index:], as float32."""
+
+    def typer(typingctx, array, index):
+        if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            at = builder.gep(data, [args[1]])
+            if kind == "F32":
+                return builder.load(builder.bitcast(at, ir.FloatType().as_pointer()), align=1)
+            word = builder.zext(builder.load(builder.bitcast(at, ir.IntType(16).as_pointer()), align=1),
+                                ir.IntType(32))
+            return builder.bitcast(builder.shl(word, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
+
+        return types.float32(array, index), codegen
+
+    return typer
+
+
+vload_f32_bytes, vload_f16_bytes, vload_bf16_bytes = (intrinsic(_float_lanes(k)) for k in ("F32", "F16", "BF16"))
+load_f32, load_bf16 = intrinsic(_float_scalar("F32")), intrinsic(_float_scalar("BF16"))
+
+
+@njit(inline="always")
+def _decode_f32(w, n, b, buf, at):
+    buf[at] = load_f32(w, n * w.shape[1] + 4 * b)
+
+
+@njit(inline="always")
+def _decode_f16(w, n, b, buf, at):
+    buf[at] = load_half(w, n * w.shape[1] + 2 * b)
+
+
+@njit(inline="always")
+def _decode_bf16(w, n, b, buf, at):
+    buf[at] = load_bf16(w, n * w.shape[1] + 2 * b)
+
+
+def _float_matvec_rows(lanes, decode, value_bytes: int):
+    """matvec_rows for rows of plain floats (F32, F16, BF16): 8 values at a time from the bytes, then the tail."""
+
+    @njit(fastmath=REASSOC, cache=True)
+    def matvec_rows(w, x, sums, out, col, n0, n1):
+        K = w.shape[1] // value_bytes
+        full = K - K % 8
+        tail = np.empty(1, np.float32)
+        for n in range(n0, n1):
+            acc = vzero()
+            for k in range(0, full, 8):
+                acc = vfmav(acc, lanes(w, n * w.shape[1] + value_bytes * k), vload(x, k))
+            s = vsum(acc)
+            for k in range(full, K):
+                decode(w, n, k, tail, 0)
+                s += tail[0] * x[k]
+            out[col + n] = s
+
+    return matvec_rows
+
+
+F32 = BlockKernels("F32", _decode_f32, matvec=_float_matvec_rows(vload_f32_bytes, _decode_f32, 4))
+F16 = BlockKernels("F16", _decode_f16, matvec=_float_matvec_rows(vload_f16_bytes, _decode_f16, 2))
+BF16 = BlockKernels("BF16", _decode_bf16, matvec=_float_matvec_rows(vload_bf16_bytes, _decode_bf16, 2))
+RECORDS = (F32, F16, BF16)

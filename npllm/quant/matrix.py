@@ -1,0 +1,102 @@
+"""QuantizedMatrix: a weight matrix kept in its file type, standing in for a float32 array in the NumPy model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import QuantizationError, _blocks, _half
+from .table import TYPES, dequantize, quantize
+
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """A weight matrix W [N, K] kept in its file type: N rows of K / block_size blocks, no float copy.
+
+    `raw` is [N, K / block_size * block_bytes] uint8, typically a read-only view of a memory-mapped file. The
+    NumPy reference multiplies by dequantizing (`matmul_t`); kernels/quant reads the same bytes directly.
+
+    It stands in for a float32 weight array where the NumPy model uses one: `x @ W.T` (through `.T`), `W[ids]`
+    (rows), `.shape`, `.dtype` (float32, the type it computes in); `np.asarray(W)` dequantizes it whole.
+    """
+
+    __array_ufunc__ = None  # `x @ W` and ufuncs defer to this class instead of converting it
+    dtype = np.dtype(np.float32)
+    ndim = 2
+
+    raw: np.ndarray
+    qtype: str
+    shape: tuple[int, int]
+
+    def __post_init__(self):
+        t = TYPES.get(self.qtype)
+        N, K = self.shape
+        if t is None:
+            raise QuantizationError(f"npllm cannot compute with type {self.qtype}")
+        if K % t.block_size or self.raw.dtype != np.uint8 or self.raw.shape != (N, K // t.block_size * t.block_bytes):
+            raise QuantizationError(f"{self.qtype} bytes of shape {self.raw.shape} do not hold a [{N}, {K}] matrix")
+
+    @classmethod
+    def from_values(cls, values: np.ndarray, qtype: str) -> "QuantizedMatrix":
+        """Quantize a float matrix.  # [N, K] -> QuantizedMatrix"""
+        N, K = values.shape
+        return cls(quantize(values, qtype).reshape(N, -1), qtype, (N, K))
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    @property
+    def size(self) -> int:
+        """Values held (N K), as an array's size."""
+        return self.shape[0] * self.shape[1]
+
+    def dequantize(self) -> np.ndarray:
+        """W as float32.  # -> [N, K]"""
+        return dequantize(self.raw, self.qtype, self.shape)
+
+    def rows(self, ids) -> np.ndarray:
+        """Only the rows asked for, as float32 (an embedding lookup reads no other row).  # [T] -> [T, K]"""
+        ids = np.asarray(ids, dtype=np.int64)
+        return dequantize(self.raw[ids], self.qtype, (*ids.shape, self.shape[1]))
+
+    def is_finite(self) -> bool:
+        """Whether every value is finite, read from the float fields alone: a block's integers are finite, and a
+        finite float16 scale (or min) times an integer of at most 8 bits stays finite in float32, so only the
+        scales need looking at; F32/F16/BF16 rows are checked value by value, without widening them."""
+        if self.qtype in ("F32", "F16"):
+            return bool(np.isfinite(self.raw.view("<f4" if self.qtype == "F32" else "<f2")).all())
+        if self.qtype == "BF16":
+            return not ((self.raw.view("<u2") & 0x7F80) == 0x7F80).any()  # exponent all ones: inf or NaN
+        blocks = _blocks(self.raw.reshape(-1), TYPES[self.qtype].block_bytes)
+        return all(np.isfinite(_half(blocks, at)).all() for at in TYPES[self.qtype].scale_fields)
+
+    def matmul_t(self, x: np.ndarray) -> np.ndarray:
+        """x @ W.T, the reference: dequantize, then multiply.  # [T, K] -> [T, N]"""
+        return np.asarray(x, dtype=np.float32) @ self.dequantize().T
+
+    @property
+    def T(self) -> "_TransposedMatrix":
+        return _TransposedMatrix(self)
+
+    def __getitem__(self, ids) -> np.ndarray:
+        return self.rows(ids)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        dense = self.dequantize()
+        return dense if dtype is None else dense.astype(dtype)
+
+
+class _TransposedMatrix:
+    """W.T of a QuantizedMatrix, only for `x @ W.T`."""
+
+    __array_ufunc__ = None
+
+    def __init__(self, matrix: QuantizedMatrix):
+        self.matrix = matrix
+        self.shape = matrix.shape[::-1]
+
+    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
+        return self.matrix.matmul_t(x)
+
