@@ -59,18 +59,18 @@ from .kernels import SPINNING
 from .kernels.simd import LANES, vadd, vload, vsum, vzero
 
 
-def load_weights(model: str, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray], str]:
-    """(config, weights, "checkpoint" | "random") for a path, a known model on disk, or a named shape.
-    keep_quantized: a GGUF file's matrices in their own types (what npllm.load gives the numba backend)."""
+def load_weights(model: str) -> tuple[ModelConfig, dict[str, np.ndarray], str]:
+    """(config, weights, "checkpoint" | "random") for a path, a known model on disk, or a named shape; a
+    checkpoint's weights in their file types (formats.read_checkpoint)."""
     from .formats import read_checkpoint
     from .formats.random import NAMED_SHAPES, random_weights
     from .hub import resolve
 
     if Path(model).exists():
-        return (*read_checkpoint(model, keep_quantized), "checkpoint")
+        return (*read_checkpoint(model), "checkpoint")
     try:
         checkpoint, _ = resolve(model, download_missing=False)
-        return (*read_checkpoint(checkpoint, keep_quantized), "checkpoint")
+        return (*read_checkpoint(checkpoint), "checkpoint")
     except FormatError:
         if model not in NAMED_SHAPES:
             raise ConfigError(f"--model {model!r} is neither a checkpoint on disk nor a named shape "
@@ -192,10 +192,10 @@ class Session:
 
 
 def bench_backend(model_name: str, backend: str, threads: int | None, batches, prompt_lens, gen_len: int,
-                  repeat: int, bandwidth_mib: int = 512, weight_dtype: str = "float32", kv_dtypes=("float32",)):
+                  repeat: int, bandwidth_mib: int = 512, weight_dtype: str = "file", kv_dtypes=("float32",)):
     """Yield one result dict per (KV dtype, batch, prompt length) for one backend, in this process."""
     backend = resolve_backend(backend)
-    config, weights, kind = load_weights(model_name, keep_quantized=backend == "numba")
+    config, weights, kind = load_weights(model_name)
     check_lengths(config, prompt_lens, gen_len)
     start = time.perf_counter()
     model = make_model(config, weights, backend, threads, weight_dtype)
@@ -209,7 +209,7 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
               "cold_prompt_len": prompt_lens[0], "threads_wait": "spin" if SPINNING else "sleep"}
     for kv_dtype in kv_dtypes:  # compile (or load) the forward pass for each cache dtype before any timing
         session.prefill(1, 1, 1, kv_dtype)
-    step_bytes, types = decode_weight_bytes(config), {weight_dtype: None}
+    step_bytes, types = decode_weight_bytes(config), {"float32" if weight_dtype == "file" else weight_dtype: None}
     if hasattr(model, "weight_types"):  # weights kept in their file types: the bytes a step reads as stored
         step_bytes, types = model.weight_bytes, model.weight_types
     common["dtype"] = "+".join(sorted(types, key=lambda name: -(types[name] or 0)))

@@ -3,7 +3,7 @@
     npllm generate [PROMPT] --model M --tokenizer T --max-new-tokens N --temperature T --top-p P --seed S
                             --top-k K --min-p P --typical-p P --repetition-penalty R --presence-penalty A
                             --frequency-penalty A --no-repeat-ngram N --stop STR --logprobs N
-                            --backend numba|numpy|cuda|auto --threads N --weight-dtype float32|float16|q8_0
+                            --backend numba|numpy|cuda|auto --threads N --weight-dtype file|float32|float16|q8_0
                             --kv-dtype float32|float16 --context-policy error|truncate|sinks --sinks S --ignore-eos
     npllm generate --prompt-file FILE ...      one prompt per line, generated together (ragged batching)
     npllm generate [PROMPT] ... --explain [--json]     (each token's candidates through the sampling pipeline)
@@ -171,8 +171,9 @@ def add_bench(commands) -> None:
     bench.add_argument("--backend", nargs="+", default=["numba"],
                        help="one or more of numba, numpy, cuda, auto (default numba)")
     bench.add_argument("--threads", type=whole(1, MOST_THREADS), default=None, help="cores to use (default: all)")
-    bench.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32",
-                       help="the cuda backend's matrix storage: float16 or q8_0 blocks (default float32)")
+    bench.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="file",
+                       help="how matrices are stored on every backend: file (each in its file type, the default), "
+                       "float32, float16 or q8_0 blocks")
     bench.add_argument("--kv-dtype", choices=KV_DTYPES, nargs="+", default=["float32"],
                        help="KV cache storage, one or more, measured in turn on one model (default float32)")
     bench.add_argument("--repeat", type=whole(1, MOST_REPEAT), default=3,
@@ -318,8 +319,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="numba (compiled CPU kernels, default), numpy (the reference), cuda (an NVIDIA GPU) or "
                              "auto (cuda when a GPU is usable, else numba)")
     parser.add_argument("--threads", type=whole(1, MOST_THREADS), default=None, help="cores to use (default: all)")
-    parser.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32",
-                        help="the cuda backend's matrix storage: float16 or q8_0 blocks (default float32)")
+    parser.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="file",
+                        help="how matrices are stored on every backend: file (each in its file type, the default), "
+                       "float32, float16 or q8_0 blocks")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32",
                         help="float16: the KV cache stores keys and values in half precision (numba, numpy)")
 
@@ -616,7 +618,7 @@ def run_info(args) -> int:
     from .hub import resolve
 
     checkpoint, _ = resolve(args.model)
-    config, weights = read_checkpoint(checkpoint, keep_quantized=True)  # a GGUF file's matrices as stored
+    config, weights = read_checkpoint(checkpoint)  # a GGUF file's matrices as stored
     print(describe(config, weights, checkpoint))
     return 0
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import NpllmError
-from .quant import QuantizedMatrix
+from .quant import in_block_type
 
 MiB = 1024 * 1024
 
@@ -110,7 +110,7 @@ def describe(config: ModelConfig, weights: dict[str, np.ndarray], path: str | os
     n_params = sum(int(w.size) for w in weights.values())
     weight_bytes = sum(int(w.nbytes) for w in weights.values())
     cache_bytes = kv_cache_bytes(c, c.max_seq_len)
-    kept = any(isinstance(w, QuantizedMatrix) and w.qtype != "F32" for w in weights.values())
+    kept = any(in_block_type(w) for w in weights.values())
     stored = "in their file types (the numba backend reads them in place)" if kept else "as float32"
     features = [f"RoPE theta {c.rope_theta:g} ({c.rope_layout})"]
     if c.rope_scaling is not None:

@@ -286,14 +286,15 @@ def _started(steps: Iterator) -> Iterator:
 
 
 def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None,
-         backend: str = "numba", threads: int | None = None, weight_dtype: str = "float32",
+         backend: str = "numba", threads: int | None = None, weight_dtype: str = "file",
          kv_dtype: str = "float32", cold_start: str = "wait") -> LLM:
     """Load a checkpoint (a path or a known name such as "stories260K") and its tokenizer.
 
     backend: "numba" (compiled CPU kernels, the default), "numpy" (the reference), "cuda" (an NVIDIA GPU through
     numba.cuda; a DeviceError says what is missing when it cannot run) or "auto" (cuda when a GPU is usable, else
-    numba). threads: CPU cores to use. weight_dtype "float16" or "q8_0": the cuda backend stores matrices in half
-    precision or as Q8_0 blocks (a GGUF file's own Q8_0 blocks are kept byte for byte; other matrices are quantized).
+    numba). threads: CPU cores to use. weight_dtype: how the matrices are stored, the same on every backend: "file"
+    (each in its file type, the default), "float32", "float16" or "q8_0" (a file's own blocks of that type kept byte
+    for byte, other matrices rounded to it); see npllm.models.make_model.
     kv_dtype "float16": the KV cache stores keys and values in half precision, half the bytes (numba and numpy).
     cold_start "exact" or "reference": where the numba backend's code is not compiled yet, run the NumPy reference
     (computing as the Numba model does) while a detached process compiles it for later runs, rather than wait for
@@ -306,10 +307,7 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
 
     backend = resolve_backend(backend)  # before reading weights: a missing GPU is reported at once
     checkpoint, found_tokenizer = resolve(model)
-    # the numba model reads a GGUF file's matrices in their own types, over the memory map (no float32 copy); the
-    # cuda model keeps a file's Q8_0 blocks when asked for weight_dtype "q8_0"
-    keep_quantized = backend == "numba" or (backend == "cuda" and weight_dtype == "q8_0")
-    config, weights = read_checkpoint(checkpoint, keep_quantized=keep_quantized)
+    config, weights = read_checkpoint(checkpoint)  # in their file types: make_model decides the storage
     tok, config = _tokenizer_for(config, tokenizer if tokenizer is not None else found_tokenizer)
     model = make_model(config, weights, backend, threads, weight_dtype, kv_dtype, cold_start)
     if isinstance(model, Transformer):
@@ -339,7 +337,7 @@ def load_tokenizer_of(model: str | os.PathLike = "stories260K",
     from .formats import read_checkpoint
 
     checkpoint, found = resolve(model)
-    config, _ = read_checkpoint(checkpoint, keep_quantized=True)
+    config, _ = read_checkpoint(checkpoint)
     tok, config = _tokenizer_for(config, tokenizer if tokenizer is not None else found)
     if tok is None:
         raise FormatError(f"no tokenizer was found for {checkpoint}: pass tokenizer=PATH")

@@ -113,7 +113,7 @@ class Predictor:
 
     def __init__(self, model="stories260K", tokenizer=None, backend: str = "numba", threads: int | None = None,
                  chat_template: str | None = None, slots: int = DEFAULT_SLOTS, json_column: str | None = None,
-                 name: str | None = None, weight_dtype: str = "float32", kv_dtype: str = "float32"):
+                 name: str | None = None, weight_dtype: str = "file", kv_dtype: str = "float32"):
         from .chat import chat_template_name
 
         llm = _load(model, tokenizer, backend, threads, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
@@ -198,7 +198,7 @@ def _ordered(ray):
 
 def run_batch(model, input_path, output, errors, *, address: str | None = None, workers: int = 1,
               batch_size: int = DEFAULT_SLOTS, tokenizer=None, backend: str = "numba", threads: int | None = None,
-              chat_template: str | None = None, weight_dtype: str = "float32", kv_dtype: str = "float32",
+              chat_template: str | None = None, weight_dtype: str = "file", kv_dtype: str = "float32",
               progress: bool = True) -> Summary:
     """npllm batch --ray: the input's pending lines as a dataset, run through `workers` Predictor actors (each with
     `threads` CPUs, default 1, and `batch_size` slots), the results appended in input order as they arrive."""

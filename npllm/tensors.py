@@ -103,10 +103,10 @@ def release(*weights) -> None:
     views of a read-only file mapping (arrays in memory, copies) are left alone; so is everything on a system
     without madvise.
     """
-    from .quant import QuantizedMatrix
+    from .quant import matrix_bytes
 
     for w in weights:
-        a = w.raw if isinstance(w, QuantizedMatrix) else w
+        a = matrix_bytes(w)
         mapping = _file_mapping(a)
         if mapping is None or not a.flags.c_contiguous or a.nbytes == 0:
             continue
@@ -123,11 +123,11 @@ def release_files(weights) -> None:
     release() keeps the pages it shares with its neighbours, and reading the next weight can map some of its pages
     back in (the kernel maps cached neighbours around a fault: up to a large folio, 2 MiB): 10-14 MB of a 110M
     Q4_0 GGUF stayed resident after the pass of check_finite that way, ~18 MB after loading its F32 twin."""
-    from .quant import QuantizedMatrix
+    from .quant import matrix_bytes
 
     mappings = {}
     for w in weights:
-        mapping = _file_mapping(w.raw if isinstance(w, QuantizedMatrix) else w)
+        mapping = _file_mapping(matrix_bytes(w))
         if mapping is not None:
             mappings[id(mapping)] = mapping
     for mapping in mappings.values():

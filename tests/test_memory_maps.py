@@ -103,7 +103,7 @@ def status(key):  # kB -> MB
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))
     return int(line.split()[1]) / 1024
 
-checkpoint = read_checkpoint(sys.argv[1], keep_quantized=True)  # its metadata's objects are not the copy either
+checkpoint = read_checkpoint(sys.argv[1])  # its metadata's objects are not the copy either
 base = status("VmRSS")
 model = make_model(*checkpoint, "numba")
 print(status("VmHWM") - base, status("VmRSS") - base)

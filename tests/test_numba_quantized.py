@@ -12,6 +12,7 @@ import npllm
 from npllm import quant
 from npllm.quant import oracle
 from npllm.config import ModelConfig
+from npllm.errors import ConfigError
 from npllm.formats import read_checkpoint
 from npllm.formats.gguf import TensorData, model_metadata, model_tensors, read_gguf, read_gguf_quantized, write_gguf, \
     write_gguf_file
@@ -92,7 +93,7 @@ TOKENS = np.array([1, 5, 7, 9, 3, 2, 60, 11, 90])
 
 def load(path, backend="numba"):
     """The model npllm.load builds (these files carry no tokenizer)."""
-    return npllm.LLM(make_model(*read_checkpoint(path, keep_quantized=backend == "numba"), backend), None)
+    return npllm.LLM(make_model(*read_checkpoint(path), backend), None)
 
 
 def assert_follows_reference(path, tokens=TOKENS):
@@ -288,6 +289,35 @@ def test_float_checkpoints_and_other_backends_keep_float32(tmp_path):
     assert (numba_logits.argmax(-1) == exact.argmax(-1)).mean() >= 0.75
 
 
+def test_weight_dtype_means_the_same_on_every_backend(tmp_path):
+    """make_model's weight_dtype, not the reader or the backend, decides storage: "file" keeps a Q8_0 file's blocks on
+    numba; "float32" decodes them on numba as numpy does (the same logits, float32 panels); "q8_0" rounds an F32
+    checkpoint to the very blocks a Q8_0 file holds (the same model as the file's, bit for bit), on numba and numpy."""
+    config = tiny()
+    f32, q8 = tmp_path / "f32.gguf", tmp_path / "q8.gguf"
+    write_gguf(f32, config, random_weights(config, 4), "F32")
+    write_gguf(q8, config, random_weights(config, 4), "Q8_0")
+
+    def model(path, backend, weight_dtype):
+        return make_model(*read_checkpoint(path), backend, weight_dtype=weight_dtype)
+
+    kept = model(q8, "numba", "file")
+    assert isinstance(kept, QuantizedNumbaTransformer) and set(kept.weight_types) == {"Q8_0"}
+    decoded = model(q8, "numba", "float32")
+    assert type(decoded) is NumbaTransformer
+    exact = model(q8, "numpy", "float32").logits(TOKENS)
+    np.testing.assert_allclose(decoded.logits(TOKENS), exact, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(model(q8, "numpy", "file").logits(TOKENS), exact)
+    rounded = model(f32, "numba", "q8_0")
+    assert isinstance(rounded, QuantizedNumbaTransformer) and set(rounded.weight_types) == {"Q8_0"}
+    np.testing.assert_array_equal(rounded.logits(TOKENS), kept.logits(TOKENS))
+    np.testing.assert_array_equal(model(f32, "numpy", "q8_0").logits(TOKENS), exact)
+    halves = model(f32, "numba", "float16")
+    assert set(halves.weight_types) == {"F16"}
+    with pytest.raises(ConfigError, match="weight_dtype"):
+        model(f32, "numba", "q4")
+
+
 def test_non_finite_scales_are_refused_at_load(tmp_path):
     config = tiny()
     tensors = model_tensors(config, random_weights(config, 5), "Q8_0")
@@ -298,7 +328,7 @@ def test_non_finite_scales_are_refused_at_load(tmp_path):
     path = tmp_path / "nan.gguf"
     write_gguf_file(path, model_metadata(config, "nan"), tensors)
     with pytest.raises(npllm.errors.FormatError, match="NaN or infinite"):
-        read_checkpoint(path, keep_quantized=True)
+        read_checkpoint(path)
 
 
 def test_info_shows_bytes_per_type_and_memory_as_stored(tmp_path, capsys):
@@ -345,7 +375,7 @@ def test_threads_change_no_bit_of_a_long_prefill(tmp_path, monkeypatch):
     config = tiny()
     path = tmp_path / "q4.gguf"
     write_gguf(path, config, random_weights(config, 5), "Q4_0")
-    config_, weights = read_checkpoint(path, keep_quantized=True)
+    config_, weights = read_checkpoint(path)
     tokens = np.arange(2 * numba_model.QUANTIZE_IN_PARALLEL_FROM + 3) % config.vocab_size
     one = QuantizedNumbaTransformer(config_, weights, threads=1).logits(tokens)
     two = QuantizedNumbaTransformer(config_, weights, threads=2).logits(tokens)

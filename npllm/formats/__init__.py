@@ -32,12 +32,12 @@ from ..tensors import release, release_files
 GGUF_MAGIC = b"GGUF"
 
 
-def read_checkpoint(path: str | os.PathLike, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Pick the reader from what is on disk: a HF directory (config.json), a .safetensors file (config.json beside
     it), a GGUF file (magic b"GGUF"), else a llama2.c .bin.
 
-    keep_quantized: a GGUF file's matrices come as quant.QuantizedMatrix over the memory map, in their file types
-    (read_gguf_quantized), instead of float32 arrays; other formats are read as always."""
+    The weights come in their file types, whatever will run them: a GGUF file's matrices as quant.QuantizedMatrix
+    over the memory map (read_gguf_quantized), other formats' as arrays; models.make_model decides the storage."""
     path = Path(path)
     if not path.exists():
         raise FormatError(f"checkpoint {path} does not exist")
@@ -51,9 +51,9 @@ def read_checkpoint(path: str | os.PathLike, keep_quantized: bool = False) -> tu
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic == GGUF_MAGIC:
-            from .gguf import read_gguf, read_gguf_quantized
+            from .gguf import read_gguf_quantized
 
-            config, weights = (read_gguf_quantized if keep_quantized else read_gguf)(path)
+            config, weights = read_gguf_quantized(path)
         else:
             from .llama2c import read_llama2c
 

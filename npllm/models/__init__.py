@@ -29,7 +29,8 @@ from ..errors import ConfigError, DeviceError
 from .base import KV_DTYPES, Model, kv_storage
 
 BACKENDS = ("numba", "numpy", "cuda", "auto")
-WEIGHT_DTYPES = ("float32", "float16", "q8_0")
+WEIGHT_DTYPES = ("file", "float32", "float16", "q8_0")
+BLOCK_TYPE = {"float16": "F16", "q8_0": "Q8_0"}  # weight_dtype -> the block type its matrices are stored in
 COLD_STARTS = ("wait", "exact", "reference")
 BEHIND = "npllm:compile-behind"  # the event raised when a model's code is left to a detached compile (the CLI's notice)
 LOCK_WAIT_S = 900  # at most this long, a run that waits for the compile waits for a detached one to end
@@ -52,18 +53,20 @@ def resolve_backend(backend: str) -> str:
 
 
 def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str = "numba",
-               threads: int | None = None, weight_dtype: str = "float32", kv_dtype: str | None = None,
+               threads: int | None = None, weight_dtype: str = "file", kv_dtype: str | None = None,
                cold_start: str = "wait", **options) -> Model:
-    """A model over `weights` (a format reader's dict) run by `backend`, on `threads` CPU cores (default: all).
+    """A model over `weights` (a format reader's dict: arrays, and quant.QuantizedMatrix for matrices kept in their
+    file types) run by `backend`, on `threads` CPU cores (default: all).
 
-    weight_dtype "float16" stores the CUDA model's matrices in half precision, "q8_0" as GGUF Q8_0 blocks (float32
-    sums either way; a checkpoint's own Q8_0 blocks are kept, see cuda.CudaTransformer); the CPU backends
-    compute in the checkpoint's precision (numpy) or float32 (numba). Matrices given as quant.QuantizedMatrix
-    (formats.gguf.read_gguf_quantized) stay in their file types in the numba model (npllm.load reads a GGUF file
-    that way for numba, and for cuda with "q8_0"). kv_dtype "float16" makes the model's caches store keys and
-    values in half precision (numpy and numba backends; None: the compute dtype). options go to the CUDA model
-    (geometry, one_launch: see cuda.CudaTransformer). cold_start: what the numba backend does when its code is not
-    compiled yet, "wait" (compile it first), "exact" or "reference" (see the module's docstring).
+    weight_dtype, the same on every backend, says how the matrices are stored (storage() is the one place it is
+    resolved): "file" each in its file type (the default), "float32", "float16" or "q8_0" (GGUF Q8_0 blocks;
+    a matrix already of the type is kept byte for byte, any other is rounded to it). The numba backend computes
+    with any of them in place (float32 panels, or its block kernels); numpy computes in float32 from the stored
+    values (a block type is decoded once); cuda stores one type for every matrix: float32 ("file"), float16 or
+    Q8_0 (float32 sums either way, see cuda.CudaTransformer). kv_dtype "float16" makes the model's caches store
+    keys and values in half precision (numpy and numba backends; None: the compute dtype). options go to the CUDA
+    model (geometry, one_launch: see cuda.CudaTransformer). cold_start: what the numba backend does when its code
+    is not compiled yet, "wait" (compile it first), "exact" or "reference" (see the module's docstring).
     """
     if cold_start not in COLD_STARTS:
         raise ConfigError(f"cold_start must be one of {', '.join(COLD_STARTS)}, got {cold_start!r}")
@@ -72,27 +75,45 @@ def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str
     if backend == "cuda" and kv not in (None, np.float32):
         raise ConfigError(f"kv_dtype {kv_dtype}: the cuda backend's cache stores float32 (float16 is for the numba "
                           f"and numpy backends)")
-    model = _make(config, weights, backend, threads, weight_dtype, kv, cold_start, **options)
+    if backend != "cuda" and options:
+        raise ConfigError(f"{', '.join(sorted(options))}: options of the cuda backend, not of {backend}")
+    model = _make(config, storage(weights, weight_dtype, backend), backend, threads, weight_dtype, kv, cold_start,
+                  **options)
     if kv is not None:
         model.kv_dtype = kv.name
     return model
 
 
-def _make(config: ModelConfig, weights: dict[str, np.ndarray], backend: str, threads: int | None,
-          weight_dtype: str, kv: np.dtype | None, cold_start: str, **options) -> Model:
+def storage(weights: dict, weight_dtype: str, backend: str) -> dict:
+    """The weights as `backend` stores them under `weight_dtype` (see make_model): "file" leaves them as read,
+    "float32" decodes every matrix to float32, "float16"/"q8_0" round every matrix to that block type; the numpy
+    backend then decodes the stored values to float32 (it computes with arrays), the cuda backend converts them
+    itself while uploading (no host copy of the model: its own float32, float16 or Q8_0 storage)."""
+    from ..quant import QuantizationError, dequantized, stored_as
+
     if weight_dtype not in WEIGHT_DTYPES:
         raise ConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
-    if backend != "cuda" and (weight_dtype != "float32" or options):
-        given = ["weight_dtype"] * (weight_dtype != "float32") + sorted(options)
-        raise ConfigError(f"{', '.join(given)}: options of the cuda backend, not of {backend}")
+    if backend == "cuda":
+        return weights
+    if weight_dtype in BLOCK_TYPE:
+        try:
+            weights = stored_as(weights, BLOCK_TYPE[weight_dtype])
+        except QuantizationError as e:
+            raise ConfigError(f"weight_dtype {weight_dtype}: {e}") from None
+    return dequantized(weights) if backend == "numpy" or weight_dtype == "float32" else weights
+
+
+def _make(config: ModelConfig, weights: dict[str, np.ndarray], backend: str, threads: int | None,
+          weight_dtype: str, kv: np.dtype | None, cold_start: str, **options) -> Model:
     if backend == "cuda":
         from .cuda import CudaTransformer
 
-        return CudaTransformer(config, weights, weight_dtype, **options)
+        return CudaTransformer(config, weights, "float32" if weight_dtype == "file" else weight_dtype, **options)
     if backend == "numba":
-        from .numba import NumbaTransformer, QuantizedNumbaTransformer, is_quantized, link_ahead
+        from ..quant import dequantized, in_block_type
+        from .numba import NumbaTransformer, QuantizedNumbaTransformer, link_ahead
 
-        quantized = is_quantized(weights)  # matrices kept in their file types: read as stored, no float32 copy
+        quantized = any(in_block_type(w) for w in weights.values())  # matrices kept in block types: read as stored, no float32 copy
         model_class = QuantizedNumbaTransformer if quantized else NumbaTransformer
         start_compile = None if cold_start == "wait" else compile_behind(model_class, kv, cold_start)
         if start_compile is not None:
@@ -107,7 +128,7 @@ def _make(config: ModelConfig, weights: dict[str, np.ndarray], backend: str, thr
         link_ahead(model_class, kv)  # the code, then the weights
         if quantized:
             return QuantizedNumbaTransformer(config, weights, threads)
-        return NumbaTransformer(config, float_weights(weights), threads)
+        return NumbaTransformer(config, dequantized(weights), threads)  # F32 matrices: views
     from .reference import Transformer
 
     return _reference(Transformer(config, weights), threads)
@@ -169,14 +190,6 @@ def wait_for_detached(model_class) -> None:
         with event.trigger_event("numba:compile", data={"dispatcher": FORWARD, "args": None,
                                                         "return_type": None}):
             wait_for_lock(lock, LOCK_WAIT_S)
-
-
-def float_weights(weights: dict) -> dict:
-    """The weights as arrays: quant.QuantizedMatrix values of type F32 become float32 views of their bytes (the
-    float32 path packs its own panels from them)."""
-    from ..quant import QuantizedMatrix
-
-    return {name: np.asarray(w) if isinstance(w, QuantizedMatrix) else w for name, w in weights.items()}
 
 
 def limit_blas_threads(threads: int) -> None:

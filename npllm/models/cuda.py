@@ -24,7 +24,7 @@ from .. import ops
 from ..config import ModelConfig
 from ..device import cuda_problem, cuda_simulated
 from ..errors import ConfigError, DeviceError, GenerationError
-from ..quant import QuantizedMatrix, quantize_q8_0
+from ..quant import as_matrix, quantize_q8_0
 from .base import Model, kv_storage, sampler_rows
 from .weights import Weights, fused_qkv
 
@@ -437,10 +437,11 @@ def q8_0_blocks(w, block_type: np.dtype) -> np.ndarray:
     """W [N, K] as Q8_0 blocks [N, ceil(K / 32)] of block_type (kernels.Q8_0_BLOCK): a Q8_0 QuantizedMatrix's own
     bytes, else quant.quantize_q8_0 of its float32 values, each row zero-padded to whole blocks (a zero changes no
     block's scale, and the kernels never read past K)."""
-    if isinstance(w, QuantizedMatrix) and w.qtype == "Q8_0":
-        raw = np.ascontiguousarray(w.raw)
+    m = as_matrix(w)
+    if m.qtype == "Q8_0":
+        raw = np.ascontiguousarray(m.raw)
     else:
-        values = np.asarray(w, dtype=np.float32)
+        values = np.asarray(m, dtype=np.float32)
         N, K = values.shape
         padded = np.zeros((N, -(-K // 32) * 32), np.float32)
         padded[:, :K] = values

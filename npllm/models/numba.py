@@ -335,13 +335,6 @@ QPacked = namedtuple("QPacked", [
 ])
 
 
-def is_quantized(weights) -> bool:
-    """Whether a checkpoint's dict holds matrices kept in a file type other than float32 (quant.QuantizedMatrix)."""
-    from ..quant import QuantizedMatrix
-
-    return any(isinstance(w, QuantizedMatrix) and w.qtype != "F32" for w in weights.values())
-
-
 def _memory_root(a: np.ndarray):
     """The object whose memory an array views (a memory map, a bytes object), or the array itself if it owns it."""
     while isinstance(a.base, np.ndarray):
@@ -413,24 +406,14 @@ def stored_row_bytes(m, interleaved: bool) -> int:
     return m.raw.shape[1] // TYPES[m.qtype].block_bytes * INTERLEAVED_BLOCK_BYTES[m.qtype] // INTERLEAVE
 
 
-def _as_quantized(w):
-    """A matrix as a QuantizedMatrix: as it is, or a float array's float32 bytes (a matrix of a mixed dict)."""
-    from ..quant import QuantizedMatrix
-
-    if isinstance(w, QuantizedMatrix):
-        return w
-    values = np.ascontiguousarray(w, dtype=np.float32)
-    return QuantizedMatrix(values.view(np.uint8).reshape(values.shape[0], -1), "F32", values.shape)
-
-
 def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
     """The matrices in their own types over one byte pool, the vectors as float32 arrays stacked along L."""
-    from ..quant import INTERLEAVED_TYPES, TYPES
+    from ..quant import INTERLEAVED_TYPES, TYPES, as_matrix
     from ..tensors import permute_qk_half_to_interleaved
 
     names = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
-    matrices = [_as_quantized(getattr(layer, name)) for layer in weights.layers for name in names]
-    matrices += [_as_quantized(weights.tok_embeddings), _as_quantized(weights.output)]
+    matrices = [as_matrix(getattr(layer, name)) for layer in weights.layers for name in names]
+    matrices += [as_matrix(weights.tok_embeddings), as_matrix(weights.output)]
     # Every block type's products run on rows interleaved by eight (kernels/quant), which needs a copy
     # of the file's bytes in that order. The embedding table stays as stored (its rows are looked up one by one, and a
     # mapped table's unused rows never load), unless the LM head is tied to it: then the one copy is interleaved for

@@ -44,7 +44,7 @@ from .kquants import (K_QUANT_RULES, dequantize_q2_k, dequantize_q3_k, dequantiz
                       dequantize_q6_k, quantize_q2_k, quantize_q3_k, quantize_q4_k, quantize_q5_k, quantize_q6_k)
 from .legacy import (dequantize_q4_0, dequantize_q4_1, dequantize_q5_0, dequantize_q5_1, dequantize_q8_0, quantize_q4_0,
                      quantize_q4_1, quantize_q5_0, quantize_q5_1, quantize_q8_0)
-from .matrix import QuantizedMatrix
+from .matrix import QuantizedMatrix, as_matrix, dequantized, in_block_type, matrix_bytes, stored_as
 from .table import (BLOCK_TYPES, DEQUANTIZE, INT8_ACTIVATION_TYPES, INTERLEAVED_BLOCK_BYTES, INTERLEAVED_TYPES, MIXTURES,
                     QUANTIZE, SCALE_FIELDS, TWO_PART_ACTIVATION_TYPES, TYPES, TYPES_BY_ID, dequantize, interleave_rows,
                     quantize)

@@ -100,3 +100,44 @@ class _TransposedMatrix:
     def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
         return self.matrix.matmul_t(x)
 
+
+
+def as_matrix(w) -> QuantizedMatrix:
+    """A weight matrix as the one matrix type: a QuantizedMatrix as it is, a float array as its float32 bytes
+    (type F32, no copy when it is float32 already).  # [N, K] -> QuantizedMatrix"""
+    if isinstance(w, QuantizedMatrix):
+        return w
+    values = np.ascontiguousarray(w, dtype=np.float32)
+    return QuantizedMatrix(values.view(np.uint8).reshape(values.shape[0], -1), "F32", values.shape)
+
+
+def matrix_bytes(w) -> np.ndarray:
+    """The array holding a weight's bytes as stored (a QuantizedMatrix's raw blocks, else the array itself)."""
+    return w.raw if isinstance(w, QuantizedMatrix) else w
+
+
+def in_block_type(w) -> bool:
+    """Whether a weight is kept in a file type other than float32 (a QuantizedMatrix not of type F32)."""
+    return isinstance(w, QuantizedMatrix) and w.qtype != "F32"
+
+
+def dequantized(weights: dict) -> dict:
+    """Every QuantizedMatrix of a weights dict as a float32 array (its values; F32 ones as views of their bytes),
+    other arrays as they are."""
+    return {name: np.asarray(w) if isinstance(w, QuantizedMatrix) else w for name, w in weights.items()}
+
+
+def stored_as(weights: dict, qtype: str) -> dict:
+    """Every matrix (2-D weight) of a weights dict in block type qtype: one already of that type as it is, any
+    other rounded through float32 (QuantizedMatrix.from_values); vectors as they are. The same matrix object
+    (a tied embedding and LM head) stays one object."""
+    done: dict[int, QuantizedMatrix] = {}
+
+    def convert(w):
+        if w.ndim != 2 or (isinstance(w, QuantizedMatrix) and w.qtype == qtype):
+            return w
+        if id(w) not in done:
+            done[id(w)] = QuantizedMatrix.from_values(np.asarray(w, dtype=np.float32), qtype)
+        return done[id(w)]
+
+    return {name: convert(w) for name, w in weights.items()}

@@ -27,7 +27,7 @@ from npllm.models import make_model
 
 path, steps = sys.argv[1], int(sys.argv[2])
 start = time.perf_counter()
-model = make_model(*read_checkpoint(path, keep_quantized=True), "numba")
+model = make_model(*read_checkpoint(path), "numba")
 load_s = time.perf_counter() - start
 prompt = np.arange(1, 9)
 cache = model.new_cache(len(prompt) + steps)

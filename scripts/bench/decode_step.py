@@ -23,7 +23,7 @@ from npllm.models import make_model
 path = sys.argv[1]
 prompt = int(sys.argv[2]) if len(sys.argv) > 2 else 128
 steps = int(sys.argv[3]) if len(sys.argv) > 3 else 200
-model = make_model(*read_checkpoint(path, keep_quantized=True), "numba")
+model = make_model(*read_checkpoint(path), "numba")
 cache = model.new_cache(prompt + steps)
 model.forward(np.arange(1, prompt + 1) % model.config.vocab_size, np.arange(prompt), cache)
 
