@@ -300,5 +300,5 @@ def test_one_switch_gives_the_same_logits_on_every_backend(stories260k):
     half = npllm.load(stories260k, backend="cuda", weight_dtype="float16")
     assert half.model.weight_dtype == np.float16
     np.testing.assert_allclose(half.logits(ids), want, atol=2e-2 * np.abs(want).max())
-    with pytest.raises(ConfigError, match="weight_dtype"):
-        npllm.load(stories260k, backend="numba", weight_dtype="float16")
+    with pytest.raises(ConfigError, match="weight_dtype q8_0"):  # rows of 172 values hold no whole Q8_0 block
+        npllm.load(stories260k, backend="numba", weight_dtype="q8_0")

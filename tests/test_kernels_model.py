@@ -141,8 +141,8 @@ def test_bad_calls_raise_the_numpy_models_errors():
         NumbaTransformer(config, random_weights(config), threads=10_000)
     with pytest.raises(ConfigError, match="backend"):
         npllm.load("stories260K", backend="fortran")
-    with pytest.raises(ConfigError, match="weight_dtype"):  # float16 storage is the CUDA model's option
-        make_model(config, random_weights(config), "numba", weight_dtype="float16")
+    with pytest.raises(ConfigError, match="weight_dtype"):
+        make_model(config, random_weights(config), "numba", weight_dtype="bfloat16")
 
 
 def test_two_slots_positions_and_lengths_are_committed():
