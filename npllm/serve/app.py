@@ -479,6 +479,30 @@ def _refuse(conn: socket.socket, response: bytes) -> None:
     conn.close()
 
 
+class HeadDeadline:
+    """The head deadline of guarded_protocol's connections: a timer that closes the transport unless a new request
+    head arrives within `header_timeout` seconds. Mixed into uvicorn's H11Protocol (self.loop, self.transport and
+    self.cycle are its own)."""
+
+    header_timeout = 10.0
+    deadline = None  # the TimerHandle that closes the connection unless a new request head arrives
+    waiting_after = None  # the last request cycle answered: while it is current, a new head is awaited
+
+    def _arm(self) -> None:
+        self._disarm()
+        self.deadline = self.loop.call_later(self.header_timeout, self._expire)
+
+    def _disarm(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def _expire(self) -> None:
+        self.deadline = None
+        if self.cycle is self.waiting_after and not self.transport.is_closing():
+            self.transport.close()
+
+
 def guarded_protocol(limits: Limits, gate: Gate):
     """uvicorn's h11 protocol with a deadline on each request's head (slowloris): it must arrive whole within
     limits.header_timeout seconds of the connection's start, or of the first byte after the last response, else the
@@ -491,9 +515,8 @@ def guarded_protocol(limits: Limits, gate: Gate):
     GuardedSocket bounds the number of connections."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class GuardedH11Protocol(H11Protocol):
-        deadline = None  # the TimerHandle that closes the connection unless a new request head arrives
-        waiting_after = None  # the last request cycle answered: while it is current, a new head is awaited
+    class GuardedH11Protocol(HeadDeadline, H11Protocol):
+        header_timeout = limits.header_timeout
 
         def connection_made(self, transport) -> None:
             gate.made()
@@ -517,20 +540,6 @@ def guarded_protocol(limits: Limits, gate: Gate):
         def connection_lost(self, exc) -> None:
             self._disarm()
             super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            self._disarm()
-            self.deadline = self.loop.call_later(limits.header_timeout, self._expire)
-
-        def _disarm(self) -> None:
-            if self.deadline is not None:
-                self.deadline.cancel()
-                self.deadline = None
-
-        def _expire(self) -> None:
-            self.deadline = None
-            if self.cycle is self.waiting_after and not self.transport.is_closing():
-                self.transport.close()
 
     return GuardedH11Protocol
 
