@@ -46,18 +46,29 @@ class RopeScaling:
     kind "linear": every inverse frequency is divided by `factor` (position interpolation).
     kind "llama3": Llama 3.1's piecewise rule: long wavelengths (> original_max / low_freq_factor) are divided by
     `factor`, short ones (< original_max / high_freq_factor) kept, and the band between blended smoothly.
+    kind "longrope" (Phi-3): inverse frequency i is divided by its own factor, `long_factor[i]` when the model runs
+    with a context longer than original_max_position_embeddings, else `short_factor[i]`; queries and keys are both
+    scaled by `attention_factor` (so attention scores by its square).
     """
 
-    kind: str  # "linear" | "llama3"
+    kind: str  # "linear" | "llama3" | "longrope"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()  # longrope: [Dh/2] divisors of the inverse frequencies
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self):
-        if self.kind not in ("linear", "llama3"):
-            raise ConfigError(f"unsupported RoPE scaling type {self.kind!r} (npllm knows 'linear' and 'llama3')")
+        if self.kind not in ("linear", "llama3", "longrope"):
+            raise ConfigError(f"unsupported RoPE scaling type {self.kind!r} "
+                              "(npllm knows 'linear', 'llama3' and 'longrope')")
+        object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))
+        object.__setattr__(self, "long_factor", tuple(float(f) for f in self.long_factor))
         check_finite_floats(self)
+        if self.kind == "longrope":
+            self._check_longrope()
         if not self.factor > 0:
             raise ConfigError(f"RoPE scaling factor must be > 0, got {self.factor}")
         if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
@@ -67,6 +78,27 @@ class RopeScaling:
                                           and 0 < self.original_max_position_embeddings <= MAX_CONTEXT):
             raise ConfigError(f"llama3 RoPE scaling's original_max_position_embeddings must be a positive integer, "
                               f"got {self.original_max_position_embeddings!r}")
+
+
+    def _check_longrope(self) -> None:
+        if not self.short_factor or len(self.short_factor) != len(self.long_factor):
+            raise ConfigError("longrope scaling needs short_factor and long_factor lists of one length (Dh/2), got "
+                              f"{len(self.short_factor)} and {len(self.long_factor)}")
+        if min(self.short_factor + self.long_factor) <= 0 or not self.attention_factor > 0:
+            raise ConfigError("longrope scaling factors and attention_factor must be > 0")
+
+    def divisors(self, context: int) -> tuple[float, ...]:
+        """longrope: the per-frequency divisors for a model run with `context` positions (long past the original)."""
+        return self.long_factor if context > self.original_max_position_embeddings else self.short_factor
+
+
+FFN_ACTIVATIONS = ("silu", "gelu_tanh")
+QK_NORMS = ("", "head", "projection")
+BLOCK_NORMS = ("pre", "sandwich", "post")
+# ModelConfig's fields for what other families change (their defaults are Llama's); expert_* only matter with experts.
+FEATURE_FIELDS = ("ffn_activation", "embedding_multiplier", "residual_multiplier", "attention_scale",
+                  "attn_logit_softcap", "final_logit_softcap", "logit_multiplier", "qk_norm", "block_norms",
+                  "sliding_layers", "rope_local_theta", "n_experts")
 
 
 @dataclass(frozen=True)
@@ -97,6 +129,22 @@ class ModelConfig:
     # 151,665 tokens, 151,936 rows) and the model never produces them. None: every one of the vocab_size ids.
     # No checkpoint says it: npllm.load sets it from the tokenizer.
     usable_vocab: int | None = None
+    # ---- what other families change (all defaults are Llama's; see docs/architectures.md) ----
+    ffn_activation: str = "silu"  # "silu": SwiGLU | "gelu_tanh": GeGLU (Gemma)
+    embedding_multiplier: float = 1.0  # x = E[t] * m (Gemma: sqrt(D); Granite)
+    residual_multiplier: float = 1.0  # x = x + m * block(x) (Granite)
+    attention_scale: float = 0.0  # scores = q.k * s; 0: 1/sqrt(Dh) (Gemma: query_pre_attn_scalar^-1/2; Granite)
+    attn_logit_softcap: float = 0.0  # c > 0: scores = c tanh(scores / c) (Gemma 2)
+    final_logit_softcap: float = 0.0  # c > 0: logits = c tanh(logits / c) (Gemma 2)
+    logit_multiplier: float = 1.0  # logits * m (Granite: 1 / logits_scaling)
+    qk_norm: str = ""  # "": none | "head": RMSNorm of each head's q and k (Qwen3, Gemma 3) | "projection": of all of q, of k (OLMo 2)
+    block_norms: str = "pre"  # "pre": x += f(norm(x)) | "sandwich": x += norm'(f(norm(x))) (Gemma) | "post": x += norm'(f(x)) (OLMo 2)
+    sliding_layers: tuple[bool, ...] = ()  # one flag per layer; empty: every layer slides when sliding_window is set
+    rope_local_theta: float = 0.0  # > 0: the RoPE base of sliding layers, unscaled (Gemma 3); 0: rope_theta
+    n_experts: int = 0  # E experts per layer (0: a dense FFN)
+    n_experts_used: int = 0  # top k experts per token
+    expert_hidden_dim: int = 0  # Fe, each expert's hidden width (0: hidden_dim)
+    expert_weights_norm: bool = True  # renormalise the top-k router probabilities to sum 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
 
     def __post_init__(self):
         check_finite_floats(self)
@@ -133,6 +181,72 @@ class ModelConfig:
             raise ConfigError(f"norm_eps must be a finite number > 0, got {self.norm_eps}")
         if not 0 < self.rope_theta < float("inf"):
             raise ConfigError(f"rope_theta must be a finite number > 0, got {self.rope_theta}")
+        self.check_features()
+
+    def check_features(self) -> None:
+        """The options beyond Llama's (issue: the other families) are consistent with each other."""
+        if self.ffn_activation not in FFN_ACTIVATIONS:
+            raise ConfigError(f"ffn_activation must be one of {', '.join(FFN_ACTIVATIONS)}, got {self.ffn_activation!r}")
+        if self.qk_norm not in QK_NORMS:
+            raise ConfigError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
+        if self.block_norms not in BLOCK_NORMS:
+            raise ConfigError(f"block_norms must be one of {', '.join(BLOCK_NORMS)}, got {self.block_norms!r}")
+        for name in ("attention_scale", "attn_logit_softcap", "final_logit_softcap", "rope_local_theta"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0: not used), got {getattr(self, name)}")
+        for name in ("embedding_multiplier", "residual_multiplier", "logit_multiplier"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        object.__setattr__(self, "sliding_layers", tuple(bool(s) for s in self.sliding_layers))
+        if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
+            raise ConfigError(f"sliding_layers must flag each of the {self.n_layers} layers, got "
+                              f"{len(self.sliding_layers)}")
+        if any(self.sliding_layers) and self.sliding_window is None:
+            raise ConfigError("sliding_layers flags layers as sliding but sliding_window is not set")
+        self._check_experts()
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.kind == "longrope" and len(scaling.short_factor) != self.head_dim // 2:
+            raise ConfigError(f"longrope factors must number head_dim / 2 = {self.head_dim // 2}, got "
+                              f"{len(scaling.short_factor)}")
+
+    def _check_experts(self) -> None:
+        if self.n_experts == 0 and self.n_experts_used == 0:
+            return
+        if not 0 < self.n_experts_used <= self.n_experts:
+            raise ConfigError(f"a mixture of experts needs 0 < n_experts_used <= n_experts, got "
+                              f"{self.n_experts_used} of {self.n_experts}")
+        if self.expert_hidden_dim < 0:
+            raise ConfigError(f"expert_hidden_dim must be >= 0 (0: hidden_dim), got {self.expert_hidden_dim}")
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window (every layer when sliding_layers is empty)."""
+        if self.sliding_window is None:
+            return False
+        return self.sliding_layers[layer] if self.sliding_layers else True
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The options beyond Llama's that this config uses, by field name ("longrope" for that RoPE scaling), so a
+        backend can say plainly which it does not run yet."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in FEATURE_FIELDS}
+        used = {name for name, default in defaults.items() if getattr(self, name) != default}
+        if self.rope_scaling is not None and self.rope_scaling.kind == "longrope":
+            used.add("longrope")
+        return frozenset(used)
+
+    @property
+    def score_scale(self) -> float:
+        """What q.k is multiplied by before the softmax: attention_scale (1/sqrt(Dh) when 0), times longrope's
+        attention_factor squared (it scales both queries and keys)."""
+        scale = self.attention_scale or 1.0 / math.sqrt(self.head_dim)
+        if self.rope_scaling is not None and self.rope_scaling.kind == "longrope":
+            scale *= self.rope_scaling.attention_factor ** 2
+        return scale
+
+    @property
+    def moe_hidden_dim(self) -> int:
+        """Fe, the hidden width of each expert."""
+        return self.expert_hidden_dim or self.hidden_dim
 
     @property
     def kv_group(self) -> int:
@@ -143,11 +257,14 @@ class ModelConfig:
     def n_params(self) -> int:
         """Parameter count as the checkpoint stores it (a tied head is counted once)."""
         D, F, L, V, Dh = self.dim, self.hidden_dim, self.n_layers, self.vocab_size, self.head_dim
-        attn = D * self.n_heads * Dh * 2 + D * self.n_kv_heads * Dh * 2
+        H, K = self.n_heads, self.n_kv_heads
+        attn = D * H * Dh * 2 + D * K * Dh * 2
         if self.attention_bias:
-            attn += self.n_heads * Dh + 2 * self.n_kv_heads * Dh
-        per_layer = attn + 3 * D * F + 2 * D
-        return V * D * (1 if self.tied_embeddings else 2) + L * per_layer + D
+            attn += H * Dh + 2 * K * Dh
+        attn += {"": 0, "head": 2 * Dh, "projection": (H + K) * Dh}[self.qk_norm]
+        norms = (4 if self.block_norms == "sandwich" else 2) * D
+        ffn = self.n_experts * (3 * D * self.moe_hidden_dim + D) if self.n_experts else 3 * D * F
+        return V * D * (1 if self.tied_embeddings else 2) + L * (attn + norms + ffn) + D
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

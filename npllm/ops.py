@@ -28,17 +28,20 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(ms + x.dtype.type(eps))) * weight
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None, context: int = 0) -> np.ndarray:
     """Inverse frequencies of the rotary embedding: w_i = theta^(-2i / Dh), i = 0 .. Dh/2 - 1.  # -> [Dh/2] f64
 
     Pair i of a head is rotated by the angle pos * w_i: fast rotations for the first pairs, slow for the last.
-    Scaling (for contexts longer than training) slows the low frequencies down; see RopeScaling.
+    Scaling (for contexts longer than training) slows the low frequencies down; see RopeScaling. longrope's
+    divisors depend on the `context` the model runs with (its long factors past the original context).
     """
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "longrope":
+        return inv_freq / np.asarray(scaling.divisors(context), np.float64)
     return _llama3_scaled(inv_freq, scaling)
 
 
@@ -108,13 +111,23 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """Soft-capping (Gemma 2): c tanh(x / c), which is ~x for |x| << c and never leaves (-c, c); c = 0: x as is."""
+    if not cap:
+        return x
+    c = x.dtype.type(cap)
+    return c * np.tanh(x / c)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float | None = None,
+              cap: float = 0.0) -> np.ndarray:
     """Causal scaled dot-product attention with grouped-query heads.
 
-        out_h = softmax(q_h k_g^T / sqrt(Dh) + mask) v_g,   g = h // (H / K)
+        out_h = softmax(softcap(s q_h k_g^T, cap) + mask) v_g,   g = h // (H / K),   s = 1/sqrt(Dh) by default
                                                             # [T, H, Dh], [S, K, Dh], [S, K, Dv], [T, S] -> [T, H, Dv]
     Each KV head serves H/K consecutive query heads (GQA; K == H is plain multi-head attention). Every query
-    must see at least one key (its own position), so no softmax row is all -inf.
+    must see at least one key (its own position), so no softmax row is all -inf. Gemma scales by
+    query_pre_attn_scalar^-1/2 instead of Dh^-1/2 and (Gemma 2) soft-caps the scores before the mask.
     """
     T, H, Dh = q.shape
     S, K, _ = k.shape
@@ -122,7 +135,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> 
     qg = q.reshape(T, K, G, Dh).transpose(1, 2, 0, 3)  # [K, G, T, Dh]
     kg = k.transpose(1, 2, 0)[:, None]  # [K, 1, Dh, S]
     vg = v.transpose(1, 0, 2)[:, None]  # [K, 1, S, Dh]
-    scores = (qg @ kg) * q.dtype.type(1.0 / np.sqrt(Dh)) + mask.astype(q.dtype)  # [K, G, T, S]
+    s = q.dtype.type(1.0 / np.sqrt(Dh) if scale is None else scale)
+    scores = softcap((qg @ kg) * s, cap) + mask.astype(q.dtype)  # [K, G, T, S]
     weights = softmax(scores, axis=-1)
     out = weights @ vg  # [K, G, T, Dh]
     return out.transpose(2, 0, 1, 3).reshape(T, H, v.shape[-1])
@@ -133,16 +147,64 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def swiglu(x: np.ndarray, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray) -> np.ndarray:
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (Gemma): x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    c = x.dtype.type(np.sqrt(2.0 / np.pi))
+    return x.dtype.type(0.5) * x * (1 + np.tanh(c * (x + x.dtype.type(0.044715) * x * x * x)))
+
+
+def swiglu(x: np.ndarray, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray, act=silu) -> np.ndarray:
     """SwiGLU feed-forward: FFN(x) = (silu(x W1^T) * (x W3^T)) W2^T.   # [T, D], [F, D], [D, F], [F, D] -> [T, D]
 
     W1 is the gate, W3 the "up" projection; the gate's SiLU decides how much of each hidden unit passes.
+    act=gelu_tanh gives GeGLU (Gemma): the same gate with GELU in place of SiLU.
     """
     gate = x @ w1.T  # [T, F]
     up = x @ w3.T  # [T, F]
-    return (silu(gate) * up) @ w2.T
+    return (act(gate) * up) @ w2.T
+
+
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}  # ModelConfig.ffn_activation -> the gate's function
+
+
+def route(x: np.ndarray, router: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Mixture-of-experts router: which k experts each token uses, and with what weight.  # [T, D], [E, D] ->
+                                                                                         #   [T, k] ids, [T, k]
+        p = softmax(x Wr^T) over the E experts;  chosen = the k largest p;  weight = p[chosen]
+    normalize (Mixtral, Qwen3-MoE's norm_topk_prob): weights / their sum, which equals a softmax over the k
+    chosen logits alone. The router's softmax runs in float64, as the reference frameworks run it in float32 at
+    least, so near ties between experts break the same way.
+    """
+    p = softmax((x @ router.T).astype(np.float64), axis=-1)  # [T, E]
+    chosen = np.argsort(-p, axis=-1, kind="stable")[:, :k]  # [T, k], the largest first
+    weights = np.take_along_axis(p, chosen, axis=-1)  # [T, k]
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return chosen, weights.astype(x.dtype)
+
+
+def moe_ffn(x: np.ndarray, chosen: np.ndarray, weights: np.ndarray, w1: np.ndarray, w2: np.ndarray,
+            w3: np.ndarray, act=silu) -> np.ndarray:
+    """Routed feed-forward: FFN(x_t) = sum over chosen e of weight_e * swiglu(x_t, W1[e], W2[e], W3[e]).
+                                           # [T, D], [T, k], [T, k], [E, Fe, D], [E, D, Fe], [E, Fe, D] -> [T, D]
+    Only the chosen experts run: tokens are grouped by expert, so each expert's weights are read once per call.
+    """
+    out = np.zeros_like(x)
+    for e in np.unique(chosen):
+        t, j = np.nonzero(chosen == e)  # the tokens that chose expert e, and in which of their k places
+        out[t] += weights[t, j, None] * swiglu(x[t], w1[e], w2[e], w3[e], act)
+    return out
 
 
 def lm_head(x: np.ndarray, output: np.ndarray) -> np.ndarray:
     """Logits: one score per vocabulary entry, x W_out^T (W_out is the embedding when tied).  # [T, D] -> [T, V]"""
     return x @ output.T
+
+
+def final_logits(logits: np.ndarray, multiplier: float = 1.0, cap: float = 0.0) -> np.ndarray:
+    """What some families do to the head's output: logits * m (Granite: m = 1 / logits_scaling), then
+    softcap(., cap) (Gemma 2). Both keep the order of the logits, so greedy choices never change.  # [T, V] -> [T, V]
+    """
+    if multiplier != 1.0:
+        logits = logits * logits.dtype.type(multiplier)
+    return softcap(logits, cap)

@@ -22,17 +22,34 @@ from .errors import ConfigError, FormatError
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every canonical weight the model needs, with its shape ([out, in] for matrices)."""
-    D, F, V, Dh = config.dim, config.hidden_dim, config.vocab_size, config.head_dim
-    HD, KD = config.n_heads * Dh, config.n_kv_heads * Dh
+    D, V = config.dim, config.vocab_size
     shapes = {"tok_embeddings": (V, D), "norm": (D,)}
     if not config.tied_embeddings:
         shapes["output"] = (V, D)
     for l in range(config.n_layers):
-        p = f"layers.{l}."
-        shapes |= {p + "attention_norm": (D,), p + "wq": (HD, D), p + "wk": (KD, D), p + "wv": (KD, D),
-                   p + "wo": (D, HD), p + "ffn_norm": (D,), p + "w1": (F, D), p + "w2": (D, F), p + "w3": (F, D)}
-        if config.attention_bias:
-            shapes |= {p + "bq": (HD,), p + "bk": (KD,), p + "bv": (KD,)}
+        shapes |= {f"layers.{l}.{name}": shape for name, shape in layer_shapes(config).items()}
+    return shapes
+
+
+def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The weights of one block, by the options the config names (config.py), with their shapes."""
+    D, F, Dh, E, Fe = config.dim, config.hidden_dim, config.head_dim, config.n_experts, config.moe_hidden_dim
+    HD, KD = config.n_heads * Dh, config.n_kv_heads * Dh
+    pre = config.block_norms != "post"  # in Llama's order, so files written from this set keep their layout
+    shapes = {"attention_norm": (D,)} if pre else {}
+    shapes |= {"wq": (HD, D), "wk": (KD, D), "wv": (KD, D), "wo": (D, HD)} | ({"ffn_norm": (D,)} if pre else {})
+    if E:
+        shapes |= {"router": (E, D), "w1_exps": (E, Fe, D), "w2_exps": (E, D, Fe), "w3_exps": (E, Fe, D)}
+    else:
+        shapes |= {"w1": (F, D), "w2": (D, F), "w3": (F, D)}
+    if config.attention_bias:
+        shapes |= {"bq": (HD,), "bk": (KD,), "bv": (KD,)}
+    if config.block_norms != "pre":
+        shapes |= {"post_attention_norm": (D,), "post_ffn_norm": (D,)}
+    if config.qk_norm == "head":
+        shapes |= {"q_norm": (Dh,), "k_norm": (Dh,)}
+    elif config.qk_norm == "projection":
+        shapes |= {"q_norm": (HD,), "k_norm": (KD,)}
     return shapes
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import ConfigError, DeviceError
-from .base import KV_DTYPES, Model, kv_storage
+from .base import KV_DTYPES, Model, check_runs, kv_storage
 
 BACKENDS = ("numba", "numpy", "cuda", "auto")
 WEIGHT_DTYPES = ("file", "float32", "float16", "q8_0")
@@ -115,6 +115,7 @@ def _make(config: ModelConfig, weights: dict[str, np.ndarray], backend: str, thr
 
         quantized = any(in_block_type(w) for w in weights.values())  # matrices kept in block types: read as stored, no float32 copy
         model_class = QuantizedNumbaTransformer if quantized else NumbaTransformer
+        check_runs(model_class, config)  # before a stand-in or a compile starts
         start_compile = None if cold_start == "wait" else compile_behind(model_class, kv, cold_start)
         if start_compile is not None:
             from .stand_in import stand_in

@@ -6,7 +6,8 @@
     lm_head(h)  logits on the host, the ids past the tokenizer (config.usable_vocab..) -inf   # [T, D] -> [T, V]
     new_cache(capacity, slots, kv_dtype)   a KV cache this model's forward fills (kv_dtype: how it stores keys and
                 values; default the model's kv_dtype)
-    window(cache)  how many recent positions a query sees
+    window(cache)  how many recent positions a query sees (windows(capacity): per layer)
+    rope_frequencies(capacity)  the RoPE inverse frequencies of full-attention and of sliding layers  # [2, Dh/2]
     logits(tokens) every position's logits of one sequence                            # [T] -> [T, V]
     sample(h, ...) a compiled sampler right after the LM head where a backend has one (None otherwise)
     sample_next(h, params, rng, history)   the next token of one sequence: through `sample` when it implements
@@ -61,8 +62,13 @@ class Model:
     dtype = np.dtype(np.float32)  # what forward computes in
     kv_dtype = None  # how new_cache stores keys and values by default: one of KV_DTYPES, or None for `dtype`
     sample = None  # sample(h, temperature, top_k, top_p, min_p, uniforms) -> [B] ids, where the hidden states live
+    # The options beyond Llama's (ModelConfig.features) this backend's forward implements. lm_head applies the
+    # logit multiplier and soft-cap for every backend.
+    FEATURES = frozenset({"logit_multiplier", "final_logit_softcap"})
+    backend = "numpy"
 
     def __init__(self, config: ModelConfig):
+        check_runs(type(self), config)
         self.config = config
 
     def forward(self, tokens, positions, cache, slots=None):
@@ -78,7 +84,8 @@ class Model:
 
         A vocabulary padded past the tokenizer (config.usable_vocab < V) has rows no text maps to: their ids get
         -inf, so no sampler, search or score ever produces or counts them."""
-        logits = self.head_logits(h)
+        c = self.config
+        logits = ops.final_logits(self.head_logits(h), c.logit_multiplier, c.final_logit_softcap)
         n = self.config.usable_vocab
         if n is not None and n < logits.shape[-1]:
             logits[..., n:] = -np.inf  # the backends' heads return new arrays: masked in place
@@ -93,7 +100,7 @@ class Model:
         """The next token after final hidden state h [1, D], drawn as sampling.sample_with draws it (the same one
         rng.random() for a sampled step, none for a greedy one): by the backend's compiled sampler when it has one
         that implements every option in use, else by sample_with on the host logits."""
-        if self.sample is None or not kernel_samples(params):
+        if self.sample is None or not kernel_samples(params) or (self.transforms_logits and not params.is_greedy):
             return int(sample_with(params, self.lm_head(h)[0], rng, history))
         u = 0.0 if params.is_greedy else rng.random()
         return int(self.sample(h, params.temperature, params.top_k, params.top_p, params.min_p, u)[0])
@@ -104,9 +111,30 @@ class Model:
         kv_dtype = self.kv_dtype if kv_dtype is None else kv_dtype
         return RingKVCache(self.config, capacity, slots, self.dtype if kv_dtype is None else kv_storage(kv_dtype))
 
+    @property
+    def transforms_logits(self) -> bool:
+        """Whether lm_head scales or soft-caps the head's output (Granite, Gemma 2): the compiled samplers, which
+        read the head's output directly, then draw only greedy tokens (both transforms keep the argmax)."""
+        return self.config.logit_multiplier != 1.0 or self.config.final_logit_softcap > 0
+
     def window(self, cache) -> int:
         """How many most recent positions a query sees: the model's sliding window, capped by the ring's size."""
         return min(self.config.sliding_window or cache.capacity, cache.capacity)
+
+    def windows(self, capacity: int) -> np.ndarray:
+        """Per layer, how many most recent positions a query sees: the sliding window in sliding layers, the
+        whole ring elsewhere, never more than the ring holds.                                       # -> [L]"""
+        c = self.config
+        return np.array([min(c.sliding_window if c.is_sliding(l) else capacity, capacity) for l in range(c.n_layers)],
+                        np.int64)
+
+    def rope_frequencies(self, capacity: int) -> np.ndarray:
+        """RoPE inverse frequencies for a model run with `capacity` positions: row 0 for full-attention layers,
+        row 1 for sliding ones (rope_local_theta, unscaled, where the family sets one: Gemma 3).   # -> [2, Dh/2]"""
+        c = self.config
+        full = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, capacity)
+        local = ops.rope_inv_freq(c.head_dim, c.rope_local_theta) if c.rope_local_theta else full
+        return np.stack([full, local])
 
     def logits(self, tokens, positions=None, cache=None) -> np.ndarray:
         """Logits of every token of one sequence on a fresh cache (or the given one).  # [T] -> [T, V]"""
@@ -133,10 +161,13 @@ class Model:
         """
         src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
         k = cache.k[:, slot, src].astype(np.float64)  # [L, n, K, Dh]
-        Dh = k.shape[-1]
-        cos, sin = ops.rope_angles(np.array([shift]), self.inv_freq, np.float64)  # [1, Dh/2] each
+        L, Dh = k.shape[0], k.shape[-1]
+        freqs = self.rope_frequencies(cache.capacity)  # [2, Dh/2]: each layer's keys turn at their own rates
+        layer_freqs = freqs[[int(self.config.is_sliding(l)) for l in range(L)]]  # [L, Dh/2]
+        angles = float(shift) * layer_freqs[:, None, :]  # [L, 1, Dh/2]: one angle table per layer
         rope = ops.rope_interleaved if self.key_layout == "interleaved" else ops.rope_half
-        rotated = rope(k.reshape(-1, 1, Dh), cos, sin).reshape(k.shape)
+        rotated = np.stack([rope(k[l].reshape(-1, 1, Dh), np.cos(angles[l]), np.sin(angles[l])) for l in range(L)])
+        rotated = rotated.reshape(k.shape)
         v, moved = cache.v[:, slot, src].copy(), cache.positions[slot, src] + shift
         cache.positions[slot, src] = -1
         cache.k[:, slot, dst] = rotated.astype(cache.k.dtype)
@@ -167,6 +198,14 @@ class Model:
             raise GenerationError(f"slots must lie in [0, {cache.slots}), got {slots.min()}..{slots.max()}")
         if positions.size and positions.min() < 0:
             raise GenerationError(f"positions must be >= 0, got {positions.min()}")
+
+
+def check_runs(model_class, config: ModelConfig) -> None:
+    """A ConfigError naming what the backend does not implement of the family's options, before any work."""
+    missing = config.features - model_class.FEATURES
+    if missing:
+        raise ConfigError(f"the {model_class.backend} backend does not run {', '.join(sorted(missing))} "
+                          f"({config.arch}) yet; backend='numpy' runs every family npllm reads")
 
 
 def kv_storage(kv_dtype) -> np.dtype:

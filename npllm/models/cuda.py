@@ -162,6 +162,7 @@ class _Workspace:
 
 
 class CudaTransformer(Model):
+    backend = "cuda"
     """The Transformer on the GPU. dtype: how matrices are stored: float32, float16, or "q8_0" (GGUF's Q8_0 blocks,
     32 int8 values and a float16 scale, kernels.Q8_0_BLOCK), each weight widened to float32 as it is read, the sums
     in float32. With q8_0 a checkpoint's own Q8_0 matrices (quant.QuantizedMatrix, as formats.gguf's

@@ -86,6 +86,7 @@ def _padded(n: int) -> int:
 
 
 class NumbaTransformer(Model):
+    backend = "numba"
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], threads: int | None = None):
         named = Weights.from_checkpoint(config, weights)
         if threads is not None and not 1 <= threads <= numba.config.NUMBA_NUM_THREADS:

@@ -14,17 +14,19 @@ import numpy as np
 
 from .. import ops
 from ..cache import RingKVCache
-from ..config import ModelConfig
+from ..config import FEATURE_FIELDS, ModelConfig
 from .base import Model
 from .weights import Weights
 
 
 class Transformer(Model):
+    FEATURES = frozenset(FEATURE_FIELDS) | {"longrope"}  # the reference runs every family
+
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]):
         super().__init__(config)
         self.weights = Weights.from_checkpoint(config, weights)
-        self.inv_freq = ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)  # [Dh/2]
         self.rope = ops.rope_interleaved if config.rope_layout == "interleaved" else ops.rope_half
+        self.act = ops.ACTIVATIONS[config.ffn_activation]
         self.dtype = self.weights.output.dtype  # float32 for real checkpoints; float64 weights give a float64 model
 
     def forward(self, tokens, positions, cache: RingKVCache, slots=None) -> np.ndarray:
@@ -35,25 +37,31 @@ class Transformer(Model):
         """
         tokens, positions, slots = self.call_arrays(tokens, positions, slots)
         self.check_call(tokens, positions, slots, cache)
-        cos, sin = ops.rope_angles(positions, self.inv_freq, self.dtype)  # [T, Dh/2] each
+        c = self.config
+        # cos, sin [T, Dh/2] of full-attention layers (row 0 of the frequencies) and of sliding ones (row 1)
+        angles = [ops.rope_angles(positions, freqs, self.dtype) for freqs in self.rope_frequencies(cache.capacity)]
         groups = [(int(s), np.flatnonzero(slots == s)) for s in np.unique(slots)]
-        x = ops.embed(self.weights.tok_embeddings, tokens)  # [T, D]
-        for layer in range(self.config.n_layers):
-            x = x + self.attention_block(layer, x, positions, cos, sin, cache, groups)
-            x = x + self.ffn_block(layer, x)
-        return ops.rms_norm(x, self.weights.norm, self.config.norm_eps)
+        r = self.dtype.type(c.residual_multiplier)
+        x = ops.embed(self.weights.tok_embeddings, tokens) * self.dtype.type(c.embedding_multiplier)  # [T, D]
+        for layer in range(c.n_layers):
+            cos, sin = angles[c.is_sliding(layer)]
+            x = x + r * self.attention_block(layer, x, positions, cos, sin, cache, groups)
+            x = x + r * self.ffn_block(layer, x)
+        return ops.rms_norm(x, self.weights.norm, c.norm_eps)
 
     def attention_block(self, layer: int, x, positions, cos, sin, cache, groups) -> np.ndarray:
-        """RMSNorm -> q, k, v projections -> RoPE -> attention over cache + new keys -> output projection."""
+        """RMSNorm -> q, k, v projections -> (q/k norms) -> RoPE -> attention over cache + new keys -> output
+        projection (-> RMSNorm, in the families that norm a block's output).                  # [T, D] -> [T, D]"""
         c, w = self.config, self.weights.layers[layer]
         T = x.shape[0]
-        h = ops.rms_norm(x, w.attention_norm, c.norm_eps)  # [T, D]
+        h = self.norm(x, w.attention_norm)  # [T, D]
         q, k, v = h @ w.wq.T, h @ w.wk.T, h @ w.wv.T  # [T, H*Dh], [T, K*Dh], [T, K*Dh]
         if c.attention_bias:
             q, k, v = q + w.bq, k + w.bk, v + w.bv
-        q = self.rope(q.reshape(T, c.n_heads, c.head_dim), cos, sin)  # [T, H, Dh]
-        k = self.rope(k.reshape(T, c.n_kv_heads, c.head_dim), cos, sin)  # [T, K, Dh]
+        q = self.rope(self.qk_norm(q, w.q_norm, c.n_heads), cos, sin)  # [T, H, Dh]
+        k = self.rope(self.qk_norm(k, w.k_norm, c.n_kv_heads), cos, sin)  # [T, K, Dh]
         v = v.reshape(T, c.n_kv_heads, c.head_dim)  # [T, K, Dh]
+        window = self.windows(cache.capacity)[layer]  # this layer's: Gemma alternates sliding and full layers
         out = np.empty_like(q)  # [T, H, Dh]
         for slot, idx in groups:
             # Keys seen by this chunk: what the ring held before it, then the chunk itself. Reading before writing
@@ -64,16 +72,32 @@ class Transformer(Model):
             stored = cache.k.dtype
             keys = np.concatenate([ring_k, k[idx].astype(stored)]).astype(self.dtype, copy=False)  # [C + T, K, Dh]
             values = np.concatenate([ring_v, v[idx].astype(stored)]).astype(self.dtype, copy=False)
-            mask = ops.attention_mask(positions[idx], np.concatenate([ring_pos, positions[idx]]), self.window(cache))
-            out[idx] = ops.attention(q[idx], keys, values, mask)
+            mask = ops.attention_mask(positions[idx], np.concatenate([ring_pos, positions[idx]]), window)
+            out[idx] = ops.attention(q[idx], keys, values, mask, c.score_scale, c.attn_logit_softcap)
             cache.write(layer, slot, positions[idx], k[idx], v[idx])
-        return out.reshape(T, c.n_heads * c.head_dim) @ w.wo.T  # [T, D]
+        return self.norm(out.reshape(T, c.n_heads * c.head_dim) @ w.wo.T, w.post_attention_norm)  # [T, D]
 
     def ffn_block(self, layer: int, x) -> np.ndarray:
-        """RMSNorm -> SwiGLU feed-forward.  # [T, D] -> [T, D]"""
-        w = self.weights.layers[layer]
-        h = ops.rms_norm(x, w.ffn_norm, self.config.norm_eps)
-        return ops.swiglu(h, w.w1, w.w2, w.w3)
+        """RMSNorm -> SwiGLU (GeGLU) feed-forward, dense or routed to experts (-> RMSNorm).  # [T, D] -> [T, D]"""
+        c, w = self.config, self.weights.layers[layer]
+        h = self.norm(x, w.ffn_norm)
+        if w.router is None:
+            return self.norm(ops.swiglu(h, w.w1, w.w2, w.w3, self.act), w.post_ffn_norm)
+        chosen, weights = ops.route(h, w.router, c.n_experts_used, c.expert_weights_norm)  # [T, k] each
+        return self.norm(ops.moe_ffn(h, chosen, weights, w.w1_exps, w.w2_exps, w.w3_exps, self.act), w.post_ffn_norm)
+
+    def norm(self, x, weight) -> np.ndarray:
+        """RMSNorm with this gain, or x itself where the family has no norm at this place (weight None)."""
+        return x if weight is None else ops.rms_norm(x, weight, self.config.norm_eps)
+
+    def qk_norm(self, y, weight, heads: int) -> np.ndarray:
+        """Queries or keys as heads, RMS-normed per head (weight [Dh]) or over the whole projection (weight
+        [heads * Dh], OLMo 2) where the family norms them.                     # [T, heads*Dh] -> [T, heads, Dh]"""
+        kind = self.config.qk_norm
+        if kind == "projection":
+            y = self.norm(y, weight)
+        y = y.reshape(y.shape[0], heads, self.config.head_dim)
+        return self.norm(y, weight) if kind == "head" else y
 
     def head_logits(self, h: np.ndarray) -> np.ndarray:
         """Logits from final hidden states.  # [T, D] -> [T, V]"""

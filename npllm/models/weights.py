@@ -23,18 +23,27 @@ from ..tensors import check_weights, permute_qk_half_to_interleaved
 class LayerWeights:
     """One transformer block."""
 
-    attention_norm: np.ndarray  # [D]          RMSNorm gain before attention
+    attention_norm: np.ndarray | None  # [D]   RMSNorm gain before attention (None: OLMo 2 norms after instead)
     wq: np.ndarray  # [H*Dh, D]                query projection
     wk: np.ndarray  # [K*Dh, D]                key projection
     wv: np.ndarray  # [K*Dh, D]                value projection
     wo: np.ndarray  # [D, H*Dh]                attention output projection
-    ffn_norm: np.ndarray  # [D]                RMSNorm gain before the feed-forward
-    w1: np.ndarray  # [F, D]                   SwiGLU gate
-    w2: np.ndarray  # [D, F]                   SwiGLU down projection
-    w3: np.ndarray  # [F, D]                   SwiGLU up
+    ffn_norm: np.ndarray | None  # [D]         RMSNorm gain before the feed-forward (None as attention_norm)
+    w1: np.ndarray | None  # [F, D]            SwiGLU gate (None in a mixture-of-experts layer)
+    w2: np.ndarray | None  # [D, F]            SwiGLU down projection
+    w3: np.ndarray | None  # [F, D]            SwiGLU up
     bq: np.ndarray | None = None  # [H*Dh]     projection biases (Qwen2); None where the model has none (Llama)
     bk: np.ndarray | None = None  # [K*Dh]
     bv: np.ndarray | None = None  # [K*Dh]
+    # Other families (None where a model has none; config.py says which family uses what):
+    q_norm: np.ndarray | None = None  # [Dh] or [H*Dh]   RMSNorm gain of queries, per head or over the projection
+    k_norm: np.ndarray | None = None  # [Dh] or [K*Dh]
+    post_attention_norm: np.ndarray | None = None  # [D]  RMSNorm of the attention block's output (Gemma, OLMo 2)
+    post_ffn_norm: np.ndarray | None = None  # [D]        RMSNorm of the feed-forward's output
+    router: np.ndarray | None = None  # [E, D]            mixture of experts: one logit per expert
+    w1_exps: np.ndarray | None = None  # [E, Fe, D]       each expert's gate, down and up projections
+    w2_exps: np.ndarray | None = None  # [E, D, Fe]
+    w3_exps: np.ndarray | None = None  # [E, Fe, D]
 
 
 @dataclasses.dataclass(frozen=True)
