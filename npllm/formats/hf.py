@@ -286,13 +286,15 @@ def read_config_json(path: str | os.PathLike) -> ModelConfig:
 
 
 def to_interleaved(config: ModelConfig, weights: dict[str, np.ndarray]) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """The same model with q/k rows (and biases) in the interleaved RoPE layout."""
+    """The same model with q/k rows (and biases, and q/k norm gains) in the interleaved RoPE layout."""
     if config.rope_layout == "interleaved":
         return config, weights
     out = dict(weights)
+    H, K = config.n_heads, config.n_kv_heads
+    per_head = config.qk_norm == "head"  # one [Dh] gain shared by every head: permuted as one head
     for l in range(config.n_layers):
-        for name, heads in (("wq", config.n_heads), ("bq", config.n_heads), ("wk", config.n_kv_heads),
-                            ("bk", config.n_kv_heads)):
+        for name, heads in (("wq", H), ("bq", H), ("wk", K), ("bk", K), ("q_norm", 1 if per_head else H),
+                            ("k_norm", 1 if per_head else K)):
             key = f"layers.{l}.{name}"
             if key in out:
                 out[key] = permute_qk_half_to_interleaved(out[key], heads, config.head_dim)
