@@ -447,18 +447,21 @@ def _stacked_experts(config: ModelConfig, experts: dict, source: str) -> dict[st
 
 
 def _split_fused(config: ModelConfig, weights: dict, prefix: str, source: str) -> dict[str, np.ndarray]:
-    """Phi-3's fused qkv_proj [(H + 2K) Dh, D] -> wq, wk, wv and gate_up_proj [2F, D] -> w1 (the first F rows: the
-    gate), w3; nothing for other families."""
+    """Fused projections split along their output rows: Phi-3's qkv_proj [(H + 2K) Dh, D] -> wq, wk, wv and
+    gate_up_proj [2F, D] -> w1 (the first F rows: the gate), w3; Granite-MoE's experts [E, 2Fe, D] -> w1_exps,
+    w3_exps the same way. Nothing for other families."""
     out = {}
-    HD, KD, F = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.hidden_dim
-    for fused, parts in (("wqkv", (("wq", HD), ("wk", KD), ("wv", KD))), ("w13", (("w1", F), ("w3", F)))):
+    HD, KD, F, Fe = (config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.hidden_dim,
+                     config.moe_hidden_dim)
+    for fused, parts in (("wqkv", (("wq", HD), ("wk", KD), ("wv", KD))), ("w13", (("w1", F), ("w3", F))),
+                         ("w13_exps", (("w1_exps", Fe), ("w3_exps", Fe)))):
         w = weights.pop(prefix + fused, None)
         if w is None:
             continue
-        if w.shape[0] != sum(n for _, n in parts):
-            raise FormatError(f"{source}: {prefix}{fused} has {w.shape[0]} rows, the config implies "
-                              f"{sum(n for _, n in parts)}")
+        rows = w.shape[1] if fused.endswith("_exps") else w.shape[0]  # the experts' axis comes first
+        if rows != sum(n for _, n in parts):
+            raise FormatError(f"{source}: {prefix}{fused} has {rows} rows, the config implies {sum(n for _, n in parts)}")
         start = 0
         for name, n in parts:
-            out[prefix + name], start = w[start:start + n], start + n
+            out[prefix + name], start = w[..., start:start + n, :], start + n
     return out
