@@ -24,10 +24,6 @@ ALLOWED_MODULES: set = set()
 ALLOWED_LONG: set = set()
 # (module, function) over MAX_PARAMETERS
 ALLOWED_PARAMETERS = {
-    ("npllm/kernels/quant/kquants.py", "q6_k_token"),  # a K-quant's block walk: its scales, mins and sums by name
-    ("npllm/kernels/quant/kquants.py", "q3_k_token"),
-    ("npllm/kernels/quant/kquants.py", "q2_k_token"),
-    ("npllm/kernels/quant/kquants.py", "token"),
     ("npllm/llm.py", "stream"),  # sampling options as keywords beside params=SamplingParams
     ("npllm/ray.py", "run_batch"),
 }
