@@ -23,10 +23,7 @@ ALLOWED_MODULES: set = set()
 # (module, function) over MAX_FUNCTION_LINES
 ALLOWED_LONG: set = set()
 # (module, function) over MAX_PARAMETERS
-ALLOWED_PARAMETERS = {
-    ("npllm/llm.py", "stream"),  # sampling options as keywords beside params=SamplingParams
-    ("npllm/ray.py", "run_batch"),
-}
+ALLOWED_PARAMETERS: set = set()
 
 
 def modules():
