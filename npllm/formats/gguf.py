@@ -581,7 +581,7 @@ _ARRAY_TYPES = {np.dtype(d): t for t, d in SCALAR_TYPES.items() if t != BOOL}
 
 def _encode_value(key: str, value) -> bytes:
     """A metadata value with its GGUF type tag: bool, int (u32, or i64 beyond it), float (f32), str, list of str,
-    or a NumPy array of a fixed-size type."""
+    or a NumPy array of a fixed-size type or of bools (a flag per layer)."""
     if isinstance(value, (bool, np.bool_)):
         return struct.pack("<IB", BOOL, bool(value))
     if isinstance(value, (int, np.integer)):
@@ -594,6 +594,8 @@ def _encode_value(key: str, value) -> bytes:
         return struct.pack("<I", STRING) + _encode_string(value)
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return struct.pack("<IIQ", ARRAY, STRING, len(value)) + b"".join(_encode_string(v) for v in value)
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype == bool:
+        return struct.pack("<IIQ", ARRAY, BOOL, len(value)) + value.astype(np.uint8).tobytes()
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.newbyteorder("<") in _ARRAY_TYPES:
         dtype = value.dtype.newbyteorder("<")
         return struct.pack("<IIQ", ARRAY, _ARRAY_TYPES[dtype], len(value)) + value.astype(dtype).tobytes()

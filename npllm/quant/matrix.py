@@ -91,17 +91,24 @@ class QuantizedMatrix:
         return _TransposedMatrix(self)
 
     def __getitem__(self, key):
-        """A stack's W[e]: expert e's matrix; a matrix's W[a:b]: those rows; W[ids]: rows as float32 (rows())."""
+        """A stack's W[e]: expert e's matrix; W[a:b] (W[..., a:b, :]: every expert's): those rows, kept in the
+        type; W[ids]: rows as float32 (rows())."""
+        if isinstance(key, tuple) and len(key) in (2, 3) and key[-1] == slice(None) and isinstance(key[-2], slice) \
+                and (len(key) == 2 and self.ndim == 2 or key[0] is Ellipsis):
+            return self._row_block(key[-2])
         if self.ndim == 3:
             if not isinstance(key, (int, np.integer)):
                 raise QuantizationError(f"a stack of {self.shape[0]} matrices is indexed by one expert, got {key!r}")
             return QuantizedMatrix(self.raw[key], self.qtype, self.shape[1:])
-        if isinstance(key, slice):
-            start, stop, step = key.indices(self.shape[0])
-            if step != 1:
-                raise QuantizationError("a block of rows of a QuantizedMatrix must be contiguous")
-            return QuantizedMatrix(self.raw[start:stop], self.qtype, (max(stop - start, 0), self.shape[1]))
-        return self.rows(key)
+        return self._row_block(key) if isinstance(key, slice) else self.rows(key)
+
+    def _row_block(self, rows: slice) -> "QuantizedMatrix":
+        """Rows a:b of the matrix (of every expert's), a view of the same bytes.  # [.., N, K] -> [.., b - a, K]"""
+        start, stop, step = rows.indices(self.shape[-2])
+        if step != 1:
+            raise QuantizationError("a block of rows of a QuantizedMatrix must be contiguous")
+        return QuantizedMatrix(self.raw[..., start:stop, :], self.qtype, (*self.shape[:-2], max(stop - start, 0),
+                                                                          self.shape[-1]))
 
     def _matrix_only(self, what: str) -> None:
         if self.ndim != 2:
