@@ -275,3 +275,33 @@ def test_llama_cpps_conversion_reproduces_transformers_logits(path):
     config, weights = read_checkpoint(path)
     logits = make_model(config, weights, backend="numpy").logits(reference["tokens"])
     np.testing.assert_allclose(logits, reference["logits"], rtol=0, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The families' GGUF vocabularies: llama.cpp's pre-tokenizer names
+
+
+def byte_level(pre: str | None):
+    """A byte-level vocabulary (the 256 byte characters, then "12" and "123") under pre-tokenizer `pre`."""
+    from npllm.tokenizer.bytelevel import bytes_to_unicode, from_gguf_vocab
+
+    tokens = list(bytes_to_unicode().values()) + ["12", "123"]
+    return from_gguf_vocab(tokens, ["1 2", "12 3"], None, pre, None, None, None, "test")
+
+
+@pytest.mark.parametrize("pre, merged", [("gpt-2", True), ("dbrx", True), ("olmo", True), ("gpt-4o", True),
+                                         ("refact", False), ("starcoder", False), ("smollm", False),
+                                         ("qwen2", False)])
+def test_the_families_pre_tokenizer_names_are_known_and_split_digits_as_llama_cpp(pre, merged):
+    """Granite's "refact" (as starcoder, smollm and qwen2) pre-tokenizes every digit alone, so "123" never merges;
+    the others keep a run of digits (up to three) in one piece."""
+    tokenizer = byte_level(pre)
+    ids = tokenizer.encode("a123", bos=False)
+    assert len(ids) == (2 if merged else 4)
+
+
+def test_an_unknown_pre_tokenizer_name_is_refused_naming_the_known_ones():
+    from npllm.errors import TokenizerError
+
+    with pytest.raises(TokenizerError, match="'gemma4' is not one npllm knows .*refact"):
+        byte_level("gemma4")
