@@ -271,10 +271,13 @@ CONVERTED = sorted((FIXTURES / "gguf_arch").glob("*.gguf"))
 @pytest.mark.skipif(not CONVERTED, reason="no tests/fixtures/gguf_arch/*.gguf (made by llama.cpp's converter)")
 @pytest.mark.parametrize("path", CONVERTED, ids=[p.stem for p in CONVERTED])
 def test_llama_cpps_conversion_reproduces_transformers_logits(path):
+    """The converter drops the embedding rows past the tokenizer's vocabulary (Gemma 3): those columns of the
+    reference have no counterpart, the others must match."""
     reference = np.load(FIXTURES / "hf" / path.stem / "reference.npz")
     config, weights = read_checkpoint(path)
     logits = make_model(config, weights, backend="numpy").logits(reference["tokens"])
-    np.testing.assert_allclose(logits, reference["logits"], rtol=0, atol=1e-4)
+    assert logits.shape[1] <= reference["logits"].shape[1]
+    np.testing.assert_allclose(logits, reference["logits"][:, :logits.shape[1]], rtol=0, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
