@@ -152,6 +152,29 @@ def test_quantized_experts_and_fused_projections_read_as_their_dequantized_value
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
+def test_projections_fused_by_the_converter_are_split(tmp_path):
+    """convert_hf_to_gguf.py --fuse-qkv writes attn_qkv (weight and bias: q, k, v rows in turn) and
+    --fuse-gate-up-exps writes ffn_gate_up_exps ([E, 2 Fe, D], gate first), for any family."""
+    arch, config, keys = case("qwen3moe")
+    config = dataclasses.replace(config, attention_bias=True)
+    weights = random_weights(config, seed=3)
+    tensors = {t.name: t for t in gguf_tensors(arch, config, weights, {})}
+    for l in range(config.n_layers):
+        w = {n: weights[f"layers.{l}.{n}"] for n in ("wq", "wk", "wv", "bq", "bk", "bv", "w1_exps", "w3_exps")}
+        for name in ("wq", "wk", "wv", "bq", "bk", "bv", "w1_exps", "w3_exps"):
+            del tensors[f"blk.{l}.{LAYER[name]}"]
+        fused = {"attn_qkv.weight": np.concatenate([w["wq"], w["wk"], w["wv"]]),
+                 "attn_qkv.bias": np.concatenate([w["bq"], w["bk"], w["bv"]]),
+                 "ffn_gate_up_exps.weight": np.concatenate([w["w1_exps"], w["w3_exps"]], axis=1)}
+        for name, array in fused.items():
+            tensors[f"blk.{l}.{name}"] = TensorData(f"blk.{l}.{name}", array.shape, "F32", quantize(array, "F32"))
+    write_gguf_file(tmp_path / "f.gguf", metadata(arch, config, keys), list(tensors.values()))
+    read_config, read_weights = read_checkpoint(tmp_path / "f.gguf")
+    assert read_config == config and sorted(read_weights) == sorted(weights)
+    for name, w in weights.items():
+        np.testing.assert_array_equal(np.asarray(read_weights[name]), w)
+
+
 def test_a_stack_of_quantized_experts_is_indexed_by_expert_and_a_matrix_by_rows():
     values = np.random.default_rng(1).standard_normal((3, 5, 64)).astype(np.float32)
     stack = QuantizedMatrix.from_values(values, "Q8_0")

@@ -48,7 +48,9 @@ LAYER_NAMES = {
     "post_attention_norm.weight": "post_attention_norm", "post_ffw_norm.weight": "post_ffn_norm",
     "ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "w1_exps", "ffn_down_exps.weight": "w2_exps",
     "ffn_up_exps.weight": "w3_exps",
-    "attn_qkv.weight": "wqkv",  # fused [(H + 2K) Dh, D]: split into wq, wk, wv at load (any family may have it)
+    # Fused by the converter (--fuse-qkv, --fuse-gate-up-exps; any family): split at load. attn_qkv [(H + 2K) Dh, D]
+    # into wq, wk, wv (its bias into bq, bk, bv); ffn_gate_up_exps [E, 2 Fe, D] into w1_exps (gate first), w3_exps.
+    "attn_qkv.weight": "wqkv", "attn_qkv.bias": "bqkv", "ffn_gate_up_exps.weight": "w13_exps",
 }
 # Phi-3's ffn_up holds gate and up: [2F, D], gate rows first (ggml's swiglu of one tensor takes its first half).
 PHI3_NAMES = LAYER_NAMES | {"ffn_up.weight": "w13"}
@@ -243,11 +245,20 @@ def canonical_name(gguf_name: str, names: dict = LAYER_NAMES) -> str:
 
 
 def split_fused(config, weights: dict, source: str) -> dict:
-    """The canonical set from what the file names: fused attn_qkv (wqkv) and Phi-3's ffn_up (w13) split into wq,
-    wk, wv and w1, w3 (a QuantizedMatrix splits into views of its rows, kept in its type)."""
-    from .hf import _split_fused  # the one split, shared with the Hugging Face reader
+    """The canonical set from what the file names: fused attn_qkv (wqkv, bqkv), Phi-3's ffn_up (w13) and
+    ffn_gate_up_exps (w13_exps) split into wq, wk, wv (bq, bk, bv), w1, w3 and w1_exps, w3_exps (a QuantizedMatrix
+    splits into views of its rows, kept in its type)."""
+    from .hf import _split_fused  # the one split of weights, shared with the Hugging Face reader
 
     out = dict(weights)
+    HD, KD = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
     for l in range(config.n_layers):
-        out |= _split_fused(config, out, f"layers.{l}.", source)
+        prefix = f"layers.{l}."
+        out |= _split_fused(config, out, prefix, source)
+        bias = out.pop(prefix + "bqkv", None)
+        if bias is not None:
+            if bias.shape != (HD + 2 * KD,):
+                raise FormatError(f"{source}: {prefix}bqkv has shape {bias.shape}, the config implies "
+                                  f"({HD + 2 * KD},)")
+            out |= {prefix + "bq": bias[:HD], prefix + "bk": bias[HD:HD + KD], prefix + "bv": bias[HD + KD:]}
     return out
