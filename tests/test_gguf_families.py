@@ -331,3 +331,14 @@ def test_an_unknown_pre_tokenizer_name_is_refused_naming_the_known_ones():
 
     with pytest.raises(TokenizerError, match="'gemma4' is not one npllm knows .*refact"):
         byte_level("gemma4")
+
+
+@pytest.mark.parametrize("name", ["gemma2", "qwen3moe", "granite"])
+def test_npllm_does_not_write_other_families_as_llama_files(tmp_path, name):
+    """npllm's GGUF writer knows only the Llama block: a family's file written as 'llama' would drop its options."""
+    from npllm.formats.gguf import write_gguf
+
+    config = case(name)[1]
+    with pytest.raises(ConfigError, match=f"this {config.arch} model uses"):
+        write_gguf(tmp_path / "w.gguf", config, random_weights(config))
+    assert not (tmp_path / "w.gguf").exists()

@@ -696,6 +696,9 @@ def quant_type(name: str):
 def model_metadata(config: ModelConfig, name: str) -> dict:
     """llama.cpp's metadata keys for a ModelConfig; refuses what a GGUF 'llama'/'qwen2' model cannot express."""
     gguf_arch = "qwen2" if config.arch == "qwen2" else "llama"  # llama2c, llama and mistral are all 'llama'
+    if config.features:
+        raise ConfigError(f"npllm writes GGUF files of Llama-block models only; this {config.arch} model uses "
+                          f"{', '.join(sorted(config.features))}")
     if config.sliding_window is not None:
         raise ConfigError("GGUF 'llama' models carry no sliding window: this model cannot be written faithfully")
     if config.attention_bias != (gguf_arch == "qwen2"):
