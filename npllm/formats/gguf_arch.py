@@ -189,8 +189,9 @@ def _sliding_layers(g, p: str, period: int, n_layers: int) -> tuple[bool, ...]:
 
 
 def _experts(g, p: str, family: Family, base: dict) -> dict:
-    """n_experts, n_experts_used, expert_hidden_dim of a mixture of experts (nothing for a dense model). llama.cpp
-    renormalises the top-k router weights for every family here (Mixtral, Qwen3-MoE, Granite-MoE)."""
+    """n_experts, n_experts_used, expert_hidden_dim, expert_weights_norm of a mixture of experts (nothing for a
+    dense model). llama.cpp renormalises the top-k router weights for every family here (Mixtral, Qwen3-MoE,
+    Granite-MoE) and its converter stores no flag; a file's expert_weights_norm key is taken where present."""
     n = meta(g, p + "expert_count", default=0)
     if n == 0:
         return {}
@@ -203,7 +204,7 @@ def _experts(g, p: str, family: Family, base: dict) -> dict:
     hidden = base["hidden_dim"]
     width = meta(g, p + "expert_feed_forward_length", default=hidden // used if family.expert_ff_per_used else hidden)
     return dict(n_experts=n, n_experts_used=used, expert_hidden_dim=0 if width == hidden else width,
-                expert_weights_norm=True)
+                expert_weights_norm=meta(g, p + "expert_weights_norm", bool, default=True))
 
 
 def longrope(g, p: str, context: int) -> RopeScaling | None:
