@@ -195,6 +195,21 @@ def test_a_stack_of_quantized_experts_is_indexed_by_expert_and_a_matrix_by_rows(
         x @ stack.T
 
 
+def test_weight_dtype_q8_0_rounds_expert_stacks_too():
+    """make_model's weight_dtype="q8_0" stores every matrix as Q8_0 blocks, a stack of experts included (one
+    QuantizedMatrix [E, Fe, D]); the NumPy backend then computes with exactly those values."""
+    from npllm.models import storage
+
+    config = case("qwen3moe")[1]
+    weights = random_weights(config, seed=5)
+    stored = storage(weights, "q8_0", "numba")
+    stack = stored["layers.0.w1_exps"]
+    assert isinstance(stack, QuantizedMatrix) and stack.qtype == "Q8_0" and stack.shape == (4, 32, 64)
+    dense = {n: np.asarray(w, np.float32) for n, w in stored.items()}
+    got = make_model(config, weights, backend="numpy", weight_dtype="q8_0").logits(TOKENS)
+    np.testing.assert_allclose(got, make_model(config, dense, backend="numpy").logits(TOKENS), rtol=0, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # What llama.cpp assumes when a key is absent, and what npllm refuses
 
