@@ -84,6 +84,11 @@ def test_mistral_window_and_qwen2_bias():
                         "max_window_layers": 0})
     assert q.sliding_window == 32
     assert config_from_hf({**LLAMA, "sliding_window": 16}).sliding_window is None  # llama has no window
+    # Qwen2 slides from max_window_layers on: the layers before it attend to everything
+    q = config_from_hf({**LLAMA, "num_hidden_layers": 3, "model_type": "qwen2", "sliding_window": 8,
+                        "use_sliding_window": True, "max_window_layers": 1})
+    assert q.sliding_window == 8 and q.sliding_layers == (False, True, True)
+    assert [q.is_sliding(l) for l in range(3)] == [False, True, True]
 
 
 @pytest.mark.parametrize("change, fragment", [
@@ -101,7 +106,17 @@ def test_mistral_window_and_qwen2_bias():
     ({"num_key_value_heads": 3}, "multiple"),
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),
-    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, "mixed"),
+    ({"model_type": "mistral", "layer_types": ["sliding_attention", "chunked_attention"], "sliding_window": 8},
+     "unknown layer types"),
+    ({"model_type": "gemma2", "hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": 16,
+      "layer_types": ["sliding_attention", "full_attention"]}, "sliding_window"),
+    ({"model_type": "gemma2", "query_pre_attn_scalar": 16}, "hidden_act 'silu'"),
+    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
+    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]},
+      "original_max_position_embeddings": 64}, "head_dim / 2"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+      "mlp_only_layers": [0]}, "mlp_only_layers"),
+    ({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3}, "n_experts_used"),
     ({"model_type": "mistral", "layer_types": ["full_attention"]}, "layer_types"),
 ])
 def test_bad_configs_are_config_errors(change, fragment):

@@ -1,11 +1,9 @@
 """Hugging Face checkpoints: a directory with config.json and model.safetensors (or shards listed in
-model.safetensors.index.json), for the Llama family: model_type llama, mistral, qwen2.
+model.safetensors.index.json), for the families hf_families.py lists (llama, mistral, qwen2, qwen3, qwen3_moe,
+mixtral, olmo2, granite, gemma2, gemma3, phi3).
 
-The three architectures are one network with a few options, so config.json maps onto one ModelConfig:
-
-    llama    the reference; optional RoPE scaling ("linear", "llama3"), optional tied embeddings
-    mistral  + sliding-window attention over the last `sliding_window` positions
-    qwen2    + biases on the q/k/v projections (never on o_proj)
+They are one network with a few options, so config.json maps onto one ModelConfig; hf_families.py says what each
+family adds (its parameter names and its config fields), this module does the rest once for all.
 
 HF stores q_proj/k_proj rows in the "half-split" RoPE layout (dimension i pairs with i + Dh/2); the weights are
 returned as stored, with `rope_layout="half"`. `to_interleaved` converts to Meta's interleaved layout (pairs (2i, 2i+1))
@@ -25,37 +23,28 @@ import numpy as np
 from ..config import MAX_LAYERS, ModelConfig, RopeScaling
 from ..errors import ConfigError, FormatError
 from ..tensors import check_weights, permute_qk_half_to_interleaved
+from .hf_families import FAMILIES, Family, longrope
 from .safetensors import read_safetensors
 
 CONFIG_FILE = "config.json"
 GENERATION_FILE = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-ARCHITECTURES = ("llama", "mistral", "qwen2")
-
-# HF parameter name -> canonical name (npllm/formats/__init__.py). `{l}` is the layer index.
-LAYER_NAMES = {
-    "input_layernorm.weight": "attention_norm",
-    "self_attn.q_proj.weight": "wq",
-    "self_attn.k_proj.weight": "wk",
-    "self_attn.v_proj.weight": "wv",
-    "self_attn.o_proj.weight": "wo",
-    "self_attn.q_proj.bias": "bq",
-    "self_attn.k_proj.bias": "bk",
-    "self_attn.v_proj.bias": "bv",
-    "post_attention_layernorm.weight": "ffn_norm",
-    "mlp.gate_proj.weight": "w1",
-    "mlp.down_proj.weight": "w2",
-    "mlp.up_proj.weight": "w3",
-}
+ARCHITECTURES = tuple(FAMILIES)
 GLOBAL_NAMES = {
     "model.embed_tokens.weight": "tok_embeddings",
     "model.norm.weight": "norm",
     "lm_head.weight": "output",
 }
 # Buffers some older exports saved alongside the parameters; they are recomputed, never read.
-IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# Multimodal checkpoints' image towers and projectors are not read either.
+IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|(model\.)?(vision_tower|multi_modal_projector)\..*")
 LAYER_PARAM = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# One expert's projection (Mixtral: block_sparse_moe.experts.{e}.w1/w2/w3; Qwen3-MoE: mlp.experts.{e}.gate_proj/...),
+# stacked into the 3-D [E, ...] canonical tensors at load.
+EXPERT_PARAM = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_NAMES = {"w1": "w1_exps", "gate_proj": "w1_exps", "w2": "w2_exps", "down_proj": "w2_exps", "w3": "w3_exps",
+                "up_proj": "w3_exps"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -81,21 +70,25 @@ def _field(cfg: dict, key: str, source: str, kind=int, default=None, required=Tr
     return value
 
 
-def _rope_settings(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
-    """RoPE base and scaling from either spelling.
-
-    Older configs: top-level `rope_theta` and `rope_scaling: {"type" | "rope_type": ..., "factor": ...}`.
-    Newer configs: `rope_parameters: {"rope_type": ..., "rope_theta": ..., "factor": ...}`.
-    """
+def _rope_spec(cfg: dict, source: str, layer_type: str) -> dict:
+    """The RoPE parameters of one kind of layer, from either spelling: older configs' top-level `rope_theta` and
+    `rope_scaling: {"type" | "rope_type": ..., "factor": ...}`, newer configs' `rope_parameters`, which Gemma 3 gives
+    per layer type ({"full_attention": {...}, "sliding_attention": {...}})."""
     params = cfg.get("rope_parameters")
     scaling = cfg.get("rope_scaling")
+    if isinstance(params, dict) and layer_type in params:
+        params = params[layer_type]
     if params is not None and scaling is not None and params != scaling:
         raise ConfigError(f"{source}: both 'rope_parameters' and 'rope_scaling' are given and they disagree")
     spec = params if params is not None else scaling
     if spec is not None and not isinstance(spec, dict):
         raise ConfigError(f"{source}: RoPE parameters must be a JSON object, got {spec!r}")
-    spec = spec or {}
+    return spec or {}
 
+
+def _rope_settings(cfg: dict, source: str, family: Family) -> tuple[float, RopeScaling | None, float]:
+    """(RoPE base, scaling, base of sliding layers or 0) of the full-attention layers and the sliding ones."""
+    spec = _rope_spec(cfg, source, "full_attention")
     theta_top = _field(cfg, "rope_theta", source, float, required=False)
     theta_inner = _field(spec, "rope_theta", source + " rope_parameters", float, required=False)
     if theta_top is not None and theta_inner is not None and theta_top != theta_inner:
@@ -104,55 +97,88 @@ def _rope_settings(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
     theta = 10000.0 if theta is None else theta
     if not theta > 0:
         raise ConfigError(f"{source}: rope_theta must be > 0, got {theta}")
+    return theta, _rope_scaling(spec, cfg, source, family), _local_theta(cfg, source)
 
+
+def _rope_scaling(spec: dict, cfg: dict, source: str, family: Family) -> RopeScaling | None:
     kind = spec.get("rope_type", spec.get("type"))
+    kind = "longrope" if kind == "su" else kind  # Phi-3's first name for it
     if kind in (None, "default"):
-        return theta, None
-    if kind == "linear":
-        return theta, RopeScaling("linear", _field(spec, "factor", source + " rope scaling", float))
-    if kind == "llama3":
-        where = source + " llama3 rope scaling"
-        return theta, RopeScaling(
-            "llama3",
-            factor=_field(spec, "factor", where, float),
-            low_freq_factor=_field(spec, "low_freq_factor", where, float),
-            high_freq_factor=_field(spec, "high_freq_factor", where, float),
-            original_max_position_embeddings=_field(spec, "original_max_position_embeddings", where),
-        )
-    raise ConfigError(f"{source}: unsupported RoPE scaling type {kind!r} (npllm knows 'linear' and 'llama3')")
-
-
-def _sliding_window(cfg: dict, arch: str, n_layers: int, source: str) -> int | None:
-    """The attention window, which npllm applies to every layer alike.
-
-    Mistral slides in every layer. Qwen2 slides only with `use_sliding_window`, and then only in layers from
-    `max_window_layers` on; `layer_types`, when given, names each layer's kind and overrides both.
-    """
-    if arch == "llama":
         return None
-    window = _field(cfg, "sliding_window", source, required=False)
-    layer_types = cfg.get("layer_types")
-    if layer_types is None:  # the set of kinds, without a list as long as a (maybe corrupt) layer count
-        if arch == "qwen2":
-            use = bool(cfg.get("use_sliding_window", False)) and window is not None
-            first = _field(cfg, "max_window_layers", source, default=0) if use else n_layers
-            kinds = {"full_attention"} if min(first, n_layers) > 0 else set()
-            kinds |= {"sliding_attention"} if n_layers - first > 0 else set()
-        else:
-            kinds = {"full_attention" if window is None else "sliding_attention"}
-    elif not isinstance(layer_types, list) or len(layer_types) != n_layers:
-        raise ConfigError(f"{source}: 'layer_types' must list one type per layer ({n_layers})")
+    if kind not in family.rope_kinds:
+        raise ConfigError(f"{source}: unsupported RoPE scaling type {kind!r} (npllm knows "
+                          f"{', '.join(repr(k) for k in family.rope_kinds)} for {cfg.get('model_type')})")
+    if kind == "linear":
+        return RopeScaling("linear", _field(spec, "factor", source + " rope scaling", float))
+    if kind == "longrope":
+        return longrope(spec, cfg, source, _field)
+    where = source + " llama3 rope scaling"
+    return RopeScaling(
+        "llama3",
+        factor=_field(spec, "factor", where, float),
+        low_freq_factor=_field(spec, "low_freq_factor", where, float),
+        high_freq_factor=_field(spec, "high_freq_factor", where, float),
+        original_max_position_embeddings=_field(spec, "original_max_position_embeddings", where),
+    )
+
+
+def _local_theta(cfg: dict, source: str) -> float:
+    """Gemma 3's RoPE base of sliding layers (rope_local_base_freq, or rope_parameters' sliding_attention); 0: none."""
+    params = cfg.get("rope_parameters")
+    local = params.get("sliding_attention") if isinstance(params, dict) else None
+    if isinstance(local, dict):
+        theta = _field(local, "rope_theta", source + " sliding_attention rope_parameters", float)
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"{source}: RoPE scaling of sliding layers is not supported")
     else:
-        kinds = set(map(str, layer_types))
-    if not kinds <= {"full_attention", "sliding_attention"}:
-        raise ConfigError(f"{source}: unknown layer types {sorted(map(str, kinds))}")
-    if len(kinds) > 1:
-        raise ConfigError(f"{source}: sliding-window layers mixed with full-attention layers are not supported")
-    if kinds == {"sliding_attention"}:
-        if window is None:
-            raise ConfigError(f"{source}: layers use sliding attention but 'sliding_window' is not set")
-        return window
+        theta = _field(cfg, "rope_local_base_freq", source, float, required=False) or 0.0
+    if theta < 0:
+        raise ConfigError(f"{source}: the RoPE base of sliding layers must be > 0, got {theta}")
+    return theta
+
+
+def _layer_types(cfg: dict, family: Family, n_layers: int, source: str) -> list[str] | None:
+    """Each layer's kind ("full_attention" | "sliding_attention"), or None where the config lists none and the
+    family's rule gives the same kind to every layer (then `_sliding_window` decides it)."""
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+            raise ConfigError(f"{source}: 'layer_types' must list one type per layer ({n_layers})")
+        return [str(t) for t in layer_types]
+    if cfg.get("model_type") == "gemma2":  # Gemma 2 slides in even layers
+        return ["sliding_attention" if l % 2 == 0 else "full_attention" for l in range(n_layers)]
+    if cfg.get("model_type") == "gemma3_text":  # every `sliding_window_pattern`-th layer is global
+        pattern = _field(cfg, "sliding_window_pattern", source, default=6)
+        return ["full_attention" if (l + 1) % pattern == 0 else "sliding_attention" for l in range(n_layers)]
     return None
+
+
+def _sliding_window(cfg: dict, family: Family, n_layers: int, source: str) -> tuple[int | None, tuple[bool, ...]]:
+    """(the attention window, which layers use it: () for all).
+
+    Mistral slides in every layer. Qwen2/3 slide only with `use_sliding_window`, and then only in layers from
+    `max_window_layers` on; Gemma alternates; `layer_types`, when given, names each layer's kind.
+    """
+    if family.sliding == "none":
+        return None, ()
+    window = _field(cfg, "sliding_window", source, required=False)
+    layer_types = _layer_types(cfg, family, n_layers, source)
+    if layer_types is None and family.sliding == "qwen":
+        use = bool(cfg.get("use_sliding_window", False)) and window is not None
+        first = min(_field(cfg, "max_window_layers", source, default=0) if use else n_layers, n_layers)
+        layer_types = ["full_attention"] * first + ["sliding_attention"] * (n_layers - first)
+    if layer_types is None:
+        return window, ()
+    kinds = set(layer_types)
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        raise ConfigError(f"{source}: unknown layer types {sorted(kinds)}")
+    if "sliding_attention" in kinds and window is None:
+        raise ConfigError(f"{source}: layers use sliding attention but 'sliding_window' is not set")
+    if kinds == {"full_attention"}:
+        return None, ()
+    if kinds == {"sliding_attention"}:
+        return window, ()
+    return window, tuple(t == "sliding_attention" for t in layer_types)
 
 
 def _eos_ids(eos, source: str) -> tuple[int, ...]:
@@ -184,23 +210,18 @@ def config_from_hf(cfg: dict, source: str = CONFIG_FILE, generation: dict | None
     generation_config.json, supplies the end token when config.json has none."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{source}: not a JSON object")
+    cfg = text_config(cfg, source)
     arch = cfg.get("model_type")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{source}: model_type {arch!r} is not one npllm runs ({', '.join(ARCHITECTURES)})")
-    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise ConfigError(f"{source}: hidden_act {act!r} is not supported (the Llama family uses 'silu')")
-    if cfg.get("mlp_bias"):
-        raise ConfigError(f"{source}: mlp_bias is not supported")
-    attention_bias = arch == "qwen2"
-    if arch == "llama" and cfg.get("attention_bias"):
-        raise ConfigError(f"{source}: Llama attention_bias (which also biases o_proj) is not supported")
-
+    family = FAMILIES[arch]
+    _check_unsupported(cfg, arch, family, source)
     n_layers = _field(cfg, "num_hidden_layers", source)
     if not 0 < n_layers <= MAX_LAYERS:  # before anything is sized by it
         raise ConfigError(f"{source}: num_hidden_layers {n_layers} is not a plausible layer count (1..{MAX_LAYERS})")
     n_heads = _field(cfg, "num_attention_heads", source)
-    theta, scaling = _rope_settings(cfg, source)
+    theta, scaling, local_theta = _rope_settings(cfg, source, family)
+    window, sliding_layers = _sliding_window(cfg, family, n_layers, source)
     bos, eos_ids = _token_ids(cfg, source, generation)
     return ModelConfig(
         dim=_field(cfg, "hidden_size", source),
@@ -215,13 +236,42 @@ def config_from_hf(cfg: dict, source: str = CONFIG_FILE, generation: dict | None
         rope_theta=theta,
         rope_layout="half",
         rope_scaling=scaling,
-        tied_embeddings=_field(cfg, "tie_word_embeddings", source, bool, default=False),
-        attention_bias=attention_bias,
-        sliding_window=_sliding_window(cfg, arch, n_layers, source),
+        tied_embeddings=_field(cfg, "tie_word_embeddings", source, bool, default=family.tied_default),
+        attention_bias=family.attention_bias,
+        sliding_window=window,
+        sliding_layers=sliding_layers,
+        rope_local_theta=local_theta,
         bos_id=bos,
         eos_ids=eos_ids,
         arch=arch,
+        **family.options(cfg, source, _field),
     )
+
+
+def text_config(cfg: dict, source: str) -> dict:
+    """The language model's config of a multimodal checkpoint (Gemma 3's model_type "gemma3" nests it as
+    text_config; the image tower is not read), its token ids filled in from the outer config; others as they are."""
+    if cfg.get("model_type") != "gemma3":
+        return cfg
+    inner = cfg.get("text_config")
+    if not isinstance(inner, dict):
+        raise ConfigError(f"{source}: a gemma3 config needs a text_config object")
+    ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg and inner.get(k) is None}
+    return {**inner, **ids, "model_type": "gemma3_text"}
+
+
+def _check_unsupported(cfg: dict, arch: str, family: Family, source: str) -> None:
+    """Refuse the config options npllm does not implement, each by name, before anything is built."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or family.activations[0]
+    if act not in family.activations:
+        raise ConfigError(f"{source}: hidden_act {act!r} is not supported ({arch} uses {family.activations[0]!r})")
+    if cfg.get("mlp_bias"):
+        raise ConfigError(f"{source}: mlp_bias is not supported")
+    if cfg.get("attention_bias") and not family.attention_bias:
+        raise ConfigError(f"{source}: {arch} attention_bias (which also biases o_proj) is not supported")
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{source}: partial_rotary_factor {cfg['partial_rotary_factor']} (RoPE on part of each "
+                          "head) is not supported")
 
 
 def _read_json(path: str):
@@ -250,13 +300,15 @@ def read_config_json(path: str | os.PathLike) -> ModelConfig:
 
 
 def to_interleaved(config: ModelConfig, weights: dict[str, np.ndarray]) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """The same model with q/k rows (and biases) in the interleaved RoPE layout."""
+    """The same model with q/k rows (and biases, and q/k norm gains) in the interleaved RoPE layout."""
     if config.rope_layout == "interleaved":
         return config, weights
     out = dict(weights)
+    H, K = config.n_heads, config.n_kv_heads
+    per_head = config.qk_norm == "head"  # one [Dh] gain shared by every head: permuted as one head
     for l in range(config.n_layers):
-        for name, heads in (("wq", config.n_heads), ("bq", config.n_heads), ("wk", config.n_kv_heads),
-                            ("bk", config.n_kv_heads)):
+        for name, heads in (("wq", H), ("bq", H), ("wk", K), ("bk", K), ("q_norm", 1 if per_head else H),
+                            ("k_norm", 1 if per_head else K)):
             key = f"layers.{l}.{name}"
             if key in out:
                 out[key] = permute_qk_half_to_interleaved(out[key], heads, config.head_dim)
@@ -267,16 +319,30 @@ def to_interleaved(config: ModelConfig, weights: dict[str, np.ndarray]) -> tuple
 # Weights
 
 
-def canonical_name(hf_name: str) -> str | None:
-    """Canonical weight name for an HF parameter name; None for buffers to ignore. Unknown names raise."""
+def canonical_name(hf_name: str, family: Family = FAMILIES["llama"]) -> str | tuple[str, int] | None:
+    """Canonical weight name for an HF parameter name of `family`; (name, expert) for one expert's matrix; None for
+    buffers to ignore. Unknown names raise."""
     if hf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[hf_name]
     if IGNORED.fullmatch(hf_name):
         return None
     m = LAYER_PARAM.fullmatch(hf_name)
-    if m and m.group(2) in LAYER_NAMES:
-        return f"layers.{int(m.group(1))}.{LAYER_NAMES[m.group(2)]}"
-    raise FormatError(f"unexpected tensor {hf_name!r}: not a parameter of a Llama-family model npllm knows")
+    if m and m.group(2) in family.names:
+        return f"layers.{int(m.group(1))}.{family.names[m.group(2)]}"
+    expert = EXPERT_PARAM.fullmatch(m.group(2)) if m else None
+    if expert and expert.group(2) in EXPERT_NAMES and "router" in family.names.values():
+        return f"layers.{int(m.group(1))}.{EXPERT_NAMES[expert.group(2)]}", int(expert.group(1))
+    raise FormatError(f"unexpected tensor {hf_name!r}: not a parameter of a model npllm knows")
+
+
+def language_model_name(hf_name: str) -> str:
+    """A multimodal checkpoint's language-model parameters under the plain names ("language_model.model.layers.0..."
+    or "model.language_model.layers.0..." -> "model.layers.0..."); its vision tower's become buffers to skip."""
+    for prefix, plain in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                          ("language_model.lm_head.", "lm_head.")):
+        if hf_name.startswith(prefix):
+            return plain + hf_name[len(prefix):]
+    return hf_name
 
 
 def _shard_files(directory: str) -> tuple[list[str], dict | None]:
@@ -323,6 +389,7 @@ def read_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]
     else:
         raise FormatError(f"{path}: neither a checkpoint directory nor a .safetensors file")
     config = read_config_json(os.path.join(directory, CONFIG_FILE))
+    family = FAMILIES[config.arch]
 
     weights: dict[str, np.ndarray] = {}
     origin: dict[str, str] = {}
@@ -334,7 +401,7 @@ def read_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]
             if weight_map is not None and weight_map.get(hf_name) != os.path.basename(file):
                 raise FormatError(f"{file}: holds {hf_name!r}, which {INDEX_FILE} places elsewhere")
             try:
-                name = canonical_name(hf_name)
+                name = canonical_name(language_model_name(hf_name), family)
             except FormatError as e:
                 raise FormatError(f"{file}: {e}") from None
             if name is None:
@@ -346,4 +413,55 @@ def read_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]
         listed_missing = sorted(set(weight_map) - seen)
         if listed_missing:
             raise FormatError(f"{directory}: {INDEX_FILE} lists {listed_missing[0]!r} but no shard holds it")
-    return config, check_weights(config, weights, directory)
+    return config, check_weights(config, assembled(config, family, weights, directory), directory)
+
+
+def assembled(config: ModelConfig, family: Family, weights: dict, source: str) -> dict[str, np.ndarray]:
+    """The canonical set from what the files name: experts stacked, fused projections split, Gemma's (1 + w) norm
+    gains made the gains applied."""
+    experts = {name: weights.pop(name) for name in [n for n in weights if isinstance(n, tuple)]}
+    out = dict(weights) | _stacked_experts(config, experts, source)
+    for l in range(config.n_layers):
+        out |= _split_fused(config, out, f"layers.{l}.", source)
+    if family.norm_offset:
+        for name in [n for n in out if n.endswith("norm")]:
+            out[name] = np.asarray(out[name], np.float32) + np.float32(family.norm_offset)
+    return out
+
+
+def _stacked_experts(config: ModelConfig, experts: dict, source: str) -> dict[str, np.ndarray]:
+    """{("layers.l.w1_exps", e): [Fe, D]} -> {"layers.l.w1_exps": [E, Fe, D]}; every expert 0..E-1 must be there."""
+    by_name: dict[str, dict[int, np.ndarray]] = {}
+    for (name, e), array in experts.items():
+        by_name.setdefault(name, {})[e] = array
+    stacked = {}
+    for name, parts in by_name.items():
+        if sorted(parts) != list(range(config.n_experts)):
+            raise FormatError(f"{source}: {name} has experts {sorted(parts)[:4]}..., the config says "
+                              f"{config.n_experts} (0..{config.n_experts - 1})")
+        shapes = {parts[e].shape for e in parts}
+        if len(shapes) > 1:
+            raise FormatError(f"{source}: the experts of {name} differ in shape: {sorted(shapes)}")
+        stacked[name] = np.stack([parts[e] for e in range(config.n_experts)])
+    return stacked
+
+
+def _split_fused(config: ModelConfig, weights: dict, prefix: str, source: str) -> dict[str, np.ndarray]:
+    """Fused projections split along their output rows: Phi-3's qkv_proj [(H + 2K) Dh, D] -> wq, wk, wv and
+    gate_up_proj [2F, D] -> w1 (the first F rows: the gate), w3; Granite-MoE's experts [E, 2Fe, D] -> w1_exps,
+    w3_exps the same way. Nothing for other families."""
+    out = {}
+    HD, KD, F, Fe = (config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.hidden_dim,
+                     config.moe_hidden_dim)
+    for fused, parts in (("wqkv", (("wq", HD), ("wk", KD), ("wv", KD))), ("w13", (("w1", F), ("w3", F))),
+                         ("w13_exps", (("w1_exps", Fe), ("w3_exps", Fe)))):
+        w = weights.pop(prefix + fused, None)
+        if w is None:
+            continue
+        rows = w.shape[1] if fused.endswith("_exps") else w.shape[0]  # the experts' axis comes first
+        if rows != sum(n for _, n in parts):
+            raise FormatError(f"{source}: {prefix}{fused} has {rows} rows, the config implies {sum(n for _, n in parts)}")
+        start = 0
+        for name, n in parts:
+            out[prefix + name], start = w[..., start:start + n, :], start + n
+    return out
