@@ -2,13 +2,22 @@
 scale and soft-caps, q/k norms per head or over the projection, sandwich and post norms, per-layer sliding windows
 and RoPE bases, longrope, mixtures of experts), against the NumPy reference in float64, on small random models
 built here from npllm.tensors.expected_shapes; prefill against decode bit for bit; float32 panels (NumbaTransformer)
-and weights kept in their file types (QuantizedNumbaTransformer) alike, through the one compiled forward."""
+and weights kept in their file types (QuantizedNumbaTransformer) alike, through the one compiled forward. Then the
+transformers fixtures (tests/fixtures/hf/<family>/) and llama.cpp's conversions of them (tests/fixtures/gguf_arch/)
+on the Numba backend, and GGUF files whose experts are 3-D stacks of blocks."""
+
+from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_formats_gguf_families import write_family
 
+import npllm
 from npllm.config import ModelConfig, RopeScaling
+from npllm.formats import read_checkpoint
+from npllm.models import make_model
 from npllm.models.numba import NumbaTransformer, QuantizedNumbaTransformer
 from npllm.models.reference import Transformer
 from npllm.quant import dequantized, stored_as
@@ -140,3 +149,60 @@ def test_a_ragged_batch_equals_each_sequence_alone(config, seed, B, prompt):
 def test_every_option_is_declared():
     """The Numba backend runs what the reference runs (check_runs refuses nothing)."""
     assert NumbaTransformer.FEATURES == Transformer.FEATURES == QuantizedNumbaTransformer.FEATURES
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real families' checkpoints
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FAMILIES = ["gemma2", "gemma3", "phi3", "phi3_short", "qwen3", "qwen3_moe", "qwen3_moe_unnormed", "mixtral", "olmo2",
+            "granite"]
+CONVERTED = sorted((FIXTURES / "gguf_arch").glob("*.gguf"))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_numba_logits_match_transformers(name):
+    """Each family's tiny transformers checkpoint on the Numba backend, on a cache of exactly the sequence (longrope
+    picks its factors by the context), as test_families.py holds the reference to it."""
+    reference = np.load(FIXTURES / "hf" / name / "reference.npz")
+    llm = npllm.load(FIXTURES / "hf" / name, backend="numba")
+    assert type(llm.model).__name__ == "NumbaTransformer"
+    got = llm.model.logits(reference["tokens"], cache=llm.model.new_cache(len(reference["tokens"])))
+    assert np.abs(got - reference["logits"]).max() < 1e-4
+
+
+@pytest.mark.skipif(not CONVERTED, reason="no tests/fixtures/gguf_arch/*.gguf (made by llama.cpp's converter)")
+@pytest.mark.parametrize("path", CONVERTED, ids=[p.stem for p in CONVERTED])
+def test_numba_runs_llama_cpps_conversions_as_the_reference_does(path):
+    """llama.cpp's conversions of the same fixtures: the Numba backend's logits are the NumPy backend's (which
+    test_formats_gguf_families.py holds to transformers' within 1e-4)."""
+    config, weights = read_checkpoint(path)
+    tokens = np.load(FIXTURES / "hf" / path.stem / "reference.npz")["tokens"]
+    fast, ref = make_model(config, weights, backend="numba"), make_model(config, weights, backend="numpy")
+    got = fast.logits(tokens, cache=fast.new_cache(len(tokens)))
+    assert np.abs(got - ref.logits(tokens, cache=ref.new_cache(len(tokens)))).max() < 1e-4
+
+
+@pytest.mark.parametrize("name, types", [
+    ("qwen3moe", {"w1_exps": "F16", "w2_exps": "F16", "w3_exps": "F16", "router": "F16"}),
+    ("mixtral", {"w1_exps": "Q4_0", "w2_exps": "Q8_0", "w3_exps": "Q4_0"}),
+    ("granitemoe", {"w1_exps": "Q8_0", "w2_exps": "Q4_1", "w3_exps": "Q5_0"}),
+])
+def test_experts_kept_as_stacks_of_blocks(tmp_path, name, types):
+    """A GGUF file's 3-D expert tensors in their block types (QuantizedMatrix [E, Fe, D]) run on
+    QuantizedNumbaTransformer, each expert's matrix read from the pool as stored: F16 ones (float32 activations) to
+    float32 rounding of the reference on the same values, block types within their 8-bit activations' rounding
+    (test_numba_quantized.py's bound)."""
+    write_family(tmp_path / "m.gguf", name, types)
+    config, weights = read_checkpoint(tmp_path / "m.gguf")
+    fast = make_model(config, weights, backend="numba")
+    assert isinstance(fast, QuantizedNumbaTransformer) and set(types.values()) <= set(fast.weight_types)
+    tokens = np.random.default_rng(7).integers(0, config.vocab_size, 20)
+    want = make_model(config, weights, backend="numpy").logits(tokens)
+    got = fast.logits(tokens)
+    scale = np.abs(want).max()
+    if set(types.values()) == {"F16"}:
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * scale)
+    else:
+        np.testing.assert_allclose(got, want, rtol=0, atol=0.03 * scale)
+        assert np.abs(got - want).mean() < 5e-3 * scale
