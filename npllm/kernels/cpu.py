@@ -251,7 +251,7 @@ def rms_norm_into(x, weight, eps, out, T):
 def rms_norm_heads_into(x, col, heads, Dh, weight, eps, T):
     """q or k norms (ModelConfig.qk_norm) in place on columns col .. col + heads*Dh of x's first T rows: RMSNorm of
     each head's Dh values with weight [Dh] ("head": Qwen3, Gemma 3), or of all heads*Dh values at once with weight
-    [heads*Dh] ("projection": OLMo 2); each group as ops.rms_norm.                              # [>=T, >=col+heads*Dh]"""
+    [heads*Dh] ("projection": OLMo 2); each group as ops.rms_norm.                          # [>=T, >=col+heads*Dh]"""
     n = weight.shape[0]
     for t in range(T):
         for g in range(col, col + heads * Dh, n):
@@ -269,7 +269,8 @@ _SQRT_2_OVER_PI = np.float32(np.sqrt(2.0 / np.pi))
 
 @njit(inline="always")
 def gelu_tanh(x):
-    """GELU, tanh approximation, of one float32 value, as ops.gelu_tanh: x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    """GELU, tanh approximation, of one float32 value, as ops.gelu_tanh:
+    x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
     inner = _SQRT_2_OVER_PI * (x + np.float32(0.044715) * x * x * x)
     return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
 

@@ -261,6 +261,9 @@ def _commit_positions(positions, seqs, ring):
         ring.lengths[b] = max(ring.lengths[b], positions[seqs.order[seqs.starts[s + 1] - 1]] + 1)
 
 
+# ================================================================================================================
+# Products of weights kept in their file types (QPacked, models/numba_weights.py).
+
 # A product's input quantized to 8 bits per block of 32 (kernels/quant quantize_activations_q8_into), or in two
 # 8-bit parts (two_part_activations_into: q [T, 2K] each token's first part then its second, d, s and s16 those of
 # the 15-bit sum v = 128 q + q').
@@ -276,9 +279,6 @@ Matrices = namedtuple("Matrices", ["pool", "mats", "first", "count"])
 # (one token), and x quantized to 8 bits (xq) and in two 8-bit parts (xv), each Int8Activations (empty if unused).
 Operand = namedtuple("Operand", ["x", "T", "sums", "xq", "xv"])
 
-
-# ================================================================================================================
-# Weights kept in their file types (QPacked: a byte pool and a table of matrices, models/numba_weights.py).
 
 class QuantizedNumbaTransformer(NumbaTransformer):
     """NumbaTransformer on weights kept in their checkpoint's types (models/numba.py, below the float32 path):
@@ -663,7 +663,7 @@ def _add_bias(qkv, bias, perm, T):
 
 @njit(inline="always")
 def _normed(x, weight, eps, out, T):
-    """rms_norm(x[:T]) into out, or x itself where the family has no norm here (weight [0]).    # [>=T, D] -> [>=T, D]"""
+    """rms_norm(x[:T]) into out, or x itself where the family has no norm here (weight [0]).   # [>=T, D] -> [>=T, D]"""
     if weight.shape[0] == 0:
         return x
     cpu.rms_norm_into(x, weight, eps, out, T)
