@@ -685,7 +685,7 @@ def _rope_angles(positions, freqs, rope_rows, cos, sin, T):
         cpu.rope_angles_into(positions, freqs[r], cos[r], sin[r], T)
 
 
-@njit
+@njit(inline="always")
 def _attention_block(w, l, positions, seqs, valid_from, ring, b, dims):
     """b.o[:T, :D] = layer l's attention block of b.x: (rms_norm) -> q, k, v (+ bias) -> (q/k norms) -> RoPE ->
     attention over the ring (the layer's window, score scale, soft-cap) -> wo -> (post norm)."""
@@ -704,7 +704,7 @@ def _attention_block(w, l, positions, seqs, valid_from, ring, b, dims):
     _post_norm(b.o, w.post_attention_norm[l], eps, T)
 
 
-@njit
+@njit(inline="always")
 def _ffn_block(w, l, b, T, dims):
     """b.o[:T, :D] = layer l's feed-forward block of b.x: (rms_norm) -> SwiGLU / GeGLU, dense or routed to experts
     (_moe_ffn) -> (post norm)."""
