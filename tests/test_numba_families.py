@@ -206,3 +206,12 @@ def test_experts_kept_as_stacks_of_blocks(tmp_path, name, types):
     else:
         np.testing.assert_allclose(got, want, rtol=0, atol=0.03 * scale)
         assert np.abs(got - want).mean() < 5e-3 * scale
+
+
+def test_a_decode_step_reads_the_experts_a_token_uses():
+    """weight_bytes (what bench divides by a step's time) counts k of the E experts' panels, not all of them."""
+    base = dict(dim=32, hidden_dim=48, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=40, max_seq_len=16)
+    dense = NumbaTransformer(ModelConfig(**base), family_weights(ModelConfig(**base), 0))
+    moe_config = ModelConfig(**base, n_experts=4, n_experts_used=1)
+    moe = NumbaTransformer(moe_config, family_weights(moe_config, 0))
+    assert moe.weight_bytes == dense.weight_bytes + moe.packed.router.nbytes

@@ -132,9 +132,12 @@ class NumbaTransformer(Model):
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of packed weights one decode step streams (all layers and the LM head, padding included)."""
-        layers = sum(a.nbytes for name, a in self.packed._asdict().items() if name != "embeddings")
-        return layers + self.output_panels.nbytes + self.config.dim * 4
+        """Bytes of packed weights one decode step streams (all layers and the LM head, padding included; of a
+        mixture of experts, the share of the experts a token uses)."""
+        c, packed = self.config, self.packed._asdict()
+        experts = packed.pop("w13_exps").nbytes + packed.pop("w2_exps").nbytes
+        layers = sum(a.nbytes for name, a in packed.items() if name != "embeddings")
+        return layers + experts * c.n_experts_used // max(1, c.n_experts) + self.output_panels.nbytes + c.dim * 4
 
     def forward(self, tokens, positions, cache: RingKVCache, slots=None) -> np.ndarray:
         """Final-norm hidden states of the given tokens, updating the cache.     # [T], [T], [T] -> [T, D]
