@@ -1,6 +1,8 @@
 """LLM.chat and ChatSession: the template's prompt, replies equal to plain generation, the cache reused across
 turns (equal to recomputation, fewer tokens run), the end of turn, /save and /load; `npllm chat` as a script."""
 
+import copy
+import dataclasses
 import json
 import os
 import signal
@@ -30,7 +32,9 @@ def llm(stories260k):
 
 def test_turn_end_of_the_builtin_templates():
     ends = {name: turn_end(t, "<s>", "</s>") for name, t in BUILTIN_TEMPLATES.items()}
-    assert ends == {"llama2": "</s>", "llama3": "<|eot_id|>", "chatml": "<|im_end|>", "zephyr": "</s>"}
+    assert ends == {"llama2": "</s>", "llama3": "<|eot_id|>", "chatml": "<|im_end|>", "zephyr": "</s>",
+                    "mistral": "</s>", "gemma": "<end_of_turn>", "phi3": "<|end|>", "granite": "<|end_of_text|>",
+                    "olmo2": "</s>"}
 
 
 def test_prompt_is_the_rendered_template_and_specials_become_ids(llm):
@@ -113,6 +117,14 @@ def test_save_load_reset_and_system(llm, tmp_path):
 def test_a_model_without_a_template_needs_one(llm):
     with pytest.raises(ChatTemplateError, match="--chat-template"):
         llm.chat(HI)
+
+
+def test_the_no_template_error_names_the_builtin_of_the_models_architecture(llm):
+    """A model that ships no template is told the built-in written in its architecture's layout."""
+    model = copy.copy(llm.model)
+    model.config = dataclasses.replace(llm.config, arch="gemma2")
+    with pytest.raises(ChatTemplateError, match="--chat-template gemma "):
+        npllm.LLM(model, llm.tokenizer, llm.source).chat(HI)
 
 
 def test_a_conversation_past_the_context_is_refused_under_error(llm):

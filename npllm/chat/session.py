@@ -38,7 +38,8 @@ class ChatSession:
                  context_policy: str = "error", sinks: int = DEFAULT_SINKS, capacity: int | None = None):
         self.llm = llm
         self.tokenizer = llm._require_tokenizer()
-        self.template = resolve_chat_template(chat_template, find_chat_template(llm.source) if llm.source else None)
+        found = find_chat_template(llm.source) if llm.source else None
+        self.template = resolve_chat_template(chat_template, found, llm.config.arch)
         self.template_name = chat_template_name(chat_template, llm.source)
         tok = self.tokenizer
         self.bos_text, self.eos_text = tok.id_to_piece(tok.bos_id), tok.id_to_piece(tok.eos_id)
