@@ -37,7 +37,8 @@ GLOBAL_NAMES = {
     "lm_head.weight": "output",
 }
 # Buffers some older exports saved alongside the parameters; they are recomputed, never read.
-IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# Multimodal checkpoints' image towers and projectors are not read either.
+IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|(model\.)?(vision_tower|multi_modal_projector)\..*")
 LAYER_PARAM = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # One expert's projection (Mixtral: block_sparse_moe.experts.{e}.w1/w2/w3; Qwen3-MoE: mlp.experts.{e}.gate_proj/...),
 # stacked into the 3-D [E, ...] canonical tensors at load.
@@ -209,6 +210,7 @@ def config_from_hf(cfg: dict, source: str = CONFIG_FILE, generation: dict | None
     generation_config.json, supplies the end token when config.json has none."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{source}: not a JSON object")
+    cfg = text_config(cfg, source)
     arch = cfg.get("model_type")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{source}: model_type {arch!r} is not one npllm runs ({', '.join(ARCHITECTURES)})")
@@ -244,6 +246,18 @@ def config_from_hf(cfg: dict, source: str = CONFIG_FILE, generation: dict | None
         arch=arch,
         **family.options(cfg, source, _field),
     )
+
+
+def text_config(cfg: dict, source: str) -> dict:
+    """The language model's config of a multimodal checkpoint (Gemma 3's model_type "gemma3" nests it as
+    text_config; the image tower is not read), its token ids filled in from the outer config; others as they are."""
+    if cfg.get("model_type") != "gemma3":
+        return cfg
+    inner = cfg.get("text_config")
+    if not isinstance(inner, dict):
+        raise ConfigError(f"{source}: a gemma3 config needs a text_config object")
+    ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg and inner.get(k) is None}
+    return {**inner, **ids, "model_type": "gemma3_text"}
 
 
 def _check_unsupported(cfg: dict, arch: str, family: Family, source: str) -> None:
@@ -321,6 +335,16 @@ def canonical_name(hf_name: str, family: Family = FAMILIES["llama"]) -> str | tu
     raise FormatError(f"unexpected tensor {hf_name!r}: not a parameter of a model npllm knows")
 
 
+def language_model_name(hf_name: str) -> str:
+    """A multimodal checkpoint's language-model parameters under the plain names ("language_model.model.layers.0..."
+    or "model.language_model.layers.0..." -> "model.layers.0..."); its vision tower's become buffers to skip."""
+    for prefix, plain in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                          ("language_model.lm_head.", "lm_head.")):
+        if hf_name.startswith(prefix):
+            return plain + hf_name[len(prefix):]
+    return hf_name
+
+
 def _shard_files(directory: str) -> tuple[list[str], dict | None]:
     """The safetensors files of a checkpoint directory: one file, or the shards its index lists."""
     index_path = os.path.join(directory, INDEX_FILE)
@@ -377,7 +401,7 @@ def read_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]
             if weight_map is not None and weight_map.get(hf_name) != os.path.basename(file):
                 raise FormatError(f"{file}: holds {hf_name!r}, which {INDEX_FILE} places elsewhere")
             try:
-                name = canonical_name(hf_name, family)
+                name = canonical_name(language_model_name(hf_name), family)
             except FormatError as e:
                 raise FormatError(f"{file}: {e}") from None
             if name is None:
@@ -423,18 +447,21 @@ def _stacked_experts(config: ModelConfig, experts: dict, source: str) -> dict[st
 
 
 def _split_fused(config: ModelConfig, weights: dict, prefix: str, source: str) -> dict[str, np.ndarray]:
-    """Phi-3's fused qkv_proj [(H + 2K) Dh, D] -> wq, wk, wv and gate_up_proj [2F, D] -> w1 (the first F rows: the
-    gate), w3; nothing for other families."""
+    """Fused projections split along their output rows: Phi-3's qkv_proj [(H + 2K) Dh, D] -> wq, wk, wv and
+    gate_up_proj [2F, D] -> w1 (the first F rows: the gate), w3; Granite-MoE's experts [E, 2Fe, D] -> w1_exps,
+    w3_exps the same way. Nothing for other families."""
     out = {}
-    HD, KD, F = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.hidden_dim
-    for fused, parts in (("wqkv", (("wq", HD), ("wk", KD), ("wv", KD))), ("w13", (("w1", F), ("w3", F)))):
+    HD, KD, F, Fe = (config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.hidden_dim,
+                     config.moe_hidden_dim)
+    for fused, parts in (("wqkv", (("wq", HD), ("wk", KD), ("wv", KD))), ("w13", (("w1", F), ("w3", F))),
+                         ("w13_exps", (("w1_exps", Fe), ("w3_exps", Fe)))):
         w = weights.pop(prefix + fused, None)
         if w is None:
             continue
-        if w.shape[0] != sum(n for _, n in parts):
-            raise FormatError(f"{source}: {prefix}{fused} has {w.shape[0]} rows, the config implies "
-                              f"{sum(n for _, n in parts)}")
+        rows = w.shape[1] if fused.endswith("_exps") else w.shape[0]  # the experts' axis comes first
+        if rows != sum(n for _, n in parts):
+            raise FormatError(f"{source}: {prefix}{fused} has {rows} rows, the config implies {sum(n for _, n in parts)}")
         start = 0
         for name, n in parts:
-            out[prefix + name], start = w[start:start + n], start + n
+            out[prefix + name], start = w[..., start:start + n, :], start + n
     return out

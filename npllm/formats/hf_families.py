@@ -9,6 +9,7 @@ mapped onto ModelConfig's options (npllm/config.py) and the canonical weight nam
     mixtral    mistral + a mixture of experts (top-k renormalised)
     olmo2      norms after attention and FFN instead of before (block_norms "post"), q/k norm over the projection
     granite    + multipliers of the embedding, the residual branches, the attention scores and the logits
+    granitemoe granite + a mixture of experts (top-k renormalised), each expert's gate and up fused
     gemma2     GeGLU, (1 + w) norms before and after each block, embeddings x sqrt(D), soft-capped scores and
                logits, sliding window on alternate layers, scores scaled by query_pre_attn_scalar^-1/2
     gemma3     gemma2's block without soft-caps, + q/k norm, 5 sliding layers to 1 global, local RoPE base
@@ -53,6 +54,9 @@ POST_NAMES = {"post_attention_layernorm.weight": "post_attention_norm",
 FUSED_NAMES = {"self_attn.qkv_proj.weight": "wqkv", "mlp.gate_up_proj.weight": "w13"}
 # Routers, by family spelling; the experts' own names are matched by hf.EXPERT_PARAM.
 ROUTER_NAMES = {"mlp.gate.weight": "router", "block_sparse_moe.gate.weight": "router"}
+# Granite's mixture stores every expert in one 3-D tensor, gate and up fused (split at load like Phi-3's).
+GRANITE_MOE_NAMES = {"block_sparse_moe.router.layer.weight": "router", "block_sparse_moe.input_linear.weight": "w13_exps",
+                     "block_sparse_moe.output_linear.weight": "w2_exps"}
 
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # two spellings of GELU's tanh approximation
@@ -94,6 +98,12 @@ def _granite(cfg: dict, source: str, get) -> dict:
                 logit_multiplier=1.0 / scaling)
 
 
+def _granite_moe(cfg: dict, source: str, get) -> dict:
+    """Granite's multipliers, and experts of intermediate_size each: top-k of the router's logits, softmaxed."""
+    return _granite(cfg, source, get) | _mixtral(cfg, source, get) | dict(
+        expert_hidden_dim=get(cfg, "intermediate_size", source))
+
+
 def _gemma(cfg: dict, source: str, get) -> dict:
     """What Gemma 2 and 3 share: GeGLU, sandwich norms, sqrt(D) embeddings, query_pre_attn_scalar."""
     scalar = get(cfg, "query_pre_attn_scalar", source, float)
@@ -119,6 +129,8 @@ FAMILIES = {
     "olmo2": Family(LLAMA_NAMES | POST_NAMES | QK_NORM_NAMES,
                     lambda cfg, source, get: dict(block_norms="post", qk_norm="projection"), sliding="none"),
     "granite": Family(LLAMA_NAMES, _granite, sliding="none"),
+    "granitemoe": Family({k: v for k, v in LLAMA_NAMES.items() if not k.startswith("mlp.")} | GRANITE_MOE_NAMES,
+                         _granite_moe, sliding="none"),
     "gemma2": Family(LLAMA_NAMES | SANDWICH_NAMES, _gemma, norm_offset=1.0, tied_default=True, activations=GELU_TANH),
     "gemma3_text": Family(LLAMA_NAMES | SANDWICH_NAMES | QK_NORM_NAMES, _gemma3, norm_offset=1.0, tied_default=True,
                           activations=GELU_TANH),
