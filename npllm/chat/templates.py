@@ -141,7 +141,7 @@ BUILTIN_TEMPLATES = {"llama2": LLAMA2, "llama3": LLAMA3, "chatml": CHATML, "zeph
 # architecture ships no template. Llama is left out: Llama 2 and Llama 3 chat models use different layouts.
 ARCH_TEMPLATES = {"mistral": "mistral", "mixtral": "mistral", "qwen2": "chatml", "qwen3": "chatml",
                   "qwen3_moe": "chatml", "gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma", "phi3": "phi3",
-                  "granite": "granite", "olmo2": "olmo2"}
+                  "granite": "granite", "granitemoe": "granite", "olmo2": "olmo2"}
 
 
 class ChatTemplateLimitError(ChatTemplateError):
