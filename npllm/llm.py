@@ -20,6 +20,7 @@ from .generate import Request, check_prompt, check_request, decode, generate_ids
 from .hub import resolve
 from .models import Model
 from .sampling import Sampled, SamplingParams, with_keywords
+from .speculative import Speculative, speculative_decode
 from .tokenizer import Tokenizer, load_tokenizer
 
 
@@ -67,9 +68,8 @@ class LLM:
         return generate_ids(self.model, list(prompt_ids), max_new_tokens, with_keywords(params, sampling))
 
     def stream(self, prompt: str = "", max_new_tokens: int = 256, echo: bool = False, on_step=None,
-               draft=None, draft_layers: int | None = None, num_draft: int = 4, speculation=None,
                context_policy: str = "error", ignore_eos: bool = False, sinks: int = DEFAULT_SINKS,
-               **sampling) -> Iterator[str]:
+               **options) -> Iterator[str]:
         """Yield the completion's text as it is produced (with echo, the prompt's text first). How to sample:
         params=SamplingParams(...) (default SamplingParams()), and/or its fields as keywords, which replace the
         params' own.
@@ -79,34 +79,33 @@ class LLM:
         completion and is not part of it. on_step(Sampled) is called for every generated token with its draw: the id,
         and with logprobs=N >= 1 its log-probability and the N most probable alternatives (else NaN and none).
 
-        Speculative decoding (npllm.speculative): draft= another LLM (or a checkpoint path) with the same vocabulary,
-        or draft_layers=N (this model's first N layers) proposes num_draft tokens a round; the output keeps the
-        model's distribution (greedy: the very same tokens). speculation: a SpeculationStats to fill in.
+        Speculative decoding (npllm.speculative): the fields of speculative.Speculative as keywords: draft= another
+        LLM (or a checkpoint path) with the same vocabulary, or draft_layers=N (this model's first N layers) proposes
+        num_draft tokens a round; the output keeps the model's distribution (greedy: the very same tokens).
+        speculation: a SpeculationStats to fill in.
 
         Past the context (npllm.context): context_policy "error" (never past it: generation ends when the context
         is full), "truncate" (recompute over the most recent half context) or "sinks" (StreamingLLM: `sinks` first
         tokens + the most recent window, bounded memory). ignore_eos: end-of-sequence ids do not end the completion.
         """
-        params = with_keywords(sampling.pop("params", None), sampling)
+        speculative = Speculative.from_keywords(options)
+        params = with_keywords(options.pop("params", None), options)
         prompt_ids = self._require_tokenizer().encode(prompt, bos=True)
-        steps = self._steps(prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft, speculation,
-                            context_policy, ignore_eos, sinks)
+        steps = self._steps(prompt_ids, max_new_tokens, params, speculative, context_policy, ignore_eos, sinks)
         yield from _text_of(self.tokenizer, prompt_ids, steps, params.stop, echo, on_step)
 
-    def _steps(self, prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft, speculation,
-               context_policy, ignore_eos, sinks) -> Iterator:
+    def _steps(self, prompt_ids, max_new_tokens, params, speculative: Speculative, context_policy, ignore_eos,
+               sinks) -> Iterator:
         """The generation steps stream() asked for: speculative, or the single-sequence loop (generate.decode) on
         a Context under the policy asked for."""
         check_policy(context_policy, sinks)
-        speculative = draft is not None or draft_layers is not None
         if context_policy == "error":
             check_request(self.config, prompt_ids, max_new_tokens)  # before the echo: a bad request prints nothing
-        if speculative and (context_policy != "error" or ignore_eos):
+        if speculative.on and (context_policy != "error" or ignore_eos):
             raise GenerationError("speculative decoding runs inside the context and stops at EOS: it takes neither "
                                   "context_policy nor ignore_eos")
-        if speculative:
-            return self._speculative_steps(prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft,
-                                           speculation)
+        if speculative.on:
+            return self._speculative_steps(prompt_ids, max_new_tokens, params, speculative)
         # "error" never goes past prompt + max_new_tokens positions: a cache that size, not the whole context
         room = min(self.config.max_seq_len, len(prompt_ids) + max(max_new_tokens, 1))
         context = Context(self.model, context_policy, sinks, room if context_policy == "error" else None)
@@ -241,20 +240,17 @@ class LLM:
                 self._drafts[key] = make_model(config, weights, self.backend, self.threads)
         return self._drafts[key]
 
-    def _speculative_steps(self, prompt_ids, max_new_tokens, params, draft, draft_layers, num_draft,
-                           speculation) -> Iterator:
+    def _speculative_steps(self, prompt_ids, max_new_tokens, params, speculative: Speculative) -> Iterator:
         """speculative_decode's ids as the Sampled records generate_steps yields (no log-probabilities). The request
         and the draft are checked (and the draft built) here, before anything is generated."""
-        from .generate import Request
-        from .speculative import speculative_decode
-
+        num_draft = speculative.num_draft
         if params.logprobs:
             raise GenerationError("log-probabilities (logprobs) are not available with speculative decoding")
         if not isinstance(num_draft, (int, np.integer)) or num_draft < 1:
             raise GenerationError(f"num_draft must be a positive integer, got {num_draft!r}")
         request = Request(prompt_ids, max_new_tokens, dataclasses.replace(params, stop=()))
-        tokens = speculative_decode(self.model, self.draft_model(draft, draft_layers), request, num_draft,
-                                    stats=speculation)
+        draft = self.draft_model(speculative.draft, speculative.draft_layers)
+        tokens = speculative_decode(self.model, draft, request, num_draft, stats=speculative.speculation)
         return (Sampled(token, float("nan"), *_NO_ALTERNATIVES) for token in tokens)
 
     def _require_tokenizer(self) -> Tokenizer:

@@ -20,6 +20,7 @@ extra: pip install -e ".[ray]" from a clone).
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import time
@@ -197,25 +198,24 @@ def _ordered(ray):
 
 
 def run_batch(model, input_path, output, errors, *, address: str | None = None, workers: int = 1,
-              batch_size: int = DEFAULT_SLOTS, tokenizer=None, backend: str = "numba", threads: int | None = None,
-              chat_template: str | None = None, weight_dtype: str = "file", kv_dtype: str = "float32",
-              progress: bool = True) -> Summary:
+              batch_size: int = DEFAULT_SLOTS, progress: bool = True, **loading) -> Summary:
     """npllm batch --ray: the input's pending lines as a dataset, run through `workers` Predictor actors (each with
-    `threads` CPUs, default 1, and `batch_size` slots), the results appended in input order as they arrive."""
+    `batch_size` slots and `threads` CPUs, default 1), the results appended in input order as they arrive.
+    loading: how each actor loads the model, Predictor's keywords (tokenizer, backend, threads, chat_template,
+    weight_dtype, kv_dtype); one it does not take is a TypeError here, before Ray starts."""
+    predictor = dict(model=str(model), slots=batch_size, json_column="body", **loading)
+    inspect.signature(Predictor).bind(**predictor)
     ray = require_ray()
     work: Plan = plan(input_path, output, errors)
     if not work.pending:
         return write_results(work, iter(()), output, errors, progress)
     joined = _connect(ray, address)
     try:
-        predictor = dict(model=str(model), tokenizer=tokenizer, backend=backend, threads=threads,
-                         chat_template=chat_template, slots=batch_size, json_column="body",
-                         weight_dtype=weight_dtype, kv_dtype=kv_dtype)
         rows = [{"line": line.number, "body": json.dumps(line.body)} for line in work.pending]
         with _ordered(ray):
             done = ray.data.from_items(rows).map_batches(
                 Predictor, batch_size=batch_size, batch_format="numpy", compute=_pool(ray, workers),
-                num_cpus=threads or 1, fn_constructor_kwargs=predictor)
+                num_cpus=loading.get("threads") or 1, fn_constructor_kwargs=predictor)
             results = ((int(row["line"]), record_of(row)) for row in done.iter_rows())
             return write_results(work, results, output, errors, progress)
     finally:

@@ -23,7 +23,7 @@ The draft is any model with the same vocabulary, or this model's first N layers 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -44,6 +44,27 @@ class SpeculationStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else float("nan")
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """How LLM.stream decodes speculatively, one record whose fields are also stream's keywords: draft (another LLM,
+    or a checkpoint path, with the same vocabulary) or draft_layers (this model's first N layers) proposes num_draft
+    tokens a round; speculation: a SpeculationStats to fill in. With neither draft it is off."""
+
+    draft: object = None
+    draft_layers: int | None = None
+    num_draft: int = 4
+    speculation: SpeculationStats | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.draft is not None or self.draft_layers is not None
+
+    @classmethod
+    def from_keywords(cls, keywords: dict) -> "Speculative":
+        """The record of the keywords named by its fields, taken out of `keywords` (the others stay there)."""
+        return cls(**{f.name: keywords.pop(f.name) for f in fields(cls) if f.name in keywords})
 
 
 def first_layers(config, weights: dict, n_layers: int):

@@ -46,14 +46,6 @@ def main() -> int:
     f, i = typeof(np.float32(0)), typeof(np.int32(0))
     g = k.HARDWARE
     cases = {}
-    cases["embed f32"] = (k.embed_kernel(), (arr(f32, 2), arr(i32, 2), arr(f32, 2)))
-    cases["embed f16"] = (k.embed_kernel(), (arr(f16, 2), arr(i32, 2), arr(f32, 2)))
-    cases["embed q8_0"] = (k.embed_kernel(True), (arr(q80, 2), arr(i32, 2), arr(f32, 2)))
-    cases["rms_norm"] = (k.rms_norm_kernel(g.threads), (arr(f32, 2), arr(f32, 1), f, arr(f32, 2)))
-    cases["swiglu"] = (k.swiglu_kernel(), (arr(f32, 2), arr(f32, 2)))
-    for interleaved in (True, False):
-        cases[f"bias_rope interleaved={interleaved}"] = (
-            k.bias_rope_kernel(interleaved), (arr(f32, 2), arr(f32, 1), i, i, arr(f32, 2), arr(f32, 2), arr(i32, 2)))
     for rows in (1, 2, 4, 8):
         for norm, residual, gated in ((False, False, False), (True, False, False), (False, True, False),
                                       (True, False, True)):
@@ -68,11 +60,6 @@ def main() -> int:
         for wt in (f32, f16, q80):
             cases[f"matmul residual={residual} {name_of(wt)}"] = (
                 k.matmul_kernel(g.tile, residual, wt is q80), (arr(f32, 2), arr(wt, 2), arr(f32, 2)))
-    cases["attention"] = (k.attention_kernel(g.threads),
-                          (arr(f32, 2), arr(i32, 2), i, i, i, arr(f32, 4), arr(f32, 4), arr(i32, 2), i, f,
-                           arr(f32, 2), arr(f32, 2)))
-    cases["kv_write"] = (k.kv_write_kernel(), (arr(f32, 2), arr(i32, 2), i, i, i, arr(f32, 4), arr(f32, 4)))
-    cases["commit_positions"] = (k.commit_positions_kernel(), (arr(i32, 2), arr(i32, 2)))
     cases["sample"] = (k.sample_kernel(g.sampler_threads), (arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(i32, 1)))
     cases["gather_rows"] = (k.gather_rows_kernel(), (arr(f32, 2), arr(i32, 1), arr(f32, 2)))
     for ndim in (2, 3):
@@ -87,23 +74,29 @@ def main() -> int:
         shape = record(k.StepShape, (f32, 0), (i32, 0), (i32, 0), (i32, 0), (i32, 0), (f32, 0))
         cache = record(k.StepCache, (f32, 5), (f32, 5), (i32, 2))
         work = record(k.StepWork, *[(f32, 2)] * work_arrays)
-        return (weights, shape, arr(f32, 2), arr(f32, 2), arr(i32, 2), cache, work, arr(f32, 2))
+        return (weights, shape, arr(f32, 2), arr(f32, 2), arr(i32, 2), cache, work, arr(f32, 2), i, i)
 
-    for rows in (1, 2, 4, 8):
+    for cooperative in (True, False):  # one launch, or one step a launch (no grid barrier, no cudadevrt)
+        way = "" if cooperative else " step-by-step"
+        for rows in (1, 8):
+            for interleaved in (True, False):
+                for wt in (f32, f16, q80):
+                    cases[f"decode_step rows={rows} interleaved={interleaved} {name_of(wt)}{way}"] = (
+                        k.decode_step_kernel(rows, g.threads, g.lanes, interleaved, wt is q80, cooperative),
+                        step_args(wt, 4, 7))
         for interleaved in (True, False):
             for wt in (f32, f16, q80):
-                cases[f"decode_step rows={rows} interleaved={interleaved} {name_of(wt)}"] = (
-                    k.decode_step_kernel(rows, g.threads, g.lanes, interleaved, wt is q80), step_args(wt, 4, 7))
-    for interleaved in (True, False):
-        for wt in (f32, f16, q80):
-            cases[f"batch_step interleaved={interleaved} {name_of(wt)}"] = (
-                k.batch_step_kernel(g.tile, interleaved, wt is q80), step_args(wt, 3, 7))
+                cases[f"batch_step interleaved={interleaved} {name_of(wt)}{way}"] = (
+                    k.batch_step_kernel(g.tile, interleaved, wt is q80, cooperative), step_args(wt, 3, 7))
     if args.quick:
         cases = {name: case for name, case in cases.items() if quick(name)}
     failed = 0
     for name, (kernel, argtypes) in cases.items():
         try:
             ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=cc)
+            barrier = "cudaCGGetIntrinsicHandle" in ptx  # the grid barrier's handle: a cooperative launch's kernel
+            if name.startswith(("decode_step", "batch_step")) and barrier == ("step-by-step" in name):
+                raise AssertionError("a step-by-step kernel holds the grid barrier, or a one-launch one lacks it")
             print(f"ok    {name}  ({len(ptx) // 1024} KiB of PTX)", flush=True)
         except Exception:
             failed += 1
@@ -127,7 +120,8 @@ def quick(name: str) -> bool:
     if name.startswith(("decode_step", "batch_step")):
         return name in ("decode_step rows=1 interleaved=True float32", "decode_step rows=8 interleaved=False float16",
                         "decode_step rows=8 interleaved=True q8_0", "batch_step interleaved=True float32",
-                        "batch_step interleaved=False q8_0")
+                        "batch_step interleaved=False q8_0", "decode_step rows=1 interleaved=True float32 step-by-step",
+                        "batch_step interleaved=False q8_0 step-by-step")
     return "f16" not in name or name == "embed f16"
 
 

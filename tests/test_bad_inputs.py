@@ -101,6 +101,20 @@ def test_same_size_type_swap_with_non_finite_values_is_refused(tmp_path, gguf_pa
         read_checkpoint(write(tmp_path, gguf_parts, tensors=bent))
 
 
+def test_a_non_finite_norm_gain_is_refused(tmp_path, gguf_parts):
+    """A vector (a norm's gain, F32) is checked as every weight is, as a one-row matrix (quant.as_matrix)."""
+    metadata, tensors = gguf_parts
+    bent = list(tensors)
+    i = next(i for i, t in enumerate(bent) if len(t[1]) == 1)
+    name, shape, type_id, blob, offset = bent[i]
+    values = np.frombuffer(blob, np.float32).copy()
+    values[-1] = np.nan
+    bent[i] = (name, shape, type_id, values.tobytes(), offset)
+    assert type_id == 0  # F32
+    with pytest.raises(FormatError, match="NaN or infinite"):
+        read_checkpoint(write(tmp_path, gguf_parts, tensors=bent))
+
+
 @pytest.mark.parametrize("key, value", [("tokenizer.ggml.eos_token_id", 512), ("tokenizer.ggml.bos_token_id", 600)])
 def test_gguf_token_ids_outside_the_vocabulary_are_refused(tmp_path, gguf_parts, key, value):
     with pytest.raises(NpllmError, match="outside the vocabulary|not a token id"):

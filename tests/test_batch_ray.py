@@ -100,3 +100,11 @@ def test_distributed_perplexity_is_the_single_process_figure(tmp_path, capsys):
     ours = (f"PPL = {result.ppl:.4f} +/- {result.ppl_stderr:.5f} over {result.tokens} tokens in {result.chunks} "
             f"chunks of 64\n")
     assert ours == printed
+
+
+def test_run_batch_takes_predictors_loading_keywords_and_refuses_others(tmp_path):
+    """run_batch passes its loading keywords to every Predictor actor; one Predictor does not take is refused at the
+    call, before any actor starts (else each actor would fail alone, later)."""
+    paths = [tmp_path / name for name in ("in.jsonl", "out.jsonl", "errors.jsonl")]
+    with pytest.raises(TypeError, match="tokenizr"):
+        npllm.ray.run_batch("stories260K", *paths, tokenizr=None)

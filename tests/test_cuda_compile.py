@@ -3,7 +3,7 @@
 The other CUDA tests run the kernels in numba's Python simulator, which never types or compiles them; this test
 does, without a GPU: it needs only the CUDA toolkit's NVVM library (the `cuda` extra brings it) and skips, saying
 so, where that is absent. It runs scripts/compile_cuda_kernels.py --quick (every kernel, each variant flag at
-least once) in a child process outside the simulator; the script without --quick compiles all 139 variants.
+least once) in a child process outside the simulator; the script without --quick compiles all 142 variants.
 """
 
 import os

@@ -97,6 +97,24 @@ def test_ragged_batch_in_one_call(one_launch):
                         host.forward(chunk[0], chunk[1], host_cache, chunk[2]))
 
 
+def test_step_by_step_is_the_one_launch_bit_for_bit():
+    """The fallback runs the one-launch kernel's own schedule of steps, one a launch and on another grid (the
+    simulator's cooperative grid is one block, the step-by-step one max_blocks): the same bits, and the same cache,
+    through the tiled kernel (a 12-token prefill) and the matrix-vector one (decode calls of 1 and 3 tokens)."""
+    weights = random_weights(VARIANT, seed=11)
+    one, steps = (make_model(VARIANT, weights, "cuda", one_launch=flag) for flag in (True, False))
+    caches = one.new_cache(capacity=16, slots=2), steps.new_cache(capacity=16, slots=2)
+    calls = [(list(range(1, 13)), list(range(8)) + list(range(4)), [0] * 8 + [1] * 4), ([20], [8], [0]),
+             ([21, 22, 23], [9, 4, 5], [0, 1, 1])]
+    for tokens, positions, slots in calls:
+        a, b = (model.forward(tokens, positions, cache, slots).copy_to_host() for model, cache in zip((one, steps),
+                                                                                                       caches))
+        np.testing.assert_array_equal(a, b)
+    assert one.one_launch and not steps.one_launch
+    for name in ("k", "v", "positions"):
+        np.testing.assert_array_equal(getattr(caches[0].to_host(), name), getattr(caches[1].to_host(), name))
+
+
 def test_hidden_states_index_like_numpy_arrays():
     """What generation code does with hidden states (rows by index, reshape, strided views) works on the device
     and gives the host's values."""

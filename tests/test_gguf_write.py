@@ -17,6 +17,8 @@ from npllm.formats.gguf import (TensorData, more_bits, read_gguf, read_gguf_file
 from npllm.formats.random import random_weights
 from npllm.formats.hf import read_hf
 
+from tests_support import bench_script
+
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
@@ -142,19 +144,6 @@ def test_writer_refuses_what_gguf_cannot_say(tmp_path):
 # stories260K, FFN zero-padded to 192 (hidden_dim 172 is not a multiple of 32), in Q8_0
 
 
-def pad_ffn(config, weights, hidden: int):
-    """The same function with a wider FFN: extra gate/up rows and down columns of zeros add silu(0) * 0 = 0."""
-    padded = dict(weights)
-    extra = hidden - config.hidden_dim
-    for l in range(config.n_layers):
-        for name in ("w1", "w3"):
-            w = weights[f"layers.{l}.{name}"]
-            padded[f"layers.{l}.{name}"] = np.concatenate([w, np.zeros((extra, w.shape[1]), np.float32)])
-        w2 = weights[f"layers.{l}.w2"]
-        padded[f"layers.{l}.w2"] = np.concatenate([w2, np.zeros((w2.shape[0], extra), np.float32)], axis=1)
-    return config.replace(hidden_dim=hidden), padded
-
-
 def greedy_ids(llm, n: int) -> list[int]:
     return list(llm.generate_ids([llm.config.bos_id], n, temperature=0))
 
@@ -174,7 +163,7 @@ def test_stories260k_q8_0_matches_golden_as_long_as_its_dequantized_model(tmp_pa
 
     config, weights = read_llama2c(stories260k)
     tokenizer = load_tokenizer(stories260k.parent / "tok512.bin")
-    config, weights = pad_ffn(config, weights, 192)
+    config, weights = bench_script("int8_quality").pad_ffn(config, weights, 192)
     float_llm = npllm.LLM(make_model(config, weights, "numba", None), tokenizer)
     golden_ids = greedy_ids(float_llm, 200)
     assert tokenizer.decode(golden_ids) == golden_200  # padding kept the function

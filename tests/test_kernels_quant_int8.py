@@ -5,8 +5,6 @@ rounding, which is the exact product x dequantize(W)^T to within the activations
 the issue's quality bar."""
 
 import functools
-import importlib.util
-import sys
 
 import numpy as np
 import pytest
@@ -23,7 +21,7 @@ from npllm.kernels.quant import kquants as kquant_kernels
 from npllm.kernels.quant import legacy as legacy_kernels
 from npllm.kernels.simd import prefetch, vstore
 from npllm.quant import QuantizationError, iq4, kquants, oracle
-from tests_support import REPO
+from tests_support import bench_script
 
 @st.composite
 def quantized_matrix(draw, qtype):
@@ -53,13 +51,8 @@ def deinterleave(grouped, qtype, rows=None):
     return out
 
 
-_spec = importlib.util.spec_from_file_location("int8_quality", REPO / "scripts" / "bench" / "int8_quality.py")
-int8_quality = importlib.util.module_from_spec(_spec)
-sys.modules["int8_quality"] = int8_quality  # dataclasses look their module up by name
-_spec.loader.exec_module(int8_quality)
-_spec = importlib.util.spec_from_file_location("llama_cpp_files", REPO / "scripts" / "bench" / "llama_cpp_files.py")
-llama_cpp_files = importlib.util.module_from_spec(_spec)  # its widen(): stories260K at the K-quants' width
-_spec.loader.exec_module(llama_cpp_files)
+int8_quality = bench_script("int8_quality")
+llama_cpp_files = bench_script("llama_cpp_files")  # its widen(): stories260K at the K-quants' width
 
 
 @settings(max_examples=30, deadline=None)

@@ -142,10 +142,18 @@ def test_a_tied_lm_head_is_held_interleaved_once(tmp_path, qtype):
     llm = assert_follows_reference(path)
     packed = llm.model.packed
     embed, head = packed.mats[-2], packed.mats[-1]
-    assert embed[0] == head[0] and embed[1] == head[1] == kq.INTERLEAVED_CODE + quant.TYPES[qtype].type_id
+    assert embed[0] == head[0] and embed[1] == head[1]  # one matrix, read one way
     tensors = read_gguf_quantized(path)[1]
+    table = tensors["tok_embeddings"]
+    assert_pool_holds(packed, head, quant.interleave_rows(table.raw, qtype))
     file_bytes = sum(m.nbytes for m in tensors.values() if isinstance(m, quant.QuantizedMatrix))
-    assert packed.pool.nbytes <= file_bytes * 1.03  # one copy (Q4_K's scales would take 32 bytes more per block)
+    assert packed.pool.nbytes < file_bytes + table.nbytes  # a second copy of the table would take that much more
+
+
+def assert_pool_holds(packed, mat, stored: np.ndarray):
+    """The pool's bytes of matrix `mat` (a row of packed.mats: byte offset first) are `stored`: the NumPy layout
+    (quant.interleave_rows) or the file's own rows."""
+    np.testing.assert_array_equal(packed.pool[mat[0]:mat[0] + stored.nbytes], stored.reshape(-1))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
@@ -179,8 +187,9 @@ def test_two_and_three_bit_k_quants_follow_the_reference(tmp_path, qtype):
     write_gguf_file(path, model_metadata(config, qtype), tensors)
     llm = assert_follows_reference(path, np.arange(20) * 7 % config.vocab_size)
     embed, head = llm.model.packed.mats[-2], llm.model.packed.mats[-1]
-    assert embed[0] == head[0] and head[1] == kq.INTERLEAVED_CODE + t.type_id
     table = read_gguf_quantized(path)[1]["tok_embeddings"]
+    assert embed[0] == head[0] and embed[1] == head[1]  # one matrix, read one way
+    assert_pool_holds(llm.model.packed, head, quant.interleave_rows(table.raw, qtype))
     W = np.abs(quant.dequantize(table.raw, qtype, table.shape).astype(np.float64))
     for T in (1, 6):  # a decode step's kernels, and tiles
         h = rng.standard_normal((T, config.dim)).astype(np.float32)
@@ -254,13 +263,11 @@ def test_a_loaded_quantized_model_holds_no_float32_matrix(tmp_path, qtype):
         assert packed.pool.flags.owndata and packed.pool.nbytes == file_bytes  # a copy holding every matrix once
     else:
         assert not packed.pool.flags.owndata and packed.pool.nbytes == path.stat().st_size  # the file's memory map
-    codes = set(packed.mats[:, 1].tolist())
-    plain = quant.TYPES[qtype].type_id
-    assert codes == ({plain, plain + kq.INTERLEAVED_CODE} if interleaved else {plain})
+    raw = tensors["layers.0.wq"].raw
+    assert_pool_holds(packed, packed.mats[0], quant.interleave_rows(raw, qtype) if interleaved else raw)
     if interleaved:
         wq = packed.mats[0]
         stored = packed.pool[wq[0]:wq[0] + wq[2] * wq[4]].reshape(wq[2] // 8, -1)
-        raw = tensors["layers.0.wq"].raw
         for n in range(len(raw)):  # each row gathers back to the file's (an embedding lookup's gather)
             row = np.empty(raw.shape[1], np.uint8)
             kq.gather_interleaved_row(wq[1], stored, n, row)
@@ -353,12 +360,12 @@ def test_bench_reports_bytes_in_the_files_types(tmp_path, capsys):
 
     config = tiny()
     path = tmp_path / "q4.gguf"
-    write_gguf(path, config, random_weights(config, 7), "Q4_0")
+    written = write_gguf(path, config, random_weights(config, 7), "Q4_0")
     assert main(["bench", "--model", str(path), "--batch", "1", "--prompt-len", "4", "--gen-len", "2", "--repeat",
                  "1", "--bandwidth-mib", "8", "--threads", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.splitlines()[0])
-    model = load(path).model
-    assert result["dtype"] == "Q4_0" and result["weight_bytes_by_type"] == model.weight_types
+    q4 = sum(t.raw.nbytes for t in written if t.type_name == "Q4_0")  # the file's matrices, as written
+    assert result["dtype"] == "Q4_0" and result["weight_bytes_by_type"] == {"Q4_0": q4}
     L, D, Dh = config.n_layers, config.dim, config.head_dim
     values = L * (D * (config.n_heads + 2 * config.n_kv_heads) * Dh + config.n_heads * Dh * D + 3 * D *
                   config.hidden_dim) + config.vocab_size * D + D  # layers, LM head, one embedding row

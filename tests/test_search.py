@@ -34,8 +34,17 @@ def test_beam_search_equals_transformers(models, case):
                         eos_token_id=case["eos"])
     assert [list(h.tokens) for h in found] == case["sequences"]
     assert [h.score for h in found] == pytest.approx(case["scores"], abs=1e-3)
-    for h in found:  # the score is the summed log-probability over the length penalty
-        assert h.score == pytest.approx(h.logprob / len(h.tokens) ** case["length_penalty"])
+    for h in found:  # logprob: the model's own log-probabilities of the tokens, each read off one full forward pass
+        assert h.logprob == pytest.approx(scored(models["numpy"], case["prompt"], h.tokens), abs=1e-4)
+
+
+def scored(model, prompt, tokens) -> float:
+    """Sum of log p(token | the tokens before it) over `tokens` after `prompt`, from the logits of the whole
+    sequence in one call (not the search's incremental cache steps), softmax in float64."""
+    logits = model.logits(list(prompt) + list(tokens)).astype(np.float64)[len(prompt) - 1:-1]
+    logprobs = logits - logits.max(axis=1, keepdims=True)
+    logprobs -= np.log(np.exp(logprobs).sum(axis=1, keepdims=True))
+    return float(logprobs[np.arange(len(tokens)), list(tokens)].sum())
 
 
 def test_fixture_has_finished_and_unfinished_hypotheses():

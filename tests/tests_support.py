@@ -1,6 +1,8 @@
 """Helpers shared by test modules (imported by name: pytest puts tests/ on sys.path)."""
 
+import importlib.util
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -8,6 +10,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = REPO / "npllm" / "data"  # reference files the package itself ships (stories260K)
+
+
+def bench_script(name: str):
+    """scripts/bench/<name>.py imported as a module (the scripts are not a package), registered under its name in
+    sys.modules (dataclasses look their module up by name)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def weights_root() -> Path:

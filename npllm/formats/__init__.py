@@ -90,11 +90,10 @@ def check_finite(weights: dict[str, np.ndarray], source) -> None:
     """Every weight a finite number. NaN or infinity in a checkpoint (a corrupt file, F16 bits read as BF16) would
     only show up later as NaN logits, after the prompt was echoed; one pass over the weights catches it at load.
     Each weight's pages of the file are released once checked (see release): the pass leaves no copy resident."""
-    from ..quant import QuantizedMatrix
+    from ..quant import as_matrix
 
     for name, array in weights.items():
-        finite = array.is_finite() if isinstance(array, QuantizedMatrix) else np.isfinite(array).all()
-        if not finite:
+        if not as_matrix(array).is_finite():
             raise FormatError(f"{source}: weight {name!r} holds NaN or infinite values (a corrupt checkpoint?)")
         release(array)
     release_files(weights.values())

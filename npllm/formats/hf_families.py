@@ -78,7 +78,8 @@ def _qwen3_moe(cfg: dict, source: str, get) -> dict:
     if cfg.get("mlp_only_layers") or get(cfg, "decoder_sparse_step", source, default=1) != 1:
         raise ConfigError(f"{source}: dense layers mixed with expert layers (mlp_only_layers, decoder_sparse_step) "
                           "are not supported")
-    return dict(qk_norm="head", n_experts=get(cfg, "num_experts", source),
+    experts = "num_experts" if "num_experts" in cfg else "num_local_experts"  # transformers writes either
+    return dict(qk_norm="head", n_experts=get(cfg, experts, source),
                 n_experts_used=get(cfg, "num_experts_per_tok", source),
                 expert_hidden_dim=get(cfg, "moe_intermediate_size", source),
                 expert_weights_norm=get(cfg, "norm_topk_prob", source, bool, default=False))

@@ -2,11 +2,11 @@
 
 Every stage is a *device function* that walks its work items (token rows, heads, output tiles) in a block-strided
 loop: item i is done by block i % nblocks, so any grid size is correct. A kernel for one stage is a thin wrapper
-calling it with its own block index. The step kernels (`decode_step_kernel` with matrix-vector products for up to
-8 tokens, `batch_step_kernel` with tiled products for more: one body, `_step_kernel`, given the products) call
-the same device functions one after another with a grid-wide barrier between them, so a whole forward pass (all
-layers) is one launch: numba spends about 10 us plus 4 us per array argument on every launch, which would
-otherwise dominate decoding.
+calling it with its own block index. The forward kernels (`decode_step_kernel` with matrix-vector products for up
+to 8 tokens, `batch_step_kernel` with tiled products for more: one body, `_forward_kernel`, given the products)
+walk one schedule of steps, the layer loop written once: compiled cooperative, they run every step in one launch
+with a grid-wide barrier between steps (numba spends about 10 us plus 4 us per array argument on every launch,
+which would otherwise dominate decoding); compiled without the barrier, the host launches them a step at a time.
 
 Arrays (row-major, float32 unless said; weights may be stored float16 and are widened as they are read, or as
 Q8_0 blocks, see `weight_reader`):
@@ -146,25 +146,9 @@ def block_sum(value, red):
 
 
 @cuda.jit(device=True)
-def block_max(value, red):
-    """Largest `value` over the block.  red: shared [threads] float32."""
-    tid = cuda.threadIdx.x
-    red[tid] = value
-    cuda.syncthreads()
-    step = cuda.blockDim.x // 2
-    while step > 0:
-        if tid < step and red[tid + step] > red[tid]:
-            red[tid] = red[tid + step]
-        cuda.syncthreads()
-        step //= 2
-    best = red[0]
-    cuda.syncthreads()
-    return best
-
-
-@cuda.jit(device=True)
-def block_int(value, redi, largest):
-    """Largest (or, largest=False, smallest) integer `value` over the block.  redi: shared [threads] int32."""
+def block_best(value, redi, largest):
+    """Largest (or, largest=False, smallest) `value` over the block.  redi: shared [threads] of value's type
+    (float32 or int32)."""
     tid = cuda.threadIdx.x
     redi[tid] = value
     cuda.syncthreads()
@@ -659,8 +643,8 @@ def inverse_cdf(probs, b, floor, u, red, redi):
             last = i
             if run > target and first == V:
                 first = i
-    first = block_int(first, redi, False)
-    last = block_int(last, redi, True)
+    first = block_best(first, redi, False)
+    last = block_best(last, redi, True)
     return first if first < V else last  # rounding can leave u * total at the very end: the last kept token
 
 
@@ -689,13 +673,13 @@ def sample_rows(logits, params, probs, ids, red, redi, block, nblocks):
         for i in range(tid, V, threads):
             if logits[b, i] > top:
                 top = logits[b, i]
-        top = block_max(top, red)
+        top = block_best(top, red, True)
         if temperature == 0:
             first = V
             for i in range(tid, V, threads):
                 if logits[b, i] == top and i < first:
                     first = i
-            first = block_int(first, redi, False)
+            first = block_best(first, redi, False)
             if tid == 0:
                 ids[b] = first
             continue
@@ -716,7 +700,7 @@ def sample_rows(logits, params, probs, ids, red, redi, block, nblocks):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Kernels: one launch per stage (prefill, tests), or a whole decode step in one launch
+# Kernels: one stage a launch (the LM head's products, tests), or the forward pass's schedule of steps
 # ---------------------------------------------------------------------------------------------------------------
 
 @functools.cache
@@ -761,38 +745,6 @@ def bias_rope_kernel(interleaved: bool):
 
 
 @functools.cache
-def matvec_kernel(rows: int, threads: int, lanes: int, norm: bool = False, residual: bool = False,
-                  gated: bool = False, q8_0: bool = False):
-    stage = matvec_rows(rows, threads, lanes, norm, residual, gated, q8_0)
-    xs_shape, part_shape = (rows, matvec_tile(rows)), (2 * MAX_ROWS, threads)  # shared shapes: constants
-
-    @cuda.jit
-    def kernel(x, g, eps, w, y):
-        xs = cuda.shared.array(xs_shape, np.float32)
-        part = cuda.shared.array(part_shape, np.float32)
-        red = cuda.shared.array(threads, np.float32)
-        scale = cuda.shared.array(rows, np.float32)
-        stage(x, g, eps, w, y, xs, part, red, scale, cuda.blockIdx.x, cuda.gridDim.x)
-
-    return kernel
-
-
-@functools.cache
-def matmul_kernel(tile: tuple[int, int, int, int, int], residual: bool = False, q8_0: bool = False):
-    stage = matmul_tiles(tile, residual, q8_0)
-    BM, BN, BK = tile[:3]
-    xs_shape, ws_shape = (BK, BM), (BK, BN)
-
-    @cuda.jit
-    def kernel(x, w, y):
-        xs = cuda.shared.array(xs_shape, np.float32)
-        ws = cuda.shared.array(ws_shape, np.float32)
-        stage(x, w, y, xs, ws, cuda.blockIdx.x, cuda.gridDim.x)
-
-    return kernel
-
-
-@functools.cache
 def attention_kernel(threads: int):
     vacc_size = max(threads, MAX_HEAD_DIM)
 
@@ -822,6 +774,38 @@ def commit_positions_kernel():
     @cuda.jit
     def kernel(meta, ring_pos):
         commit_positions(meta, ring_pos, cuda.blockIdx.x, cuda.gridDim.x)
+
+    return kernel
+
+
+@functools.cache
+def matvec_kernel(rows: int, threads: int, lanes: int, norm: bool = False, residual: bool = False,
+                  gated: bool = False, q8_0: bool = False):
+    stage = matvec_rows(rows, threads, lanes, norm, residual, gated, q8_0)
+    xs_shape, part_shape = (rows, matvec_tile(rows)), (2 * MAX_ROWS, threads)  # shared shapes: constants
+
+    @cuda.jit
+    def kernel(x, g, eps, w, y):
+        xs = cuda.shared.array(xs_shape, np.float32)
+        part = cuda.shared.array(part_shape, np.float32)
+        red = cuda.shared.array(threads, np.float32)
+        scale = cuda.shared.array(rows, np.float32)
+        stage(x, g, eps, w, y, xs, part, red, scale, cuda.blockIdx.x, cuda.gridDim.x)
+
+    return kernel
+
+
+@functools.cache
+def matmul_kernel(tile: tuple[int, int, int, int, int], residual: bool = False, q8_0: bool = False):
+    stage = matmul_tiles(tile, residual, q8_0)
+    BM, BN, BK = tile[:3]
+    xs_shape, ws_shape = (BK, BM), (BK, BN)
+
+    @cuda.jit
+    def kernel(x, w, y):
+        xs = cuda.shared.array(xs_shape, np.float32)
+        ws = cuda.shared.array(ws_shape, np.float32)
+        stage(x, w, y, xs, ws, cuda.blockIdx.x, cuda.gridDim.x)
 
     return kernel
 
@@ -885,30 +869,39 @@ StepCache = namedtuple("StepCache", ["k", "v", "positions"])
 StepWork = namedtuple("StepWork", ["x", "xn", "qkv", "att", "gate_up", "h", "scores"])
 
 
-def _step_kernel(products, interleaved: bool, q8_0: bool, threads: int, shared: tuple):
-    """A whole forward pass (all layers, then the final norm) in one cooperative launch, the products given.
+STEP_PARTS = {False: (1, 1), True: (2, 3)}  # steps of (normed, gated) in a layer: fused matvec products, tiled ones
 
-    The stages are the device functions above, in the reference Transformer's order, separated by grid-wide
-    barriers (every block finishes a stage before any starts the next):
-        embed | per layer: [normed: norm + qkv] [bias + rope] [attention] [kv write + residual: wo]
-                           [gated: norm + gate/up + SwiGLU] [residual: w2] | final norm + commit positions
-    products = (normed, gated, residual), the variant's device functions (they may keep barriers of their own):
-        normed(x, g, eps, w, y, work, xs, tile, red, scale, block, nblocks)   y = rms_norm(x, g) W^T
-        gated(...the same)                                                    y = swiglu(rms_norm(x, g) W13^T)
-        residual(x, w, y, xs, tile, red, scale, block, nblocks)               y += x W^T
-    shared: the shapes of xs, tile and scale. kernel(weights, shape, cos, sin, meta, cache, work, hidden): records
-    as above, cos, sin [P, Dh/2], meta [6, T], hidden [T, D] out. The grid must fit on the device at once."""
+
+def forward_steps(n_layers: int, batch: bool) -> int:
+    """Steps of _forward_kernel's schedule: the embedding, each layer's, the final norm."""
+    return n_layers * (4 + sum(STEP_PARTS[batch])) + 2
+
+
+def _forward_kernel(products, batch: bool, interleaved: bool, q8_0: bool, threads: int, shared: tuple,
+                    cooperative: bool):
+    """The forward pass (all layers, then the final norm) as one schedule of steps, each a stage that needs the
+    previous one finished on the whole grid: the one body (and layer loop) of both ways to run it.
+        step 0: embed | per layer: [normed: norm + qkv] [bias + rope] [attention] [kv write + residual: wo]
+                [gated: norm + gate/up + SwiGLU] [residual: w2]     (normed, gated: STEP_PARTS[batch] steps)
+        | last step: final norm + commit positions
+    kernel(weights, shape, cos, sin, meta, cache, work, hidden, first, count) runs steps first .. first + count - 1
+    (records as above; cos, sin [P, Dh/2], meta [6, T], hidden [T, D] out; shared: the shapes of xs, tile, scale).
+    cooperative: a grid-wide barrier after each step, one launch runs them all (its grid must fit on the device at
+    once); else no barrier is compiled in (no cooperative launch, no cudadevrt) and the host launches it once a step.
+    products = (normed, gated, residual), the variant's device functions, piece the step within the stage:
+        normed(piece, x, g, eps, w, y, work, xs, tile, red, scale, block, nblocks)   y = rms_norm(x, g) W^T
+        gated(piece, ...the same)                                                y = swiglu(rms_norm(x, g) W13^T)
+        residual(x, w, y, xs, tile, red, scale, block, nblocks)                      y += x W^T"""
     normed, gated, residual = products
-    embed = embed_rows(q8_0)
-    bias_rope = bias_rope_rows(interleaved)
-    xs_shape, tile_shape, scale_shape = shared
-    vacc_size = max(threads, MAX_HEAD_DIM)
+    qkv_parts, per_layer = STEP_PARTS[batch][0], sum(STEP_PARTS[batch]) + 4
+    embed, bias_rope = embed_rows(q8_0), bias_rope_rows(interleaved)
+    (xs_shape, tile_shape, scale_shape), vacc_size = shared, max(threads, MAX_HEAD_DIM)
     # ptxas (sm_90) wants ~135 registers per thread for the decode kernel: one block of 256 threads per SM. Capped
     # at 128 (under 200 bytes spilled) two blocks fit: twice the loads in flight. The simulator has no such option.
     options = {} if numba_config.ENABLE_CUDASIM else {"max_registers": 128}
 
     @cuda.jit(**options)
-    def kernel(weights, shape, cos, sin, meta, cache, work, hidden):
+    def kernel(weights, shape, cos, sin, meta, cache, work, hidden, first, count):
         xs = cuda.shared.array(xs_shape, np.float32)
         tile = cuda.shared.array(tile_shape, np.float32)
         red = cuda.shared.array(threads, np.float32)
@@ -916,51 +909,56 @@ def _step_kernel(products, interleaved: bool, q8_0: bool, threads: int, shared: 
         scale_rows = cuda.shared.array(scale_shape, np.float32)
         qs = cuda.shared.array(MAX_HEAD_DIM, np.float32)
         vacc = cuda.shared.array(vacc_size, np.float32)
-        grid = cuda.cg.this_grid()
         block, nblocks = cuda.blockIdx.x, cuda.gridDim.x
         eps, n_heads, n_kv, head_dim, window, scale = shape
         x, qkv, att, h, scores = work.x, work.qkv, work.att, work.h, work.scores
         attending = nblocks if nblocks < scores.shape[0] else scores.shape[0]  # a row of scores per block
-        embed(weights.tok_embeddings, meta, x, block, nblocks)
-        grid.sync()
-        for layer in range(weights.wqkv.shape[0]):
-            normed(x, weights.norms[layer, 0], eps, weights.wqkv[layer], qkv, work, xs, tile, red, scale_rows, block,
-                   nblocks)
-            grid.sync()
-            bias_rope(qkv, weights.bqkv[layer], n_heads + n_kv, head_dim, cos, sin, meta, block, nblocks)
-            grid.sync()
-            if block < attending:
-                attention_rows(qkv, meta, n_heads, n_kv, head_dim, cache.k[layer], cache.v[layer], cache.positions,
-                               window, scale, scores, att, qs, vacc, red, red2, block, attending)
-            grid.sync()
-            kv_write_rows(qkv, meta, n_heads, n_kv, head_dim, cache.k[layer], cache.v[layer], block, nblocks)
-            residual(att, weights.wo[layer], x, xs, tile, red, scale_rows, block, nblocks)
-            grid.sync()
-            gated(x, weights.norms[layer, 1], eps, weights.w13[layer], h, work, xs, tile, red, scale_rows, block,
-                  nblocks)
-            grid.sync()
-            residual(h, weights.w2[layer], x, xs, tile, red, scale_rows, block, nblocks)
-            grid.sync()
-        rms_norm_rows(x, weights.final_norm, eps, hidden, red, block, nblocks)
-        commit_positions(meta, cache.positions, block, nblocks)
+        last = weights.wqkv.shape[0] * per_layer + 1  # the final norm's step
+        for step in range(first, first + count):
+            layer, s = (step - 1) // per_layer, (step - 1) % per_layer
+            if step == 0:
+                embed(weights.tok_embeddings, meta, x, block, nblocks)
+            elif step == last:
+                rms_norm_rows(x, weights.final_norm, eps, hidden, red, block, nblocks)
+                commit_positions(meta, cache.positions, block, nblocks)
+            elif s < qkv_parts:
+                normed(s, x, weights.norms[layer, 0], eps, weights.wqkv[layer], qkv, work, xs, tile, red, scale_rows,
+                       block, nblocks)
+            elif s == qkv_parts:
+                bias_rope(qkv, weights.bqkv[layer], n_heads + n_kv, head_dim, cos, sin, meta, block, nblocks)
+            elif s == qkv_parts + 1:
+                if block < attending:
+                    attention_rows(qkv, meta, n_heads, n_kv, head_dim, cache.k[layer], cache.v[layer],
+                                   cache.positions, window, scale, scores, att, qs, vacc, red, red2, block, attending)
+            elif s == qkv_parts + 2:
+                kv_write_rows(qkv, meta, n_heads, n_kv, head_dim, cache.k[layer], cache.v[layer], block, nblocks)
+                residual(att, weights.wo[layer], x, xs, tile, red, scale_rows, block, nblocks)
+            elif s < per_layer - 1:
+                gated(s - qkv_parts - 3, x, weights.norms[layer, 1], eps, weights.w13[layer], h, work, xs, tile, red,
+                      scale_rows, block, nblocks)
+            else:
+                residual(h, weights.w2[layer], x, xs, tile, red, scale_rows, block, nblocks)
+            if cooperative:  # a constant: numba prunes the branch, so a step-by-step kernel never names the grid
+                cuda.cg.this_grid().sync()
 
     return kernel
 
 
 @functools.cache
-def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool, q8_0: bool = False):
-    """_step_kernel with matrix-vector products for up to `rows` tokens: the RMSNorms fused into the products
+def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool, q8_0: bool = False,
+                       cooperative: bool = True):
+    """_forward_kernel with matrix-vector products for up to `rows` tokens: the RMSNorms fused into the products
     that read them (normed, gated), SwiGLU into the gate/up product (matvec_rows' variants). w13 [L, 2, F, D]."""
     qkv_proj = matvec_rows(rows, threads, lanes, True, False, False, q8_0)
     gate_up_proj = matvec_rows(rows, threads, lanes, True, False, True, q8_0)
     residual_proj = matvec_rows(rows, threads, lanes, False, True, False, q8_0)
 
     @cuda.jit(device=True)
-    def normed(x, g, eps, w, y, work, xs, part, red, scale, block, nblocks):
+    def normed(piece, x, g, eps, w, y, work, xs, part, red, scale, block, nblocks):
         qkv_proj(x, g, eps, w, y, xs, part, red, scale, block, nblocks)
 
     @cuda.jit(device=True)
-    def gated(x, g, eps, w, y, work, xs, part, red, scale, block, nblocks):
+    def gated(piece, x, g, eps, w, y, work, xs, part, red, scale, block, nblocks):
         gate_up_proj(x, g, eps, w, y, xs, part, red, scale, block, nblocks)
 
     @cuda.jit(device=True)
@@ -968,33 +966,35 @@ def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool, q
         residual_proj(x, scale, np.float32(0), w, y, xs, part, red, scale, block, nblocks)
 
     shared = ((rows, matvec_tile(rows)), (2 * MAX_ROWS, threads), rows)
-    return _step_kernel((normed, gated, residual), interleaved, q8_0, threads, shared)
+    return _forward_kernel((normed, gated, residual), False, interleaved, q8_0, threads, shared, cooperative)
 
 
 @functools.cache
-def batch_step_kernel(tile: tuple[int, int, int, int, int], interleaved: bool, q8_0: bool = False):
-    """_step_kernel for any number of tokens (larger decode batches, prefill): tiled matrix-matrix products (a
-    weight tile read once serves BM tokens), so the RMSNorms (into work.xn) and SwiGLU (from work.gate_up) get
-    stages of their own. Blocks of (BM / TM) (BN / TN) threads. w13 [L, 2F, D] (W1's rows, then W3's)."""
+def batch_step_kernel(tile: tuple[int, int, int, int, int], interleaved: bool, q8_0: bool = False,
+                      cooperative: bool = True):
+    """_forward_kernel for any number of tokens (larger decode batches, prefill): tiled matrix-matrix products (a
+    weight tile read once serves BM tokens), so the RMSNorms (into work.xn) and SwiGLU (from work.gate_up) are
+    steps of their own. Blocks of (BM / TM) (BN / TN) threads. w13 [L, 2F, D] (W1's rows, then W3's)."""
     BM, BN, BK, TM, TN = tile
-    product = matmul_tiles(tile, False, q8_0)
-    residual_product = matmul_tiles(tile, True, q8_0)
+    product, residual_product = matmul_tiles(tile, False, q8_0), matmul_tiles(tile, True, q8_0)
 
     @cuda.jit(device=True)
-    def normed(x, g, eps, w, y, work, xs, ws, red, scale, block, nblocks):
-        rms_norm_rows(x, g, eps, work.xn, red, block, nblocks)
-        cuda.cg.this_grid().sync()
-        product(work.xn, w, y, xs, ws, block, nblocks)
+    def normed(piece, x, g, eps, w, y, work, xs, ws, red, scale, block, nblocks):
+        if piece == 0:
+            rms_norm_rows(x, g, eps, work.xn, red, block, nblocks)
+        else:
+            product(work.xn, w, y, xs, ws, block, nblocks)
 
     @cuda.jit(device=True)
-    def gated(x, g, eps, w, y, work, xs, ws, red, scale, block, nblocks):
-        normed(x, g, eps, w, work.gate_up, work, xs, ws, red, scale, block, nblocks)
-        cuda.cg.this_grid().sync()
-        swiglu_rows(work.gate_up, y, block, nblocks)
+    def gated(piece, x, g, eps, w, y, work, xs, ws, red, scale, block, nblocks):
+        if piece < 2:
+            normed(piece, x, g, eps, w, work.gate_up, work, xs, ws, red, scale, block, nblocks)
+        else:
+            swiglu_rows(work.gate_up, y, block, nblocks)
 
     @cuda.jit(device=True)
     def residual(x, w, y, xs, ws, red, scale, block, nblocks):
         residual_product(x, w, y, xs, ws, block, nblocks)
 
-    shared = ((BK, BM), (BK, BN), 1)
-    return _step_kernel((normed, gated, residual), interleaved, q8_0, (BM // TM) * (BN // TN), shared)
+    threads, shared = (BM // TM) * (BN // TN), ((BK, BM), (BK, BN), 1)
+    return _forward_kernel((normed, gated, residual), True, interleaved, q8_0, threads, shared, cooperative)

@@ -8,9 +8,12 @@ Same interface (models/base.py), same arithmetic in float32; what differs:
     sample       runs the LM head and the sampler on the device over the tokenizer's ids only (a padded
                  vocabulary's rows are not even computed): only the token ids come back (sample_next's route)
 
-A forward call of T tokens runs all layers in one cooperative launch (numba's per-launch cost, ~10 us + 4 us per
-array argument, would otherwise dominate decoding): matrix-vector products for T <= 8 (decode_step_kernel), tiled
-matrix-matrix products beyond (batch_step_kernel). Where cooperative launches fail, it launches stage by stage.
+A forward call of T tokens runs the forward kernel's schedule of steps (the embedding, each layer's stages, the final
+norm; the layer loop is written once, in kernels/cuda.py _forward_kernel): matrix-vector products for T <= 8
+(decode_step_kernel), tiled matrix-matrix products beyond (batch_step_kernel). Compiled cooperative, one launch runs
+every step with a grid-wide barrier between them (numba's per-launch cost, ~10 us + 4 us per array argument, would
+otherwise dominate decoding); where cooperative launches fail, the same kernel compiled without the barrier runs one
+step a launch, the same arithmetic in the same order (the same bits).
 """
 
 from __future__ import annotations
@@ -153,10 +156,10 @@ class _Workspace:
 
     meta: object  # [6, T] int32
     x: object  # [T, D] residual stream
-    xn: object  # [T, D] normed input of a projection (tiled and per-stage paths)
+    xn: object  # [T, D] normed input of a projection (tiled products)
     qkv: object  # [T, W]
     att: object  # [T, H Dh]
-    gate_up: object  # [T, 2F] (tiled and per-stage paths)
+    gate_up: object  # [T, 2F] (tiled products)
     h: object  # [T, F]
     scores: object  # [blocks, C + T] attention scratch
 
@@ -171,7 +174,7 @@ class CudaTransformer(Model):
     geometry: kernels.Geometry (block sizes; the default suits the hardware or the simulator, whichever runs).
     one_launch: run each forward call as one cooperative launch (kernels.decode_step_kernel for up to 8 tokens,
     kernels.batch_step_kernel for more); when the device or toolkit cannot (no cooperative launch, no cudadevrt
-    library), it warns once and launches stage by stage, as with False."""
+    library), it warns once and runs the same kernel's steps one a launch, as with False."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype=np.float32, geometry=None,
                  one_launch: bool = True):
@@ -269,7 +272,7 @@ class CudaTransformer(Model):
         if self.one_launch:
             self._one_launch(ws, cache, hidden)
         else:
-            self._stages(ws, cache, hidden)
+            self._step_by_step(ws, cache, hidden)
         for slot in np.unique(meta[2]):
             cache.lengths[slot] = max(cache.lengths[slot], int(meta[1][meta[2] == slot].max()) + 1)
         return DeviceArray(hidden, self)
@@ -316,19 +319,50 @@ class CudaTransformer(Model):
         return np.int32(c.n_heads), np.int32(c.n_kv_heads), np.int32(c.head_dim)
 
     def _one_launch(self, ws: _Workspace, cache: CudaKVCache, hidden) -> None:
-        """Every layer in one cooperative launch: kernels.decode_step_kernel (matrix-vector products, compiled for
-        1 or 8 token rows) for up to 8 tokens, kernels.batch_step_kernel (tiled products) for more."""
+        """Every step of the forward kernel's schedule in one cooperative launch; where that fails, a warning, and
+        step by step from then on."""
+        key, kernel, threads, args = self._forward_kernel(ws, cache, hidden, cooperative=True)
+        args += (np.int32(0), np.int32(self._steps(ws)))
+        blocks = self._grids.get(key)
+        if blocks is not None:
+            kernel[blocks, threads](*args)
+            return
+        try:  # the first launch compiles: that is where a missing cooperative-launch support shows
+            blocks = min(self.geometry.max_blocks, cooperative_blocks(kernel, args, threads))
+            kernel[blocks, threads](*args)
+        except Exception as e:  # noqa: BLE001 - whatever the driver or linker says, the stage path still works
+            warnings.warn(f"npllm: one-launch CUDA forward failed ({type(e).__name__}: {e}); running every stage "
+                          "as its own launch from now on", RuntimeWarning, stacklevel=3)
+            self.one_launch = False
+            self._step_by_step(ws, cache, hidden)
+            return
+        self._grids[key] = blocks
+
+    def _step_by_step(self, ws: _Workspace, cache: CudaKVCache, hidden) -> None:
+        """The same schedule, one step a launch, the kernel compiled without the grid-wide barrier."""
+        _, kernel, threads, args = self._forward_kernel(ws, cache, hidden, cooperative=False)
+        launch = kernel[self.geometry.max_blocks, threads]
+        for step in range(self._steps(ws)):
+            launch(*args, np.int32(step), np.int32(1))
+
+    def _steps(self, ws: _Workspace) -> int:
+        return self.kernels.forward_steps(self.config.n_layers, ws.x.shape[0] > self.kernels.MAX_ROWS)
+
+    def _forward_kernel(self, ws: _Workspace, cache: CudaKVCache, hidden, cooperative: bool):
+        """(cache key, kernel, threads per block, arguments before first and count) of the forward kernel for this
+        call: kernels.decode_step_kernel (matrix-vector products, compiled for 1 or 8 token rows) for up to 8
+        tokens, kernels.batch_step_kernel (tiled products) for more."""
         c, k, g = self.config, self.kernels, self.geometry
         T, L = ws.x.shape[0], c.n_layers
         interleaved = c.rope_layout == "interleaved"
         if T <= k.MAX_ROWS:
             rows = 1 if T == 1 else k.MAX_ROWS
             key, threads = ("decode", rows), g.threads
-            kernel = k.decode_step_kernel(rows, g.threads, g.lanes, interleaved, self.q8_0)
+            kernel = k.decode_step_kernel(rows, g.threads, g.lanes, interleaved, self.q8_0, cooperative)
             w13 = self.w13
         else:
             key, threads = ("batch",), g.matmul_threads
-            kernel = k.batch_step_kernel(g.tile, interleaved, self.q8_0)
+            kernel = k.batch_step_kernel(g.tile, interleaved, self.q8_0, cooperative)
             w13 = self.w13.reshape(L, 2 * c.hidden_dim, self.w13.shape[3])  # W1's rows, then W3's: one product
         weights = k.StepWeights(self.tok_embeddings, self.norms, self.wqkv, self.bqkv, self.wo, w13, self.w2,
                                 self.final_norm)
@@ -337,48 +371,7 @@ class CudaTransformer(Model):
         work = k.StepWork(ws.x, ws.xn, ws.qkv, ws.att, ws.gate_up, ws.h, ws.scores)
         args = (kernel_record(weights), shape, self.cos, self.sin, ws.meta,
                 kernel_record(k.StepCache(cache.k, cache.v, cache.positions)), kernel_record(work), hidden)
-        blocks = self._grids.get(key)
-        if blocks is not None:
-            kernel[blocks, threads](*args)
-            return
-        try:  # the first launch compiles: that is where a missing cooperative-launch support shows
-            blocks = min(g.max_blocks, cooperative_blocks(kernel, args, threads))
-            kernel[blocks, threads](*args)
-        except Exception as e:  # noqa: BLE001 - whatever the driver or linker says, the stage path still works
-            warnings.warn(f"npllm: one-launch CUDA forward failed ({type(e).__name__}: {e}); running every stage "
-                          "as its own launch from now on", RuntimeWarning, stacklevel=3)
-            self.one_launch = False
-            self._stages(ws, cache, hidden)
-            return
-        self._grids[key] = blocks
-
-    def _stages(self, ws: _Workspace, cache: CudaKVCache, hidden) -> None:
-        """One launch per stage, in the reference Transformer's order."""
-        c, k, g = self.config, self.kernels, self.geometry
-        T, F = ws.x.shape[0], c.hidden_dim
-        eps = np.float32(c.norm_eps)
-        rows_grid = g.grid(T)
-        norm = k.rms_norm_kernel(g.threads)[rows_grid, g.threads]
-        heads = self._heads()
-        k.embed_kernel(self.q8_0)[rows_grid, g.threads](self.tok_embeddings, ws.meta, ws.x)
-        for layer in range(c.n_layers):
-            norm(ws.x, self.norms[layer, 0], eps, ws.xn)
-            self._matmul(ws.xn, self.wqkv[layer], ws.qkv, residual=False)
-            k.bias_rope_kernel(c.rope_layout == "interleaved")[rows_grid, g.threads](
-                ws.qkv, self.bqkv[layer], np.int32(c.n_heads + c.n_kv_heads), np.int32(c.head_dim), self.cos,
-                self.sin, ws.meta)
-            k.attention_kernel(g.threads)[min(T * c.n_heads, g.attention_blocks), g.threads](
-                ws.qkv, ws.meta, *heads, cache.k[layer], cache.v[layer], cache.positions,
-                np.int32(self.window(cache)), np.float32(1.0 / np.sqrt(c.head_dim)), ws.scores, ws.att)
-            k.kv_write_kernel()[g.grid(T * c.n_kv_heads), g.threads](
-                ws.qkv, ws.meta, *heads, cache.k[layer], cache.v[layer])
-            self._matmul(ws.att, self.wo[layer], ws.x, residual=True)
-            norm(ws.x, self.norms[layer, 1], eps, ws.xn)
-            self._matmul(ws.xn, self.w13[layer].reshape(2 * F, self.w13.shape[3]), ws.gate_up, residual=False)
-            k.swiglu_kernel()[rows_grid, g.threads](ws.gate_up, ws.h)
-            self._matmul(ws.h, self.w2[layer], ws.x, residual=True)
-        norm(ws.x, self.final_norm, eps, hidden)
-        k.commit_positions_kernel()[1, g.threads](ws.meta, cache.positions)
+        return key, kernel, threads, args
 
     def _matmul(self, x, w, y, residual: bool) -> None:
         """y (+)= x W^T: the matrix-vector kernel for up to MAX_ROWS rows of x, else the tiled matrix-matrix one.

@@ -71,15 +71,15 @@ def decoded_values(w: quant.QuantizedMatrix) -> np.ndarray:
 
 
 def numba_weights(config: ModelConfig, weights: dict) -> dict:
-    """A format reader's weights as the Numba model computes with them, for the NumPy reference: arrays as they
-    are, QuantizedMatrix values decoded to float32 once, those of the 8-bit activation types as DecodedInt8Matrix.
-    An embedding table that is not also the LM head (config.tied_embeddings) stays as it is: a lookup decodes
+    """A format reader's weights as the Numba model computes with them, for the NumPy reference: float32 ones
+    (arrays, F32 matrices) as they are, matrices in block types decoded to float32 once, those of the 8-bit
+    activation types as DecodedInt8Matrix. An embedding table that is not also the LM head (config.tied_embeddings) stays as it is: a lookup decodes
     the rows it reads."""
     lookup_only = not config.tied_embeddings
     done: dict[int, object] = {}  # by id: a tied LM head is the embedding's one matrix, decoded once
 
     def decoded(name, w):
-        if not isinstance(w, quant.QuantizedMatrix) or (name == "tok_embeddings" and lookup_only):
+        if not quant.in_block_type(w) or (name == "tok_embeddings" and lookup_only):
             return w
         if id(w) not in done:
             values = decoded_values(w)

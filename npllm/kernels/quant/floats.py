@@ -6,61 +6,43 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.extending import intrinsic
 
 from ..cpu import REASSOC
 from ..simd import _vector, f32x8, vfmav, vload, vsum, vzero
-from .intrinsics import _is_byte_c_array, load_half
+from .intrinsics import byte_reader, load_half
 from .record import BlockKernels
 
 
-def _float_lanes(kind: str):
-    """f32x8 of the 8 values of a float row stored as `kind` ("F32", "F16" or "BF16") at bytes array.flat[index:]."""
-
-    def typer(typingctx, array, index):
-        if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            data = context.make_array(signature.args[0])(context, builder, args[0]).data
-            at = builder.gep(data, [args[1]])
-            if kind == "F32":
-                return builder.load(builder.bitcast(at, _vector(8).as_pointer()), align=1)
-            if kind == "F16":
-                halves = builder.load(builder.bitcast(at, ir.VectorType(ir.HalfType(), 8).as_pointer()), align=1)
-                return builder.fpext(halves, _vector(8))
-            i16x8, i32x8 = ir.VectorType(ir.IntType(16), 8), ir.VectorType(ir.IntType(32), 8)
-            words = builder.zext(builder.load(builder.bitcast(at, i16x8.as_pointer()), align=1), i32x8)
-            return builder.bitcast(builder.shl(words, ir.Constant(i32x8, [16] * 8)), _vector(8))
-
-        return f32x8(array, index), codegen
-
-    return typer
+def _f32_lanes(builder, at):
+    return builder.load(builder.bitcast(at, _vector(8).as_pointer()), align=1)
 
 
-def _float_scalar(kind: str):
-    """The one float stored as `kind` ("F32" or "BF16") at bytes array.flat[index:], as float32."""
-
-    def typer(typingctx, array, index):
-        if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            data = context.make_array(signature.args[0])(context, builder, args[0]).data
-            at = builder.gep(data, [args[1]])
-            if kind == "F32":
-                return builder.load(builder.bitcast(at, ir.FloatType().as_pointer()), align=1)
-            word = builder.zext(builder.load(builder.bitcast(at, ir.IntType(16).as_pointer()), align=1),
-                                ir.IntType(32))
-            return builder.bitcast(builder.shl(word, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
-
-        return types.float32(array, index), codegen
-
-    return typer
+def _f16_lanes(builder, at):
+    return builder.fpext(builder.load(builder.bitcast(at, ir.VectorType(ir.HalfType(), 8).as_pointer()), align=1),
+                         _vector(8))
 
 
-vload_f32_bytes, vload_f16_bytes, vload_bf16_bytes = (intrinsic(_float_lanes(k)) for k in ("F32", "F16", "BF16"))
-load_f32, load_bf16 = intrinsic(_float_scalar("F32")), intrinsic(_float_scalar("BF16"))
+def _bf16_lanes(builder, at):
+    """BF16 is the high half of a float32: each 16-bit word shifted into the high half, exactly."""
+    i16x8, i32x8 = ir.VectorType(ir.IntType(16), 8), ir.VectorType(ir.IntType(32), 8)
+    words = builder.zext(builder.load(builder.bitcast(at, i16x8.as_pointer()), align=1), i32x8)
+    return builder.bitcast(builder.shl(words, ir.Constant(i32x8, [16] * 8)), _vector(8))
+
+
+def _f32_scalar(builder, at):
+    return builder.load(builder.bitcast(at, ir.FloatType().as_pointer()), align=1)
+
+
+def _bf16_scalar(builder, at):
+    word = builder.zext(builder.load(builder.bitcast(at, ir.IntType(16).as_pointer()), align=1), ir.IntType(32))
+    return builder.bitcast(builder.shl(word, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
+
+
+# v<kind>_bytes(array, index): f32x8 of the 8 values of a float row stored as F32, F16 or BF16 at bytes
+# array.flat[index:]; load_<kind>(array, index): the one float stored there, as float32
+vload_f32_bytes, vload_f16_bytes, vload_bf16_bytes = (byte_reader(f32x8, lanes)
+                                                      for lanes in (_f32_lanes, _f16_lanes, _bf16_lanes))
+load_f32, load_bf16 = byte_reader(types.float32, _f32_scalar), byte_reader(types.float32, _bf16_scalar)
 
 
 @njit(inline="always")

@@ -82,18 +82,30 @@ def _idot_args_ok(w, locators, x, ix) -> bool:
             and all(isinstance(i, types.Integer) for i in locators))
 
 
-@intrinsic
-def load_half(typingctx, array, index):
-    """The float16 at bytes array.flat[index : index + 2], widened to float32 (one vcvtph2ps where the CPU has F16C)."""
-    if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
-        return None
+def byte_reader(result, load):
+    """An intrinsic f(array, index) -> `result` (a Numba type) over a C-contiguous byte array: load(builder, at)
+    builds the value from `at`, the i8 pointer to array.flat[index]."""
 
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        pointer = builder.bitcast(builder.gep(data, [args[1]]), ir.HalfType().as_pointer())
-        return builder.fpext(builder.load(pointer, align=1), ir.FloatType())
+    def typer(typingctx, array, index):
+        if not (_is_byte_c_array(array) and isinstance(index, types.Integer)):
+            return None
 
-    return types.float32(array, index), codegen
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            return load(builder, builder.gep(data, [args[1]]))
+
+        return result(array, index), codegen
+
+    return intrinsic(typer)
+
+
+def _half(builder, at):
+    return builder.fpext(builder.load(builder.bitcast(at, ir.HalfType().as_pointer()), align=1), ir.FloatType())
+
+
+# load_half(array, index): the float16 at bytes array.flat[index : index + 2], widened to float32 (one vcvtph2ps
+# where the CPU has F16C)
+load_half = byte_reader(types.float32, _half)
 
 
 @njit(inline="always")

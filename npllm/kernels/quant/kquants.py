@@ -237,8 +237,10 @@ def _k_quant_32(block_bytes: int, fifth: bool):
         idot_q4_k, idot_q5_k = found["q4_k"], found["q5_k"]
 
         @njit(fastmath=REASSOC, inline="always")
-        def token(acc, w, iw, shift, iqh, scale, mn, q, d, s, j, i, t):
-            """acc[r] + (d_r sc_ri) (d_x (u_r . q_x)) - (dmin_r mn_ri) (d_x s_x), for sub-block j."""
+        def token(acc, w, iw, shift, iqh, scales, q, d, s, j, i, t):
+            """acc[r] + (d_r sc_ri) (d_x (u_r . q_x)) - (dmin_r mn_ri) (d_x s_x), for sub-block j; scales: the pair
+            (d_r sc_ri, dmin_r mn_ri) of scale_min."""
+            scale, mn = scales
             ix = t * q.shape[1] + 32 * j
             if fifth:
                 dots = idot_q5_k(w, iw, w.shape[1], shift, iqh, i, q, ix)
@@ -264,22 +266,22 @@ def _k_quant_32(block_bytes: int, fifth: bool):
                     # time). (A helper holding the four tokens' branches would not do: Numba counts references to
                     # the arrays passed into an inlined function with branches, at ~7x the cost of the products.)
                     i, iw = 2 * p, at + 160 + 256 * p
-                    scale, mn = scale_min(w, at, d_w, dmin, i)
-                    a0 = token(a0, w, iw, 0, iqh, scale, mn, q, d, s, 8 * b + i, i, t)
+                    scales = scale_min(w, at, d_w, dmin, i)
+                    a0 = token(a0, w, iw, 0, iqh, scales, q, d, s, 8 * b + i, i, t)
                     if n > 1:
-                        a1 = token(a1, w, iw, 0, iqh, scale, mn, q, d, s, 8 * b + i, i, t + 1)
+                        a1 = token(a1, w, iw, 0, iqh, scales, q, d, s, 8 * b + i, i, t + 1)
                     if n > 2:
-                        a2 = token(a2, w, iw, 0, iqh, scale, mn, q, d, s, 8 * b + i, i, t + 2)
+                        a2 = token(a2, w, iw, 0, iqh, scales, q, d, s, 8 * b + i, i, t + 2)
                     if n > 3:
-                        a3 = token(a3, w, iw, 0, iqh, scale, mn, q, d, s, 8 * b + i, i, t + 3)
-                    scale, mn = scale_min(w, at, d_w, dmin, i + 1)
-                    a0 = token(a0, w, iw, 4, iqh, scale, mn, q, d, s, 8 * b + i + 1, i + 1, t)
+                        a3 = token(a3, w, iw, 0, iqh, scales, q, d, s, 8 * b + i, i, t + 3)
+                    scales = scale_min(w, at, d_w, dmin, i + 1)
+                    a0 = token(a0, w, iw, 4, iqh, scales, q, d, s, 8 * b + i + 1, i + 1, t)
                     if n > 1:
-                        a1 = token(a1, w, iw, 4, iqh, scale, mn, q, d, s, 8 * b + i + 1, i + 1, t + 1)
+                        a1 = token(a1, w, iw, 4, iqh, scales, q, d, s, 8 * b + i + 1, i + 1, t + 1)
                     if n > 2:
-                        a2 = token(a2, w, iw, 4, iqh, scale, mn, q, d, s, 8 * b + i + 1, i + 1, t + 2)
+                        a2 = token(a2, w, iw, 4, iqh, scales, q, d, s, 8 * b + i + 1, i + 1, t + 2)
                     if n > 3:
-                        a3 = token(a3, w, iw, 4, iqh, scale, mn, q, d, s, 8 * b + i + 1, i + 1, t + 3)
+                        a3 = token(a3, w, iw, 4, iqh, scales, q, d, s, 8 * b + i + 1, i + 1, t + 3)
             return a0, a1, a2, a3
 
         return tile
@@ -293,8 +295,10 @@ def _q6_k_tile(groups: int):
     idot_q6_k_low, idot_q6_k_high = found["q6_k_low"], found["q6_k_high"]
 
     @njit(fastmath=REASSOC, inline="always")
-    def q6_k_token(acc, w, ql, ql_shift, qh, qh_shift, scale_low, scale_high, q, d, s16, j, t):
-        """acc[r] += (d_r sc_ri) (d_x ((q - 32)_r . q_x)) for the two sub-blocks of 16 of group j of 32."""
+    def q6_k_token(acc, w, ql, ql_shift, qh, qh_shift, scales, q, d, s16, j, t):
+        """acc[r] += (d_r sc_ri) (d_x ((q - 32)_r . q_x)) for the two sub-blocks of 16 of group j of 32; scales: the
+        pair (d_r sc_ri, d_r sc_r(i+1)) of q6_k_scales."""
+        scale_low, scale_high = scales
         ix = t * q.shape[1] + 32 * j
         low = idot_q6_k_low(w, ql, ql_shift, qh, qh_shift, w.shape[1], q, ix, np.int32(-32) * s16[t, 2 * j])
         high = idot_q6_k_high(w, ql, ql_shift, qh, qh_shift, w.shape[1], q, ix, np.int32(-32) * s16[t, 2 * j + 1])
@@ -317,14 +321,14 @@ def _q6_k_tile(groups: int):
             d_w = halves(w, at, w.shape[1])
             for h in range(2):
                 ql, qh, i, j = at + 144 + 512 * h, at + 1168 + 256 * h, 8 * h, 8 * b + 4 * h
-                low, high = q6_k_scales(w, at, d_w, i)  # groups 0, 2, 1, 3: q6_k's order, so the same bits
-                acc = q6_k_token(acc, w, ql, 0, qh, 0, low, high, q, d, s16, j, t)
-                low, high = q6_k_scales(w, at, d_w, i + 4)
-                acc = q6_k_token(acc, w, ql, 4, qh, 4, low, high, q, d, s16, j + 2, t)
-                low, high = q6_k_scales(w, at, d_w, i + 2)
-                acc = q6_k_token(acc, w, ql + 256, 0, qh, 2, low, high, q, d, s16, j + 1, t)
-                low, high = q6_k_scales(w, at, d_w, i + 6)
-                acc = q6_k_token(acc, w, ql + 256, 4, qh, 6, low, high, q, d, s16, j + 3, t)
+                scales = q6_k_scales(w, at, d_w, i)  # groups 0, 2, 1, 3: q6_k's order, so the same bits
+                acc = q6_k_token(acc, w, ql, 0, qh, 0, scales, q, d, s16, j, t)
+                scales = q6_k_scales(w, at, d_w, i + 4)
+                acc = q6_k_token(acc, w, ql, 4, qh, 4, scales, q, d, s16, j + 2, t)
+                scales = q6_k_scales(w, at, d_w, i + 2)
+                acc = q6_k_token(acc, w, ql + 256, 0, qh, 2, scales, q, d, s16, j + 1, t)
+                scales = q6_k_scales(w, at, d_w, i + 6)
+                acc = q6_k_token(acc, w, ql + 256, 4, qh, 6, scales, q, d, s16, j + 3, t)
         return acc
 
     @njit(fastmath=REASSOC, inline="always")
@@ -343,22 +347,22 @@ def _q6_k_tile(groups: int):
                     # ones: written out, so that the nibble shifts are constants (as in k_quant_32; all four
                     # groups written out ran out of registers). The high bits: bits 2gg of qh run h.
                     ql, qh, i, j = at + 144 + 256 * (2 * h + k), at + 1168 + 256 * h, 8 * h + 2 * k, 8 * b + 4 * h + k
-                    low, high = q6_k_scales(w, at, d_w, i)
-                    a0 = q6_k_token(a0, w, ql, 0, qh, 2 * k, low, high, q, d, s16, j, t)
+                    scales = q6_k_scales(w, at, d_w, i)
+                    a0 = q6_k_token(a0, w, ql, 0, qh, 2 * k, scales, q, d, s16, j, t)
                     if n > 1:
-                        a1 = q6_k_token(a1, w, ql, 0, qh, 2 * k, low, high, q, d, s16, j, t + 1)
+                        a1 = q6_k_token(a1, w, ql, 0, qh, 2 * k, scales, q, d, s16, j, t + 1)
                     if n > 2:
-                        a2 = q6_k_token(a2, w, ql, 0, qh, 2 * k, low, high, q, d, s16, j, t + 2)
+                        a2 = q6_k_token(a2, w, ql, 0, qh, 2 * k, scales, q, d, s16, j, t + 2)
                     if n > 3:
-                        a3 = q6_k_token(a3, w, ql, 0, qh, 2 * k, low, high, q, d, s16, j, t + 3)
-                    low, high = q6_k_scales(w, at, d_w, i + 4)
-                    a0 = q6_k_token(a0, w, ql, 4, qh, 2 * k + 4, low, high, q, d, s16, j + 2, t)
+                        a3 = q6_k_token(a3, w, ql, 0, qh, 2 * k, scales, q, d, s16, j, t + 3)
+                    scales = q6_k_scales(w, at, d_w, i + 4)
+                    a0 = q6_k_token(a0, w, ql, 4, qh, 2 * k + 4, scales, q, d, s16, j + 2, t)
                     if n > 1:
-                        a1 = q6_k_token(a1, w, ql, 4, qh, 2 * k + 4, low, high, q, d, s16, j + 2, t + 1)
+                        a1 = q6_k_token(a1, w, ql, 4, qh, 2 * k + 4, scales, q, d, s16, j + 2, t + 1)
                     if n > 2:
-                        a2 = q6_k_token(a2, w, ql, 4, qh, 2 * k + 4, low, high, q, d, s16, j + 2, t + 2)
+                        a2 = q6_k_token(a2, w, ql, 4, qh, 2 * k + 4, scales, q, d, s16, j + 2, t + 2)
                     if n > 3:
-                        a3 = q6_k_token(a3, w, ql, 4, qh, 2 * k + 4, low, high, q, d, s16, j + 2, t + 3)
+                        a3 = q6_k_token(a3, w, ql, 4, qh, 2 * k + 4, scales, q, d, s16, j + 2, t + 3)
         return a0, a1, a2, a3
 
     return q6_k
@@ -374,8 +378,10 @@ def _q3_k_tile(groups: int):
     # over 128), s16 the sums of v (two_part_activations_into).
 
     @njit(fastmath=REASSOC, inline="always")
-    def q3_k_token(acc, w, iqs, qs_shift, ihm, hm_shift, scale_low, scale_high, q, d, s16, j, t):
-        """acc[r] += (d_r sc_ri) (d_x ((q - 4)_r . v_x)) for the two sub-blocks of 16 of activation block j."""
+    def q3_k_token(acc, w, iqs, qs_shift, ihm, hm_shift, scales, q, d, s16, j, t):
+        """acc[r] += (d_r sc_ri) (d_x ((q - 4)_r . v_x)) for the two sub-blocks of 16 of activation block j; scales:
+        the pair (d_r sc_ri, d_r sc_r(i+1))."""
+        scale_low, scale_high = scales
         ix = t * q.shape[1] + 32 * j
         ix2, stride = ix + q.shape[1] // 2, w.shape[1]
         low = idot_q3_k_low(w, iqs, qs_shift, ihm, hm_shift, stride, q, ix, ix2, np.int32(-4) * s16[t, 2 * j])
@@ -392,15 +398,15 @@ def _q3_k_tile(groups: int):
             d_w, ihm = halves(w, at, stride), at + 144
             for i in range(8):
                 iqs, shift, j = at + 400 + 256 * (i // 4), 2 * (i % 4), 8 * b + i
-                low = vfmav(zero(), d_w, int8s(w, at + 16 + 16 * i, stride))
-                high = vfmav(zero(), d_w, int8s(w, at + 24 + 16 * i, stride))
-                a0 = q3_k_token(a0, w, iqs, shift, ihm, i, low, high, q, d, s16, j, t)
+                scales = (vfmav(zero(), d_w, int8s(w, at + 16 + 16 * i, stride)),
+                          vfmav(zero(), d_w, int8s(w, at + 24 + 16 * i, stride)))
+                a0 = q3_k_token(a0, w, iqs, shift, ihm, i, scales, q, d, s16, j, t)
                 if n > 1:
-                    a1 = q3_k_token(a1, w, iqs, shift, ihm, i, low, high, q, d, s16, j, t + 1)
+                    a1 = q3_k_token(a1, w, iqs, shift, ihm, i, scales, q, d, s16, j, t + 1)
                 if n > 2:
-                    a2 = q3_k_token(a2, w, iqs, shift, ihm, i, low, high, q, d, s16, j, t + 2)
+                    a2 = q3_k_token(a2, w, iqs, shift, ihm, i, scales, q, d, s16, j, t + 2)
                 if n > 3:
-                    a3 = q3_k_token(a3, w, iqs, shift, ihm, i, low, high, q, d, s16, j, t + 3)
+                    a3 = q3_k_token(a3, w, iqs, shift, ihm, i, scales, q, d, s16, j, t + 3)
         return a0, a1, a2, a3
 
     return q3_k
@@ -412,9 +418,11 @@ def _q2_k_tile(groups: int):
     idot_q2_k_low, idot_q2_k_high = found["q2_k_low"], found["q2_k_high"]
 
     @njit(fastmath=REASSOC, inline="always")
-    def q2_k_token(acc, w, iqs, qs_shift, scale_low, scale_high, min_low, min_high, q, d, s16, j, t):
+    def q2_k_token(acc, w, iqs, qs_shift, scales, mins, q, d, s16, j, t):
         """acc[r] += (d_r sc_ri) (d_x (q_r . v_x)) - (dmin_r mn_ri) (d_x s_x) for the two sub-blocks of 16 of
-        activation block j (s_x the sum of the 16 activations a sub-block meets)."""
+        activation block j (s_x the sum of the 16 activations a sub-block meets); scales and mins: the pairs
+        (d_r sc_ri, d_r sc_r(i+1)) and (dmin_r mn_ri, dmin_r mn_r(i+1))."""
+        (scale_low, scale_high), (min_low, min_high) = scales, mins
         ix = t * q.shape[1] + 32 * j
         ix2 = ix + q.shape[1] // 2
         low = idot_q2_k_low(w, iqs, qs_shift, iqs, 0, w.shape[1], q, ix, ix2, np.int32(0))
@@ -433,17 +441,17 @@ def _q2_k_tile(groups: int):
             d_w, dmin = halves(w, at, stride), halves(w, at + 16, stride)
             for i in range(8):
                 iqs, shift, j, sc = at + 160 + 256 * (i // 4), 2 * (i % 4), 8 * b + i, at + 32 + 16 * i
-                low, high = vfmav(zero(), d_w, low_nibbles(w, sc, stride)), vfmav(zero(), d_w, low_nibbles(w, sc + 8,
-                                                                                                           stride))
-                min_low = vfmav(zero(), dmin, high_nibbles(w, sc, stride))
-                min_high = vfmav(zero(), dmin, high_nibbles(w, sc + 8, stride))
-                a0 = q2_k_token(a0, w, iqs, shift, low, high, min_low, min_high, q, d, s16, j, t)
+                scales = (vfmav(zero(), d_w, low_nibbles(w, sc, stride)), vfmav(zero(), d_w, low_nibbles(w, sc + 8,
+                                                                                                         stride)))
+                mins = (vfmav(zero(), dmin, high_nibbles(w, sc, stride)), vfmav(zero(), dmin, high_nibbles(w, sc + 8,
+                                                                                                           stride)))
+                a0 = q2_k_token(a0, w, iqs, shift, scales, mins, q, d, s16, j, t)
                 if n > 1:
-                    a1 = q2_k_token(a1, w, iqs, shift, low, high, min_low, min_high, q, d, s16, j, t + 1)
+                    a1 = q2_k_token(a1, w, iqs, shift, scales, mins, q, d, s16, j, t + 1)
                 if n > 2:
-                    a2 = q2_k_token(a2, w, iqs, shift, low, high, min_low, min_high, q, d, s16, j, t + 2)
+                    a2 = q2_k_token(a2, w, iqs, shift, scales, mins, q, d, s16, j, t + 2)
                 if n > 3:
-                    a3 = q2_k_token(a3, w, iqs, shift, low, high, min_low, min_high, q, d, s16, j, t + 3)
+                    a3 = q2_k_token(a3, w, iqs, shift, scales, mins, q, d, s16, j, t + 3)
         return a0, a1, a2, a3
 
     return q2_k
