@@ -120,7 +120,7 @@ print(f"{cfg.arch}: {cfg.n_layers} layers, E = {E} experts of width {cfg.moe_hid
 
 PROMPT = "Lily loved to play outside in the park."
 ids = llm.tokenizer.encode(PROMPT)
-labels = [(llm.tokenizer.decode([i]) or llm.tokenizer.id_to_piece(i)).replace(" ", "\u2423") for i in ids]
+labels = ["BOS" if i == cfg.bos_id else llm.tokenizer.decode([i]).replace(" ", "\u2423") for i in ids]
 T = len(ids)
 
 calls = []
