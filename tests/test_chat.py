@@ -215,6 +215,16 @@ def chat_cli(stories260k, lines: str, *flags, env=None, timeout=120) -> subproce
                           timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
 
 
+def test_npllm_chat_on_a_gemma_without_a_template_names_the_gemma_builtin_and_runs_with_it():
+    """transformers' Gemma 2 fixture ships no chat template: `npllm chat` says which built-in fits, and runs with it."""
+    gemma = os.path.join(REPO, "tests", "fixtures", "hf", "gemma2")
+    run = chat_cli(gemma, "Hi\n")
+    assert run.returncode == 2 and run.stdout == ""
+    assert "ships no chat template; choose one with --chat-template gemma " in run.stderr.splitlines()[-1]
+    run = chat_cli(gemma, "Hi\n", "--chat-template", "gemma", "--temperature", "0")
+    assert run.returncode == 0 and run.stdout.endswith("\n"), run.stderr
+
+
 def test_npllm_chat_past_the_context_names_reset_and_the_flag(stories260k):
     run = chat_cli(stories260k, f"Hi\n{LONG}\n", "--chat-template", "chatml")
     assert run.returncode == 2 and "Traceback" not in run.stderr
