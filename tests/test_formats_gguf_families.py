@@ -306,29 +306,26 @@ def test_a_family_tensor_npllm_does_not_know_is_refused(tmp_path):
 # llama.cpp's own conversions of the transformers fixtures
 
 CONVERTED = sorted((FIXTURES / "gguf_arch").glob("*.gguf"))
-# Where llama.cpp's file cannot say what transformers computes: its Qwen3-MoE always renormalises the top-k router
-# weights (the converter stores no norm_topk_prob), so a model with norm_topk_prob false runs differently there.
-DIVERGENT = {"qwen3_moe_unnormed": "llama.cpp renormalises Qwen3-MoE's top-k weights; norm_topk_prob is not stored"}
-
-
-def converted(path):
-    reason = DIVERGENT.get(path.stem)
-    return pytest.param(path, id=path.stem, marks=[pytest.mark.xfail(reason=reason, strict=True)] if reason else [])
 
 
 @pytest.mark.skipif(not CONVERTED, reason="no tests/fixtures/gguf_arch/*.gguf (made by llama.cpp's converter)")
-@pytest.mark.parametrize("path", [converted(p) for p in CONVERTED])
+@pytest.mark.parametrize("path", CONVERTED, ids=[p.stem for p in CONVERTED])
 def test_llama_cpps_conversion_reproduces_transformers_logits(path):
     """The fixture's tokens on a cache of exactly their length (longrope picks its factors by the context the model
     runs with, as transformers does by the sequence's). The converter drops the embedding rows past the tokenizer's
-    vocabulary (Gemma 3): those columns of the reference have no counterpart, the others must match."""
+    vocabulary (Gemma 3): those columns of the reference have no counterpart, the others must match.
+
+    Where the file cannot say what the checkpoint did (Gemma's query_pre_attn_scalar, Qwen3-MoE's norm_topk_prob:
+    the converter writes neither, llama.cpp assumes head_dim and renormalising), the fixture script computed
+    transformers' logits once more with the values the file implies: `logits_gguf`."""
     reference = np.load(FIXTURES / "hf" / path.stem / "reference.npz")
     tokens = reference["tokens"]
+    expected = reference["logits_gguf"] if "logits_gguf" in reference else reference["logits"]
     config, weights = read_checkpoint(path)
     model = make_model(config, weights, backend="numpy")
     logits = model.logits(tokens, cache=model.new_cache(len(tokens)))
-    assert logits.shape[1] <= reference["logits"].shape[1]
-    np.testing.assert_allclose(logits, reference["logits"][:, :logits.shape[1]], rtol=0, atol=1e-4)
+    assert logits.shape[1] <= expected.shape[1]
+    np.testing.assert_allclose(logits, expected[:, :logits.shape[1]], rtol=0, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -135,12 +135,12 @@ class _TransposedMatrix:
 
 def as_matrix(w) -> QuantizedMatrix:
     """A weight as the one matrix type: a QuantizedMatrix as it is, a float array as its float32 bytes (type F32, no
-    copy when it is float32 already), a vector as one row.  # [N, K] or [K] -> QuantizedMatrix"""
+    copy when it is float32 already), a vector as one row.  # [N, K], [E, N, K] or [K] -> QuantizedMatrix"""
     if isinstance(w, QuantizedMatrix):
         return w
     values = np.ascontiguousarray(w, dtype=np.float32)
     values = values.reshape(1, -1) if values.ndim == 1 else values
-    return QuantizedMatrix(values.view(np.uint8).reshape(values.shape[0], -1), "F32", values.shape)
+    return QuantizedMatrix(values.view(np.uint8), "F32", values.shape)  # [..., 4 K] bytes: each row's floats
 
 
 def matrix_bytes(w) -> np.ndarray:
