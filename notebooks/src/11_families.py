@@ -123,21 +123,25 @@ ids = llm.tokenizer.encode(PROMPT)
 labels = ["BOS" if i == cfg.bos_id else llm.tokenizer.decode([i]).replace(" ", "\u2423") for i in ids]
 T = len(ids)
 
-calls = []
-original = ops.route
+
+def record_routes(model, ids):
+    """Run one forward of `ids` on `model`, returning what each of its ops.route calls got and gave."""
+    calls, original = [], ops.route
+
+    def recording_route(h, router, n, normalize):
+        chosen, weights = original(h, router, n, normalize)
+        calls.append({"h": h, "router": router, "chosen": chosen, "weights": weights})
+        return chosen, weights
+
+    ops.route = recording_route
+    try:
+        model.forward(ids, np.arange(len(ids)), model.new_cache())
+    finally:
+        ops.route = original
+    return calls
 
 
-def recording_route(h, router, n, normalize):
-    chosen, weights = original(h, router, n, normalize)
-    calls.append({"h": h, "router": router, "chosen": chosen, "weights": weights})
-    return chosen, weights
-
-
-ops.route = recording_route
-try:
-    model.forward(ids, np.arange(T), model.new_cache())
-finally:
-    ops.route = original
+calls = record_routes(model, ids)
 assert len(calls) == cfg.n_layers
 print(f"{T} tokens; recorded {len(calls)} router calls: h {calls[0]['h'].shape}, chosen {calls[0]['chosen'].shape}")
 
@@ -190,3 +194,26 @@ assert all(len(set(row)) == k for row in chosen.tolist())  # k different ones
 print("tokens per expert, by layer:")
 for layer, call in enumerate(calls):
     print(f"  layer {layer}: {np.bincount(call['chosen'].ravel(), minlength=E).tolist()}")
+
+# %% [markdown]
+# ## The two normalisations
+#
+# `tests/fixtures/hf/qwen3_moe_unnormed` is the same kind of model with `norm_topk_prob` false: its chosen
+# experts are weighted by their router probabilities as they are, so the weights of a token sum to the probability
+# mass the router gave its top $k$, not to 1, and the FFN's output is smaller where the router is unsure.
+
+# %%
+unnormed = npllm.load(FIXTURES / "qwen3_moe_unnormed", backend="numpy")
+assert not unnormed.config.expert_weights_norm and unnormed.config.n_experts_used == k
+sums = {"qwen3_moe (renormalised)": np.concatenate([c["weights"].sum(-1) for c in calls]),
+        "qwen3_moe_unnormed": np.concatenate([c["weights"].sum(-1) for c in record_routes(unnormed.model, ids)])}
+fig, ax = plt.subplots(figsize=(9, 2.8))
+for (name, total), colour in zip(sums.items(), ("C0", "C3")):
+    ax.hist(total, bins=np.linspace(k / E, 1.0, 31), color=colour, alpha=0.7, label=name)
+    print(f"{name}: the weights of a token sum to {total.mean():.3f} on average (min {total.min():.3f})")
+ax.set_xlabel(f"sum of a token's {k} expert weights (every token, every layer; the least possible is k / E = {k / E:.2f})")
+ax.set_ylabel("tokens")
+ax.legend(fontsize=8, loc="upper left")
+plt.show()
+assert np.allclose(sums["qwen3_moe (renormalised)"], 1.0, atol=1e-6)
+assert np.all(sums["qwen3_moe_unnormed"] < 1.0) and np.all(sums["qwen3_moe_unnormed"] >= k / E - 1e-6)
