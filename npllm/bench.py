@@ -94,9 +94,11 @@ def check_lengths(config: ModelConfig, prompt_lens, gen_len: int) -> None:
 
 
 def decode_weight_bytes(c: ModelConfig) -> int:
-    """Bytes of float32 weights a decode step reads: every layer matrix, the norms and the LM head."""
+    """Bytes of float32 weights a decode step reads: every layer matrix (of a mixture of experts, the router and
+    the k experts a token uses), the norms and the LM head."""
     D, F, Dh = c.dim, c.hidden_dim, c.head_dim
-    per_layer = D * (c.n_heads + 2 * c.n_kv_heads) * Dh + c.n_heads * Dh * D + 3 * D * F + 2 * D
+    ffn = c.n_experts_used * 3 * D * c.moe_hidden_dim + c.n_experts * D if c.n_experts else 3 * D * F
+    per_layer = D * (c.n_heads + 2 * c.n_kv_heads) * Dh + c.n_heads * Dh * D + ffn + 2 * D
     if c.attention_bias:
         per_layer += (c.n_heads + 2 * c.n_kv_heads) * Dh
     return 4 * (c.n_layers * per_layer + c.vocab_size * D + 2 * D)  # + final norm and one embedding row

@@ -64,3 +64,10 @@ def test_unknown_model_is_a_config_error():
 def test_unknown_backend_is_reported(capsys):
     assert main(["bench", "--model", "stories260K", "--backend", "cobol", "--json"]) == 2
     assert "unknown backend" in capsys.readouterr().err
+
+
+def test_decode_weight_bytes_of_experts_counts_the_ones_a_token_uses():
+    """A mixture of experts reads its router and k of its E experts per token: as many bytes as the dense model with
+    k experts' width, plus the router."""
+    moe, dense = NAMED_SHAPES["granite-moe-1B-A400M"], NAMED_SHAPES["granite-dense-A400M"]
+    assert decode_weight_bytes(moe) == decode_weight_bytes(dense) + 4 * moe.n_layers * moe.n_experts * moe.dim
