@@ -29,6 +29,7 @@ def main() -> int:
     from numba import cuda, typeof
 
     from npllm.kernels import cuda as k
+    from npllm.kernels import cuda_sample
 
     if not cuda.is_available():
         # numba compiles device functions for "the current device"; without a GPU, name the target ourselves
@@ -60,7 +61,8 @@ def main() -> int:
         for wt in (f32, f16, q80):
             cases[f"matmul residual={residual} {name_of(wt)}"] = (
                 k.matmul_kernel(g.tile, residual, wt is q80), (arr(f32, 2), arr(wt, 2), arr(f32, 2)))
-    cases["sample"] = (k.sample_kernel(g.sampler_threads), (arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(i32, 1)))
+    cases["sample"] = (cuda_sample.sample_kernel(g.sampler_threads),
+                       (arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(i32, 1)))
     cases["gather_rows"] = (k.gather_rows_kernel(), (arr(f32, 2), arr(i32, 1), arr(f32, 2)))
     for ndim in (2, 3):
         cases[f"compact {ndim}-D"] = (k.compact_kernel(ndim), (arr(f32, ndim, "A"), arr(f32, ndim)))

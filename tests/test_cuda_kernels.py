@@ -23,6 +23,7 @@ from npllm import ops  # noqa: E402
 from npllm.cache import RingKVCache  # noqa: E402
 from npllm.config import ModelConfig  # noqa: E402
 from npllm.kernels import cuda as ck  # noqa: E402
+from npllm.kernels import cuda_sample  # noqa: E402
 from npllm import sampling  # noqa: E402
 from npllm.sampling import SamplingParams, sample_with  # noqa: E402
 
@@ -215,8 +216,8 @@ def device_draw(logits, rows, threads):
     """rows: (temperature, top_k, top_p, min_p, u) per row of logits."""
     ids = cuda.device_array(len(logits), np.int32)
     probs = cuda.device_array(logits.shape, np.float32)
-    ck.sample_kernel(threads)[2, threads](cuda.to_device(logits), cuda.to_device(np.asarray(rows, np.float32)),
-                                          probs, ids)
+    params = cuda.to_device(np.asarray(rows, np.float32))
+    cuda_sample.sample_kernel(threads)[2, threads](cuda.to_device(logits), params, probs, ids)
     return ids.copy_to_host()
 
 
