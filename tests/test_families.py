@@ -135,3 +135,28 @@ def test_q_k_norms_follow_the_rope_layout(name):
     inter_config, inter_weights = to_interleaved(config, weights)
     got = Transformer(inter_config, inter_weights).logits(tokens, cache=None)
     assert np.abs(got - expected).max() < 1e-4
+
+
+def test_gemma3_multimodal_checkpoint_reads_as_its_language_model(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: config.json nests the text model's config and the
+    parameters carry a language-model prefix beside an image tower. Rewritten so, the text fixture computes the same
+    logits; the image tower's tensors are skipped."""
+    from npllm.formats.safetensors import read_safetensors
+    from test_formats_safetensors import encode
+
+    source = FIXTURES / "gemma3"
+    config = json.loads((source / "config.json").read_text())
+    outer = {"model_type": "gemma3", "text_config": {k: v for k, v in config.items() if k != "eos_token_id"},
+             "eos_token_id": config["eos_token_id"], "architectures": ["Gemma3ForConditionalGeneration"]}
+    _, tensors = read_safetensors(source / "model.safetensors")
+    renamed = {name.replace("model.", "model.language_model.", 1): ("F32", np.asarray(a, np.float32))
+               for name, a in tensors.items()}
+    renamed["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = ("F32", np.ones((2, 3), np.float32))
+    (tmp_path / "config.json").write_text(json.dumps(outer))
+    (tmp_path / "model.safetensors").write_bytes(encode(renamed))
+    (tmp_path / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes())
+    tokens, expected, _ = load_reference("gemma3")
+    llm = npllm.load(tmp_path, backend="numpy")
+    assert llm.model.config.arch == "gemma3_text" and llm.model.config.eos_ids == tuple(np.atleast_1d(config["eos_token_id"]))
+    got = llm.model.logits(tokens, cache=llm.model.new_cache(len(tokens)))
+    assert np.abs(got - expected).max() < 1e-4

@@ -29,10 +29,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import ModelConfig, RopeScaling
+from ..config import MAX_LAYERS, ModelConfig, RopeScaling
 from ..errors import ConfigError, FormatError
 from ..quant import DEQUANTIZE, MIXTURES, TYPES_BY_ID, QuantType
 from ..tensors import check_weights
+from .gguf_arch import (CONFIG_TENSORS, GLOBAL_NAMES, LAYER_NAMES, ROPE_FREQS, canonical_name, family_of,
+                        family_options, has_biases, longrope, split_fused)
+from .gguf_arch import meta as _meta
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -88,13 +91,14 @@ class GGUFFile:
         return values
 
     def quantized(self, name: str):
-        """A 2-D tensor kept in its file type, over the memory map: a quant.QuantizedMatrix [rows, values per row]."""
+        """A 2-D tensor kept in its file type, over the memory map: a quant.QuantizedMatrix [rows, values per row];
+        a 3-D one (experts) as a stack of them [E, rows, values per row]."""
         from ..quant import QuantizedMatrix
 
         info = self._readable(name)
-        if len(info.shape) != 2:
+        if len(info.shape) not in (2, 3):
             raise FormatError(f"{self.path}: no matrix named {name!r}")
-        return QuantizedMatrix(self.raw(name).reshape(info.shape[0], -1), info.type.name, info.shape)
+        return QuantizedMatrix(self.raw(name).reshape(*info.shape[:-1], -1), info.type.name, info.shape)
 
     def _readable(self, name: str) -> TensorInfo:
         """The named tensor's entry, if npllm can turn its type into numbers."""
@@ -303,44 +307,6 @@ def _check_extents(path: str, tensors: dict[str, TensorInfo], alignment: int, da
 # ----------------------------------------------------------------------------------------------------------------
 # Model: metadata -> ModelConfig, llama.cpp tensor names -> canonical names
 
-# GGUF architecture -> (npllm arch, RoPE layout as llama.cpp runs it, q/k/v biases)
-ARCHITECTURES = {
-    "llama": ("llama", "interleaved", False),  # llama.cpp's converter permutes HF q/k rows back to interleaved
-    "qwen2": ("qwen2", "half", True),  # run with NeoX-style (half-split) RoPE, weights unpermuted
-}
-
-GLOBAL_NAMES = {"token_embd.weight": "tok_embeddings", "output_norm.weight": "norm", "output.weight": "output"}
-LAYER_NAMES = {
-    "attn_norm.weight": "attention_norm", "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv",
-    "attn_output.weight": "wo", "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
-    "ffn_norm.weight": "ffn_norm", "ffn_gate.weight": "w1", "ffn_down.weight": "w2", "ffn_up.weight": "w3",
-}
-ROPE_FREQS = "rope_freqs.weight"
-
-
-def canonical_name(gguf_name: str) -> str:
-    if gguf_name in GLOBAL_NAMES:
-        return GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        return f"layers.{int(parts[1])}.{LAYER_NAMES[parts[2]]}"
-    raise FormatError(f"unexpected tensor {gguf_name!r}: not a tensor of a Llama-family model npllm knows")
-
-
-def _meta(g: GGUFFile, key: str, kind=int, default=None, required=True):
-    value = g.metadata.get(key, default)
-    if value is None:
-        if required:
-            raise ConfigError(f"{g.path}: metadata {key!r} is missing")
-        return None
-    ok = isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
-    if isinstance(value, bool) and kind is not bool or not ok:
-        raise ConfigError(f"{g.path}: metadata {key!r} should be {kind.__name__}, got {value!r}")
-    if kind is float and not math.isfinite(value):
-        raise ConfigError(f"{g.path}: metadata {key!r} must be a finite number, got {value}")
-    return kind(value)
-
-
 def llama3_scaling_from_freq_factors(factors: np.ndarray, theta: float, head_dim: int, path: str) -> RopeScaling:
     """Recover Llama 3's RoPE scaling from the per-frequency divisors llama.cpp stores as `rope_freqs.weight`.
 
@@ -394,19 +360,26 @@ def llama3_factors(scaling: RopeScaling, theta: float, head_dim: int) -> np.ndar
     return 1 / ((1 - s) / factor + s)
 
 
-def _rope_scaling(g: GGUFFile, p: str, theta: float, head_dim: int) -> RopeScaling | None:
-    """Linear scaling from the metadata, or Llama 3's, recovered from the rope_freqs tensor; None without either."""
-    scaling = None
+def _rope_scaling(g: GGUFFile, p: str, theta: float, head_dim: int, context: int) -> RopeScaling | None:
+    """Linear scaling from the metadata, Llama 3's recovered from the rope_freqs tensor, or Phi-3's longrope from
+    its rope_factors tensors (gguf_arch.longrope); None without any."""
+    found = []
     kind = _meta(g, p + "rope.scaling.type", str, default="none")
     if kind == "linear":
-        scaling = RopeScaling("linear", _meta(g, p + "rope.scaling.factor", float))
-    elif kind != "none":
-        raise ConfigError(f"{g.path}: RoPE scaling type {kind!r} is not supported (npllm knows linear and llama3)")
+        found.append(RopeScaling("linear", _meta(g, p + "rope.scaling.factor", float)))
+    elif kind not in ("none", "longrope"):
+        raise ConfigError(f"{g.path}: RoPE scaling type {kind!r} is not supported (npllm knows linear, llama3 and "
+                          "longrope)")
     if ROPE_FREQS in g.tensors:
-        if scaling is not None:
-            raise ConfigError(f"{g.path}: both rope_freqs and {kind} RoPE scaling are given")
-        scaling = llama3_scaling_from_freq_factors(g.tensor(ROPE_FREQS), theta, head_dim, g.path)
-    return scaling
+        found.append(llama3_scaling_from_freq_factors(g.tensor(ROPE_FREQS), theta, head_dim, g.path))
+    long = longrope(g, p, context)
+    if long is not None:
+        found.append(long)
+    elif kind == "longrope":
+        raise FormatError(f"{g.path}: longrope RoPE scaling without its rope_factors_long/short tensors")
+    if len(found) > 1:
+        raise ConfigError(f"{g.path}: more than one RoPE scaling is given ({', '.join(s.kind for s in found)})")
+    return found[0] if found else None
 
 
 def _end_tokens(g: GGUFFile, bos_id: int | None) -> tuple[list[int], bool]:
@@ -424,13 +397,32 @@ def _end_tokens(g: GGUFFile, bos_id: int | None) -> tuple[list[int], bool]:
 
 
 def config_from_gguf(g: GGUFFile) -> ModelConfig:
-    gguf_arch = g.metadata.get("general.architecture")
-    if gguf_arch not in ARCHITECTURES:
-        raise ConfigError(
-            f"{g.path}: general.architecture {gguf_arch!r} is not one npllm runs ({', '.join(ARCHITECTURES)})"
-        )
-    arch, layout, bias = ARCHITECTURES[gguf_arch]
-    p = gguf_arch + "."
+    """The ModelConfig of a GGUF file: the fields every architecture shares here, the family's own in
+    gguf_arch.family_options."""
+    family = family_of(g)
+    p = g.metadata["general.architecture"] + "."
+    base = _dimensions(g, p)
+    theta = _meta(g, p + "rope.freq_base", float, default=10000.0)
+    scaling = _rope_scaling(g, p, theta, base["head_dim"], base["max_seq_len"])
+    bos_id = _meta(g, "tokenizer.ggml.bos_token_id", default=1)
+    eos_ids, stop_at_bos = _end_tokens(g, bos_id)
+    return ModelConfig(
+        **base,
+        rope_theta=theta,
+        rope_layout=family.rope_layout,
+        rope_scaling=scaling,
+        tied_embeddings="output.weight" not in g.tensors,
+        attention_bias=has_biases(g),
+        bos_id=bos_id,
+        eos_ids=tuple(eos_ids),
+        stop_at_bos=stop_at_bos,
+        arch=family.arch,
+        **family_options(g, p, family, base),
+    )
+
+
+def _dimensions(g: GGUFFile, p: str) -> dict:
+    """The ModelConfig fields of sizes: dim, hidden_dim, n_layers, heads, head_dim, vocab_size, context, eps."""
     dim = _meta(g, p + "embedding_length")
     n_heads = _meta(g, p + "attention.head_count")
     head_dim = _meta(g, p + "attention.key_length", default=dim // n_heads if n_heads else 0)
@@ -438,35 +430,18 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
         raise ConfigError(f"{g.path}: key and value head sizes differ; npllm needs them equal")
     if _meta(g, p + "rope.dimension_count", default=head_dim) != head_dim:
         raise ConfigError(f"{g.path}: RoPE rotates only part of each head; npllm rotates whole heads")
-    theta = _meta(g, p + "rope.freq_base", float, default=10000.0)
-    scaling = _rope_scaling(g, p, theta, head_dim)
     if "token_embd.weight" not in g.tensors:
         raise FormatError(f"{g.path}: no token_embd.weight tensor")
     vocab_size = g.tensors["token_embd.weight"].shape[0]
     if _meta(g, p + "vocab_size", default=vocab_size) != vocab_size:
         raise ConfigError(f"{g.path}: {p}vocab_size disagrees with token_embd.weight's {vocab_size} rows")
-    bos_id = _meta(g, "tokenizer.ggml.bos_token_id", default=1)
-    eos_ids, stop_at_bos = _end_tokens(g, bos_id)
-    return ModelConfig(
-        dim=dim,
-        hidden_dim=_meta(g, p + "feed_forward_length"),
-        n_layers=_meta(g, p + "block_count"),
-        n_heads=n_heads,
-        n_kv_heads=_meta(g, p + "attention.head_count_kv", default=n_heads),
-        vocab_size=vocab_size,
-        max_seq_len=_meta(g, p + "context_length"),
-        head_dim=head_dim,
-        norm_eps=_meta(g, p + "attention.layer_norm_rms_epsilon", float),
-        rope_theta=theta,
-        rope_layout=layout,
-        rope_scaling=scaling,
-        tied_embeddings="output.weight" not in g.tensors,
-        attention_bias=bias,
-        bos_id=bos_id,
-        eos_ids=tuple(eos_ids),
-        stop_at_bos=stop_at_bos,
-        arch=arch,
-    )
+    n_layers = _meta(g, p + "block_count")
+    if not 0 < n_layers <= MAX_LAYERS:  # before anything is sized by it
+        raise ConfigError(f"{g.path}: {p}block_count {n_layers} is not a plausible layer count (1..{MAX_LAYERS})")
+    return dict(dim=dim, hidden_dim=_meta(g, p + "feed_forward_length"), n_layers=n_layers,
+                n_heads=n_heads, n_kv_heads=_meta(g, p + "attention.head_count_kv", default=n_heads),
+                vocab_size=vocab_size, max_seq_len=_meta(g, p + "context_length"), head_dim=head_dim,
+                norm_eps=_meta(g, p + "attention.layer_norm_rms_epsilon", float))
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -475,28 +450,31 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarra
 
 
 def read_gguf_quantized(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
-    """Read a GGUF checkpoint keeping every matrix in its file type (F32, F16 and BF16 included), over the memory
-    map (quant.QuantizedMatrix: no copy); vectors (norms, biases) are read as read_gguf reads them."""
+    """Read a GGUF checkpoint keeping every matrix (and stack of experts' matrices) in its file type (F32, F16 and
+    BF16 included), over the memory map (quant.QuantizedMatrix: no copy); vectors (norms, biases) are read as
+    read_gguf reads them."""
     def read(g, name, info):
-        return g.quantized(name) if len(info.shape) == 2 else g.tensor(name)
+        return g.quantized(name) if len(info.shape) in (2, 3) else g.tensor(name)
 
     return _read_weights(path, read)
 
 
 def _read_weights(path, read) -> tuple[ModelConfig, dict]:
-    """(config, weights under canonical names), each tensor read by read(g, gguf name, TensorInfo)."""
+    """(config, weights under canonical names), each tensor read by read(g, gguf name, TensorInfo); fused
+    projections split (gguf_arch.split_fused)."""
     g = read_gguf_file(path)
     config = config_from_gguf(g)
+    names = family_of(g).names
     weights = {}
     for name, info in g.tensors.items():
-        if name == ROPE_FREQS:
+        if name in CONFIG_TENSORS:
             continue
         try:
-            canonical = canonical_name(name)
+            canonical = canonical_name(name, names)
         except FormatError as e:
             raise FormatError(f"{g.path}: {e}") from None
         weights[canonical] = read(g, name, info)
-    return config, check_weights(config, weights, g.path)
+    return config, check_weights(config, split_fused(config, weights, g.path), g.path)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -603,7 +581,7 @@ _ARRAY_TYPES = {np.dtype(d): t for t, d in SCALAR_TYPES.items() if t != BOOL}
 
 def _encode_value(key: str, value) -> bytes:
     """A metadata value with its GGUF type tag: bool, int (u32, or i64 beyond it), float (f32), str, list of str,
-    or a NumPy array of a fixed-size type."""
+    or a NumPy array of a fixed-size type or of bools (a flag per layer)."""
     if isinstance(value, (bool, np.bool_)):
         return struct.pack("<IB", BOOL, bool(value))
     if isinstance(value, (int, np.integer)):
@@ -616,6 +594,8 @@ def _encode_value(key: str, value) -> bytes:
         return struct.pack("<I", STRING) + _encode_string(value)
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return struct.pack("<IIQ", ARRAY, STRING, len(value)) + b"".join(_encode_string(v) for v in value)
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype == bool:
+        return struct.pack("<IIQ", ARRAY, BOOL, len(value)) + value.astype(np.uint8).tobytes()
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.newbyteorder("<") in _ARRAY_TYPES:
         dtype = value.dtype.newbyteorder("<")
         return struct.pack("<IIQ", ARRAY, _ARRAY_TYPES[dtype], len(value)) + value.astype(dtype).tobytes()
@@ -716,6 +696,9 @@ def quant_type(name: str):
 def model_metadata(config: ModelConfig, name: str) -> dict:
     """llama.cpp's metadata keys for a ModelConfig; refuses what a GGUF 'llama'/'qwen2' model cannot express."""
     gguf_arch = "qwen2" if config.arch == "qwen2" else "llama"  # llama2c, llama and mistral are all 'llama'
+    if config.features:
+        raise ConfigError(f"npllm writes GGUF files of Llama-block models only; this {config.arch} model uses "
+                          f"{', '.join(sorted(config.features))}")
     if config.sliding_window is not None:
         raise ConfigError("GGUF 'llama' models carry no sliding window: this model cannot be written faithfully")
     if config.attention_bias != (gguf_arch == "qwen2"):

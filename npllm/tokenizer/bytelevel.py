@@ -534,28 +534,42 @@ def _template_ids(spec, source: str) -> tuple[list[int], list[int]]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# GGUF "gpt2" vocabularies name their pre-tokenizer instead of spelling it out.
+# GGUF "gpt2" vocabularies name their pre-tokenizer instead of spelling it out: llama.cpp's names (src/llama-vocab.cpp)
+# -> the regex splits applied in turn, each match its own piece. "refact" / "starcoder" / "smollm" (Granite, SmolLM)
+# first isolate every digit; "dbrx" (cl100k: OLMo 2, Phi-4) splits as Llama 3; "gpt-4o" is o200k's split.
+GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+DIGITS_THEN_GPT2 = (r"\p{N}", GPT2_SPLIT)
+GGUF_PRE_TOKENIZERS = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "dbrx": LLAMA3_SPLIT,
+                       "smaug-bpe": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, "gpt-2": GPT2_SPLIT, "olmo": GPT2_SPLIT,
+                       "phi-2": GPT2_SPLIT, "default": GPT2_SPLIT, "refact": DIGITS_THEN_GPT2,
+                       "starcoder": DIGITS_THEN_GPT2, "smollm": DIGITS_THEN_GPT2, "gpt-4o": GPT4O_SPLIT}
 
-GGUF_PRE_TOKENIZERS = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, "gpt-2": GPT2_SPLIT,
-                       "default": GPT2_SPLIT}
+
+def _isolating(pattern: regex.Pattern):
+    """A pre-tokenizer step: every match of `pattern` its own piece."""
+    return lambda pieces: split_by_regex(pieces, pattern, "Isolated", False)
 
 
 def from_gguf_vocab(tokens: list[str], merges: list[str], token_types, pre: str | None,
                     bos_id: int | None, eos_id: int | None, add_bos: bool | None, source: str) -> ByteLevelBPE:
     """A byte-level BPE from GGUF metadata (tokenizer.ggml.model = "gpt2"). Control and user-defined tokens
     (types 3 and 4) are matched whole in the text, like tokenizer.json's added tokens."""
-    pattern = GGUF_PRE_TOKENIZERS.get(pre or "default")
-    if pattern is None:
+    patterns = GGUF_PRE_TOKENIZERS.get(pre or "default")
+    if patterns is None:
         raise TokenizerError(f"{source}: GGUF pre-tokenizer {pre!r} is not one npllm knows "
                              f"({', '.join(GGUF_PRE_TOKENIZERS)})")
-    compiled = _compile(pattern, source)
+    steps = [_isolating(_compile(p, source)) for p in ((patterns,) if isinstance(patterns, str) else patterns)]
     types = list(token_types) if token_types is not None else [1] * len(tokens)
     added = [AddedToken(i, t, special=types[i] == 3) for i, t in enumerate(tokens) if types[i] in (3, 4)]
     vocab = {t: i for i, t in enumerate(tokens) if types[i] not in (3, 4)}
     return ByteLevelBPE(
         vocab,
         [_parse_merge(m, source) for m in merges],
-        pre_tokenizers=[lambda pieces: split_by_regex(pieces, compiled, "Isolated", False)],
+        pre_tokenizers=steps,
         added_tokens=added,
         prefix_ids=[bos_id] if add_bos and bos_id is not None else [],
         bos_id=bos_id,
