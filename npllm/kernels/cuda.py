@@ -30,96 +30,20 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import namedtuple
-from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
 from numba.core import config as numba_config
 
-from ..errors import ConfigError
+from .cuda_layout import (HARDWARE, SIMULATOR, STEP_PARTS, Geometry, Q8_0_BLOCK, Q8_0_VALUES,  # noqa: F401
+                          StepCache, StepShape, StepWeights, StepWork, compact_kernel, gather_rows_kernel,
+                          weight_reader)
 
 MAX_ROWS = 8  # the matrix-vector kernels serve up to this many token rows at once (decode batches)
 MAX_HEAD_DIM = 256
 NEG_INF = np.float32(-np.inf)
+ONE_BITS = 0x3F800000  # the bit pattern of float32 1.0; 0 .. ONE_BITS are the bits of the floats in [0, 1], in order
 TOKEN, POS, SLOT, KEEP, RING, FIRST = 0, 1, 2, 3, 4, 5  # rows of `meta`
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """How kernels are launched. Every choice is correct; they differ in speed only.
-
-    threads: threads per block of the row kernels (norm, matrix-vector, RoPE, attention), a power of two.
-    lanes: threads sharing one weight row in the matrix-vector kernels: a warp (32) on hardware, so that a
-        warp's loads are consecutive.
-    tile: the matrix-matrix product's block tile (BM, BN, BK) and per-thread tile (TM, TN): each block computes a
-        BM x BN tile of the output with (BM / TM) (BN / TN) threads, stepping through K in slices of BK.
-    sampler_threads: threads of the one block that samples each row.
-    max_blocks: most blocks of a launch (blocks loop over the remaining items).
-    attention_blocks: most blocks of an attention launch (each has a row of score scratch, C + T floats).
-    """
-
-    threads: int = 256
-    lanes: int = 32
-    tile: tuple[int, int, int, int, int] = (64, 64, 16, 4, 4)
-    sampler_threads: int = 1024
-    max_blocks: int = 8192
-    attention_blocks: int = 1024
-
-    def __post_init__(self):
-        BM, BN, BK, TM, TN = self.tile
-        for n in (self.threads, self.lanes, self.sampler_threads, (BM // TM) * (BN // TN)):
-            if n < 1 or n & (n - 1):
-                raise ConfigError(f"block sizes must be powers of two, got {self}")
-        if self.threads % self.lanes:
-            raise ConfigError(f"threads {self.threads} must be a multiple of lanes {self.lanes}")
-        if BM % TM or BN % TN:
-            raise ConfigError(f"tile {self.tile}: BM must be a multiple of TM and BN of TN")
-
-    @property
-    def matmul_threads(self) -> int:
-        BM, BN, _, TM, TN = self.tile
-        return (BM // TM) * (BN // TN)
-
-    def grid(self, items: int) -> int:
-        return max(1, min(items, self.max_blocks))
-
-
-HARDWARE = Geometry()
-# The simulator runs each GPU thread as a Python thread: few threads and blocks keep tests fast; the loops are the
-# same, only their trip counts change.
-SIMULATOR = Geometry(threads=8, lanes=8, tile=(8, 8, 8, 2, 4), sampler_threads=8, max_blocks=2,
-                     attention_blocks=2)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Weight storage: float32, float16, or Q8_0 blocks
-# ---------------------------------------------------------------------------------------------------------------
-
-# GGUF's Q8_0 block, byte for byte: float16 scale d, then 32 int8 values q; value j of the block is d * q[j].
-#     bytes 0-1: d (little-endian float16) | bytes 2-33: q[0] .. q[31]
-# A Q8_0 matrix W [N, K] is held as blocks [N, K / 32] of this record type (the file's bytes, viewed), so the
-# kernels read 34 bytes per 32 weights (1.06 bytes a weight) and widen each value in registers.
-Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
-Q8_0_VALUES = 32
-
-
-@functools.cache
-def weight_reader(q8_0: bool):
-    """A device function weight(w, n, k) = W[n, k] as float32: w[n, k] widened (float32 or float16 storage), or,
-    with q8_0, from Q8_0 blocks w [N, K / 32]: d * q[k % 32] of block k // 32. Kernels built for Q8_0 (a flag of
-    their factory, fixed at compile time) take every weight matrix, the embedding included, as blocks."""
-    if q8_0:
-        @cuda.jit(device=True)
-        def weight(w, n, k):
-            block = w[n, k // Q8_0_VALUES]
-            return np.float32(block.d) * np.float32(block.qs[k % Q8_0_VALUES])
-    else:
-        @cuda.jit(device=True)
-        def weight(w, n, k):
-            return np.float32(w[n, k])
-
-    return weight
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -628,6 +552,140 @@ def commit_positions(meta, ring_pos, block, nblocks):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Sampling on the device: only the chosen ids travel back to the host
+# ---------------------------------------------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def mass_from(probs, b, v, red, redi):
+    """(count, sum) of the probabilities p[b, i] >= v."""
+    count = 0
+    mass = np.float32(0)
+    for i in range(cuda.threadIdx.x, probs.shape[1], cuda.blockDim.x):
+        p = probs[b, i]
+        if p >= v:
+            count += 1
+            mass += p
+    return block_sum(count, redi), block_sum(mass, red)
+
+
+@cuda.jit(device=True)
+def largest_value(probs, b, need, by_mass, red, redi, bits):
+    """The largest v in [0, 1] with count(p >= v) >= need (or, by_mass, sum(p >= v) >= need): a bisection over
+    the bit patterns of float32, which order like the floats they encode. With v one of the p, it is exact.
+    bits: a local int32 [1] array, read as float32 through a view."""
+    as_float = bits.view(np.float32)
+    lo, hi = 0, ONE_BITS + 1  # v = 0 always satisfies the condition, v just above 1 never does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        bits[0] = mid
+        count, mass = mass_from(probs, b, as_float[0], red, redi)
+        if (mass >= need) if by_mass else (count >= need):
+            lo = mid
+        else:
+            hi = mid
+    bits[0] = lo
+    return as_float[0]
+
+
+@cuda.jit(device=True)
+def exclusive_scan(values, n):
+    """values[j] = values[0] + ... + values[j-1] for j < n, and values[n] = the total (one thread does it: n is the
+    number of threads, small next to the work around it)."""
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        run = values[0] - values[0]  # a zero of the array's type
+        for j in range(n):
+            here = values[j]
+            values[j] = run
+            run += here
+        values[n] = run
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def inverse_cdf(probs, b, floor, u, red, redi):
+    """Among the kept tokens p >= floor taken by ascending id, the first whose running mass exceeds u times their
+    total (sampling.py's draw). Each thread walks a contiguous chunk of ids; a block scan gives every chunk the
+    mass before it. red, redi: shared [threads + 1]."""
+    tid, threads = cuda.threadIdx.x, cuda.blockDim.x
+    V = probs.shape[1]
+    chunk = (V + threads - 1) // threads
+    lo = tid * chunk if tid * chunk < V else V
+    hi = lo + chunk if lo + chunk < V else V
+    mass = np.float32(0)
+    for i in range(lo, hi):
+        if probs[b, i] >= floor:
+            mass += probs[b, i]
+    red[tid] = mass
+    exclusive_scan(red, threads)
+    target = u * red[threads]
+    run = red[tid]
+    cuda.syncthreads()
+    first, last = V, -1
+    for i in range(lo, hi):
+        p = probs[b, i]
+        if p >= floor and p > 0:
+            run += p
+            last = i
+            if run > target and first == V:
+                first = i
+    first = block_best(first, redi, False)
+    last = block_best(last, redi, True)
+    return first if first < V else last  # rounding can leave u * total at the very end: the last kept token
+
+
+@cuda.jit(device=True)
+def sample_rows(logits, params, probs, ids, red, redi, block, nblocks):
+    """One token id per row, drawn as sampling.sample_with draws it with temperature, top-k, top-p and min-p.
+                                                                                       # [B, V], [B, 5] -> [B] int32
+
+    params[b] = (temperature, top_k, top_p, min_p, u), u uniform in [0, 1) drawn on the host (the row's one
+    rng.random()). temperature 0: the first index of the largest logit (np.argmax). Otherwise, with
+    p_i = exp((l_i - max l) / temperature) (so max p = 1), each filter keeps the tokens at or above a floor, ties
+    at the floor kept whole:
+        top_k  the k-th largest p
+        top_p  the largest v with sum(p_j >= v) >= top_p * (the mass top_k kept)
+        min_p  min_p (= min_p * max p)
+    and the id is the inverse CDF at u over the kept tokens by ascending id. No sort: a floor is found by
+    bisection on the probability value (largest_value). probs [B, V]: scratch. Shared red, redi: [threads + 1].
+    """
+    tid, threads = cuda.threadIdx.x, cuda.blockDim.x
+    V = logits.shape[1]
+    bits = cuda.local.array(1, np.int32)
+    for b in range(block, logits.shape[0], nblocks):
+        temperature, top_k, top_p, min_p, u = params[b, 0], int(params[b, 1]), params[b, 2], params[b, 3], \
+            params[b, 4]
+        top = NEG_INF
+        for i in range(tid, V, threads):
+            if logits[b, i] > top:
+                top = logits[b, i]
+        top = block_best(top, red, True)
+        if temperature == 0:
+            first = V
+            for i in range(tid, V, threads):
+                if logits[b, i] == top and i < first:
+                    first = i
+            first = block_best(first, redi, False)
+            if tid == 0:
+                ids[b] = first
+            continue
+        for i in range(tid, V, threads):
+            probs[b, i] = math.exp((logits[b, i] - top) / temperature)
+        cuda.syncthreads()
+        floor = np.float32(0)
+        if 0 < top_k < V:
+            floor = largest_value(probs, b, top_k, False, red, redi, bits)
+        if top_p < 1:
+            target = top_p * mass_from(probs, b, floor, red, redi)[1]
+            floor = largest_value(probs, b, target, True, red, redi, bits)  # never below the top-k floor
+        if min_p > floor:
+            floor = min_p
+        chosen = inverse_cdf(probs, b, floor, u, red, redi)
+        if tid == 0:
+            ids[b] = chosen
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Kernels: one stage a launch (the LM head's products, tests), or the forward pass's schedule of steps
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -751,62 +809,17 @@ def matmul_kernel(tile: tuple[int, int, int, int, int], residual: bool = False, 
 
 
 @functools.cache
-def gather_rows_kernel():
-    """dst[i] = src[index[i]]: rows picked by index (model code's hidden[ids]).       # [R, D], [N] -> [N, D]"""
+def sample_kernel(threads: int):
+    size = threads + 1
 
     @cuda.jit
-    def kernel(src, index, dst):
-        for i in range(cuda.blockIdx.x, dst.shape[0], cuda.gridDim.x):
-            for d in range(cuda.threadIdx.x, dst.shape[1], cuda.blockDim.x):
-                dst[i, d] = src[index[i], d]
+    def kernel(logits, params, probs, ids):
+        red = cuda.shared.array(size, np.float32)
+        redi = cuda.shared.array(size, np.int32)
+        sample_rows(logits, params, probs, ids, red, redi, cuda.blockIdx.x, cuda.gridDim.x)
 
     return kernel
 
-
-@functools.cache
-def compact_kernel(ndim: int):
-    """dst = src, element by element: a strided 2-D or 3-D view made contiguous, so that it can be reshaped."""
-    if ndim == 2:
-        @cuda.jit
-        def kernel(src, dst):
-            for r in range(cuda.blockIdx.x, dst.shape[0], cuda.gridDim.x):
-                for d in range(cuda.threadIdx.x, dst.shape[1], cuda.blockDim.x):
-                    dst[r, d] = src[r, d]
-    else:
-        @cuda.jit
-        def kernel(src, dst):
-            for r in range(cuda.blockIdx.x, dst.shape[0] * dst.shape[1], cuda.gridDim.x):
-                a, b = r // dst.shape[1], r % dst.shape[1]
-                for d in range(cuda.threadIdx.x, dst.shape[2], cuda.blockDim.x):
-                    dst[a, b, d] = src[a, b, d]
-
-    return kernel
-
-
-# The step kernels' arguments, grouped by meaning (numba.cuda passes a tuple of device arrays and numbers to a kernel
-# as its members; models/cuda.py kernel_record makes the simulator do the same). A family's options are data here,
-# never a compiled variant: a gain absent from a family is an empty axis (n = 0), a multiplier 1, a cap 0.
-#     weights  tok_embeddings [V, D], stacked over layers norms [L, 2, n] (attention, ffn; n = D, or 0 for
-#              block_norms "post"), wqkv [L, W, D], bqkv [L, W], wo [L, D, H Dh], w13 (see each kernel), w2 [L, D, F];
-#              final_norm [D]; q_norm [L, nq], k_norm [L, nk] (nq = nk = Dh per head, H Dh and K Dh over the
-#              projection, 0 without); post_norms [L, 2, n] (after attention, after the FFN; n = D for "sandwich" and
-#              "post", else 0) (q8_0: matrices in blocks)
-#     shape    eps (float32), n_heads, n_kv, head_dim (int32), scale (float32, config.score_scale), cap (float32,
-#              attn_logit_softcap, 0 off), act (int32, ACTIVATIONS' code), embed (float32, embedding_multiplier),
-#              residual (float32, residual_multiplier), windows [L] int32 (each layer's window), rope [L] int32
-#              (each layer's row of the cos, sin tables: 0 full attention, 1 sliding layers' own base)
-#     cache    the ring: k, v [L, B, C, K, Dh], positions [B, C] int32
-#     work     buffers x, xn [T, D], qkv [T, W], att [T, H Dh], gate_up [T, 2F], h [T, F], scores [blocks, C + T],
-#              o [T, D] (a block's output before its post-norm: zero between steps but that pair)
-StepWeights = namedtuple("StepWeights", ["tok_embeddings", "norms", "wqkv", "bqkv", "wo", "w13", "w2", "final_norm",
-                                         "q_norm", "k_norm", "post_norms"])
-StepShape = namedtuple("StepShape", ["eps", "n_heads", "n_kv", "head_dim", "scale", "cap", "act", "embed",
-                                     "residual", "windows", "rope"])
-StepCache = namedtuple("StepCache", ["k", "v", "positions"])
-StepWork = namedtuple("StepWork", ["x", "xn", "qkv", "att", "gate_up", "h", "scores", "o"])
-
-
-STEP_PARTS = {False: (1, 1), True: (2, 3)}  # steps of (normed, gated) in a layer: fused matvec products, tiled ones
 
 
 def forward_steps(n_layers: int, batch: bool) -> int:

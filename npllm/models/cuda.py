@@ -444,20 +444,18 @@ class CudaTransformer(Model):
 
     def sample(self, h, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, uniforms=0.0) -> np.ndarray:
         """Token ids chosen on the device from final hidden states, one per row: greedy at temperature 0, else
-        sampling.sample_with's draw with the given uniform numbers in [0, 1) (kernels/cuda_sample.py sample_rows). Each option is
+        sampling.sample_with's draw with the given uniform numbers in [0, 1) (kernels.sample_rows). Each option is
         one value for every row or one per row. Only the tokenizer's ids are computed and drawn from (the first
         config.usable_vocab): the same draw as from lm_head's logits, whose padding ids are -inf.
                                                                     # [B, D] -> [B] int ids on the host"""
-        from ..kernels.cuda_sample import sample_kernel
-
-        g = self.geometry
+        k, g = self.kernels, self.geometry
         logits = self._device_logits(h, self.config.usable_vocab)
         B, V = logits.shape
         params = sampler_rows(B, temperature, top_k, top_p, min_p, uniforms, np.float32)
         params[:, 4] = np.minimum(params[:, 4], UNIFORM_MAX)
         ids = self.cuda.device_array(B, np.int32)
         probs = self.cuda.device_array((B, V), np.float32)
-        launch = sample_kernel(g.sampler_threads)[g.grid(B), g.sampler_threads]
+        launch = k.sample_kernel(g.sampler_threads)[g.grid(B), g.sampler_threads]
         launch(logits, self.cuda.to_device(params), probs, ids)
         return ids.copy_to_host()
 
