@@ -3,8 +3,8 @@
 tokens (tiled products), then single-token decode steps (matrix-vector products).
 
 Without a GPU the device is numba's CUDA simulator (see test_cuda_kernels.py), where a fixture takes 20-60 s: each
-option is checked on the cheapest fixtures that use it (FIXTURES below), the mixtures of experts not at all (the
-CUDA backend refuses them with a ConfigError, test_families.py).
+option is checked on the cheapest fixtures that use it (FIXTURES below; mixtral, the same routing as qwen3_moe with
+Mixtral's names, is left to test_families.py's CPU run).
 """
 
 import sys
@@ -31,6 +31,8 @@ FIXTURES = {
     "phi3": "longrope (long factors: the context is past the original), fused qkv/gate_up split at load",
     "olmo2": "post-norms only, q/k norms over the whole projection",
     "granite": "embedding, residual, attention and logit multipliers",
+    "qwen3_moe": "mixture of experts: router, top-2 of 8 experts, their weights renormalised (norm_topk_prob)",
+    "qwen3_moe_unnormed": "mixture of experts, the top-k weights as the router gives them",
 }
 DECODE_STEPS = 3
 

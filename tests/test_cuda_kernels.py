@@ -23,6 +23,7 @@ from npllm import ops  # noqa: E402
 from npllm.cache import RingKVCache  # noqa: E402
 from npllm.config import ModelConfig  # noqa: E402
 from npllm.kernels import cuda as ck  # noqa: E402
+from npllm.kernels import cuda_ffn  # noqa: E402
 from npllm import sampling  # noqa: E402
 from npllm.sampling import SamplingParams, sample_with  # noqa: E402
 
@@ -316,3 +317,28 @@ def test_sampler_tie_rules():
     # u = 0.5 is exactly their second step: id 2
     np.testing.assert_array_equal(ids, [12, 5, 3, 2])
     np.testing.assert_array_equal(ids, [reference_draw(logits[b], *rows[b]) for b in range(4)])
+
+
+@pytest.mark.parametrize("normalize, act", [(True, 0), (False, 1)])
+def test_routed_ffn_matches_route_and_moe_ffn(normalize, act):
+    """The experts' three steps (router + top-k, the chosen experts' gate/up, their down products summed with the
+    router's weights into y) against ops.route and ops.moe_ffn: normalised top-k weights (Mixtral, Qwen3-MoE) or
+    not, SiLU or GELU gates; two launches of 3 blocks of 8 threads, fewer threads than work items."""
+    rng = np.random.default_rng(7 + act)
+    T, D, E, k, F = 5, 12, 6, 2, 7
+    xn, router = normal(rng, T, D), normal(rng, E, D)
+    w1, w2, w3 = normal(rng, E, F, D, scale=0.3), normal(rng, E, D, F, scale=0.3), normal(rng, E, F, D, scale=0.3)
+    y0, alpha = normal(rng, T, D), np.float32(0.5)
+    probs, chosen = cuda.device_array((T, E), np.float32), cuda.device_array((T, k), np.int32)
+    routed, he, y = cuda.device_array((T, k), np.float32), cuda.device_array((T, k, F), np.float32), cuda.to_device(y0)
+    args = [cuda.to_device(xn), cuda.to_device(router), np.int32(normalize),
+            cuda.to_device(np.ascontiguousarray(np.stack([w1, w3], axis=1))), cuda.to_device(w2), np.int32(act), alpha,
+            probs, chosen, routed, he, y]
+    for piece in range(3):
+        cuda_ffn.routed_ffn_kernel(piece)[3, 8](*args)
+    want_chosen, want_weights = ops.route(xn, router, k, normalize)
+    np.testing.assert_array_equal(chosen.copy_to_host(), want_chosen)
+    np.testing.assert_allclose(routed.copy_to_host(), want_weights, rtol=1e-5)
+    gate = ops.ACTIVATIONS[ck.ACTIVATIONS[act]]
+    expected = y0 + alpha * ops.moe_ffn(xn, want_chosen, want_weights, w1, w2, w3, gate)
+    np.testing.assert_allclose(y.copy_to_host(), expected, rtol=1e-5, atol=1e-5)

@@ -109,6 +109,19 @@ def test_q8_0_model_is_the_model_of_its_blocks():
     np.testing.assert_allclose(device.logits([2, 3]), host.logits([2, 3]), rtol=1e-4, atol=1e-4)
 
 
+def test_q8_0_experts_are_the_numpy_models_of_their_blocks():
+    """A mixture of experts with Q8_0 storage: each expert's matrices kept as blocks, the router (read as float32)
+    holding the values the NumPy model computes with under weight_dtype q8_0 (rounded as its blocks): the same
+    experts chosen, the same logits."""
+    config = GQA.replace(dim=64, head_dim=16, n_layers=1, n_experts=4, n_experts_used=2, expert_hidden_dim=32)
+    weights = random_weights(config, seed=3)
+    host = make_model(config, weights, "numpy", weight_dtype="q8_0")
+    device = make_model(config, weights, "cuda", weight_dtype="q8_0")
+    assert device.w13_exps.dtype == ck.Q8_0_BLOCK and device.w13_exps.shape == (1, 4, 2, 32, 2)
+    tokens = list(range(1, 12))
+    np.testing.assert_allclose(device.logits(tokens), host.logits(tokens), rtol=1e-4, atol=1e-4)
+
+
 def test_a_q8_0_gguf_keeps_its_blocks_on_the_device(tmp_path, stories260k):
     """npllm.load(file.gguf, backend="cuda", weight_dtype="q8_0"): the embedding and layer matrices on the device
     are the file's bytes, and the logits are the dequantized file's (the numpy model's on the same file).

@@ -84,10 +84,15 @@ def test_features_name_what_a_config_uses_and_backends_refuse_what_they_lack():
     from npllm.models.base import check_runs
     from npllm.models.cuda import CudaTransformer
 
-    check_runs(CudaTransformer, c)  # the dense families' options all run on the GPU
     moe = ModelConfig(**base, n_experts=4, n_experts_used=2)
-    with pytest.raises(ConfigError, match="cuda backend does not run n_experts"):
-        check_runs(CudaTransformer, moe)
+    check_runs(CudaTransformer, c)  # every family's options run on the GPU
+    check_runs(CudaTransformer, moe)
+
+    class LlamaOnly(CudaTransformer):
+        FEATURES = CudaTransformer.FEATURES - {"n_experts", "qk_norm"}
+
+    with pytest.raises(ConfigError, match="cuda backend does not run n_experts, qk_norm"):
+        check_runs(LlamaOnly, moe.replace(qk_norm="head"))
 
 
 def test_bad_feature_values_are_config_errors():

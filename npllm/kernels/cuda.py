@@ -35,6 +35,7 @@ import numpy as np
 from numba import cuda
 from numba.core import config as numba_config
 
+from .cuda_ffn import ACTIVATIONS, activation, routed_ffn, silu  # noqa: F401
 from .cuda_layout import (HARDWARE, SIMULATOR, STEP_PARTS, Geometry, Q8_0_BLOCK, Q8_0_VALUES,  # noqa: F401
                           StepCache, StepShape, StepWeights, StepWork, compact_kernel, gather_rows_kernel,
                           weight_reader)
@@ -168,28 +169,6 @@ def post_norm_rows(y, g, eps, m, x, red, block, nblocks):
         for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
             x[t, i] += m * (y[t, i] * scale * g[i])
             y[t, i] = 0
-
-
-@cuda.jit(device=True)
-def silu(v):
-    """SiLU: v / (1 + e^-v)."""
-    return v / (np.float32(1) + math.exp(-v))
-
-
-GELU_C = np.float32(np.sqrt(2.0 / np.pi))
-ACTIVATIONS = ("silu", "gelu_tanh")  # ModelConfig.ffn_activation by its code in StepShape.act
-
-
-@cuda.jit(device=True)
-def gelu_tanh(v):
-    """GELU, tanh approximation (Gemma): v/2 (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3)))."""
-    return np.float32(0.5) * v * (np.float32(1) + math.tanh(GELU_C * (v + np.float32(0.044715) * v * v * v)))
-
-
-@cuda.jit(device=True)
-def activation(v, act):
-    """The FFN gate's function by its code in ACTIVATIONS: silu (0, SwiGLU) or gelu_tanh (1, GeGLU)."""
-    return gelu_tanh(v) if act == 1 else silu(v)
 
 
 @cuda.jit(device=True)
@@ -824,7 +803,7 @@ def sample_kernel(threads: int):
 
 def forward_steps(n_layers: int, batch: bool) -> int:
     """Steps of _forward_kernel's schedule: the embedding, each layer's, the final norm."""
-    return n_layers * (6 + sum(STEP_PARTS[batch])) + 2
+    return n_layers * (10 + sum(STEP_PARTS[batch])) + 2
 
 
 def _forward_kernel(products, batch: bool, interleaved: bool, q8_0: bool, threads: int, shared: tuple,
@@ -832,8 +811,10 @@ def _forward_kernel(products, batch: bool, interleaved: bool, q8_0: bool, thread
     """The forward pass (all layers, then the final norm) as one schedule of steps, each a stage that needs the
     previous one finished on the whole grid: the one body (and layer loop) of both ways to run it.
         step 0: embed | per layer: [normed: norm + qkv] [bias + q/k norm + rope] [attention] [kv write + residual:
-                wo] [post-norm] [gated: norm + gate/up + act] [residual: w2] [post-norm]
-                (normed, gated: STEP_PARTS[batch] steps) | last step: final norm + commit positions
+                wo] [post-norm] [gated: norm + gate/up + act] [residual: w2] [experts: norm] [route] [gate/up]
+                [down] [post-norm]    (normed, gated: STEP_PARTS[batch] steps) | last: final norm + commit positions
+    A layer runs either the dense FFN's steps or the experts' (routed_ffn: where weights.router has rows); the
+    other's are idle.
     Where the family norms a block's output (post_norms not empty) the residual products add into work.o and the
     post-norm step adds m norm(o) to x; elsewhere they add m (x W^T) to x and the post-norm steps do nothing (not
     even wait at the grid barrier). m: the residual multiplier.
@@ -846,8 +827,10 @@ def _forward_kernel(products, batch: bool, interleaved: bool, q8_0: bool, thread
         gated(piece, ...the same)                                                 y = act(rms_norm(x, g) W1^T) * ...
         residual(x, w, y, alpha, xs, tile, red, scale, block, nblocks)                   y += alpha x W^T"""
     normed, gated, residual = products
-    qkv_parts, per_layer = STEP_PARTS[batch][0], sum(STEP_PARTS[batch]) + 6
+    qkv_parts, per_layer = STEP_PARTS[batch][0], sum(STEP_PARTS[batch]) + 10
+    w2_step = qkv_parts + 4 + STEP_PARTS[batch][1]  # then the experts' 4 steps, then the post-norm
     embed, bias_rope = embed_rows(q8_0), bias_rope_rows(interleaved)
+    route, experts_gate_up, experts_down = routed_ffn(q8_0)
     (xs_shape, tile_shape, scale_shape), vacc_size = shared, max(threads, MAX_HEAD_DIM)
     # ptxas (sm_90) wants ~135 registers per thread for the decode kernel: one block of 256 threads per SM. Capped
     # at 128 (under 200 bytes spilled) two blocks fit: twice the loads in flight. The simulator has no such option.
@@ -865,7 +848,9 @@ def _forward_kernel(products, batch: bool, interleaved: bool, q8_0: bool, thread
         block, nblocks = cuda.blockIdx.x, cuda.gridDim.x
         eps, n_heads, n_kv, head_dim = shape.eps, shape.n_heads, shape.n_kv, shape.head_dim
         x, qkv, att, h, scores = work.x, work.qkv, work.att, work.h, work.scores
+        gid, everyone = block * cuda.blockDim.x + cuda.threadIdx.x, nblocks * cuda.blockDim.x  # thread-per-item
         posting = weights.post_norms.shape[2] > 0  # the products add into o, the post-norm steps into x
+        moe = weights.router.shape[1] > 0
         out = work.o if posting else x
         alpha = np.float32(1) if posting else shape.residual
         attending = nblocks if nblocks < scores.shape[0] else scores.shape[0]  # a row of scores per block
@@ -902,11 +887,26 @@ def _forward_kernel(products, batch: bool, interleaved: bool, q8_0: bool, thread
                 if posting:
                     post_norm_rows(out, weights.post_norms[layer, 0 if s < per_layer - 1 else 1], eps,
                                    shape.residual, x, red, block, nblocks)
-            elif s < per_layer - 2:
-                gated(s - qkv_parts - 4, x, weights.norms[layer, 1], eps, shape.act, weights.w13[layer], h, work, xs,
-                      tile, red, scale_rows, block, nblocks)
+            elif s < w2_step:
+                idle = moe
+                if not moe:
+                    gated(s - qkv_parts - 4, x, weights.norms[layer, 1], eps, shape.act, weights.w13[layer], h, work,
+                          xs, tile, red, scale_rows, block, nblocks)
+            elif s == w2_step:
+                idle = moe
+                if not moe:
+                    residual(h, weights.w2[layer], out, alpha, xs, tile, red, scale_rows, block, nblocks)
             else:
-                residual(h, weights.w2[layer], out, alpha, xs, tile, red, scale_rows, block, nblocks)
+                idle = not moe
+                if moe and s == w2_step + 1:
+                    rms_norm_rows(x, weights.norms[layer, 1], eps, work.xn, red, block, nblocks)
+                elif moe and s == w2_step + 2:
+                    route(work.xn, weights.router[layer], shape.experts_norm, work.probs, work.chosen, work.routed,
+                          gid, everyone)
+                elif moe and s == w2_step + 3:
+                    experts_gate_up(work.xn, weights.w13_exps[layer], work.chosen, shape.act, work.he, gid, everyone)
+                elif moe:
+                    experts_down(work.he, weights.w2_exps[layer], work.chosen, work.routed, alpha, out, gid, everyone)
             if cooperative and not idle:  # a constant: numba prunes it, so a step-by-step kernel never names the grid
                 cuda.cg.this_grid().sync()
 

@@ -136,20 +136,24 @@ def compact_kernel(ndim: int):
 #              block_norms "post"), wqkv [L, W, D], bqkv [L, W], wo [L, D, H Dh], w13 (see each kernel), w2 [L, D, F];
 #              final_norm [D]; q_norm [L, nq], k_norm [L, nk] (nq = nk = Dh per head, H Dh and K Dh over the
 #              projection, 0 without); post_norms [L, 2, n] (after attention, after the FFN; n = D for "sandwich" and
-#              "post", else 0) (q8_0: matrices in blocks)
+#              "post", else 0); experts (E = 0 for a dense model; w13, w2 then [L, 2, 0, D], [L, D, 0]): router
+#              [L, E, D] float32, w13_exps [L, E, 2, Fe, D], w2_exps [L, E, D, Fe] (q8_0: matrices in blocks)
 #     shape    eps (float32), n_heads, n_kv, head_dim (int32), scale (float32, config.score_scale), cap (float32,
 #              attn_logit_softcap, 0 off), act (int32, ACTIVATIONS' code), embed (float32, embedding_multiplier),
 #              residual (float32, residual_multiplier), windows [L] int32 (each layer's window), rope [L] int32
-#              (each layer's row of the cos, sin tables: 0 full attention, 1 sliding layers' own base)
+#              (each layer's row of the cos, sin tables: 0 full attention, 1 sliding layers' own base), experts_norm
+#              (int32, 1: the chosen experts' weights renormalised to sum 1)
 #     cache    the ring: k, v [L, B, C, K, Dh], positions [B, C] int32
 #     work     buffers x, xn [T, D], qkv [T, W], att [T, H Dh], gate_up [T, 2F], h [T, F], scores [blocks, C + T],
-#              o [T, D] (a block's output before its post-norm: zero between steps but that pair)
+#              o [T, D] (a block's output before its post-norm: zero between steps but that pair); experts: probs
+#              [T, E], chosen [T, k] int32, routed [T, k] (their weights), he [T, k, Fe] (their hidden units)
 StepWeights = namedtuple("StepWeights", ["tok_embeddings", "norms", "wqkv", "bqkv", "wo", "w13", "w2", "final_norm",
-                                         "q_norm", "k_norm", "post_norms"])
+                                         "q_norm", "k_norm", "post_norms", "router", "w13_exps", "w2_exps"])
 StepShape = namedtuple("StepShape", ["eps", "n_heads", "n_kv", "head_dim", "scale", "cap", "act", "embed",
-                                     "residual", "windows", "rope"])
+                                     "residual", "windows", "rope", "experts_norm"])
 StepCache = namedtuple("StepCache", ["k", "v", "positions"])
-StepWork = namedtuple("StepWork", ["x", "xn", "qkv", "att", "gate_up", "h", "scores", "o"])
+StepWork = namedtuple("StepWork", ["x", "xn", "qkv", "att", "gate_up", "h", "scores", "o", "probs", "chosen", "routed",
+                                   "he"])
 
 
 STEP_PARTS = {False: (1, 1), True: (2, 3)}  # steps of (normed, gated) in a layer: fused matvec products, tiled ones

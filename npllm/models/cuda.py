@@ -163,6 +163,10 @@ class _Workspace:
     h: object  # [T, F]
     scores: object  # [blocks, C + T] attention scratch
     o: object  # [T, D] a block's output before its post-norm (block_norms "sandwich", "post")
+    probs: object  # [T, E] the router's probabilities (E = 0 for a dense model)
+    chosen: object  # [T, k] int32 the experts each token uses
+    routed: object  # [T, k] their weights
+    he: object  # [T, k, Fe] their hidden units
 
 
 class CudaTransformer(Model):
@@ -170,7 +174,7 @@ class CudaTransformer(Model):
     # every dense family's options, as run-time data of the one forward kernel (kernels.StepShape, StepWeights)
     FEATURES = Model.FEATURES | {"ffn_activation", "embedding_multiplier", "residual_multiplier", "attention_scale",
                                  "attn_logit_softcap", "qk_norm", "block_norms", "sliding_layers", "rope_local_theta",
-                                 "longrope"}
+                                 "longrope", "n_experts"}
     """The Transformer on the GPU. dtype: how matrices are stored: float32, float16, or "q8_0" (GGUF's Q8_0 blocks,
     32 int8 values and a float16 scale, kernels.Q8_0_BLOCK), each weight widened to float32 as it is read, the sums
     in float32. With q8_0 a checkpoint's own Q8_0 matrices (quant.QuantizedMatrix, as formats.gguf's
@@ -237,13 +241,44 @@ class CudaTransformer(Model):
         self.wqkv = stacked(lambda w: np.concatenate([matrix(w.wq), matrix(w.wk), matrix(w.wv)]))
         self.bqkv = stacked(lambda w: vectors(fused_qkv(c, w, interleave_rope=False)[1]))
         self.wo = stacked(lambda w: matrix(w.wo))
-        self.w13 = stacked(lambda w: np.stack([matrix(w.w1), matrix(w.w3)]))
-        self.w2 = stacked(lambda w: matrix(w.w2))
+        self._upload_ffn(stacked, weights.layers)
         layers = sum(a.nbytes for a in (self.norms, self.final_norm, self.wqkv, self.bqkv, self.wo, self.w13, self.w2,
-                                        self.q_norm, self.k_norm, self.post_norms))
+                                        self.q_norm, self.k_norm, self.post_norms, self.router, self.w13_exps,
+                                        self.w2_exps))
         # A decode step streams every layer and the LM head; of the embedding it reads only the tokens' rows.
         self.step_weight_bytes = layers + self.output.nbytes
         self.weight_bytes = layers + self.output.nbytes + (0 if c.tied_embeddings else self.tok_embeddings.nbytes)
+
+    def _upload_ffn(self, stacked, layers) -> None:
+        """The feed-forward's matrices, stacked over the layers by `stacked` (_upload's): dense w13 = [w1; w3]
+        [L, 2, F, D] and w2 [L, D, F], or the experts' router [L, E, D] (float32), w13_exps [L, E, 2, Fe, D] and
+        w2_exps [L, E, D, Fe]; the kind a model lacks has an empty axis (F = 0, or E = 0), as the kernels expect."""
+        c, matrix = self.config, self._matrix
+        cols = matrix(np.zeros((1, c.dim), np.float32)).shape[1]  # D, or its Q8_0 blocks
+        if c.n_experts:
+            if any(w.router is None for w in layers):
+                raise ConfigError("the cuda backend runs a mixture of experts only where every layer routes")
+            self.w13 = stacked(lambda w: np.zeros((2, 0, cols), self.weight_dtype))
+            self.w2 = stacked(lambda w: np.zeros((c.dim, 0), self.weight_dtype))
+            self.router = stacked(lambda w: self._rounded(w.router))
+            self.w13_exps = stacked(lambda w: np.stack([np.stack([matrix(w.w1_exps[e]), matrix(w.w3_exps[e])])
+                                                        for e in range(c.n_experts)]))
+            self.w2_exps = stacked(lambda w: np.stack([matrix(w.w2_exps[e]) for e in range(c.n_experts)]))
+        else:
+            self.w13 = stacked(lambda w: np.stack([matrix(w.w1), matrix(w.w3)]))
+            self.w2 = stacked(lambda w: matrix(w.w2))
+            self.router = stacked(lambda w: np.zeros((0, c.dim), np.float32))
+            self.w13_exps = stacked(lambda w: np.zeros((0, 2, 0, cols), self.weight_dtype))
+            self.w2_exps = stacked(lambda w: np.zeros((0, c.dim, 0), self.weight_dtype))
+
+    def _rounded(self, w) -> np.ndarray:
+        """A matrix's values as this model's storage rounds them, in float32: the router, which the kernels read
+        as float32, holds the numbers the NumPy model computes with under the same weight_dtype."""
+        if self.q8_0:
+            blocks = q8_0_blocks(w, self.kernels.Q8_0_BLOCK)  # [N, K / 32] of (d, qs[32])
+            values = blocks["d"].astype(np.float32)[..., None] * blocks["qs"].astype(np.float32)
+            return np.ascontiguousarray(values.reshape(len(blocks), -1)[:, :as_matrix(w).shape[1]])
+        return np.ascontiguousarray(np.asarray(self._matrix(w)), dtype=np.float32)
 
     def _matrix(self, w) -> np.ndarray:
         """A host matrix as the device stores it: float32 or float16 [N, K], or Q8_0 blocks [N, ceil(K / 32)]."""
@@ -340,7 +375,9 @@ class CudaTransformer(Model):
             self._workspaces[key] = _Workspace(
                 meta=buf(6, T, dtype=np.int32), x=buf(T, c.dim), xn=buf(T, c.dim), qkv=buf(T, W),
                 att=buf(T, c.n_heads * c.head_dim), gate_up=buf(T, 2 * c.hidden_dim), h=buf(T, c.hidden_dim),
-                scores=buf(blocks, cache.capacity + T), o=buf(T, c.dim))
+                scores=buf(blocks, cache.capacity + T), o=buf(T, c.dim), probs=buf(T, c.n_experts),
+                chosen=buf(T, c.n_experts_used, dtype=np.int32), routed=buf(T, c.n_experts_used),
+                he=buf(T, c.n_experts_used, c.expert_hidden_dim or c.hidden_dim))
         return self._workspaces[key]
 
     def _heads(self):
@@ -392,15 +429,17 @@ class CudaTransformer(Model):
         else:
             key, threads = ("batch",), g.matmul_threads
             kernel = k.batch_step_kernel(g.tile, interleaved, self.q8_0, cooperative)
-            w13 = self.w13.reshape(L, 2 * c.hidden_dim, self.w13.shape[3])  # W1's rows, then W3's: one product
+            w13 = self.w13.reshape(L, 2 * self.w13.shape[2], self.w13.shape[3])  # W1's rows, then W3's: one product
         weights = k.StepWeights(self.tok_embeddings, self.norms, self.wqkv, self.bqkv, self.wo, w13, self.w2,
-                                self.final_norm, self.q_norm, self.k_norm, self.post_norms)
+                                self.final_norm, self.q_norm, self.k_norm, self.post_norms, self.router, self.w13_exps,
+                                self.w2_exps)
         _, windows, rope_rows = self._per_capacity(cache.capacity)
         f32 = np.float32
         shape = k.StepShape(f32(c.norm_eps), *self._heads(), f32(c.score_scale), f32(c.attn_logit_softcap),
                             np.int32(k.ACTIVATIONS.index(c.ffn_activation)), f32(c.embedding_multiplier),
-                            f32(c.residual_multiplier), windows, rope_rows)
-        work = k.StepWork(ws.x, ws.xn, ws.qkv, ws.att, ws.gate_up, ws.h, ws.scores, ws.o)
+                            f32(c.residual_multiplier), windows, rope_rows, np.int32(c.expert_weights_norm))
+        work = k.StepWork(ws.x, ws.xn, ws.qkv, ws.att, ws.gate_up, ws.h, ws.scores, ws.o, ws.probs, ws.chosen,
+                          ws.routed, ws.he)
         args = (kernel_record(weights), kernel_record(shape), self.cos, self.sin, ws.meta,
                 kernel_record(k.StepCache(cache.k, cache.v, cache.positions)), kernel_record(work), hidden)
         return key, kernel, threads, args
