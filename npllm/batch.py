@@ -210,16 +210,16 @@ def model_name(model) -> str:
     return Path(str(model)).stem or str(model)
 
 
-def chat_template_for(spec: str | None, checkpoint) -> tuple[str | None, str]:
+def chat_template_for(spec: str | None, checkpoint, arch: str | None = None) -> tuple[str | None, str]:
     """(template, "") for "messages" requests: --chat-template NAME|FILE, else the model's own; (None, why) when
     the model ships none and none was named (its "messages" lines are then errors saying so). A named template that
-    cannot be read raises ChatTemplateError."""
+    cannot be read raises ChatTemplateError. arch: the model's, for the built-in the reason suggests."""
     from .chat import find_chat_template, resolve_chat_template
 
     if spec is not None:
         return resolve_chat_template(spec, None), ""
     try:
-        return resolve_chat_template(None, find_chat_template(checkpoint)), ""
+        return resolve_chat_template(None, find_chat_template(checkpoint), arch), ""
     except ChatTemplateError as e:
         return None, str(e)
 

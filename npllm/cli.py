@@ -97,7 +97,8 @@ def add_chat(commands) -> None:
     add_model_arguments(chat)
     chat.add_argument("--system", "-s", default=None, help="the system message")
     chat.add_argument("--chat-template", default=None, metavar="NAME|FILE",
-                      help="llama2, llama3, chatml, zephyr, or a .jinja / tokenizer_config.json file "
+                      help="llama2, llama3, chatml, zephyr, mistral, gemma, phi3, granite, olmo2, or a .jinja / "
+                           "tokenizer_config.json file "
                            "(default: the model's own)")
     chat.add_argument("--max-new-tokens", type=whole(0), default=256, help="most tokens per reply (default 256)")
     add_sampling_arguments(chat)
@@ -212,7 +213,8 @@ def add_serve(commands) -> None:
     serve.add_argument("--served-model-name", default=None,
                        help="the model id clients send and /v1/models lists (default: the checkpoint's name)")
     serve.add_argument("--chat-template", default=None, metavar="NAME|FILE",
-                       help="template for /v1/chat/completions: a built-in (llama2, llama3, chatml, zephyr) or a "
+                       help="template for /v1/chat/completions: a built-in (llama2, llama3, chatml, zephyr, "
+                            "mistral, gemma, phi3, granite, olmo2) or a "
                             "file (default: the model's own; without one the chat endpoint answers 400)")
     serve.add_argument("--max-slots", type=whole(1, MOST_BATCH), default=8,
                        help="requests decoded together, one cache slot each (default 8)")
@@ -715,7 +717,7 @@ def run_serve(args) -> int:
     sock = bind(args.host, args.port)  # before the model loads: a port in use is an error at once
     try:
         llm = load_with_tokenizer(args)
-        template, problem = serve_chat_template(args.chat_template, llm.source)
+        template, problem = serve_chat_template(args.chat_template, llm.source, llm.config.arch)
         limits = Limits(args.max_slots, args.max_queue, args.max_tokens_limit, args.max_body_bytes,
                         args.max_connections, args.header_timeout, args.body_timeout, args.keep_alive_timeout)
         server = Server(llm, args.served_model_name or Path(args.model).stem or str(args.model), limits, template,
@@ -725,13 +727,13 @@ def run_serve(args) -> int:
         sock.close()
 
 
-def serve_chat_template(spec: str | None, checkpoint: str) -> tuple[str | None, str]:
+def serve_chat_template(spec: str | None, checkpoint: str, arch: str | None = None) -> tuple[str | None, str]:
     """(template, "") for the chat endpoint; (None, why) when the model ships none and none was named, so the
     server still serves completions and the chat endpoint answers 400 with the reason. A named template that
     cannot be read stops the server at once."""
     from .batch import chat_template_for
 
-    template, problem = chat_template_for(spec, checkpoint)
+    template, problem = chat_template_for(spec, checkpoint, arch)
     if problem:
         print(f"[npllm] /v1/chat/completions is off: {problem}", file=sys.stderr)
     return template, problem
@@ -761,7 +763,7 @@ def run_batch(args) -> int:
 
         work = plan(args.input, args.output, errors)  # bad files are refused before the model loads
         llm = load_with_tokenizer(args, kv_dtype=args.kv_dtype)
-        template, problem = chat_template_for(args.chat_template, llm.source)
+        template, problem = chat_template_for(args.chat_template, llm.source, llm.config.arch)
         runner = Runner(llm, None, template, problem, chat_template_name(args.chat_template, llm.source),
                         args.batch_size)
         summary = run(runner, work, args.output, errors)

@@ -137,7 +137,8 @@ class LLM:
         """The assistant's reply to `messages` ([{"role", "content"}, ...]), streamed as text.
 
         The conversation is laid out by the model's chat template (tokenizer_config.json, GGUF
-        tokenizer.chat_template) or chat_template= (a built-in name: llama2, llama3, chatml, zephyr; or a file).
+        tokenizer.chat_template) or chat_template= (a built-in name: llama2, llama3, chatml, zephyr, mistral, gemma,
+        phi3, granite, olmo2; or a file).
         The reply ends at the model's EOS, at the template's end-of-turn text, at a stop string or after
         max_new_tokens. The KV cache is kept between calls with the same template and policy: a conversation that
         grows by a turn runs only the new tokens through the model (npllm.chat.ChatSession, npllm.context).

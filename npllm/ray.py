@@ -118,7 +118,7 @@ class Predictor:
         from .chat import chat_template_name
 
         llm = _load(model, tokenizer, backend, threads, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
-        template, problem = chat_template_for(chat_template, llm.source)
+        template, problem = chat_template_for(chat_template, llm.source, llm.config.arch)
         self.runner = Runner(llm, name, template, problem, chat_template_name(chat_template, llm.source), slots)
         self.json_column = json_column
 

@@ -1,6 +1,8 @@
 """LLM.chat and ChatSession: the template's prompt, replies equal to plain generation, the cache reused across
 turns (equal to recomputation, fewer tokens run), the end of turn, /save and /load; `npllm chat` as a script."""
 
+import copy
+import dataclasses
 import json
 import os
 import signal
@@ -30,7 +32,9 @@ def llm(stories260k):
 
 def test_turn_end_of_the_builtin_templates():
     ends = {name: turn_end(t, "<s>", "</s>") for name, t in BUILTIN_TEMPLATES.items()}
-    assert ends == {"llama2": "</s>", "llama3": "<|eot_id|>", "chatml": "<|im_end|>", "zephyr": "</s>"}
+    assert ends == {"llama2": "</s>", "llama3": "<|eot_id|>", "chatml": "<|im_end|>", "zephyr": "</s>",
+                    "mistral": "</s>", "gemma": "<end_of_turn>", "phi3": "<|end|>", "granite": "<|end_of_text|>",
+                    "olmo2": "</s>"}
 
 
 def test_prompt_is_the_rendered_template_and_specials_become_ids(llm):
@@ -113,6 +117,14 @@ def test_save_load_reset_and_system(llm, tmp_path):
 def test_a_model_without_a_template_needs_one(llm):
     with pytest.raises(ChatTemplateError, match="--chat-template"):
         llm.chat(HI)
+
+
+def test_the_no_template_error_names_the_builtin_of_the_models_architecture(llm):
+    """A model that ships no template is told the built-in written in its architecture's layout."""
+    model = copy.copy(llm.model)
+    model.config = dataclasses.replace(llm.config, arch="gemma2")
+    with pytest.raises(ChatTemplateError, match="--chat-template gemma "):
+        npllm.LLM(model, llm.tokenizer, llm.source).chat(HI)
 
 
 def test_a_conversation_past_the_context_is_refused_under_error(llm):
@@ -201,6 +213,16 @@ def chat_cli(stories260k, lines: str, *flags, env=None, timeout=120) -> subproce
     return subprocess.run([sys.executable, "-m", "npllm", "chat", "--model", str(stories260k), "--backend", "numpy",
                            "--max-new-tokens", "4", *flags], input=lines, capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
+
+
+def test_npllm_chat_on_a_gemma_without_a_template_names_the_gemma_builtin_and_runs_with_it():
+    """transformers' Gemma 2 fixture ships no chat template: `npllm chat` says which built-in fits, and runs with it."""
+    gemma = os.path.join(REPO, "tests", "fixtures", "hf", "gemma2")
+    run = chat_cli(gemma, "Hi\n")
+    assert run.returncode == 2 and run.stdout == ""
+    assert "ships no chat template; choose one with --chat-template gemma " in run.stderr.splitlines()[-1]
+    run = chat_cli(gemma, "Hi\n", "--chat-template", "gemma", "--temperature", "0")
+    assert run.returncode == 0 and run.stdout.endswith("\n"), run.stderr
 
 
 def test_npllm_chat_past_the_context_names_reset_and_the_flag(stories260k):

@@ -71,6 +71,80 @@ def test_builtins_render_like_the_published_templates(name):
             assert render_case(builtin) == case["rendered"], case_id(case)
 
 
+# The families' published layouts (their model cards), written out: system + user + assistant + user, with the
+# tokenizer's own BOS/EOS pieces. (prompt without the generation prompt, what add_generation_prompt appends)
+PIRATE = [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Hi"},
+          {"role": "assistant", "content": "Arr! Hello."}, {"role": "user", "content": "Tell me a story"}]
+FAMILY_LAYOUTS = {
+    "gemma": (("<bos>", "<eos>"),
+              "<bos><start_of_turn>user\nYou are a pirate.\n\nHi<end_of_turn>\n"
+              "<start_of_turn>model\nArr! Hello.<end_of_turn>\n"
+              "<start_of_turn>user\nTell me a story<end_of_turn>\n",
+              "<start_of_turn>model\n"),
+    "phi3": (("<s>", "<|endoftext|>"),
+             "<|system|>\nYou are a pirate.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nArr! Hello.<|end|>\n"
+             "<|user|>\nTell me a story<|end|>\n",
+             "<|assistant|>\n"),
+    "granite": (("<|end_of_text|>", "<|end_of_text|>"),
+                "<|start_of_role|>system<|end_of_role|>You are a pirate.<|end_of_text|>\n"
+                "<|start_of_role|>user<|end_of_role|>Hi<|end_of_text|>\n"
+                "<|start_of_role|>assistant<|end_of_role|>Arr! Hello.<|end_of_text|>\n"
+                "<|start_of_role|>user<|end_of_role|>Tell me a story<|end_of_text|>\n",
+                "<|start_of_role|>assistant<|end_of_role|>"),
+    "olmo2": (("<|endoftext|>", "<|endoftext|>"),
+              "<|endoftext|><|system|>\nYou are a pirate.\n<|user|>\nHi\n<|assistant|>\nArr! Hello.<|endoftext|>\n"
+              "<|user|>\nTell me a story\n",
+              "<|assistant|>\n"),
+    "mistral": (("<s>", "</s>"),
+                "<s> [INST] You are a pirate.\n\nHi [/INST] Arr! Hello.</s> [INST] Tell me a story [/INST]",
+                ""),  # [/INST] is where the model takes over: no generation prompt of its own
+    "chatml": (("<|endoftext|>", "<|im_end|>"),  # Qwen2, Qwen3, Qwen3-MoE
+               "<|im_start|>system\nYou are a pirate.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+               "<|im_start|>assistant\nArr! Hello.<|im_end|>\n<|im_start|>user\nTell me a story<|im_end|>\n",
+               "<|im_start|>assistant\n"),
+}
+
+
+@pytest.mark.parametrize("name", FAMILY_LAYOUTS)
+def test_family_builtins_write_the_published_layout(name):
+    (bos, eos), layout, generation_prompt = FAMILY_LAYOUTS[name]
+    for add in (False, True):
+        text = render_chat_template(BUILTIN_TEMPLATES[name], PIRATE, add_generation_prompt=add, bos_token=bos,
+                                    eos_token=eos)
+        assert text == layout + (generation_prompt if add else "")
+
+
+def test_family_builtins_without_a_system_message():
+    """No system message: nothing is folded into the first user turn, and nothing stands in for it."""
+    rest = PIRATE[1:]
+    assert render_chat_template(BUILTIN_TEMPLATES["gemma"], rest, True, "<bos>", "<eos>") == (
+        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nArr! Hello.<end_of_turn>\n"
+        "<start_of_turn>user\nTell me a story<end_of_turn>\n<start_of_turn>model\n")
+    assert render_chat_template(BUILTIN_TEMPLATES["mistral"], rest, True, "<s>", "</s>") == (
+        "<s> [INST] Hi [/INST] Arr! Hello.</s> [INST] Tell me a story [/INST]")
+    assert render_chat_template(BUILTIN_TEMPLATES["olmo2"], rest[:2], False, "<|endoftext|>", "<|endoftext|>") == (
+        "<|endoftext|><|user|>\nHi\n<|assistant|>\nArr! Hello.<|endoftext|>")  # the last reply: no newline
+
+
+@pytest.mark.parametrize("name", ["gemma", "mistral"])
+def test_family_builtins_that_need_alternating_roles_say_so(name):
+    with pytest.raises(ChatTemplateError, match="alternate"):
+        render_chat_template(BUILTIN_TEMPLATES[name], [{"role": "user", "content": "a"}, {"role": "user",
+                                                                                         "content": "b"}])
+
+
+def test_a_model_without_a_template_is_told_the_builtin_of_its_architecture():
+    for arch, name in (("gemma2", "gemma"), ("gemma3_text", "gemma"), ("phi3", "phi3"), ("granite", "granite"),
+                       ("olmo2", "olmo2"), ("mixtral", "mistral"), ("qwen3_moe", "chatml"),
+                       ("granitemoe", "granite")):
+        with pytest.raises(ChatTemplateError, match=f"--chat-template {name} "):
+            resolve_chat_template(None, None, arch)
+    with pytest.raises(ChatTemplateError) as raised:  # Llama 2 and Llama 3 chat differ: no guess
+        resolve_chat_template(None, None, "llama")
+    assert "--chat-template NAME|FILE" in str(raised.value)
+    assert resolve_chat_template(None, "mine", "gemma2") == "mine"  # a shipped template is used as it is
+
+
 def test_empty_and_malformed_conversations():
     for bad in ([], "hello", {"role": "user"}, ["hello"], None):
         with pytest.raises(ChatTemplateError):

@@ -73,7 +73,7 @@ def case(name: str) -> tuple[str, ModelConfig, dict]:
                        granite_keys | {"expert_count": 4, "expert_used_count": 2}),
     }
     arch, options, keys = cases[name]
-    npllm_arch = {"mixtral": "llama", "qwen3moe": "qwen3_moe"}.get(name, name)
+    npllm_arch = {"qwen3moe": "qwen3_moe"}.get(name, name)
     return arch, ModelConfig(**(BASE | {"arch": npllm_arch} | options)), keys
 
 

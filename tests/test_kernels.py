@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from numba import njit
 
@@ -42,16 +43,16 @@ def rope_interleaved(x, cos, sin):
 
 
 @njit
-def swiglu(x, w13_panels, w2_panels, threads):
-    """SwiGLU feed-forward (silu(x W1^T) * (x W3^T)) W2^T, the model's three calls.   # [T, D] -> [T, D]
-
+def swiglu(x, w13_panels, w2_panels, threads, act):
+    """SwiGLU feed-forward (silu(x W1^T) * (x W3^T)) W2^T, the model's three calls; act cpu.GELU_TANH: GeGLU.
+                                                                                                # [T, D] -> [T, D]
     w13_panels = pack_panels(fused_gate_up(layer, 16)); w2_panels = pack_panels(W2).
     """
     T = x.shape[0]
     gate_up = np.empty((T, w13_panels.shape[0] * cpu.PANEL), np.float32)
     cpu.matmul_into(x, w13_panels, gate_up, T, threads)
     hidden = np.empty((T, gate_up.shape[1] // 2), np.float32)
-    cpu.swiglu_hidden_into(gate_up, hidden, T)
+    cpu.swiglu_hidden_into(gate_up, hidden, T, act)
     out = np.empty((T, w2_panels.shape[0] * cpu.PANEL), np.float32)
     cpu.matmul_into(hidden, w2_panels, out, T, threads)
     return out[:, :x.shape[1]].copy()
@@ -163,12 +164,14 @@ def test_rope_matches_ops(seed, T, heads, Dh, start, theta):
     np.testing.assert_allclose(rope_interleaved(x, cos, sin), ops.rope_interleaved(x, cos, sin), atol=1e-6)
 
 
-@given(seeds, st.integers(1, 12), st.integers(1, 40), st.integers(1, 60))
-def test_swiglu_matches_ops(seed, T, D, F):
+@given(seeds, st.integers(1, 12), st.integers(1, 40), st.integers(1, 60), st.sampled_from(["silu", "gelu_tanh"]))
+def test_swiglu_matches_ops(seed, T, D, F, activation):
+    """SwiGLU, and GeGLU (Gemma) through the same panels."""
     rng = np.random.default_rng(seed)
     x, w1, w2, w3 = normal(rng, T, D), normal(rng, F, D), normal(rng, D, F), normal(rng, F, D)
-    got = swiglu(x, cpu.pack_panels(fused_gate_up(ffn_layer(w1, w2, w3), cpu.PANEL)), cpu.pack_panels(w2), 2)
-    want = ops.swiglu(*(a.astype(np.float64) for a in (x, w1, w2, w3)))
+    act = {"silu": cpu.SILU, "gelu_tanh": cpu.GELU_TANH}[activation]
+    got = swiglu(x, cpu.pack_panels(fused_gate_up(ffn_layer(w1, w2, w3), cpu.PANEL)), cpu.pack_panels(w2), 2, act)
+    want = ops.swiglu(*(a.astype(np.float64) for a in (x, w1, w2, w3)), act=ops.ACTIVATIONS[activation])
     scale = ops.swiglu(np.abs(x).astype(np.float64), np.abs(w1), np.abs(w2), np.abs(w3)).max() + 1
     np.testing.assert_allclose(got, want, atol=1e-5 * scale)
 
@@ -245,3 +248,100 @@ def test_eight_keys_at_a_time_score_the_same_bits_as_one_by_one(seed, n, stored)
     one, eight = dots_one_by_one_and_eight_at_a_time(q, keys.view(np.uint16) if stored == np.float16 else keys,
                                                      bases, n)
     np.testing.assert_array_equal(one.view(np.int32), eight.view(np.int32))
+
+
+# ------------------------------------------------------------------------------------------- other families' kernels
+
+@njit
+def gelu_tanh(x):
+    """cpu.gelu_tanh of each value.   # [n] -> [n]"""
+    out = np.empty_like(x)
+    for i in range(x.shape[0]):
+        out[i] = cpu.gelu_tanh(x[i])
+    return out
+
+
+@njit
+def softcap(x, cap):
+    """cpu.softcap of each value (cap > 0, float32).   # [n] -> [n]"""
+    out = np.empty_like(x)
+    for i in range(x.shape[0]):
+        out[i] = cpu.softcap(x[i], cap)
+    return out
+
+
+floats32 = hnp.arrays(np.float32, st.integers(1, 200), elements=st.floats(-60, 60, width=32))
+
+
+@given(floats32)
+def test_gelu_tanh_matches_ops(x):
+    np.testing.assert_allclose(gelu_tanh(x), ops.gelu_tanh(x.astype(np.float64)), rtol=1e-5, atol=1e-6)
+
+
+@given(floats32, st.floats(0.5, 60.0))
+def test_softcap_matches_ops(x, cap):
+    np.testing.assert_allclose(softcap(x, np.float32(cap)), ops.softcap(x.astype(np.float64), np.float32(cap)),
+                               rtol=1e-5, atol=1e-6 * cap)
+
+
+@given(seeds, st.integers(1, 6), st.integers(1, 5), st.integers(1, 20).map(lambda n: 2 * n), st.booleans(),
+       st.integers(0, 7), st.floats(1e-6, 1e-2))
+def test_rms_norm_of_heads_matches_ops(seed, T, heads, Dh, per_head, col, eps):
+    """q/k norms: RMSNorm of each head's Dh values (weight [Dh]) or of the whole projection (weight [heads Dh]),
+    in place on the heads' columns, the columns around them untouched."""
+    rng = np.random.default_rng(seed)
+    x = normal(rng, T, col + heads * Dh + 3) * 3
+    g = 1 + normal(rng, Dh if per_head else heads * Dh) / 10
+    y = x[:, col:col + heads * Dh].astype(np.float64)
+    want = ops.rms_norm(y.reshape(T, heads, Dh) if per_head else y, g, eps).reshape(T, -1)
+    got = x.copy()
+    cpu.rms_norm_heads_into(got, col, heads, Dh, g, eps, T)
+    np.testing.assert_allclose(got[:, col:col + heads * Dh], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[:, :col], x[:, :col])
+    np.testing.assert_array_equal(got[:, col + heads * Dh:], x[:, col + heads * Dh:])
+
+
+@given(seeds, st.integers(1, 9), st.integers(1, 12), st.data(), st.booleans(), st.booleans())
+def test_route_matches_ops(seed, T, E, data, normalize, ties):
+    """The router's top k, ties to the lower expert id as ops.route's stable sort (logits drawn from a few integers
+    make many ties), and its weights."""
+    k = data.draw(st.integers(1, E), label="k")
+    rng = np.random.default_rng(seed)
+    D = 5
+    x = rng.integers(-2, 3, (T, D)).astype(np.float32) if ties else normal(rng, T, D)
+    router = rng.integers(-1, 2, (E, D)).astype(np.float32) if ties else normal(rng, E, D)
+    logits = np.zeros((T, E + 3), np.float32)
+    logits[:, :E] = x @ router.T  # exact: small integers, or the same float32 product the reference makes
+    chosen, weights = np.full((T, k), -1, np.int64), np.zeros((T, k), np.float32)
+    cpu.route_into(logits, T, E, k, normalize, chosen, weights)
+    want_chosen, want_weights = ops.route(x, router, k, normalize)
+    np.testing.assert_array_equal(chosen, want_chosen)
+    np.testing.assert_allclose(weights, want_weights, rtol=1e-6)
+
+
+@given(seeds, st.integers(1, 20), st.integers(0, 80), st.sampled_from([1, 2, 4]), st.integers(1, 2),
+       st.integers(1, 12).map(lambda n: 2 * n), st.one_of(st.none(), st.integers(1, 30)),
+       st.sampled_from([None, 0.05, 0.9]), st.sampled_from([0.0, 1.5, 30.0]))
+@settings(max_examples=40)
+def test_ring_attention_scale_softcap_and_window_match_ops(seed, T, past, group, K, Dh, window, scale, cap):
+    """cpu.attention_ring_into with a layer's options (AttentionOptions: window, score scale, soft-cap of the
+    scores before the mask) against ops.attention over the same keys."""
+    rng = np.random.default_rng(seed)
+    H, S = K * group, past + T
+    q, k, v = normal(rng, T, H, Dh) * 2, normal(rng, S, K, Dh) * 2, normal(rng, S, K, Dh)
+    ring_k, ring_v = np.zeros((1, S, K, Dh), np.float32), np.zeros((1, S, K, Dh), np.float32)
+    ring_k[0, :past], ring_v[0, :past] = k[:past], v[:past]
+    ring_pos = np.full((1, S), -1, np.int64)
+    ring_pos[0, :past] = np.arange(past)
+    qkv = np.concatenate([q.reshape(T, -1), k[past:].reshape(T, -1), v[past:].reshape(T, -1)], axis=1)
+    positions, seqs = np.arange(past, S), cpu.Sequences(np.arange(T), np.array([0, T]), np.array([0]))
+    w = min(window or S, S)
+    valid_from = np.empty(1, np.int64)
+    cpu.valid_from_into(positions, seqs, ring_pos, w, valid_from)
+    out = np.empty((T, H * Dh), np.float32)
+    s = 1.0 / np.sqrt(Dh) if scale is None else scale
+    cpu.attention_ring_into(qkv, H, K, positions, seqs, valid_from, cpu.LayerRing(ring_k, ring_v, ring_pos),
+                            cpu.AttentionOptions(w, s, cap), out)
+    mask = ops.attention_mask(positions, np.arange(S), w)
+    want = ops.attention(*(a.astype(np.float64) for a in (q, k, v)), mask, np.float32(s), np.float32(cap))
+    np.testing.assert_allclose(out, want.reshape(T, -1), atol=2e-5, rtol=1e-5)

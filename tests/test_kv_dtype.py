@@ -82,7 +82,8 @@ def ring_attention(q, k, v, past: int, storage):
     cpu.valid_from_into(positions, seqs, ring_pos, S, valid_from)
     out = np.empty((T, H * Dh), np.float32)
     cpu.attention_ring_into(qkv, H, K, positions, seqs, valid_from,
-                            cpu.LayerRing(ring_k.view(storage), ring_v.view(storage), ring_pos), S, out)
+                            cpu.LayerRing(ring_k.view(storage), ring_v.view(storage), ring_pos),
+                            cpu.AttentionOptions(S, 1.0 / np.sqrt(Dh), 0.0), out)
     return out, ring_k.astype(np.float32), ring_v.astype(np.float32)
 
 

@@ -38,10 +38,12 @@ class ChatSession:
                  context_policy: str = "error", sinks: int = DEFAULT_SINKS, capacity: int | None = None):
         self.llm = llm
         self.tokenizer = llm._require_tokenizer()
-        self.template = resolve_chat_template(chat_template, find_chat_template(llm.source) if llm.source else None)
+        found = find_chat_template(llm.source) if llm.source else None
+        self.template = resolve_chat_template(chat_template, found, llm.config.arch)
         self.template_name = chat_template_name(chat_template, llm.source)
         tok = self.tokenizer
-        self.bos_text, self.eos_text = tok.id_to_piece(tok.bos_id), tok.id_to_piece(tok.eos_id)
+        self.special_ids = special_ids(tok, llm.config)
+        self.bos_text, self.eos_text = (None if i is None else tok.id_to_piece(i) for i in self.special_ids)
         self.end_of_turn = turn_end(self.template, self.bos_text, self.eos_text, self.template_name)
         end_ids = self.encode(self.end_of_turn) if self.end_of_turn else []
         self.end_ids = frozenset(end_ids) if len(end_ids) == 1 else frozenset()  # a special token such as <|im_end|>
@@ -91,7 +93,7 @@ class ChatSession:
         SentencePiece encoder would spell "<s>" letter by letter); nothing is added that the template did not write,
         as transformers' apply_chat_template(tokenize=True) does."""
         tok = self.tokenizer
-        specials = {tok.id_to_piece(i): i for i in (tok.bos_id, tok.eos_id)
+        specials = {tok.id_to_piece(i): i for i in self.special_ids
                     if i is not None and 0 <= i < tok.vocab_size and tok.token_type(i) == TokenType.CONTROL}
         specials = {piece: i for piece, i in specials.items() if piece}
         if not specials:
@@ -174,6 +176,14 @@ def check_messages(messages) -> list[dict]:
             raise GenerationError(f"message {i} must be a dict with a role in {', '.join(ROLES)} and text content, "
                                   f"got {m!r:.80}")
     return messages
+
+
+def special_ids(tok, config) -> tuple[int | None, int | None]:
+    """The (BOS, EOS) ids a template's bos_token and eos_token stand for: the tokenizer's, else the model's (a
+    tokenizer.json without its tokenizer_config.json names no special tokens); None where neither has one."""
+    bos = tok.bos_id if tok.bos_id is not None else config.bos_id
+    eos = tok.eos_id if tok.eos_id is not None else (config.eos_ids[0] if config.eos_ids else None)
+    return bos, eos
 
 
 def turn_end(template: str, bos_text: str, eos_text: str, template_name: str | None = None) -> str:

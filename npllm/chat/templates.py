@@ -73,7 +73,75 @@ ZEPHYR = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
-BUILTIN_TEMPLATES = {"llama2": LLAMA2, "llama3": LLAMA3, "chatml": CHATML, "zephyr": ZEPHYR}
+MISTRAL = (
+    # Mistral / Mixtral instruct: BOS once, " [INST] " ... " [/INST]" around every user turn, each reply as " " +
+    # reply + EOS. No <<SYS>> block: the system prompt opens the first user turn, followed by a blank line. Roles
+    # must alternate user/assistant.
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set system = messages[0]['content'] %}{% set turns = messages[1:] %}"
+    "{% else %}{% set system = none %}{% set turns = messages %}{% endif %}"
+    "{{ bos_token }}"
+    "{% for message in turns %}"
+    "{% if (message['role'] == 'user') != (loop.index0 is even) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% if message['role'] == 'user' %}"
+    "{% set prefix = system + '\\n\\n' if loop.first and system is not none else '' %}"
+    "{{ ' [INST] ' + prefix + message['content'] + ' [/INST]' }}"
+    "{% else %}{{ ' ' + message['content'] + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+GEMMA = (
+    # Gemma 2 / 3: BOS once, then <start_of_turn>ROLE\ncontent<end_of_turn>\n per message, the assistant's role
+    # written "model". Gemma has no system role: a system message opens the first user turn, followed by a blank
+    # line. Contents are stripped; roles must alternate user/assistant.
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] | trim + '\\n\\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{{ bos_token }}"
+    "{% for message in turns %}"
+    "{% if (message['role'] == 'user') != (loop.index0 is even) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + message['content'] | trim }}"
+    "{{ '<end_of_turn>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+PHI3 = (
+    # Phi-3: <|ROLE|>\ncontent<|end|>\n per message (system, user, assistant); no BOS.
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+GRANITE = (
+    # Granite 3: <|start_of_role|>ROLE<|end_of_role|>content<|end_of_text|>\n per message; no BOS. (The checkpoints'
+    # own templates may add a default system message and tool sections; this writes only the messages given.)
+    "{% for message in messages %}"
+    "{{ '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] + '<|end_of_text|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_of_role|>assistant<|end_of_role|>' }}{% endif %}"
+)
+OLMO2 = (
+    # OLMo 2 (the Tulu 3 layout): BOS (<|endoftext|> in OLMo 2's vocabulary) once, <|ROLE|>\ncontent\n per system or
+    # user message, <|assistant|>\ncontent then EOS per reply (and a newline unless it is the last message).
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|assistant|>\\n' + message['content'] + eos_token }}{% if not loop.last %}{{ '\\n' }}{% endif %}"
+    "{% else %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+BUILTIN_TEMPLATES = {"llama2": LLAMA2, "llama3": LLAMA3, "chatml": CHATML, "zephyr": ZEPHYR, "mistral": MISTRAL,
+                     "gemma": GEMMA, "phi3": PHI3, "granite": GRANITE, "olmo2": OLMO2}
+# The built-in written in each architecture's (ModelConfig.arch) published layout, named when a checkpoint of that
+# architecture ships no template. Llama is left out: Llama 2 and Llama 3 chat models use different layouts.
+ARCH_TEMPLATES = {"mistral": "mistral", "mixtral": "mistral", "qwen2": "chatml", "qwen3": "chatml",
+                  "qwen3_moe": "chatml", "gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma", "phi3": "phi3",
+                  "granite": "granite", "granitemoe": "granite", "olmo2": "olmo2"}
 
 
 class ChatTemplateLimitError(ChatTemplateError):
@@ -149,12 +217,14 @@ def find_chat_template(checkpoint: str | os.PathLike) -> str | None:
     return None
 
 
-def resolve_chat_template(spec: str | None, found: str | None) -> str:
+def resolve_chat_template(spec: str | None, found: str | None, arch: str | None = None) -> str:
     """The template to render with: `spec` (a built-in name or a file: .jinja/.txt as is, .json as
-    tokenizer_config.json) when given, else the model's own `found` one."""
+    tokenizer_config.json) when given, else the model's own `found` one. arch (ModelConfig.arch): when the model
+    ships none, the error names the built-in written in that architecture's layout."""
     if spec is None:
         if found is None:
-            raise ChatTemplateError("this model ships no chat template; choose one with --chat-template NAME|FILE "
+            raise ChatTemplateError(f"this {arch + ' ' if arch else ''}model ships no chat template; "
+                                    f"choose one with --chat-template {_suggested(arch)}"
                                     f"(built-in: {', '.join(BUILTIN_TEMPLATES)})")
         return found
     if spec in BUILTIN_TEMPLATES:
@@ -172,6 +242,12 @@ def resolve_chat_template(spec: str | None, found: str | None) -> str:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ChatTemplateError(f"chat template file {path} is not UTF-8 text ({e})") from None
+
+
+def _suggested(arch: str | None) -> str:
+    """What the no-template error suggests: the built-in in the architecture's layout, where there is one."""
+    name = ARCH_TEMPLATES.get(arch or "")
+    return f"{name} (the {arch} layout) or NAME|FILE " if name else "NAME|FILE "
 
 
 # -- inputs ---------------------------------------------------------------------------------------------------------

@@ -416,7 +416,6 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
         bos_id=bos_id,
         eos_ids=tuple(eos_ids),
         stop_at_bos=stop_at_bos,
-        arch=family.arch,
         **family_options(g, p, family, base),
     )
 

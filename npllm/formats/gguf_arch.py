@@ -159,7 +159,10 @@ def family_of(g) -> Family:
 def family_options(g, p: str, family: Family, base: dict) -> dict:
     """Every ModelConfig keyword the family sets beyond the common fields in `base`: its own options, its sliding
     window and its experts."""
-    return family.options(g, p, base) | _sliding(g, p, family, base["n_layers"]) | _experts(g, p, family, base)
+    options = family.options(g, p, base) | _sliding(g, p, family, base["n_layers"]) | _experts(g, p, family, base)
+    # llama.cpp writes Mixtral as a "llama" with experts: named for what it is (its chat layout, `npllm info`)
+    mixtral = family.arch == "llama" and options.get("n_experts")
+    return options | dict(arch="mixtral" if mixtral else family.arch)
 
 
 def _sliding(g, p: str, family: Family, n_layers: int) -> dict:

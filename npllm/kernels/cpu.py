@@ -248,14 +248,63 @@ def rms_norm_into(x, weight, eps, out, T):
 
 
 @njit(cache=True)
-def swiglu_hidden_into(gate_up, out, T):
+def rms_norm_heads_into(x, col, heads, Dh, weight, eps, T):
+    """q or k norms (ModelConfig.qk_norm) in place on columns col .. col + heads*Dh of x's first T rows: RMSNorm of
+    each head's Dh values with weight [Dh] ("head": Qwen3, Gemma 3), or of all heads*Dh values at once with weight
+    [heads*Dh] ("projection": OLMo 2); each group as ops.rms_norm.                          # [>=T, >=col+heads*Dh]"""
+    n = weight.shape[0]
+    for t in range(T):
+        for g in range(col, col + heads * Dh, n):
+            s = np.float32(0.0)
+            for i in range(n):
+                s += x[t, g + i] * x[t, g + i]
+            inv = np.float32(1.0) / np.sqrt(s / np.float32(n) + np.float32(eps))
+            for i in range(n):
+                x[t, g + i] = x[t, g + i] * inv * weight[i]
+
+
+SILU, GELU_TANH = 0, 1  # the gate's activation (ModelConfig.ffn_activation "silu", "gelu_tanh"), as kernels take it
+_SQRT_2_OVER_PI = np.float32(np.sqrt(2.0 / np.pi))
+
+
+@njit(inline="always")
+def gelu_tanh(x):
+    """GELU, tanh approximation, of one float32 value, as ops.gelu_tanh:
+    x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    inner = _SQRT_2_OVER_PI * (x + np.float32(0.044715) * x * x * x)
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+
+
+@njit(inline="always")
+def softcap(x, cap):
+    """Soft-capping of one float32 value, as ops.softcap: c tanh(x / c) (cap c > 0, float32)."""
+    return cap * np.tanh(x / cap)
+
+
+@njit(cache=True)
+def geglu_hidden_into(gate_up, block, out, F, T):
+    """out[t, i] = gelu_tanh(gate) * up for i < F, t < T (GeGLU: Gemma's feed-forward), gate and up in alternating
+    blocks of `block` columns as fused_gate_up lays them out: gate i at column 2 block (i // block) + i % block, its
+    up `block` columns further (block 16: the panels' layout; block F: gate | up side by side).
+                                                                                     # [>=T, 2F'] -> [>=T, >=F]"""
+    for t in range(T):
+        for i in range(F):
+            at = 2 * block * (i // block) + i % block
+            out[t, i] = gelu_tanh(gate_up[t, at]) * gate_up[t, at + block]
+
+
+@njit(cache=True)
+def swiglu_hidden_into(gate_up, out, T, act):
     """out[t, 16i + j] = silu(gate) * up = gate / (1 + e^-gate) * up, gate and up read from their interleaved
-    panels.                                                                      # [>=T, 2Fp] -> [>=T, Fp]
+    panels; act GELU_TANH: gelu_tanh(gate) * up.                                 # [>=T, 2Fp] -> [>=T, Fp]
 
     gate_up is x @ fused_gate_up(layer, 16).T (models/weights.py): columns 32i .. 32i+15 hold gate outputs
     16i .. 16i+15 and columns 32i+16 .. 32i+31 the matching up outputs.
     """
     Fp = out.shape[1]
+    if act == GELU_TANH:
+        geglu_hidden_into(gate_up, PANEL, out, Fp, T)
+        return
     e = np.empty(Fp, np.float32)
     bits = np.empty(Fp, np.int32)
     for t in range(T):
@@ -267,6 +316,39 @@ def swiglu_hidden_into(gate_up, out, T):
             for j in range(PANEL):
                 gate, up = gate_up[t, 2 * PANEL * i + j], gate_up[t, 2 * PANEL * i + PANEL + j]
                 out[t, PANEL * i + j] = gate / (np.float32(1.0) + e[PANEL * i + j]) * up
+
+
+# --------------------------------------------------------------------------------------------- mixture of experts
+
+@njit(cache=True)
+def route_into(logits, T, E, k, normalize, chosen, weights):
+    """The router's choice, as ops.route: p = softmax(logits[t, :E]) in float64, chosen[t] = the k largest p (the
+    largest first, ties to the lower expert id: a stable sort of -p), weights[t] = their p, divided by their sum
+    when normalize.                                         # [>=T, >=E] -> chosen [>=T, >=k] int64, weights float32"""
+    p = np.empty(E, np.float64)
+    taken = np.empty(E, np.bool_)
+    for t in range(T):
+        m = -np.inf
+        for e in range(E):
+            m = max(m, np.float64(logits[t, e]))
+        total = 0.0
+        for e in range(E):
+            p[e] = np.exp(np.float64(logits[t, e]) - m)
+            total += p[e]
+        taken[:] = False
+        kept = 0.0
+        for e in range(E):
+            p[e] /= total
+        for j in range(k):
+            best = -1
+            for e in range(E):
+                if not taken[e] and (best < 0 or p[e] > p[best]):
+                    best = e
+            taken[best] = True
+            chosen[t, j] = best
+            kept += p[best]
+        for j in range(k):
+            weights[t, j] = np.float32(p[chosen[t, j]] / kept if normalize else p[chosen[t, j]])
 
 
 # --------------------------------------------------------------------------------------------------------- RoPE
@@ -452,8 +534,10 @@ Sequences = namedtuple("Sequences", ["order", "starts", "slots"])
 # [B C K Dh] inside the kernels) and positions [B, C] (the position each entry held before the call, -1 empty).
 LayerRing = namedtuple("LayerRing", ["k", "v", "positions"])
 # Attention's shape: K kv heads of G query heads each, head dim Dh, a query at p sees p - window < position <= p,
-# scores scaled by `scale` (float32 1 / sqrt(Dh)).
-AttentionShape = namedtuple("AttentionShape", ["K", "G", "Dh", "window", "scale"])
+# scores scaled by `scale` (float32; 1 / sqrt(Dh) in Llama) and soft-capped at `cap` (float32; 0: not).
+AttentionShape = namedtuple("AttentionShape", ["K", "G", "Dh", "window", "scale", "cap"])
+# A layer's attention options as the model passes them: window, score scale and soft-cap (see AttentionShape).
+AttentionOptions = namedtuple("AttentionOptions", ["window", "scale", "cap"])
 # One work item's scratch: scores, bases, held, bits [KEY_BLOCK]; stats [QUERY_BLOCK, 2, G] (running max and sum).
 Scratch = namedtuple("Scratch", ["scores", "bases", "held", "bits", "stats"])
 
@@ -483,15 +567,21 @@ def _key_block(ring, shape, b, g, p0, p1, valid_from, bases, held):
 
 
 @njit(inline="always")
-def _score_block(q, q_col, keys, bases, held, n, Dh, scale, scores):
-    """scores[j] = q[q_col : q_col+Dh] . keys[bases[j] : bases[j]+Dh] * scale for j < n, -inf where not held[j].
-    Eight keys at a time (_dot8_into: the same bits as _dot, key by key)."""
+def _score_block(q, q_col, keys, bases, held, n, shape, scores):
+    """scores[j] = q[q_col : q_col+Dh] . keys[bases[j] : bases[j]+Dh] * scale for j < n, soft-capped where
+    shape.cap > 0 (softcap), -inf where not held[j]. Eight keys at a time (_dot8_into: the same bits as _dot, key by
+    key)."""
+    Dh, scale, cap = shape.Dh, shape.scale, shape.cap
     j = 0
     while j + 8 <= n:
         _dot8_into(q, q_col, keys, bases, j, Dh, scores)
         j += 8
     for j in range(j, n):
         scores[j] = _dot(q, q_col, keys, bases[j], Dh)
+    if cap > 0:
+        for j in range(n):
+            scores[j] = softcap(scores[j] * scale, cap) if held[j] else -np.inf
+        return
     for j in range(n):
         scores[j] = scores[j] * scale if held[j] else -np.inf
 
@@ -508,7 +598,7 @@ def _attend_queries(qkv, rows, first_pos, g, b, valid_from, ring, shape, scratch
     where its rows lie (_key_block) is worked out once. scratch: a Scratch (stats [Q, 2, G] running max and sum per
     query head).
     """
-    G, Dh, window, scale = shape.G, shape.Dh, shape.window, shape.scale
+    G, Dh, window = shape.G, shape.Dh, shape.window
     scores, bases, held, bits, stats = scratch.scores, scratch.bases, scratch.held, scratch.bits, scratch.stats
     Q = rows.shape[0]
     for i in range(Q):
@@ -529,7 +619,7 @@ def _attend_queries(qkv, rows, first_pos, g, b, valid_from, ring, shape, scratch
             key_bases, key_held = bases[j0 - p0:], held[j0 - p0:]
             for hh in range(G):
                 col = (g * G + hh) * Dh
-                _score_block(q, col, ring.k, key_bases, key_held, j1 - j0, Dh, scale, scores)
+                _score_block(q, col, ring.k, key_bases, key_held, j1 - j0, shape, scores)
                 stats[i, 0, hh], stats[i, 1, hh] = _online_softmax_block(scores, key_bases, j1 - j0, ring.v, o, col,
                                                                          Dh, stats[i, 0, hh], stats[i, 1, hh], bits)
     for i in range(Q):
@@ -556,7 +646,7 @@ def valid_from_into(positions, seqs, ring_pos, window, out):
 
 
 @njit(parallel=True, cache=True)
-def attention_ring_into(qkv, H, K, positions, seqs, valid_from, ring, window, out):
+def attention_ring_into(qkv, H, K, positions, seqs, valid_from, ring, options, out):
     """Causal attention of this call's tokens over the ring cache, writing their keys and values into it.
 
         qkv       [T, (H + 2K) Dh]  rotated queries (heads 0..H-1), rotated keys, values, per token
@@ -566,6 +656,7 @@ def attention_ring_into(qkv, H, K, positions, seqs, valid_from, ring, window, ou
         ring      LayerRing: k, v [B, C, K, Dh] one layer of the cache, float32 or float16 bits (uint16: keys and
                   values are rounded to float16 when stored, widened when read); positions [B, C] those the ring
                   held before the call
+        options   AttentionOptions: window, scale (float; ModelConfig.score_scale), cap (float; 0: none)
         out       [T, H Dh]
 
     One work item per (sequence, kv head). It takes the sequence's tokens QUERY_BLOCK at a time: stores their keys
@@ -575,7 +666,8 @@ def attention_ring_into(qkv, H, K, positions, seqs, valid_from, ring, window, ou
     """
     B, C, _, Dh = ring.k.shape
     G = H // K
-    shape = AttentionShape(K, G, Dh, window, np.float32(1.0 / np.sqrt(Dh)))
+    window = options.window
+    shape = AttentionShape(K, G, Dh, window, np.float32(options.scale), np.float32(options.cap))
     keys = ring.k.reshape(B * C * K * Dh)
     values = ring.v.reshape(B * C * K * Dh)
     flat = LayerRing(keys, values, ring.positions)

@@ -4,7 +4,10 @@ What differs from models/reference.py is how the work is laid out:
 
 - Weights are repacked once at load (kernels/cpu.py: pack_panels), stacked over layers: wqkv = fused_qkv (q, k and
   v in one pass over the weights, Hugging Face q/k rows permuted into the interleaved RoPE layout, so the kernels
-  know a single RoPE) and w13 = fused_gate_up in blocks of 16 (gate and up in one pass).
+  know a single RoPE) and w13 = fused_gate_up in blocks of 16 (gate and up in one pass); models/numba_weights.py.
+- Every family's options (config.py: GeGLU, multipliers, score scale and soft-cap, q/k norms, sandwich and post
+  norms, per-layer windows and RoPE bases, longrope, mixtures of experts) are data of the one compiled loop: fields
+  of Dims, per-layer arrays of the weights record ([L, 0] where absent), never a second forward.
 - forward() checks its arguments in Python, then makes ONE call into compiled code that runs every layer
   (`_forward`): at batch 1 a small model is bound by per-call overhead, not arithmetic.
 - The float32 result does not depend on how tokens are split into calls: a prefill of T tokens and T one-token
@@ -29,17 +32,17 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .. import ops
 from ..cache import RingKVCache
-from ..config import ModelConfig
+from ..config import FEATURE_FIELDS, ModelConfig
 from ..errors import ConfigError, GenerationError
 from ..kernels import SPINNING, cpu
 from ..kernels import quant as qk
 from ..kernels.compiler import cached_here, release_compiler_pages, release_linking_modules
-from ..quant import INTERLEAVE
-from ..tensors import release, release_files
+from ..tensors import release_files
 from .base import Model, sampler_rows
-from .weights import Weights, fused_gate_up, fused_qkv
+from .numba_weights import (PER_LAYER, W1, W2, WO, WQ, Packed, QPacked, _bytes_by_type, pack,  # noqa: F401
+                            pack_quantized, pack_released)
+from .weights import Weights
 
 PANEL = cpu.PANEL
 # A parallel region pays for starting the other threads: a few microseconds where they spin between regions, tens
@@ -50,24 +53,21 @@ CORE_BYTES_PER_S = 10e9
 CORE_FLOPS = 50e9
 LAYER_REGIONS = 5  # parallel regions per layer in _forward: four matrix products and attention
 
-# The weights as _forward reads them, float32, stacked over L layers; matrices packed in panels of 16 rows.
-Packed = namedtuple("Packed", [
-    "embeddings",  # [V, D]
-    "attention_norm",  # [L, D]
-    "wqkv",  # [L, ceil(W/16), D, 16]      W = (H + 2K) Dh
-    "bqkv",  # [L, 16 ceil(W/16)]          zero-padded
-    "wo",  # [L, ceil(D/16), H Dh, 16]
-    "ffn_norm",  # [L, D]
-    "w13",  # [L, 2 ceil(F/16), D, 16]     gate and up panels alternating
-    "w2",  # [L, ceil(D/16), F, 16]
-    "norm",  # [D]
-    "qk_perm",  # [0] int64: empty, fused_qkv put q and k rows in the interleaved RoPE layout at load (see QPacked)
-])
 Sequences = cpu.Sequences  # a forward call's tokens grouped by cache slot (order, starts, slots)
 # One ring cache's arrays (RingKVCache): k, v [L, B, C, K, Dh], positions [B, C], lengths [B].
 Ring = namedtuple("Ring", ["k", "v", "positions", "lengths"])
-# Shape and options of a call: heads H, kv heads K, head dim Dh, norm eps, attention window, threads.
-Dims = namedtuple("Dims", ["H", "K", "Dh", "eps", "window", "threads"])
+# Shape and options of a call (ModelConfig's names where it has the option):
+Dims = namedtuple("Dims", [
+    "threads",  # cores the call's parallel regions use
+    "windows",  # [L] int64: how many most recent positions a query of each layer sees (Model.windows)
+    "H", "K", "Dh", "eps",  # query heads, kv heads, head dim, RMSNorm epsilon
+    "rope_rows",  # [L] int64: each layer's row of the RoPE frequency table (1: a sliding layer's rope_local_theta)
+    "act",  # the gate's activation: cpu.SILU or cpu.GELU_TANH (ffn_activation)
+    "embedding_multiplier", "residual_multiplier",  # x = E[t] m;  x += m block(x)
+    "scale", "softcap",  # attention scores: softcap(q.k scale) (score_scale, attn_logit_softcap; 0: none)
+    "n_experts", "n_experts_used", "expert_weights_norm",  # mixture of experts (E = 0: a dense FFN)
+])
+ACTIVATIONS = {"silu": cpu.SILU, "gelu_tanh": cpu.GELU_TANH}
 
 
 _threads_set = threading.local()  # numba.set_num_threads is per Python thread, and so is what it was last set to
@@ -81,24 +81,44 @@ def use_threads(n: int) -> None:
         _threads_set.n = n
 
 
-def _padded(n: int) -> int:
-    return -(-n // PANEL) * PANEL
-
-
 class NumbaTransformer(Model):
     backend = "numba"
+    FEATURES = frozenset(FEATURE_FIELDS) | {"longrope"}  # every family the reference runs
+
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], threads: int | None = None):
-        named = Weights.from_checkpoint(config, weights)
-        if threads is not None and not 1 <= threads <= numba.config.NUMBA_NUM_THREADS:
-            raise ConfigError(f"threads must be in 1 .. {numba.config.NUMBA_NUM_THREADS}, got {threads}")
-        super().__init__(config)
-        self.inv_freq = ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)  # [Dh/2] f64
+        named = self._start(config, weights, threads)
         self.packed = pack(config, named)
         self.output_panels = pack_released(named.output)  # [ceil(V/16), D, 16]
         release_files(weights.values())  # copied: what the per-weight releases left of a mapped file goes too
+        p, L = self.packed, config.n_layers
+        dense = p.wqkv.nbytes + p.wo.nbytes + p.w13.nbytes + p.w2.nbytes + p.router.nbytes
+        used = config.n_experts_used / max(1, config.n_experts)  # the share of the experts a token reads
+        self.layer_bytes = (dense + int(used * (p.w13_exps.nbytes + p.w2_exps.nbytes))) // L
+
+    def _start(self, config: ModelConfig, weights: dict, threads: int | None) -> Weights:
+        """What both classes' __init__ do first: check the weights and threads, and set the options' data (the
+        static part of Dims, per-capacity windows and RoPE frequencies: per_capacity)."""
+        named = Weights.from_checkpoint(config, weights)
+        if threads is not None and not 1 <= threads <= numba.config.NUMBA_NUM_THREADS:
+            raise ConfigError(f"threads must be in 1 .. {numba.config.NUMBA_NUM_THREADS}, got {threads}")
+        Model.__init__(self, config)
         self.threads = threads or numba.config.NUMBA_NUM_THREADS
-        p = self.packed
-        self.layer_bytes = (p.wqkv.nbytes + p.wo.nbytes + p.w13.nbytes + p.w2.nbytes) // config.n_layers
+        c = config
+        rope_rows = np.array([int(bool(c.rope_local_theta) and c.is_sliding(l)) for l in range(c.n_layers)], np.int64)
+        self.static_dims = (c.n_heads, c.n_kv_heads, c.head_dim, float(c.norm_eps), rope_rows,
+                            ACTIVATIONS[c.ffn_activation], float(c.embedding_multiplier), float(c.residual_multiplier),
+                            float(c.score_scale), float(c.attn_logit_softcap), c.n_experts, c.n_experts_used,
+                            bool(c.expert_weights_norm))  # one type each: one compiled signature
+        self._capacities: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        return named
+
+    def per_capacity(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+        """(windows [L] int64, RoPE frequencies [2, Dh/2] float64) of a cache of this capacity (Model.windows,
+        Model.rope_frequencies: longrope's depend on it), worked out once per capacity."""
+        if capacity not in self._capacities:
+            self._capacities[capacity] = (self.windows(capacity),
+                                          np.ascontiguousarray(self.rope_frequencies(capacity), np.float64))
+        return self._capacities[capacity]
 
     # fused_qkv(interleave_rope=True) permutes Hugging Face q/k rows, so every cached key pairs (2i, 2i+1)
     key_layout = "interleaved"
@@ -112,9 +132,12 @@ class NumbaTransformer(Model):
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of packed weights one decode step streams (all layers and the LM head, padding included)."""
-        layers = sum(a.nbytes for name, a in self.packed._asdict().items() if name != "embeddings")
-        return layers + self.output_panels.nbytes + self.config.dim * 4
+        """Bytes of packed weights one decode step streams (all layers and the LM head, padding included; of a
+        mixture of experts, the share of the experts a token uses)."""
+        c, packed = self.config, self.packed._asdict()
+        experts = packed.pop("w13_exps").nbytes + packed.pop("w2_exps").nbytes
+        layers = sum(a.nbytes for name, a in packed.items() if name != "embeddings")
+        return layers + experts * c.n_experts_used // max(1, c.n_experts) + self.output_panels.nbytes + c.dim * 4
 
     def forward(self, tokens, positions, cache: RingKVCache, slots=None) -> np.ndarray:
         """Final-norm hidden states of the given tokens, updating the cache.     # [T], [T], [T] -> [T, D]
@@ -129,10 +152,10 @@ class NumbaTransformer(Model):
             return np.zeros((0, self.config.dim), np.float32)
         threads = self.threads_for(len(tokens), self._layer_cost(), LAYER_REGIONS)
         use_threads(threads)
-        c = self.config
-        dims = Dims(c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps, self.window(cache), threads)
+        windows, freqs = self.per_capacity(cache.capacity)
+        dims = Dims(threads, windows, *self.static_dims)
         ring = Ring(*_kv_arrays(cache), cache.positions, cache.lengths)
-        return _forward(tokens, positions, sequences, self.packed, self.inv_freq, dims, ring)
+        return _forward(tokens, positions, sequences, self.packed, freqs, dims, ring)
 
     def _layer_cost(self) -> int:
         """Weight bytes one layer's products read (what threads_for weighs)."""
@@ -186,51 +209,6 @@ def _kv_arrays(cache: RingKVCache) -> tuple[np.ndarray, np.ndarray]:
     return cache.k.view(KV_STORED[cache.k.dtype]), cache.v.view(KV_STORED[cache.v.dtype])
 
 
-def lookup_table(embeddings) -> np.ndarray:
-    """The embedding table as _forward reads it: float32, C order, read-only, whatever the source (one compiled
-    signature). No copy of a float32 table: over a file's memory map, only the rows looked up become resident."""
-    table = np.ascontiguousarray(embeddings, dtype=np.float32).view()
-    table.flags.writeable = False
-    return table
-
-
-def pack_released(w) -> np.ndarray:
-    """cpu.pack_panels(w), a block of rows at a time, each block's pages of a mapped file released once packed:
-    the panels become the only resident copy, with no moment holding both whole.        # [N, D] -> [P, D, 16]"""
-    N, D = w.shape
-    panels = np.empty((-(-N // PANEL), D, PANEL), np.float32)
-    rows = PANEL * max(1, (1 << 20) // (PANEL * D * 4))  # ~1 MiB of float32 rows a block, whole panels
-    for r0 in range(0, N, rows):
-        block = w[r0:r0 + rows]
-        panels[r0 // PANEL:(r0 + len(block) + PANEL - 1) // PANEL] = cpu.pack_panels(block)
-        release(block)
-    return panels
-
-
-def pack(c: ModelConfig, weights: Weights) -> Packed:
-    """The layer weights fused, packed in panels and stacked along L, as _forward reads them."""
-    L, D, F, H, K, Dh = c.n_layers, c.dim, c.hidden_dim, c.n_heads, c.n_kv_heads, c.head_dim
-    n_qkv = (H + 2 * K) * Dh
-    wqkv = np.empty((L, _padded(n_qkv) // PANEL, D, PANEL), np.float32)
-    bqkv = np.zeros((L, _padded(n_qkv)), np.float32)
-    wo = np.empty((L, _padded(D) // PANEL, H * Dh, PANEL), np.float32)
-    w13 = np.empty((L, 2 * _padded(F) // PANEL, D, PANEL), np.float32)
-    w2 = np.empty((L, _padded(D) // PANEL, F, PANEL), np.float32)
-    # The vectors first, then the file's pages let go (as in pack_quantized): reading a vector maps the cached pages
-    # around it (up to 2 MiB each), resident beside the panels until the end of the load: 10 MiB of a 110M F32 peak
-    attention_norm, ffn_norm = weights.stacked("attention_norm"), weights.stacked("ffn_norm")
-    release_files([layer.wq for layer in weights.layers])
-    for l, layer in enumerate(weights.layers):
-        qkv, bqkv[l, :n_qkv] = fused_qkv(c, layer, interleave_rope=True)
-        wqkv[l] = cpu.pack_panels(qkv)
-        wo[l] = cpu.pack_panels(layer.wo)
-        w13[l] = cpu.pack_panels(fused_gate_up(layer, PANEL))
-        w2[l] = cpu.pack_panels(layer.w2)
-        release(layer.wq, layer.wk, layer.wv, layer.wo, layer.w1, layer.w2, layer.w3)  # the panels are the copy
-    return Packed(lookup_table(weights.tok_embeddings), attention_norm, wqkv, bqkv, wo, ffn_norm, w13, w2,
-                  np.array(weights.norm, np.float32), np.empty(0, np.int64))
-
-
 SAMPLER_PROBLEMS = {-1: "logits row {b} contains NaN; the model output is broken",
                     -2: "logits row {b}: every token is -inf (masked), so there is nothing to sample"}
 
@@ -276,14 +254,6 @@ def _group_by_slot(tokens, positions, slots, V, B, order, seq_starts, seq_slots)
 
 
 @njit(inline="always")
-def _residual_add(x, o, T, D):
-    """x[:T] += o[:T, :D] (o may be wider: padded to whole panels)."""
-    for t in range(T):
-        for d in range(D):
-            x[t, d] += o[t, d]
-
-
-@njit(inline="always")
 def _commit_positions(positions, seqs, ring):
     """Record this call's positions in the ring's table once every layer holds its keys, as RingKVCache.write."""
     C = ring.positions.shape[1]
@@ -295,17 +265,7 @@ def _commit_positions(positions, seqs, ring):
 
 
 # ================================================================================================================
-# Weights kept in their file types (a GGUF checkpoint's quantized blocks, F16, ...): no float32 copy, no repacking.
-#
-# Every matrix is a run of byte rows inside ONE uint8 array, the `pool`: the checkpoint's memory map itself when all
-# matrices lie in it (a GGUF file), else their bytes put together once. A table says where each one is:
-#
-#     mats [7 L + 2, 5] int64: byte offset, GGML type id, rows N, values per row K, bytes per row
-#          rows 7 l + (WQ, WK, WV, WO, W1, W3, W2) for layer l, then the token embeddings and the LM head
-#
-# Nothing is fused at load (fusing would copy): q, k and v (and gate and up), which read the same input, are
-# computed in ONE parallel region over their concatenated rows, each matrix by the row-range worker of its own type
-# (kernels/quant), so a file that mixes types (Q4_K_M: Q4_K, Q6_K, Q5_0, ...) runs every matrix as stored.
+# Products of weights kept in their file types (QPacked, models/numba_weights.py).
 
 # A product's input quantized to 8 bits per block of 32 (kernels/quant quantize_activations_q8_into), or in two
 # 8-bit parts (two_part_activations_into: q [T, 2K] each token's first part then its second, d, s and s16 those of
@@ -321,128 +281,6 @@ Matrices = namedtuple("Matrices", ["pool", "mats", "first", "count"])
 # The input of one products_into call as its kernels read it: x [>=T, K] float32, T tokens, x's sums of 16 [K/16]
 # (one token), and x quantized to 8 bits (xq) and in two 8-bit parts (xv), each Int8Activations (empty if unused).
 Operand = namedtuple("Operand", ["x", "T", "sums", "xq", "xv"])
-WQ, WK, WV, WO, W1, W3, W2 = range(7)
-PER_LAYER = 7
-# Quantized forward: the float32 panels of a product over T tokens come from decoding 16 rows; rows of one token
-# are read straight from the blocks (see kernels/quant).
-QPacked = namedtuple("QPacked", [
-    "pool",  # [bytes] uint8, read-only
-    "mats",  # [7 L + 2, 5] int64 (see above)
-    "attention_norm",  # [L, D]
-    "bqkv",  # [L, (H + 2K) Dh]      zeros where the model has no biases
-    "ffn_norm",  # [L, D]
-    "norm",  # [D]
-    "qk_perm",  # [(H + K) Dh] int64: column i of q|k takes column qk_perm[i] (rope_layout "half"); empty otherwise
-])
-
-
-def _memory_root(a: np.ndarray):
-    """The object whose memory an array views (a memory map, a bytes object), or the array itself if it owns it."""
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    root = a.base if a.base is not None else a
-    return root.obj if isinstance(root, memoryview) else root
-
-
-def weight_pool(raws: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
-    """One read-only uint8 array holding every matrix's bytes, and each one's offset in it: the memory map they
-    all view (no copy), or, when they do not share one, their bytes concatenated once (each distinct array once)."""
-    roots = {id(_memory_root(r)): _memory_root(r) for r in raws}
-    if len(roots) == 1 and not isinstance(next(iter(roots.values())), np.ndarray):
-        pool = np.frombuffer(next(iter(roots.values())), np.uint8)
-        start = pool.__array_interface__["data"][0]
-        return pool, [r.__array_interface__["data"][0] - start for r in raws]
-    offsets, parts, seen, at = [], [], {}, 0
-    for r in raws:
-        if id(r) not in seen:
-            seen[id(r)] = at
-            parts.append(np.ascontiguousarray(r).reshape(-1))
-            at += r.nbytes
-        offsets.append(seen[id(r)])
-    pool = np.concatenate(parts)
-    pool.flags.writeable = False
-    return pool, offsets
-
-
-def interleaved_pool(matrices: list, interleave: list[bool]) -> tuple[np.ndarray, list[int]]:
-    """weight_pool's one uint8 array, built as a copy: the matrices marked in `interleave` as
-    quant.interleave_rows(raw) (eight rows per group), the others as they are, each distinct matrix once. A mapped
-    source's pages are released once copied (tensors.release), so the pool is the only resident copy, with no moment
-    holding both whole."""
-    from ..quant import interleave_rows
-
-    keys = [(m.raw.__array_interface__["data"][0], m.raw.shape, inter) for m, inter in zip(matrices, interleave)]
-    first = {}
-    for i, key in enumerate(keys):
-        first.setdefault(key, i)
-    offsets_of, at = {}, 0
-    for key, i in first.items():
-        offsets_of[key] = at
-        at += stored_row_bytes(matrices[i], interleave[i]) * stored_rows(matrices[i], interleave[i])
-    pool = np.empty(at, np.uint8)
-    for key, i in first.items():
-        raw, at = matrices[i].raw, offsets_of[key]
-        rows = INTERLEAVE * max(1, (1 << 20) // (INTERLEAVE * raw.shape[1]))  # ~1 MiB at a time: no whole temporaries
-        for r0 in range(0, raw.shape[0], rows):
-            part = raw[r0:r0 + rows]
-            stored = interleave_rows(part, matrices[i].qtype) if interleave[i] else part
-            pool[at:at + stored.nbytes] = np.ascontiguousarray(stored).reshape(-1)
-            at += stored.nbytes
-            release(part)
-    pool.flags.writeable = False
-    return pool, [offsets_of[key] for key in keys]
-
-
-def stored_rows(m, interleaved: bool) -> int:
-    """Rows matrix m takes in the pool: its own, or (interleaved) as many as whole groups of INTERLEAVE hold."""
-    return -(-m.shape[0] // INTERLEAVE) * INTERLEAVE if interleaved else m.shape[0]
-
-
-def stored_row_bytes(m, interleaved: bool) -> int:
-    """Bytes a row of matrix m takes in the pool: its file's, or as interleaved rows (Q4_K's scales unpacked)."""
-    from ..quant import INTERLEAVED_BLOCK_BYTES, TYPES
-
-    if not interleaved:
-        return m.raw.shape[1]
-    return m.raw.shape[1] // TYPES[m.qtype].block_bytes * INTERLEAVED_BLOCK_BYTES[m.qtype] // INTERLEAVE
-
-
-def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
-    """The matrices in their own types over one byte pool, the vectors as float32 arrays stacked along L."""
-    from ..quant import INTERLEAVED_TYPES, TYPES, as_matrix
-    from ..tensors import permute_qk_half_to_interleaved
-
-    names = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
-    matrices = [as_matrix(getattr(layer, name)) for layer in weights.layers for name in names]
-    matrices += [as_matrix(weights.tok_embeddings), as_matrix(weights.output)]
-    # Every block type's products run on rows interleaved by eight (kernels/quant), which needs a copy
-    # of the file's bytes in that order. The embedding table stays as stored (its rows are looked up one by one, and a
-    # mapped table's unused rows never load), unless the LM head is tied to it: then the one copy is interleaved for
-    # the head's product (the largest of a decode step), and a lookup gathers its row back (decode_any_row).
-    tied = matrices[-1].raw.__array_interface__["data"][0] == matrices[-2].raw.__array_interface__["data"][0]
-    interleave = [m.qtype in INTERLEAVED_TYPES and (i != len(matrices) - 2 or tied)
-                  for i, m in enumerate(matrices)]
-    # The vectors first, then every page of the file let go: reading a vector maps the cached pages around it (up to
-    # 2 MiB each), 17-35 MB of a 110M Q4_0 file, resident beside the pool while it is built.
-    H, K, Dh = c.n_heads, c.n_kv_heads, c.head_dim
-    bqkv = np.zeros((c.n_layers, (H + 2 * K) * Dh), np.float32)
-    if c.attention_bias:
-        for l, layer in enumerate(weights.layers):
-            bqkv[l] = np.concatenate([layer.bq, layer.bk, layer.bv])
-    qk_perm = np.empty(0, np.int64)
-    if c.rope_layout == "half":  # q and k rows in HF's layout: permute their outputs into the interleaved one
-        qk_perm = np.concatenate([permute_qk_half_to_interleaved(np.arange(H * Dh), H, Dh),
-                                  H * Dh + permute_qk_half_to_interleaved(np.arange(K * Dh), K, Dh)])
-    attention_norm, ffn_norm = weights.stacked("attention_norm"), weights.stacked("ffn_norm")
-    norm = np.array(weights.norm, np.float32)
-    release_files(matrices)
-    if any(interleave):
-        pool, offsets = interleaved_pool(matrices, interleave)
-    else:
-        pool, offsets = weight_pool([m.raw for m in matrices])
-    mats = np.array([(at, TYPES[m.qtype].type_id + (qk.INTERLEAVED_CODE if inter else 0), m.shape[0], m.shape[1],
-                      stored_row_bytes(m, inter)) for at, m, inter in zip(offsets, matrices, interleave)], np.int64)
-    return QPacked(pool, mats, attention_norm, bqkv, ffn_norm, norm, qk_perm.astype(np.int64))
 
 
 class QuantizedNumbaTransformer(NumbaTransformer):
@@ -450,19 +288,17 @@ class QuantizedNumbaTransformer(NumbaTransformer):
     matrices read from the file's bytes, never widened to float32 as a whole."""
 
     def __init__(self, config: ModelConfig, weights: dict, threads: int | None = None):
-        named = Weights.from_checkpoint(config, weights)
-        if threads is not None and not 1 <= threads <= numba.config.NUMBA_NUM_THREADS:
-            raise ConfigError(f"threads must be in 1 .. {numba.config.NUMBA_NUM_THREADS}, got {threads}")
-        Model.__init__(self, config)
-        self.inv_freq = ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        named = self._start(config, weights, threads)
         self.packed = pack_quantized(config, named)
         release_files(weights.values())  # copied into the pool: what the per-part releases left goes too
-        self.threads = threads or numba.config.NUMBA_NUM_THREADS
         mats, L = self.packed.mats, config.n_layers
-        self.type_bytes = _bytes_by_type(mats)
-        self.layer_bytes = int(mats[:PER_LAYER * L, 2] @ mats[:PER_LAYER * L, 4]) // L
+        rows = np.concatenate([mats[:PER_LAYER * L], self.packed.experts])  # a layer's, and its experts'
+        self.type_bytes = _bytes_by_type(np.concatenate([mats, self.packed.experts]))
+        used = np.ones(len(rows))  # what a token reads of each: every matrix, k / E of each expert
+        used[PER_LAYER * L + L:] = config.n_experts_used / max(1, config.n_experts)
+        self.layer_bytes = int((rows[:, 2] * used) @ rows[:, 4]) // L
         # what the thread estimate sees: the kernels' cost follows the values (decoding), not the bytes
-        self.layer_cost_bytes = 4 * int(mats[:PER_LAYER * L, 2] @ mats[:PER_LAYER * L, 3]) // L
+        self.layer_cost_bytes = 4 * int((rows[:, 2] * used) @ rows[:, 3]) // L
 
     @property
     def weight_bytes(self) -> int:
@@ -493,20 +329,6 @@ class QuantizedNumbaTransformer(NumbaTransformer):
         if len(h):
             products_into(self.packed.pool, mats, len(mats) - 1, 1, h, len(h), out, threads)
         return out
-
-
-def _bytes_by_type(mats: np.ndarray) -> dict[str, int]:
-    from ..quant import TYPES_BY_ID
-
-    totals: dict[str, int] = {}
-    seen = set()
-    for at, code, N, K, row_bytes in mats.tolist():
-        if at in seen:  # tied embeddings: one matrix, listed twice
-            continue
-        seen.add(at)
-        name = TYPES_BY_ID[code % qk.INTERLEAVED_CODE].name
-        totals[name] = totals.get(name, 0) + N * row_bytes
-    return totals
 
 
 @njit(inline="always")
@@ -640,9 +462,12 @@ def _embed_rows(w, tokens, x):
 
 
 @njit(inline="always")
-def _swiglu(gate_up, F, out, T, threads):
-    """silu(gate) * up of T tokens, on the threads from QUANTIZE_IN_PARALLEL_FROM tokens.   # [>=T, 2F] -> [>=T, F]"""
-    if threads > 1 and T >= QUANTIZE_IN_PARALLEL_FROM:
+def _swiglu(gate_up, F, out, T, threads, act):
+    """silu(gate) * up of T tokens, on the threads from QUANTIZE_IN_PARALLEL_FROM tokens; act cpu.GELU_TANH:
+    gelu_tanh(gate) * up (cpu.geglu_hidden_into).                                        # [>=T, 2F] -> [>=T, F]"""
+    if act == cpu.GELU_TANH:
+        cpu.geglu_hidden_into(gate_up, F, out, F, T)
+    elif threads > 1 and T >= QUANTIZE_IN_PARALLEL_FROM:
         _swiglu_halves_parallel(gate_up, F, out, T, threads)
     else:
         _swiglu_halves_into(gate_up, F, out, T)
@@ -738,51 +563,91 @@ def layer_product(w, l, which, x, T, out, threads):
     raise NotImplementedError("compiled code only")
 
 
-def _swiglu_panels(w, gate_up, hidden, T, threads):
-    cpu.swiglu_hidden_into(gate_up, hidden, T)
+def _swiglu_panels(w, gate_up, hidden, T, threads, act):
+    cpu.swiglu_hidden_into(gate_up, hidden, T, act)
 
 
-def _swiglu_pool(w, gate_up, hidden, T, threads):
-    _swiglu(gate_up, hidden.shape[1], hidden, T, threads)
+def _swiglu_pool(w, gate_up, hidden, T, threads, act):
+    _swiglu(gate_up, hidden.shape[1], hidden, T, threads, act)
 
 
 @by_record({Packed: _swiglu_panels, QPacked: _swiglu_pool})
-def swiglu_product(w, gate_up, hidden, T, threads):
-    """hidden = silu(gate) * up from the GATE_UP product's output, laid out as the record's product writes it.
-                                                                                   # [>=T, 2F] -> [>=T, F]"""
+def swiglu_product(w, gate_up, hidden, T, threads, act):
+    """hidden = act(gate) * up (act: cpu.SILU or cpu.GELU_TANH) from the GATE_UP product's output (a layer's or an
+    expert's), laid out as the record's product writes it.                          # [>=T, 2F] -> [>=T, F]"""
+    raise NotImplementedError("compiled code only")
+
+
+def _router_panels(w, l, x, T, out, threads):
+    cpu.matmul_into(x, w.router[l], out, T, threads)
+
+
+def _router_pool(w, l, x, T, out, threads):
+    products_into(w.pool, w.experts, l, np.int64(1), x, T, out, threads)
+
+
+@by_record({Packed: _router_panels, QPacked: _router_pool})
+def router_product(w, l, x, T, out, threads):
+    """out[:T, :E] = x[:T] @ router.T, layer l's router logits (a mixture of experts).      # [>=T, D] -> [>=T, >=E]"""
+    raise NotImplementedError("compiled code only")
+
+
+def _expert_panels(w, l, e, which, x, T, out, threads):
+    cpu.matmul_into(x, (w.w13_exps, w.w2_exps)[which - GATE_UP][l, e], out, T, threads)
+
+
+def _expert_pool(w, l, e, which, x, T, out, threads):
+    L = w.attention_norm.shape[0]
+    first = L + 3 * (l * ((w.experts.shape[0] - L) // (3 * L)) + e) + (which - GATE_UP) * 2  # gate (and up), down
+    products_into(w.pool, w.experts, first, np.int64(2 - (which - GATE_UP)), x, T, out, threads)
+
+
+@by_record({Packed: _expert_panels, QPacked: _expert_pool})
+def expert_product(w, l, e, which, x, T, out, threads):
+    """out[:T] = x[:T] @ W.T for expert e of layer l's product `which` (GATE_UP or DOWN), laid out as layer_product
+    lays out a dense layer's.                                                       # [>=T, K] -> [>=T, N]"""
     raise NotImplementedError("compiled code only")
 
 
 def _widths_panels(w):
-    return w.wo.shape[1] * PANEL, w.w13.shape[1] * PANEL
+    return w.wo.shape[1] * PANEL, max(w.w13.shape[1], w.w13_exps.shape[2]) * PANEL
 
 
 def _widths_pool(w):
-    return w.attention_norm.shape[1], 2 * w.mats[W1, 2]
+    Fe = w.experts[w.attention_norm.shape[0], 2] if w.experts.shape[0] else 0  # the first expert's gate rows
+    return w.norm.shape[0], 2 * max(w.mats[W1, 2], Fe)
 
 
 @by_record({Packed: _widths_panels, QPacked: _widths_pool})
 def product_widths(w):
-    """Columns of the OUT and GATE_UP products' outputs: D and 2F, or (Packed) rounded up to whole panels."""
+    """Columns of the OUT and GATE_UP products' outputs: D and 2F (2Fe: an expert's), or (Packed) rounded up to
+    whole panels."""
     raise NotImplementedError("compiled code only")
 
 
 # A forward call's buffers, float32 [T, ...]: x the residual stream [D], h a block's normed input [D], o a block's
 # output before the residual add [>= D], qkv [(H + 2K) Dh, padded as bqkv], attn [H Dh], gate_up [>= 2F], hidden
-# [>= F], cos and sin the RoPE angles [Dh/2].
-Buffers = namedtuple("Buffers", ["x", "h", "o", "qkv", "attn", "gate_up", "hidden", "cos", "sin"])
+# [>= F]; cos and sin the RoPE angles [2, T, Dh/2] (full layers' row 0, sliding layers' row 1); a mixture of experts'
+# (0 rows in a dense model): logits [>= E], chosen [k] int64 and gates [k] (cpu.route_into), rows [] int64 and
+# row_gates [] (the tokens routed to one expert), expert_x [D] and expert_o [>= D] (its input and output).
+Buffers = namedtuple("Buffers", ["x", "h", "o", "qkv", "attn", "gate_up", "hidden", "cos", "sin", "logits", "chosen",
+                                 "gates", "rows", "row_gates", "expert_x", "expert_o"])
 
 
 @njit(inline="always")
 def _buffers(w, T, dims) -> Buffers:
     """Room for a forward call of T tokens on weights record w (product_widths says how wide its outputs are)."""
-    D = w.attention_norm.shape[1]
+    D = w.norm.shape[0]
     o_cols, gate_up_cols = product_widths(w)
     half = dims.Dh // 2
+    Tm, E, k = T if dims.n_experts else 0, dims.n_experts, dims.n_experts_used
     return Buffers(np.empty((T, D), np.float32), np.empty((T, D), np.float32), np.empty((T, o_cols), np.float32),
                    np.empty((T, w.bqkv.shape[1]), np.float32), np.empty((T, dims.H * dims.Dh), np.float32),
                    np.empty((T, gate_up_cols), np.float32), np.empty((T, gate_up_cols // 2), np.float32),
-                   np.empty((T, half), np.float32), np.empty((T, half), np.float32))
+                   np.empty((2, T, half), np.float32), np.empty((2, T, half), np.float32),
+                   np.empty((Tm, -(-E // PANEL) * PANEL), np.float32), np.empty((Tm, k), np.int64),
+                   np.empty((Tm, k), np.float32), np.empty(Tm, np.int64), np.empty(Tm, np.float32),
+                   np.empty((Tm, D), np.float32), np.empty((Tm, o_cols), np.float32))
 
 
 @njit(inline="always")
@@ -799,36 +664,123 @@ def _add_bias(qkv, bias, perm, T):
                 qkv[t, i] = unpermuted[perm[i]]
 
 
+@njit(inline="always")
+def _normed(x, weight, eps, out, T):
+    """rms_norm(x[:T]) into out, or x itself where the family has no norm here (weight [0]).   # [>=T, D] -> [>=T, D]"""
+    if weight.shape[0] == 0:
+        return x
+    cpu.rms_norm_into(x, weight, eps, out, T)
+    return out
+
+
+@njit(inline="always")
+def _post_norm(o, weight, eps, T):
+    """o[:T, :D] = rms_norm(o[:T, :D]) in place where the family norms a block's output (weight [D]; [0]: not)."""
+    if weight.shape[0]:
+        cpu.rms_norm_into(o, weight, eps, o, T)
+
+
+@njit(inline="always")
+def _rope_angles(positions, freqs, rope_rows, cos, sin, T):
+    """cos, sin [r, :T] of the RoPE angles for each frequency row r the layers use (rope_rows): row 0 alone unless
+    sliding layers turn at their own base.                                         # [T], [2, Dh/2] -> [2, T, Dh/2]"""
+    for r in range(rope_rows.max() + 1 if rope_rows.shape[0] else 1):
+        cpu.rope_angles_into(positions, freqs[r], cos[r], sin[r], T)
+
+
+@njit(inline="always")
+def _attention_block(w, l, positions, seqs, valid_from, ring, b, dims):
+    """b.o[:T, :D] = layer l's attention block of b.x: (rms_norm) -> q, k, v (+ bias) -> (q/k norms) -> RoPE ->
+    attention over the ring (the layer's window, score scale, soft-cap) -> wo -> (post norm)."""
+    T, H, K, Dh, eps = positions.shape[0], dims.H, dims.K, dims.Dh, dims.eps
+    layer_product(w, l, QKV, _normed(b.x, w.attention_norm[l], eps, b.h, T), T, b.qkv, dims.threads)
+    _add_bias(b.qkv, w.bqkv[l], w.qk_perm, T)
+    if w.q_norm.shape[1]:
+        cpu.rms_norm_heads_into(b.qkv, 0, H, Dh, w.q_norm[l], eps, T)
+        cpu.rms_norm_heads_into(b.qkv, H * Dh, K, Dh, w.k_norm[l], eps, T)
+    r = dims.rope_rows[l]
+    cpu.rope_interleaved_into(b.qkv, H + K, Dh, b.cos[r], b.sin[r], T)  # queries and keys: the first H + K heads
+    cpu.attention_ring_into(b.qkv, H, K, positions, seqs, valid_from,
+                            cpu.LayerRing(ring.k[l], ring.v[l], ring.positions),
+                            cpu.AttentionOptions(dims.windows[l], dims.scale, dims.softcap), b.attn)
+    layer_product(w, l, OUT, b.attn, T, b.o, dims.threads)
+    _post_norm(b.o, w.post_attention_norm[l], eps, T)
+
+
+@njit(inline="always")
+def _ffn_block(w, l, b, T, dims):
+    """b.o[:T, :D] = layer l's feed-forward block of b.x: (rms_norm) -> SwiGLU / GeGLU, dense or routed to experts
+    (_moe_ffn) -> (post norm)."""
+    x = _normed(b.x, w.ffn_norm[l], dims.eps, b.h, T)
+    if dims.n_experts:
+        _moe_ffn(w, l, x, b, T, dims)
+    else:
+        layer_product(w, l, GATE_UP, x, T, b.gate_up, dims.threads)
+        swiglu_product(w, b.gate_up, b.hidden, T, dims.threads, dims.act)
+        layer_product(w, l, DOWN, b.hidden, T, b.o, dims.threads)
+    _post_norm(b.o, w.post_ffn_norm[l], dims.eps, T)
+
+
+@njit(inline="always")
+def _moe_ffn(w, l, x, b, T, dims):
+    """b.o[t, :D] = sum over the experts e token t's router chose (cpu.route_into) of gate_e * FFN_e(x[t]), as
+    ops.moe_ffn: each expert runs once per call over the tokens that chose it (its weights read once), and every
+    token adds its experts in increasing e, whatever the call's tokens (prefill and decode give the same bits)."""
+    D, E, k = b.x.shape[1], dims.n_experts, dims.n_experts_used
+    router_product(w, l, x, T, b.logits, dims.threads)
+    cpu.route_into(b.logits, T, E, k, dims.expert_weights_norm, b.chosen, b.gates)
+    b.o[:T, :D] = 0.0
+    for e in range(E):
+        n = 0
+        for t in range(T):
+            for j in range(k):
+                if b.chosen[t, j] == e:
+                    b.rows[n], b.row_gates[n] = t, b.gates[t, j]
+                    n += 1
+        if n == 0:
+            continue
+        for i in range(n):
+            b.expert_x[i, :] = x[b.rows[i], :D]
+        expert_product(w, l, e, GATE_UP, b.expert_x, n, b.gate_up, dims.threads)
+        swiglu_product(w, b.gate_up, b.hidden, n, dims.threads, dims.act)
+        expert_product(w, l, e, DOWN, b.hidden, n, b.expert_o, dims.threads)
+        for i in range(n):
+            for d in range(D):
+                b.o[b.rows[i], d] += b.row_gates[i] * b.expert_o[i, d]
+
+
+@njit(inline="always")
+def _scaled_add(x, o, T, D, m):
+    """x[:T] += m o[:T, :D] (o may be wider: padded to whole panels; m = 1 is exact: Llama's bits)."""
+    for t in range(T):
+        for d in range(D):
+            x[t, d] += m * o[t, d]
+
+
 @njit(cache=True)
-def _forward(tokens, positions, seqs, w, inv_freq, dims, ring):
+def _forward(tokens, positions, seqs, w, freqs, dims, ring):
     """Every layer of the reference Transformer.forward for T tokens, then the cache's position table.  # -> [T, D]
 
-    x = embed(tokens); per layer: x += wo(attention(rope(qkv(rms_norm(x))))); x += w2(swiglu(w13(rms_norm(x))));
-    then rms_norm(x). w: Packed or QPacked (compiled once for each; see by_record).
+    x = embed(tokens) m; per layer: x += r attention_block(x); x += r ffn_block(x); then rms_norm(x), with every
+    family's options as data (Dims, and the per-layer arrays of the weights record). w: Packed or QPacked (compiled
+    once for each; see by_record). freqs [2, Dh/2]: RoPE frequencies of full and sliding layers (rope_frequencies).
     """
-    H, K, Dh, eps, window, threads = dims
     T = tokens.shape[0]
-    L, D = w.attention_norm.shape
+    L, D = w.attention_norm.shape[0], w.norm.shape[0]
     b = _buffers(w, T, dims)
-    cpu.rope_angles_into(positions, inv_freq, b.cos, b.sin, T)
+    _rope_angles(positions, freqs, dims.rope_rows, b.cos, b.sin, T)
     valid_from = np.empty(seqs.slots.shape[0], np.int64)
-    cpu.valid_from_into(positions, seqs, ring.positions, window, valid_from)
+    cpu.valid_from_into(positions, seqs, ring.positions, dims.windows.max(), valid_from)
     embed_tokens(w, tokens, b.x)
+    if dims.embedding_multiplier != 1.0:
+        b.x[:] *= np.float32(dims.embedding_multiplier)
+    r = np.float32(dims.residual_multiplier)
     for l in range(L):
-        cpu.rms_norm_into(b.x, w.attention_norm[l], eps, b.h, T)
-        layer_product(w, l, QKV, b.h, T, b.qkv, threads)
-        _add_bias(b.qkv, w.bqkv[l], w.qk_perm, T)
-        cpu.rope_interleaved_into(b.qkv, H + K, Dh, b.cos, b.sin, T)  # queries and keys: the first H + K heads
-        cpu.attention_ring_into(b.qkv, H, K, positions, seqs, valid_from,
-                                cpu.LayerRing(ring.k[l], ring.v[l], ring.positions), window, b.attn)
-        layer_product(w, l, OUT, b.attn, T, b.o, threads)
-        _residual_add(b.x, b.o, T, D)
-        cpu.rms_norm_into(b.x, w.ffn_norm[l], eps, b.h, T)
-        layer_product(w, l, GATE_UP, b.h, T, b.gate_up, threads)
-        swiglu_product(w, b.gate_up, b.hidden, T, threads)
-        layer_product(w, l, DOWN, b.hidden, T, b.o, threads)
-        _residual_add(b.x, b.o, T, D)
-    cpu.rms_norm_into(b.x, w.norm, eps, b.h, T)
+        _attention_block(w, l, positions, seqs, valid_from, ring, b, dims)
+        _scaled_add(b.x, b.o, T, D, r)
+        _ffn_block(w, l, b, T, dims)
+        _scaled_add(b.x, b.o, T, D, r)
+    cpu.rms_norm_into(b.x, w.norm, dims.eps, b.h, T)
     _commit_positions(positions, seqs, ring)
     return b.h
 

@@ -35,7 +35,8 @@ def call(first, n, capacity, held):
     k, v, ring_pos = ring(capacity, held)
     out = np.empty((n, H * Dh), np.float32)
     args = (qkv, H, K, np.arange(first, first + n), cpu.Sequences(np.arange(n), np.array([0, n]), np.array([0])),
-            np.array([0], np.int64), cpu.LayerRing(k, v, ring_pos), capacity, out)
+            np.array([0], np.int64), cpu.LayerRing(k, v, ring_pos),
+            cpu.AttentionOptions(capacity, 1.0 / np.sqrt(Dh), 0.0), out)
     return lambda: cpu.attention_ring_into(*args)
 
 
