@@ -55,26 +55,28 @@ def main() -> int:
                     cases[f"matvec rows={rows} norm={norm} residual={residual} gated={gated} {name_of(wt)} "
                           f"{layout}"] = (k.matvec_kernel(rows, g.threads, g.lanes, norm, residual, gated,
                                                           wt is q80),
-                                          (arr(f32, 2, layout), arr(f32, 1), f, w, arr(f32, 2)))
+                                          (arr(f32, 2, layout), arr(f32, 1), f, w, arr(f32, 2), f, i))
     for residual in (False, True):
         for wt in (f32, f16, q80):
             cases[f"matmul residual={residual} {name_of(wt)}"] = (
-                k.matmul_kernel(g.tile, residual, wt is q80), (arr(f32, 2), arr(wt, 2), arr(f32, 2)))
-    cases["sample"] = (k.sample_kernel(g.sampler_threads), (arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(i32, 1)))
+                k.matmul_kernel(g.tile, residual, wt is q80), (arr(f32, 2), arr(wt, 2), arr(f32, 2), f))
+    cases["sample"] = (k.sample_kernel(g.sampler_threads),
+                       (arr(f32, 2), arr(f32, 2), arr(f32, 2), arr(i32, 1)))
     cases["gather_rows"] = (k.gather_rows_kernel(), (arr(f32, 2), arr(i32, 1), arr(f32, 2)))
     for ndim in (2, 3):
         cases[f"compact {ndim}-D"] = (k.compact_kernel(ndim), (arr(f32, ndim, "A"), arr(f32, ndim)))
-    def step_args(wt, w13_ndim, work_arrays):
+    def step_args(wt, w13_ndim):
         """The step kernels' argument types: (weights, shape, cos, sin, meta, cache, work, hidden)."""
         def record(cls, *members):
             return typeof(cls(*(np.empty((2,) * ndim, dtype) if ndim else dtype(0) for dtype, ndim in members)))
 
         weights = record(k.StepWeights, (wt, 2), (f32, 3), (wt, 3), (f32, 2), (wt, 3), (wt, w13_ndim), (wt, 3),
-                         (f32, 1))
-        shape = record(k.StepShape, (f32, 0), (i32, 0), (i32, 0), (i32, 0), (i32, 0), (f32, 0))
+                         (f32, 1), (f32, 2), (f32, 2), (f32, 3), (f32, 3), (wt, 5), (wt, 4))
+        shape = record(k.StepShape, (f32, 0), (i32, 0), (i32, 0), (i32, 0), (f32, 0), (f32, 0), (i32, 0), (f32, 0),
+                       (f32, 0), (i32, 1), (i32, 1), (i32, 0))
         cache = record(k.StepCache, (f32, 5), (f32, 5), (i32, 2))
-        work = record(k.StepWork, *[(f32, 2)] * work_arrays)
-        return (weights, shape, arr(f32, 2), arr(f32, 2), arr(i32, 2), cache, work, arr(f32, 2), i, i)
+        work = record(k.StepWork, *[(f32, 2)] * 8, (f32, 2), (i32, 2), (f32, 2), (f32, 3))
+        return (weights, shape, arr(f32, 3), arr(f32, 3), arr(i32, 2), cache, work, arr(f32, 2), i, i)
 
     for cooperative in (True, False):  # one launch, or one step a launch (no grid barrier, no cudadevrt)
         way = "" if cooperative else " step-by-step"
@@ -83,11 +85,11 @@ def main() -> int:
                 for wt in (f32, f16, q80):
                     cases[f"decode_step rows={rows} interleaved={interleaved} {name_of(wt)}{way}"] = (
                         k.decode_step_kernel(rows, g.threads, g.lanes, interleaved, wt is q80, cooperative),
-                        step_args(wt, 4, 7))
+                        step_args(wt, 4))
         for interleaved in (True, False):
             for wt in (f32, f16, q80):
                 cases[f"batch_step interleaved={interleaved} {name_of(wt)}{way}"] = (
-                    k.batch_step_kernel(g.tile, interleaved, wt is q80, cooperative), step_args(wt, 3, 7))
+                    k.batch_step_kernel(g.tile, interleaved, wt is q80, cooperative), step_args(wt, 3))
     if args.quick:
         cases = {name: case for name, case in cases.items() if quick(name)}
     failed = 0

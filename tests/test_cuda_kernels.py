@@ -23,6 +23,7 @@ from npllm import ops  # noqa: E402
 from npllm.cache import RingKVCache  # noqa: E402
 from npllm.config import ModelConfig  # noqa: E402
 from npllm.kernels import cuda as ck  # noqa: E402
+from npllm.kernels import cuda_ffn  # noqa: E402
 from npllm import sampling  # noqa: E402
 from npllm.sampling import SamplingParams, sample_with  # noqa: E402
 
@@ -62,13 +63,32 @@ def test_embed_and_rms_norm(geometry):
     table = normal(rng, 11, 37)
     tokens = np.array([3, 0, 10, 3, 7])
     x = cuda.device_array((5, 37), np.float32)
-    ck.embed_kernel()[2, geometry.threads](cuda.to_device(table), meta_rows(tokens, tokens * 0, tokens * 0), x)
+    meta = meta_rows(tokens, tokens * 0, tokens * 0)
+    ck.embed_kernel()[2, geometry.threads](cuda.to_device(table), meta, x, np.float32(2.5))  # Gemma's multiplier
+    np.testing.assert_array_equal(x.copy_to_host(), ops.embed(table, tokens) * np.float32(2.5))
+    ck.embed_kernel()[2, geometry.threads](cuda.to_device(table), meta, x, np.float32(1))
     np.testing.assert_array_equal(x.copy_to_host(), ops.embed(table, tokens))
     g = normal(rng, 37)
     out = cuda.device_array((5, 37), np.float32)
     ck.rms_norm_kernel(geometry.threads)[3, geometry.threads](x, cuda.to_device(g), EPS, out)
     np.testing.assert_allclose(out.copy_to_host(), ops.rms_norm(ops.embed(table, tokens), g, 1e-5),
                                rtol=2e-6, atol=1e-6)
+    # an empty gain: no norm at that place (OLMo 2's block inputs), the rows copied
+    ck.rms_norm_kernel(geometry.threads)[3, geometry.threads](x, cuda.to_device(np.zeros(0, np.float32)), EPS, out)
+    np.testing.assert_array_equal(out.copy_to_host(), ops.embed(table, tokens))
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"threads{g.threads}")
+def test_post_norm_adds_the_normed_block_output_and_clears_it(geometry):
+    """block_norms "sandwich"/"post": x += m rms_norm(y, g) (reference.Transformer: x + r * norm(block(x))), y
+    left at zero for the next product to add into."""
+    rng = np.random.default_rng(5)
+    x, y, g = normal(rng, 5, 37), normal(rng, 5, 37, scale=3.0), normal(rng, 37)
+    m = np.float32(0.22)  # Granite's residual multiplier
+    dx, dy = cuda.to_device(x), cuda.to_device(y)
+    ck.post_norm_kernel(geometry.threads)[2, geometry.threads](dy, cuda.to_device(g), EPS, m, dx)
+    np.testing.assert_allclose(dx.copy_to_host(), x + m * ops.rms_norm(y, g, 1e-5), rtol=2e-6, atol=1e-6)
+    np.testing.assert_array_equal(dy.copy_to_host(), np.zeros_like(y))
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"threads{g.threads}")
@@ -87,15 +107,20 @@ def test_matvec_variants(geometry, rows, T, dtype):
     y0 = normal(rng, T, N)
     xn = ops.rms_norm(x, g, 1e-5)
     w32, w13_32 = w.astype(np.float32), w13.astype(np.float32)
-    cases = {(False, False, False): x @ w32.T, (True, False, False): xn @ w32.T,
-             (False, True, False): y0 + x @ w32.T,
-             (True, False, True): ops.silu(xn @ w13_32[0].T) * (xn @ w13_32[1].T)}
-    for (norm, residual, gated), expected in cases.items():
+    alpha, no_gain = np.float32(0.3), np.zeros(0, np.float32)  # a residual multiplier (Granite); no norm gain
+    # (norm, residual, gated, act, gain): act 1 is GeGLU's gelu_tanh; an empty gain skips the norm (OLMo 2)
+    cases = {(False, False, False, 0, True): x @ w32.T, (True, False, False, 0, True): xn @ w32.T,
+             (True, False, False, 0, False): x @ w32.T,
+             (False, True, False, 0, True): y0 + alpha * (x @ w32.T),
+             (True, False, True, 0, True): ops.silu(xn @ w13_32[0].T) * (xn @ w13_32[1].T),
+             (True, False, True, 1, True): ops.gelu_tanh(xn @ w13_32[0].T) * (xn @ w13_32[1].T)}
+    for (norm, residual, gated, act, gain), expected in cases.items():
         y = cuda.to_device(y0)
         kernel = ck.matvec_kernel(rows, geometry.threads, geometry.lanes, norm, residual, gated)
-        kernel[2, geometry.threads](cuda.to_device(x), cuda.to_device(g), EPS, cuda.to_device(w13 if gated else w), y)
+        kernel[2, geometry.threads](cuda.to_device(x), cuda.to_device(g if gain else no_gain), EPS,
+                                    cuda.to_device(w13 if gated else w), y, alpha, np.int32(act))
         np.testing.assert_allclose(y.copy_to_host(), expected, rtol=1e-4, atol=2e-5,
-                                   err_msg=f"norm={norm} residual={residual} gated={gated}")
+                                   err_msg=f"norm={norm} residual={residual} gated={gated} act={act} gain={gain}")
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"threads{g.threads}")
@@ -103,39 +128,55 @@ def test_matvec_variants(geometry, rows, T, dtype):
 def test_matmul_tiles(geometry, M, N, K):
     rng = np.random.default_rng(M * N * K)
     x, w, y0 = normal(rng, M, K), normal(rng, N, K), normal(rng, M, N)
-    for residual, expected in ((False, x @ w.T), (True, y0 + x @ w.T)):
+    alpha = np.float32(0.3)
+    for residual, expected in ((False, x @ w.T), (True, y0 + alpha * (x @ w.T))):
         y = cuda.to_device(y0)
-        ck.matmul_kernel(geometry.tile, residual)[3, geometry.matmul_threads](cuda.to_device(x), cuda.to_device(w), y)
+        ck.matmul_kernel(geometry.tile, residual)[3, geometry.matmul_threads](cuda.to_device(x), cuda.to_device(w), y,
+                                                                              alpha)
         np.testing.assert_allclose(y.copy_to_host(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
-def test_bias_rope_matches_ops(interleaved):
-    """Bias on every column, then RoPE on the first rot_heads heads (the q and k heads), in both pair layouts."""
+@pytest.mark.parametrize("qk_norm", ["", "head", "projection"])
+def test_bias_rope_matches_ops(interleaved, qk_norm):
+    """Bias on every column, the q/k RMSNorms (none, per head: Qwen3, Gemma 3; over the projection: OLMo 2), then
+    RoPE on the q and k heads, in both pair layouts, as reference.Transformer.attention_block."""
     rng = np.random.default_rng(1)
-    T, Dh, rot_heads, heads = 4, 6, 3, 5
+    T, Dh, H, K = 4, 6, 2, 1
+    heads = H + 2 * K
     qkv, bias = normal(rng, T, heads * Dh), normal(rng, heads * Dh)
+    sizes = {"": (0, 0), "head": (Dh, Dh), "projection": (H * Dh, K * Dh)}[qk_norm]
+    q_norm, k_norm = normal(rng, sizes[0]), normal(rng, sizes[1])
     positions = np.array([0, 7, 300, 5])
     cos, sin = ops.rope_angles(np.arange(301), ops.rope_inv_freq(Dh, 10000.0), np.float32)
     out = cuda.to_device(qkv)
-    ck.bias_rope_kernel(interleaved)[3, 8](out, cuda.to_device(bias), rot_heads, Dh, cuda.to_device(cos),
-                                          cuda.to_device(sin), meta_rows(positions * 0, positions, positions * 0))
-    biased = (qkv + bias).reshape(T, heads, Dh)
+    ck.bias_rope_kernel(interleaved, 8)[3, 8](out, cuda.to_device(bias), cuda.to_device(q_norm),
+                                              cuda.to_device(k_norm), EPS, H, K, Dh, cuda.to_device(cos),
+                                              cuda.to_device(sin), meta_rows(positions * 0, positions, positions * 0))
+    biased = qkv + bias
+    q, k = biased[:, :H * Dh], biased[:, H * Dh:(H + K) * Dh]
+    if qk_norm == "projection":
+        q, k = ops.rms_norm(q, q_norm, 1e-5), ops.rms_norm(k, k_norm, 1e-5)
+    q, k = q.reshape(T, H, Dh), k.reshape(T, K, Dh)
+    if qk_norm == "head":
+        q, k = ops.rms_norm(q, q_norm, 1e-5), ops.rms_norm(k, k_norm, 1e-5)
     rope = ops.rope_interleaved if interleaved else ops.rope_half
-    expected = np.concatenate([rope(biased[:, :rot_heads], cos[positions], sin[positions]),
-                               biased[:, rot_heads:]], axis=1)
-    np.testing.assert_allclose(out.copy_to_host().reshape(T, heads, Dh), expected, rtol=1e-6, atol=1e-6)
+    expected = np.concatenate([rope(np.concatenate([q, k], axis=1), cos[positions], sin[positions]),
+                               biased.reshape(T, heads, Dh)[:, H + K:]], axis=1)
+    np.testing.assert_allclose(out.copy_to_host().reshape(T, heads, Dh), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_swiglu():
+@pytest.mark.parametrize("act", [0, 1], ids=ck.ACTIVATIONS)
+def test_swiglu(act):
     rng = np.random.default_rng(2)
     gate_up = normal(rng, 3, 2 * 19, scale=3.0)
     h = cuda.device_array((3, 19), np.float32)
-    ck.swiglu_kernel()[2, 8](cuda.to_device(gate_up), h)
-    np.testing.assert_allclose(h.copy_to_host(), ops.silu(gate_up[:, :19]) * gate_up[:, 19:], rtol=1e-6)
+    ck.swiglu_kernel()[2, 8](cuda.to_device(gate_up), h, np.int32(act))
+    gate = ops.ACTIVATIONS[ck.ACTIVATIONS[act]]
+    np.testing.assert_allclose(h.copy_to_host(), gate(gate_up[:, :19]) * gate_up[:, 19:], rtol=1e-5, atol=1e-6)
 
 
-def reference_attention(config, cache, layer, q, k, v, positions, slots, window):
+def reference_attention(config, cache, layer, q, k, v, positions, slots, window, cap=0.0):
     """The reference Transformer's attention: per slot, the ring as read before the call, then the chunk's keys."""
     out = np.empty_like(q)
     for slot in np.unique(slots):
@@ -143,16 +184,17 @@ def reference_attention(config, cache, layer, q, k, v, positions, slots, window)
         ring_k, ring_v, ring_pos = cache.read(layer, slot)
         keys, values = np.concatenate([ring_k, k[idx]]), np.concatenate([ring_v, v[idx]])
         mask = ops.attention_mask(positions[idx], np.concatenate([ring_pos, positions[idx]]), window)
-        out[idx] = ops.attention(q[idx], keys, values, mask)
+        out[idx] = ops.attention(q[idx], keys, values, mask, cap=cap)
     return out
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"threads{g.threads}")
-@pytest.mark.parametrize("H, K", [(4, 4), (4, 2), (8, 1)])
-def test_attention_and_ring_write(geometry, H, K):
+@pytest.mark.parametrize("H, K, cap", [(4, 4, 0.0), (4, 2, 0.0), (8, 1, 0.0), (4, 2, 0.8)])
+def test_attention_and_ring_write(geometry, H, K, cap):
     """Grouped-query attention over a wrapped ring plus this call's tokens from three slots (one bringing more
     positions than the ring holds, one empty before the call, two interleaved), then the ring write and the
-    position commit, against RingKVCache and ops.attention."""
+    position commit, against RingKVCache and ops.attention (cap: Gemma 2's soft-capping of the scores, small
+    enough here to change them)."""
     rng = np.random.default_rng(H * 10 + K)
     Dh, C, L = 6, 5, 2
     config = ModelConfig(dim=H * Dh, hidden_dim=8, n_layers=L, n_heads=H, n_kv_heads=K, vocab_size=8,
@@ -181,8 +223,8 @@ def test_attention_and_ring_write(geometry, H, K):
     layer = 1
     ck.attention_kernel(geometry.threads)[blocks, geometry.threads](
         cuda.to_device(qkv), meta, H, K, Dh, ring_k[layer], ring_v[layer], ring_pos, window,
-        np.float32(1 / np.sqrt(Dh)), scores, out)
-    expected = reference_attention(config, host, layer, q, k, v, positions, slots, window)
+        np.float32(1 / np.sqrt(Dh)), np.float32(cap), scores, out)
+    expected = reference_attention(config, host, layer, q, k, v, positions, slots, window, cap)
     np.testing.assert_allclose(out.copy_to_host(), expected.reshape(T, H * Dh), rtol=1e-5, atol=1e-6)
 
     ck.kv_write_kernel()[blocks, geometry.threads](cuda.to_device(qkv), meta, H, K, Dh, ring_k[layer],
@@ -275,3 +317,28 @@ def test_sampler_tie_rules():
     # u = 0.5 is exactly their second step: id 2
     np.testing.assert_array_equal(ids, [12, 5, 3, 2])
     np.testing.assert_array_equal(ids, [reference_draw(logits[b], *rows[b]) for b in range(4)])
+
+
+@pytest.mark.parametrize("normalize, act", [(True, 0), (False, 1)])
+def test_routed_ffn_matches_route_and_moe_ffn(normalize, act):
+    """The experts' three steps (router + top-k, the chosen experts' gate/up, their down products summed with the
+    router's weights into y) against ops.route and ops.moe_ffn: normalised top-k weights (Mixtral, Qwen3-MoE) or
+    not, SiLU or GELU gates; two launches of 3 blocks of 8 threads, fewer threads than work items."""
+    rng = np.random.default_rng(7 + act)
+    T, D, E, k, F = 5, 12, 6, 2, 7
+    xn, router = normal(rng, T, D), normal(rng, E, D)
+    w1, w2, w3 = normal(rng, E, F, D, scale=0.3), normal(rng, E, D, F, scale=0.3), normal(rng, E, F, D, scale=0.3)
+    y0, alpha = normal(rng, T, D), np.float32(0.5)
+    probs, chosen = cuda.device_array((T, E), np.float32), cuda.device_array((T, k), np.int32)
+    routed, he, y = cuda.device_array((T, k), np.float32), cuda.device_array((T, k, F), np.float32), cuda.to_device(y0)
+    args = [cuda.to_device(xn), cuda.to_device(router), np.int32(normalize),
+            cuda.to_device(np.ascontiguousarray(np.stack([w1, w3], axis=1))), cuda.to_device(w2), np.int32(act), alpha,
+            probs, chosen, routed, he, y]
+    for piece in range(3):
+        cuda_ffn.routed_ffn_kernel(piece)[3, 8](*args)
+    want_chosen, want_weights = ops.route(xn, router, k, normalize)
+    np.testing.assert_array_equal(chosen.copy_to_host(), want_chosen)
+    np.testing.assert_allclose(routed.copy_to_host(), want_weights, rtol=1e-5)
+    gate = ops.ACTIVATIONS[ck.ACTIVATIONS[act]]
+    expected = y0 + alpha * ops.moe_ffn(xn, want_chosen, want_weights, w1, w2, w3, gate)
+    np.testing.assert_allclose(y.copy_to_host(), expected, rtol=1e-5, atol=1e-5)

@@ -39,6 +39,14 @@ GOLDEN_PREFIX = 8  # eight decode steps through the device's cache and argmax; s
 GQA = ModelConfig(dim=24, hidden_dim=40, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=64)
 # Hugging Face's RoPE layout, q/k/v biases (Qwen2) and a sliding window shorter than the ring (Mistral)
 VARIANT = GQA.replace(rope_layout="half", attention_bias=True, sliding_window=6, n_kv_heads=1)
+# The other families' options at once, as run-time data of the one forward kernel: Gemma's (GeGLU, embedding scale,
+# its own score scale, soft-capped scores, sandwich norms, per-head q/k norms, sliding and full layers with their
+# own RoPE bases) with Granite's residual multiplier; and OLMo 2's (post-norms only, q/k norms over the projection)
+SANDWICH = GQA.replace(rope_layout="half", ffn_activation="gelu_tanh", embedding_multiplier=4.9,
+                       residual_multiplier=0.6, attention_scale=0.3, attn_logit_softcap=1.5, qk_norm="head",
+                       block_norms="sandwich", sliding_window=3, sliding_layers=(True, False), rope_local_theta=100.0)
+POST = GQA.replace(rope_layout="half", qk_norm="projection", block_norms="post")
+MOE = GQA.replace(n_experts=4, n_experts_used=2, expert_hidden_dim=16, expert_weights_norm=False)  # Qwen3-MoE's
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -53,7 +61,8 @@ def assert_hidden_close(device_hidden, host_hidden):
     np.testing.assert_allclose(device_hidden.copy_to_host(), host_hidden, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("config", [GQA, VARIANT], ids=["gqa", "half-bias-window"])
+@pytest.mark.parametrize("config", [GQA, VARIANT, SANDWICH, POST, MOE],
+                         ids=["gqa", "half-bias-window", "sandwich", "post", "experts"])
 def test_prefill_and_decode_match_numpy(config):
     """A 10-token prefill (the per-stage path), then single-token decode steps (the one-launch path) over a ring
     smaller than the sequence, so it wraps; hidden states, logits and the cache all as the NumPy model."""
@@ -97,12 +106,14 @@ def test_ragged_batch_in_one_call(one_launch):
                         host.forward(chunk[0], chunk[1], host_cache, chunk[2]))
 
 
-def test_step_by_step_is_the_one_launch_bit_for_bit():
+@pytest.mark.parametrize("config", [VARIANT, SANDWICH, MOE], ids=["half-bias-window", "sandwich", "experts"])
+def test_step_by_step_is_the_one_launch_bit_for_bit(config):
     """The fallback runs the one-launch kernel's own schedule of steps, one a launch and on another grid (the
     simulator's cooperative grid is one block, the step-by-step one max_blocks): the same bits, and the same cache,
-    through the tiled kernel (a 12-token prefill) and the matrix-vector one (decode calls of 1 and 3 tokens)."""
-    weights = random_weights(VARIANT, seed=11)
-    one, steps = (make_model(VARIANT, weights, "cuda", one_launch=flag) for flag in (True, False))
+    through the tiled kernel (a 12-token prefill) and the matrix-vector one (decode calls of 1 and 3 tokens), with
+    the post-norm steps idle (Llama's options) and working (the sandwich options), and the experts' steps."""
+    weights = random_weights(config, seed=11)
+    one, steps = (make_model(config, weights, "cuda", one_launch=flag) for flag in (True, False))
     caches = one.new_cache(capacity=16, slots=2), steps.new_cache(capacity=16, slots=2)
     calls = [(list(range(1, 13)), list(range(8)) + list(range(4)), [0] * 8 + [1] * 4), ([20], [8], [0]),
              ([21, 22, 23], [9, 4, 5], [0, 1, 1])]

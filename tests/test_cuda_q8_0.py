@@ -59,7 +59,7 @@ def test_q8_0_matvec_variants(rows, T, K):
         y = cuda.to_device(y0)
         kernel = ck.matvec_kernel(rows, SMALL.threads, SMALL.lanes, norm, residual, gated, True)
         kernel[2, SMALL.threads](cuda.to_device(x), cuda.to_device(g), EPS,
-                                 cuda.to_device(np.stack([gate, up]) if gated else w), y)
+                                 cuda.to_device(np.stack([gate, up]) if gated else w), y, np.float32(1), np.int32(0))
         np.testing.assert_allclose(y.copy_to_host(), expected, rtol=1e-4, atol=1e-4,
                                    err_msg=f"norm={norm} residual={residual} gated={gated}")
 
@@ -71,7 +71,8 @@ def test_q8_0_matmul_tiles(M, N, K):
     w, w32 = blocks_and_values(normal(rng, N, K))
     for residual, expected in ((False, x @ w32.T), (True, y0 + x @ w32.T)):
         y = cuda.to_device(y0)
-        ck.matmul_kernel(SMALL.tile, residual, True)[3, SMALL.matmul_threads](cuda.to_device(x), cuda.to_device(w), y)
+        ck.matmul_kernel(SMALL.tile, residual, True)[3, SMALL.matmul_threads](cuda.to_device(x), cuda.to_device(w), y,
+                                                                              np.float32(1))
         np.testing.assert_allclose(y.copy_to_host(), expected, rtol=1e-4, atol=1e-4)
 
 
@@ -80,7 +81,8 @@ def test_q8_0_embedding_rows_are_the_dequantized_rows():
     table, values = blocks_and_values(normal(rng, 7, 40))
     tokens = np.array([6, 0, 3, 3])
     x = cuda.device_array((4, 40), np.float32)
-    ck.embed_kernel(True)[2, SMALL.threads](cuda.to_device(table), meta_rows(tokens, tokens * 0, tokens * 0), x)
+    ck.embed_kernel(True)[2, SMALL.threads](cuda.to_device(table), meta_rows(tokens, tokens * 0, tokens * 0), x,
+                                            np.float32(1))
     np.testing.assert_array_equal(x.copy_to_host(), values[tokens])
 
 
@@ -105,6 +107,19 @@ def test_q8_0_model_is_the_model_of_its_blocks():
         np.testing.assert_allclose(device.logits(tokens), host.logits(tokens), rtol=1e-4, atol=1e-4)
     device.one_launch = False
     np.testing.assert_allclose(device.logits([2, 3]), host.logits([2, 3]), rtol=1e-4, atol=1e-4)
+
+
+def test_q8_0_experts_are_the_numpy_models_of_their_blocks():
+    """A mixture of experts with Q8_0 storage: each expert's matrices kept as blocks, the router (read as float32)
+    holding the values the NumPy model computes with under weight_dtype q8_0 (rounded as its blocks): the same
+    experts chosen, the same logits."""
+    config = GQA.replace(dim=64, head_dim=16, n_layers=1, n_experts=4, n_experts_used=2, expert_hidden_dim=32)
+    weights = random_weights(config, seed=3)
+    host = make_model(config, weights, "numpy", weight_dtype="q8_0")
+    device = make_model(config, weights, "cuda", weight_dtype="q8_0")
+    assert device.w13_exps.dtype == ck.Q8_0_BLOCK and device.w13_exps.shape == (1, 4, 2, 32, 2)
+    tokens = list(range(1, 12))
+    np.testing.assert_allclose(device.logits(tokens), host.logits(tokens), rtol=1e-4, atol=1e-4)
 
 
 def test_a_q8_0_gguf_keeps_its_blocks_on_the_device(tmp_path, stories260k):

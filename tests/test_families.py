@@ -84,8 +84,15 @@ def test_features_name_what_a_config_uses_and_backends_refuse_what_they_lack():
     from npllm.models.base import check_runs
     from npllm.models.cuda import CudaTransformer
 
-    with pytest.raises(ConfigError, match="cuda backend does not run attn_logit_softcap, qk_norm, sliding_layers"):
-        check_runs(CudaTransformer, c)
+    moe = ModelConfig(**base, n_experts=4, n_experts_used=2)
+    check_runs(CudaTransformer, c)  # every family's options run on the GPU
+    check_runs(CudaTransformer, moe)
+
+    class LlamaOnly(CudaTransformer):
+        FEATURES = CudaTransformer.FEATURES - {"n_experts", "qk_norm"}
+
+    with pytest.raises(ConfigError, match="cuda backend does not run n_experts, qk_norm"):
+        check_runs(LlamaOnly, moe.replace(qk_norm="head"))
 
 
 def test_bad_feature_values_are_config_errors():

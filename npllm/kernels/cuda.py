@@ -30,97 +30,21 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import namedtuple
-from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
 from numba.core import config as numba_config
 
-from ..errors import ConfigError
+from .cuda_ffn import ACTIVATIONS, activation, routed_ffn, silu  # noqa: F401
+from .cuda_layout import (HARDWARE, SIMULATOR, STEP_PARTS, Geometry, Q8_0_BLOCK, Q8_0_VALUES,  # noqa: F401
+                          StepCache, StepShape, StepWeights, StepWork, compact_kernel, gather_rows_kernel,
+                          weight_reader)
 
 MAX_ROWS = 8  # the matrix-vector kernels serve up to this many token rows at once (decode batches)
 MAX_HEAD_DIM = 256
 NEG_INF = np.float32(-np.inf)
-TOKEN, POS, SLOT, KEEP, RING, FIRST = 0, 1, 2, 3, 4, 5  # rows of `meta`
 ONE_BITS = 0x3F800000  # the bit pattern of float32 1.0; 0 .. ONE_BITS are the bits of the floats in [0, 1], in order
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """How kernels are launched. Every choice is correct; they differ in speed only.
-
-    threads: threads per block of the row kernels (norm, matrix-vector, RoPE, attention), a power of two.
-    lanes: threads sharing one weight row in the matrix-vector kernels: a warp (32) on hardware, so that a
-        warp's loads are consecutive.
-    tile: the matrix-matrix product's block tile (BM, BN, BK) and per-thread tile (TM, TN): each block computes a
-        BM x BN tile of the output with (BM / TM) (BN / TN) threads, stepping through K in slices of BK.
-    sampler_threads: threads of the one block that samples each row.
-    max_blocks: most blocks of a launch (blocks loop over the remaining items).
-    attention_blocks: most blocks of an attention launch (each has a row of score scratch, C + T floats).
-    """
-
-    threads: int = 256
-    lanes: int = 32
-    tile: tuple[int, int, int, int, int] = (64, 64, 16, 4, 4)
-    sampler_threads: int = 1024
-    max_blocks: int = 8192
-    attention_blocks: int = 1024
-
-    def __post_init__(self):
-        BM, BN, BK, TM, TN = self.tile
-        for n in (self.threads, self.lanes, self.sampler_threads, (BM // TM) * (BN // TN)):
-            if n < 1 or n & (n - 1):
-                raise ConfigError(f"block sizes must be powers of two, got {self}")
-        if self.threads % self.lanes:
-            raise ConfigError(f"threads {self.threads} must be a multiple of lanes {self.lanes}")
-        if BM % TM or BN % TN:
-            raise ConfigError(f"tile {self.tile}: BM must be a multiple of TM and BN of TN")
-
-    @property
-    def matmul_threads(self) -> int:
-        BM, BN, _, TM, TN = self.tile
-        return (BM // TM) * (BN // TN)
-
-    def grid(self, items: int) -> int:
-        return max(1, min(items, self.max_blocks))
-
-
-HARDWARE = Geometry()
-# The simulator runs each GPU thread as a Python thread: few threads and blocks keep tests fast; the loops are the
-# same, only their trip counts change.
-SIMULATOR = Geometry(threads=8, lanes=8, tile=(8, 8, 8, 2, 4), sampler_threads=8, max_blocks=2,
-                     attention_blocks=2)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Weight storage: float32, float16, or Q8_0 blocks
-# ---------------------------------------------------------------------------------------------------------------
-
-# GGUF's Q8_0 block, byte for byte: float16 scale d, then 32 int8 values q; value j of the block is d * q[j].
-#     bytes 0-1: d (little-endian float16) | bytes 2-33: q[0] .. q[31]
-# A Q8_0 matrix W [N, K] is held as blocks [N, K / 32] of this record type (the file's bytes, viewed), so the
-# kernels read 34 bytes per 32 weights (1.06 bytes a weight) and widen each value in registers.
-Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
-Q8_0_VALUES = 32
-
-
-@functools.cache
-def weight_reader(q8_0: bool):
-    """A device function weight(w, n, k) = W[n, k] as float32: w[n, k] widened (float32 or float16 storage), or,
-    with q8_0, from Q8_0 blocks w [N, K / 32]: d * q[k % 32] of block k // 32. Kernels built for Q8_0 (a flag of
-    their factory, fixed at compile time) take every weight matrix, the embedding included, as blocks."""
-    if q8_0:
-        @cuda.jit(device=True)
-        def weight(w, n, k):
-            block = w[n, k // Q8_0_VALUES]
-            return np.float32(block.d) * np.float32(block.qs[k % Q8_0_VALUES])
-    else:
-        @cuda.jit(device=True)
-        def weight(w, n, k):
-            return np.float32(w[n, k])
-
-    return weight
+TOKEN, POS, SLOT, KEEP, RING, FIRST = 0, 1, 2, 3, 4, 5  # rows of `meta`
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -197,15 +121,16 @@ def block_softmax_merge(m, l, red, red2):
 
 @functools.cache
 def embed_rows(q8_0: bool = False):
-    """x[t] = E[token t] (a row gather, widened to float32; E in Q8_0 blocks with q8_0).   # [V, D], [T] -> [T, D]"""
+    """x[t] = E[token t] * m (a row gather, widened to float32; E in Q8_0 blocks with q8_0; m the embedding
+    multiplier, 1 but for Gemma and Granite).                                        # [V, D], [T] -> [T, D]"""
     weight = weight_reader(q8_0)
 
     @cuda.jit(device=True)
-    def stage(table, meta, x, block, nblocks):
+    def stage(table, meta, x, m, block, nblocks):
         for t in range(block, x.shape[0], nblocks):
             row = meta[TOKEN, t]
             for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-                x[t, i] = weight(table, row, i)
+                x[t, i] = weight(table, row, i) * m
 
     return stage
 
@@ -222,42 +147,78 @@ def rms_scale(x, t, eps, red):
 
 @cuda.jit(device=True)
 def rms_norm_rows(x, g, eps, out, red, block, nblocks):
-    """RMSNorm: out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * g.                          # [T, D], [D] -> [T, D]"""
+    """RMSNorm: out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * g.                          # [T, D], [D] -> [T, D]
+    An empty g (a family with no norm there, OLMo 2's inputs: reference.Transformer.norm) copies: out = x."""
     for t in range(block, x.shape[0], nblocks):
+        if g.shape[0] == 0:
+            for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+                out[t, i] = x[t, i]
+            continue
         scale = rms_scale(x, t, eps, red)
         for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
             out[t, i] = x[t, i] * scale * g[i]
 
 
 @cuda.jit(device=True)
-def silu(v):
-    """SiLU: v / (1 + e^-v)."""
-    return v / (np.float32(1) + math.exp(-v))
+def post_norm_rows(y, g, eps, m, x, red, block, nblocks):
+    """A block's output normed into the residual stream (block_norms "sandwich", "post"), y left zero:
+        x[t] += m * rms_norm(y[t], g);  y[t] = 0                        # [T, D], [D], [T, D] -> x [T, D]
+    m is the residual multiplier (Granite; 1 elsewhere). The products add into y, so it must start at zero."""
+    for t in range(block, x.shape[0], nblocks):
+        scale = rms_scale(y, t, eps, red)  # its syncthreads: every thread has read y[t] before it is zeroed
+        for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+            x[t, i] += m * (y[t, i] * scale * g[i])
+            y[t, i] = 0
 
 
 @cuda.jit(device=True)
-def swiglu_rows(gate_up, h, block, nblocks):
-    """h[t, f] = silu(gate[t, f]) * up[t, f], gate and up side by side in gate_up.     # [T, 2F] -> [T, F]"""
+def swiglu_rows(gate_up, h, act, block, nblocks):
+    """h[t, f] = act(gate[t, f]) * up[t, f], gate and up side by side in gate_up.      # [T, 2F] -> [T, F]"""
     F = h.shape[1]
     for t in range(block, h.shape[0], nblocks):
         for f in range(cuda.threadIdx.x, F, cuda.blockDim.x):
-            h[t, f] = silu(gate_up[t, f]) * gate_up[t, F + f]
+            h[t, f] = activation(gate_up[t, f], act) * gate_up[t, F + f]
+
+
+@cuda.jit(device=True)
+def segment_norms(qkv, t, start, width, g, eps, red):
+    """RMSNorm in place of each run of len(g) columns of qkv[t, start:start + width] with gains g: per head
+    (g [Dh]: Qwen3, Gemma 3) or over the whole projection (g [heads Dh]: OLMo 2); nothing when g is empty."""
+    n = g.shape[0]
+    if n > 0:
+        for s0 in range(start, start + width, n):
+            ss = np.float32(0)
+            for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+                v = qkv[t, s0 + i]
+                ss += v * v
+            scale = np.float32(1) / math.sqrt(block_sum(ss, red) / np.float32(n) + eps)
+            for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+                qkv[t, s0 + i] = qkv[t, s0 + i] * scale * g[i]
 
 
 @functools.cache
 def bias_rope_rows(interleaved: bool):
-    """Add the q/k/v bias, then rotate the first `rot_heads` heads of each row by its position (RoPE).
+    """Add the q/k/v bias, RMS-norm q and k (segment_norms with gains q_norm, k_norm: empty for most families),
+    then rotate the q and k heads of each row by its position (RoPE), as reference.Transformer.attention_block.
 
     Pairs are (2i, 2i+1) with `interleaved` (Meta, llama2.c) and (i, i + Dh/2) otherwise (Hugging Face):
         x'[a] = x[a] cos(pos w_i) - x[b] sin(pos w_i),   x'[b] = x[a] sin(pos w_i) + x[b] cos(pos w_i)
-    in place on qkv [T, W]; bias [W] (zeros for Llama, whose projections have none).
+    in place on qkv [T, W] (H query heads, then K key heads); bias [W] (zeros for Llama, whose projections have
+    none). red: shared [threads].
     """
 
     @cuda.jit(device=True)
-    def stage(qkv, bias, rot_heads, head_dim, cos, sin, meta, block, nblocks):
-        half = head_dim // 2
+    def stage(qkv, bias, q_norm, k_norm, eps, n_heads, n_kv, head_dim, cos, sin, meta, red, block, nblocks):
+        half, rot_heads = head_dim // 2, n_heads + n_kv
         for t in range(block, qkv.shape[0], nblocks):
             p = meta[POS, t]
+            for col in range(cuda.threadIdx.x, qkv.shape[1], cuda.blockDim.x):
+                qkv[t, col] += bias[col]
+            cuda.syncthreads()
+            if q_norm.shape[0] + k_norm.shape[0] > 0:
+                segment_norms(qkv, t, 0, n_heads * head_dim, q_norm, eps, red)
+                segment_norms(qkv, t, n_heads * head_dim, n_kv * head_dim, k_norm, eps, red)
+                cuda.syncthreads()
             for e in range(cuda.threadIdx.x, rot_heads * half, cuda.blockDim.x):
                 base = (e // half) * head_dim
                 i = e % half
@@ -265,12 +226,10 @@ def bias_rope_rows(interleaved: bool):
                     a, b = base + 2 * i, base + 2 * i + 1
                 else:
                     a, b = base + i, base + half + i
-                xa, xb = qkv[t, a] + bias[a], qkv[t, b] + bias[b]
+                xa, xb = qkv[t, a], qkv[t, b]
                 c, s = cos[p, i], sin[p, i]
                 qkv[t, a] = xa * c - xb * s
                 qkv[t, b] = xa * s + xb * c
-            for col in range(rot_heads * head_dim + cuda.threadIdx.x, qkv.shape[1], cuda.blockDim.x):
-                qkv[t, col] += bias[col]
 
     return stage
 
@@ -287,13 +246,16 @@ def matvec_rows(rows: int, threads: int, lanes: int, norm: bool, residual: bool,
     consecutive output rows of W at a time, and its lanes stride along each row, so a warp reads 128 consecutive
     bytes per load (coalesced), four loads in flight per lane. x is staged in shared memory in tiles of
     `matvec_tile(rows)` columns, read by every group of the block. Variants (fixed when the kernel is compiled):
-        norm      x is RMSNorm-ed with gain g while it is staged (the norm costs no extra pass over memory)
-        residual  y += x W^T (the residual stream is updated in place)
-        gated     W is [2, F, D] = (W1, W3) and y = silu(x W1^T) * (x W3^T): SwiGLU's gate and up in one pass
+        norm      x is RMSNorm-ed with gain g while it is staged (the norm costs no extra pass over memory; an
+                  empty g: no norm, as rms_norm_rows)
+        residual  y += alpha x W^T (the residual stream is updated in place; alpha the residual multiplier)
+        gated     W is [2, F, D] = (W1, W3) and y = act(x W1^T) * (x W3^T): SwiGLU's (act 0, silu) or GeGLU's
+                  (act 1, gelu_tanh) gate and up in one pass
         q8_0      W is Q8_0 blocks [N, K / 32] (gated: [2, F, D / 32]), see weight_reader
                                                           # [T, K], [N, K] (or [2, N, K]) -> [T, N], T <= rows
     Shared arrays (the caller allocates them, so a fused kernel can reuse them): xs [rows, tile], part
-    [16, threads], red [threads], scale [rows]. g and eps are read only by the `norm` variant.
+    [16, threads], red [threads], scale [rows]. g and eps are read only by the `norm` variant, alpha only by
+    `residual`, act only by `gated`.
     """
     M = rows
     R = max(1, MAX_ROWS // (rows * (2 if gated else 1)))  # rows per group: R M (2 R M gated) sums per lane
@@ -330,18 +292,18 @@ def matvec_rows(rows: int, threads: int, lanes: int, norm: bool, residual: bool,
                 v = np.float32(0)
                 if m < x.shape[0]:
                     v = x[m, k0 + kk]
-                    if norm:
+                    if norm and g.shape[0] > 0:
                         v = v * scale[m] * g[k0 + kk]
                 xs[m, kk] = v
         cuda.syncthreads()
 
     @cuda.jit(device=True)
-    def stage(x, g, eps, w, y, xs, part, red, scale, block, nblocks):
+    def stage(x, g, eps, w, y, alpha, act, xs, part, red, scale, block, nblocks):
         tid = cuda.threadIdx.x
         group, lane = tid // lanes, tid % lanes
         T, K = x.shape
         N = w.shape[w.ndim - 2]
-        if norm:
+        if norm and g.shape[0] > 0:
             for m in range(M):
                 s = np.float32(0)
                 if m < T:
@@ -387,9 +349,9 @@ def matvec_rows(rows: int, threads: int, lanes: int, norm: bool, residual: bool,
                         up = np.float32(0)
                         for j in range(group * lanes, (group + 1) * lanes):
                             up += part[R * M + e, j]
-                        y[m, n] = silu(total) * up
+                        y[m, n] = activation(total, act) * up
                     elif residual:
-                        y[m, n] += total
+                        y[m, n] += alpha * total
                     else:
                         y[m, n] = total
             cuda.syncthreads()
@@ -404,7 +366,8 @@ def matvec_tile(rows: int) -> int:
 
 @functools.cache
 def matmul_tiles(tile: tuple[int, int, int, int, int], residual: bool, q8_0: bool = False):
-    """Matrix-matrix product y = x W^T (y += x W^T with `residual`) in shared-memory tiles.  # [M, K], [N, K] -> [M, N]
+    """Matrix-matrix product y = x W^T (y += alpha x W^T with `residual`) in shared-memory tiles.
+                                                                                     # [M, K], [N, K] -> [M, N]
     (W as Q8_0 blocks [N, K / 32] with q8_0: each weight is widened once, as its tile is loaded.)
 
     A block computes a BM x BN tile of y: for each slice of BK columns of K it loads x[BM, BK] and W[BN, BK] into
@@ -420,7 +383,7 @@ def matmul_tiles(tile: tuple[int, int, int, int, int], residual: bool, q8_0: boo
     weight = weight_reader(q8_0)
 
     @cuda.jit(device=True)
-    def stage(x, w, y, xs, ws, block, nblocks):
+    def stage(x, w, y, alpha, xs, ws, block, nblocks):
         tid = cuda.threadIdx.x
         tx, ty = tid % cols, tid // cols
         M, K = x.shape
@@ -457,7 +420,7 @@ def matmul_tiles(tile: tuple[int, int, int, int, int], residual: bool, q8_0: boo
                     n = n0 + tx + b * cols
                     if m < M and n < N:
                         if residual:
-                            y[m, n] += acc[a, b]
+                            y[m, n] += alpha * acc[a, b]
                         else:
                             y[m, n] = acc[a, b]
 
@@ -469,11 +432,11 @@ def matmul_tiles(tile: tuple[int, int, int, int, int], residual: bool, q8_0: boo
 # ---------------------------------------------------------------------------------------------------------------
 
 @cuda.jit(device=True)
-def attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos, window, scale, scores, out,
+def attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos, window, scale, cap, scores, out,
                    qs, vacc, red, red2, block, nblocks):
-    """Causal grouped-query attention of every (token t, query head h), one block per pair.
+    """Causal grouped-query attention of every (token t, query head h), one block per pair (ops.attention).
 
-        out[t, h] = sum_s softmax_s(q_t,h . k_s,g / sqrt(Dh) + mask) v_s,g,     g = h // (H / K)
+        out[t, h] = sum_s softmax_s(softcap(s q_t,h . k_s,g, cap) + mask) v_s,g,     g = h // (H / K)
                                              # qkv [T, W], ring [B, C, K, Dh] x2, ring_pos [B, C] -> out [T, H Dh]
     The keys of token t are those its slot's ring held before this call (ring indices below meta[RING, t]: a
     slot fills its ring from index 0), then the keys of this call's tokens of the same slot up to t itself
@@ -517,6 +480,8 @@ def attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos,
                     for d in range(head_dim):
                         dot += qs[d] * qkv[first + s - ring, k_col + d]
                 score = dot * scale
+                if cap > 0:  # soft-capping (Gemma 2): cap tanh(score / cap)
+                    score = cap * math.tanh(score / cap)
                 if score > m_run:
                     l_run *= math.exp(m_run - score)
                     m_run = score
@@ -708,8 +673,8 @@ def embed_kernel(q8_0: bool = False):
     stage = embed_rows(q8_0)
 
     @cuda.jit
-    def kernel(table, meta, x):
-        stage(table, meta, x, cuda.blockIdx.x, cuda.gridDim.x)
+    def kernel(table, meta, x, m):
+        stage(table, meta, x, m, cuda.blockIdx.x, cuda.gridDim.x)
 
     return kernel
 
@@ -725,21 +690,33 @@ def rms_norm_kernel(threads: int):
 
 
 @functools.cache
-def swiglu_kernel():
+def post_norm_kernel(threads: int):
     @cuda.jit
-    def kernel(gate_up, h):
-        swiglu_rows(gate_up, h, cuda.blockIdx.x, cuda.gridDim.x)
+    def kernel(y, g, eps, m, x):
+        red = cuda.shared.array(threads, np.float32)
+        post_norm_rows(y, g, eps, m, x, red, cuda.blockIdx.x, cuda.gridDim.x)
 
     return kernel
 
 
 @functools.cache
-def bias_rope_kernel(interleaved: bool):
+def swiglu_kernel():
+    @cuda.jit
+    def kernel(gate_up, h, act):
+        swiglu_rows(gate_up, h, act, cuda.blockIdx.x, cuda.gridDim.x)
+
+    return kernel
+
+
+@functools.cache
+def bias_rope_kernel(interleaved: bool, threads: int):
     stage = bias_rope_rows(interleaved)
 
     @cuda.jit
-    def kernel(qkv, bias, rot_heads, head_dim, cos, sin, meta):
-        stage(qkv, bias, rot_heads, head_dim, cos, sin, meta, cuda.blockIdx.x, cuda.gridDim.x)
+    def kernel(qkv, bias, q_norm, k_norm, eps, n_heads, n_kv, head_dim, cos, sin, meta):
+        red = cuda.shared.array(threads, np.float32)
+        stage(qkv, bias, q_norm, k_norm, eps, n_heads, n_kv, head_dim, cos, sin, meta, red, cuda.blockIdx.x,
+              cuda.gridDim.x)
 
     return kernel
 
@@ -749,13 +726,13 @@ def attention_kernel(threads: int):
     vacc_size = max(threads, MAX_HEAD_DIM)
 
     @cuda.jit
-    def kernel(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos, window, scale, scores, out):
+    def kernel(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos, window, scale, cap, scores, out):
         qs = cuda.shared.array(MAX_HEAD_DIM, np.float32)
         vacc = cuda.shared.array(vacc_size, np.float32)
         red = cuda.shared.array(threads, np.float32)
         red2 = cuda.shared.array(threads, np.float32)
-        attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos, window, scale, scores, out,
-                       qs, vacc, red, red2, cuda.blockIdx.x, cuda.gridDim.x)
+        attention_rows(qkv, meta, n_heads, n_kv, head_dim, ring_k, ring_v, ring_pos, window, scale, cap, scores,
+                       out, qs, vacc, red, red2, cuda.blockIdx.x, cuda.gridDim.x)
 
     return kernel
 
@@ -785,12 +762,12 @@ def matvec_kernel(rows: int, threads: int, lanes: int, norm: bool = False, resid
     xs_shape, part_shape = (rows, matvec_tile(rows)), (2 * MAX_ROWS, threads)  # shared shapes: constants
 
     @cuda.jit
-    def kernel(x, g, eps, w, y):
+    def kernel(x, g, eps, w, y, alpha, act):
         xs = cuda.shared.array(xs_shape, np.float32)
         part = cuda.shared.array(part_shape, np.float32)
         red = cuda.shared.array(threads, np.float32)
         scale = cuda.shared.array(rows, np.float32)
-        stage(x, g, eps, w, y, xs, part, red, scale, cuda.blockIdx.x, cuda.gridDim.x)
+        stage(x, g, eps, w, y, alpha, act, xs, part, red, scale, cuda.blockIdx.x, cuda.gridDim.x)
 
     return kernel
 
@@ -802,10 +779,10 @@ def matmul_kernel(tile: tuple[int, int, int, int, int], residual: bool = False, 
     xs_shape, ws_shape = (BK, BM), (BK, BN)
 
     @cuda.jit
-    def kernel(x, w, y):
+    def kernel(x, w, y, alpha):
         xs = cuda.shared.array(xs_shape, np.float32)
         ws = cuda.shared.array(ws_shape, np.float32)
-        stage(x, w, y, xs, ws, cuda.blockIdx.x, cuda.gridDim.x)
+        stage(x, w, y, alpha, xs, ws, cuda.blockIdx.x, cuda.gridDim.x)
 
     return kernel
 
@@ -823,78 +800,37 @@ def sample_kernel(threads: int):
     return kernel
 
 
-@functools.cache
-def gather_rows_kernel():
-    """dst[i] = src[index[i]]: rows picked by index (model code's hidden[ids]).       # [R, D], [N] -> [N, D]"""
-
-    @cuda.jit
-    def kernel(src, index, dst):
-        for i in range(cuda.blockIdx.x, dst.shape[0], cuda.gridDim.x):
-            for d in range(cuda.threadIdx.x, dst.shape[1], cuda.blockDim.x):
-                dst[i, d] = src[index[i], d]
-
-    return kernel
-
-
-@functools.cache
-def compact_kernel(ndim: int):
-    """dst = src, element by element: a strided 2-D or 3-D view made contiguous, so that it can be reshaped."""
-    if ndim == 2:
-        @cuda.jit
-        def kernel(src, dst):
-            for r in range(cuda.blockIdx.x, dst.shape[0], cuda.gridDim.x):
-                for d in range(cuda.threadIdx.x, dst.shape[1], cuda.blockDim.x):
-                    dst[r, d] = src[r, d]
-    else:
-        @cuda.jit
-        def kernel(src, dst):
-            for r in range(cuda.blockIdx.x, dst.shape[0] * dst.shape[1], cuda.gridDim.x):
-                a, b = r // dst.shape[1], r % dst.shape[1]
-                for d in range(cuda.threadIdx.x, dst.shape[2], cuda.blockDim.x):
-                    dst[a, b, d] = src[a, b, d]
-
-    return kernel
-
-
-# The step kernels' arguments, grouped by meaning (numba.cuda passes a tuple of device arrays and numbers to a kernel
-# as its members; models/cuda.py kernel_record makes the simulator do the same):
-#     weights  tok_embeddings [V, D], stacked over layers norms [L, 2, D] (attention, ffn), wqkv [L, W, D], bqkv
-#              [L, W], wo [L, D, H Dh], w13 (see each kernel), w2 [L, D, F]; final_norm [D] (q8_0: matrices in blocks)
-#     shape    eps (float32), n_heads, n_kv, head_dim, window (int32), scale (float32, 1 / sqrt(head_dim))
-#     cache    the ring: k, v [L, B, C, K, Dh], positions [B, C] int32
-#     work     buffers x, xn [T, D], qkv [T, W], att [T, H Dh], gate_up [T, 2F], h [T, F], scores [blocks, C + T]
-StepWeights = namedtuple("StepWeights", ["tok_embeddings", "norms", "wqkv", "bqkv", "wo", "w13", "w2", "final_norm"])
-StepShape = namedtuple("StepShape", ["eps", "n_heads", "n_kv", "head_dim", "window", "scale"])
-StepCache = namedtuple("StepCache", ["k", "v", "positions"])
-StepWork = namedtuple("StepWork", ["x", "xn", "qkv", "att", "gate_up", "h", "scores"])
-
-
-STEP_PARTS = {False: (1, 1), True: (2, 3)}  # steps of (normed, gated) in a layer: fused matvec products, tiled ones
-
 
 def forward_steps(n_layers: int, batch: bool) -> int:
     """Steps of _forward_kernel's schedule: the embedding, each layer's, the final norm."""
-    return n_layers * (4 + sum(STEP_PARTS[batch])) + 2
+    return n_layers * (10 + sum(STEP_PARTS[batch])) + 2
 
 
 def _forward_kernel(products, batch: bool, interleaved: bool, q8_0: bool, threads: int, shared: tuple,
                     cooperative: bool):
     """The forward pass (all layers, then the final norm) as one schedule of steps, each a stage that needs the
     previous one finished on the whole grid: the one body (and layer loop) of both ways to run it.
-        step 0: embed | per layer: [normed: norm + qkv] [bias + rope] [attention] [kv write + residual: wo]
-                [gated: norm + gate/up + SwiGLU] [residual: w2]     (normed, gated: STEP_PARTS[batch] steps)
-        | last step: final norm + commit positions
+        step 0: embed | per layer: [normed: norm + qkv] [bias + q/k norm + rope] [attention] [kv write + residual:
+                wo] [post-norm] [gated: norm + gate/up + act] [residual: w2] [experts: norm] [route] [gate/up]
+                [down] [post-norm]    (normed, gated: STEP_PARTS[batch] steps) | last: final norm + commit positions
+    A layer runs either the dense FFN's steps or the experts' (routed_ffn: where weights.router has rows); the
+    other's are idle.
+    Where the family norms a block's output (post_norms not empty) the residual products add into work.o and the
+    post-norm step adds m norm(o) to x; elsewhere they add m (x W^T) to x and the post-norm steps do nothing (not
+    even wait at the grid barrier). m: the residual multiplier.
     kernel(weights, shape, cos, sin, meta, cache, work, hidden, first, count) runs steps first .. first + count - 1
-    (records as above; cos, sin [P, Dh/2], meta [6, T], hidden [T, D] out; shared: the shapes of xs, tile, scale).
+    (records as above; cos, sin [R, P, Dh/2], meta [6, T], hidden [T, D] out; shared: the shapes of xs, tile, scale).
     cooperative: a grid-wide barrier after each step, one launch runs them all (its grid must fit on the device at
     once); else no barrier is compiled in (no cooperative launch, no cudadevrt) and the host launches it once a step.
     products = (normed, gated, residual), the variant's device functions, piece the step within the stage:
-        normed(piece, x, g, eps, w, y, work, xs, tile, red, scale, block, nblocks)   y = rms_norm(x, g) W^T
-        gated(piece, ...the same)                                                y = swiglu(rms_norm(x, g) W13^T)
-        residual(x, w, y, xs, tile, red, scale, block, nblocks)                      y += x W^T"""
+        normed(piece, x, g, eps, act, w, y, work, xs, tile, red, scale, block, nblocks)   y = rms_norm(x, g) W^T
+        gated(piece, ...the same)                                                 y = act(rms_norm(x, g) W1^T) * ...
+        residual(x, w, y, alpha, xs, tile, red, scale, block, nblocks)                   y += alpha x W^T"""
     normed, gated, residual = products
-    qkv_parts, per_layer = STEP_PARTS[batch][0], sum(STEP_PARTS[batch]) + 4
+    qkv_parts, per_layer = STEP_PARTS[batch][0], sum(STEP_PARTS[batch]) + 10
+    w2_step = qkv_parts + 4 + STEP_PARTS[batch][1]  # then the experts' 4 steps, then the post-norm
     embed, bias_rope = embed_rows(q8_0), bias_rope_rows(interleaved)
+    route, experts_gate_up, experts_down = routed_ffn(q8_0)
     (xs_shape, tile_shape, scale_shape), vacc_size = shared, max(threads, MAX_HEAD_DIM)
     # ptxas (sm_90) wants ~135 registers per thread for the decode kernel: one block of 256 threads per SM. Capped
     # at 128 (under 200 bytes spilled) two blocks fit: twice the loads in flight. The simulator has no such option.
@@ -910,35 +846,68 @@ def _forward_kernel(products, batch: bool, interleaved: bool, q8_0: bool, thread
         qs = cuda.shared.array(MAX_HEAD_DIM, np.float32)
         vacc = cuda.shared.array(vacc_size, np.float32)
         block, nblocks = cuda.blockIdx.x, cuda.gridDim.x
-        eps, n_heads, n_kv, head_dim, window, scale = shape
+        eps, n_heads, n_kv, head_dim = shape.eps, shape.n_heads, shape.n_kv, shape.head_dim
         x, qkv, att, h, scores = work.x, work.qkv, work.att, work.h, work.scores
+        gid, everyone = block * cuda.blockDim.x + cuda.threadIdx.x, nblocks * cuda.blockDim.x  # thread-per-item
+        posting = weights.post_norms.shape[2] > 0  # the products add into o, the post-norm steps into x
+        moe = weights.router.shape[1] > 0
+        out = work.o if posting else x
+        alpha = np.float32(1) if posting else shape.residual
         attending = nblocks if nblocks < scores.shape[0] else scores.shape[0]  # a row of scores per block
         last = weights.wqkv.shape[0] * per_layer + 1  # the final norm's step
         for step in range(first, first + count):
             layer, s = (step - 1) // per_layer, (step - 1) % per_layer
+            idle = False
             if step == 0:
-                embed(weights.tok_embeddings, meta, x, block, nblocks)
+                embed(weights.tok_embeddings, meta, x, shape.embed, block, nblocks)
+                if posting:  # o starts at zero: the products add into it
+                    for t in range(block, x.shape[0], nblocks):
+                        for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+                            out[t, i] = 0
             elif step == last:
                 rms_norm_rows(x, weights.final_norm, eps, hidden, red, block, nblocks)
                 commit_positions(meta, cache.positions, block, nblocks)
             elif s < qkv_parts:
-                normed(s, x, weights.norms[layer, 0], eps, weights.wqkv[layer], qkv, work, xs, tile, red, scale_rows,
-                       block, nblocks)
+                normed(s, x, weights.norms[layer, 0], eps, shape.act, weights.wqkv[layer], qkv, work, xs, tile, red,
+                       scale_rows, block, nblocks)
             elif s == qkv_parts:
-                bias_rope(qkv, weights.bqkv[layer], n_heads + n_kv, head_dim, cos, sin, meta, block, nblocks)
+                table = shape.rope[layer]
+                bias_rope(qkv, weights.bqkv[layer], weights.q_norm[layer], weights.k_norm[layer], eps, n_heads, n_kv,
+                          head_dim, cos[table], sin[table], meta, red, block, nblocks)
             elif s == qkv_parts + 1:
                 if block < attending:
                     attention_rows(qkv, meta, n_heads, n_kv, head_dim, cache.k[layer], cache.v[layer],
-                                   cache.positions, window, scale, scores, att, qs, vacc, red, red2, block, attending)
+                                   cache.positions, shape.windows[layer], shape.scale, shape.cap, scores, att, qs,
+                                   vacc, red, red2, block, attending)
             elif s == qkv_parts + 2:
                 kv_write_rows(qkv, meta, n_heads, n_kv, head_dim, cache.k[layer], cache.v[layer], block, nblocks)
-                residual(att, weights.wo[layer], x, xs, tile, red, scale_rows, block, nblocks)
-            elif s < per_layer - 1:
-                gated(s - qkv_parts - 3, x, weights.norms[layer, 1], eps, weights.w13[layer], h, work, xs, tile, red,
-                      scale_rows, block, nblocks)
+                residual(att, weights.wo[layer], out, alpha, xs, tile, red, scale_rows, block, nblocks)
+            elif s == qkv_parts + 3 or s == per_layer - 1:
+                idle = not posting
+                if posting:
+                    post_norm_rows(out, weights.post_norms[layer, 0 if s < per_layer - 1 else 1], eps,
+                                   shape.residual, x, red, block, nblocks)
+            elif s < w2_step:
+                idle = moe
+                if not moe:
+                    gated(s - qkv_parts - 4, x, weights.norms[layer, 1], eps, shape.act, weights.w13[layer], h, work,
+                          xs, tile, red, scale_rows, block, nblocks)
+            elif s == w2_step:
+                idle = moe
+                if not moe:
+                    residual(h, weights.w2[layer], out, alpha, xs, tile, red, scale_rows, block, nblocks)
             else:
-                residual(h, weights.w2[layer], x, xs, tile, red, scale_rows, block, nblocks)
-            if cooperative:  # a constant: numba prunes the branch, so a step-by-step kernel never names the grid
+                idle = not moe
+                if moe and s == w2_step + 1:
+                    rms_norm_rows(x, weights.norms[layer, 1], eps, work.xn, red, block, nblocks)
+                elif moe and s == w2_step + 2:
+                    route(work.xn, weights.router[layer], shape.experts_norm, work.probs, work.chosen, work.routed,
+                          gid, everyone)
+                elif moe and s == w2_step + 3:
+                    experts_gate_up(work.xn, weights.w13_exps[layer], work.chosen, shape.act, work.he, gid, everyone)
+                elif moe:
+                    experts_down(work.he, weights.w2_exps[layer], work.chosen, work.routed, alpha, out, gid, everyone)
+            if cooperative and not idle:  # a constant: numba prunes it, so a step-by-step kernel never names the grid
                 cuda.cg.this_grid().sync()
 
     return kernel
@@ -948,22 +917,22 @@ def _forward_kernel(products, batch: bool, interleaved: bool, q8_0: bool, thread
 def decode_step_kernel(rows: int, threads: int, lanes: int, interleaved: bool, q8_0: bool = False,
                        cooperative: bool = True):
     """_forward_kernel with matrix-vector products for up to `rows` tokens: the RMSNorms fused into the products
-    that read them (normed, gated), SwiGLU into the gate/up product (matvec_rows' variants). w13 [L, 2, F, D]."""
+    that read them (normed, gated), the gate's activation into the gate/up product (matvec_rows' variants). w13 [L, 2, F, D]."""
     qkv_proj = matvec_rows(rows, threads, lanes, True, False, False, q8_0)
     gate_up_proj = matvec_rows(rows, threads, lanes, True, False, True, q8_0)
     residual_proj = matvec_rows(rows, threads, lanes, False, True, False, q8_0)
 
     @cuda.jit(device=True)
-    def normed(piece, x, g, eps, w, y, work, xs, part, red, scale, block, nblocks):
-        qkv_proj(x, g, eps, w, y, xs, part, red, scale, block, nblocks)
+    def normed(piece, x, g, eps, act, w, y, work, xs, part, red, scale, block, nblocks):
+        qkv_proj(x, g, eps, w, y, np.float32(1), act, xs, part, red, scale, block, nblocks)
 
     @cuda.jit(device=True)
-    def gated(piece, x, g, eps, w, y, work, xs, part, red, scale, block, nblocks):
-        gate_up_proj(x, g, eps, w, y, xs, part, red, scale, block, nblocks)
+    def gated(piece, x, g, eps, act, w, y, work, xs, part, red, scale, block, nblocks):
+        gate_up_proj(x, g, eps, w, y, np.float32(1), act, xs, part, red, scale, block, nblocks)
 
     @cuda.jit(device=True)
-    def residual(x, w, y, xs, part, red, scale, block, nblocks):  # no norm: the gain (`scale` here) is not read
-        residual_proj(x, scale, np.float32(0), w, y, xs, part, red, scale, block, nblocks)
+    def residual(x, w, y, alpha, xs, part, red, scale, block, nblocks):  # no norm: the gain (`scale`) is not read
+        residual_proj(x, scale, np.float32(0), w, y, alpha, np.int32(0), xs, part, red, scale, block, nblocks)
 
     shared = ((rows, matvec_tile(rows)), (2 * MAX_ROWS, threads), rows)
     return _forward_kernel((normed, gated, residual), False, interleaved, q8_0, threads, shared, cooperative)
@@ -979,22 +948,22 @@ def batch_step_kernel(tile: tuple[int, int, int, int, int], interleaved: bool, q
     product, residual_product = matmul_tiles(tile, False, q8_0), matmul_tiles(tile, True, q8_0)
 
     @cuda.jit(device=True)
-    def normed(piece, x, g, eps, w, y, work, xs, ws, red, scale, block, nblocks):
+    def normed(piece, x, g, eps, act, w, y, work, xs, ws, red, scale, block, nblocks):
         if piece == 0:
             rms_norm_rows(x, g, eps, work.xn, red, block, nblocks)
         else:
-            product(work.xn, w, y, xs, ws, block, nblocks)
+            product(work.xn, w, y, np.float32(1), xs, ws, block, nblocks)
 
     @cuda.jit(device=True)
-    def gated(piece, x, g, eps, w, y, work, xs, ws, red, scale, block, nblocks):
+    def gated(piece, x, g, eps, act, w, y, work, xs, ws, red, scale, block, nblocks):
         if piece < 2:
-            normed(piece, x, g, eps, w, work.gate_up, work, xs, ws, red, scale, block, nblocks)
+            normed(piece, x, g, eps, act, w, work.gate_up, work, xs, ws, red, scale, block, nblocks)
         else:
-            swiglu_rows(work.gate_up, y, block, nblocks)
+            swiglu_rows(work.gate_up, y, act, block, nblocks)
 
     @cuda.jit(device=True)
-    def residual(x, w, y, xs, ws, red, scale, block, nblocks):
-        residual_product(x, w, y, xs, ws, block, nblocks)
+    def residual(x, w, y, alpha, xs, ws, red, scale, block, nblocks):
+        residual_product(x, w, y, alpha, xs, ws, block, nblocks)
 
     threads, shared = (BM // TM) * (BN // TN), ((BK, BM), (BK, BN), 1)
     return _forward_kernel((normed, gated, residual), True, interleaved, q8_0, threads, shared, cooperative)

@@ -162,10 +162,19 @@ class _Workspace:
     gate_up: object  # [T, 2F] (tiled products)
     h: object  # [T, F]
     scores: object  # [blocks, C + T] attention scratch
+    o: object  # [T, D] a block's output before its post-norm (block_norms "sandwich", "post")
+    probs: object  # [T, E] the router's probabilities (E = 0 for a dense model)
+    chosen: object  # [T, k] int32 the experts each token uses
+    routed: object  # [T, k] their weights
+    he: object  # [T, k, Fe] their hidden units
 
 
 class CudaTransformer(Model):
     backend = "cuda"
+    # every dense family's options, as run-time data of the one forward kernel (kernels.StepShape, StepWeights)
+    FEATURES = Model.FEATURES | {"ffn_activation", "embedding_multiplier", "residual_multiplier", "attention_scale",
+                                 "attn_logit_softcap", "qk_norm", "block_norms", "sliding_layers", "rope_local_theta",
+                                 "longrope", "n_experts"}
     """The Transformer on the GPU. dtype: how matrices are stored: float32, float16, or "q8_0" (GGUF's Q8_0 blocks,
     32 int8 values and a float16 scale, kernels.Q8_0_BLOCK), each weight widened to float32 as it is read, the sums
     in float32. With q8_0 a checkpoint's own Q8_0 matrices (quant.QuantizedMatrix, as formats.gguf's
@@ -192,8 +201,8 @@ class CudaTransformer(Model):
             raise ConfigError(f"head_dim {config.head_dim} is above the CUDA kernels' limit "
                               f"{self.kernels.MAX_HEAD_DIM}")
         self._upload(named)
-        self.inv_freq = ops.rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)  # [Dh/2]
-        self._rope_table(config.max_seq_len)
+        self.rope_freqs, self.rope_positions = None, 0  # the frequencies [R, Dh/2] and positions of the tables
+        self._capacities: dict[int, tuple] = {}  # per cache capacity: frequencies, windows, RoPE rows
         self._workspaces: dict[tuple[int, int], _Workspace] = {}
         self._grids: dict[tuple, int] = {}  # cooperative grid size of each step kernel, once compiled
         self.one_launch = one_launch
@@ -218,21 +227,58 @@ class CudaTransformer(Model):
         def vectors(*arrays):
             return np.ascontiguousarray(np.stack(arrays) if len(arrays) > 1 else arrays[0], dtype=np.float32)
 
+        def gains(*arrays):  # norm gains, an empty axis where the family has none (the kernels then skip the norm)
+            return vectors(*(np.zeros(0) if a is None else a for a in arrays))
+
         self.tok_embeddings = cuda.to_device(matrix(weights.tok_embeddings))
         self.output = self.tok_embeddings if c.tied_embeddings else cuda.to_device(matrix(weights.output))
-        self.norms = stacked(lambda w: vectors(w.attention_norm, w.ffn_norm))
+        self.norms = stacked(lambda w: gains(w.attention_norm, w.ffn_norm))  # [L, 2, D or 0]
+        self.q_norm, self.k_norm = stacked(lambda w: gains(w.q_norm)), stacked(lambda w: gains(w.k_norm))  # [L, n]
+        self.post_norms = stacked(lambda w: gains(w.post_attention_norm, w.post_ffn_norm))  # [L, 2, D or 0]
         self.final_norm = cuda.to_device(vectors(weights.norm))
         # [wq; wk; wv] (RoPE layout kept: the kernels know both) and [w1; w3], fused block row by block row, so a
         # checkpoint's Q8_0 blocks are never requantized
         self.wqkv = stacked(lambda w: np.concatenate([matrix(w.wq), matrix(w.wk), matrix(w.wv)]))
         self.bqkv = stacked(lambda w: vectors(fused_qkv(c, w, interleave_rope=False)[1]))
         self.wo = stacked(lambda w: matrix(w.wo))
-        self.w13 = stacked(lambda w: np.stack([matrix(w.w1), matrix(w.w3)]))
-        self.w2 = stacked(lambda w: matrix(w.w2))
-        layers = sum(a.nbytes for a in (self.norms, self.final_norm, self.wqkv, self.bqkv, self.wo, self.w13, self.w2))
+        self._upload_ffn(stacked, weights.layers)
+        layers = sum(a.nbytes for a in (self.norms, self.final_norm, self.wqkv, self.bqkv, self.wo, self.w13, self.w2,
+                                        self.q_norm, self.k_norm, self.post_norms, self.router, self.w13_exps,
+                                        self.w2_exps))
         # A decode step streams every layer and the LM head; of the embedding it reads only the tokens' rows.
         self.step_weight_bytes = layers + self.output.nbytes
         self.weight_bytes = layers + self.output.nbytes + (0 if c.tied_embeddings else self.tok_embeddings.nbytes)
+
+    def _upload_ffn(self, stacked, layers) -> None:
+        """The feed-forward's matrices, stacked over the layers by `stacked` (_upload's): dense w13 = [w1; w3]
+        [L, 2, F, D] and w2 [L, D, F], or the experts' router [L, E, D] (float32), w13_exps [L, E, 2, Fe, D] and
+        w2_exps [L, E, D, Fe]; the kind a model lacks has an empty axis (F = 0, or E = 0), as the kernels expect."""
+        c, matrix = self.config, self._matrix
+        cols = matrix(np.zeros((1, c.dim), np.float32)).shape[1]  # D, or its Q8_0 blocks
+        if c.n_experts:
+            if any(w.router is None for w in layers):
+                raise ConfigError("the cuda backend runs a mixture of experts only where every layer routes")
+            self.w13 = stacked(lambda w: np.zeros((2, 0, cols), self.weight_dtype))
+            self.w2 = stacked(lambda w: np.zeros((c.dim, 0), self.weight_dtype))
+            self.router = stacked(lambda w: self._rounded(w.router))
+            self.w13_exps = stacked(lambda w: np.stack([np.stack([matrix(w.w1_exps[e]), matrix(w.w3_exps[e])])
+                                                        for e in range(c.n_experts)]))
+            self.w2_exps = stacked(lambda w: np.stack([matrix(w.w2_exps[e]) for e in range(c.n_experts)]))
+        else:
+            self.w13 = stacked(lambda w: np.stack([matrix(w.w1), matrix(w.w3)]))
+            self.w2 = stacked(lambda w: matrix(w.w2))
+            self.router = stacked(lambda w: np.zeros((0, c.dim), np.float32))
+            self.w13_exps = stacked(lambda w: np.zeros((0, 2, 0, cols), self.weight_dtype))
+            self.w2_exps = stacked(lambda w: np.zeros((0, c.dim, 0), self.weight_dtype))
+
+    def _rounded(self, w) -> np.ndarray:
+        """A matrix's values as this model's storage rounds them, in float32: the router, which the kernels read
+        as float32, holds the numbers the NumPy model computes with under the same weight_dtype."""
+        if self.q8_0:
+            blocks = q8_0_blocks(w, self.kernels.Q8_0_BLOCK)  # [N, K / 32] of (d, qs[32])
+            values = blocks["d"].astype(np.float32)[..., None] * blocks["qs"].astype(np.float32)
+            return np.ascontiguousarray(values.reshape(len(blocks), -1)[:, :as_matrix(w).shape[1]])
+        return np.ascontiguousarray(np.asarray(self._matrix(w)), dtype=np.float32)
 
     def _matrix(self, w) -> np.ndarray:
         """A host matrix as the device stores it: float32 or float16 [N, K], or Q8_0 blocks [N, ceil(K / 32)]."""
@@ -240,11 +286,26 @@ class CudaTransformer(Model):
             return q8_0_blocks(w, self.kernels.Q8_0_BLOCK)
         return np.ascontiguousarray(w, dtype=self.weight_dtype)
 
-    def _rope_table(self, positions: int) -> None:
-        """cos, sin [P, Dh/2] of positions 0 .. P-1, the very numbers ops.rope_angles gives the NumPy model."""
-        cos, sin = ops.rope_angles(np.arange(positions), self.inv_freq, np.float32)
-        self.cos, self.sin = self.cuda.to_device(cos), self.cuda.to_device(sin)
-        self.rope_positions = positions
+    def _rope_table(self, freqs: np.ndarray, positions: int) -> None:
+        """cos, sin [R, P, Dh/2] of positions 0 .. P-1 for each row of frequencies [R, Dh/2], the very numbers
+        ops.rope_angles gives the NumPy model."""
+        tables = [ops.rope_angles(np.arange(positions), row, np.float32) for row in freqs]
+        self.cos = self.cuda.to_device(np.stack([cos for cos, _ in tables]))
+        self.sin = self.cuda.to_device(np.stack([sin for _, sin in tables]))
+        self.rope_freqs, self.rope_positions = freqs, positions
+
+    def _per_capacity(self, capacity: int) -> tuple:
+        """For a cache of `capacity` positions: the RoPE frequencies [R, Dh/2] (R = 2 where sliding layers have
+        their own base, else 1: longrope's depend on the capacity), and on the device each layer's window [L] and
+        row of the RoPE tables [L] (int32), as Model.windows and Model.rope_frequencies say."""
+        if capacity not in self._capacities:
+            c, cuda = self.config, self.cuda
+            freqs = self.rope_frequencies(capacity)  # [2, Dh/2]: full attention, sliding
+            own = not np.array_equal(freqs[0], freqs[1])
+            rows = np.array([own and c.is_sliding(i) for i in range(c.n_layers)], np.int32)
+            windows = cuda.to_device(self.windows(capacity).astype(np.int32))
+            self._capacities[capacity] = (freqs if own else freqs[:1], windows, cuda.to_device(rows))
+        return self._capacities[capacity]
 
     # -- the forward pass ---------------------------------------------------------------------------------------
 
@@ -286,8 +347,11 @@ class CudaTransformer(Model):
         self.check_call(tokens, positions, slots, cache)
         if positions.max() >= np.iinfo(np.int32).max:
             raise GenerationError(f"positions must lie in [0, 2^31 - 1), got {positions.min()}..{positions.max()}")
-        if positions.max() >= self.rope_positions:
-            self._rope_table(max(int(positions.max()) + 1, 2 * self.rope_positions))
+        freqs = self._per_capacity(cache.capacity)[0]
+        if freqs is not self.rope_freqs and not np.array_equal(freqs, self.rope_freqs):  # longrope's, by capacity
+            self._rope_table(freqs, max(int(positions.max()) + 1, self.config.max_seq_len))
+        elif positions.max() >= self.rope_positions:
+            self._rope_table(freqs, max(int(positions.max()) + 1, 2 * self.rope_positions))
         # When one call brings more than C positions of a slot, only its last C survive in the ring.
         last = {int(s): int(positions[slots == s].max()) for s in np.unique(slots)}
         keep = np.array([p > last[int(s)] - cache.capacity for p, s in zip(positions, slots)])
@@ -311,7 +375,9 @@ class CudaTransformer(Model):
             self._workspaces[key] = _Workspace(
                 meta=buf(6, T, dtype=np.int32), x=buf(T, c.dim), xn=buf(T, c.dim), qkv=buf(T, W),
                 att=buf(T, c.n_heads * c.head_dim), gate_up=buf(T, 2 * c.hidden_dim), h=buf(T, c.hidden_dim),
-                scores=buf(blocks, cache.capacity + T))
+                scores=buf(blocks, cache.capacity + T), o=buf(T, c.dim), probs=buf(T, c.n_experts),
+                chosen=buf(T, c.n_experts_used, dtype=np.int32), routed=buf(T, c.n_experts_used),
+                he=buf(T, c.n_experts_used, c.expert_hidden_dim or c.hidden_dim))
         return self._workspaces[key]
 
     def _heads(self):
@@ -363,13 +429,18 @@ class CudaTransformer(Model):
         else:
             key, threads = ("batch",), g.matmul_threads
             kernel = k.batch_step_kernel(g.tile, interleaved, self.q8_0, cooperative)
-            w13 = self.w13.reshape(L, 2 * c.hidden_dim, self.w13.shape[3])  # W1's rows, then W3's: one product
+            w13 = self.w13.reshape(L, 2 * self.w13.shape[2], self.w13.shape[3])  # W1's rows, then W3's: one product
         weights = k.StepWeights(self.tok_embeddings, self.norms, self.wqkv, self.bqkv, self.wo, w13, self.w2,
-                                self.final_norm)
-        shape = k.StepShape(np.float32(c.norm_eps), *self._heads(), np.int32(self.window(cache)),
-                            np.float32(1.0 / np.sqrt(c.head_dim)))
-        work = k.StepWork(ws.x, ws.xn, ws.qkv, ws.att, ws.gate_up, ws.h, ws.scores)
-        args = (kernel_record(weights), shape, self.cos, self.sin, ws.meta,
+                                self.final_norm, self.q_norm, self.k_norm, self.post_norms, self.router, self.w13_exps,
+                                self.w2_exps)
+        _, windows, rope_rows = self._per_capacity(cache.capacity)
+        f32 = np.float32
+        shape = k.StepShape(f32(c.norm_eps), *self._heads(), f32(c.score_scale), f32(c.attn_logit_softcap),
+                            np.int32(k.ACTIVATIONS.index(c.ffn_activation)), f32(c.embedding_multiplier),
+                            f32(c.residual_multiplier), windows, rope_rows, np.int32(c.expert_weights_norm))
+        work = k.StepWork(ws.x, ws.xn, ws.qkv, ws.att, ws.gate_up, ws.h, ws.scores, ws.o, ws.probs, ws.chosen,
+                          ws.routed, ws.he)
+        args = (kernel_record(weights), kernel_record(shape), self.cos, self.sin, ws.meta,
                 kernel_record(k.StepCache(cache.k, cache.v, cache.positions)), kernel_record(work), hidden)
         return key, kernel, threads, args
 
@@ -382,11 +453,12 @@ class CudaTransformer(Model):
             rows = 1 << (M - 1).bit_length()  # compiled for 1, 2, 4 or 8 rows
             per_block = g.threads // g.lanes * max(1, k.MAX_ROWS // rows)  # output rows a block takes at a time
             kernel = k.matvec_kernel(rows, g.threads, g.lanes, False, residual, False, self.q8_0)
-            kernel[g.grid(-(-N // per_block)), g.threads](x, self.final_norm, np.float32(0), w, y)
+            kernel[g.grid(-(-N // per_block)), g.threads](x, self.final_norm, np.float32(0), w, y, np.float32(1),
+                                                          np.int32(0))
         else:
             BM, BN = g.tile[:2]
             tiles = -(-M // BM) * -(-N // BN)
-            k.matmul_kernel(g.tile, residual, self.q8_0)[g.grid(tiles), g.matmul_threads](x, w, y)
+            k.matmul_kernel(g.tile, residual, self.q8_0)[g.grid(tiles), g.matmul_threads](x, w, y, np.float32(1))
 
     # -- logits and sampling ------------------------------------------------------------------------------------
 
@@ -422,8 +494,8 @@ class CudaTransformer(Model):
         params[:, 4] = np.minimum(params[:, 4], UNIFORM_MAX)
         ids = self.cuda.device_array(B, np.int32)
         probs = self.cuda.device_array((B, V), np.float32)
-        k.sample_kernel(g.sampler_threads)[g.grid(B), g.sampler_threads](logits, self.cuda.to_device(params), probs,
-                                                                          ids)
+        launch = k.sample_kernel(g.sampler_threads)[g.grid(B), g.sampler_threads]
+        launch(logits, self.cuda.to_device(params), probs, ids)
         return ids.copy_to_host()
 
 

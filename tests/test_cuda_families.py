@@ -1,0 +1,58 @@
+"""The other families (issue 43) on the CUDA backend: transformers' logits of the tiny random-weight fixtures
+(tests/fixtures/hf, see test_families.py) within 1e-4, through both forward kernels: a prefill of all but the last
+tokens (tiled products), then single-token decode steps (matrix-vector products).
+
+Without a GPU the device is numba's CUDA simulator (see test_cuda_kernels.py), where a fixture takes 20-60 s: each
+option is checked on the cheapest fixtures that use it (FIXTURES below; mixtral, the same routing as qwen3_moe with
+Mixtral's names, is left to test_families.py's CPU run).
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from npllm.device import cuda_problem, use_cuda_simulator
+
+use_cuda_simulator()
+if cuda_problem() is not None:
+    pytest.skip(f"CUDA unavailable: {cuda_problem()}", allow_module_level=True)
+
+import npllm  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+HF = Path(__file__).parent / "fixtures" / "hf"
+# fixture -> the options it brings to the device
+FIXTURES = {
+    "gemma2": "GeGLU, embedding multiplier, attention scale, attention and final soft-caps, sandwich norms, "
+              "sliding window on alternate layers",
+    "gemma3": "per-head q/k norms, sliding layers with their own RoPE base",
+    "phi3": "longrope (long factors: the context is past the original), fused qkv/gate_up split at load",
+    "olmo2": "post-norms only, q/k norms over the whole projection",
+    "granite": "embedding, residual, attention and logit multipliers",
+    "qwen3_moe": "mixture of experts: router, top-2 of 8 experts, their weights renormalised (norm_topk_prob)",
+    "qwen3_moe_unnormed": "mixture of experts, the top-k weights as the router gives them",
+}
+DECODE_STEPS = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_thread_switching():
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(5e-5)  # see test_cuda_kernels.py
+    yield
+    sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_logits_match_transformers_on_the_device(name):
+    reference = np.load(HF / name / "reference.npz")
+    tokens, expected = reference["tokens"], reference["logits"]
+    model = npllm.load(HF / name, backend="cuda").model
+    # a cache of exactly the sequence, as test_families.py: longrope picks its factors by the context
+    cache = model.new_cache(len(tokens))
+    n = len(tokens) - DECODE_STEPS
+    logits = [model.lm_head(model.forward(tokens[:n], np.arange(n), cache))]
+    logits += [model.lm_head(model.forward(tokens[p:p + 1], [p], cache)) for p in range(n, len(tokens))]
+    assert np.abs(np.concatenate(logits) - expected).max() < 1e-4
