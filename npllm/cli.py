@@ -326,6 +326,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        "float32, float16 or q8_0 blocks")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="float32",
                         help="float16: the KV cache stores keys and values in half precision (numba, numpy)")
+    parser.add_argument("--context", type=whole(1, MOST_TOKENS), default=None, metavar="N",
+                        help="positions the model runs with (default: its trained context; longrope models choose "
+                             "their factors by it)")
 
 
 def sampling_params(args, params_type: type = SamplingParams) -> SamplingParams:
@@ -359,7 +362,7 @@ class Needs:
 
 
 # argparse dests. A new option is refused by every mode until a mode's `takes` names it.
-MODEL = frozenset({"model", "tokenizer", "backend", "threads", "weight_dtype", "kv_dtype"})
+MODEL = frozenset({"model", "tokenizer", "backend", "threads", "weight_dtype", "kv_dtype", "context"})
 # every sampling flag but --stop and --logprobs (text and a report, not a stage of the draw: each mode names them)
 SAMPLING = frozenset(f.name for f, option in options() if option.flag is not None) - {"stop", "logprobs"}
 ONE_PROMPT = MODEL | {"prompt", "max_new_tokens"}
@@ -455,7 +458,8 @@ def load_with_tokenizer(args, **options):
         read_config(checkpoint)  # a file that is no checkpoint at all says so, rather than asking for a tokenizer
         raise GenerationError(f"no tokenizer was found beside {args.model}: pass --tokenizer PATH")
     return load(checkpoint, args.tokenizer if args.tokenizer is not None else found, backend=args.backend,
-                threads=args.threads, weight_dtype=args.weight_dtype, cold_start=cold_start(args), **options)
+                threads=args.threads, weight_dtype=args.weight_dtype, cold_start=cold_start(args),
+                context=args.context, **options)
 
 
 def run_generate(args) -> int:
@@ -684,7 +688,7 @@ def run_perplexity(args) -> int:
     if args.kl_divergence is not None:
         # the base keeps a float32 cache: `--kv-dtype float16 --kl-divergence SAME_MODEL` measures the cache's rounding
         base = load(args.kl_divergence, args.tokenizer, backend=args.backend, threads=args.threads,
-                    weight_dtype=args.weight_dtype)
+                    weight_dtype=args.weight_dtype, context=args.context)
         result = kl_divergence(llm.model, base.model, ids, ctx, args.batch, progress=progress)
         sentence = (f"mean KL = {result.mean_kl:.6f} +/- {result.kl_stderr:.6f} nats, top-1 agreement "
                     f"{100 * result.top1_agreement:.2f}% over {result.tokens} tokens; PPL {result.ppl:.4f} "
@@ -757,7 +761,7 @@ def run_batch(args) -> int:
         summary = run_on_ray(args.model, args.input, args.output, errors, address=args.ray or None,
                              workers=args.workers, batch_size=args.batch_size, tokenizer=args.tokenizer,
                              backend=args.backend, threads=args.threads, chat_template=args.chat_template,
-                             weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype)
+                             weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, context=args.context)
     else:
         from .chat import chat_template_name
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from . import batching
-from .config import ModelConfig
-from .errors import FormatError, GenerationError, TokenizerError
+from .config import MAX_CONTEXT, ModelConfig
+from .errors import ConfigError, FormatError, GenerationError, TokenizerError
 from .context import DEFAULT_SINKS, Context, check_policy
 from .stop import StopStrings, text_of_steps
 from .generate import Request, check_prompt, check_request, decode, generate_ids
@@ -284,7 +284,7 @@ def _started(steps: Iterator) -> Iterator:
 
 def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None,
          backend: str = "numba", threads: int | None = None, weight_dtype: str = "file",
-         kv_dtype: str = "float32", cold_start: str = "wait") -> LLM:
+         kv_dtype: str = "float32", cold_start: str = "wait", context: int | None = None) -> LLM:
     """Load a checkpoint (a path or a known name such as "stories260K") and its tokenizer.
 
     backend: "numba" (compiled CPU kernels, the default), "numpy" (the reference), "cuda" (an NVIDIA GPU through
@@ -297,6 +297,8 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
     (computing as the Numba model does) while a detached process compiles it for later runs, rather than wait for
     the compile ("wait", the default); "exact" only where the reference gives the compiled model's greedy tokens
     (float32 weights, not a GGUF file's quantized ones; npllm.models.make_model).
+    context: the positions the model runs with (default: what it was trained for); the KV caches hold this many,
+    and longrope (Phi-3) chooses its factors by it, as llama.cpp does by its context size.
     """
     from .formats import read_checkpoint
     from .models import make_model, resolve_backend
@@ -305,11 +307,21 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
     backend = resolve_backend(backend)  # before reading weights: a missing GPU is reported at once
     checkpoint, found_tokenizer = resolve(model)
     config, weights = read_checkpoint(checkpoint)  # in their file types: make_model decides the storage
+    config = with_context(config, context)
     tok, config = _tokenizer_for(config, tokenizer if tokenizer is not None else found_tokenizer)
     model = make_model(config, weights, backend, threads, weight_dtype, kv_dtype, cold_start)
     if isinstance(model, Transformer):
         backend = "numpy"  # (the reference stands in for numba while its code compiles) drafts are built the same way
     return LLM(model, tok, str(checkpoint), backend, threads)
+
+
+def with_context(config: ModelConfig, context: int | None) -> ModelConfig:
+    """The config run with `context` positions (None: as trained)."""
+    if context is None:
+        return config
+    if isinstance(context, bool) or not isinstance(context, int) or not 0 < context <= MAX_CONTEXT:
+        raise ConfigError(f"context must be a whole number of positions in 1..{MAX_CONTEXT}, got {context!r}")
+    return config.replace(max_seq_len=context)
 
 
 def _tokenizer_for(config: ModelConfig, tok_path) -> tuple[Tokenizer | None, ModelConfig]:

@@ -61,7 +61,7 @@ def assigned_cpus() -> int | None:
 
 def _load(model, tokenizer, backend: str, threads: int | None, **options):
     """The model, with as many threads as given, else as many as the actor's num_cpus (options: load's
-    weight_dtype, kv_dtype)."""
+    weight_dtype, kv_dtype, context)."""
     from .llm import load
 
     return load(model, tokenizer, backend=backend, threads=threads or assigned_cpus(), **options)
@@ -114,10 +114,11 @@ class Predictor:
 
     def __init__(self, model="stories260K", tokenizer=None, backend: str = "numba", threads: int | None = None,
                  chat_template: str | None = None, slots: int = DEFAULT_SLOTS, json_column: str | None = None,
-                 name: str | None = None, weight_dtype: str = "file", kv_dtype: str = "float32"):
+                 name: str | None = None, weight_dtype: str = "file", kv_dtype: str = "float32",
+                 context: int | None = None):
         from .chat import chat_template_name
 
-        llm = _load(model, tokenizer, backend, threads, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+        llm = _load(model, tokenizer, backend, threads, weight_dtype=weight_dtype, kv_dtype=kv_dtype, context=context)
         template, problem = chat_template_for(chat_template, llm.source, llm.config.arch)
         self.runner = Runner(llm, name, template, problem, chat_template_name(chat_template, llm.source), slots)
         self.json_column = json_column

@@ -50,7 +50,7 @@ def streaming_logits(model, tokens, sinks: int, capacity: int) -> np.ndarray:
     for P, token in enumerate(tokens):
         seen = np.arange(P + 1) if P < capacity else np.r_[0:sinks, P - capacity + sinks + 1:P + 1]
         at = np.where(seen < sinks, P - capacity + 1 + seen, seen) if P >= capacity else seen
-        cos, sin = ops.rope_angles(at, model.rope_frequencies(capacity)[0], model.dtype)  # [S, Dh/2]
+        cos, sin = ops.rope_angles(at, model.rope_frequencies()[0], model.dtype)  # [S, Dh/2]
         x = ops.embed(w.tok_embeddings, np.array([token]))  # [1, D]
         for layer, lw in enumerate(w.layers):
             h = ops.rms_norm(x, lw.attention_norm, c.norm_eps)

@@ -49,9 +49,9 @@ def fast_thread_switching():
 def test_logits_match_transformers_on_the_device(name):
     reference = np.load(HF / name / "reference.npz")
     tokens, expected = reference["tokens"], reference["logits"]
-    model = npllm.load(HF / name, backend="cuda").model
-    # a cache of exactly the sequence, as test_families.py: longrope picks its factors by the context
-    cache = model.new_cache(len(tokens))
+    # run with a context of exactly the sequence, as test_families.py: longrope picks its factors by the context
+    model = npllm.load(HF / name, backend="cuda", context=len(tokens)).model
+    cache = model.new_cache()
     n = len(tokens) - DECODE_STEPS
     logits = [model.lm_head(model.forward(tokens[:n], np.arange(n), cache))]
     logits += [model.lm_head(model.forward(tokens[p:p + 1], [p], cache)) for p in range(n, len(tokens))]

@@ -311,8 +311,8 @@ CONVERTED = sorted((FIXTURES / "gguf_arch").glob("*.gguf"))
 @pytest.mark.skipif(not CONVERTED, reason="no tests/fixtures/gguf_arch/*.gguf (made by llama.cpp's converter)")
 @pytest.mark.parametrize("path", CONVERTED, ids=[p.stem for p in CONVERTED])
 def test_llama_cpps_conversion_reproduces_transformers_logits(path):
-    """The fixture's tokens on a cache of exactly their length (longrope picks its factors by the context the model
-    runs with, as transformers does by the sequence's). The converter drops the embedding rows past the tokenizer's
+    """The fixture's tokens with a context of exactly their length (longrope picks its factors by the context the
+    model runs with, as transformers does by the sequence's). The converter drops the embedding rows past the tokenizer's
     vocabulary (Gemma 3): those columns of the reference have no counterpart, the others must match.
 
     Where the file cannot say what the checkpoint did (Gemma's query_pre_attn_scalar, Qwen3-MoE's norm_topk_prob:
@@ -322,8 +322,8 @@ def test_llama_cpps_conversion_reproduces_transformers_logits(path):
     tokens = reference["tokens"]
     expected = reference["logits_gguf"] if "logits_gguf" in reference else reference["logits"]
     config, weights = read_checkpoint(path)
-    model = make_model(config, weights, backend="numpy")
-    logits = model.logits(tokens, cache=model.new_cache(len(tokens)))
+    model = make_model(config.replace(max_seq_len=len(tokens)), weights, backend="numpy")
+    logits = model.logits(tokens)
     assert logits.shape[1] <= expected.shape[1]
     np.testing.assert_allclose(logits, expected[:, :logits.shape[1]], rtol=0, atol=1e-4)
 

@@ -92,7 +92,7 @@ def test_cache_holds_rotated_keys():
     x = ops.embed(w["tok_embeddings"], np.array(tokens))
     h = ops.rms_norm(x, w["layers.0.attention_norm"], GQA.norm_eps)
     k = (h @ w["layers.0.wk"].T).reshape(3, GQA.n_kv_heads, GQA.head_dim)
-    cos, sin = ops.rope_angles(np.arange(3), model.rope_frequencies(cache.capacity)[0], np.float64)
+    cos, sin = ops.rope_angles(np.arange(3), model.rope_frequencies()[0], np.float64)
     np.testing.assert_allclose(cache.k[0, 0, :3], ops.rope_interleaved(k, cos, sin), rtol=1e-12)
     assert list(cache.positions[0, :4]) == [0, 1, 2, -1]
 

@@ -83,7 +83,7 @@ show(ops.rope_interleaved)
 inv_freq = ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta)
 print("stories260K w_i:", inv_freq, " wavelengths 2π/w_i:", np.round(2 * np.pi / inv_freq, 1), "positions")
 assert np.allclose(inv_freq, [1.0, 0.1, 0.01, 0.001], rtol=1e-12)
-assert np.array_equal(inv_freq, model.rope_frequencies(cfg.max_seq_len)[0])  # the frequencies the model itself uses
+assert np.array_equal(inv_freq, model.rope_frequencies()[0])  # the frequencies the model itself uses
 
 llama_freq = ops.rope_inv_freq(128, 10000.0)  # a Llama 2 head: Dh = 128, 64 pairs
 print("Llama 2 (Dh=128): first w", llama_freq[:3], "... last", llama_freq[-1])

@@ -7,7 +7,7 @@
     new_cache(capacity, slots, kv_dtype)   a KV cache this model's forward fills (kv_dtype: how it stores keys and
                 values; default the model's kv_dtype)
     window(cache)  how many recent positions a query sees (windows(capacity): per layer)
-    rope_frequencies(capacity)  the RoPE inverse frequencies of full-attention and of sliding layers  # [2, Dh/2]
+    rope_frequencies()  the RoPE inverse frequencies of full-attention and of sliding layers  # [2, Dh/2]
     logits(tokens) every position's logits of one sequence                            # [T] -> [T, V]
     sample(h, ...) a compiled sampler right after the LM head where a backend has one (None otherwise)
     sample_next(h, params, rng, history)   the next token of one sequence: through `sample` when it implements
@@ -128,11 +128,16 @@ class Model:
         return np.array([min(c.sliding_window if c.is_sliding(l) else capacity, capacity) for l in range(c.n_layers)],
                         np.int64)
 
-    def rope_frequencies(self, capacity: int) -> np.ndarray:
-        """RoPE inverse frequencies for a model run with `capacity` positions: row 0 for full-attention layers,
-        row 1 for sliding ones (rope_local_theta, unscaled, where the family sets one: Gemma 3).   # -> [2, Dh/2]"""
+    def rope_frequencies(self) -> np.ndarray:
+        """RoPE inverse frequencies: row 0 for full-attention layers, row 1 for sliding ones (rope_local_theta,
+        unscaled, where the family sets one: Gemma 3).                                             # -> [2, Dh/2]
+
+        longrope's factors are chosen by the context the model runs with, config.max_seq_len (as llama.cpp
+        chooses by its n_ctx), not by each cache's size: a sequence computes the same whether it runs alone, in a
+        batch or under a perplexity window. transformers chooses per call by the sequence's length, so it agrees
+        where both are past (or both within) the original context."""
         c = self.config
-        full = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, capacity)
+        full = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, c.max_seq_len)
         local = ops.rope_inv_freq(c.head_dim, c.rope_local_theta) if c.rope_local_theta else full
         return np.stack([full, local])
 
@@ -162,7 +167,7 @@ class Model:
         src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
         k = cache.k[:, slot, src].astype(np.float64)  # [L, n, K, Dh]
         L, Dh = k.shape[0], k.shape[-1]
-        freqs = self.rope_frequencies(cache.capacity)  # [2, Dh/2]: each layer's keys turn at their own rates
+        freqs = self.rope_frequencies()  # [2, Dh/2]: each layer's keys turn at their own rates
         layer_freqs = freqs[[int(self.config.is_sliding(l)) for l in range(L)]]  # [L, Dh/2]
         angles = float(shift) * layer_freqs[:, None, :]  # [L, 1, Dh/2]: one angle table per layer
         rope = ops.rope_interleaved if self.key_layout == "interleaved" else ops.rope_half

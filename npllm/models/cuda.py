@@ -296,11 +296,11 @@ class CudaTransformer(Model):
 
     def _per_capacity(self, capacity: int) -> tuple:
         """For a cache of `capacity` positions: the RoPE frequencies [R, Dh/2] (R = 2 where sliding layers have
-        their own base, else 1: longrope's depend on the capacity), and on the device each layer's window [L] and
+        their own base, else 1), and on the device each layer's window [L] and
         row of the RoPE tables [L] (int32), as Model.windows and Model.rope_frequencies say."""
         if capacity not in self._capacities:
             c, cuda = self.config, self.cuda
-            freqs = self.rope_frequencies(capacity)  # [2, Dh/2]: full attention, sliding
+            freqs = self.rope_frequencies()  # [2, Dh/2]: full attention, sliding
             own = not np.array_equal(freqs[0], freqs[1])
             rows = np.array([own and c.is_sliding(i) for i in range(c.n_layers)], np.int32)
             windows = cuda.to_device(self.windows(capacity).astype(np.int32))

@@ -114,10 +114,10 @@ class NumbaTransformer(Model):
 
     def per_capacity(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
         """(windows [L] int64, RoPE frequencies [2, Dh/2] float64) of a cache of this capacity (Model.windows,
-        Model.rope_frequencies: longrope's depend on it), worked out once per capacity."""
+        Model.rope_frequencies), worked out once per capacity."""
         if capacity not in self._capacities:
             self._capacities[capacity] = (self.windows(capacity),
-                                          np.ascontiguousarray(self.rope_frequencies(capacity), np.float64))
+                                          np.ascontiguousarray(self.rope_frequencies(), np.float64))
         return self._capacities[capacity]
 
     # fused_qkv(interleave_rope=True) permutes Hugging Face q/k rows, so every cached key pairs (2i, 2i+1)

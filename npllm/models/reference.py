@@ -39,7 +39,7 @@ class Transformer(Model):
         self.check_call(tokens, positions, slots, cache)
         c = self.config
         # cos, sin [T, Dh/2] of full-attention layers (row 0 of the frequencies) and of sliding ones (row 1)
-        angles = [ops.rope_angles(positions, freqs, self.dtype) for freqs in self.rope_frequencies(cache.capacity)]
+        angles = [ops.rope_angles(positions, freqs, self.dtype) for freqs in self.rope_frequencies()]
         groups = [(int(s), np.flatnonzero(slots == s)) for s in np.unique(slots)]
         r = self.dtype.type(c.residual_multiplier)
         x = ops.embed(self.weights.tok_embeddings, tokens) * self.dtype.type(c.embedding_multiplier)  # [T, D]
