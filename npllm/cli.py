@@ -4,7 +4,8 @@
                             --top-k K --min-p P --typical-p P --repetition-penalty R --presence-penalty A
                             --frequency-penalty A --no-repeat-ngram N --stop STR --logprobs N
                             --backend numba|numpy|cuda|auto --threads N --weight-dtype file|float32|float16|q8_0
-                            --kv-dtype float32|float16 --context-policy error|truncate|sinks --sinks S --ignore-eos
+                            --kv-dtype float32|float16 --context N --context-policy error|truncate|sinks --sinks S
+                            --ignore-eos
     npllm generate --prompt-file FILE ...      one prompt per line, generated together (ragged batching)
     npllm generate [PROMPT] ... --explain [--json]     (each token's candidates through the sampling pipeline)
     npllm chat --model M [--system S] [--chat-template NAME|FILE] [sampling options] [--context-policy P]

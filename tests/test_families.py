@@ -169,3 +169,19 @@ def test_gemma3_multimodal_checkpoint_reads_as_its_language_model(tmp_path):
     assert llm.model.config.arch == "gemma3_text" and llm.model.config.eos_ids == tuple(np.atleast_1d(config["eos_token_id"]))
     got = llm.model.logits(tokens)
     assert np.abs(got - expected).max() < 1e-4
+
+
+def test_the_context_a_model_runs_with_chooses_longrope_factors_and_is_checked():
+    """npllm.load(context=N): the KV caches hold N positions, and Phi-3 takes its short factors within the original
+    context, its long ones past it (llama.cpp's -c rule); a context that is no positive count is a ConfigError."""
+    short = npllm.load(FIXTURES / "phi3_short", backend="numpy", context=24)
+    long = npllm.load(FIXTURES / "phi3_short", backend="numpy")
+    scaling = short.model.config.rope_scaling
+    assert short.model.config.max_seq_len == 24 and short.model.new_cache().capacity == 24
+    assert long.model.config.max_seq_len > scaling.original_max_position_embeddings >= 24
+    inv = ops.rope_inv_freq(short.model.config.head_dim, short.model.config.rope_theta)
+    np.testing.assert_allclose(short.model.rope_frequencies()[0], inv / np.array(scaling.short_factor))
+    np.testing.assert_allclose(long.model.rope_frequencies()[0], inv / np.array(scaling.long_factor))
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ConfigError, match="context"):
+            npllm.load(FIXTURES / "phi3_short", backend="numpy", context=bad)
