@@ -193,8 +193,9 @@ def batched(build, paths, args, repack, below):
             for b in args.batch:
                 (lp, lt), row = theirs[b], ours[b]
                 op, ot = row["prefill_tok_s"], row["decode_tok_s"]
-                if ot < lt:
-                    below.append(f"{shape} {qtype} batched decode of {b} at {t} thread(s): {ot / lt:.2f}x")
+                for test, o, l in (("decode", ot, lt), ("prefill", op, lp)):
+                    if o < l:
+                        below.append(f"{shape} {qtype} batched {test} of {b} at {t} thread(s): {o / l:.2f}x")
                 print(f"| {shape} {qtype} | {t} | {b} | {lt:.1f} / {ot:.1f} | {ratio(ot, lt)} | {lp:.1f} / {op:.1f} | "
                       f"{ratio(op, lp)} | {lsteal} / {row['steal_cpus']} |", flush=True)
 
