@@ -68,7 +68,8 @@ def test_pairs_ratios_and_what_is_below_one(table, monkeypatch, capsys):
     assert "CPU: " in out and "llama.cpp repacking: off" in out and "threads 1 and 2" in out
     rows = [line for line in out.splitlines() if line.startswith("| shape Q4_0 |")]
     assert len(rows) == 4  # two thread counts, two batch sizes
-    assert rows[0].startswith("| shape Q4_0 | 1 | 1 | 50.0 / 40.0 | **0.80x** | 200.0 / 300.0 | 1.50x | 7.0 of 10.0 (70%)")
+    assert rows[0].startswith("| shape Q4_0 | 1 | 1 | 50.0 / 40.0 | **0.80x** | 200.0 / 300.0 | 1.50x | "
+                              "7.0 of 10.0 (70%)")
     assert rows[2].startswith("| shape Q4_0 | 2 | 4 | 100.0 / 200.0 | 2.00x | 400.0 / 300.0 | **0.75x**")
     assert "| shape Q4_0 | 2 | 16 | 300.0 / 200.0 | **0.67x** |" in rows[3]
     below = out.splitlines()[-1]

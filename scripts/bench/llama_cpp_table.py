@@ -3,7 +3,8 @@ type x thread count, then batched decode, printed as markdown tables with the CP
 average, each run's steal time, and the ratios npllm / llama.cpp below 1.0 named at the end.
 
     python scripts/bench/llama_cpp_table.py [--shapes stories110M tinyllama-1.1B] [--types F32 Q8_0 Q4_0 ...]
-        [--threads 1 2] [--rounds 1] [--batch 4 16] [--batch-shapes stories110M] [--batch-types Q4_0 Q4_K_M]
+        [--f32-shapes stories110M] [--threads 1 2] [--rounds 1] [--batch 4 16] [--batch-shapes stories110M]
+        [--batch-types Q8_0 Q4_0 Q4_K_M] [--repack auto|0|1]
     bash scripts/bench/bench_llama_cpp.sh [the same options]      # builds llama.cpp first where it is missing
 
 Files: SHAPE-F32.gguf holds random weights at a named shape (npllm's write_gguf, the Llama 2 vocabulary); every other
@@ -204,6 +205,9 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["stories110M", "tinyllama-1.1B"])
     parser.add_argument("--types", nargs="+", default=TYPES, help="F32 or llama-quantize presets")
+    parser.add_argument("--f32-shapes", nargs="*", default=["stories110M"],
+                        help="the shapes whose F32 file is timed too (TinyLlama's 4.4 GB decodes at ~2 tok/s: "
+                             "~10 minutes of pairs)")
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--batch", nargs="*", type=int, default=[4, 16], help="sequences (none: no batched table)")
@@ -230,8 +234,8 @@ def main() -> int:
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     below = []
     with Steal() as steal:
-        pairs(build, {k: v for k, v in paths.items() if k[0] in args.shapes and k[1] in args.types}, args, repack,
-              below)
+        pairs(build, {(shape, qtype): path for (shape, qtype), path in paths.items() if shape in args.shapes
+                      and qtype in args.types and (qtype != "F32" or shape in args.f32_shapes)}, args, repack, below)
         if args.batch:
             batched(build, paths, args, repack, below)
     print(f"\nload average at end {' '.join(open('/proc/loadavg').read().split()[:3])}; steal over the whole run "
