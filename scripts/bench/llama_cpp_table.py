@@ -43,6 +43,7 @@ from npllm.bench import steal_seconds
 TYPES = ["F32", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"]
 X86_OPTIONS = ("GGML_NATIVE", "GGML_AVX", "GGML_FMA", "GGML_F16C", "GGML_BMI2", "GGML_AMX", "GGML_SSE",
                "GGML_CPU_REPACK", "GGML_LLAMAFILE", "GGML_OPENMP")  # CMake options that shape x86 CPU kernels
+WAITS = set()  # what npllm's threads did between parallel regions in its runs (npllm bench's threads_wait)
 FEATURES = ["avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "gfni", "amx_int8"]
 
 
@@ -111,7 +112,9 @@ def npllm_bench(path: Path, threads: int, batches=(1,)) -> dict[int, dict]:
     npllm = Path(sys.executable).parent / "npllm"
     args = [str(npllm), "bench", "--model", str(path), "--batch", *map(str, batches), "--prompt-len", "128",
             "--gen-len", "64", "--repeat", "2", "--threads", str(threads), "--kv-dtype", "float16", "--json"]
-    return {row["batch"]: row for row in run_json_lines(args)}
+    rows = run_json_lines(args)
+    WAITS.update(row.get("threads_wait", "sleep") for row in rows)
+    return {row["batch"]: row for row in rows}
 
 
 def batched_bench(build: Path, path: Path, threads: int, batches, repack: str):
@@ -240,6 +243,8 @@ def main() -> int:
             batched(build, paths, args, repack, below)
     print(f"\nload average at end {' '.join(open('/proc/loadavg').read().split()[:3])}; steal over the whole run "
           f"{steal.cpus} CPUs; {time.time() - start:.0f} s")
+    print(f"npllm's threads between parallel regions: {', '.join(sorted(WAITS)) or 'not reported'} "
+          "(llama.cpp's spin)")
     print("below 1.0 (npllm / llama.cpp): " + ("; ".join(below) if below else "none"))
     return 0
 
