@@ -1,62 +1,21 @@
 #!/usr/bin/env bash
-# Decode and prefill speed side by side: llama.cpp's llama-bench and npllm on the same GGUF files (random weights at
-# a model shape, F32, Q8_0 and Q4_0, written by npllm's write_gguf). (The kernel-level pass that followed,
-# scripts/bench/bench_quant.py, timed kernels the model no longer runs and is gone; scripts/bench/bench_tiles.py times the
-# model's.)
+# npllm against llama.cpp on the same GGUF files, in one command: builds llama.cpp where it is missing
+# (scripts/bench/build_llama_cpp.sh: llama-bench, llama-batched-bench, llama-quantize, llama-perplexity in
+# $LLAMA_CPP_DIR, default /tmp/npllm-llama.cpp; ~12-15 minutes on 2 cores the first time), then runs
+# scripts/bench/llama_cpp_table.py with the arguments given: by default the 110M and TinyLlama-1.1B shapes in F32,
+# Q8_0, Q4_0, Q4_K_M, Q5_K_M, Q6_K and IQ4_XS (files made by llama.cpp's llama-quantize from random-weight F32
+# GGUFs, in $GGUF_DIR, default /tmp/npllm-bench-gguf; F32 timed at 110M only, --f32-shapes), at 1 and 2 threads,
+# llama-bench and `npllm bench` paired run by run, then batched decode at 4 and 16 sequences (llama-batched-bench
+# against `npllm bench --batch 4 16`). The output names the CPU model, the threads, the load average and each run's
+# steal time; llama_cpp_table.py's docstring says what each figure is.
 #
-#   bash scripts/bench/bench_llama_cpp.sh [SHAPE] [THREADS]         # defaults: stories110M, "1,2"
-#
-# llama.cpp is the build scripts/bench/build_llama_cpp.sh makes in $LLAMA_CPP_DIR (default /tmp/npllm-llama.cpp); run
-# that script once first if $LLAMA_CPP_DIR/bin/llama-bench is missing. The GGUF files go to $GGUF_DIR (default
-# /tmp/npllm-bench-gguf) and are kept for reruns. Runs are short (3 repetitions, 64 decode steps after a 128-token
-# prompt): on a shared machine, read the figures with the load average printed beside them.
-#
-# $LLAMA_BENCH_ARGS goes to llama-bench as extra options. On a VM that advertises AMX (amx_tile in /proc/cpuinfo)
-# without enabling it, a native build's weight repacking runs AMX tile instructions and dies of SIGILL on Q8_0 and
-# Q4_0: there, LLAMA_BENCH_ARGS="--repack 0" (llama.cpp's plain CPU kernels on the file's own blocks).
+#   bash scripts/bench/bench_llama_cpp.sh                                   # the whole table (~15-20 minutes)
+#   bash scripts/bench/bench_llama_cpp.sh --shapes stories110M --types Q4_0 Q4_K_M --threads 2 --batch
+#   LLAMA_CPP_DIR=/tmp/npllm-llama.cpp-avx2 NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=... \
+#     bash scripts/bench/bench_llama_cpp.sh       # another instruction set on both sides (docs/bench.md, "A laptop's
+#                                                 # instruction set": the build and feature lists)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-shape=${1:-stories110M}
-threads=${2:-1,2}
-build=${LLAMA_CPP_DIR:-/tmp/npllm-llama.cpp}
-out=${GGUF_DIR:-/tmp/npllm-bench-gguf}
 python=${PYTHON:-.venv/bin/python}
-npllm=${NPLLM:-.venv/bin/npllm}
-tokenizer=${TOKENIZER:-weights/llama2-tokenizer/tokenizer.model}
-if [ ! -x "$build/bin/llama-bench" ]; then
-  echo "no $build/bin/llama-bench: build llama.cpp first (scripts/bench/build_llama_cpp.sh)" >&2
-  exit 1
-fi
-
-mkdir -p "$out"
-for type in F32 Q8_0 Q4_0; do
-  file="$out/$shape-$type.gguf"
-  [ -f "$file" ] || "$python" - "$shape" "$type" "$file" "$tokenizer" <<'PY'
-import sys
-from npllm.formats.gguf import write_gguf
-from npllm.formats.random import NAMED_SHAPES, random_weights
-from npllm.tokenizer import load_tokenizer
-shape, qtype, path, tokenizer = sys.argv[1:]
-config = NAMED_SHAPES[shape]
-write_gguf(path, config, random_weights(config), qtype, load_tokenizer(tokenizer))
-PY
-done
-
-echo "== load average: $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "== llama.cpp: $build/bin/llama-bench -m <file> -p 128 -n 64 -t $threads -r 3 ${LLAMA_BENCH_ARGS:-}"
-# shellcheck disable=SC2086  # LLAMA_BENCH_ARGS is a list of options
-"$build/bin/llama-bench" -m "$out/$shape-F32.gguf,$out/$shape-Q8_0.gguf,$out/$shape-Q4_0.gguf" \
-  -p 128 -n 64 -t "$threads" -r 3 ${LLAMA_BENCH_ARGS:-} -o md 2>/dev/null
-echo "== npllm (model level, main's load path): $npllm bench --model <file> --batch 1 --prompt-len 128 --gen-len 64"
-# npllm's threads sleep between parallel regions by default (OMP_WAIT_POLICY=PASSIVE, kernels/__init__.py: safe on a
-# busy machine); llama.cpp's spin. Both are measured: the second pass lets npllm's threads spin too.
-for policy in PASSIVE ACTIVE; do
-  for type in F32 Q8_0 Q4_0; do
-    for t in ${threads//,/ }; do
-      echo "-- $type, threads $t, OMP_WAIT_POLICY=$policy"
-      OMP_WAIT_POLICY=$policy "$npllm" bench --model "$out/$shape-$type.gguf" --batch 1 --prompt-len 128 --gen-len 64 \
-        --repeat 2 --threads "$t" 2>/dev/null
-    done
-  done
-done
-echo "== load average: $(cut -d' ' -f1-3 /proc/loadavg)"
+LLAMA_CPP_DIR=${LLAMA_CPP_DIR:-/tmp/npllm-llama.cpp} bash scripts/bench/build_llama_cpp.sh >&2
+exec "$python" scripts/bench/llama_cpp_table.py "$@"

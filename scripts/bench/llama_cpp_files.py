@@ -92,9 +92,19 @@ def source(model: str, out: Path, stories: int) -> tuple[Path, list[int]]:
     path = out / f"{model}-F32.gguf"
     if not path.exists():
         config = NAMED_SHAPES[model]
-        write_gguf(path, config, random_weights(config), "F32",
-                   load_tokenizer("weights/llama2-tokenizer/tokenizer.model"))
+        write_gguf(path, config, random_weights(config), "F32", load_tokenizer(llama2_tokenizer()))
     return path, [int(i) for i in np.random.default_rng(0).integers(3, 32000, 4 * 128)]
+
+
+def llama2_tokenizer() -> Path:
+    """The Llama 2 vocabulary the random shapes are written with: weights/llama2-tokenizer/tokenizer.model in the
+    repository, else in a folder named models are looked for ($NPLLM_WEIGHTS, the user cache)."""
+    from npllm.hub import weights_dirs
+
+    for folder in [Path("weights"), *weights_dirs()]:
+        if (path := folder / "llama2-tokenizer" / "tokenizer.model").is_file():
+            return path
+    raise SystemExit("no llama2-tokenizer/tokenizer.model in weights/ or $NPLLM_WEIGHTS: the random shapes need it")
 
 
 def llama_cpp_folders() -> tuple[Path, Path] | None:
