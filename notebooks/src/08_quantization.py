@@ -264,8 +264,8 @@ for name in ["F32", "F16", "Q8_0", "Q6_K", "Q4_K", "Q4_0"]:
           f"than F32")
 
 # %% [markdown]
-# Measured (docs/bench.md): `LLAMA_BENCH_ARGS="--repack 0" python scripts/bench/bench_pairs.py stories110M 2 1
-# F32,Q8_0,Q4_0,Q4_K_M,Q5_K_M,Q3_K_M,Q2_K` runs llama.cpp's `llama-bench` and `npllm bench` on the same GGUF files
+# Measured (docs/bench.md) with `LLAMA_BENCH_ARGS="--repack 0" python scripts/bench/bench_pairs.py stories110M 2 1
+# F32,Q8_0,Q4_0,Q4_K_M,Q5_K_M,Q3_K_M,Q2_K` (since replaced by `bash scripts/bench/bench_llama_cpp.sh`), which ran llama.cpp's `llama-bench` and `npllm bench` on the same GGUF files
 # (random weights of the stories110M shape, quantized by llama.cpp's own `llama-quantize`), type after type, so each
 # pair comes from the same minute of a shared 2-core machine: decode after a 128-token prompt, two threads. Quoted
 # here, not re-measured, so the notebook runs in seconds:
