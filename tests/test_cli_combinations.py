@@ -15,7 +15,7 @@ from npllm import cli
 GENERATE_VALUES = {
     "prompt": ["Once"], "model": ["--model", "other.bin"], "tokenizer": ["--tokenizer", "tok.model"],
     "backend": ["--backend", "numpy"], "threads": ["--threads", "1"], "weight_dtype": ["--weight-dtype", "float16"],
-    "kv_dtype": ["--kv-dtype", "float16"], "max_new_tokens": ["--max-new-tokens", "3"],
+    "kv_dtype": ["--kv-dtype", "float16"], "context": ["--context", "128"], "max_new_tokens": ["--max-new-tokens", "3"],
     "temperature": ["--temperature", "0"], "top_p": ["--top-p", "0.5"], "seed": ["--seed", "1"],
     "top_k": ["--top-k", "5"], "min_p": ["--min-p", "0.1"], "typical_p": ["--typical-p", "0.5"],
     "repetition_penalty": ["--repetition-penalty", "1.2"], "presence_penalty": ["--presence-penalty", "0.5"],
@@ -29,7 +29,7 @@ CHAT_VALUES = {k: v for k, v in GENERATE_VALUES.items() if k not in
                ("prompt", "prompt_file", "explain", "json", "draft", "draft_layers", "num_draft", "num_beams")}
 CHAT_VALUES.update({"system": ["--system", "Be brief."], "chat_template": ["--chat-template", "chatml"]})
 PERPLEXITY_VALUES = {k: GENERATE_VALUES[k] for k in ("model", "tokenizer", "backend", "threads", "weight_dtype",
-                                                     "kv_dtype", "json")}
+                                                     "kv_dtype", "context", "json")}
 PERPLEXITY_VALUES.update({"text": ["--text", "text.txt"], "ctx": ["--ctx", "64"], "batch": ["--batch", "2"],
                           "stride": ["--stride", "32"], "kl_divergence": ["--kl-divergence", "stories260K"]})
 VALUES = {"generate": GENERATE_VALUES, "chat": CHAT_VALUES, "perplexity": PERPLEXITY_VALUES}
