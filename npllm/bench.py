@@ -206,7 +206,7 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
     used_threads = getattr(model, "threads", threads) or _blas_threads()
     session = Session(model)
     cold = session.prefill(1, prompt_lens[0], prompt_lens[0] + gen_len)[3]
-    common = {"model": model_name, "weights": kind, "backend": backend, "threads": used_threads,
+    common = {**machine(), "model": model_name, "weights": kind, "backend": backend, "threads": used_threads,
               "gen_len": gen_len, "load_s": round(load_s, 3), "first_token_cold_ms": round(1e3 * cold, 2),
               "cold_prompt_len": prompt_lens[0], "threads_wait": "spin" if SPINNING else "sleep"}
     for kv_dtype in kv_dtypes:  # compile (or load) the forward pass for each cache dtype before any timing
@@ -268,6 +268,30 @@ def measure_point(session, kv_dtype: str, batch: int, prompt_len: int, gen_len: 
             "load_avg": round(load, 2), "steal_cpus": steal, "kv_cache_mib": round(kv_bytes / 2**20, 2)}
 
 
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo (lscpu's "Model name") gives it, else the platform's word for it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def machine() -> dict:
+    """What a figure depends on besides the model: the CPU, the Numba target and the block kernels' variant."""
+    from .kernels.quant.intrinsics import variant
+
+    import llvmlite.binding
+
+    return {"cpu": cpu_model(), "numba_cpu": numba.config.CPU_NAME or llvmlite.binding.get_host_cpu_name(),
+            "kernels": variant()}
+
+
 def _blas_threads() -> int:
     from threadpoolctl import threadpool_info
 
@@ -281,6 +305,9 @@ def run(args) -> int:
     if len(args.backend) == 1:
         if args.threads is not None and args.backend[0] == "numpy":
             limit_blas_threads(args.threads)
+        if not args.json:  # once per run: every figure below is this machine's
+            m = machine()
+            print(f"CPU: {m['cpu']} (Numba target {m['numba_cpu']}); block kernels: {m['kernels']}", flush=True)
         for result in bench_backend(args.model, args.backend[0], args.threads, args.batch, args.prompt_len,
                                     args.gen_len, args.repeat, args.bandwidth_mib, args.weight_dtype,
                                     args.kv_dtype):

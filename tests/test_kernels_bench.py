@@ -71,3 +71,21 @@ def test_decode_weight_bytes_of_experts_counts_the_ones_a_token_uses():
     k experts' width, plus the router."""
     moe, dense = NAMED_SHAPES["granite-moe-1B-A400M"], NAMED_SHAPES["granite-dense-A400M"]
     assert decode_weight_bytes(moe) == decode_weight_bytes(dense) + 4 * moe.n_layers * moe.n_experts * moe.dim
+
+
+def test_bench_names_the_cpu_and_the_kernel_variant_it_chose(monkeypatch):
+    """Every figure carries the CPU's model name (as lscpu prints it) and the integer-dot path the block kernels
+    were built with, chosen from the CPU's features: a table from another machine says what it measured."""
+    from npllm import bench
+    from npllm.kernels.quant import intrinsics
+
+    m = bench.machine()
+    with open("/proc/cpuinfo") as f:
+        names = {line.split(":", 1)[1].strip() for line in f if line.startswith("model name")}
+    assert m["cpu"] in names
+    expected = ("portable" if not intrinsics.AVX2 else "512-bit" if intrinsics.PAIRED
+                else "256-bit vpdpbusd" if intrinsics.VNNI else "AVX2 vpmaddubsw")
+    assert m["kernels"].startswith(expected) and ("GFNI" in m["kernels"]) == intrinsics.GFNI
+    monkeypatch.setattr(intrinsics, "PAIRED", False)
+    monkeypatch.setattr(intrinsics, "VNNI", False)
+    assert intrinsics.variant().startswith("AVX2 vpmaddubsw" if intrinsics.AVX2 else "portable")

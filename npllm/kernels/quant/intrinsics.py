@@ -65,6 +65,17 @@ def _target_has_gfni() -> bool:
 # one group: ~1.7x the multiply-adds per second at 128 tokens (docs/quant.md). Elsewhere groups go one at a time.
 PAIRED = VNNI and _target_has_vnni512()
 GFNI = AVX2 and _target_has_gfni()  # Q5_K's fifth bit and Q6_K's top two in one instruction (_high_bits)
+
+
+def variant() -> str:
+    """The integer-dot path the block kernels were built for on this machine (chosen from the CPU's features at
+    import, NUMBA_CPU_NAME / NUMBA_CPU_FEATURES included), in words for `npllm bench`."""
+    if not AVX2:
+        return "portable LLVM vectors (no AVX2)"
+    dots = "512-bit vpdpbusd, two groups a step" if PAIRED else "256-bit vpdpbusd" if VNNI else "AVX2 vpmaddubsw"
+    return dots + (", GFNI high bits" if GFNI else "")
+
+
 Q8_0_BIAS = 0 if AVX2 and not VNNI else 128  # a group's Q8_0 bytes go back to q on AVX2 without VNNI: no bias
 ROWS_AT_ONCE = 16 if PAIRED else 8  # the rows an interleaved kernel walks together: a thread's range is a multiple
 CHAINS = 2  # independent integer sums per dot, so that vpdpbusd's 5-cycle latency is not a chain of eight
