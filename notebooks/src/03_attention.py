@@ -78,8 +78,8 @@ calls = []
 original = ops.attention
 
 
-def recording_attention(q, k, v, mask):
-    out = original(q, k, v, mask)
+def recording_attention(q, k, v, mask, *options):  # options: the score scale and soft-cap some families set
+    out = original(q, k, v, mask, *options)
     calls.append({"q": q, "k": k, "v": v, "mask": mask, "out": out})
     return out
 

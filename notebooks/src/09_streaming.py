@@ -162,9 +162,9 @@ ref = npllm.load(WEIGHTS / "stories260K" / "stories260K.bin", WEIGHTS / "stories
 calls, original = [], ops.attention
 
 
-def recording_attention(q, k, v, mask):
+def recording_attention(q, k, v, mask, *options):  # options: the score scale and soft-cap some families set
     calls.append((q, k, mask))
-    return original(q, k, v, mask)
+    return original(q, k, v, mask, *options)
 
 
 ops.attention = recording_attention
