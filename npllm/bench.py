@@ -305,12 +305,12 @@ def run(args) -> int:
     if len(args.backend) == 1:
         if args.threads is not None and args.backend[0] == "numpy":
             limit_blas_threads(args.threads)
-        if not args.json:  # once per run: every figure below is this machine's
-            m = machine()
-            print(f"CPU: {m['cpu']} (Numba target {m['numba_cpu']}); block kernels: {m['kernels']}", flush=True)
-        for result in bench_backend(args.model, args.backend[0], args.threads, args.batch, args.prompt_len,
-                                    args.gen_len, args.repeat, args.bandwidth_mib, args.weight_dtype,
-                                    args.kv_dtype):
+        for i, result in enumerate(bench_backend(args.model, args.backend[0], args.threads, args.batch,
+                                                 args.prompt_len, args.gen_len, args.repeat, args.bandwidth_mib,
+                                                 args.weight_dtype, args.kv_dtype)):
+            if i == 0 and not args.json:  # once, on stderr (stdout: a line per figure): the machine they are of
+                print(f"[npllm] CPU: {result['cpu']} (Numba target {result['numba_cpu']}); block kernels: "
+                      f"{result['kernels']}", file=sys.stderr, flush=True)
             print_result(result, args.json)
         return 0
     for backend in args.backend:

@@ -89,3 +89,14 @@ def test_bench_names_the_cpu_and_the_kernel_variant_it_chose(monkeypatch):
     monkeypatch.setattr(intrinsics, "PAIRED", False)
     monkeypatch.setattr(intrinsics, "VNNI", False)
     assert intrinsics.variant().startswith("AVX2 vpmaddubsw" if intrinsics.AVX2 else "portable")
+
+
+def test_bench_prints_the_machine_once_on_stderr(capsys):
+    assert main(["bench", "--model", "stories260K", "--batch", "1", "2", "--prompt-len", "4", "--gen-len", "2",
+                 "--repeat", "1", "--bandwidth-mib", "8", "--threads", "1"]) == 0
+    out, err = capsys.readouterr()
+    from npllm.bench import machine
+
+    m = machine()
+    assert len(out.splitlines()) == 2 and all(line.startswith("stories260K") for line in out.splitlines())
+    assert err.count("[npllm] CPU: ") == 1 and m["cpu"] in err and m["kernels"] in err
