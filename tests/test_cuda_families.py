@@ -7,7 +7,6 @@ option is checked on the cheapest fixtures that use it (FIXTURES below; mixtral,
 Mixtral's names, is left to test_families.py's CPU run).
 """
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -41,12 +40,7 @@ DECODE_STEPS = 3
 TOKENS = 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fast_thread_switching():
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(5e-5)  # see test_cuda_kernels.py
-    yield
-    sys.setswitchinterval(before)
+from test_cuda_model import fast_thread_switching  # noqa: E402,F401  (autouse: the simulator's threads switch often)
 
 
 @pytest.mark.parametrize("name", FIXTURES)

@@ -20,6 +20,7 @@ from npllm.formats.hf import read_hf, to_interleaved
 from npllm.models import make_model
 from npllm.models.reference import Transformer
 from npllm.tensors import expected_shapes
+from test_formats_hf import load_reference  # the same fixture folder: tokens, transformers' logits, greedy run
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ["gemma2", "gemma3", "phi3", "phi3_short", "qwen3", "qwen3_moe", "qwen3_moe_unnormed", "mixtral", "olmo2",
@@ -108,12 +109,6 @@ def test_bad_feature_values_are_config_errors():
 
 # --------------------------------------------------------------------------------------------------------------
 # Against transformers
-
-
-def load_reference(name):
-    ref = np.load(FIXTURES / name / "reference.npz")
-    greedy = json.loads((FIXTURES / name / "greedy.json").read_text())
-    return ref["tokens"], ref["logits"], greedy
 
 
 @pytest.mark.parametrize("name", FAMILIES)
