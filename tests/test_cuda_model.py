@@ -21,7 +21,7 @@ if cuda_problem() is not None:
 
 import npllm  # noqa: E402
 from npllm import LLM, batching  # noqa: E402
-from npllm.config import ModelConfig  # noqa: E402
+from npllm.config import ModelConfig, RopeScaling  # noqa: E402
 from npllm.errors import ConfigError, DeviceError, GenerationError  # noqa: E402
 from npllm.formats import read_checkpoint  # noqa: E402
 from npllm.formats.random import random_weights  # noqa: E402
@@ -41,12 +41,20 @@ GQA = ModelConfig(dim=24, hidden_dim=40, n_layers=2, n_heads=4, n_kv_heads=2, vo
 VARIANT = GQA.replace(rope_layout="half", attention_bias=True, sliding_window=6, n_kv_heads=1)
 # The other families' options at once, as run-time data of the one forward kernel: Gemma's (GeGLU, embedding scale,
 # its own score scale, soft-capped scores, sandwich norms, per-head q/k norms, sliding and full layers with their
-# own RoPE bases) with Granite's residual multiplier; and OLMo 2's (post-norms only, q/k norms over the projection)
+# own RoPE bases, the final soft-cap) with Granite's multipliers; OLMo 2's (post-norms only, q/k norms over the
+# projection) with Phi-3's longrope (the long factors: the context, 64, is past the original 32); and Qwen3-MoE's
+# experts (top-2 of 4, their weights renormalised; test_cuda_kernels.py's routed-FFN test holds the unnormalised).
+# (tests/test_families.py holds the NumPy model to transformers on each family's checkpoint; these hold the device
+# to the NumPy model, option by option, on models small enough for the simulator.)
 SANDWICH = GQA.replace(rope_layout="half", ffn_activation="gelu_tanh", embedding_multiplier=4.9,
                        residual_multiplier=0.6, attention_scale=0.3, attn_logit_softcap=1.5, qk_norm="head",
-                       block_norms="sandwich", sliding_window=3, sliding_layers=(True, False), rope_local_theta=100.0)
-POST = GQA.replace(rope_layout="half", qk_norm="projection", block_norms="post")
-MOE = GQA.replace(n_experts=4, n_experts_used=2, expert_hidden_dim=16, expert_weights_norm=False)  # Qwen3-MoE's
+                       block_norms="sandwich", sliding_window=3, sliding_layers=(True, False), rope_local_theta=100.0,
+                       final_logit_softcap=2.0, logit_multiplier=0.7)
+POST = GQA.replace(rope_layout="half", qk_norm="projection", block_norms="post",
+                   rope_scaling=RopeScaling("longrope", 1.0, original_max_position_embeddings=32,
+                                            short_factor=(1.0, 1.2, 1.5), long_factor=(1.0, 2.5, 6.0),
+                                            attention_factor=1.2))
+MOE = GQA.replace(n_experts=4, n_experts_used=2, expert_hidden_dim=16, expert_weights_norm=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
