@@ -25,6 +25,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 os.environ.setdefault("NPLLM_WAIT_COMPILE", "1")
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject.toml): one worker per CPU this process may run on, at most 4 (past that, the workers wait
+    on each other's Numba compiles more than they run tests)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
 @pytest.fixture(scope="session")
 def weights_dir(tmp_path_factory) -> Path:
     """The reference weights folder, completed by the files the package embeds (stories260K) where it lacks them."""

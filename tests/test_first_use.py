@@ -54,7 +54,7 @@ def test_a_fresh_clone_runs_the_stories260k_tests(tmp_path):
     """With no reference weights at all, a test that needs stories260K's files runs instead of skipping."""
     env = {k: v for k, v in os.environ.items() if k not in ("NPLLM_WEIGHTS", "CI")}
     env["NPLLM_WEIGHTS"] = str(tmp_path / "no-weights")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rs",
                           "tests/test_tokenizer.py::test_truncated_model", "tests/test_bad_files.py::"
                           "test_sentencepiece_pieces_not_utf8_or_scores_not_finite_are_refused_at_load"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
