@@ -139,16 +139,17 @@ def interleaved_kernels(qtype: str, pairs: bool = PAIRED, expand_from: int = EXP
         e = np.empty((2 if wide else 0, expanded_bytes(q.shape[1], size, mins)), np.uint8)
         starts8 = np.empty((T if wide else 0, q.shape[1] // size), np.int32)
         starts16 = np.empty_like(starts8)
+        minus_ds = np.empty((T if wide else 0, q.shape[1] // 32 if mins else 0), np.float32)
         if wide:
-            expand_starts(s16, T, bias8, size, starts8)
-            expand_starts(s16, T, bias16, size, starts16)
+            expand_starts(d, s, s16, T, bias8, size, minus_ds, starts8)
+            expand_starts(d, s, s16, T, bias16, size, minus_ds[:0], starts16)
         while pairs and g + 2 <= n1 // 8:
             if ahead and T == 1:
                 _prefetch_groups(w, g + 2, min(g + 4, end))
             if wide:
                 group(w, g, e, 0)
                 group(w, g + 1, e, 1)
-                wide16(e, q, d, s, starts16, T, out, col + 8 * g, 0)
+                wide16(e, q, d, minus_ds, starts16, T, out, col + 8 * g, 0)
             else:
                 walk16(w, q, d, s, s16, T, out, col, g)
             g += 2
@@ -159,7 +160,7 @@ def interleaved_kernels(qtype: str, pairs: bool = PAIRED, expand_from: int = EXP
             cut = 8 * g + 8 > n1  # a last group that n1 cuts: its eight rows into aside[t, 0:8] (one call site, so
             if wide:  # one inlined tile)
                 group(w, g, e, 0)
-                wide8(e, q, d, s, starts8, T, aside if cut else out, 0 if cut else col + 8 * g, 0)
+                wide8(e, q, d, minus_ds, starts8, T, aside if cut else out, 0 if cut else col + 8 * g, 0)
             else:
                 walk8(w, q, d, s, s16, T, aside if cut else out, -8 * g if cut else col, g)
             g += 1

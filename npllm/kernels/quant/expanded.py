@@ -45,8 +45,9 @@ def _plain_words(count: int):
 
 
 def expanded_tile(x: Expansion):
-    """tile(groups) -> njit tile(e, g, q, d, s, starts, t, n) (record.BlockKernels' tile signature, s16 replaced by
-    expand_starts' starts for this walk's bias) over row g (a pair: rows g, g + 1) of a scratch filled by x.group."""
+    """tile(groups) -> njit tile(e, g, q, d, minus_ds, starts, t, n) (record.BlockKernels' tile signature, s and
+    s16 replaced by expand_starts' -(d_x s_x) and starts for this walk's bias) over row g (a pair: rows g, g + 1) of
+    a scratch filled by x.group."""
 
     def make(groups: int):
         idot = interleaved_idot(_plain_words(x.size // 4), groups, *machine(groups), x.most, x.plus_128)
@@ -87,15 +88,15 @@ def expanded_tile(x: Expansion):
                         a2 = token(a2, e, iw, scale, q, d, starts, j, h, t + 2)
                     if n > 3:
                         a3 = token(a3, e, iw, scale, q, d, starts, j, h, t + 3)
-                if mins:
+                if mins:  # s: expand_starts' -(d_x s_x)
                     mn = floats(e, mins_at + 32 * u, stride)
-                    a0 = vfma(a0, -(d[t, j] * s[t, j]), mn)
+                    a0 = vfma(a0, s[t, j], mn)
                     if n > 1:
-                        a1 = vfma(a1, -(d[t + 1, j] * s[t + 1, j]), mn)
+                        a1 = vfma(a1, s[t + 1, j], mn)
                     if n > 2:
-                        a2 = vfma(a2, -(d[t + 2, j] * s[t + 2, j]), mn)
+                        a2 = vfma(a2, s[t + 2, j], mn)
                     if n > 3:
-                        a3 = vfma(a3, -(d[t + 3, j] * s[t + 3, j]), mn)
+                        a3 = vfma(a3, s[t + 3, j], mn)
             return a0, a1, a2, a3
 
         return tile
@@ -104,11 +105,14 @@ def expanded_tile(x: Expansion):
 
 
 @njit
-def expand_starts(s16, T, bias, size, starts):
-    """starts[t, i] = -bias (the sum of token t's activations in run i of `size`) for t < T, from s16 [T, K / 16]
-    (activations.py's sums of 16): each dot's start, read from memory (a broadcast load) rather than computed and
-    broadcast in the tile."""
+def expand_starts(d, s, s16, T, bias, size, minus_ds, starts):
+    """starts[t, i] = -bias (the sum of token t's activations in run i of `size`), from s16 [T, K / 16]
+    (activations.py's sums of 16), and minus_ds[t, j] = -(d[t, j] s[t, j]) (the mins' factor, where minus_ds has
+    columns), for t < T: computed once, read by the tiles from memory (a broadcast load), not computed and broadcast
+    for every group."""
     for t in range(T):
+        for j in range(minus_ds.shape[1]):
+            minus_ds[t, j] = -(d[t, j] * s[t, j])
         for i in range(starts.shape[1]):
             if size == 32:
                 starts[t, i] = np.int32(-bias) * (s16[t, 2 * i] + s16[t, 2 * i + 1])
