@@ -111,7 +111,12 @@ def _prefetch_groups(w, g0, g1):
 
 @njit(inline="always")
 def _no_group(w, g, e, j):
-    pass
+    """Expansion.group of a type without one (never called: its walk is never wide)."""
+
+
+@njit(inline="always")
+def _no_walk(w, q, d, s, s16, T, out, col, g):
+    """The walk over expanded groups of a type without them (never called; a no-op, so no tile is compiled twice)."""
 
 
 def interleaved_kernels(qtype: str, pairs: bool = PAIRED, expand_from: int = EXPAND_FROM):
@@ -128,8 +133,8 @@ def interleaved_kernels(qtype: str, pairs: bool = PAIRED, expand_from: int = EXP
     size, mins = (x.size, x.mins) if expands else (32, False)
     bias8, bias16 = (x.bias(1), x.bias(2)) if expands else (0, 0)
     group = x.group if expands else _no_group
-    wide8, wide16 = (_group_walker(expanded_tile(x)(1)), _group_walker(expanded_tile(x)(2))) if expands else (walk8,
-                                                                                                             walk16)
+    wide8, wide16 = (_group_walker(expanded_tile(x)(1)), _group_walker(expanded_tile(x)(2))) if expands else (
+        _no_walk, _no_walk)
 
     @njit(fastmath=REASSOC, cache=True)
     def rows_into(w, q, d, s, s16, T, out, col, n0, n1):
