@@ -551,13 +551,14 @@ def test_a_group_expands_to_its_dequantized_values(qtype, data):
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
 def test_a_prefill_on_expanded_groups_is_the_reference_and_the_decode_bits(qtype, data):
-    """From EXPAND_FROM tokens on (odd counts, the threshold itself, one below), the walk over expanded groups (pairs,
-    single groups and a last group that n1 cuts, on the machine's walk and on one group at a time where that walk is
+    """From the type's Expansion.tokens on (odd counts, the threshold itself, one below), the walk over expanded
+    groups (pairs, single groups and a last group that n1 cuts, on the machine's walk and on one group at a time where that walk is
     compiled) is the NumPy oracle to float32 rounding, gives each token the bits of its one-token product, and writes
     only the rows n0 .. n1 it owns."""
     w, K = data.draw(quantized_matrix(qtype))
     N = w.shape[0]
-    T = data.draw(st.integers(kq.EXPAND_FROM - 1, kq.EXPAND_FROM + 5), label="T")
+    tokens = kq.KERNELS[qtype].expand.tokens
+    T = data.draw(st.integers(tokens - 1, tokens + 5), label="T")
     n0 = 8 * data.draw(st.integers(0, (N - 1) // 8), label="n0 / 8")
     n1 = data.draw(st.integers(n0 + 1, N), label="n1")
     x = activations(data.draw, (T, K))

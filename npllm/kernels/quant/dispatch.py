@@ -22,7 +22,7 @@ from ..cpu import PANEL, REASSOC, TILE_T, _tile_6x16
 from ..simd import prefetch, vstore
 from . import floats, iq4, kquants, legacy
 from .activations import quantize_activations_q8_into, two_part_activations_into
-from .expanded import EXPAND_FROM, expand_starts, expanded_bytes, expanded_tile
+from .expanded import expand_starts, expanded_bytes, expanded_tile
 from .intrinsics import PAIRED
 
 KERNELS = {k.name: k for k in floats.RECORDS + legacy.RECORDS + kquants.RECORDS + iq4.RECORDS}
@@ -119,18 +119,18 @@ def _no_walk(w, q, d, s, s16, T, out, col, g):
     """The walk over expanded groups of a type without them (never called; a no-op, so no tile is compiled twice)."""
 
 
-def interleaved_kernels(qtype: str, pairs: bool = PAIRED, expand_from: int = EXPAND_FROM):
+def interleaved_kernels(qtype: str, pairs: bool = PAIRED):
     """rows_into(w8, q, d, s, s16, T, out, col, n0, n1) of one interleaved type, n0 a multiple of 8: pairs of
     groups where `pairs` (PAIRED: the machine's walk), then single groups, then the rows of a last group that n1
     cuts (a matrix whose rows are not a multiple of 8: its last group is padded with zero rows, computed aside and
     not stored). For one token and a type of STREAM_PREFETCH[pairs], each step first asks for the groups two ahead
-    (within n0 .. n1: a thread's own). From expand_from tokens on, a type with an Expansion decodes each group once
-    into a scratch that every four tokens' tile then reads (expanded.py)."""
+    (within n0 .. n1: a thread's own). From its Expansion's tokens on, a type with one decodes each group once into
+    a scratch that every four tokens' tile then reads (expanded.py)."""
     tile, x = KERNELS[qtype].tile, KERNELS[qtype].expand
     walk8, walk16 = _group_walker(tile(1)), _group_walker(tile(2))
     ahead = qtype in STREAM_PREFETCH[pairs]
     expands = x is not None
-    size, mins = (x.size, x.mins) if expands else (32, False)
+    size, mins, expand_from = (x.size, x.mins, x.tokens) if expands else (32, False, 0)
     bias8, bias16 = (x.bias(1), x.bias(2)) if expands else (0, 0)
     group = x.group if expands else _no_group
     wide8, wide16 = (_group_walker(expanded_tile(x)(1)), _group_walker(expanded_tile(x)(2))) if expands else (

@@ -2,8 +2,8 @@
 type's bit fields (nibbles, Q5_K's fifth bits, Q6_K's ql and qh, IQ4's codebook levels) paid once per group, not
 once per four tokens.
 
-From EXPAND_FROM tokens on, the walk (dispatch.interleaved_kernels) decodes each group (a pair's two) into a row of
-a scratch e [2, expanded_bytes(K)] uint8 that stays in the cache:
+From Expansion.tokens tokens on (EXPAND_FROM; Q5_K from 8), the walk (dispatch.interleaved_kernels) decodes each
+group (a pair's two) into a row of a scratch e [2, expanded_bytes(K)] uint8 that stays in the cache:
 
     bytes 0 .. 8K          run u of 32 values (u < K/32): 256 bytes, word k's lane r = values 4k .. 4k+3 of row r
                            (Q8_0's layout), unsigned, stored + bias
@@ -26,7 +26,10 @@ from ..simd import vfma, vfmav, vzero, vzero16
 from .intrinsics import _group_bytes, interleaved_idot, machine, scale_loaders
 from .record import Expansion
 
-EXPAND_FROM = 8  # tokens from which a walk decodes each group once (below: the type's own tile)
+# Tokens from which a walk decodes each group once (record.Expansion.tokens; below: the type's own tile). One thread,
+# 2048 x 768, old / new time at 8 tokens: Q4_K 0.90, Q5_K 1.10, Q6_K 1.00, IQ4_XS 0.98; at 16: 1.00, 1.19, 1.09,
+# 1.06 (docs/quant.md, "A prefill decodes each group once").
+EXPAND_FROM = 16
 
 
 @njit(inline="always")

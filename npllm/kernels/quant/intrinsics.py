@@ -327,9 +327,9 @@ _F32XN = {1: f32x8, 2: f32x16}  # the float vector of one group or a pair
 
 def _scales(kind: str, groups: int):
     """load(w, i, stride) -> f32x8 (f32x16 for a pair) of eight rows' scales at bytes w.flat[i:] (and a pair's
-    second group's at i + stride): "halves" eight float16, "floats" eight float32 (store_floats'), "bytes" eight unsigned bytes (Q4_K's 6-bit scales and
-    mins), "int8s" eight signed ones (Q6_K's and Q3_K's scales), "low_nibbles" / "high_nibbles" the low or high
-    nibbles of eight bytes (Q2_K's scales and mins)."""
+    second group's at i + stride): "halves" eight float16, "floats" eight float32 (store_floats'), "bytes" eight
+    unsigned bytes (Q4_K's 6-bit scales and mins), "int8s" eight signed ones (Q6_K's and Q3_K's scales),
+    "low_nibbles" / "high_nibbles" the low or high nibbles of eight bytes (Q2_K's scales and mins)."""
 
     def typer(typingctx, array, index, stride):
         if not (_is_byte_c_array(array) and isinstance(index, types.Integer) and isinstance(stride, types.Integer)):
@@ -391,9 +391,10 @@ def interleaved_idot(words, groups: int, avx2: bool, vnni: bool, most: int, stor
     values minus bias.
 
     words(builder, context, array_type, w, iw, stride, groups, gfni) -> the eight <32 groups x i8> words (word k:
-    four unsigned values of each row, meeting x[4k .. 4k+3]; or four: a run of 16 values); most: the largest of those values. stored_plus_128:
-    the values are signed ones stored + 128 (Q8_0's, IQ4's levels); on AVX2 without VNNI they go back to signed
-    and take the sign trick (vpmaddubsw would saturate on 255 x 127), the caller's bias then 0."""
+    four unsigned values of each row, meeting x[4k .. 4k+3]; or four: a run of 16 values); most: the largest of
+    those values. stored_plus_128: the values are signed ones stored + 128 (Q8_0's, IQ4's levels); on AVX2 without
+    VNNI they go back to signed and take the sign trick (vpmaddubsw would saturate on 255 x 127), the caller's bias
+    then 0."""
     flip_back = stored_plus_128 and avx2 and not vnni
     width = 32 * groups
     gfni = avx2 and GFNI  # avx2 is only set for a pair where the machine has AVX-512 (machine(2))

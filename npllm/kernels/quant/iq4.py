@@ -15,7 +15,7 @@ from numba import njit
 from ...quant import KVALUES, QK_K
 from ..cpu import REASSOC
 from ..simd import vfma, vfmav, vzero, vzero16
-from .expanded import in_order
+from .expanded import EXPAND_FROM, in_order
 from .intrinsics import (byte_table, field_unpacker, gather_words, interleaved_idot, load_half, machine, nibble_words,
                          scale_loaders, store_floats)
 from .legacy import blockwise, plus_128_bias, small_block_gather
@@ -133,7 +133,7 @@ def _expand_iq4_xs():
                 unpack(w, at + 80 + 128 * i, 0, 0, 0, e, row + 256 * u)
                 unpack(w, at + 80 + 128 * i, 4, 0, 0, e, row + 256 * u + 128)
 
-    return Expansion(group, 32, False, plus_128_bias, 241, True, in_order)
+    return Expansion(group, 32, False, plus_128_bias, 241, True, in_order, EXPAND_FROM)
 
 
 # ---------------------------------------------------------------------------------------------- gathers

@@ -17,7 +17,7 @@ from numba.extending import intrinsic
 from ...quant import QK_K
 from ..cpu import REASSOC
 from ..simd import _vector, vfma, vfmav, vzero, vzero16
-from .expanded import in_order
+from .expanded import EXPAND_FROM, in_order
 from .intrinsics import (_F32XN, _I32, GFNI, _broadcast4, _chained_dots, _field, _group_bytes, _high_bits,
                          _idot_args_ok, _int8, _ivec, _offset, _splat32, field_unpacker, gather_words, load_half,
                          machine, scale_loaders, store_floats)
@@ -481,7 +481,8 @@ def _expand_scale_min(block_bytes: int, fifth: bool):
                 store_floats(e, row + 9 * K + 32 * u, vfmav(vzero(), dmin, bytes_(w, at + 96 + 8 * i, stride)))
                 unpack(w, at + 160 + 256 * (i // 2), 4 * (i % 2), at + 1184, i, e, row + 256 * u)
 
-    return Expansion(group, 32, True, lambda groups: 0, 31 if fifth else 15, False, in_order)
+    return Expansion(group, 32, True, lambda groups: 0, 31 if fifth else 15, False, in_order,
+                     8 if fifth else EXPAND_FROM)
 
 
 @njit(inline="always")
@@ -514,7 +515,7 @@ def _expand_q6_k():
                     unpack(w, at + 144 + 256 * (2 * h + (gg & 1)), 4 * (gg >> 1), at + 1168 + 256 * h, 2 * gg, e,
                            row + 256 * u)
 
-    return Expansion(group, 16, False, lambda groups: 32, 63, False, _q6_k_block)
+    return Expansion(group, 16, False, lambda groups: 32, 63, False, _q6_k_block, EXPAND_FROM)
 
 
 # ---------------------------------------------------------------------------------------------- gathers

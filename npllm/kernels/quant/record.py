@@ -47,6 +47,8 @@ class Expansion:
     plus_128 the values are signed ones stored + 128 (IQ4's levels: intrinsics.interleaved_idot)
     block    njit block(u) -> the activation block that run u meets (the runs in the order the type's own tile sums
              them, so that a prefill's sums are the one-token walk's bits)
+    tokens   the products of at least this many tokens expand (fewer: the type's own tile; where the decoding pays
+             back, measured: expanded.py)
     """
 
     group: Callable
@@ -56,3 +58,4 @@ class Expansion:
     most: int
     plus_128: bool
     block: Callable
+    tokens: int
