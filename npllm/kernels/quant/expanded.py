@@ -6,7 +6,7 @@ From Expansion.tokens tokens on (EXPAND_FROM; Q5_K from 8), the walk (dispatch.i
 group (a pair's two) into a row of a scratch e [2, expanded_bytes(K)] uint8 that stays in the cache:
 
     bytes 0 .. 8K          run u of 32 values (u < K/32): 256 bytes, word k's lane r = values 4k .. 4k+3 of row r
-                           (Q8_0's layout), unsigned, stored + bias
+                           (Q8_0's layout), unsigned: q + bias (IQ4's levels + 128, Expansion.plus_128)
     8K + 32 i              f32x8: the eight rows' scales of run i of `size` values (d_r sc_ri)
     8K + 32 K/size + 32 u  f32x8 (types with mins): the mins' factors of run u (dmin_r mn_ru)
 
