@@ -494,3 +494,87 @@ def interleaved_lanes(q8_0, q4_0, q4_k, q6_k_low, q6_k_high, q5_k, q5_0, q3_k_lo
         return out
 
     return lanes
+
+
+# ------------------------------------------------------------------------------------------------ expanded groups
+
+EXPANDED_TYPES = tuple(name for name in kq.INTERLEAVED_TYPES if kq.KERNELS[name].expand is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def group_expander(qtype):
+    """A compiled call of `qtype`'s Expansion.group (an inlined piece, reached from Python through this)."""
+    group = kq.KERNELS[qtype].expand.group
+
+    @njit
+    def expand(w8, g, e, j):
+        group(w8, g, e, j)
+
+    return expand
+
+
+def test_the_types_that_unpack_bit_fields_expand():
+    """A prefill decodes the groups of every type whose tile unpacks bit fields (the K-quants on one-part
+    activations, IQ4_XS) once; the types read as stored bytes or nibbles alone do not."""
+    assert set(EXPANDED_TYPES) == {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
+
+
+@pytest.mark.parametrize("qtype", EXPANDED_TYPES)
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_a_group_expands_to_its_dequantized_values(qtype, data):
+    """Expansion.group writes each row's values, stored + bias in Q8_0's word layout, run u meeting activation block
+    block(u), with their scales and (Q4_K, Q5_K) mins' factors: scale (v - bias) - min is the NumPy dequantizer's
+    value of every weight, to float32 rounding; the other row of the scratch is left as it was."""
+    w, K = data.draw(quantized_matrix(qtype))
+    x, N = kq.KERNELS[qtype].expand, w.shape[0]
+    w8 = quant.interleave_rows(w, qtype)
+    g, j = data.draw(st.integers(0, len(w8) - 1), label="group"), data.draw(st.integers(0, 1), label="row")
+    e = np.full((2, kq.expanded_bytes(K, x.size, x.mins)), 7, np.uint8)
+    group_expander(qtype)(w8, g, e, j)
+    assert np.all(e[1 - j] == 7)
+    values = e[j, :8 * K].reshape(K // 32, 8, 8, 4).transpose(2, 0, 1, 3).reshape(8, K // 32, 32).astype(np.float64)
+    scales = e[j, 8 * K:8 * K + 32 * (K // x.size)].view(np.float32).reshape(K // x.size, 8).T.astype(np.float64)
+    mins = (e[j, 8 * K + 32 * (K // x.size):].view(np.float32).reshape(K // 32, 8).T.astype(np.float64) if x.mins
+            else np.zeros((8, K // 32)))
+    got = (values - (128 if x.plus_128 else x.bias(1))).reshape(8, K // x.size, x.size) * scales[:, :, None]
+    got = got.reshape(8, K // 32, 32) - mins[:, :, None]
+    order = [x.block(u) for u in range(K // 32)]
+    assert sorted(order) == list(range(K // 32))
+    padded = np.zeros((8 * len(w8), K), np.float32)
+    padded[:N] = quant.dequantize(w, qtype, (N, K))
+    want = padded[8 * g:8 * g + 8].reshape(8, K // 32, 32)[:, order].astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("qtype", EXPANDED_TYPES)
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_a_prefill_on_expanded_groups_is_the_reference_and_the_decode_bits(qtype, data):
+    """From the type's Expansion.tokens on (odd counts, the threshold itself, one below), the walk over expanded
+    groups (pairs, single groups and a last group that n1 cuts, on the machine's walk and on one group at a time where that walk is
+    compiled) is the NumPy oracle to float32 rounding, gives each token the bits of its one-token product, and writes
+    only the rows n0 .. n1 it owns."""
+    w, K = data.draw(quantized_matrix(qtype))
+    N = w.shape[0]
+    tokens = kq.KERNELS[qtype].expand.tokens
+    T = data.draw(st.integers(tokens - 1, tokens + 5), label="T")
+    n0 = 8 * data.draw(st.integers(0, (N - 1) // 8), label="n0 / 8")
+    n1 = data.draw(st.integers(n0 + 1, N), label="n1")
+    x = activations(data.draw, (T, K))
+    q, d = np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32)
+    s, s16 = np.empty((T, K // 32), np.float32), np.empty((T, K // 16), np.int32)
+    kq.quantize_activations_q8_into(x, T, q, d, s, s16)
+    w8, code = quant.interleave_rows(w, qtype), kq.INTERLEAVED_CODE + quant.TYPES[qtype].type_id
+    walks = [functools.partial(kq.matmul_rows_interleaved, code)]
+    if qtype in kq.STREAM_PREFETCH[False]:
+        walks.append(one_group_walk(qtype))  # compiled for the decode test above: reused
+    one_by_one = np.concatenate([kq.matmul_int8_interleaved(w8, qtype, x[t:t + 1], N) for t in range(T)])
+    reference = oracle.matmul_t_q8_activations(w, qtype, (N, K), x)
+    to_reference, _ = bounds(w, qtype, K, x)
+    for walk in walks:
+        got = np.full((T, N + 3), np.float32(7))
+        walk(w8, q, d, s, s16, T, got, 3, n0, n1)
+        assert np.all(np.abs(got[:, 3 + n0:3 + n1] - reference[:, n0:n1]) <= to_reference[:, n0:n1])
+        np.testing.assert_array_equal(got[:, 3 + n0:3 + n1], one_by_one[:, n0:n1])
+        assert np.all(got[:, :3 + n0] == 7) and np.all(got[:, 3 + n1:] == 7)

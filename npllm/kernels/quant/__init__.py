@@ -13,6 +13,7 @@ interleaved table.
     record.py       BlockKernels: a type's decoder, dot tile and gather
     floats.py       F32, F16, BF16                       legacy.py   Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
     kquants.py      Q2_K .. Q6_K                         iq4.py      IQ4_NL, IQ4_XS
+    expanded.py     a prefill's groups decoded once into plain bytes (Q4_K, Q5_K, Q6_K, IQ4_XS: record.Expansion)
     dispatch.py     the table of records, and the dispatchers generated from it (by type code)
 
 Results match the NumPy statement (quant.oracle: quantized activations times dequantized weights) to float32
@@ -24,4 +25,5 @@ from .activations import (quantize_activations_q8_into, quantize_activations_q8_
 from .dispatch import (FLOAT_TYPES, INTERLEAVED_CODE, INTERLEAVED_TYPES, KERNELS, ROW_TYPES, STREAM_PREFETCH,
                        decode_any_row, decode_row, file_row_bytes, gather_interleaved_row, interleaved_kernels,
                        matmul_int8_interleaved, matmul_rows, matmul_rows_interleaved, matvec_rows, takes_two_parts)
+from .expanded import EXPAND_FROM, expanded_bytes
 from .intrinsics import AVX2, GFNI, PAIRED, Q8_0_BIAS, ROWS_AT_ONCE, VNNI

@@ -22,6 +22,7 @@ from ..cpu import PANEL, REASSOC, TILE_T, _tile_6x16
 from ..simd import prefetch, vstore
 from . import floats, iq4, kquants, legacy
 from .activations import quantize_activations_q8_into, two_part_activations_into
+from .expanded import expand_starts, expanded_bytes, expanded_tile
 from .intrinsics import PAIRED
 
 KERNELS = {k.name: k for k in floats.RECORDS + legacy.RECORDS + kquants.RECORDS + iq4.RECORDS}
@@ -108,31 +109,65 @@ def _prefetch_groups(w, g0, g1):
         prefetch(w, i)
 
 
+@njit(inline="always")
+def _no_group(w, g, e, j):
+    """Expansion.group of a type without one (never called: its walk is never wide)."""
+
+
+@njit(inline="always")
+def _no_walk(w, q, d, s, s16, T, out, col, g):
+    """The walk over expanded groups of a type without them (never called; a no-op, so no tile is compiled twice)."""
+
+
 def interleaved_kernels(qtype: str, pairs: bool = PAIRED):
     """rows_into(w8, q, d, s, s16, T, out, col, n0, n1) of one interleaved type, n0 a multiple of 8: pairs of
     groups where `pairs` (PAIRED: the machine's walk), then single groups, then the rows of a last group that n1
     cuts (a matrix whose rows are not a multiple of 8: its last group is padded with zero rows, computed aside and
     not stored). For one token and a type of STREAM_PREFETCH[pairs], each step first asks for the groups two ahead
-    (within n0 .. n1: a thread's own)."""
-    tile = KERNELS[qtype].tile
+    (within n0 .. n1: a thread's own). From its Expansion's tokens on, a type with one decodes each group once into
+    a scratch that every four tokens' tile then reads (expanded.py)."""
+    tile, x = KERNELS[qtype].tile, KERNELS[qtype].expand
     walk8, walk16 = _group_walker(tile(1)), _group_walker(tile(2))
     ahead = qtype in STREAM_PREFETCH[pairs]
+    expands = x is not None
+    size, mins, expand_from = (x.size, x.mins, x.tokens) if expands else (32, False, 0)
+    bias8, bias16 = (x.bias(1), x.bias(2)) if expands else (0, 0)
+    group = x.group if expands else _no_group
+    wide8, wide16 = (_group_walker(expanded_tile(x)(1)), _group_walker(expanded_tile(x)(2))) if expands else (
+        _no_walk, _no_walk)
 
     @njit(fastmath=REASSOC, cache=True)
     def rows_into(w, q, d, s, s16, T, out, col, n0, n1):
         """out[t, col + n] for t < T, n0 <= n < n1 (out C-contiguous float32 [>=T, >=col + n1])."""
         g, end = n0 // 8, -(-n1 // 8)
+        wide = expands and T >= expand_from
+        e = np.empty((2 if wide else 0, expanded_bytes(q.shape[1], size, mins)), np.uint8)
+        starts8 = np.empty((T if wide else 0, q.shape[1] // size), np.int32)
+        starts16 = np.empty_like(starts8)
+        minus_ds = np.empty((T if wide else 0, q.shape[1] // 32 if mins else 0), np.float32)
+        if wide:
+            expand_starts(d, s, s16, T, bias8, size, minus_ds, starts8)
+            expand_starts(d, s, s16, T, bias16, size, minus_ds[:0], starts16)
         while pairs and g + 2 <= n1 // 8:
             if ahead and T == 1:
                 _prefetch_groups(w, g + 2, min(g + 4, end))
-            walk16(w, q, d, s, s16, T, out, col, g)
+            if wide:
+                group(w, g, e, 0)
+                group(w, g + 1, e, 1)
+                wide16(e, q, d, minus_ds, starts16, T, out, col + 8 * g, 0)
+            else:
+                walk16(w, q, d, s, s16, T, out, col, g)
             g += 2
         aside = np.empty((T if n1 % 8 else 0, 8), np.float32)
         while g < end:
             if ahead and T == 1:
                 _prefetch_groups(w, g + 2, min(g + 3, end))
             cut = 8 * g + 8 > n1  # a last group that n1 cuts: its eight rows into aside[t, 0:8] (one call site, so
-            walk8(w, q, d, s, s16, T, aside if cut else out, -8 * g if cut else col, g)  # one inlined tile)
+            if wide:  # one inlined tile)
+                group(w, g, e, 0)
+                wide8(e, q, d, minus_ds, starts8, T, aside if cut else out, 0 if cut else col + 8 * g, 0)
+            else:
+                walk8(w, q, d, s, s16, T, aside if cut else out, -8 * g if cut else col, g)
             g += 1
         for t in range(aside.shape[0]):
             for r in range(n1 % 8):

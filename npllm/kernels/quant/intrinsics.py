@@ -327,17 +327,19 @@ _F32XN = {1: f32x8, 2: f32x16}  # the float vector of one group or a pair
 
 def _scales(kind: str, groups: int):
     """load(w, i, stride) -> f32x8 (f32x16 for a pair) of eight rows' scales at bytes w.flat[i:] (and a pair's
-    second group's at i + stride): "halves" eight float16, "bytes" eight unsigned bytes (Q4_K's 6-bit scales and
-    mins), "int8s" eight signed ones (Q6_K's and Q3_K's scales), "low_nibbles" / "high_nibbles" the low or high
-    nibbles of eight bytes (Q2_K's scales and mins)."""
+    second group's at i + stride): "halves" eight float16, "floats" eight float32 (store_floats'), "bytes" eight
+    unsigned bytes (Q4_K's 6-bit scales and mins), "int8s" eight signed ones (Q6_K's and Q3_K's scales),
+    "low_nibbles" / "high_nibbles" the low or high nibbles of eight bytes (Q2_K's scales and mins)."""
 
     def typer(typingctx, array, index, stride):
         if not (_is_byte_c_array(array) and isinstance(index, types.Integer) and isinstance(stride, types.Integer)):
             return None
 
         def codegen(context, builder, signature, args):
-            count = 16 if kind == "halves" else 8
+            count = {"halves": 16, "floats": 32}.get(kind, 8)
             raw = _group_bytes(builder, context, signature.args[0], args[0], args[1], args[2], groups, 0, count)
+            if kind == "floats":
+                return builder.bitcast(raw, _vector(8 * groups))
             if kind == "halves":
                 return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 8 * groups)),
                                      _vector(8 * groups))
@@ -351,13 +353,13 @@ def _scales(kind: str, groups: int):
     return intrinsic(typer)
 
 
-_SCALE_KINDS = ("halves", "bytes", "int8s", "low_nibbles", "high_nibbles")
+_SCALE_KINDS = ("halves", "bytes", "int8s", "low_nibbles", "high_nibbles", "floats")
 _LOADERS = {groups: tuple(_scales(kind, groups) for kind in _SCALE_KINDS) for groups in (1, 2)}
 
 
 def scale_loaders(groups: int):
-    """(halves, bytes, int8s, low_nibbles, high_nibbles): the scale loaders of one group (groups 1) or a pair (2)
-    (see _scales)."""
+    """(halves, bytes, int8s, low_nibbles, high_nibbles, floats): the scale loaders of one group (groups 1) or a pair
+    (2) (see _scales)."""
     return _LOADERS[groups]
 
 
@@ -389,9 +391,10 @@ def interleaved_idot(words, groups: int, avx2: bool, vnni: bool, most: int, stor
     values minus bias.
 
     words(builder, context, array_type, w, iw, stride, groups, gfni) -> the eight <32 groups x i8> words (word k:
-    four unsigned values of each row, meeting x[4k .. 4k+3]); most: the largest of those values. stored_plus_128:
-    the values are signed ones stored + 128 (Q8_0's, IQ4's levels); on AVX2 without VNNI they go back to signed
-    and take the sign trick (vpmaddubsw would saturate on 255 x 127), the caller's bias then 0."""
+    four unsigned values of each row, meeting x[4k .. 4k+3]; or four: a run of 16 values); most: the largest of
+    those values. stored_plus_128: the values are signed ones stored + 128 (Q8_0's, IQ4's levels); on AVX2 without
+    VNNI they go back to signed and take the sign trick (vpmaddubsw would saturate on 255 x 127), the caller's bias
+    then 0."""
     flip_back = stored_plus_128 and avx2 and not vnni
     width = 32 * groups
     gfni = avx2 and GFNI  # avx2 is only set for a pair where the machine has AVX-512 (machine(2))
@@ -406,7 +409,7 @@ def interleaved_idot(words, groups: int, avx2: bool, vnni: bool, most: int, stor
                 ws = [builder.xor(u, ir.Constant(_ivec(_I8, width), [128] * width)) for u in ws]
             start = builder.trunc(args[5], _I32) if args[5].type.width > 32 else args[5]
             xs = [_broadcast4(builder, context, signature.args[3], args[3], _offset(builder, args[4], 4 * k),
-                              8 * groups) for k in range(8)]
+                              8 * groups) for k in range(len(ws))]
             acc = _chained_dots(builder, _splat32(builder, start, 8 * groups), ws, xs, flip_back, avx2, vnni, most)
             return builder.sitofp(acc, _vector(8 * groups))
 
@@ -428,3 +431,49 @@ def gather_words(w, at, r, words, row, to):
     for k in range(words):
         for i in range(4):
             row[to + 4 * k + i] = w[at + 32 * k + 4 * r + i]
+
+
+@intrinsic
+def store_floats(typingctx, array, index, vector):
+    """array.flat[index : index + 32] = the bytes of an f32x8 (a byte array: an expanded group's scales, which the
+    "floats" scale loader reads back)."""
+    if not (_is_byte_c_array(array) and isinstance(index, types.Integer) and vector == f32x8):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        builder.store(args[2], builder.bitcast(builder.gep(data, [args[1]]), _vector(8).as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.none(array, index, vector), codegen
+
+
+def field_unpacker(words: int, bits: int, high_bits: int = 0, table: list[int] | None = None):
+    """unpack(w, iql, ql_shift, iqh, qh_shift, e, ie): e.flat[ie + 32k : ie + 32k + 32] = the values of word k < words
+    of one group, q = (ql >> ql_shift) & (2^bits - 1) | ((qh >> qh_shift) & (2^high_bits - 1)) << bits per byte from
+    the words at w.flat[iql + 32k:] and w.flat[iqh + 32k:] (no qh where high_bits = 0), then table[q] where given
+    (IQ4's levels): a K-quant's or IQ4's packed values as plain bytes, what its tile's dot unpacks (expanded.py)."""
+    gfni, shuffle = AVX2 and GFNI, AVX2
+
+    def typer(typingctx, w, iql, ql_shift, iqh, qh_shift, e, ie):
+        if not (_idot_args_ok(w, (iql, ql_shift, iqh, qh_shift), e, ie)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            w_type, w, iql, ql_shift, iqh, qh_shift, e, ie = signature.args[0], *args
+            for k in range(words):
+                q = _field(builder, _group_bytes(builder, context, w_type, w, iql, iql, 1, 32 * k), ql_shift,
+                           2 ** bits - 1)
+                if high_bits:
+                    qh = _group_bytes(builder, context, w_type, w, iqh, iqh, 1, 32 * k)
+                    q = builder.or_(q, _high_bits(builder, qh, qh_shift, high_bits, gfni, to=bits))
+                if table is not None:
+                    q = byte_table(builder, q, table, shuffle)
+                data = context.make_array(signature.args[5])(context, builder, e).data
+                at = builder.gep(data, [_at(builder, ie, ie, 0, 32 * k)])
+                builder.store(q, builder.bitcast(at, _ivec(_I8, 32).as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.none(w, iql, ql_shift, iqh, qh_shift, e, ie), codegen
+
+    return intrinsic(typer)

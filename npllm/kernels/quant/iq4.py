@@ -15,9 +15,11 @@ from numba import njit
 from ...quant import KVALUES, QK_K
 from ..cpu import REASSOC
 from ..simd import vfma, vfmav, vzero, vzero16
-from .intrinsics import byte_table, gather_words, interleaved_idot, load_half, machine, nibble_words, scale_loaders
+from .expanded import EXPAND_FROM, in_order
+from .intrinsics import (byte_table, field_unpacker, gather_words, interleaved_idot, load_half, machine, nibble_words,
+                         scale_loaders, store_floats)
 from .legacy import blockwise, plus_128_bias, small_block_gather
-from .record import BlockKernels
+from .record import BlockKernels, Expansion
 
 _LEVELS = KVALUES.astype(np.float32)
 _STORED_LEVELS = [int(v) + 128 for v in KVALUES]  # unsigned, for the machine's integer dot
@@ -82,7 +84,7 @@ def _iq4_xs_tile(groups: int):
     """tile(groups) of IQ4_XS: each sub-block i of 32 (activation block j = 8 b + i) adds (d_r sc_ri) (d_x
     (KVALUES[i_r] . q_x)), sc_ri = ls_ri - 32 a signed byte per row."""
     idot = idots(groups, *machine(groups))["iq4"]
-    halves, _, int8s, _, _ = scale_loaders(groups)
+    halves, _, int8s, _, _, _ = scale_loaders(groups)
     zero = vzero if groups == 1 else vzero16
     minus_bias = np.int32(-plus_128_bias(groups))
 
@@ -112,6 +114,28 @@ def _iq4_xs_tile(groups: int):
     return tile
 
 
+def _expand_iq4_xs():
+    """IQ4_XS's group for a prefill's scratch (record.Expansion): run u = 8 b + i is sub-block i, its levels + 128
+    (the low nibbles of its four packed words, then the high ones: nibble_words' order), its scales d_r sc_ri."""
+    halves, _, int8s = scale_loaders(1)[:3]
+    unpack = field_unpacker(4, 4, table=_STORED_LEVELS)
+
+    @njit(fastmath=REASSOC, inline="always")
+    def group(w, g, e, j):
+        stride, row = w.shape[1], j * e.shape[1]
+        K = stride // 1104 * QK_K
+        for b in range(stride // 1104):
+            at = g * stride + 1104 * b
+            d_w = halves(w, at, stride)
+            for i in range(8):
+                u = 8 * b + i
+                store_floats(e, row + 8 * K + 32 * u, vfmav(vzero(), d_w, int8s(w, at + 16 + 8 * i, stride)))
+                unpack(w, at + 80 + 128 * i, 0, 0, 0, e, row + 256 * u)
+                unpack(w, at + 80 + 128 * i, 4, 0, 0, e, row + 256 * u + 128)
+
+    return Expansion(group, 32, False, plus_128_bias, 241, True, in_order, EXPAND_FROM)
+
+
 # ---------------------------------------------------------------------------------------------- gathers
 
 @njit(inline="always")
@@ -130,5 +154,5 @@ def _gather_iq4_xs(w, base, r, group_bytes, row):
 
 IQ4_NL = BlockKernels("IQ4_NL", _decode_iq4_nl, blockwise("iq4", 144, plus_128_bias, dots=idots),
                       small_block_gather(1, False, 18))
-IQ4_XS = BlockKernels("IQ4_XS", _decode_iq4_xs, _iq4_xs_tile, _gather_iq4_xs)
+IQ4_XS = BlockKernels("IQ4_XS", _decode_iq4_xs, _iq4_xs_tile, _gather_iq4_xs, expand=_expand_iq4_xs())
 RECORDS = (IQ4_NL, IQ4_XS)

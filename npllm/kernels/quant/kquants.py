@@ -17,10 +17,11 @@ from numba.extending import intrinsic
 from ...quant import QK_K
 from ..cpu import REASSOC
 from ..simd import _vector, vfma, vfmav, vzero, vzero16
+from .expanded import EXPAND_FROM, in_order
 from .intrinsics import (_F32XN, _I32, GFNI, _broadcast4, _chained_dots, _field, _group_bytes, _high_bits,
-                         _idot_args_ok, _int8, _ivec, _offset, _splat32, gather_words, load_half, machine,
-                         scale_loaders)
-from .record import BlockKernels
+                         _idot_args_ok, _int8, _ivec, _offset, _splat32, field_unpacker, gather_words, load_half,
+                         machine, scale_loaders, store_floats)
+from .record import BlockKernels, Expansion
 
 
 # ---------------------------------------------------------------------------------------------- decoders
@@ -233,7 +234,7 @@ def _k_quant_32(block_bytes: int, fifth: bool):
     more vector registers, and the tile spilled: ~4% of Q4_K's time, ~6% of Q5_K's.)"""
 
     def make(groups: int):
-        found, (halves, bytes_, int8s, low_nibbles, high_nibbles), zero = _closed_over(groups)
+        found, (halves, bytes_, int8s, low_nibbles, high_nibbles, _), zero = _closed_over(groups)
         idot_q4_k, idot_q5_k = found["q4_k"], found["q5_k"]
 
         @njit(fastmath=REASSOC, inline="always")
@@ -291,7 +292,7 @@ def _k_quant_32(block_bytes: int, fifth: bool):
 
 def _q6_k_tile(groups: int):
     """tile(groups) of Q6_K (record.BlockKernels)."""
-    found, (halves, bytes_, int8s, low_nibbles, high_nibbles), zero = _closed_over(groups)
+    found, (halves, bytes_, int8s, low_nibbles, high_nibbles, _), zero = _closed_over(groups)
     idot_q6_k_low, idot_q6_k_high = found["q6_k_low"], found["q6_k_high"]
 
     @njit(fastmath=REASSOC, inline="always")
@@ -370,7 +371,7 @@ def _q6_k_tile(groups: int):
 
 def _q3_k_tile(groups: int):
     """tile(groups) of Q3_K (record.BlockKernels), on activations in two 8-bit parts."""
-    found, (halves, bytes_, int8s, low_nibbles, high_nibbles), zero = _closed_over(groups)
+    found, (halves, bytes_, int8s, low_nibbles, high_nibbles, _), zero = _closed_over(groups)
     idot_q3_k_low, idot_q3_k_high = found["q3_k_low"], found["q3_k_high"]
 
     # Q3_K and Q2_K meet activations in two 8-bit parts (quant.oracle.quantize_activations_two_part): q [T, 2K] holds
@@ -414,7 +415,7 @@ def _q3_k_tile(groups: int):
 
 def _q2_k_tile(groups: int):
     """tile(groups) of Q2_K (record.BlockKernels), on activations in two 8-bit parts."""
-    found, (halves, bytes_, int8s, low_nibbles, high_nibbles), zero = _closed_over(groups)
+    found, (halves, bytes_, int8s, low_nibbles, high_nibbles, _), zero = _closed_over(groups)
     idot_q2_k_low, idot_q2_k_high = found["q2_k_low"], found["q2_k_high"]
 
     @njit(fastmath=REASSOC, inline="always")
@@ -455,6 +456,66 @@ def _q2_k_tile(groups: int):
         return a0, a1, a2, a3
 
     return q2_k
+
+
+# ---------------------------------------------------------------------------------------------- expansions
+# group(w, g, e, j): group g decoded into row j of a prefill's scratch (record.Expansion, expanded.py).
+
+def _expand_scale_min(block_bytes: int, fifth: bool):
+    """Q4_K's and Q5_K's group: run u = 8 b + i is sub-block i of super-block b (the nibbles of run i // 2 at
+    shift 4 (i % 2), Q5_K's fifth bits bit i of the qh run), its scales d_r sc_ri, its mins' factors dmin_r mn_ri
+    (what _k_quant_32's scale_min computes)."""
+    halves, bytes_ = scale_loaders(1)[:2]
+    unpack = field_unpacker(8, 4, 1 if fifth else 0)
+
+    @njit(fastmath=REASSOC, inline="always")
+    def group(w, g, e, j):
+        stride, row = w.shape[1], j * e.shape[1]
+        K = stride // block_bytes * QK_K
+        for b in range(stride // block_bytes):
+            at = g * stride + block_bytes * b
+            d_w, dmin = halves(w, at, stride), halves(w, at + 16, stride)
+            for i in range(8):
+                u = 8 * b + i
+                store_floats(e, row + 8 * K + 32 * u, vfmav(vzero(), d_w, bytes_(w, at + 32 + 8 * i, stride)))
+                store_floats(e, row + 9 * K + 32 * u, vfmav(vzero(), dmin, bytes_(w, at + 96 + 8 * i, stride)))
+                unpack(w, at + 160 + 256 * (i // 2), 4 * (i % 2), at + 1184, i, e, row + 256 * u)
+
+    return Expansion(group, 32, True, lambda groups: 0, 31 if fifth else 15, False, in_order,
+                     8 if fifth else EXPAND_FROM)
+
+
+@njit(inline="always")
+def _q6_k_block(u):
+    """Run u of a Q6_K scratch: groups 0, 2, 1, 3 of each half (q6_k's order of summation)."""
+    return (u & ~3) | ((u & 1) << 1) | ((u >> 1) & 1)
+
+
+def _expand_q6_k():
+    """Q6_K's group: run u = 8 b + 4 h + p is group gg (p = 0, 1, 2, 3: gg = 0, 2, 1, 3) of half h of super-block b,
+    its values q (0..63, bias 32: the dot of q - 32), its two runs of 16 scaled by d_r sc_ri, i = 8 h + 2 gg and
+    i + 1 (what q6_k_scales computes)."""
+    halves, _, int8s = scale_loaders(1)[:3]
+    unpack = field_unpacker(8, 4, 2)
+
+    @njit(fastmath=REASSOC, inline="always")
+    def group(w, g, e, j):
+        stride, row = w.shape[1], j * e.shape[1]
+        K = stride // 1680 * QK_K
+        for b in range(stride // 1680):
+            at = g * stride + 1680 * b
+            d_w = halves(w, at, stride)
+            for h in range(2):
+                for p in range(4):
+                    u, gg = 8 * b + 4 * h + p, ((p & 1) << 1) | (p >> 1)
+                    i = 8 * h + 2 * gg
+                    store_floats(e, row + 8 * K + 64 * u, vfmav(vzero(), d_w, int8s(w, at + 16 + 8 * i, stride)))
+                    store_floats(e, row + 8 * K + 64 * u + 32, vfmav(vzero(), d_w, int8s(w, at + 24 + 8 * i,
+                                                                                           stride)))
+                    unpack(w, at + 144 + 256 * (2 * h + (gg & 1)), 4 * (gg >> 1), at + 1168 + 256 * h, 2 * gg, e,
+                           row + 256 * u)
+
+    return Expansion(group, 16, False, lambda groups: 32, 63, False, _q6_k_block, EXPAND_FROM)
 
 
 # ---------------------------------------------------------------------------------------------- gathers
@@ -541,7 +602,9 @@ def _gather_q3_k(w, base, r, group_bytes, row):
 # Q5_K too".
 Q2_K = BlockKernels("Q2_K", _decode_q2_k, _q2_k_tile, _gather_q2_k)
 Q3_K = BlockKernels("Q3_K", _decode_q3_k, _q3_k_tile, _gather_q3_k)
-Q4_K = BlockKernels("Q4_K", _decode_q4_k, _k_quant_32(1184, False), _gather_scale_min(False), prefetch=(False,))
-Q5_K = BlockKernels("Q5_K", _decode_q5_k, _k_quant_32(1440, True), _gather_scale_min(True), prefetch=(False,))
-Q6_K = BlockKernels("Q6_K", _decode_q6_k, _q6_k_tile, _gather_q6_k, prefetch=(True, False))
+Q4_K = BlockKernels("Q4_K", _decode_q4_k, _k_quant_32(1184, False), _gather_scale_min(False), prefetch=(False,),
+                    expand=_expand_scale_min(1184, False))
+Q5_K = BlockKernels("Q5_K", _decode_q5_k, _k_quant_32(1440, True), _gather_scale_min(True), prefetch=(False,),
+                    expand=_expand_scale_min(1440, True))
+Q6_K = BlockKernels("Q6_K", _decode_q6_k, _q6_k_tile, _gather_q6_k, prefetch=(True, False), expand=_expand_q6_k())
 RECORDS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
