@@ -296,3 +296,43 @@ def test_outside_the_tested_numba_its_plain_behaviour_stays_with_one_notice(monk
     assert notices == [line for line in notices if "numba 0.70.0 is outside" in line] and len(notices) == 1, notices
     monkeypatch.setattr(compiler, "NUMBA_VERSION", "0.58.2")
     assert not compiler.internals_tested() and capsys.readouterr().err == ""  # once a process
+
+
+STAMPED = r"""
+import json, sys
+import numpy as np
+import npllm
+from npllm.kernels import cpu
+
+assert npllm.__file__.startswith(sys.argv[1]), npllm.__file__  # the copy, not the checkout
+x, out = np.ones((1, 8), np.float32), np.empty((1, 8), np.float32)
+cpu.rms_norm_into(x, np.ones(8, np.float32), 1e-5, out, 1)
+stats = cpu.rms_norm_into.stats
+print(json.dumps([sum(stats.cache_hits.values()), sum(stats.cache_misses.values())]))
+"""
+
+
+def test_a_change_to_any_file_of_the_package_recompiles_its_cached_functions(tmp_path):
+    """Numba checks only a cached function's own file; npllm's cache entries follow the whole package (compiler.
+    stamp_package_caches), so a function that calls code of a changed file never runs that code's old version. In a
+    copy of the package: compiled once, loaded from the cache by the next process, compiled again after a comment is
+    added to another file (cli.py), loaded again after that."""
+    import shutil
+
+    import npllm
+
+    copy = tmp_path / "copy"
+    shutil.copytree(Path(npllm.__file__).parent, copy / "npllm", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(copy), "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+
+    def run():  # [cache hits, cache misses] of one process's call
+        out = subprocess.run([sys.executable, "-c", STAMPED, str(copy)], capture_output=True, text=True,
+                             check=True, env=env, cwd=tmp_path).stdout
+        return json.loads(out.splitlines()[-1])
+
+    assert run() == [0, 1]
+    assert run() == [1, 0]
+    with open(copy / "npllm" / "cli.py", "a") as f:
+        f.write("# a comment: the package's source changed\n")
+    assert run() == [0, 1]
+    assert run() == [1, 0]

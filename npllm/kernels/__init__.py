@@ -83,3 +83,8 @@ def _choose_wait_policy() -> bool:
 
 
 SPINNING = _choose_wait_policy()
+
+# Before any cached kernel is made: their cache entries follow every file of the package (compiler.py says why).
+from .compiler import stamp_package_caches  # noqa: E402
+
+stamp_package_caches()

@@ -38,11 +38,21 @@ read the lock. The lock is the
 kernel's (flock): it goes with the process however it ends, and Numba writes each cache file beside its place and
 renames it there, so a compile killed half-way leaves no broken file (at worst an index entry whose data is missing,
 which Numba treats as not cached). Where there is no flock (Windows), no detached compile is started.
+
+stamp_package_caches() makes every cached npllm function's cache entry depend on the whole package's source, not
+only its own file's: Numba checks just the file the function is in, so a cached function that calls code of another
+file (models/numba.py's products calling kernels/quant's tiles) kept the old code of that file after it changed —
+measured: a checkout's new prefill tiles (kernels/quant) ran at the old tiles' 10.7 ps per multiply-add inside the
+model, whose cached products_into still held them, and at 6.9 with that cache cleared. A changed kernel must never
+run as its old self (a changed block layout would give wrong numbers silently), so any change to a .py file of
+npllm recompiles every npllm function, once.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import hashlib
 import mmap
 import os
 import re
@@ -299,3 +309,46 @@ def hold_lock(path: str, label: str = "") -> bool:
     _held_lock = fd
     os.nice(BACKGROUND_NICE)
     return True
+
+
+# ---------------------------------------------------------------------------------------------- the cache's stamp
+
+PACKAGE = Path(__file__).resolve().parents[1]  # npllm/
+
+
+@functools.cache
+def package_stamp() -> str:
+    """sha256 over every .py file of the package (its path under npllm/, then its bytes): ~1 MB, a few ms, once."""
+    digest = hashlib.sha256()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        digest.update(path.relative_to(PACKAGE).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+class _PackageStamped:
+    """A Numba cache locator for the package's functions whose source stamp is (the file's, package_stamp()); None
+    (the next locator) for any other function."""
+
+    def get_source_stamp(self):
+        return super().get_source_stamp(), package_stamp()
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        inside = Path(py_file).resolve().is_relative_to(PACKAGE)
+        return super().from_function(py_func, py_file) if inside else None
+
+
+def stamp_package_caches() -> None:
+    """Puts a _PackageStamped form of each of Numba's file-backed locators (the NUMBA_CACHE_DIR one, the
+    __pycache__ one, the user-wide one) ahead of Numba's own, before any cached npllm function is made (kernels/
+    __init__.py calls it). With a Numba outside TESTED_NUMBA, its plain behaviour stays (internals_tested)."""
+    from numba.core import caching
+
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")  # 0.59 named it with a "_"
+    if not internals_tested() or any(issubclass(c, _PackageStamped) for c in impl._locator_classes):
+        return
+    stamped = []
+    for name in ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator"):
+        base = getattr(caching, name, None) or getattr(caching, "_" + name)  # 0.59 named them with a "_"
+        stamped.append(type("Package" + name, (_PackageStamped, base), {}))
+    impl._locator_classes[:0] = stamped
