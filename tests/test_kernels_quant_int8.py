@@ -355,19 +355,24 @@ def test_interleaved_kernels_are_the_reference(qtype, data):
     np.testing.assert_array_equal(got, one_by_one)
 
 
+# The types whose one-group walk is compiled here too (each compile takes tens of seconds): the K-quants with mins
+# and Q6_K's split words, whose tiles differ most between one group and a pair
+ONE_GROUP_CHECKED = ("Q4_K", "Q5_K", "Q6_K")
+
+
 @functools.lru_cache(maxsize=None)
 def one_group_walk(qtype):
-    """rows_into of `qtype` walking one group of eight rows at a time, as machines without a 512-bit vpdpbusd do
-    (with STREAM_PREFETCH[False]'s prefetches at one token), whatever this machine's walk."""
+    """rows_into of `qtype` walking one group of eight rows at a time, as machines without a 512-bit vpdpbusd do,
+    whatever this machine's walk."""
     return kq.interleaved_kernels(qtype, pairs=False)
 
 
-@pytest.mark.parametrize("qtype", kq.STREAM_PREFETCH[False])
+@pytest.mark.parametrize("qtype", ONE_GROUP_CHECKED)
 @settings(max_examples=10, deadline=None)
 @given(data=st.data())
 def test_the_one_group_walk_with_its_prefetches_is_the_machines_walk(qtype, data):
-    """Decode products over the rows a thread owns (any n0 .. n1, n0 a multiple of 8, with the prefetches of the
-    groups two ahead cut at n1) are the NumPy reference to float32 rounding, give the bits of the walk this machine
+    """Decode products over the rows a thread owns (any n0 .. n1, n0 a multiple of 8; each tile asking for the
+    bytes ahead of its groups, past n1 and past the matrix's end too) are the NumPy reference to float32 rounding, give the bits of the walk this machine
     runs (pairs of groups on AVX-512 VNNI), and write nothing outside their rows."""
     w, K = data.draw(quantized_matrix(qtype))
     N = w.shape[0]
@@ -567,7 +572,7 @@ def test_a_prefill_on_expanded_groups_is_the_reference_and_the_decode_bits(qtype
     kq.quantize_activations_q8_into(x, T, q, d, s, s16)
     w8, code = quant.interleave_rows(w, qtype), kq.INTERLEAVED_CODE + quant.TYPES[qtype].type_id
     walks = [functools.partial(kq.matmul_rows_interleaved, code)]
-    if qtype in kq.STREAM_PREFETCH[False]:
+    if qtype in ONE_GROUP_CHECKED:
         walks.append(one_group_walk(qtype))  # compiled for the decode test above: reused
     one_by_one = np.concatenate([kq.matmul_int8_interleaved(w8, qtype, x[t:t + 1], N) for t in range(T)])
     reference = oracle.matmul_t_q8_activations(w, qtype, (N, K), x)

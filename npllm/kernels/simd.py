@@ -296,8 +296,8 @@ def prefetch(typingctx, array, index):
     """Ask the CPU to bring the cache line holding array.flat[index] into its caches (llvm.prefetch, a hint: no
     fault, no effect on results); array a C-contiguous KV array (float32, or uint16 bits of float16) or uint8
     bytes. Attention reads a head's keys at a stride of K heads x Dh values, a pattern the hardware prefetcher does
-    not follow; a decode product over Q6_K rows reads faster from memory when it asks for its next rows itself
-    (kernels.quant.STREAM_PREFETCH)."""
+    not follow; a decode product reads faster from memory when each tile asks for its groups' next bytes itself
+    (kernels.quant.intrinsics.ask_ahead)."""
     element = _kv_element(array)
     if isinstance(array, types.Array) and array.layout == "C" and array.dtype == types.uint8:
         element = ir.IntType(8)

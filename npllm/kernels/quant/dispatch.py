@@ -19,7 +19,7 @@ from numba import njit
 from ... import quant
 from ...quant import INTERLEAVE, QuantizationError
 from ..cpu import PANEL, REASSOC, TILE_T, _tile_6x16
-from ..simd import prefetch, vstore
+from ..simd import vstore
 from . import floats, iq4, kquants, legacy
 from .activations import quantize_activations_q8_into, two_part_activations_into
 from .expanded import expand_starts, expanded_bytes, expanded_tile
@@ -31,9 +31,6 @@ INTERLEAVED_CODE = 1000
 INTERLEAVED_TYPES = tuple(name for name in quant.INTERLEAVED_TYPES if KERNELS[name].tile is not None)
 ROW_TYPES = tuple(KERNELS)  # the types decode_row reads
 FLOAT_TYPES = tuple(name for name, k in KERNELS.items() if k.matvec is not None)
-# STREAM_PREFETCH[pairs]: the types whose one-token walk (pairs of groups, or one group) asks for the bytes of the
-# groups two ahead before it multiplies the current ones (kquants.py says where it pays)
-STREAM_PREFETCH = {pairs: tuple(name for name, k in KERNELS.items() if pairs in k.prefetch) for pairs in (True, False)}
 
 # values and bytes per block, and whether the products take two 8-bit parts, indexed by GGML type id
 _IDS = max(t.type_id for t in quant.TYPES.values()) + 1
@@ -103,13 +100,6 @@ def _group_walker(tile):
 
 
 @njit(inline="always")
-def _prefetch_groups(w, g0, g1):
-    """Ask for the cache lines of groups g0 .. g1 - 1 of w [G, group bytes] uint8 (a hint, no effect on results)."""
-    for i in range(g0 * w.shape[1], g1 * w.shape[1], 64):
-        prefetch(w, i)
-
-
-@njit(inline="always")
 def _no_group(w, g, e, j):
     """Expansion.group of a type without one (never called: its walk is never wide)."""
 
@@ -123,12 +113,11 @@ def interleaved_kernels(qtype: str, pairs: bool = PAIRED):
     """rows_into(w8, q, d, s, s16, T, out, col, n0, n1) of one interleaved type, n0 a multiple of 8: pairs of
     groups where `pairs` (PAIRED: the machine's walk), then single groups, then the rows of a last group that n1
     cuts (a matrix whose rows are not a multiple of 8: its last group is padded with zero rows, computed aside and
-    not stored). For one token and a type of STREAM_PREFETCH[pairs], each step first asks for the groups two ahead
-    (within n0 .. n1: a thread's own). From its Expansion's tokens on, a type with one decodes each group once into
-    a scratch that every four tokens' tile then reads (expanded.py)."""
+    not stored). Each tile asks for its groups' next bytes itself (intrinsics.ask_ahead). From its Expansion's
+    tokens on, a type with one decodes each group once into a scratch that every four tokens' tile then reads
+    (expanded.py)."""
     tile, x = KERNELS[qtype].tile, KERNELS[qtype].expand
     walk8, walk16 = _group_walker(tile(1)), _group_walker(tile(2))
-    ahead = qtype in STREAM_PREFETCH[pairs]
     expands = x is not None
     size, mins, expand_from = (x.size, x.mins, x.tokens) if expands else (32, False, 0)
     bias8, bias16 = (x.bias(1), x.bias(2)) if expands else (0, 0)
@@ -149,8 +138,6 @@ def interleaved_kernels(qtype: str, pairs: bool = PAIRED):
             expand_starts(d, s, s16, T, bias8, size, minus_ds, starts8)
             expand_starts(d, s, s16, T, bias16, size, minus_ds[:0], starts16)
         while pairs and g + 2 <= n1 // 8:
-            if ahead and T == 1:
-                _prefetch_groups(w, g + 2, min(g + 4, end))
             if wide:
                 group(w, g, e, 0)
                 group(w, g + 1, e, 1)
@@ -160,8 +147,6 @@ def interleaved_kernels(qtype: str, pairs: bool = PAIRED):
             g += 2
         aside = np.empty((T if n1 % 8 else 0, 8), np.float32)
         while g < end:
-            if ahead and T == 1:
-                _prefetch_groups(w, g + 2, min(g + 3, end))
             cut = 8 * g + 8 > n1  # a last group that n1 cuts: its eight rows into aside[t, 0:8] (one call site, so
             if wide:  # one inlined tile)
                 group(w, g, e, 0)

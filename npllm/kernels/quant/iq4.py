@@ -16,8 +16,8 @@ from ...quant import KVALUES, QK_K
 from ..cpu import REASSOC
 from ..simd import vfma, vfmav, vzero, vzero16
 from .expanded import EXPAND_FROM, in_order
-from .intrinsics import (byte_table, field_unpacker, gather_words, interleaved_idot, load_half, machine, nibble_words,
-                         scale_loaders, store_floats)
+from .intrinsics import (ask_ahead, byte_table, field_unpacker, gather_words, interleaved_idot, load_half, machine,
+                         nibble_words, scale_loaders, store_floats)
 from .legacy import blockwise, plus_128_bias, small_block_gather
 from .record import BlockKernels, Expansion
 
@@ -99,6 +99,7 @@ def _iq4_xs_tile(groups: int):
         a0, a1, a2, a3 = zero(), zero(), zero(), zero()
         for b in range(q.shape[1] // QK_K):
             at, stride = g * w.shape[1] + 1104 * b, w.shape[1]
+            ask_ahead(w, at, 1104, groups, t)
             d_w = halves(w, at, stride)
             for i in range(8):
                 scale, iw, j = vfmav(zero(), d_w, int8s(w, at + 16 + 8 * i, stride)), at + 80 + 128 * i, 8 * b + i

@@ -19,8 +19,8 @@ from ..cpu import REASSOC
 from ..simd import _vector, vfma, vfmav, vzero, vzero16
 from .expanded import EXPAND_FROM, in_order
 from .intrinsics import (_F32XN, _I32, GFNI, _broadcast4, _chained_dots, _field, _group_bytes, _high_bits,
-                         _idot_args_ok, _int8, _ivec, _offset, _splat32, field_unpacker, gather_words, load_half,
-                         machine, scale_loaders, store_floats)
+                         _idot_args_ok, _int8, _ivec, _offset, _splat32, ask_ahead, field_unpacker, gather_words,
+                         load_half, machine, scale_loaders, store_floats)
 from .record import BlockKernels, Expansion
 
 
@@ -260,6 +260,7 @@ def _k_quant_32(block_bytes: int, fifth: bool):
             a0, a1, a2, a3 = zero(), zero(), zero(), zero()
             for b in range(q.shape[1] // QK_K):
                 at, stride = g * w.shape[1] + block_bytes * b, w.shape[1]
+                ask_ahead(w, at, block_bytes, groups, t)
                 d_w, dmin, iqh = halves(w, at, stride), halves(w, at + 16, stride), at + 1184
                 for p in range(4):  # run p: sub-block 2p in the low nibbles, 2p + 1 in the high ones
                     # The two written out, not a loop: each nibble shift is then a constant, and a low nibble costs
@@ -319,6 +320,7 @@ def _q6_k_tile(groups: int):
         acc = zero()
         for b in range(q.shape[1] // QK_K):
             at = g * w.shape[1] + 1680 * b
+            ask_ahead(w, at, 1680, groups, t)
             d_w = halves(w, at, w.shape[1])
             for h in range(2):
                 ql, qh, i, j = at + 144 + 512 * h, at + 1168 + 256 * h, 8 * h, 8 * b + 4 * h
@@ -341,6 +343,7 @@ def _q6_k_tile(groups: int):
         a0, a1, a2, a3 = zero(), zero(), zero(), zero()
         for b in range(q.shape[1] // QK_K):
             at = g * w.shape[1] + 1680 * b
+            ask_ahead(w, at, 1680, groups, t)
             d_w = halves(w, at, w.shape[1])
             for h in range(2):
                 for k in range(2):
@@ -396,6 +399,7 @@ def _q3_k_tile(groups: int):
         a0, a1, a2, a3 = zero(), zero(), zero(), zero()
         for b in range(q.shape[1] // (2 * QK_K)):
             at, stride = g * w.shape[1] + 912 * b, w.shape[1]
+            ask_ahead(w, at, 912, groups, t)
             d_w, ihm = halves(w, at, stride), at + 144
             for i in range(8):
                 iqs, shift, j = at + 400 + 256 * (i // 4), 2 * (i % 4), 8 * b + i
@@ -439,6 +443,7 @@ def _q2_k_tile(groups: int):
         a0, a1, a2, a3 = zero(), zero(), zero(), zero()
         for b in range(q.shape[1] // (2 * QK_K)):
             at, stride = g * w.shape[1] + 672 * b, w.shape[1]
+            ask_ahead(w, at, 672, groups, t)
             d_w, dmin = halves(w, at, stride), halves(w, at + 16, stride)
             for i in range(8):
                 iqs, shift, j, sc = at + 160 + 256 * (i // 4), 2 * (i % 4), 8 * b + i, at + 32 + 16 * i
@@ -589,22 +594,11 @@ def _gather_q3_k(w, base, r, group_bytes, row):
         row[to + 108], row[to + 109] = w[at + 2 * r], w[at + 2 * r + 1]
 
 
-# STREAM_PREFETCH (dispatch.py): which walks ask for the bytes of the groups two ahead in a one-token product. A Q6_K
-# group's blocks are read in four runs (ql, qh, ql, and the next half's), which the hardware prefetcher follows worse
-# than one run. Paired walk (AVX-512 VNNI), streamed from memory (a Q4_0 or Q4_K_M file's LM head, too big for the
-# cache): a Q6_K product took 123-128 ps per multiply-add, ~1.3x its bytes' time at one core's bandwidth, 94-100 with
-# the prefetches; with its matrix in L2, 25-34 and 31-39 (a cost a decode step never meets: no model's matrix but
-# stories260K's stays in L2 between steps). There Q4_0, Q4_K, Q8_0 and Q5_K gained nothing in the model and lost
-# 20-35% in L2. One group at a time (AVX2 without VNNI, measured by compiling for it on the same machine), streamed:
-# Q6_K 194-248 -> 140-163 ps, Q4_K 111-125 -> 85-92, Q5_K 143-175 -> 122-127, Q4_0 and Q8_0 no gain; in the model,
-# 110M decode Q4_K_M 86-94 -> 96-108 tok/s, Q5_K_M 74-89 -> 89-94 (compiled for AVX-VNNI: 86-102 -> 107-116 and
-# 87-88 -> 100-111). docs/quant.md, "A Q6_K decode walk asks for its next bytes" and "... and on AVX2, Q4_K and
-# Q5_K too".
 Q2_K = BlockKernels("Q2_K", _decode_q2_k, _q2_k_tile, _gather_q2_k)
 Q3_K = BlockKernels("Q3_K", _decode_q3_k, _q3_k_tile, _gather_q3_k)
-Q4_K = BlockKernels("Q4_K", _decode_q4_k, _k_quant_32(1184, False), _gather_scale_min(False), prefetch=(False,),
+Q4_K = BlockKernels("Q4_K", _decode_q4_k, _k_quant_32(1184, False), _gather_scale_min(False),
                     expand=_expand_scale_min(1184, False))
-Q5_K = BlockKernels("Q5_K", _decode_q5_k, _k_quant_32(1440, True), _gather_scale_min(True), prefetch=(False,),
+Q5_K = BlockKernels("Q5_K", _decode_q5_k, _k_quant_32(1440, True), _gather_scale_min(True),
                     expand=_expand_scale_min(1440, True))
-Q6_K = BlockKernels("Q6_K", _decode_q6_k, _q6_k_tile, _gather_q6_k, prefetch=(True, False), expand=_expand_q6_k())
+Q6_K = BlockKernels("Q6_K", _decode_q6_k, _q6_k_tile, _gather_q6_k, expand=_expand_q6_k())
 RECORDS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)

@@ -20,8 +20,8 @@ from numba import njit
 
 from ..cpu import REASSOC
 from ..simd import vfma, vfmav, vzero, vzero16
-from .intrinsics import (_I32, Q8_0_BIAS, _group_bytes, _high_bits, _int8, gather_words, interleaved_idot, load_half,
-                         machine, nibble_words, scale_loaders)
+from .intrinsics import (_I32, Q8_0_BIAS, _group_bytes, _high_bits, _int8, ask_ahead, gather_words, interleaved_idot,
+                         load_half, machine, nibble_words, scale_loaders)
 from .record import BlockKernels
 
 
@@ -134,6 +134,7 @@ def blockwise(idot_name: str, block_bytes: int, bias, with_min: bool = False, do
             a0, a1, a2, a3 = zero(), zero(), zero(), zero()
             for b in range(K // 32):
                 at = g * stride + block_bytes * b
+                ask_ahead(w, at, block_bytes, groups, t)
                 d_w, iw = halves(w, at, stride), at + values_at
                 m_w = halves(w, at + 16, stride) if with_min else zero()
                 start = minus_bias * (s16[t, 2 * b] + s16[t, 2 * b + 1])

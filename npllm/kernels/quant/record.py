@@ -18,8 +18,6 @@ class BlockKernels:
     gather   (interleaved types) njit (w, base, r, group_bytes, row): row r of the group whose bytes start at
              w.flat[base] (group_bytes long), back in the file's layout into row [row bytes] uint8
     matvec   (float types) njit (w, x, sums, out, col, n0, n1): out[col + n] = W[n] . x on float32 activations
-    prefetch the walks (True: pairs of groups, False: one group) whose one-token products ask for the bytes of the
-             groups two ahead first (dispatch.py, STREAM_PREFETCH)
     expand   (interleaved types whose tiles unpack bit fields) an Expansion: how a prefill decodes each group once
              into plain bytes for its tiles (expanded.py)
     """
@@ -29,7 +27,6 @@ class BlockKernels:
     tile: Callable | None = None
     gather: Callable | None = None
     matvec: Callable | None = None
-    prefetch: tuple[bool, ...] = ()
     expand: Expansion | None = None
 
 
