@@ -372,8 +372,9 @@ def one_group_walk(qtype):
 @given(data=st.data())
 def test_the_one_group_walk_with_its_prefetches_is_the_machines_walk(qtype, data):
     """Decode products over the rows a thread owns (any n0 .. n1, n0 a multiple of 8; each tile asking for the
-    bytes ahead of its groups, past n1 and past the matrix's end too) are the NumPy reference to float32 rounding, give the bits of the walk this machine
-    runs (pairs of groups on AVX-512 VNNI), and write nothing outside their rows."""
+    bytes ahead of its groups, past n1 and past the matrix's end too) are the NumPy reference to float32 rounding,
+    give the bits of the walk this machine runs (pairs of groups on AVX-512 VNNI), and write nothing outside their
+    rows."""
     w, K = data.draw(quantized_matrix(qtype))
     N = w.shape[0]
     n0 = 8 * data.draw(st.integers(0, (N - 1) // 8), label="n0 / 8")

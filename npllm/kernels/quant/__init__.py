@@ -23,7 +23,7 @@ rounding of the block sums; integer dots are exact. Rows are split over threads 
 from .activations import (quantize_activations_q8_into, quantize_activations_q8_parallel, two_part_activations_into,
                           two_part_activations_parallel)
 from .dispatch import (FLOAT_TYPES, INTERLEAVED_CODE, INTERLEAVED_TYPES, KERNELS, ROW_TYPES, decode_any_row, decode_row,
-                       file_row_bytes, gather_interleaved_row, interleaved_kernels, matmul_int8_interleaved, matmul_rows,
-                       matmul_rows_interleaved, matvec_rows, takes_two_parts)
+                       file_row_bytes, gather_interleaved_row, interleaved_kernels, matmul_int8_interleaved,
+                       matmul_rows, matmul_rows_interleaved, matvec_rows, takes_two_parts)
 from .expanded import EXPAND_FROM, expanded_bytes
 from .intrinsics import AVX2, GFNI, PAIRED, Q8_0_BIAS, ROWS_AT_ONCE, VNNI

@@ -104,7 +104,6 @@ def ask_ahead(w, at, span, groups, t):
             prefetch(w, i)
 
 
-
 # ---------------------------------------------------------------------------------------------- scalars
 
 def _is_byte_c_array(ty) -> bool:
