@@ -2,6 +2,9 @@
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +103,27 @@ def test_bench_prints_the_machine_once_on_stderr(capsys):
     m = machine()
     assert len(out.splitlines()) == 2 and all(line.startswith("stories260K") for line in out.splitlines())
     assert err.count("[npllm] CPU: ") == 1 and m["cpu"] in err and m["kernels"] in err
+
+
+TARGET_CHECK = """
+from npllm.kernels import simd, target
+from npllm.kernels.quant import intrinsics
+print(sorted(target.features()), simd.WIDE, intrinsics.AVX2, intrinsics.VNNI, intrinsics.PAIRED, intrinsics.GFNI)
+"""
+
+
+@pytest.mark.parametrize("cpu_features, wide, avx2, vnni, paired, gfni", [
+    ("+avx2,+fma,+avx512fp16", False, True, False, False, False),  # avx512fp16 is not avx512f
+    ("+avx2,+avx512f,+avx512bw,+avx512vl,+avx512vnni,+gfni", True, True, True, True, True),
+    ("+avx2,+avxvnni", False, True, True, False, False),
+    ("", False, False, False, False, False),  # a bare NUMBA_CPU_NAME: nothing assumed
+])
+def test_one_probe_decides_every_kernel_variant_from_numbas_target(cpu_features, wide, avx2, vnni, paired, gfni):
+    """kernels/target.py is the one CPU-feature probe: simd's vector width and the block kernels' dot paths follow
+    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES feature by feature (a name is matched whole, not as a prefix)."""
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CPU_FEATURES=cpu_features,
+               PYTHONPATH=str(Path(__file__).parent.parent))
+    out = subprocess.run([sys.executable, "-c", TARGET_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    flags = out.stdout.split("]")[1].split()
+    assert flags == [str(v) for v in (wide, avx2, vnni, paired, gfni)]

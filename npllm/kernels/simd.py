@@ -33,24 +33,17 @@ there. NUMBA_CPU_NAME / NUMBA_CPU_FEATURES (Numba's own settings for compiling f
 
 from __future__ import annotations
 
-import os
-
-import llvmlite.binding
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
+from . import target
+
 LANES = 8
 
 
-def _target_has_avx512() -> bool:
-    if os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES"):
-        return "+avx512f" in os.environ.get("NUMBA_CPU_FEATURES", "")
-    return bool(llvmlite.binding.get_host_cpu_features().get("avx512f", False))
-
-
-WIDE = _target_has_avx512()
+WIDE = target.has("avx512f")
 
 
 class F32xN(types.Type):

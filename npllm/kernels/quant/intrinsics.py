@@ -10,15 +10,13 @@ lanes), vpmaddubsw + vpmaddwd on AVX2, plain LLVM integer vectors elsewhere (the
 
 from __future__ import annotations
 
-import os
-
-import llvmlite.binding
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .. import target
 from ..simd import _vector, f32x8, f32x16, prefetch
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -26,45 +24,14 @@ _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 
 # ---------------------------------------------------------------------------------------------- the machine
 
-def _target_has_avx2() -> bool:
-    """Whether the machine Numba compiles for has AVX2 (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES obeyed, as in simd.py)."""
-    if os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES"):
-        return "+avx2" in os.environ.get("NUMBA_CPU_FEATURES", "")
-    return bool(llvmlite.binding.get_host_cpu_features().get("avx2", False))
-
-
-def _target_has_vnni() -> bool:
-    """Whether the machine Numba compiles for has a 256-bit vpdpbusd (AVX-VNNI, or AVX512-VNNI with AVX512-VL)."""
-    if os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES"):
-        features = set(os.environ.get("NUMBA_CPU_FEATURES", "").split(","))
-        return "+avxvnni" in features or {"+avx512vnni", "+avx512vl"} <= features
-    host = llvmlite.binding.get_host_cpu_features()
-    return bool(host.get("avxvnni", False) or (host.get("avx512vnni", False) and host.get("avx512vl", False)))
-
-
-AVX2 = _target_has_avx2()
-VNNI = AVX2 and _target_has_vnni()
-
-def _target_has_vnni512() -> bool:
-    """Whether the machine Numba compiles for has a 512-bit vpdpbusd (AVX512-VNNI with AVX512-BW)."""
-    if os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES"):
-        return {"+avx512vnni", "+avx512bw"} <= set(os.environ.get("NUMBA_CPU_FEATURES", "").split(","))
-    host = llvmlite.binding.get_host_cpu_features()
-    return bool(host.get("avx512vnni", False) and host.get("avx512bw", False))
-
-
-def _target_has_gfni() -> bool:
-    """Whether the machine Numba compiles for has GFNI's affine byte transform (VEX- or EVEX-encoded)."""
-    if os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES"):
-        return "+gfni" in os.environ.get("NUMBA_CPU_FEATURES", "").split(",")
-    return bool(llvmlite.binding.get_host_cpu_features().get("gfni", False))
-
-
+AVX2 = target.has("avx2")  # what the machine Numba compiles for offers (kernels/target.py)
+# a 256-bit vpdpbusd: AVX-VNNI, or AVX512-VNNI with AVX512-VL
+VNNI = AVX2 and (target.has("avxvnni") or target.has("avx512vnni", "avx512vl"))
 # PAIRED: the kernels walk two groups at a time as one 16-lane register (rows 8g .. 8g + 15), where the machine
 # has a 512-bit vpdpbusd. It runs two per cycle here, as the 256-bit one does, so a pair costs the instructions of
 # one group: ~1.7x the multiply-adds per second at 128 tokens (docs/quant.md). Elsewhere groups go one at a time.
-PAIRED = VNNI and _target_has_vnni512()
-GFNI = AVX2 and _target_has_gfni()  # Q5_K's fifth bit and Q6_K's top two in one instruction (_high_bits)
+PAIRED = VNNI and target.has("avx512vnni", "avx512bw")  # a 512-bit vpdpbusd
+GFNI = AVX2 and target.has("gfni")  # Q5_K's fifth bit and Q6_K's top two in one instruction (_high_bits)
 
 
 def variant() -> str:
