@@ -129,7 +129,7 @@ def test_the_model_masks_a_padded_vocabulary_on_every_backend(backend):
     plain = make_model(SMALL, weights, backend)
     hidden = plain.forward([1, 7, 9, 30], [0, 1, 2, 3], plain.new_cache())
     padded = make_model(*pad_vocabulary(SMALL, weights, np.resize(plain.lm_head(hidden).argmax(axis=1), 6)), backend)
-    assert_padding_never_drawn(plain, padded, hidden)
+    assert_padding_never_drawn(plain, padded, hidden, exact=backend != "numpy")
 
 
 def test_usable_vocab_is_an_id_count_inside_the_vocabulary():
