@@ -24,9 +24,9 @@ class QuantizationError(NpllmError, ValueError):
     """Values cannot be stored in the requested type (not finite, rows not a whole number of blocks, too large)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class QuantType:
-    """One GGML tensor type. Only name, id and sizes for a type npllm lays out but does not compute (Q8_K, I32...)."""
+    """One GGML tensor type (built by keyword: every record names its fields). Only name, id and sizes for a type npllm lays out but does not compute (Q8_K, I32...)."""
 
     name: str
     type_id: int  # GGML type id, as stored in a GGUF tensor table

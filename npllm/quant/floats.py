@@ -33,7 +33,7 @@ def quantize_f32(values: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(values, dtype="<f4").view(np.uint8).reshape(-1)
 
 
-F32 = QuantType("F32", 0, 1, 4, dequantize_f32, quantize_f32)
-F16 = QuantType("F16", 1, 1, 2, dequantize_f16, quantize_f16)
-BF16 = QuantType("BF16", 30, 1, 2, dequantize_bf16)
+F32 = QuantType(name="F32", type_id=0, block_size=1, block_bytes=4, dequantize=dequantize_f32, quantize=quantize_f32)
+F16 = QuantType(name="F16", type_id=1, block_size=1, block_bytes=2, dequantize=dequantize_f16, quantize=quantize_f16)
+BF16 = QuantType(name="BF16", type_id=30, block_size=1, block_bytes=2, dequantize=dequantize_bf16)
 RECORDS = (F32, F16, BF16)

@@ -191,7 +191,10 @@ def _interleave_iq4_xs(blocks: np.ndarray) -> list:
     return [blocks[..., 0:2], _per_row(sc), _words_of(blocks[..., 8:136])]
 
 
-IQ4_NL = QuantType("IQ4_NL", 20, 32, 18, dequantize_iq4_nl, quantize_iq4_nl, (0,), _interleave_iq4_nl, 144, "int8")
-IQ4_XS = QuantType("IQ4_XS", 23, QK_K, 136, dequantize_iq4_xs, quantize_iq4_xs, (0,), _interleave_iq4_xs, 1104,
-                   "int8")
+IQ4_NL = QuantType(name="IQ4_NL", type_id=20, block_size=32, block_bytes=18, dequantize=dequantize_iq4_nl,
+                   quantize=quantize_iq4_nl, scale_fields=(0,), interleave=_interleave_iq4_nl, interleaved_bytes=144,
+                   activations="int8")
+IQ4_XS = QuantType(name="IQ4_XS", type_id=23, block_size=QK_K, block_bytes=136, dequantize=dequantize_iq4_xs,
+                   quantize=quantize_iq4_xs, scale_fields=(0,), interleave=_interleave_iq4_xs, interleaved_bytes=1104,
+                   activations="int8")
 RECORDS = (IQ4_NL, IQ4_XS)

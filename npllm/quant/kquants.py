@@ -291,9 +291,19 @@ def _interleave_q3_k(blocks: np.ndarray) -> list:
     return [blocks[..., 108:110], _per_row(sc), _words_of(blocks[..., :32]), _words_of(blocks[..., 32:96])]
 
 
-Q2_K = QuantType("Q2_K", 10, QK_K, 84, dequantize_q2_k, quantize_q2_k, (80, 82), _interleave_q2_k, 672, "two_part")
-Q3_K = QuantType("Q3_K", 11, QK_K, 110, dequantize_q3_k, quantize_q3_k, (108,), _interleave_q3_k, 912, "two_part")
-Q4_K = QuantType("Q4_K", 12, QK_K, 144, dequantize_q4_k, quantize_q4_k, (0, 2), _interleave_q4_k, 1184, "int8")
-Q5_K = QuantType("Q5_K", 13, QK_K, 176, dequantize_q5_k, quantize_q5_k, (0, 2), _interleave_q5_k, 1440, "int8")
-Q6_K = QuantType("Q6_K", 14, QK_K, 210, dequantize_q6_k, quantize_q6_k, (208,), _interleave_q6_k, 1680, "int8")
+Q2_K = QuantType(name="Q2_K", type_id=10, block_size=QK_K, block_bytes=84, dequantize=dequantize_q2_k,
+                 quantize=quantize_q2_k, scale_fields=(80, 82), interleave=_interleave_q2_k, interleaved_bytes=672,
+                 activations="two_part")
+Q3_K = QuantType(name="Q3_K", type_id=11, block_size=QK_K, block_bytes=110, dequantize=dequantize_q3_k,
+                 quantize=quantize_q3_k, scale_fields=(108,), interleave=_interleave_q3_k, interleaved_bytes=912,
+                 activations="two_part")
+Q4_K = QuantType(name="Q4_K", type_id=12, block_size=QK_K, block_bytes=144, dequantize=dequantize_q4_k,
+                 quantize=quantize_q4_k, scale_fields=(0, 2), interleave=_interleave_q4_k, interleaved_bytes=1184,
+                 activations="int8")
+Q5_K = QuantType(name="Q5_K", type_id=13, block_size=QK_K, block_bytes=176, dequantize=dequantize_q5_k,
+                 quantize=quantize_q5_k, scale_fields=(0, 2), interleave=_interleave_q5_k, interleaved_bytes=1440,
+                 activations="int8")
+Q6_K = QuantType(name="Q6_K", type_id=14, block_size=QK_K, block_bytes=210, dequantize=dequantize_q6_k,
+                 quantize=quantize_q6_k, scale_fields=(208,), interleave=_interleave_q6_k, interleaved_bytes=1680,
+                 activations="int8")
 RECORDS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)

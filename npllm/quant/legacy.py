@@ -186,11 +186,19 @@ def _interleave_q8_0(blocks: np.ndarray) -> list:
     return [blocks[..., 0:2], _words_of(blocks[..., 2:] ^ np.uint8(0x80))]
 
 
-Q8_0 = QuantType("Q8_0", 8, 32, 34, dequantize_q8_0, quantize_q8_0, (0,), _interleave_q8_0, 272, "int8")
-Q4_0 = QuantType("Q4_0", 2, 32, 18, dequantize_q4_0, quantize_q4_0, (0,), _scaled_words((0,), None, 2), 144, "int8")
-Q4_1 = QuantType("Q4_1", 3, 32, 20, dequantize_q4_1, quantize_q4_1, (0, 2), _scaled_words((0, 2), None, 4), 160,
-                 "int8")
-Q5_0 = QuantType("Q5_0", 6, 32, 22, dequantize_q5_0, quantize_q5_0, (0,), _scaled_words((0,), 2, 6), 176, "int8")
-Q5_1 = QuantType("Q5_1", 7, 32, 24, dequantize_q5_1, quantize_q5_1, (0, 2), _scaled_words((0, 2), 4, 8), 192,
-                 "int8")
+Q8_0 = QuantType(name="Q8_0", type_id=8, block_size=32, block_bytes=34, dequantize=dequantize_q8_0,
+                 quantize=quantize_q8_0, scale_fields=(0,), interleave=_interleave_q8_0, interleaved_bytes=272,
+                 activations="int8")
+Q4_0 = QuantType(name="Q4_0", type_id=2, block_size=32, block_bytes=18, dequantize=dequantize_q4_0,
+                 quantize=quantize_q4_0, scale_fields=(0,), interleave=_scaled_words((0,), None, 2),
+                 interleaved_bytes=144, activations="int8")
+Q4_1 = QuantType(name="Q4_1", type_id=3, block_size=32, block_bytes=20, dequantize=dequantize_q4_1,
+                 quantize=quantize_q4_1, scale_fields=(0, 2), interleave=_scaled_words((0, 2), None, 4),
+                 interleaved_bytes=160, activations="int8")
+Q5_0 = QuantType(name="Q5_0", type_id=6, block_size=32, block_bytes=22, dequantize=dequantize_q5_0,
+                 quantize=quantize_q5_0, scale_fields=(0,), interleave=_scaled_words((0,), 2, 6),
+                 interleaved_bytes=176, activations="int8")
+Q5_1 = QuantType(name="Q5_1", type_id=7, block_size=32, block_bytes=24, dequantize=dequantize_q5_1,
+                 quantize=quantize_q5_1, scale_fields=(0, 2), interleave=_scaled_words((0, 2), 4, 8),
+                 interleaved_bytes=192, activations="int8")
 RECORDS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)

@@ -12,9 +12,10 @@ from . import floats, iq4, kquants, legacy
 from .base import INTERLEAVE, QuantizationError, QuantType
 
 # Types npllm lays out (to validate a GGUF file and describe it) but does not compute.
-LAYOUT_ONLY = (QuantType("Q8_1", 9, 32, 36), QuantType("Q8_K", 15, 256, 292), QuantType("I8", 24, 1, 1),
-               QuantType("I16", 25, 1, 2), QuantType("I32", 26, 1, 4), QuantType("I64", 27, 1, 8),
-               QuantType("F64", 28, 1, 8))
+LAYOUT_ONLY = tuple(QuantType(name=name, type_id=type_id, block_size=size, block_bytes=nbytes)
+                    for name, type_id, size, nbytes in (("Q8_1", 9, 32, 36), ("Q8_K", 15, 256, 292), ("I8", 24, 1, 1),
+                                                        ("I16", 25, 1, 2), ("I32", 26, 1, 4), ("I64", 27, 1, 8),
+                                                        ("F64", 28, 1, 8)))
 BLOCK_TYPES = floats.RECORDS + legacy.RECORDS + kquants.RECORDS + iq4.RECORDS + LAYOUT_ONLY
 
 TYPES_BY_ID = {t.type_id: t for t in BLOCK_TYPES}  # every type npllm lays out, by GGML id (the GGUF reader's table)

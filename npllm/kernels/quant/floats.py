@@ -81,7 +81,7 @@ def _float_matvec_rows(lanes, decode, value_bytes: int):
     return matvec_rows
 
 
-F32 = BlockKernels("F32", _decode_f32, matvec=_float_matvec_rows(vload_f32_bytes, _decode_f32, 4))
-F16 = BlockKernels("F16", _decode_f16, matvec=_float_matvec_rows(vload_f16_bytes, _decode_f16, 2))
-BF16 = BlockKernels("BF16", _decode_bf16, matvec=_float_matvec_rows(vload_bf16_bytes, _decode_bf16, 2))
+F32 = BlockKernels(name="F32", decode=_decode_f32, matvec=_float_matvec_rows(vload_f32_bytes, _decode_f32, 4))
+F16 = BlockKernels(name="F16", decode=_decode_f16, matvec=_float_matvec_rows(vload_f16_bytes, _decode_f16, 2))
+BF16 = BlockKernels(name="BF16", decode=_decode_bf16, matvec=_float_matvec_rows(vload_bf16_bytes, _decode_bf16, 2))
 RECORDS = (F32, F16, BF16)

@@ -13,6 +13,7 @@ import numpy as np
 from numba import njit
 
 from ...quant import KVALUES, QK_K
+from ...quant import iq4 as layouts
 from ..cpu import REASSOC
 from ..simd import vfma, vfmav, vzero, vzero16
 from .expanded import EXPAND_FROM, in_order
@@ -21,6 +22,10 @@ from .intrinsics import (ask_ahead, byte_table, field_unpacker, gather_words, in
 from .legacy import blockwise, plus_128_bias, small_block_gather
 from .record import BlockKernels, Expansion
 
+# Each type's sizes, read from its NumPy record (quant/iq4.py): bytes of one file block, and of one block of a group
+# of eight interleaved rows. Numba takes module globals as constants: the kernels compile as with literals.
+IQ4_NL_BLOCK, IQ4_NL_GROUP = layouts.IQ4_NL.block_bytes, layouts.IQ4_NL.interleaved_bytes
+IQ4_XS_BLOCK, IQ4_XS_GROUP = layouts.IQ4_XS.block_bytes, layouts.IQ4_XS.interleaved_bytes
 _LEVELS = KVALUES.astype(np.float32)
 _STORED_LEVELS = [int(v) + 128 for v in KVALUES]  # unsigned, for the machine's integer dot
 
@@ -30,7 +35,7 @@ _STORED_LEVELS = [int(v) + 128 for v in KVALUES]  # unsigned, for the machine's 
 @njit(inline="always")
 def _decode_iq4_nl(w, n, b, buf, at):
     """Block b (18 bytes: f16 d, 16 bytes of indices) as d * KVALUES[i]."""
-    base = 18 * b
+    base = IQ4_NL_BLOCK * b
     d = load_half(w, n * w.shape[1] + base)
     for j in range(16):
         byte = np.int32(w[n, base + 2 + j])
@@ -49,7 +54,7 @@ def _iq4_xs_scale(w, n, base, s):
 @njit(inline="always")
 def _decode_iq4_xs(w, n, b, buf, at):
     """Block b (136 bytes) as (d (ls_s - 32)) KVALUES[i], sub-block s of 32 at a time."""
-    base = 136 * b
+    base = IQ4_XS_BLOCK * b
     d = load_half(w, n * w.shape[1] + base)
     for s in range(8):
         scale = d * np.float32(_iq4_xs_scale(w, n, base, s))
@@ -98,8 +103,8 @@ def _iq4_xs_tile(groups: int):
     def tile(w, g, q, d, s, s16, t, n):
         a0, a1, a2, a3 = zero(), zero(), zero(), zero()
         for b in range(q.shape[1] // QK_K):
-            at, stride = g * w.shape[1] + 1104 * b, w.shape[1]
-            ask_ahead(w, at, 1104, groups, t)
+            at, stride = g * w.shape[1] + IQ4_XS_GROUP * b, w.shape[1]
+            ask_ahead(w, at, IQ4_XS_GROUP, groups, t)
             d_w = halves(w, at, stride)
             for i in range(8):
                 scale, iw, j = vfmav(zero(), d_w, int8s(w, at + 16 + 8 * i, stride)), at + 80 + 128 * i, 8 * b + i
@@ -124,9 +129,9 @@ def _expand_iq4_xs():
     @njit(fastmath=REASSOC, inline="always")
     def group(w, g, e, j):
         stride, row = w.shape[1], j * e.shape[1]
-        K = stride // 1104 * QK_K
-        for b in range(stride // 1104):
-            at = g * stride + 1104 * b
+        K = stride // IQ4_XS_GROUP * QK_K
+        for b in range(stride // IQ4_XS_GROUP):
+            at = g * stride + IQ4_XS_GROUP * b
             d_w = halves(w, at, stride)
             for i in range(8):
                 u = 8 * b + i
@@ -134,7 +139,8 @@ def _expand_iq4_xs():
                 unpack(w, at + 80 + 128 * i, 0, 0, 0, e, row + 256 * u)
                 unpack(w, at + 80 + 128 * i, 4, 0, 0, e, row + 256 * u + 128)
 
-    return Expansion(group, 32, False, plus_128_bias, 241, True, in_order, EXPAND_FROM)
+    return Expansion(group=group, size=32, mins=False, bias=plus_128_bias, most=241, plus_128=True, block=in_order,
+                     tokens=EXPAND_FROM)
 
 
 # ---------------------------------------------------------------------------------------------- gathers
@@ -142,8 +148,8 @@ def _expand_iq4_xs():
 @njit(inline="always")
 def _gather_iq4_xs(w, base, r, group_bytes, row):
     """d, scales_h, scales_l (each sub-block's scale stored minus 32 put back as 6 bits), qs[128]."""
-    for b in range(group_bytes // 1104):
-        at, to = base + 1104 * b, 136 * b
+    for b in range(group_bytes // IQ4_XS_GROUP):
+        at, to = base + IQ4_XS_GROUP * b, IQ4_XS_BLOCK * b
         row[to], row[to + 1] = w[at + 2 * r], w[at + 2 * r + 1]
         row[to + 2:to + 8] = 0
         for i in range(8):
@@ -153,7 +159,9 @@ def _gather_iq4_xs(w, base, r, group_bytes, row):
             gather_words(w, at + 80 + 128 * i, r, 4, row, to + 8 + 16 * i)
 
 
-IQ4_NL = BlockKernels("IQ4_NL", _decode_iq4_nl, blockwise("iq4", 144, plus_128_bias, dots=idots),
-                      small_block_gather(1, False, 18))
-IQ4_XS = BlockKernels("IQ4_XS", _decode_iq4_xs, _iq4_xs_tile, _gather_iq4_xs, expand=_expand_iq4_xs())
+IQ4_NL = BlockKernels(name="IQ4_NL", decode=_decode_iq4_nl,
+                      tile=blockwise("iq4", IQ4_NL_GROUP, plus_128_bias, dots=idots),
+                      gather=small_block_gather(1, False, IQ4_NL_BLOCK))
+IQ4_XS = BlockKernels(name="IQ4_XS", decode=_decode_iq4_xs, tile=_iq4_xs_tile, gather=_gather_iq4_xs,
+                      expand=_expand_iq4_xs())
 RECORDS = (IQ4_NL, IQ4_XS)

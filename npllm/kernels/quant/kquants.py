@@ -15,6 +15,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from ...quant import QK_K
+from ...quant import kquants as layouts
 from ..cpu import REASSOC
 from ..simd import _vector, vfma, vfmav, vzero, vzero16
 from .expanded import EXPAND_FROM, in_order
@@ -23,6 +24,13 @@ from .intrinsics import (_F32XN, _I32, GFNI, _broadcast4, _chained_dots, _field,
                          load_half, machine, scale_loaders, store_floats)
 from .record import BlockKernels, Expansion
 
+# Each type's sizes, read from its NumPy record (quant/kquants.py): bytes of one file block, and of one block of a
+# group of eight interleaved rows. Numba takes module globals as constants: the kernels compile as with literals.
+Q2_K_BLOCK, Q2_K_GROUP = layouts.Q2_K.block_bytes, layouts.Q2_K.interleaved_bytes
+Q3_K_BLOCK, Q3_K_GROUP = layouts.Q3_K.block_bytes, layouts.Q3_K.interleaved_bytes
+Q4_K_BLOCK, Q4_K_GROUP = layouts.Q4_K.block_bytes, layouts.Q4_K.interleaved_bytes
+Q5_K_BLOCK, Q5_K_GROUP = layouts.Q5_K.block_bytes, layouts.Q5_K.interleaved_bytes
+Q6_K_BLOCK, Q6_K_GROUP = layouts.Q6_K.block_bytes, layouts.Q6_K.interleaved_bytes
 
 # ---------------------------------------------------------------------------------------------- decoders
 # _decode_<type>(w, n, b, buf, at): block b of row n as float32 in buf[at : at + 256] (record.BlockKernels).
@@ -40,7 +48,7 @@ def _scale_min_q4_k(w, n, at, s):
 
 @njit(inline="always")
 def _decode_q4_k(w, n, b, buf, at):
-    base = 144 * b
+    base = Q4_K_BLOCK * b
     d, dmin = load_half(w, n * w.shape[1] + base), load_half(w, n * w.shape[1] + base + 2)
     for r in range(4):
         sc0, mn0 = _scale_min_q4_k(w, n, base + 4, 2 * r)
@@ -55,7 +63,7 @@ def _decode_q4_k(w, n, b, buf, at):
 
 @njit(inline="always")
 def _decode_q5_k(w, n, b, buf, at):
-    base = 176 * b
+    base = Q5_K_BLOCK * b
     d, dmin = load_half(w, n * w.shape[1] + base), load_half(w, n * w.shape[1] + base + 2)
     for s in range(8):
         sc, mn = _scale_min_q4_k(w, n, base + 4, s)
@@ -79,7 +87,7 @@ def _q6_k(w, n, at, h, g, l):
 
 @njit(inline="always")
 def _decode_q6_k(w, n, b, buf, at):
-    base = 210 * b
+    base = Q6_K_BLOCK * b
     d = load_half(w, n * w.shape[1] + base + 208)
     for h in range(2):
         for g in range(4):
@@ -97,7 +105,7 @@ def _two_bits(w, n, qs, i):
 
 @njit(inline="always")
 def _decode_q2_k(w, n, b, buf, at):
-    base = 84 * b
+    base = Q2_K_BLOCK * b
     d, dmin = load_half(w, n * w.shape[1] + base + 80), load_half(w, n * w.shape[1] + base + 82)
     for s in range(16):
         packed = np.int32(w[n, base + s])
@@ -108,7 +116,7 @@ def _decode_q2_k(w, n, b, buf, at):
 
 @njit(inline="always")
 def _decode_q3_k(w, n, b, buf, at):
-    base = 110 * b
+    base = Q3_K_BLOCK * b
     d = load_half(w, n * w.shape[1] + base + 108)
     for s in range(16):
         low4 = np.int32(w[n, base + 96 + s % 8]) >> (4 * (s // 8)) & 15
@@ -319,8 +327,8 @@ def _q6_k_tile(groups: int):
         one-token, and a Q4_K_M file's LM head is Q6_K)."""
         acc = zero()
         for b in range(q.shape[1] // QK_K):
-            at = g * w.shape[1] + 1680 * b
-            ask_ahead(w, at, 1680, groups, t)
+            at = g * w.shape[1] + Q6_K_GROUP * b
+            ask_ahead(w, at, Q6_K_GROUP, groups, t)
             d_w = halves(w, at, w.shape[1])
             for h in range(2):
                 ql, qh, i, j = at + 144 + 512 * h, at + 1168 + 256 * h, 8 * h, 8 * b + 4 * h
@@ -342,8 +350,8 @@ def _q6_k_tile(groups: int):
             return q6_k_one(w, g, q, d, s16, t), zero(), zero(), zero()
         a0, a1, a2, a3 = zero(), zero(), zero(), zero()
         for b in range(q.shape[1] // QK_K):
-            at = g * w.shape[1] + 1680 * b
-            ask_ahead(w, at, 1680, groups, t)
+            at = g * w.shape[1] + Q6_K_GROUP * b
+            ask_ahead(w, at, Q6_K_GROUP, groups, t)
             d_w = halves(w, at, w.shape[1])
             for h in range(2):
                 for k in range(2):
@@ -398,8 +406,8 @@ def _q3_k_tile(groups: int):
         bits at shift 2 (i % 4) of qs run i // 4, their third bits bit i of the hmask run."""
         a0, a1, a2, a3 = zero(), zero(), zero(), zero()
         for b in range(q.shape[1] // (2 * QK_K)):
-            at, stride = g * w.shape[1] + 912 * b, w.shape[1]
-            ask_ahead(w, at, 912, groups, t)
+            at, stride = g * w.shape[1] + Q3_K_GROUP * b, w.shape[1]
+            ask_ahead(w, at, Q3_K_GROUP, groups, t)
             d_w, ihm = halves(w, at, stride), at + 144
             for i in range(8):
                 iqs, shift, j = at + 400 + 256 * (i // 4), 2 * (i % 4), 8 * b + i
@@ -442,8 +450,8 @@ def _q2_k_tile(groups: int):
         2 (i % 4) of qs run i // 4; each sub-block's byte holds its scale (low nibble) and min (high nibble)."""
         a0, a1, a2, a3 = zero(), zero(), zero(), zero()
         for b in range(q.shape[1] // (2 * QK_K)):
-            at, stride = g * w.shape[1] + 672 * b, w.shape[1]
-            ask_ahead(w, at, 672, groups, t)
+            at, stride = g * w.shape[1] + Q2_K_GROUP * b, w.shape[1]
+            ask_ahead(w, at, Q2_K_GROUP, groups, t)
             d_w, dmin = halves(w, at, stride), halves(w, at + 16, stride)
             for i in range(8):
                 iqs, shift, j, sc = at + 160 + 256 * (i // 4), 2 * (i % 4), 8 * b + i, at + 32 + 16 * i
@@ -486,8 +494,8 @@ def _expand_scale_min(block_bytes: int, fifth: bool):
                 store_floats(e, row + 9 * K + 32 * u, vfmav(vzero(), dmin, bytes_(w, at + 96 + 8 * i, stride)))
                 unpack(w, at + 160 + 256 * (i // 2), 4 * (i % 2), at + 1184, i, e, row + 256 * u)
 
-    return Expansion(group, 32, True, lambda groups: 0, 31 if fifth else 15, False, in_order,
-                     8 if fifth else EXPAND_FROM)
+    return Expansion(group=group, size=32, mins=True, bias=lambda groups: 0, most=31 if fifth else 15, plus_128=False,
+                     block=in_order, tokens=8 if fifth else EXPAND_FROM)
 
 
 @njit(inline="always")
@@ -506,9 +514,9 @@ def _expand_q6_k():
     @njit(fastmath=REASSOC, inline="always")
     def group(w, g, e, j):
         stride, row = w.shape[1], j * e.shape[1]
-        K = stride // 1680 * QK_K
-        for b in range(stride // 1680):
-            at = g * stride + 1680 * b
+        K = stride // Q6_K_GROUP * QK_K
+        for b in range(stride // Q6_K_GROUP):
+            at = g * stride + Q6_K_GROUP * b
             d_w = halves(w, at, stride)
             for h in range(2):
                 for p in range(4):
@@ -520,7 +528,8 @@ def _expand_q6_k():
                     unpack(w, at + 144 + 256 * (2 * h + (gg & 1)), 4 * (gg >> 1), at + 1168 + 256 * h, 2 * gg, e,
                            row + 256 * u)
 
-    return Expansion(group, 16, False, lambda groups: 32, 63, False, _q6_k_block, EXPAND_FROM)
+    return Expansion(group=group, size=16, mins=False, bias=lambda groups: 32, most=63, plus_128=False,
+                     block=_q6_k_block, tokens=EXPAND_FROM)
 
 
 # ---------------------------------------------------------------------------------------------- gathers
@@ -529,7 +538,7 @@ def _expand_q6_k():
 def _gather_scale_min(q5: bool):
     """Q4_K's and Q5_K's gather: d, dmin, the 12 bytes of 6-bit scales and mins (repacked as quant/kquants.py's
     _pack_scales_6bit: sc, mn[0..3] whole, sc, mn[4..7] split over bytes 8..11), (Q5_K: qh[32],) qs[128]."""
-    size, file_size = (1440, 176) if q5 else (1184, 144)
+    size, file_size = (Q5_K_GROUP, Q5_K_BLOCK) if q5 else (Q4_K_GROUP, Q4_K_BLOCK)
 
     @njit(inline="always")
     def gather(w, base, r, group_bytes, row):
@@ -554,8 +563,8 @@ def _gather_scale_min(q5: bool):
 @njit(inline="always")
 def _gather_q6_k(w, base, r, group_bytes, row):
     """ql[128], qh[64], scales[16], d."""
-    for b in range(group_bytes // 1680):
-        at, to = base + 1680 * b, 210 * b
+    for b in range(group_bytes // Q6_K_GROUP):
+        at, to = base + Q6_K_GROUP * b, Q6_K_BLOCK * b
         for c in range(4):
             gather_words(w, at + 144 + 256 * c, r, 8, row, to + 32 * c)
         for h in range(2):
@@ -568,8 +577,8 @@ def _gather_q6_k(w, base, r, group_bytes, row):
 @njit(inline="always")
 def _gather_q2_k(w, base, r, group_bytes, row):
     """scales[16], qs[64], d, dmin."""
-    for b in range(group_bytes // 672):
-        at, to = base + 672 * b, 84 * b
+    for b in range(group_bytes // Q2_K_GROUP):
+        at, to = base + Q2_K_GROUP * b, Q2_K_BLOCK * b
         for i in range(16):
             row[to + i] = w[at + 32 + 8 * i + r]
         for h in range(2):
@@ -581,8 +590,8 @@ def _gather_q2_k(w, base, r, group_bytes, row):
 @njit(inline="always")
 def _gather_q3_k(w, base, r, group_bytes, row):
     """hmask[32], qs[64], scales[12] (quant/kquants.py's _pack_scales_q3_k of the scales stored minus 32), d."""
-    for b in range(group_bytes // 912):
-        at, to = base + 912 * b, 110 * b
+    for b in range(group_bytes // Q3_K_GROUP):
+        at, to = base + Q3_K_GROUP * b, Q3_K_BLOCK * b
         gather_words(w, at + 144, r, 8, row, to)
         for h in range(2):
             gather_words(w, at + 400 + 256 * h, r, 8, row, to + 32 + 32 * h)
@@ -594,11 +603,11 @@ def _gather_q3_k(w, base, r, group_bytes, row):
         row[to + 108], row[to + 109] = w[at + 2 * r], w[at + 2 * r + 1]
 
 
-Q2_K = BlockKernels("Q2_K", _decode_q2_k, _q2_k_tile, _gather_q2_k)
-Q3_K = BlockKernels("Q3_K", _decode_q3_k, _q3_k_tile, _gather_q3_k)
-Q4_K = BlockKernels("Q4_K", _decode_q4_k, _k_quant_32(1184, False), _gather_scale_min(False),
-                    expand=_expand_scale_min(1184, False))
-Q5_K = BlockKernels("Q5_K", _decode_q5_k, _k_quant_32(1440, True), _gather_scale_min(True),
-                    expand=_expand_scale_min(1440, True))
-Q6_K = BlockKernels("Q6_K", _decode_q6_k, _q6_k_tile, _gather_q6_k, expand=_expand_q6_k())
+Q2_K = BlockKernels(name="Q2_K", decode=_decode_q2_k, tile=_q2_k_tile, gather=_gather_q2_k)
+Q3_K = BlockKernels(name="Q3_K", decode=_decode_q3_k, tile=_q3_k_tile, gather=_gather_q3_k)
+Q4_K = BlockKernels(name="Q4_K", decode=_decode_q4_k, tile=_k_quant_32(Q4_K_GROUP, False),
+                    gather=_gather_scale_min(False), expand=_expand_scale_min(Q4_K_GROUP, False))
+Q5_K = BlockKernels(name="Q5_K", decode=_decode_q5_k, tile=_k_quant_32(Q5_K_GROUP, True),
+                    gather=_gather_scale_min(True), expand=_expand_scale_min(Q5_K_GROUP, True))
+Q6_K = BlockKernels(name="Q6_K", decode=_decode_q6_k, tile=_q6_k_tile, gather=_gather_q6_k, expand=_expand_q6_k())
 RECORDS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)

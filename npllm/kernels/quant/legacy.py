@@ -18,19 +18,27 @@ import numpy as np
 from llvmlite import ir
 from numba import njit
 
+from ...quant import legacy as layouts
 from ..cpu import REASSOC
 from ..simd import vfma, vfmav, vzero, vzero16
 from .intrinsics import (_I32, Q8_0_BIAS, _group_bytes, _high_bits, _int8, ask_ahead, gather_words, interleaved_idot,
                          load_half, machine, nibble_words, scale_loaders)
 from .record import BlockKernels
 
+# Each type's sizes, read from its NumPy record (quant/legacy.py): bytes of one file block, and of one block of a
+# group of eight interleaved rows. Numba takes module globals as constants: the kernels compile as with literals.
+Q8_0_BLOCK, Q8_0_GROUP = layouts.Q8_0.block_bytes, layouts.Q8_0.interleaved_bytes
+Q4_0_BLOCK, Q4_0_GROUP = layouts.Q4_0.block_bytes, layouts.Q4_0.interleaved_bytes
+Q4_1_BLOCK, Q4_1_GROUP = layouts.Q4_1.block_bytes, layouts.Q4_1.interleaved_bytes
+Q5_0_BLOCK, Q5_0_GROUP = layouts.Q5_0.block_bytes, layouts.Q5_0.interleaved_bytes
+Q5_1_BLOCK, Q5_1_GROUP = layouts.Q5_1.block_bytes, layouts.Q5_1.interleaved_bytes
 
 # ---------------------------------------------------------------------------------------------- decoders
 # _decode_<type>(w, n, b, buf, at): block b of row n as float32 in buf[at : at + 32] (record.BlockKernels).
 
 @njit(inline="always")
 def _decode_q8_0(w, n, b, buf, at):
-    base = 34 * b
+    base = Q8_0_BLOCK * b
     d = load_half(w, n * w.shape[1] + base)
     for j in range(32):
         buf[at + j] = np.float32(_int8(w[n, base + 2 + j])) * d
@@ -38,7 +46,7 @@ def _decode_q8_0(w, n, b, buf, at):
 
 @njit(inline="always")
 def _decode_q4_0(w, n, b, buf, at):
-    base = 18 * b
+    base = Q4_0_BLOCK * b
     d = load_half(w, n * w.shape[1] + base)
     for j in range(16):
         byte = np.int32(w[n, base + 2 + j])
@@ -48,7 +56,7 @@ def _decode_q4_0(w, n, b, buf, at):
 
 @njit(inline="always")
 def _decode_q4_1(w, n, b, buf, at):
-    base = 20 * b
+    base = Q4_1_BLOCK * b
     d, m = load_half(w, n * w.shape[1] + base), load_half(w, n * w.shape[1] + base + 2)
     for j in range(16):
         byte = np.int32(w[n, base + 4 + j])
@@ -68,7 +76,7 @@ def _five_bits(w, n, qs, qh, j):
 
 @njit(inline="always")
 def _decode_q5_0(w, n, b, buf, at):
-    base = 22 * b
+    base = Q5_0_BLOCK * b
     d = load_half(w, n * w.shape[1] + base)
     for j in range(16):
         low, high = _five_bits(w, n, base + 6, base + 2, j)
@@ -78,7 +86,7 @@ def _decode_q5_0(w, n, b, buf, at):
 
 @njit(inline="always")
 def _decode_q5_1(w, n, b, buf, at):
-    base = 24 * b
+    base = Q5_1_BLOCK * b
     d, m = load_half(w, n * w.shape[1] + base), load_half(w, n * w.shape[1] + base + 2)
     for j in range(16):
         low, high = _five_bits(w, n, base + 8, base + 4, j)
@@ -180,8 +188,8 @@ def plus_128_bias(groups: int) -> int:
 @njit(inline="always")
 def _gather_q8_0(w, base, r, group_bytes, row):
     """File block: d, q[32]; stored q + 128."""
-    for b in range(group_bytes // 272):
-        at, to = base + 272 * b, 34 * b
+    for b in range(group_bytes // Q8_0_GROUP):
+        at, to = base + Q8_0_GROUP * b, Q8_0_BLOCK * b
         row[to], row[to + 1] = w[at + 2 * r], w[at + 2 * r + 1]
         gather_words(w, at + 16, r, 8, row, to + 2)
         for j in range(to + 2, to + 34):
@@ -213,11 +221,16 @@ def small_block_gather(scales: int, fifth: bool, file_size: int):
     return gather
 
 
-Q8_0 = BlockKernels("Q8_0", _decode_q8_0, blockwise("q8_0", 272, plus_128_bias), _gather_q8_0)
-Q4_0 = BlockKernels("Q4_0", _decode_q4_0, blockwise("q4_0", 144, lambda groups: 8), small_block_gather(1, False, 18))
-Q4_1 = BlockKernels("Q4_1", _decode_q4_1, blockwise("q4_0", 160, lambda groups: 0, with_min=True),
-                    small_block_gather(2, False, 20))
-Q5_0 = BlockKernels("Q5_0", _decode_q5_0, blockwise("q5_0", 176, lambda groups: 16), small_block_gather(1, True, 22))
-Q5_1 = BlockKernels("Q5_1", _decode_q5_1, blockwise("q5_0", 192, lambda groups: 0, with_min=True),
-                    small_block_gather(2, True, 24))
+Q8_0 = BlockKernels(name="Q8_0", decode=_decode_q8_0, tile=blockwise("q8_0", Q8_0_GROUP, plus_128_bias),
+                    gather=_gather_q8_0)
+Q4_0 = BlockKernels(name="Q4_0", decode=_decode_q4_0, tile=blockwise("q4_0", Q4_0_GROUP, lambda groups: 8),
+                    gather=small_block_gather(1, False, Q4_0_BLOCK))
+Q4_1 = BlockKernels(name="Q4_1", decode=_decode_q4_1,
+                    tile=blockwise("q4_0", Q4_1_GROUP, lambda groups: 0, with_min=True),
+                    gather=small_block_gather(2, False, Q4_1_BLOCK))
+Q5_0 = BlockKernels(name="Q5_0", decode=_decode_q5_0, tile=blockwise("q5_0", Q5_0_GROUP, lambda groups: 16),
+                    gather=small_block_gather(1, True, Q5_0_BLOCK))
+Q5_1 = BlockKernels(name="Q5_1", decode=_decode_q5_1,
+                    tile=blockwise("q5_0", Q5_1_GROUP, lambda groups: 0, with_min=True),
+                    gather=small_block_gather(2, True, Q5_1_BLOCK))
 RECORDS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)

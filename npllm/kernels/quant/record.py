@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BlockKernels:
     """What kernels/quant computes a GGML type with; dispatch.py builds every dispatcher from these records.
 
@@ -30,7 +30,7 @@ class BlockKernels:
     expand: Expansion | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Expansion:
     """A type's group decoded once into plain bytes (expanded.py draws the scratch's layout).
 
