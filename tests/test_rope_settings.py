@@ -145,3 +145,15 @@ def test_rope_scaling_checks_every_longrope_field(fields, said):
 def test_model_config_float_fields_refuse_nan_and_out_of_range_values(changes, said):
     with pytest.raises(ConfigError, match=said):
         ModelConfig(**SMALL, **changes)
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"original_max_position_embeddings": 1}, "attention_factor undefined"),  # was a ZeroDivisionError
+    ({"short_factor": [10 ** 400] * 8}, "too large"),  # an integer no float holds: was an OverflowError
+])
+def test_config_json_longrope_values_that_were_tracebacks(change, said):
+    config = json.loads((PHI3 / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], **change}
+    config.pop("original_max_position_embeddings", None)
+    with pytest.raises(ConfigError, match=said):
+        config_from_hf(config)
