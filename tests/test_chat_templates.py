@@ -339,7 +339,8 @@ def test_limits_at_their_maxima_are_accepted(monkeypatch):
     assert TemplateLimits.from_environment() == TemplateLimits(3600.0, 1 << 30, 1 << 20)
 
 
-@pytest.mark.parametrize("command", [["chat"], ["serve", "--port", "0"], ["batch", "-i", "in.jsonl", "-o", "out.jsonl"]])
+@pytest.mark.parametrize("command", [["chat"], ["serve", "--port", "0"],
+                                     ["batch", "-i", "in.jsonl", "-o", "out.jsonl"]])
 def test_a_bad_limit_variable_stops_chat_serve_and_batch_before_the_model_loads(monkeypatch, capsys, command):
     from npllm.cli import main
 

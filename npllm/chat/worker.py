@@ -12,10 +12,10 @@ FD is the read end of a pipe only this process writes to, so the worker exits as
 Idle workers are kept for the next render (the first render of a process pays the start, ~0.1-0.3 s); up to
 MOST_WORKERS render at once, more wait for one. The caller waits for the answer in select() with the deadline: past
 it, or on Ctrl-C (KeyboardInterrupt) or any other exception, the worker is killed, so a template cannot hold the
-caller longer than the deadline, nor keep running after it. A worker that died while idle (the OOM killer) is
-dropped, and one found dead before it acknowledged the request (the sandbox's b"A") is replaced once: that render
-goes on in a new worker; one that dies after the acknowledgement fails its render ("stopped its worker process"). The waiting thread holds no lock the rest of the
-process needs: the server waits in a thread of its own, its event loop free.
+caller longer than the deadline, nor keep running after it. A worker that died while idle (the OOM killer) is dropped,
+and one found dead before it acknowledged the request (the sandbox's b"A") is replaced once: that render goes on in a
+new worker; one that dies after the acknowledgement fails its render ("stopped its worker process"). The waiting
+thread holds no lock the rest of the process needs: the server waits in a thread of its own, its event loop free.
 """
 
 from __future__ import annotations
