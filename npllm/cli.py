@@ -611,10 +611,18 @@ def run_generate_batch(args) -> int:
     return 0
 
 
+def check_template_limits() -> None:
+    """The NPLLM_TEMPLATE_* variables, read now: a bad one is an error before the model loads, not at each render."""
+    from .chat import TemplateLimits
+
+    TemplateLimits.from_environment()
+
+
 def run_chat(args) -> int:
     from .chat.repl import run
 
     check_combinations(args, needs=CHAT_NEEDS)
+    check_template_limits()
     params = sampling_params(args)  # checked before the model loads
     return run(load_with_tokenizer(args, kv_dtype=args.kv_dtype), args, params, context_options(args), write_out)
 
@@ -719,6 +727,7 @@ def run_serve(args) -> int:
     from .serve.app import Limits, Server, bind, check_api_key, run
 
     check_api_key(args.api_key)
+    check_template_limits()
     sock = bind(args.host, args.port)  # before the model loads: a port in use is an error at once
     try:
         llm = load_with_tokenizer(args)
@@ -753,6 +762,7 @@ def run_batch(args) -> int:
     from .batch import Runner, chat_template_for, errors_path, plan, run
 
     check_combinations(args, needs=BATCH_NEEDS)
+    check_template_limits()
     errors = args.errors or str(errors_path(args.output))
     if args.ray is not None:
         from .ray import run_batch as run_on_ray

@@ -27,16 +27,25 @@ MAX_CONTEXT = 1 << 24
 
 
 def check_finite_floats(description) -> None:
-    """Raise ConfigError if any float field of the dataclass `description` is NaN or infinite.
+    """Raise ConfigError if any float field of the dataclass `description`, or any float in a tuple field (longrope's
+    factor lists), is NaN or infinite.
 
     Every format's reader maps its metadata into ModelConfig / RopeScaling, so this one check covers them all: a
-    NaN or infinite epsilon, RoPE base or scaling factor loads but turns every activation into NaN or garbage.
+    NaN or infinite epsilon, RoPE base or scaling factor loads but turns every activation into NaN or garbage. It
+    runs first, so the range checks after it may compare freely (`x <= 0` is False for a NaN x: it would pass).
     """
     for field in dataclasses.fields(description):
         value = getattr(description, field.name)
-        is_float = isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)  # NumPy's too
-        if is_float and not math.isfinite(value):
-            raise ConfigError(f"{field.name} must be a finite number, got {value} ({type(description).__name__})")
+        items = value if isinstance(value, tuple) else (value,)
+        bad = [x for x in items if _is_float(x) and not math.isfinite(x)]
+        if bad:
+            where = f" (one of its {len(items)})" if isinstance(value, tuple) else ""
+            raise ConfigError(f"{field.name} must be a finite number{where}, got {bad[0]} "
+                              f"({type(description).__name__})")
+
+
+def _is_float(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, numbers.Integral)  # NumPy's too
 
 
 @dataclass(frozen=True)
@@ -74,18 +83,22 @@ class RopeScaling:
         if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ConfigError(f"llama3 RoPE scaling needs 0 < low_freq_factor < high_freq_factor, got "
                               f"{self.low_freq_factor} and {self.high_freq_factor}")
-        if self.kind == "llama3" and not (isinstance(self.original_max_position_embeddings, int)
-                                          and 0 < self.original_max_position_embeddings <= MAX_CONTEXT):
-            raise ConfigError(f"llama3 RoPE scaling's original_max_position_embeddings must be a positive integer, "
-                              f"got {self.original_max_position_embeddings!r}")
-
+        original = self.original_max_position_embeddings  # llama3's rule and longrope's choice of list use it
+        if self.kind != "linear" and not (isinstance(original, numbers.Integral) and 0 < original <= MAX_CONTEXT):
+            raise ConfigError(f"{self.kind} RoPE scaling's original_max_position_embeddings must be a positive "
+                              f"integer, got {original!r}")
 
     def _check_longrope(self) -> None:
         if not self.short_factor or len(self.short_factor) != len(self.long_factor):
             raise ConfigError("longrope scaling needs short_factor and long_factor lists of one length (Dh/2), got "
                               f"{len(self.short_factor)} and {len(self.long_factor)}")
-        if min(self.short_factor + self.long_factor) <= 0 or not self.attention_factor > 0:
-            raise ConfigError("longrope scaling factors and attention_factor must be > 0")
+        for name in ("short_factor", "long_factor"):
+            bad = [f for f in getattr(self, name) if not f > 0]
+            if bad:
+                raise ConfigError(f"longrope scaling's {name} must hold numbers > 0 (they divide the RoPE "
+                                  f"frequencies), got {bad[0]}")
+        if not self.attention_factor > 0:
+            raise ConfigError(f"longrope scaling's attention_factor must be > 0, got {self.attention_factor}")
 
     def divisors(self, context: int) -> tuple[float, ...]:
         """longrope: the per-frequency divisors for a model run with `context` positions (long past the original)."""
@@ -117,6 +130,9 @@ class ModelConfig:
     # "half": rotate pairs (x[i], x[i + Dh/2]) as Hugging Face checkpoints are laid out.
     rope_layout: str = "interleaved"
     rope_scaling: RopeScaling | None = None
+    # The fraction of each head's dims that RoPE rotates (HF partial_rotary_factor; GGUF rope.dimension_count / Dh).
+    # Checked here for every format; npllm rotates whole heads only, so anything but 1.0 is refused (_check_rotary).
+    partial_rotary_factor: float = 1.0
     tied_embeddings: bool = False  # LM head reuses the token embedding matrix
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     sliding_window: int | None = None  # attend to at most this many most recent positions (Mistral)
@@ -175,13 +191,30 @@ class ModelConfig:
                                                   and 0 < self.usable_vocab <= self.vocab_size):
             raise ConfigError(f"usable_vocab must be an id count in [1, vocab_size {self.vocab_size}], "
                               f"got {self.usable_vocab!r}")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.sliding_window is not None and not (isinstance(self.sliding_window, numbers.Integral)
+                                                    and self.sliding_window > 0):
+            raise ConfigError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
         if not 0 < self.norm_eps < float("inf"):
             raise ConfigError(f"norm_eps must be a finite number > 0, got {self.norm_eps}")
         if not 0 < self.rope_theta < float("inf"):
             raise ConfigError(f"rope_theta must be a finite number > 0, got {self.rope_theta}")
+        self._check_rotary()
         self.check_features()
+
+    def _check_rotary(self) -> None:
+        """partial_rotary_factor: in (0, 1], rotating an even whole number of each head's dims; then refused unless
+        1.0, until a backend rotates part of a head (a refusal here, not a silent whole-head RoPE)."""
+        factor, Dh = self.partial_rotary_factor, self.head_dim
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
+            raise ConfigError(f"partial_rotary_factor must be a number in (0, 1] (the fraction of each head's dims "
+                              f"RoPE rotates), got {factor!r}")
+        rotated = factor * Dh
+        if round(rotated) < 2 or round(rotated) % 2 or abs(rotated - round(rotated)) > 1e-6:
+            raise ConfigError(f"partial_rotary_factor {factor} rotates {rotated:g} of each head's {Dh} dims; RoPE "
+                              "needs an even whole number of them")
+        if factor != 1.0:
+            raise ConfigError(f"partial_rotary_factor {factor} (RoPE on the first {round(rotated)} of each head's "
+                              f"{Dh} dims) is not supported: npllm rotates whole heads")
 
     def check_features(self) -> None:
         """The options beyond Llama's (issue: the other families) are consistent with each other."""
@@ -192,7 +225,7 @@ class ModelConfig:
         if self.block_norms not in BLOCK_NORMS:
             raise ConfigError(f"block_norms must be one of {', '.join(BLOCK_NORMS)}, got {self.block_norms!r}")
         for name in ("attention_scale", "attn_logit_softcap", "final_logit_softcap", "rope_local_theta"):
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:  # not `< 0`: a NaN passes that
                 raise ConfigError(f"{name} must be >= 0 (0: not used), got {getattr(self, name)}")
         for name in ("embedding_multiplier", "residual_multiplier", "logit_multiplier"):
             if not getattr(self, name) > 0:
@@ -215,7 +248,7 @@ class ModelConfig:
         if not 0 < self.n_experts_used <= self.n_experts:
             raise ConfigError(f"a mixture of experts needs 0 < n_experts_used <= n_experts, got "
                               f"{self.n_experts_used} of {self.n_experts}")
-        if self.expert_hidden_dim < 0:
+        if not self.expert_hidden_dim >= 0:
             raise ConfigError(f"expert_hidden_dim must be >= 0 (0: hidden_dim), got {self.expert_hidden_dim}")
 
     def is_sliding(self, layer: int) -> bool:

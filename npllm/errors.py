@@ -31,3 +31,7 @@ class DeviceError(NpllmError, RuntimeError):
 
 class ChatTemplateError(NpllmError, ValueError):
     """A chat template cannot be found, does not compile, or raised an error while rendering (its message kept)."""
+
+
+class SettingError(NpllmError, ValueError):
+    """An NPLLM_* environment variable (or the setting it stands for) holds a value outside its range."""

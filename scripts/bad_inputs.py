@@ -15,8 +15,11 @@ link to one, a folder, a missing folder, a cache folder that is a file), tokeniz
 GGUF tokenizer keys of every wrong type, SentencePiece pieces not UTF-8, scores not finite), non-finite (NaN and
 infinite metadata floats in GGUF and config.json), http (one `npllm serve` child over loopback: bodies that break
 the JSON parser, half-sent heads and bodies held past their deadlines, 20 held connections while /health is asked, a
-disconnect mid-body, empty and wrong keys, bytes that are not HTTP, a runaway chat template). --kinds K ... runs
-only those; --sample leaves out http.
+disconnect mid-body, empty and wrong keys, bytes that are not HTTP, a runaway chat template), non-finite factors
+(longrope factor lists with NaN, infinities, 0 or negatives in config.json and GGUF; partial_rotary_factor in both
+config.json layouts), env limits (NPLLM_TEMPLATE_* variables out of range for chat and serve), killed template
+worker (the same server's idle template worker SIGKILLed: the next chat must answer 200). --kinds K ... runs only
+those; --sample leaves out http and killed template worker.
 
 Inputs are derived from stories260K (llama2.c .bin, and written here as GGUF) and the qwen2_bias HF fixture in
 tests/fixtures/hf; --sample N runs a deterministic sample of N cases (tests/test_bad_inputs.py runs a small one).
@@ -33,6 +36,7 @@ import random
 import re
 import resource
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -846,6 +850,78 @@ def non_finite_cases(out: Path, weights: Path) -> list[Case]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# RoPE factors: longrope's lists with NaN, infinities, 0 or negatives; partial_rotary_factor in both config.json
+# layouts (npllm rotates whole heads: anything but 1.0 is refused, 1.0 runs)
+
+
+def rope_factor_cases(out: Path) -> list[Case]:
+    numpy = ["--backend", "numpy", *GEN]
+    hf = REPO / "tests" / "fixtures" / "hf"
+    cases = []
+
+    def case(name, source: Path, config: dict, literal: str = "", expect="error"):
+        folder = out / f"rope_factors_{len(cases)}"
+        folder.mkdir()
+        for f in source.iterdir():
+            (folder / f.name).symlink_to(f)
+        (folder / "config.json").unlink()
+        (folder / "config.json").write_text(json.dumps(config).replace('"@@"', literal))
+        cases.append(Case("non-finite factors", name, ["generate", "Once", "--model", str(folder), *numpy],
+                          expect=expect))
+
+    phi3 = json.loads((hf / "phi3" / "config.json").read_text())
+    for which in ("short_factor", "long_factor"):
+        for literal in ("NaN", "Infinity", "-Infinity", "0", "-1.0"):
+            bent = json.loads(json.dumps(phi3))
+            bent["rope_parameters"][which][3] = "@@"
+            case(f"config.json {which}[3]={literal}", hf / "phi3", bent, literal)
+    qwen2 = json.loads((FIXTURE / "config.json").read_text())
+    for literal in ("0", "NaN", "2.0", "0.5", "-1", "1.0"):
+        expect = "ok" if literal == "1.0" else "error"
+        case(f"config.json partial_rotary_factor={literal}", FIXTURE, {**qwen2, "partial_rotary_factor": "@@"},
+             literal, expect)
+        inner = {**qwen2, "rope_parameters": {**qwen2.get("rope_parameters", {}), "partial_rotary_factor": "@@"}}
+        case(f"config.json rope_parameters.partial_rotary_factor={literal}", FIXTURE, inner, literal, expect)
+    return cases + gguf_rope_factor_cases(out)
+
+
+def gguf_rope_factor_cases(out: Path) -> list[Case]:
+    """llama.cpp's conversion of the phi3 fixture with one longrope factor bent in place (an F32 tensor)."""
+    sys.path.insert(0, str(REPO))
+    from npllm.formats.gguf import read_gguf_file
+
+    source = REPO / "tests" / "fixtures" / "gguf_arch" / "phi3.gguf"
+    g, cases = read_gguf_file(source), []
+    for tensor in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        for value in (math.nan, math.inf, 0.0, -1.0):
+            data = bytearray(source.read_bytes())
+            at = g.data_start + g.tensors[tensor].offset + 4 * 2
+            data[at:at + 4] = struct.pack("<f", value)
+            path = out / f"rope_factors_{tensor.split('.')[0]}_{value}.gguf"
+            path.write_bytes(bytes(data))
+            cases.append(Case("non-finite factors", f"gguf {tensor}[2]={value}",
+                              ["generate", "Once", "--model", str(path), "--backend", "numpy", *GEN]))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# NPLLM_TEMPLATE_* limits out of range: refused when read, before a model loads (chat, serve), naming the variable
+
+
+def env_limit_cases(out: Path) -> list[Case]:
+    chat = ["chat", "--chat-template", "chatml", "--max-new-tokens", "4", "--backend", "numpy"]
+    serve = ["serve", "--port", "0", "--backend", "numpy"]
+    cases = []
+    for variable in ("NPLLM_TEMPLATE_TIMEOUT", "NPLLM_TEMPLATE_MAX_CHARS", "NPLLM_TEMPLATE_MEMORY_MIB"):
+        for value in ("1e300", "1e20", "nan", "-1", "0", "abc"):
+            cases.append(Case("env limits", f"chat {variable}={value}", chat, stdin=b"Hi\n", env={variable: value}))
+        cases.append(Case("env limits", f"serve {variable}=1e300", serve, env={variable: "1e300"}))
+    good = {"NPLLM_TEMPLATE_TIMEOUT": "30", "NPLLM_TEMPLATE_MAX_CHARS": "100000", "NPLLM_TEMPLATE_MEMORY_MIB": "512"}
+    cases.append(Case("env limits", "chat with limits in range", chat, stdin=b"Hi\n", env=good, expect="ok"))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # HTTP: one `npllm serve` child under abuse over loopback (bounded: a few dozen connections, each with a deadline).
 # A probe's outcome is the HTTP status it got (None: the server closed the connection without one); after each,
 # /health must still answer (else "hang": the server stalled its other clients) and the server's stderr must hold no
@@ -863,6 +939,7 @@ class Probe:
     name: str
     send: object  # port -> the HTTP status seen, or None
     expect: tuple = (400,)
+    kind: str = "http"  # the summary's row
 
 
 class Server:
@@ -992,16 +1069,59 @@ def http_probes() -> list[Probe]:
     ]
 
 
+# The server's template worker killed while idle, as the OOM killer would (SIGKILL): the next chat must still work.
+
+HTTP_KINDS = ("http", "killed template worker")
+
+
+def template_workers(parent: int) -> list[int]:
+    """The pids of process `parent`'s live chat template workers (npllm/chat/sandbox.py)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except (OSError, IndexError):
+            continue
+        if fields[1:2] == [str(parent)] and fields[0] != "Z" and b"sandbox.py" in command:  # state, ppid, ...
+            found.append(int(entry))
+    return found
+
+
+def kill_idle_worker_then_chat(server: Server, port: int, wait: bool) -> int | None:
+    """A chat (its worker is then idle), every worker of the server killed (and, where `wait`, seen dead), then
+    another chat: that one's status (None where the first failed or no worker was found)."""
+    body = json.dumps({"model": "stories260K", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 2}).encode()
+    if send_raw(port, post("/v1/chat/completions", body)) != 200:
+        return None
+    workers = template_workers(server.proc.pid)
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while wait and template_workers(server.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return send_raw(port, post("/v1/chat/completions", body)) if workers else None
+
+
+def killed_worker_probes(server: Server) -> list[Probe]:
+    return [Probe(f"a chat after the idle worker was killed{' (seen dead)' if wait else ''}",
+                  lambda port, wait=wait: kill_idle_worker_then_chat(server, port, wait), (200,),
+                  kind="killed template worker") for wait in (True, False)]
+
+
 def http_results(out: Path, weights: Path, timeout: float) -> list[Result]:
     server = Server(out, weights)
     try:
-        return [run_probe(server, probe, timeout) for probe in http_probes()]
+        return [run_probe(server, probe, timeout) for probe in http_probes() + killed_worker_probes(server)]
     finally:
         server.stop()
 
 
 def run_probe(server: Server, probe: Probe, timeout: float) -> Result:
-    case = Case("http", probe.name, [], expect="ok" if 200 in probe.expect else "error")
+    case = Case(probe.kind, probe.name, [], expect="ok" if 200 in probe.expect else "error")
     seen = len(server.lines)
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(probe.send, server.port)
@@ -1024,7 +1144,8 @@ def all_cases(out: Path, weights: Path) -> list[Case]:
     (out / "fifo_dir").mkdir()
     return (llama2c_cases(out, weights) + hf_cases(out) + gguf_cases(out, weights) + tokenizer_cases(out, weights)
             + prompt_cases(out) + flag_cases(out) + combination_cases(out) + template_cases(out)
-            + output_cases(out, weights) + tokenizer_field_cases(out, weights) + non_finite_cases(out, weights))
+            + output_cases(out, weights) + tokenizer_field_cases(out, weights) + non_finite_cases(out, weights)
+            + rope_factor_cases(out) + env_limit_cases(out))
 
 
 def main(argv=None) -> int:
@@ -1047,8 +1168,9 @@ def main(argv=None) -> int:
             cases = random.Random(0).sample(cases, min(args.sample, len(cases)))
         with ThreadPoolExecutor(args.jobs) as pool:
             results = list(pool.map(lambda c: run_case(c, args.timeout, out), cases))
-        if not args.sample and (args.kinds is None or "http" in args.kinds):
-            results += http_results(out / "files", args.weights, args.timeout)
+        if not args.sample and (args.kinds is None or set(HTTP_KINDS) & set(args.kinds)):
+            results += [r for r in http_results(out / "files", args.weights, args.timeout)
+                        if args.kinds is None or r.case.kind in args.kinds]
     return report(results, args.json)
 
 

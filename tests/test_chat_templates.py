@@ -8,6 +8,9 @@ conversations with and without the generation prompt.
 
 import _thread
 import json
+import math
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +23,7 @@ import pytest
 from npllm.chat import (BUILTIN_TEMPLATES, TemplateLimits, find_chat_template, render_chat_template,
                         resolve_chat_template, select_template)
 from npllm.chat.templates import ChatTemplateLimitError
-from npllm.errors import ChatTemplateError
+from npllm.errors import ChatTemplateError, SettingError
 from tests_support import REPO, template_worker_of, wait_gone
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures/chat/renders.json").read_text(encoding="utf-8"))
@@ -304,9 +307,47 @@ def test_limits_come_from_the_environment(monkeypatch):
     for variable, bad in (("NPLLM_TEMPLATE_TIMEOUT", "soon"), ("NPLLM_TEMPLATE_MAX_CHARS", "-1"),
                           ("NPLLM_TEMPLATE_MEMORY_MIB", "1.5")):
         monkeypatch.setenv(variable, bad)
-        with pytest.raises(ChatTemplateError, match=variable):
+        with pytest.raises(SettingError, match=variable):
             TemplateLimits.from_environment()
         monkeypatch.delenv(variable)
+
+
+LIMIT_VARIABLES = ("NPLLM_TEMPLATE_TIMEOUT", "NPLLM_TEMPLATE_MAX_CHARS", "NPLLM_TEMPLATE_MEMORY_MIB")
+
+
+@pytest.mark.parametrize("variable", LIMIT_VARIABLES)
+@pytest.mark.parametrize("value", ["1e300", "1e20", "100000000000000000000", "nan", "inf", "-1", "0", "abc", "1e-400"])
+def test_template_limits_out_of_range_are_refused_when_read_naming_variable_value_and_range(monkeypatch, variable,
+                                                                                          value):
+    """1e300 seconds and 1e20 MiB were accepted, then failed every render (the worker's alarm and address-space
+    limit overflowed)."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingError, match=rf"{variable} must be a (whole )?number .*(to|<=) [0-9,]+, got '{value}'"):
+        TemplateLimits.from_environment()
+
+
+@pytest.mark.parametrize("fields", [{"seconds": 1e300}, {"seconds": math.nan}, {"memory_mib": 1 << 40},
+                                    {"max_chars": 1 << 31}, {"max_chars": 10.5}, {"seconds": 0}])
+def test_template_limits_given_in_code_have_the_same_ranges(fields):
+    with pytest.raises(SettingError, match=f"template limit {next(iter(fields))} must be"):
+        TemplateLimits(**fields)
+
+
+def test_limits_at_their_maxima_are_accepted(monkeypatch):
+    for variable, value in zip(LIMIT_VARIABLES, ("3600", str(1 << 30), str(1 << 20))):
+        monkeypatch.setenv(variable, value)
+    assert TemplateLimits.from_environment() == TemplateLimits(3600.0, 1 << 30, 1 << 20)
+
+
+@pytest.mark.parametrize("command", [["chat"], ["serve", "--port", "0"],
+                                     ["batch", "-i", "in.jsonl", "-o", "out.jsonl"]])
+def test_a_bad_limit_variable_stops_chat_serve_and_batch_before_the_model_loads(monkeypatch, capsys, command):
+    from npllm.cli import main
+
+    monkeypatch.setenv("NPLLM_TEMPLATE_TIMEOUT", "1e300")
+    assert main([*command, "--model", "no-such-model-anywhere"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["npllm: error: NPLLM_TEMPLATE_TIMEOUT must be a number > 0 and <= 3,600, got '1e300'"]
 
 
 def test_a_normal_render_stays_fast():
@@ -348,3 +389,56 @@ def test_a_worker_does_not_outlive_its_parent():
     finally:
         parent.kill()
         parent.wait()
+
+
+def my_template_workers() -> list[int]:
+    """The pids of this process's live template workers (a dead, unreaped one has no command line)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"sandbox.py" in command:
+            found.append(int(entry))
+    return found
+
+
+def dead(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie its parent has not reaped yet counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("wait_for_death", [True, False])
+def test_a_worker_killed_while_idle_is_replaced_for_the_next_render(wait_for_death):
+    """The OOM killer may end an idle worker (SIGKILL): the next render starts a new one, unseen by the caller,
+    whether the worker is already gone when the request is sent or dies as it arrives."""
+    assert render_chat_template("{{ messages[0]['content'] }}", HI) == "hi"  # a worker is now idle
+    workers = my_template_workers()
+    assert workers
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while wait_for_death and not all(map(dead, workers)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert render_chat_template("{{ messages[0]['content'] }}!", HI) == "hi!"
+    assert render_chat_template("{{ messages[0]['content'] }}?", HI) == "hi?"
+
+
+def test_a_worker_killed_during_its_render_fails_that_render_clearly_and_the_next_works():
+    """What ends the worker while it renders may be the template's doing: that render fails (it is not run again),
+    and the next one gets a new worker."""
+    render_chat_template("{{ 1 }}", HI)
+    threading.Timer(0.5, lambda: [os.kill(pid, signal.SIGKILL) for pid in my_template_workers()]).start()
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=f"{NAME} stopped its worker process \\(killed by signal 9\\)"):
+        render_chat_template(HANG, HI, template_name=NAME, limits=TemplateLimits(seconds=60))
+    assert time.monotonic() - started < 10
+    assert render_chat_template("{{ messages[0]['content'] }}", HI) == "hi"

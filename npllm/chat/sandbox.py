@@ -18,10 +18,11 @@ memory: nested loops, 'a' * 10**9, indent(10**9), tojson(indent=10**9). So templ
 This file imports only the standard library and Jinja (the worker loads it by path, without npllm's package).
 
 Protocol, over the worker's stdin and stdout: a request is a 4-byte big-endian length and a pickled dict (template,
-variables, max_chars, memory_mib, seconds); the answer is the same framing around ("ok", text), ("error", phrase) or
-("limit", phrase) (a guard, the output cap, memory), phrase completing "<the template's name> ...", e.g. "raised:
-roles must alternate". The worker says b"R" once
-ready, or answers ("error", phrase) and exits when it cannot start (no jinja2).
+variables, max_chars, memory_mib, seconds); the worker says b"A" once it has read the whole request (so the parent
+can tell a worker that died idle, which never took the request and may be replaced, from one the render ended),
+then answers with the same framing around ("ok", text), ("error", phrase) or ("limit", phrase) (a guard, the
+output cap, memory), phrase completing "<the template's name> ...", e.g. "raised: roles must alternate". The worker
+says b"R" once ready, or answers ("error", phrase) and exits when it cannot start (no jinja2).
 """
 
 from __future__ import annotations
@@ -417,7 +418,10 @@ def serve(lifeline: int | None = None) -> None:
         header = inp.read(4)
         if len(header) < 4:
             return
-        request = pickle.loads(inp.read(struct.unpack(">I", header)[0]))
+        body = inp.read(struct.unpack(">I", header)[0])
+        out.write(b"A")
+        out.flush()
+        request = pickle.loads(body)
         if request["memory_mib"] != memory_mib:
             memory_mib = request["memory_mib"]
             _limit_memory(memory_mib)

@@ -2,7 +2,8 @@
 
     TemplateLimits(seconds, max_chars, memory_mib)   the bounds of one render; .from_environment() reads
                                                     NPLLM_TEMPLATE_TIMEOUT, NPLLM_TEMPLATE_MAX_CHARS,
-                                                    NPLLM_TEMPLATE_MEMORY_MIB over the defaults
+                                                    NPLLM_TEMPLATE_MEMORY_MIB over the defaults, each checked
+                                                    against its range (RANGES; npllm.settings)
     render_in_worker(template, variables, limits) -> str, or TemplateFailure(phrase)
     close_workers()                                 stop every worker (a render in flight fails at once)
 
@@ -11,8 +12,10 @@ FD is the read end of a pipe only this process writes to, so the worker exits as
 Idle workers are kept for the next render (the first render of a process pays the start, ~0.1-0.3 s); up to
 MOST_WORKERS render at once, more wait for one. The caller waits for the answer in select() with the deadline: past
 it, or on Ctrl-C (KeyboardInterrupt) or any other exception, the worker is killed, so a template cannot hold the
-caller longer than the deadline, nor keep running after it. The waiting thread holds no lock the rest of the
-process needs: the server waits in a thread of its own, its event loop free.
+caller longer than the deadline, nor keep running after it. A worker that died while idle (the OOM killer) is dropped,
+and one found dead before it acknowledged the request (the sandbox's b"A") is replaced once: that render goes on in a
+new worker; one that dies after the acknowledgement fails its render ("stopped its worker process"). The waiting
+thread holds no lock the rest of the process needs: the server waits in a thread of its own, its event loop free.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ChatTemplateError
+from ..settings import check_setting, setting_from_env
 
 MOST_WORKERS = 4
 SIGNAL_SLICE = 0.1  # seconds between two looks at pending signals while a render runs
@@ -47,39 +50,28 @@ _BOOT = ("import sys\nif sys.path and sys.path[0] == '': del sys.path[0]\n"
 @dataclass(frozen=True)
 class TemplateLimits:
     """seconds: a render's deadline; max_chars: the longest text (and string, list) it may make; memory_mib: what
-    its worker may allocate beyond what it holds at the start of the render."""
+    its worker may allocate beyond what it holds at the start of the render. Each is > 0 and at most its maximum
+    in RANGES (an hour; 2**30 characters; 1 TiB), whether given here or by its environment variable."""
 
     seconds: float = 5.0
     max_chars: int = 4_000_000
     memory_mib: int = 1024
 
-    VARIABLES = {"seconds": "NPLLM_TEMPLATE_TIMEOUT", "max_chars": "NPLLM_TEMPLATE_MAX_CHARS",
-                 "memory_mib": "NPLLM_TEMPLATE_MEMORY_MIB"}
+    # field -> (environment variable, maximum, whole number?)
+    RANGES = {"seconds": ("NPLLM_TEMPLATE_TIMEOUT", 3600.0, False),
+              "max_chars": ("NPLLM_TEMPLATE_MAX_CHARS", 1 << 30, True),
+              "memory_mib": ("NPLLM_TEMPLATE_MEMORY_MIB", 1 << 20, True)}
 
     def __post_init__(self):
-        for field, kind in (("seconds", float), ("max_chars", int), ("memory_mib", int)):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ChatTemplateError(f"template limit {field} must be a number > 0, got {value!r}")
-            if kind is int and value != int(value):
-                raise ChatTemplateError(f"template limit {field} must be a whole number, got {value!r}")
+        for field, (_, most, whole) in self.RANGES.items():
+            check_setting(f"template limit {field}", getattr(self, field), most, whole)
 
     @classmethod
     def from_environment(cls) -> TemplateLimits:
-        """The defaults, each replaced by its environment variable where that is set."""
-        given = {}
-        for field, variable in cls.VARIABLES.items():
-            text = os.environ.get(variable, "").strip()
-            if not text:
-                continue
-            try:
-                given[field] = float(text) if field == "seconds" else int(text)
-            except ValueError:
-                raise ChatTemplateError(f"{variable} must be a {'number' if field == 'seconds' else 'whole number'}"
-                                        f" > 0, got {text!r}") from None
-            if not 0 < given[field] < float("inf"):
-                raise ChatTemplateError(f"{variable} must be > 0, got {text!r}")
-        return cls(**given)
+        """The defaults, each replaced by its environment variable where that is set (settings.setting_from_env:
+        a value out of range is a SettingError naming the variable)."""
+        return cls(**{field: setting_from_env(variable, getattr(cls, field), most, whole)
+                      for field, (variable, most, whole) in cls.RANGES.items()})
 
 
 class TemplateFailure(Exception):
@@ -93,25 +85,43 @@ class TemplateFailure(Exception):
 
 def render_in_worker(template: str, variables: dict, limits: TemplateLimits) -> str:
     """`template` rendered with `variables` (plain data: str, int, float, bool, None, lists, dicts) in a worker, or
-    TemplateFailure. Ctrl-C while it runs stops the worker and raises KeyboardInterrupt."""
+    TemplateFailure. Ctrl-C while it runs stops the worker and raises KeyboardInterrupt. A worker that died while
+    idle (the OOM killer, a stray kill) and so never took the request is replaced once, unseen by the caller."""
     request = pickle.dumps({"template": template, "variables": variables, "max_chars": int(limits.max_chars),
                             "memory_mib": int(limits.memory_mib), "seconds": float(limits.seconds)})
-    worker = _POOL.take()
     try:
-        kind, value = worker.ask(request, limits.seconds)
-    except BaseException:  # a deadline, a worker gone, Ctrl-C: the worker's state is unknown, so it goes
-        worker.stop()
-        raise
-    finally:
-        _POOL.give(worker)
+        kind, value = _ask_a_worker(request, limits.seconds)
+    except _Gone as e:  # a fresh worker died before taking the request too
+        raise TemplateFailure(f"cannot be rendered: its worker process stopped before it took the request "
+                              f"({e})") from None
     if kind != "ok":
         raise TemplateFailure(value, over_limit=kind == "limit")
     return value
 
 
+def _ask_a_worker(request: bytes, seconds: float, tries: int = 2) -> tuple[str, str]:
+    """A worker's answer to `request`, trying another worker where one was gone before it took the request."""
+    for attempt in range(tries):
+        worker = _POOL.take()
+        try:
+            return worker.ask(request, seconds)
+        except _Gone:
+            if attempt == tries - 1 or worker.ended_here:  # close_workers() stopped it: no new worker now
+                raise
+        except BaseException:  # a deadline, a worker gone, Ctrl-C: the worker's state is unknown, so it goes
+            worker.stop()
+            raise
+        finally:
+            _POOL.give(worker)
+
+
 def close_workers() -> None:
     """Stop every worker, idle or busy (a busy one's caller gets a TemplateFailure at once)."""
     _POOL.close()
+
+
+class _Gone(Exception):
+    """The worker's process ended before it took the request (the message: its exit status); it is stopped."""
 
 
 class _Worker:
@@ -133,33 +143,47 @@ class _Worker:
             os.close(lifeline)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.proc.stdout.fileno(), selectors.EVENT_READ)
-        self.stopped = False
+        self.stopped = self.ended_here = False
         late = f"cannot be rendered: the template worker did not start within {START_SECONDS:g} s"
         try:
             ready = self._read(1, time.monotonic() + START_SECONDS, late)
             if ready != b"R":  # it answered why it cannot start
                 raise TemplateFailure(self._answer(ready, time.monotonic() + START_SECONDS, late)[1])
+        except _Gone as e:
+            raise TemplateFailure(f"cannot be rendered: the template worker stopped as it started ({e})") from None
         except BaseException:
             self.stop()
             raise
 
     def ask(self, request: bytes, seconds: float) -> tuple[str, str]:
-        """The worker's answer to one request, within `seconds` of sending it (else it is stopped)."""
+        """The worker's answer to one request, within `seconds` of sending it (else it is stopped). _Gone where the
+        worker ended before it took the request (it died idle: another may render it); TemplateFailure where it
+        ended after (the render did it)."""
         data = memoryview(struct.pack(">I", len(request)) + request)
         try:
             while data:
                 data = data[self.proc.stdin.write(data):]
-        except (OSError, ValueError):
-            raise TemplateFailure(f"cannot be rendered: its worker process has stopped ({self._status()})") from None
+        except (OSError, ValueError):  # the pipe's reader is gone
+            status = self._status()
+            self.stop()
+            raise _Gone(status) from None
+        deadline = time.monotonic() + seconds
         late = f"did not finish within {seconds:g} s (NPLLM_TEMPLATE_TIMEOUT; the render was stopped)"
-        return self._answer(b"", time.monotonic() + seconds, late)
+        if self._read(1, deadline, late) != b"A":
+            self.stop()
+            raise TemplateFailure("cannot be rendered: its worker answered out of turn")
+        try:
+            return self._answer(b"", deadline, late)
+        except _Gone as e:
+            raise TemplateFailure(f"stopped its worker process ({e})") from None
 
     def _answer(self, start: bytes, deadline: float, late: str) -> tuple[str, str]:
         header = start + self._read(4 - len(start), deadline, late)
         return pickle.loads(self._read(struct.unpack(">I", header)[0], deadline, late))
 
     def _read(self, n: int, deadline: float, late: str) -> bytes:
-        """n bytes from the worker by `deadline`; past it the worker is stopped and TemplateFailure(late) raised."""
+        """n bytes from the worker by `deadline`; past it the worker is stopped and TemplateFailure(late) raised;
+        where the worker has ended, it is stopped and _Gone raised."""
         data = bytearray()
         fd = self.proc.stdout.fileno()
         while len(data) < n:
@@ -174,7 +198,7 @@ class _Worker:
             if not chunk:
                 status = self._status()
                 self.stop()
-                raise TemplateFailure(f"stopped its worker process ({status})")
+                raise _Gone(status)
             data += chunk
         return bytes(data)
 
@@ -220,9 +244,13 @@ class _Pool:
             self.idle, self.busy, self.starting, self.pid = [], set(), 0, os.getpid()
 
     def take(self) -> _Worker:
+        """An idle worker whose process still runs (those that died idle are dropped), else a new one."""
         with self.lock:
             self._forked()
-            while not self.idle and len(self.busy) + self.starting >= MOST_WORKERS:
+            while True:
+                self._drop_dead()
+                if self.idle or len(self.busy) + self.starting < MOST_WORKERS:
+                    break
                 self.lock.wait()
             if self.idle:
                 worker = self.idle.pop()
@@ -239,6 +267,13 @@ class _Pool:
             self.busy.add(worker)
         return worker
 
+    def _drop_dead(self) -> None:
+        """Stop the idle workers whose process has ended (reaped at once: it has)."""
+        dead = [worker for worker in self.idle if worker.proc.poll() is not None]
+        for worker in dead:
+            self.idle.remove(worker)
+            worker.stop()
+
     def give(self, worker: _Worker) -> None:
         with self.lock:
             self.busy.discard(worker)
@@ -253,6 +288,7 @@ class _Pool:
         for worker in idle:
             worker.stop()
         for worker in busy:
+            worker.ended_here = True  # its caller must not start another
             worker.kill()
 
 

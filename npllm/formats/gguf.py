@@ -421,14 +421,14 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
 
 
 def _dimensions(g: GGUFFile, p: str) -> dict:
-    """The ModelConfig fields of sizes: dim, hidden_dim, n_layers, heads, head_dim, vocab_size, context, eps."""
+    """The ModelConfig fields of sizes: dim, hidden_dim, n_layers, heads, head_dim, vocab_size, context, eps, and
+    the fraction of each head RoPE rotates."""
     dim = _meta(g, p + "embedding_length")
     n_heads = _meta(g, p + "attention.head_count")
     head_dim = _meta(g, p + "attention.key_length", default=dim // n_heads if n_heads else 0)
     if _meta(g, p + "attention.value_length", default=head_dim) != head_dim:
         raise ConfigError(f"{g.path}: key and value head sizes differ; npllm needs them equal")
-    if _meta(g, p + "rope.dimension_count", default=head_dim) != head_dim:
-        raise ConfigError(f"{g.path}: RoPE rotates only part of each head; npllm rotates whole heads")
+    rotated = _meta(g, p + "rope.dimension_count", default=head_dim)  # ModelConfig checks it as a fraction
     if "token_embd.weight" not in g.tensors:
         raise FormatError(f"{g.path}: no token_embd.weight tensor")
     vocab_size = g.tensors["token_embd.weight"].shape[0]
@@ -440,7 +440,8 @@ def _dimensions(g: GGUFFile, p: str) -> dict:
     return dict(dim=dim, hidden_dim=_meta(g, p + "feed_forward_length"), n_layers=n_layers,
                 n_heads=n_heads, n_kv_heads=_meta(g, p + "attention.head_count_kv", default=n_heads),
                 vocab_size=vocab_size, max_seq_len=_meta(g, p + "context_length"), head_dim=head_dim,
-                norm_eps=_meta(g, p + "attention.layer_norm_rms_epsilon", float))
+                norm_eps=_meta(g, p + "attention.layer_norm_rms_epsilon", float),
+                partial_rotary_factor=rotated / head_dim if head_dim > 0 else 1.0)
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:

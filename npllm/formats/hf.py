@@ -86,18 +86,27 @@ def _rope_spec(cfg: dict, source: str, layer_type: str) -> dict:
     return spec or {}
 
 
-def _rope_settings(cfg: dict, source: str, family: Family) -> tuple[float, RopeScaling | None, float]:
-    """(RoPE base, scaling, base of sliding layers or 0) of the full-attention layers and the sliding ones."""
+def _rope_settings(cfg: dict, source: str, family: Family) -> dict:
+    """ModelConfig's RoPE fields: the base, scaling and rotated fraction of the full-attention layers, and the base of
+    sliding layers (0: theirs too)."""
     spec = _rope_spec(cfg, source, "full_attention")
-    theta_top = _field(cfg, "rope_theta", source, float, required=False)
-    theta_inner = _field(spec, "rope_theta", source + " rope_parameters", float, required=False)
-    if theta_top is not None and theta_inner is not None and theta_top != theta_inner:
-        raise ConfigError(f"{source}: rope_theta {theta_top} disagrees with rope_parameters' {theta_inner}")
-    theta = theta_inner if theta_inner is not None else theta_top
-    theta = 10000.0 if theta is None else theta
+    theta = _rope_number(cfg, spec, "rope_theta", 10000.0, source)
     if not theta > 0:
         raise ConfigError(f"{source}: rope_theta must be > 0, got {theta}")
-    return theta, _rope_scaling(spec, cfg, source, family), _local_theta(cfg, source)
+    fraction = _rope_number(cfg, spec, "partial_rotary_factor", 1.0, source)
+    return dict(rope_theta=theta, rope_scaling=_rope_scaling(spec, cfg, source, family),
+                partial_rotary_factor=fraction, rope_local_theta=_local_theta(cfg, source, fraction))
+
+
+def _rope_number(cfg: dict, spec: dict, key: str, default: float, source: str) -> float:
+    """A RoPE setting from either layout, the one place that reads them: top level (transformers 4's config.json)
+    or inside rope_parameters (transformers 5 moved rope_theta and partial_rotary_factor there); both given must
+    agree. ModelConfig checks the value's range."""
+    top = _field(cfg, key, source, float, required=False)
+    inner = _field(spec, key, source + " rope_parameters", float, required=False)
+    if top is not None and inner is not None and top != inner:
+        raise ConfigError(f"{source}: {key} {top} disagrees with rope_parameters' {inner}")
+    return inner if inner is not None else top if top is not None else default
 
 
 def _rope_scaling(spec: dict, cfg: dict, source: str, family: Family) -> RopeScaling | None:
@@ -122,14 +131,20 @@ def _rope_scaling(spec: dict, cfg: dict, source: str, family: Family) -> RopeSca
     )
 
 
-def _local_theta(cfg: dict, source: str) -> float:
-    """Gemma 3's RoPE base of sliding layers (rope_local_base_freq, or rope_parameters' sliding_attention); 0: none."""
+def _local_theta(cfg: dict, source: str, fraction: float) -> float:
+    """Gemma 3's RoPE base of sliding layers (rope_local_base_freq, or rope_parameters' sliding_attention); 0: none.
+    fraction: the full-attention layers' partial_rotary_factor, which the sliding ones must share."""
     params = cfg.get("rope_parameters")
     local = params.get("sliding_attention") if isinstance(params, dict) else None
     if isinstance(local, dict):
-        theta = _field(local, "rope_theta", source + " sliding_attention rope_parameters", float)
+        where = source + " sliding_attention rope_parameters"
+        theta = _field(local, "rope_theta", where, float)
         if local.get("rope_type", "default") != "default":
             raise ConfigError(f"{source}: RoPE scaling of sliding layers is not supported")
+        local_fraction = _field(local, "partial_rotary_factor", where, float, default=fraction)
+        if local_fraction != fraction:
+            raise ConfigError(f"{where}: partial_rotary_factor {local_fraction} differs from the full-attention "
+                              f"layers' {fraction}; npllm has one for all layers")
     else:
         theta = _field(cfg, "rope_local_base_freq", source, float, required=False) or 0.0
     if theta < 0:
@@ -220,7 +235,7 @@ def config_from_hf(cfg: dict, source: str = CONFIG_FILE, generation: dict | None
     if not 0 < n_layers <= MAX_LAYERS:  # before anything is sized by it
         raise ConfigError(f"{source}: num_hidden_layers {n_layers} is not a plausible layer count (1..{MAX_LAYERS})")
     n_heads = _field(cfg, "num_attention_heads", source)
-    theta, scaling, local_theta = _rope_settings(cfg, source, family)
+    rope = _rope_settings(cfg, source, family)
     window, sliding_layers = _sliding_window(cfg, family, n_layers, source)
     bos, eos_ids = _token_ids(cfg, source, generation)
     return ModelConfig(
@@ -233,14 +248,12 @@ def config_from_hf(cfg: dict, source: str = CONFIG_FILE, generation: dict | None
         max_seq_len=_field(cfg, "max_position_embeddings", source),
         head_dim=_field(cfg, "head_dim", source, required=False) or 0,
         norm_eps=_field(cfg, "rms_norm_eps", source, float),
-        rope_theta=theta,
         rope_layout="half",
-        rope_scaling=scaling,
+        **rope,
         tied_embeddings=_field(cfg, "tie_word_embeddings", source, bool, default=family.tied_default),
         attention_bias=family.attention_bias,
         sliding_window=window,
         sliding_layers=sliding_layers,
-        rope_local_theta=local_theta,
         bos_id=bos,
         eos_ids=eos_ids,
         arch=arch,
@@ -269,9 +282,6 @@ def _check_unsupported(cfg: dict, arch: str, family: Family, source: str) -> Non
         raise ConfigError(f"{source}: mlp_bias is not supported")
     if cfg.get("attention_bias") and not family.attention_bias:
         raise ConfigError(f"{source}: {arch} attention_bias (which also biases o_proj) is not supported")
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError(f"{source}: partial_rotary_factor {cfg['partial_rotary_factor']} (RoPE on part of each "
-                          "head) is not supported")
 
 
 def _read_json(path: str):

@@ -150,6 +150,8 @@ def longrope(spec: dict, cfg: dict, source: str, get) -> RopeScaling:
         raise ConfigError(f"{where}: original_max_position_embeddings must be positive, got {original}")
     factor = get(cfg, "max_position_embeddings", source) / original
     attention = get(spec, "attention_factor", where, float, required=False)
+    if attention is None and factor > 1 and original < 2:  # ln(1) = 0 divides below
+        raise ConfigError(f"{where}: original_max_position_embeddings {original} leaves attention_factor undefined")
     if attention is None:
         attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
     short, long = spec.get("short_factor"), spec.get("long_factor")
@@ -159,5 +161,5 @@ def longrope(spec: dict, cfg: dict, source: str, get) -> RopeScaling:
         return RopeScaling("longrope", factor=factor, original_max_position_embeddings=original,
                            short_factor=tuple(map(float, short)), long_factor=tuple(map(float, long)),
                            attention_factor=attention)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:  # OverflowError: an integer past float's range
         raise ConfigError(f"{where}: {e}") from None
