@@ -14,10 +14,10 @@ Kinds: llama2c, config.json, safetensors, gguf, tokenizer, prompt, flag; output 
 link to one, a folder, a missing folder, a cache folder that is a file), tokenizer-fields (tokenizer.json fields and
 GGUF tokenizer keys of every wrong type, SentencePiece pieces not UTF-8, scores not finite), non-finite (NaN and
 infinite metadata floats in GGUF and config.json), sentencepiece (.model files cut, bit-flipped, or valid
-protobufs with empty, duplicate or non-UTF-8 pieces, no BOS, a word or char model type), http (one `npllm serve` child over loopback: bodies that break
-the JSON parser, half-sent heads and bodies held past their deadlines, 20 held connections while /health is asked, a
-disconnect mid-body, empty and wrong keys, bytes that are not HTTP, a runaway chat template). --kinds K ... runs
-only those; --sample leaves out http.
+protobufs with empty, duplicate or non-UTF-8 pieces, no BOS, a word or char model type), http (one `npllm serve`
+child over loopback: bodies that break the JSON parser, half-sent heads and bodies held past their deadlines, 20
+held connections while /health is asked, a disconnect mid-body, empty and wrong keys, bytes that are not HTTP, a
+runaway chat template). --kinds K ... runs only those; --sample leaves out http.
 
 Inputs are derived from stories260K (llama2.c .bin, and written here as GGUF) and the qwen2_bias HF fixture in
 tests/fixtures/hf; --sample N runs a deterministic sample of N cases (tests/test_bad_inputs.py runs a small one).
