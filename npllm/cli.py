@@ -11,10 +11,11 @@
     npllm chat --model M [--system S] [--chat-template NAME|FILE] [sampling options] [--context-policy P]
                                                a conversation: one user turn per line, replies streamed
     npllm quantize IN OUT --type q8_0|q4_0|q4_k|q6_k|f16|...     any checkpoint npllm reads, written as GGUF
+                                               (IN also as --model IN, as every command takes it)
     npllm perplexity --model M --text FILE [--ctx N] [--batch B] [--stride S] [--kl-divergence BASE] [--json]
     npllm bench --model NAME_OR_PATH [--batch B ...] [--prompt-len N ...] [--gen-len N] [--backend B ...]
                 [--threads T] [--weight-dtype D] [--kv-dtype D ...] [--repeat R] [--json]
-    npllm info [MODEL]                         architecture, size, context and tokenizer of a checkpoint
+    npllm info [MODEL | --model MODEL]         architecture, size, context and tokenizer of a checkpoint
     npllm serve --model M [--host H] [--port P] [--api-key K] [--chat-template NAME|FILE] [--max-slots N]
                 [--max-queue N] [--max-tokens-limit N] [--cors-origin URL] [--max-connections N]
                 [--header-timeout S] [--body-timeout S] [--keep-alive-timeout S]   an OpenAI-compatible HTTP server
@@ -41,14 +42,24 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from .errors import GenerationError, NpllmError
+from .errors import ConfigError, GenerationError, NpllmError
 from .models import KV_DTYPES, WEIGHT_DTYPES
 from .quant import MIXTURES, QUANTIZE
 from .sampling import Option, SamplingParams, options
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a refused argument (a bad value, an unknown flag or choice, a missing argument) is one
+    `npllm: error:` line and exit status 2, as npllm's own errors are: argparse's default prints the whole usage
+    block first, which buries the one line that says what is wrong. The subcommands' parsers are of this class too
+    (add_subparsers makes them with the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"npllm: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="npllm", description="A readable NumPy Llama inference engine.")
+    parser = Parser(prog="npllm", description="A readable NumPy Llama inference engine.")
     parser.add_argument("--version", action="version", version=f"npllm {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (add_generate, add_chat, add_info, add_quantize, add_bench, add_perplexity, add_serve, add_batch):
@@ -145,20 +156,40 @@ def flag_spec(option: Option, default) -> dict:
 
 def add_info(commands) -> None:
     info = commands.add_parser("info", help="describe a checkpoint: architecture, size, context, tokenizer")
-    info.add_argument("model", nargs="?", default="stories260K", help="checkpoint path or known name")
+    info.add_argument("model", nargs="?", default=None, help="checkpoint path or known name (default stories260K)")
+    add_model_option(info)
     info.set_defaults(run=run_info)
 
 
 def add_quantize(commands) -> None:
     quantize = commands.add_parser("quantize", help="write a checkpoint as a GGUF file of a quantized type")
-    quantize.add_argument("input", help="checkpoint path or known name (llama2.c .bin, HF directory, GGUF)")
+    quantize.add_argument("input", nargs="?", default=None,
+                          help="checkpoint path or known name (llama2.c .bin, HF directory, GGUF); or --model IN")
     quantize.add_argument("output", help="the GGUF file to write")
+    add_model_option(quantize)
     quantize.add_argument("--type", "-t", default="q8_0", choices=QUANTIZE_TYPES,
                           help="type of the weight matrices (default q8_0), or a mixture: q4_k_m, q5_k_m (q4_k, q5_k "
                                "with q6_k for the LM head and some wv, w2); norms stay f32, rows that do not split "
                                "into the type's blocks fall back to q8_0 or f16")
     quantize.add_argument("--tokenizer", "-z", default=None, help="vocabulary to embed (default: found beside IN)")
     quantize.set_defaults(run=run_quantize)
+
+
+def add_model_option(parser) -> None:
+    """--model M for a command whose checkpoint is a positional argument (info, quantize): every command takes
+    --model, so a user who learnt it on one can use it on all. one_model() reconciles the two."""
+    parser.add_argument("--model", "-m", dest="model_option", default=None, metavar="MODEL",
+                        help="the checkpoint, as the positional argument gives it (give one of the two)")
+
+
+def one_model(positional: str | None, option: str | None, default: str | None = None) -> str:
+    """The checkpoint a command was given, positionally or as --model (not both), else default."""
+    if positional is not None and option is not None:
+        raise ConfigError(f"the checkpoint is given twice, as {positional!r} and as --model {option!r}: give one")
+    model = positional if positional is not None else option if option is not None else default
+    if model is None:
+        raise ConfigError("no checkpoint given: name it as the first argument or with --model")
+    return model
 
 
 def add_bench(commands) -> None:
@@ -632,7 +663,7 @@ def run_info(args) -> int:
     from .info import describe
     from .hub import resolve
 
-    checkpoint, _ = resolve(args.model)
+    checkpoint, _ = resolve(one_model(args.model, args.model_option, default="stories260K"))
     config, weights = read_checkpoint(checkpoint)  # a GGUF file's matrices as stored
     print(describe(config, weights, checkpoint))
     return 0
@@ -662,7 +693,8 @@ def run_quantize(args) -> int:
     from .convert import quantize_checkpoint
     from .formats.gguf import fallbacks, quant_type
 
-    tensors, tokenizer = quantize_checkpoint(args.input, args.output, args.type.upper(), args.tokenizer,
+    source = one_model(args.input, args.model_option)
+    tensors, tokenizer = quantize_checkpoint(source, args.output, args.type.upper(), args.tokenizer,
                                              progress=quantize_progress())
     counts, sizes = Counter(t.type_name for t in tensors), Counter()
     for t in tensors:

@@ -10,7 +10,8 @@ A download streams into <dest>.part beside its destination, follows the hub's re
 resumes a .part left by an interrupted run with an HTTP Range request (or restarts it when the server will not
 resume), ends with a DownloadError when no byte arrives for `timeout` seconds, checks the length and sha256, and
 only then renames the file into place. One process at a time fetches a given file: the others wait on a lock file
-and then find it complete.
+and then find it complete. A failed download removes the folders it made while they are empty, and the error for a
+known name says where npllm looked and what to set (offline, say).
 """
 
 from __future__ import annotations
@@ -122,8 +123,23 @@ def resolve(model: str | os.PathLike, download_missing: bool = True) -> tuple[Pa
     if not download_missing:
         raise FormatError(f"model {name!r} is not in {', '.join(str(d) for d in weights_dirs())}")
     folder = cache_dir() / name
-    return (fetch(known_model.checkpoint, folder / known_model.checkpoint.name),
-            fetch(known_model.tokenizer, folder / known_model.tokenizer.name))
+    try:
+        return (fetch(known_model.checkpoint, folder / known_model.checkpoint.name),
+                fetch(known_model.tokenizer, folder / known_model.tokenizer.name))
+    except DownloadError as e:
+        raise DownloadError(f"{e}. {ways_out(name, known_model)}") from None
+
+
+def ways_out(name: str, known_model: KnownModel) -> str:
+    """What a user can do when a known model is on no disk and its download failed (offline, say): where npllm
+    looks, and the settings that change it, named in full."""
+    files = f"{known_model.checkpoint.name} and {known_model.tokenizer.name}"
+    weights = os.environ.get("NPLLM_WEIGHTS")
+    where = f"$NPLLM_WEIGHTS/{name}/ ({Path(weights) / name})" if weights else f"$NPLLM_WEIGHTS/{name}/ (unset)"
+    hub = os.environ.get("NPLLM_HUB_URL", DEFAULT_HUB)
+    return (f"Model {name!r} is in neither {where} nor the cache ({cache_dir() / name}): put {files} in one of "
+            f"them, give the path of a checkpoint instead of the name, or set NPLLM_HUB_URL to a server that "
+            f"answers as the Hugging Face hub does (now {hub})")
 
 
 def check_readable(path: Path, what: str) -> None:
@@ -162,33 +178,50 @@ def download(url: str, dest: Path, sha256: str | None, progress: bool = True, ti
     once. On failure dest is absent; a .part is kept only when the transfer broke off (to resume next time).
     """
     dest = Path(dest)
-    make_folder(dest.parent)
+    created = make_folder(dest.parent)
     part = dest.with_name(dest.name + ".part")
-    with _exclusive(dest.with_name(f".{dest.name}.lock")):
-        if dest.exists():  # another process finished it while this one waited
-            return dest
-        try:
+    try:
+        with _exclusive(dest.with_name(f".{dest.name}.lock")):
+            if dest.exists():  # another process finished it while this one waited
+                return dest
             try:
-                _transfer(url, part, sha256, progress, timeout)
-            except _ResumedBadChecksum:
+                try:
+                    _transfer(url, part, sha256, progress, timeout)
+                except _ResumedBadChecksum:
+                    part.unlink(missing_ok=True)
+                    _transfer(url, part, sha256, progress, timeout)
+            except _BadChecksum as e:
                 part.unlink(missing_ok=True)
-                _transfer(url, part, sha256, progress, timeout)
-        except _BadChecksum as e:
-            part.unlink(missing_ok=True)
-            raise DownloadError(str(e)) from None
-        os.replace(part, dest)
+                raise DownloadError(str(e)) from None
+            os.replace(part, dest)
+    except BaseException:
+        remove_empty(created)  # a failed try leaves no empty folder behind (a .part to resume keeps its own)
+        raise
     return dest
 
 
-def make_folder(folder: Path) -> None:
+def make_folder(folder: Path) -> list[Path]:
     """Make the folder a download goes to, or say in one line why it cannot be made (a file in its path, no
-    permission): $XDG_CACHE_HOME pointing at a file is a setting to fix, not a crash."""
+    permission): $XDG_CACHE_HOME pointing at a file is a setting to fix, not a crash. Returns the folders it made,
+    deepest first, for remove_empty."""
+    absent = [p for p in (folder, *folder.parents) if not p.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         hint = " (set XDG_CACHE_HOME to a folder, or put the model in $NPLLM_WEIGHTS)" if folder.is_relative_to(
             cache_dir()) else ""
         raise DownloadError(f"cannot make the folder {folder} to download into: {e.strerror or e}{hint}") from None
+    return absent
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove the folders (deepest first) while they are empty: one that holds anything (a .part kept to resume,
+    another process's download) stays, and so do the folders above it."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 class _BadChecksum(Exception):

@@ -13,13 +13,14 @@ runaway allocation fails fast instead of swapping the machine.
 Kinds: llama2c, config.json, safetensors, gguf, tokenizer, prompt, flag; output (npllm quantize's OUT: a FIFO, a
 link to one, a folder, a missing folder, a cache folder that is a file), tokenizer-fields (tokenizer.json fields and
 GGUF tokenizer keys of every wrong type, SentencePiece pieces not UTF-8, scores not finite), non-finite (NaN and
-infinite metadata floats in GGUF and config.json), http (one `npllm serve` child over loopback: bodies that break
-the JSON parser, half-sent heads and bodies held past their deadlines, 20 held connections while /health is asked, a
-disconnect mid-body, empty and wrong keys, bytes that are not HTTP, a runaway chat template), non-finite factors
-(longrope factor lists with NaN, infinities, 0 or negatives in config.json and GGUF; partial_rotary_factor in both
-config.json layouts), env limits (NPLLM_TEMPLATE_* variables out of range for chat and serve), killed template
-worker (the same server's idle template worker SIGKILLed: the next chat must answer 200). --kinds K ... runs only
-those; --sample leaves out http and killed template worker.
+infinite metadata floats in GGUF and config.json), sentencepiece (.model files cut, bit-flipped, or valid
+protobufs with empty, duplicate or non-UTF-8 pieces, no BOS, a word or char model type), http (one `npllm serve`
+child over loopback: bodies that break the JSON parser, half-sent heads and bodies held past their deadlines, 20
+held connections while /health is asked, a disconnect mid-body, empty and wrong keys, bytes that are not HTTP, a
+runaway chat template), non-finite factors (longrope factor lists with NaN, infinities, 0 or negatives in
+config.json and GGUF; partial_rotary_factor in both config.json layouts), env limits (NPLLM_TEMPLATE_* variables
+out of range for chat and serve), killed template worker (the same server's idle template worker SIGKILLed: the
+next chat must answer 200). --kinds K ... runs only those; --sample leaves out http and killed template worker.
 
 Inputs are derived from stories260K (llama2.c .bin, and written here as GGUF) and the qwen2_bias HF fixture in
 tests/fixtures/hf; --sample N runs a deterministic sample of N cases (tests/test_bad_inputs.py runs a small one).
@@ -812,6 +813,109 @@ def tokenizer_field_cases(out: Path, weights: Path) -> list[Case]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# SentencePiece .model files: cut, bit-flipped, and valid protobufs holding what sentencepiece refuses (or npllm does)
+
+
+def proto_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+def proto_fields(data: bytes) -> list[tuple[int, int, bytes | int]]:
+    """(number, wire type, value) of each field of a protobuf message (values: int for varints, else bytes)."""
+    fields, i = [], 0
+
+    def varint():
+        nonlocal i
+        value = shift = 0
+        while True:
+            value |= (data[i] & 0x7F) << shift
+            shift, i = shift + 7, i + 1
+            if data[i - 1] < 0x80:
+                return value
+
+    while i < len(data):
+        key = varint()
+        wire = key & 7
+        if wire == 0:
+            value = varint()
+        else:
+            size = varint() if wire == 2 else {1: 8, 5: 4}[wire]
+            value, i = data[i:i + size], i + size
+        fields.append((key >> 3, wire, value))
+    return fields
+
+
+def proto_message(fields) -> bytes:
+    out = bytearray()
+    for number, wire, value in fields:
+        out += proto_varint(number << 3 | wire)
+        out += proto_varint(value) if wire == 0 else (proto_varint(len(value)) if wire == 2 else b"") + value
+    return bytes(out)
+
+
+def sentencepiece_with(model: bytes, pieces=None, trainer: dict | None = None) -> bytes:
+    """tok512.model rebuilt: pieces {index: {field: value}} changes those pieces' fields (1 text, 2 score as
+    float32 bytes, 3 type), pieces {index: None} drops one; trainer {field: varint} sets TrainerSpec fields (3 is
+    model_type: 1 unigram, 2 BPE, 3 word, 4 char)."""
+    fields, index = [], -1
+    for number, wire, value in proto_fields(model):
+        if number == 1:
+            index += 1
+            change = (pieces or {}).get(index, {})
+            if change is None:
+                continue
+            kept = [(n, w, change.get(n, v)) for n, w, v in proto_fields(value)]
+            kept += [(n, 0 if n == 3 else 2, v) for n, v in change.items() if n not in {k for k, _, _ in kept}]
+            value = proto_message(kept)
+        elif number == 2 and trainer:
+            value = proto_message([f for f in proto_fields(value) if f[0] not in trainer]
+                                  + [(n, 0, v) for n, v in trainer.items()])
+        fields.append((number, wire, value))
+    return proto_message(fields)
+
+
+def sentencepiece_cases(out: Path, weights: Path) -> list[Case]:
+    """`npllm generate --tokenizer FILE.model` on stories260K for broken SentencePiece models: each must be one
+    error line (or, "any", a clean run), never a traceback from inside sentencepiece."""
+    model, tok = weights / "stories260K" / "stories260K.bin", (weights / "stories260K" / "tok512.model").read_bytes()
+    cases = []
+
+    def case(name, data, expect="error"):
+        path = out / f"spm_{len(cases)}.model"
+        path.write_bytes(data)
+        cases.append(Case("sentencepiece", name, ["generate", "Once", "--model", str(model), "--tokenizer",
+                                                  str(path), "--backend", "numpy", *GEN], expect=expect))
+
+    for size in (1, 2, 7, 64, 1000, len(tok) - 3):
+        case(f"truncated@{size}", tok[:size])
+    rng = random.Random(2)
+    for _ in range(24):  # flips anywhere: most leave a model that still loads, others break it
+        data, at = bytearray(tok), rng.randrange(len(tok))
+        data[at] ^= 1 << rng.randrange(8)
+        case(f"bit flipped @{at}", bytes(data), expect="any")
+    byte_piece = tok.find(b"<0x6C>")  # sentencepiece's error quotes the piece: a non-UTF-8 one broke its message
+    case("byte piece not UTF-8 (<0x6\\xc3>)", tok[:byte_piece + 4] + b"\xc3" + tok[byte_piece + 5:])
+    for name, pieces in (("empty piece", {300: {1: b""}}), ("duplicate piece", {300: {1: b"\xe2\x96\x81the"}}),
+                         ("piece with NUL", {300: {1: b"a\x00b"}}), ("100 kB piece", {300: {1: b"x" * 100_000}}),
+                         ("byte piece renamed", {3: {1: b"abc"}}), ("normal piece of byte type", {300: {3: 6}}),
+                         ("two unknown pieces", {300: {3: 2}}), ("no BOS piece", {1: {3: 1}}),
+                         ("no pieces past BOS", {i: None for i in range(2, 512)})):
+        case(name, sentencepiece_with(tok, pieces))
+    for name, kind, expect in (("word model", 3, "error"), ("char model", 4, "error"), ("unigram model", 1, "any"),
+                               ("model type 9", 9, "error"), ("model type 0", 0, "error")):
+        case(name, sentencepiece_with(tok, trainer={3: kind}), expect)
+    case("byte fallback off", sentencepiece_with(tok, trainer={35: 0}))
+    case("tok512.bin as .model", (weights / "stories260K" / "tok512.bin").read_bytes())
+    case("JSON as .model", b'{"model": {"type": "BPE"}}')
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # NaN and infinite metadata values: refused at load, whichever format carries them
 
 
@@ -1145,7 +1249,7 @@ def all_cases(out: Path, weights: Path) -> list[Case]:
     return (llama2c_cases(out, weights) + hf_cases(out) + gguf_cases(out, weights) + tokenizer_cases(out, weights)
             + prompt_cases(out) + flag_cases(out) + combination_cases(out) + template_cases(out)
             + output_cases(out, weights) + tokenizer_field_cases(out, weights) + non_finite_cases(out, weights)
-            + rope_factor_cases(out) + env_limit_cases(out))
+            + rope_factor_cases(out) + env_limit_cases(out) + sentencepiece_cases(out, weights))
 
 
 def main(argv=None) -> int:

@@ -13,8 +13,11 @@ A source is a plain Python file in the "percent" layout, so a review reads it as
     # %%
     code = "a code cell"
 
-The notebooks run in notebooks/ with this checkout of npllm first on the path, and find the reference weights in
-$NPLLM_WEIGHTS (else ../weights relative to the notebook), as the tests do. Needs the `notebooks` extra.
+The notebooks run in notebooks/ with this checkout of npllm first on the path. They need nothing but npllm: the
+stories260K they read ships inside the package. A few cells also use reference files that do not (the Llama 2
+tokenizer, llama2.c's greedy_200.txt): they read them from $NPLLM_WEIGHTS (else ../weights relative to the
+notebook) where present, and otherwise print where to get them and leave that part out. Build with them at hand
+(NPLLM_WEIGHTS=/path/to/weights) so that the committed outputs show every part. Needs the `notebooks` extra.
 """
 
 from __future__ import annotations
@@ -99,15 +102,16 @@ def kernel_environment() -> dict[str, str]:
     return env
 
 
-def execute(nb: nbformat.NotebookNode, timeout: int = CELL_TIMEOUT_S) -> nbformat.NotebookNode:
-    """Run every cell in notebooks/ (the notebooks' working directory); raises CellExecutionError on a failing cell."""
+def execute(nb: nbformat.NotebookNode, timeout: int = CELL_TIMEOUT_S, cwd: Path = NOTEBOOKS) -> nbformat.NotebookNode:
+    """Run every cell in cwd (notebooks/, the notebooks' working directory, unless a test runs them elsewhere);
+    raises CellExecutionError on a failing cell."""
     from nbclient import NotebookClient
 
     saved = dict(os.environ)
     os.environ.update(kernel_environment())  # the kernel process inherits this environment
     try:
         client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
-                                resources={"metadata": {"path": str(NOTEBOOKS)}})
+                                resources={"metadata": {"path": str(cwd)}})
         client.execute()
     finally:
         os.environ.clear()

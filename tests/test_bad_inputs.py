@@ -167,3 +167,23 @@ def test_a_sample_of_the_campaign_finds_no_problem(weights_dir, stories260k, cap
     out = capsys.readouterr().out
     assert status == 0, out
     assert "total" in out and "PROBLEM" not in out
+
+
+def test_broken_sentencepiece_models_are_one_clear_error_each(tmp_path, weights_dir, stories260k, capsys):
+    """The campaign's sentencepiece cases, in this process: each loads cleanly or raises an NpllmError, never an
+    exception from inside sentencepiece (a byte piece that is not UTF-8 made sentencepiece's own message
+    undecodable: UnicodeDecodeError), and a word or char model, which npllm does not read, is refused."""
+    from npllm.tokenizer import load_tokenizer
+
+    cases = bad_inputs.sentencepiece_cases(tmp_path, weights_dir)
+    assert {"byte piece not UTF-8 (<0x6\\xc3>)", "word model", "char model", "empty piece"} <= {c.name for c in cases}
+    for case in cases:
+        try:
+            load_tokenizer(case.args[case.args.index("--tokenizer") + 1], vocab_size=512)
+        except NpllmError:
+            continue
+        assert case.expect == "any", f"{case.name}: loaded, but must be refused"
+    undecodable = next(c for c in cases if c.name.startswith("byte piece not UTF-8"))
+    assert npllm.cli.main(undecodable.args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("npllm: error: ") and err.count("\n") == 1 and "<0x6\\xc3>" in err, err

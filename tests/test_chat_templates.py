@@ -139,7 +139,7 @@ def test_family_builtins_that_need_alternating_roles_say_so(name):
 def test_a_model_without_a_template_is_told_the_builtin_of_its_architecture():
     for arch, name in (("gemma2", "gemma"), ("gemma3_text", "gemma"), ("phi3", "phi3"), ("granite", "granite"),
                        ("olmo2", "olmo2"), ("mixtral", "mistral"), ("qwen3_moe", "chatml"),
-                       ("granitemoe", "granite")):
+                       ("granitemoe", "granite"), ("llama2c", "llama2")):
         with pytest.raises(ChatTemplateError, match=f"--chat-template {name} "):
             resolve_chat_template(None, None, arch)
     with pytest.raises(ChatTemplateError) as raised:  # Llama 2 and Llama 3 chat differ: no guess

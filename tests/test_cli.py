@@ -158,3 +158,82 @@ def test_the_first_compile_of_a_run_is_announced_once(capsys):
     commands = cli.build_parser()._subparsers._group_actions[0].choices
     announced = {name for name, parser in commands.items() if parser.get_default("compiles")}
     assert announced == {"generate", "chat", "bench", "perplexity", "serve", "batch"}  # the commands that run a model
+
+
+# ---- a refused argument is one line, for every command and every kind of refusal --------------------------------
+
+
+def subcommand_parsers() -> dict:
+    parser = cli.build_parser()
+    return next(a for a in parser._actions if isinstance(a, cli.argparse._SubParsersAction)).choices
+
+
+def bad_value_cases() -> list[list[str]]:
+    """For every command: each typed option given a word, each bounded number one below its range, each choice
+    option a value not among its choices; then missing values, unknown flags and commands, missing arguments."""
+    cases = []
+    for name, sub in subcommand_parsers().items():
+        for action in sub._actions:
+            if not action.option_strings:
+                continue
+            flag = action.option_strings[0]
+            if action.type is not None:
+                cases.append([name, flag, "abc"])
+                if getattr(action.type, "__name__", "").startswith(("integer >=", "seconds")):
+                    cases.append([name, flag, "-1"])
+            if action.choices is not None:
+                cases.append([name, flag, "no-such-choice"])
+            if action.nargs != 0:
+                cases.append([name, flag])  # the value is missing
+        cases.append([name, "--no-such-flag"])
+    return cases + [["generate", "Once", "--threads", "0"], ["serve", "--port", "70000"], ["no-such-command"], [],
+                    ["quantize"], ["generate", "--max-new-tokens", "1.5"], ["serve", "--header-timeout", "nan"]]
+
+
+BAD_VALUES = bad_value_cases()
+
+
+def test_the_bad_value_cases_cover_every_command():
+    assert {case[0] for case in BAD_VALUES if case} >= set(subcommand_parsers())
+    assert len(BAD_VALUES) > 100
+
+
+@pytest.mark.parametrize("argv", BAD_VALUES, ids=" ".join)
+def test_a_refused_argument_is_one_error_line(argv, capsys):
+    """argparse's own refusals (a type= or choices= failure, a missing or unknown argument) print one
+    `npllm: error:` line and exit 2, like npllm's errors: not the usage block above it."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.startswith("npllm: error: ") and err.count("\n") == 1, err
+    assert "usage:" not in err
+
+
+# ---- info and quantize take --model too ----------------------------------------------------------------------
+
+
+def test_info_takes_model_as_a_flag(stories260k, capsys):
+    assert cli.main(["info", "--model", str(stories260k)]) == 0
+    flagged = capsys.readouterr().out
+    assert cli.main(["info", str(stories260k)]) == 0
+    assert capsys.readouterr().out == flagged and "260,032" in flagged
+
+
+def test_quantize_takes_model_as_a_flag(stories260k, tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()  # the same file name in both: the file records it
+    assert cli.main(["quantize", "--model", str(stories260k), str(tmp_path / "a" / "m.gguf"), "--type", "q8_0"]) == 0
+    assert cli.main(["quantize", str(stories260k), str(tmp_path / "b" / "m.gguf"), "--type", "q8_0"]) == 0
+    assert (tmp_path / "a" / "m.gguf").read_bytes() == (tmp_path / "b" / "m.gguf").read_bytes()
+
+
+@pytest.mark.parametrize("argv", [["info", "stories260K", "--model", "stories260K"],
+                                  ["quantize", "stories260K", "out.gguf", "-m", "stories260K"],
+                                  ["quantize", "out.gguf"]], ids=" ".join)
+def test_a_checkpoint_given_twice_or_not_at_all_is_refused(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("npllm: error: ") and err.count("\n") == 1 and "--model" in err, err
+    assert not (tmp_path / "out.gguf").exists()

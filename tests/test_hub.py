@@ -146,6 +146,50 @@ def test_missing_file_and_unreachable_server(fake_hub, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def closed_port() -> int:
+    """A 127.0.0.1 port nothing listens on (just freed): a connection there is refused at once, as offline."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_offline_a_hub_name_says_the_ways_out_and_leaves_no_folder(tmp_path, monkeypatch, capsys):
+    """`--model stories15M` with no network: one line that names where npllm looked ($NPLLM_WEIGHTS's folder, the
+    cache) and what to set ($NPLLM_HUB_URL), and no empty cache folder left by the failed try."""
+    from npllm.cli import main
+
+    monkeypatch.setenv("NPLLM_HUB_URL", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("NPLLM_WEIGHTS", str(tmp_path / "weights"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "weights").mkdir()
+    assert main(["generate", "Once", "--model", "stories15M", "--backend", "numpy"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("npllm: error: ") and err.count("\n") == 1, err
+    for named in ("NPLLM_WEIGHTS", "NPLLM_HUB_URL", str(tmp_path / "weights" / "stories15M"),
+                  str(tmp_path / "cache" / "npllm" / "stories15M"), "stories15M.bin", "tokenizer.model"):
+        assert named in err, named
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights"]  # no cache/npllm/stories15M made and left
+    with pytest.raises(DownloadError, match="NPLLM_HUB_URL"):
+        npllm.load("stories15M", backend="numpy")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights"]
+
+
+def test_a_failed_download_keeps_folders_that_were_there_or_hold_a_part(fake_hub, tmp_path):
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(DownloadError):
+        hub.download(fake_hub.url + "/absent.bin", tmp_path / "kept" / "new" / "deeper" / "a.bin", None,
+                     progress=False)
+    assert list(tmp_path.iterdir()) == [tmp_path / "kept"] and list((tmp_path / "kept").iterdir()) == []
+    data = bytes(range(256)) * 400
+    fake_hub.files["/f.bin"] = data
+    fake_hub.truncate.add("/f.bin")
+    with pytest.raises(DownloadError):
+        hub.download(fake_hub.url + "/f.bin", tmp_path / "new" / "f.bin", sha(data), progress=False)
+    assert [p.name for p in (tmp_path / "new").iterdir()] == ["f.bin.part"]  # kept, to resume from
+
+
 def test_hub_etag_is_the_checksum_when_none_is_known(fake_hub, tmp_path):
     data = b"model bytes" * 50
     fake_hub.files["/m.bin"] = data

@@ -9,6 +9,9 @@
 #
 # They must agree id for id. Every function shown below is printed from the installed npllm with
 # `inspect.getsource`, so what you read is what runs.
+#
+# stories260K's tokenizer files ship inside npllm. Llama 2's do not: the first cell says where to get them, and
+# without them the notebook shows stories260K's vocabulary alone.
 
 # %%
 import inspect
@@ -20,11 +23,28 @@ import numpy as np
 from IPython.display import Markdown, display
 
 import npllm
+from npllm.hub import embedded, weights_dirs
 from npllm.tokenizer import BPETokenizer, SentencePieceTokenizer, load_tokenizer
 from npllm.tokenizer.stream import StreamDecoder
 
-# Reference files: $NPLLM_WEIGHTS as in the test suite, else the repository's weights/ folder.
-WEIGHTS = Path(os.environ.get("NPLLM_WEIGHTS") or "../weights")
+# stories260K's two tokenizer files ship inside npllm (npllm/data/stories260K), beside its checkpoint.
+CHECKPOINT, TOK512_BIN = embedded("stories260K")
+TOK512_MODEL = CHECKPOINT.with_name("tok512.model")
+
+# Llama 2's tokenizer is not part of npllm. Where to get each file; the notebook runs without them (stories260K only).
+LLAMA2_FILES = {
+    "tokenizer.model": "run `npllm generate --model stories15M` once (npllm downloads it into its cache), or take "
+                       "tokenizer.model from the Hugging Face repository hf-internal-testing/llama-tokenizer",
+    "tokenizer.bin": "take tokenizer.bin from llama2.c's repository (https://github.com/karpathy/llama2.c)",
+}
+
+
+def llama2_file(name: str) -> Path | None:
+    """A Llama 2 tokenizer file from <folder>/llama2-tokenizer/ ($NPLLM_WEIGHTS, npllm's cache, the repository's
+    weights/ folder) or <folder>/stories15M/ (where npllm puts it with stories15M); None when none has it."""
+    folders = [Path(d) / "llama2-tokenizer" for d in [*weights_dirs(), "../weights"]]
+    folders += [Path(d) / "stories15M" for d in weights_dirs()]
+    return next((d / name for d in folders if (d / name).is_file()), None)
 
 
 def show(obj):
@@ -39,11 +59,17 @@ def show(obj):
 
 # %%
 tok = {
-    ("stories260K", "sentencepiece"): load_tokenizer(WEIGHTS / "stories260K/tok512.model"),
-    ("stories260K", "npllm BPE"): load_tokenizer(WEIGHTS / "stories260K/tok512.bin"),
-    ("Llama 2", "sentencepiece"): load_tokenizer(WEIGHTS / "llama2-tokenizer/tokenizer.model"),
-    ("Llama 2", "npllm BPE"): load_tokenizer(WEIGHTS / "llama2-tokenizer/tokenizer.bin"),
+    ("stories260K", "sentencepiece"): load_tokenizer(TOK512_MODEL),
+    ("stories260K", "npllm BPE"): load_tokenizer(TOK512_BIN),
 }
+missing = {name: how for name, how in LLAMA2_FILES.items() if llama2_file(name) is None}
+if missing:
+    print("Llama 2's tokenizer is not here, so this notebook shows stories260K's alone. To add Llama 2, put these "
+          "files in $NPLLM_WEIGHTS/llama2-tokenizer/:\n" + "\n".join(f"  {n}: {how}" for n, how in missing.items()))
+else:
+    tok[("Llama 2", "sentencepiece")] = load_tokenizer(llama2_file("tokenizer.model"))
+    tok[("Llama 2", "npllm BPE")] = load_tokenizer(llama2_file("tokenizer.bin"))
+VOCABS = list(dict.fromkeys(vocab for vocab, _ in tok))  # "stories260K", then "Llama 2" where it is at hand
 for (vocab, impl), t in tok.items():
     print(f"{vocab:12s} {impl:14s} {type(t).__name__:24s} V={t.vocab_size:5d}  BOS={t.bos_id} EOS={t.eos_id} "
           f"unk={t.unk_id}  dummy prefix={t.add_dummy_prefix}")
@@ -63,7 +89,7 @@ for (vocab, _), t in tok.items():
 # %%
 SENTENCE = "The cat sat on the mat curiously."
 rows = []
-for vocab in ("stories260K", "Llama 2"):
+for vocab in VOCABS:
     sp, bpe = tok[(vocab, "sentencepiece")], tok[(vocab, "npllm BPE")]
     ids_sp, ids_bpe = sp.encode(SENTENCE, bos=True), bpe.encode(SENTENCE, bos=True)
     assert ids_sp == ids_bpe, (vocab, ids_sp, ids_bpe)  # the two implementations agree id for id
@@ -95,8 +121,8 @@ def draw_pieces(ax, tokenizer, ids, title):
     ax.set_title(f"{title}: {len(ids)} tokens", loc="left", fontsize=10)
 
 
-fig, axes = plt.subplots(2, 1, figsize=(11, 2.6))
-for ax, (vocab, ids) in zip(axes, rows):
+fig, axes = plt.subplots(len(rows), 1, figsize=(11, 1.3 * len(rows)), squeeze=False)
+for ax, (vocab, ids) in zip(axes[:, 0], rows):
     draw_pieces(ax, tok[(vocab, "sentencepiece")], ids, vocab)
 plt.tight_layout()
 plt.show()
@@ -124,13 +150,20 @@ show(BPETokenizer._emit)
 # any word after a space. Decoding removes that one leading space again.
 
 # %%
-llama = tok[("Llama 2", "sentencepiece")]
+demo = tok[(VOCABS[-1], "sentencepiece")]  # Llama 2's where it is at hand, else stories260K's
+print(f"({VOCABS[-1]}'s vocabulary)")
 for text in ["cat", " cat", "  two  spaces"]:
-    ids = llama.encode(text, bos=False)
-    print(f"{text!r:16} -> {ids} {[llama.id_to_piece(i) for i in ids]} -> decodes to {llama.decode(ids)!r}")
+    ids = demo.encode(text, bos=False)
+    print(f"{text!r:16} -> {ids} {[demo.id_to_piece(i) for i in ids]} -> decodes to {demo.decode(ids)!r}")
+
+
+def pieces(text):
+    return [demo.id_to_piece(i) for i in demo.encode(text, bos=False)]
+
+
 # " cat" is "cat" with one more ▁ in front: the dummy prefix made the first word look like any other word.
-assert [llama.id_to_piece(i) for i in llama.encode(" cat", bos=False)] == ["▁", "▁cat"]
-assert [llama.id_to_piece(i) for i in llama.encode("cat", bos=False)] == ["▁cat"]
+assert pieces(" cat") == ["▁"] + pieces("cat")
+assert pieces("cat") == {"Llama 2": ["▁cat"], "stories260K": ["▁c", "at"]}[VOCABS[-1]]
 
 # %% [markdown]
 # ## BOS, EOS and control pieces
@@ -139,11 +172,11 @@ assert [llama.id_to_piece(i) for i in llama.encode("cat", bos=False)] == ["▁ca
 # them (the string `"<s>"` is spelled with ordinary pieces).
 
 # %%
-ids = llama.encode("Hi", bos=True, eos=True)
-print(ids, [llama.id_to_piece(i) for i in ids], [llama.token_type(i).name for i in ids], repr(llama.decode(ids)))
-literal = llama.encode("<s>", bos=False)
-print("the text '<s>' ->", literal, [llama.id_to_piece(i) for i in literal])
-assert llama.bos_id not in literal
+ids = demo.encode("Hi", bos=True, eos=True)
+print(ids, [demo.id_to_piece(i) for i in ids], [demo.token_type(i).name for i in ids], repr(demo.decode(ids)))
+literal = demo.encode("<s>", bos=False)
+print("the text '<s>' ->", literal, [demo.id_to_piece(i) for i in literal])
+assert demo.bos_id not in literal
 
 # %% [markdown]
 # ## Byte fallback
@@ -153,7 +186,7 @@ assert llama.bos_id not in literal
 
 # %%
 TEXT = "日本 🐈"
-for vocab in ("stories260K", "Llama 2"):
+for vocab in VOCABS:
     sp, bpe = tok[(vocab, "sentencepiece")], tok[(vocab, "npllm BPE")]
     ids = bpe.encode(TEXT, bos=False)
     assert ids == sp.encode(TEXT, bos=False)
@@ -166,9 +199,9 @@ print("UTF-8 of 🐈:", " ".join(f"{b:02X}" for b in "🐈".encode()))
 
 # %%
 show(StreamDecoder.feed)
-stream = llama.stream_decoder()
-for i in llama.encode("🐈!", bos=True):
-    print(f"feed {i:5d} {llama.id_to_piece(i)!r:10} -> prints {stream.feed(i)!r}")
+stream = demo.stream_decoder()
+for i in demo.encode("🐈!", bos=True):
+    print(f"feed {i:5d} {demo.id_to_piece(i)!r:10} -> prints {stream.feed(i)!r}")
 print("flush -> prints", repr(stream.flush()))
 
 # %% [markdown]
@@ -186,7 +219,7 @@ samples = [
     "x = f(y) + 2**10 // 3",
     "   leading spaces",
 ]
-for vocab in ("stories260K", "Llama 2"):
+for vocab in VOCABS:
     sp, bpe = tok[(vocab, "sentencepiece")], tok[(vocab, "npllm BPE")]
     agree = sum(sp.encode(s) == bpe.encode(s) for s in samples)
     print(f"{vocab}: {agree}/{len(samples)} texts encode identically; tokens per text:",
@@ -194,7 +227,7 @@ for vocab in ("stories260K", "Llama 2"):
     assert agree == len(samples)
 
 fig, ax = plt.subplots(figsize=(7, 3))
-for vocab in ("stories260K", "Llama 2"):
+for vocab in VOCABS:
     t = tok[(vocab, "sentencepiece")]
     lengths = [len(t.id_to_piece(i)) for i in range(t.vocab_size) if t.token_type(i).name == "NORMAL"]
     ax.hist(lengths, bins=np.arange(1, 18) - 0.5, density=True, alpha=0.6, label=f"{vocab} (V={t.vocab_size})")

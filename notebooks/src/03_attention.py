@@ -12,8 +12,6 @@
 
 # %%
 import inspect
-import os
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -22,10 +20,14 @@ from IPython.display import Markdown, display
 import npllm
 from npllm import ops
 from npllm.formats import read_checkpoint
+from npllm.hub import embedded
 from npllm.models.reference import Transformer
 from npllm.tokenizer import load_tokenizer
 
-WEIGHTS = Path(os.environ.get("NPLLM_WEIGHTS") or "../weights")
+# stories260K ships inside npllm: embedded() finds its checkpoint in the package (npllm/data/stories260K), and
+# tok512.model, its 512 pieces as a SentencePiece model, sits beside it. No weights folder is needed.
+CHECKPOINT, _ = embedded("stories260K")
+TOK512_MODEL = CHECKPOINT.with_name("tok512.model")
 
 
 def show(obj):
@@ -34,8 +36,8 @@ def show(obj):
 
 
 # The NumPy reference model (ops.py's stages wired together in models/reference.py): what these notebooks read.
-config, weights = read_checkpoint(WEIGHTS / "stories260K/stories260K.bin")
-llm = npllm.LLM(Transformer(config, weights), load_tokenizer(WEIGHTS / "stories260K/tok512.model"))
+config, weights = read_checkpoint(CHECKPOINT)
+llm = npllm.LLM(Transformer(config, weights), load_tokenizer(TOK512_MODEL))
 model, cfg = llm.model, llm.config
 H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 print(f"{cfg.n_layers} layers, H = {H} query heads, K = {K} key/value heads (each serves H/K = {H // K}), Dh = {Dh}")

@@ -13,8 +13,6 @@
 
 # %%
 import inspect
-import os
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -24,10 +22,14 @@ import npllm
 from npllm import sampling
 from npllm.explain import explain_ids, format_step
 from npllm.formats import read_checkpoint
+from npllm.hub import embedded
 from npllm.models.reference import Transformer
 from npllm.tokenizer import load_tokenizer
 
-WEIGHTS = Path(os.environ.get("NPLLM_WEIGHTS") or "../weights")
+# stories260K ships inside npllm: embedded() finds its checkpoint in the package (npllm/data/stories260K), and
+# tok512.model, its 512 pieces as a SentencePiece model, sits beside it. No weights folder is needed.
+CHECKPOINT, _ = embedded("stories260K")
+TOK512_MODEL = CHECKPOINT.with_name("tok512.model")
 
 
 def show(obj):
@@ -36,8 +38,8 @@ def show(obj):
 
 
 # The NumPy reference model (ops.py's stages wired together in models/reference.py): what these notebooks read.
-config, weights = read_checkpoint(WEIGHTS / "stories260K/stories260K.bin")
-llm = npllm.LLM(Transformer(config, weights), load_tokenizer(WEIGHTS / "stories260K/tok512.model"))
+config, weights = read_checkpoint(CHECKPOINT)
+llm = npllm.LLM(Transformer(config, weights), load_tokenizer(TOK512_MODEL))
 
 
 def piece(i):

@@ -22,7 +22,6 @@
 import inspect
 import os
 import time
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -36,11 +35,15 @@ import npllm
 from npllm import batching
 from npllm.formats import read_checkpoint
 from npllm.generate import generate_ids
+from npllm.hub import embedded
 from npllm.models.reference import Transformer
 from npllm.sampling import SamplingParams
 from npllm.tokenizer import load_tokenizer
 
-WEIGHTS = Path(os.environ.get("NPLLM_WEIGHTS") or "../weights")
+# stories260K ships inside npllm: embedded() finds its checkpoint in the package (npllm/data/stories260K), and
+# tok512.model, its 512 pieces as a SentencePiece model, sits beside it. No weights folder is needed.
+CHECKPOINT, _ = embedded("stories260K")
+TOK512_MODEL = CHECKPOINT.with_name("tok512.model")
 
 
 def show(obj):
@@ -49,8 +52,8 @@ def show(obj):
 
 
 # The NumPy reference model (ops.py's stages wired together in models/reference.py): what these notebooks read.
-config, weights = read_checkpoint(WEIGHTS / "stories260K/stories260K.bin")
-llm = npllm.LLM(Transformer(config, weights), load_tokenizer(WEIGHTS / "stories260K/tok512.model"))
+config, weights = read_checkpoint(CHECKPOINT)
+llm = npllm.LLM(Transformer(config, weights), load_tokenizer(TOK512_MODEL))
 model = llm.model
 GREEDY = SamplingParams(temperature=0)
 
@@ -188,7 +191,8 @@ for step, call in enumerate(static_work.log[:4]):
 
 # %%
 rng = np.random.default_rng(0)
-corpus = llm.tokenizer.encode((WEIGHTS / "stories260K/greedy_200.txt").read_text(encoding="utf-8") * 2, bos=True)
+story = llm.generate("", max_new_tokens=200, temperature=0)  # the model's greedy story (llama2.c's, notebook 06)
+corpus = llm.tokenizer.encode(story * 2, bos=True)
 mixed = [corpus[:n] for n in rng.integers(1, 201, 16)]
 mixed_results = {name: run(name, mixed, 48, slots=8) for name in ("static", "ragged", "continuous")}
 reference = [c.tokens for c in mixed_results["ragged"][0]]

@@ -18,7 +18,6 @@
 # %%
 import inspect
 import os
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -27,16 +26,21 @@ from matplotlib.colors import ListedColormap
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # small model: one BLAS thread is faster and steadier
 
+import npllm
 from npllm import quant
 from npllm.cache import RingKVCache
 from npllm.evaluate import kl_divergence
 from npllm.formats import read_checkpoint
 from npllm.formats.random import NAMED_SHAPES
+from npllm.hub import embedded
 from npllm.models import make_model
 from npllm.models.reference import Transformer
 from npllm.tokenizer import load_tokenizer
 
-WEIGHTS = Path(os.environ.get("NPLLM_WEIGHTS") or "../weights")
+# stories260K ships inside npllm: embedded() finds its checkpoint in the package (npllm/data/stories260K), and
+# tok512.model, its 512 pieces as a SentencePiece model, sits beside it. No weights folder is needed.
+CHECKPOINT, _ = embedded("stories260K")
+TOK512_MODEL = CHECKPOINT.with_name("tok512.model")
 
 
 def show(obj):
@@ -44,8 +48,8 @@ def show(obj):
     display(Markdown(f"```python\n{inspect.getsource(obj)}```"))
 
 
-config, weights = read_checkpoint(WEIGHTS / "stories260K/stories260K.bin")
-tokenizer = load_tokenizer(WEIGHTS / "stories260K/tok512.model")
+config, weights = read_checkpoint(CHECKPOINT)
+tokenizer = load_tokenizer(TOK512_MODEL)
 
 # %% [markdown]
 # ## 1 · Block layouts
@@ -230,9 +234,9 @@ def stored_as(w: np.ndarray, type_name: str) -> np.ndarray:
     return round_trip(padded, type_name)[:, :w.shape[1]]
 
 
-story = (WEIGHTS / "stories260K/greedy_200.txt").read_text(encoding="utf-8")
-ids = tokenizer.encode(story, bos=True)
 base = Transformer(config, weights)
+story = npllm.LLM(base, tokenizer).generate("", max_new_tokens=200, temperature=0)  # llama2.c's too (notebook 06)
+ids = tokenizer.encode(story, bos=True)
 divergence = {}
 for name in ["Q8_0", "Q6_K", "Q4_K", "Q4_0"]:
     stored = {k: stored_as(np.asarray(w, np.float32), name) if w.ndim == 2 else w for k, w in weights.items()}

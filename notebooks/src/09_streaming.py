@@ -20,7 +20,6 @@
 import inspect
 import os
 import time
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -34,8 +33,7 @@ from npllm.context import Context
 from npllm.evaluate import streaming_nll
 from npllm.models.base import Model
 
-WEIGHTS = Path(os.environ.get("NPLLM_WEIGHTS") or "../weights")
-llm = npllm.load(WEIGHTS / "stories260K" / "stories260K.bin", WEIGHTS / "stories260K" / "tok512.bin")
+llm = npllm.load("stories260K")  # the copy shipped inside npllm, with its llama2.c tokenizer (tok512.bin)
 model, cfg = llm.model, llm.config
 
 
@@ -157,8 +155,7 @@ assert abs(after["sinks"] - after["recompute"]) < 0.1  # StreamingLLM stays with
 # queries (positions 64 and later) give to position 0, the BOS token:
 
 # %%
-ref = npllm.load(WEIGHTS / "stories260K" / "stories260K.bin", WEIGHTS / "stories260K" / "tok512.bin",
-                 backend="numpy").model
+ref = npllm.load("stories260K", backend="numpy").model
 calls, original = [], ops.attention
 
 

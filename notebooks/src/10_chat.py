@@ -11,9 +11,7 @@
 
 # %%
 import inspect
-import os
 import time
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -25,8 +23,7 @@ from npllm.chat import BUILTIN_TEMPLATES, render_chat_template
 from npllm.chat.session import ChatSession
 from npllm.context import Context, common_prefix
 
-WEIGHTS = Path(os.environ.get("NPLLM_WEIGHTS") or "../weights")
-llm = npllm.load(WEIGHTS / "stories260K" / "stories260K.bin", WEIGHTS / "stories260K" / "tok512.bin")
+llm = npllm.load("stories260K")  # the copy shipped inside npllm, with its llama2.c tokenizer (tok512.bin)
 tok = llm.tokenizer
 
 

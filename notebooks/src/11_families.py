@@ -24,7 +24,13 @@ from IPython.display import Markdown, display
 import npllm
 from npllm import ops
 
-FIXTURES = Path("..") / "tests" / "fixtures" / "hf"  # the notebooks run in notebooks/
+# The test fixtures of this repository (not part of the installed package): beside the notebooks (they run in
+# notebooks/), else beside the npllm this notebook imported (a checkout on the path).
+FIXTURES = next((d for d in (Path("../tests/fixtures/hf"), Path(npllm.__file__).parents[1] / "tests/fixtures/hf")
+                 if (d / "qwen3_moe").is_dir()), None)
+if FIXTURES is None:
+    raise FileNotFoundError("tests/fixtures/hf/qwen3_moe is not here: run this notebook in notebooks/ of a clone of "
+                            "the repository (the fixtures are part of the repository, not of the package)")
 
 
 def show(obj):

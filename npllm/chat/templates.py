@@ -138,8 +138,9 @@ OLMO2 = (
 BUILTIN_TEMPLATES = {"llama2": LLAMA2, "llama3": LLAMA3, "chatml": CHATML, "zephyr": ZEPHYR, "mistral": MISTRAL,
                      "gemma": GEMMA, "phi3": PHI3, "granite": GRANITE, "olmo2": OLMO2}
 # The built-in written in each architecture's (ModelConfig.arch) published layout, named when a checkpoint of that
-# architecture ships no template. Llama is left out: Llama 2 and Llama 3 chat models use different layouts.
-ARCH_TEMPLATES = {"mistral": "mistral", "mixtral": "mistral", "qwen2": "chatml", "qwen3": "chatml",
+# architecture ships no template. Llama is left out: Llama 2 and Llama 3 chat models use different layouts. A
+# llama2.c checkpoint (llama2c) is named llama2: the layout llama2.c's own chat mode (`run -m chat`) writes.
+ARCH_TEMPLATES = {"llama2c": "llama2", "mistral": "mistral", "mixtral": "mistral", "qwen2": "chatml", "qwen3": "chatml",
                   "qwen3_moe": "chatml", "gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma", "phi3": "phi3",
                   "granite": "granite", "granitemoe": "granite", "olmo2": "olmo2"}
 

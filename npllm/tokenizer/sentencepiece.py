@@ -27,6 +27,15 @@ class SentencePieceTokenizer(Tokenizer):
             self._sp.Load(self.name)
         except (OSError, RuntimeError) as e:  # sentencepiece reports a bad protobuf as OSError or RuntimeError
             raise TokenizerError(f"tokenizer {self.name} is not a readable SentencePiece model: {e}") from None
+        except UnicodeDecodeError as e:
+            # sentencepiece quotes the piece it refuses ("byte piece <0x6\xc3> is invalid"); a piece that is not
+            # UTF-8 makes that message itself undecodable, so its bytes are shown escaped
+            said = e.object.decode("utf-8", "backslashreplace") if isinstance(e.object, bytes) else str(e)
+            raise TokenizerError(f"tokenizer {self.name} is not a readable SentencePiece model: {said}") from None
+        kind = model_type(self._sp.serialized_model_proto())
+        if kind not in ("unigram", "BPE"):  # word and char models split text in ways no Llama-family model was fed
+            raise TokenizerError(f"tokenizer {self.name} declares SentencePiece model type {kind}; npllm reads BPE "
+                                 "and unigram models (the Llama family's tokenizers)")
         self.vocab_size = self._sp.vocab_size()
         self.bos_id, self.eos_id, self.unk_id = self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id()
         if self.bos_id < 0 or self.eos_id < 0:
@@ -75,3 +84,50 @@ class SentencePieceTokenizer(Tokenizer):
         if sp.is_unused(token_id):
             return TokenType.UNUSED
         return TokenType.NORMAL
+
+
+# TrainerSpec.model_type's values (sentencepiece_model.proto); a model that does not set it is unigram.
+MODEL_TYPES = {1: "unigram", 2: "BPE", 3: "word", 4: "char"}
+
+
+def model_type(proto: bytes) -> str:
+    """The model type a ModelProto as sentencepiece re-serializes it declares (its trainer_spec, field 2, holds
+    model_type, field 3), read with a few lines of protobuf wire format rather than a dependency on the protobuf
+    package. The first model_type counts: sentencepiece writes the value it uses first and keeps a value it does not
+    know behind it, as an unknown field; one that is alone is not a type sentencepiece knows, and said so."""
+    found = 1
+    for number, value in _fields(proto):
+        if number == 2 and isinstance(value, bytes):
+            found = next((v for n, v in _fields(value) if n == 3 and isinstance(v, int)), found)
+    return MODEL_TYPES.get(found, f"{found} (not a type sentencepiece knows)")
+
+
+def _fields(data: bytes):
+    """(field number, value) of each field of a protobuf message: an int for a varint, bytes otherwise."""
+    i = 0
+    while i < len(data):
+        key, i = _varint(data, i)
+        wire = key & 7
+        if wire == 0:
+            value, i = _varint(data, i)
+        elif wire == 2:
+            size, i = _varint(data, i)
+            value, i = data[i:i + size], i + size
+        elif wire in (1, 5):
+            size = 8 if wire == 1 else 4
+            value, i = data[i:i + size], i + size
+        else:
+            raise TokenizerError(f"a SentencePiece model with protobuf wire type {wire}, which it never holds")
+        yield key >> 3, value
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(data):
+            raise TokenizerError("a SentencePiece model that ends inside a number")
+        value |= (data[i] & 0x7F) << shift
+        shift += 7
+        i += 1
+        if data[i - 1] < 0x80:
+            return value, i
