@@ -16,6 +16,7 @@ an output: a run holds OUTPUT.lock (flock) from its start to its end, and a seco
 holding an id twice (two runs of an older npllm at once) is refused, not resumed: which line is right is unknown.
 
 Input lines are read at most max_line_bytes at a time: a longer one is an error line, skipped without being held.
+
 The model side (Runner) is the same in this process and in each Ray actor (npllm.ray): a ContinuousEngine with
 `slots` cache slots, fed in input order, each request computing exactly what it computes alone (greedy, or
 sampled with its own `seed`), so results do not depend on the batch size or the number of workers.
@@ -191,11 +192,17 @@ def _not_regular(path, mode: int, what: str) -> GenerationError:
     return GenerationError(f"{what} {path} is not a regular file ({kind}); it must be a file, new or a batch output")
 
 
+def _names_a_file(output) -> None:
+    if Path(output).name in ("", "."):  # "", ".", "/": nothing to put a name beside
+        raise GenerationError(f"--output {os.fspath(output)!r} names no file")
+
+
 @contextmanager
 def output_lock(output):
     """While it lasts, this process alone writes `output`: an exclusive flock on OUTPUT.lock beside it (links
     resolved), removed at the end; GenerationError at once when another run holds it. A lock file, not the output
     itself, so that a run refused before it writes leaves no output behind."""
+    _names_a_file(output)
     try:
         mode = os.stat(output).st_mode  # a FIFO or a device is refused here, before a lock file is made beside it
     except FileNotFoundError:
@@ -293,7 +300,8 @@ class Appender:
             try:
                 self.fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)  # no reader: ENXIO, no wait
             except OSError as e:
-                raise GenerationError(f"{what} {path}: cannot write it ({e.strerror})") from None
+                why = "a FIFO that no process reads" if e.errno == errno.ENXIO else e.strerror
+                raise GenerationError(f"{what} {path}: cannot write it ({why})") from None
             os.set_blocking(self.fd, True)
         self.regular = stat.S_ISREG(os.fstat(self.fd).st_mode)
 
@@ -322,6 +330,7 @@ class Appender:
 
 def errors_path(output) -> Path:
     """The default errors file: beside the output, out.jsonl -> out.errors.jsonl."""
+    _names_a_file(output)
     path = Path(output)
     return path.with_name(path.stem + ".errors" + (path.suffix or ".jsonl"))
 

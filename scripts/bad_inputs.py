@@ -1171,7 +1171,8 @@ def batch_output_cases(out: Path, weights: Path) -> list[Case]:
     return [Case("batch-output", f"batch: OUTPUT is {name}", files.argv(output=target),
                  check=unchanged(out, fifo, zero, folder))
             for name, target in (("a FIFO", fifo), ("a link to /dev/zero", zero), ("/dev/null", "/dev/null"),
-                                 ("a folder", folder), ("a file with an id twice", twice))]
+                                 ("a folder", folder), ("a file with an id twice", twice), ("an empty name", ""),
+                                 ("'.'", "."))]
 
 
 def disk_full_cases(out: Path, weights: Path) -> list[Case]:

@@ -116,6 +116,8 @@ def test_a_torn_last_line_is_cut_and_a_foreign_output_is_refused(tmp_path, capsy
 @pytest.mark.parametrize("argv, message", [
     (["-i", "{missing}", "-o", "{tmp}/out.jsonl"], "--input"),
     (["-i", "{tmp}/in.jsonl", "-o", "{tmp}/in.jsonl"], "are the same file"),
+    (["-i", "{tmp}/in.jsonl", "-o", ""], "names no file"),
+    (["-i", "{tmp}/in.jsonl", "-o", "{tmp}/."], "not a regular file (a folder)"),
     (["-i", "{tmp}/in.jsonl", "-o", "{tmp}/out.jsonl", "--workers", "2"], "--workers needs --ray"),
     (["-i", "{tmp}/in.jsonl", "-o", "{tmp}/out.jsonl", "--chat-template", "no-such-template"], "no-such-template"),
 ])
