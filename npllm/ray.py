@@ -31,6 +31,7 @@ import numpy as np
 from .batch import (DEFAULT_MAX_LINE_BYTES, DEFAULT_SLOTS, BadRequest, Plan, Runner, Summary, chat_template_for,
                     output_lock, plan, write_results)
 from .errors import GenerationError, NpllmError
+from .serve.protocol import ApiError, parse_json
 from .evaluate import Perplexity, chunk_nll, llama_cpp_chunks, perplexity_of
 
 OUTPUT_COLUMNS = ("generated_text", "tokens", "finish_reason", "prompt_tokens", "completion_tokens", "logprobs",
@@ -135,10 +136,13 @@ class Predictor:
 
     def _body(self, row: dict) -> dict | BadRequest:
         if self.json_column is not None:
+            text = row[self.json_column]
+            if not isinstance(text, (str, bytes)):
+                return BadRequest(f"column {self.json_column}: not JSON text (a {type(text).__name__})")
             try:
-                body = json.loads(row[self.json_column])
-            except (TypeError, ValueError) as e:
-                return BadRequest(f"column {self.json_column}: not JSON ({e})")
+                body = parse_json(text)  # nesting too deep for the parser included
+            except ApiError as e:
+                return BadRequest(f"column {self.json_column}: {e.message.replace('the request body ', '')}")
             return body if isinstance(body, dict) else BadRequest(f"column {self.json_column}: not an object")
         return {k: _plain(v) for k, v in row.items() if not _missing(_plain(v))}
 

@@ -319,3 +319,18 @@ def test_a_full_disk_is_one_error_line_and_leaves_no_half_line(tmp_path, capsys,
         status, err = batch(capsys, tmp_path, "--errors", "/dev/full")
         last = err.splitlines()[-1]
         assert status == 2 and last.startswith("npllm: error: --errors /dev/full") and "No space left" in last
+
+
+def test_a_ray_json_column_that_breaks_the_parser_is_a_bad_row():
+    """Predictor(json_column=...) reads each row's JSON by the same rules: 5,000 nested lists are the row's error
+    (were a RecursionError that ended the actor's batch), as is a cell that is not text."""
+    from types import SimpleNamespace
+
+    from npllm.batch import BadRequest
+    from npllm.ray import Predictor
+
+    host = SimpleNamespace(json_column="body")
+    for cell, says in (("[" * 5000, "nested too deeply"), ("{", "not JSON"), (None, "not JSON text")):
+        got = Predictor._body(host, {"body": cell})
+        assert isinstance(got, BadRequest) and says in str(got), got
+    assert Predictor._body(host, {"body": '{"prompt": "Once"}'}) == {"prompt": "Once"}
