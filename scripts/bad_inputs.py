@@ -1082,7 +1082,7 @@ class BatchFiles:
 
     def argv(self, *extra, output=None) -> list:
         return ["batch", "--model", self.model, "--backend", "numpy", "-i", str(self.input), "-o",
-                str(output or self.output), *extra]
+                str(self.output if output is None else output), *extra]
 
     def verdict(self, bad_line: int | None, good: tuple = ("good",)):
         """A Case.verdict: "accepted" when the bad line has a result or is not reported, "refused" when a good id
