@@ -1142,7 +1142,8 @@ def lenient_field_cases(out: Path, weights: Path) -> list[Case]:
 
 def lenient_field_probes() -> list[Probe]:
     return [Probe(f"completion: {name}", lambda port, fields=fields: send_raw(
-        port, post("/v1/completions", completion(**fields))), kind="lenient-fields") for name, fields in LENIENT.items()]
+        port, post("/v1/completions", completion(**fields))), kind="lenient-fields")
+            for name, fields in LENIENT.items()]
 
 
 def batch_input_cases(out: Path, weights: Path) -> list[Case]:
