@@ -8,10 +8,14 @@
     errors (one JSON object a line)   {"line", "id", "error"}: a line that is not a request, and why
 
 Resuming: the ids already in the output are skipped, so a run that is killed and started again ends with every id
-exactly once. Results are appended one whole line per write (a torn last line, from a crash of the machine, is cut
-off at the next start), and only in input order: a result waits until every earlier one is written, so a kill
-loses at most the requests in flight. The errors file describes the latest run (it is rewritten each run; a bad
-line is reported again by the next run, since it has no result).
+exactly once. Results are appended one whole line per write (a torn last line, from a crash of the machine or a
+write that failed, is cut off at the next start), and only in input order: a result waits until every earlier one
+is written, so a kill loses at most the requests in flight. The errors file describes the latest run (it is
+rewritten each run; a bad line is reported again by the next run, since it has no result). One run at a time writes
+an output: a run holds OUTPUT.lock (flock) from its start to its end, and a second one is refused at once. An output
+holding an id twice (two runs of an older npllm at once) is refused, not resumed: which line is right is unknown.
+
+Input lines are read at most max_line_bytes at a time: a longer one is an error line, skipped without being held.
 
 The model side (Runner) is the same in this process and in each Ray actor (npllm.ray): a ContinuousEngine with
 `slots` cache slots, fed in input order, each request computing exactly what it computes alone (greedy, or
@@ -21,22 +25,29 @@ Nothing here imports Ray.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import stat
 import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ChatTemplateError, GenerationError
-from .serve.protocol import (ApiError, Context, Output, chat_logprobs, completion_logprobs, parse_chat,
-                             parse_completion)
+from .serve.protocol import (ApiError, Context, Output, chat_logprobs, check_nesting, completion_logprobs,
+                             parse_chat, parse_completion, parse_json)
 
 DEFAULT_SLOTS = 8
 WINDOW_PER_SLOT = 2  # requests submitted ahead of the oldest unwritten one: 2 x slots keeps every slot busy
 MOST_TOKENS = 1 << 24  # no limit of our own on max_tokens: a request ends at its context, as `npllm generate` does
+DEFAULT_MAX_LINE_BYTES = 4 << 20  # 4x a server's default body limit; a whole 128K-token context as text fits
+SKIP_CHUNK = 1 << 16  # an over-long line is read past this many bytes at a time
+BOM = b"\xef\xbb\xbf"
 
 
 class BadRequest(Exception):
@@ -73,11 +84,13 @@ def id_key(id_) -> str:
 
 def parse_line(number: int, text: str) -> Line:
     """A line of the input as a request: a JSON object with an "id" (a string or an integer) and a "prompt" or
-    "messages"; the other fields are checked later, by the server's rules."""
+    "messages", nested no deeper than a server's body may be; the other fields are checked later, by the server's
+    rules."""
     try:
-        body = json.loads(text)
-    except ValueError as e:
-        raise BadRequest(f"not JSON: {e}") from None
+        body = parse_json(text)
+        check_nesting(body)
+    except ApiError as e:
+        raise BadRequest(e.message.replace("the request body", "the line")) from None
     if not isinstance(body, dict):
         raise BadRequest(f"a line must be a JSON object, got {type(body).__name__}")
     if "id" not in body:
@@ -90,63 +103,167 @@ def parse_line(number: int, text: str) -> Line:
     return Line(number, id_, body)
 
 
-def read_input(path) -> Iterator[tuple[int, str]]:
-    """(line number, text) of each non-blank line of a UTF-8 file."""
+def read_input(path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[tuple[int, str | BadRequest]]:
+    """(line number, text) of each non-blank line of a UTF-8 file (a byte order mark before the first is dropped);
+    (line number, BadRequest) for a line over max_line_bytes, which is read past in bounded pieces, never held."""
+    number = 0
     try:
-        with open(path, encoding="utf-8") as f:
-            for number, text in enumerate(f, 1):
+        with open(path, "rb") as f:
+            while line := f.readline(max_line_bytes + 1):
+                number += 1
+                if len(line) > max_line_bytes and not line.endswith(b"\n"):
+                    _skip_line(f)
+                    yield number, BadRequest(f"the line is longer than --max-line-bytes ({max_line_bytes} bytes)")
+                    continue
+                text = (line[len(BOM):] if number == 1 and line.startswith(BOM) else line).decode("utf-8")
                 if text.strip():
                     yield number, text
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise GenerationError(f"--input {path}: cannot read it ({e})") from None
+    except UnicodeDecodeError as e:
+        raise GenerationError(f"--input {path}: line {number} is not UTF-8 text ({e})") from None
+
+
+def _skip_line(f) -> None:
+    """Read past the rest of the current line."""
+    while (piece := f.readline(SKIP_CHUNK)) and not piece.endswith(b"\n"):
+        pass
 
 
 def finished_ids(output) -> set[str]:
     """The id keys already in the output file (none when it does not exist). A last line without its newline (the
     machine went down mid-write) is cut off, so that the next append starts a line; any other line that is not a
-    result means the file is not this command's output, and nothing is written to it."""
-    path = Path(output)
-    if not path.exists():
+    result means the file is not this command's output, and an id on two lines that two runs wrote to it at once:
+    nothing is written to it then."""
+    fd = open_regular(output, os.O_RDWR, "--output", absent_ok=True)
+    if fd is None:
         return set()
+    done: dict[str, int] = {}
+    with os.fdopen(fd, "rb") as f:
+        end = 0  # where the last whole line ends
+        for number, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                os.ftruncate(fd, end)
+                break
+            end += len(line)
+            key = _result_id(line, number, output)
+            if key in done:
+                raise GenerationError(f"--output {output}: line {number} repeats the id {key} of line {done[key]} "
+                                      f"(two runs wrote it at once?); remove the repeated lines before resuming")
+            done[key] = number
+    return set(done)
+
+
+def _result_id(line: bytes, number: int, output) -> str:
+    """The id key of a line of the output; GenerationError if the line is not a result."""
     try:
-        data = path.read_bytes()
+        record = parse_json(line)
+    except ApiError:
+        record = None
+    if not isinstance(record, dict) or "id" not in record:
+        raise GenerationError(f"--output {output}: line {number} is not a result of npllm batch; "
+                              f"refusing to append to it")
+    return id_key(record["id"])
+
+
+def open_regular(path, flags: int, what: str, absent_ok: bool = False) -> int | None:
+    """A descriptor on `path` (links followed) if it is a regular file; GenerationError naming `what` otherwise,
+    without blocking on a FIFO or reading a device. absent_ok: None when it does not exist (and flags do not
+    create it)."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except FileNotFoundError as e:
+        if absent_ok:
+            return None
+        raise GenerationError(f"{what} {path}: cannot open it ({e.strerror})") from None
     except OSError as e:
-        raise GenerationError(f"--output {output}: cannot read it ({e})") from None
-    whole = data[:data.rfind(b"\n") + 1]
-    if len(whole) < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(len(whole))
-    done = set()
-    for number, text in enumerate(whole.decode("utf-8", errors="replace").splitlines(), 1):
+        if e.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO with no reader (opened to write), a folder
+            raise _not_regular(path, stat.S_IFIFO if e.errno == errno.ENXIO else stat.S_IFDIR, what) from None
+        raise GenerationError(f"{what} {path}: cannot open it ({e.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _not_regular(path, mode, what)
+    return fd
+
+
+def _not_regular(path, mode: int, what: str) -> GenerationError:
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode) else "a device or a socket"
+    return GenerationError(f"{what} {path} is not a regular file ({kind}); it must be a file, new or a batch output")
+
+
+def _names_a_file(output) -> None:
+    if Path(output).name in ("", "."):  # "", ".", "/": nothing to put a name beside
+        raise GenerationError(f"--output {os.fspath(output)!r} names no file")
+
+
+@contextmanager
+def output_lock(output):
+    """While it lasts, this process alone writes `output`: an exclusive flock on OUTPUT.lock beside it (links
+    resolved), removed at the end; GenerationError at once when another run holds it. A lock file, not the output
+    itself, so that a run refused before it writes leaves no output behind."""
+    _names_a_file(output)
+    try:
+        mode = os.stat(output).st_mode  # a FIFO or a device is refused here, before a lock file is made beside it
+    except FileNotFoundError:
+        mode = stat.S_IFREG
+    except OSError as e:
+        raise GenerationError(f"--output {output}: cannot open it ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise _not_regular(output, mode, "--output")
+    lock = Path(output).resolve()
+    lock = lock.with_name(lock.name + ".lock")
+    fd = _locked(lock, output)
+    try:
+        yield
+    finally:
+        with suppress(OSError):
+            os.unlink(lock)  # still ours: anyone who opened it waits for the flock, then sees it gone (_locked)
+        os.close(fd)
+
+
+def _locked(lock: Path, output) -> int:
+    """A descriptor holding the flock on `lock`, which is still the file at that path (a run ending unlinks it: a
+    lock taken on the unlinked file would be no lock)."""
+    for _ in range(100):
         try:
-            record = json.loads(text)
-        except ValueError:
-            record = None
-        if not isinstance(record, dict) or "id" not in record:
-            raise GenerationError(f"--output {output}: line {number} is not a result of npllm batch; "
-                                  f"refusing to append to it")
-        done.add(id_key(record["id"]))
-    return done
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise GenerationError(f"--output {output}: cannot create its lock file {lock} ({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise GenerationError(f"--output {output} is being written by another npllm batch (it holds {lock}); "
+                                  f"wait for it to end, or choose another output") from None
+        with suppress(FileNotFoundError):
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                return fd
+        os.close(fd)
+    raise GenerationError(f"--output {output}: could not take its lock file {lock}")
 
 
-def plan(input_path, output, errors=None) -> Plan:
+def plan(input_path, output, errors=None, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Plan:
     """Read the input: each line a request (or an error), the ids already in the output skipped, a repeated id an
-    error on its later line. The three files must be different files."""
+    error on its later line. The three files must be different files; the output, when it exists, a regular file.
+    The caller holds output_lock(output) from here until the results are written."""
     paths = {"--input": input_path, "--output": output, "--errors": errors or errors_path(output)}
     for (a, pa), (b, pb) in [(x, y) for i, x in enumerate(paths.items()) for y in list(paths.items())[i + 1:]]:
         if Path(pa).resolve() == Path(pb).resolve():
             raise GenerationError(f"{a} and {b} are the same file ({pa})")
     done = finished_ids(output)
     pending, errors, seen, skipped = [], [], {}, 0
-    for number, text in read_input(input_path):
+    for number, text in read_input(input_path, max_line_bytes):
         try:
+            if isinstance(text, BadRequest):
+                raise text
             line = parse_line(number, text)
             key = id_key(line.id)
             if key in seen:
                 raise BadRequest(f"id {key} repeats line {seen[key]}")
             seen[key] = number
         except BadRequest as e:
-            errors.append(error_record(number, _id_of(text), str(e)))
+            errors.append(error_record(number, None if isinstance(text, BadRequest) else _id_of(text), str(e)))
             continue
         if key in done:
             skipped += 1
@@ -158,8 +275,8 @@ def plan(input_path, output, errors=None) -> Plan:
 def _id_of(text: str):
     """The id of a line, when it can be read; else None."""
     try:
-        body = json.loads(text)
-    except ValueError:
+        body = parse_json(text)
+    except ApiError:
         return None
     return body.get("id") if isinstance(body, dict) else None
 
@@ -170,19 +287,36 @@ def error_record(number: int, id_, reason: str) -> dict:
 
 class Appender:
     """A file that grows by whole lines: each record is one os.write on a descriptor opened for appending, so a
-    killed process leaves no half line."""
+    killed process leaves no half line, and a write that fails (a full disk) is taken back and raises
+    GenerationError. what: how errors name it ("--output"); regular: it must be a regular file (else any file that
+    takes writes, a FIFO with a reader or /dev/null)."""
 
-    def __init__(self, path, truncate: bool = False):
+    def __init__(self, path, what: str, truncate: bool = False, regular: bool = True):
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if truncate else 0)
-        try:
-            self.fd = os.open(path, flags, 0o644)
-        except OSError as e:
-            raise GenerationError(f"{path}: cannot write it ({e.strerror})") from None
+        self.path, self.what = path, what
+        if regular:
+            self.fd = open_regular(path, flags, what)
+        else:  # a FIFO with a reader, /dev/null: the errors file may be any file that takes writes
+            try:
+                self.fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)  # no reader: ENXIO, no wait
+            except OSError as e:
+                why = "a FIFO that no process reads" if e.errno == errno.ENXIO else e.strerror
+                raise GenerationError(f"{what} {path}: cannot write it ({why})") from None
+            os.set_blocking(self.fd, True)
+        self.regular = stat.S_ISREG(os.fstat(self.fd).st_mode)
 
     def write(self, record: dict) -> None:
         data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
-        while data:
-            data = data[os.write(self.fd, data):]
+        size = os.fstat(self.fd).st_size if self.regular else None
+        try:
+            while data:
+                data = data[os.write(self.fd, data):]
+        except OSError as e:
+            if size is not None:
+                with suppress(OSError):
+                    os.ftruncate(self.fd, size)  # no part of the line stays for a resume to read
+            raise GenerationError(f"{self.what} {self.path}: cannot write it ({e.strerror or e}); what was written "
+                                  f"before is kept, and a run started again goes on from there") from None
 
     def close(self) -> None:
         os.close(self.fd)
@@ -196,6 +330,7 @@ class Appender:
 
 def errors_path(output) -> Path:
     """The default errors file: beside the output, out.jsonl -> out.errors.jsonl."""
+    _names_a_file(output)
     path = Path(output)
     return path.with_name(path.stem + ".errors" + (path.suffix or ".jsonl"))
 
@@ -342,7 +477,8 @@ def write_results(work: Plan, results: Iterable[tuple[int, dict]], output, error
     start = time.perf_counter()
     summary = Summary(skipped=work.skipped, errors=len(work.errors))
     lines = {line.number: line for line in work.pending}
-    with Appender(output) as out, Appender(errors, truncate=True) as bad, \
+    with Appender(output, "--output") as out, \
+            Appender(errors, "--errors", truncate=True, regular=False) as bad, \
             tqdm(total=len(work.pending), unit="req", file=sys.stderr, disable=not progress) as bar:
         for record in work.errors:
             bad.write(record)

@@ -20,7 +20,8 @@
                 [--max-queue N] [--max-tokens-limit N] [--cors-origin URL] [--max-connections N]
                 [--header-timeout S] [--body-timeout S] [--keep-alive-timeout S]   an OpenAI-compatible HTTP server
     npllm batch --model M --input IN.jsonl --output OUT.jsonl [--ray [ADDRESS]] [--workers N] [--batch-size B]
-                [--errors FILE] [--chat-template NAME|FILE]       a JSONL file of requests, resumable (docs/batch.md)
+                [--errors FILE] [--chat-template NAME|FILE] [--max-line-bytes N]
+                                                       a JSONL file of requests, resumable (docs/batch.md)
 
 stdout gets the prompt followed by the completion and nothing else (with --prompt-file, each prompt and its
 completion, separated by blank lines); timings go to stderr. PROMPT "-" reads the prompt from stdin.
@@ -294,6 +295,8 @@ def add_batch(commands) -> None:
                             "an actor takes at a time)")
     batch.add_argument("--chat-template", default=None, metavar="NAME|FILE",
                        help='template for "messages" lines (default: the model\'s own)')
+    batch.add_argument("--max-line-bytes", type=whole(1, MOST_BODY), default=4 << 20, metavar="N",
+                       help="a longer input line is an error line, skipped unread (default 4 MiB)")
     batch.set_defaults(run=run_batch, compiles=True, command_parser=batch)
 
 
@@ -791,7 +794,7 @@ BATCH_NEEDS = (Needs("workers", "--ray", lambda args: args.ray is not None),)
 def run_batch(args) -> int:
     """npllm batch: the input's requests without a result in the output, in this process or on Ray Data; one
     summary line on stderr, nothing on stdout."""
-    from .batch import Runner, chat_template_for, errors_path, plan, run
+    from .batch import Runner, chat_template_for, errors_path, output_lock, plan, run
 
     check_combinations(args, needs=BATCH_NEEDS)
     check_template_limits()
@@ -802,18 +805,20 @@ def run_batch(args) -> int:
         if args.chat_template is not None:
             chat_template_for(args.chat_template, None)  # a template that cannot be read: an error before Ray starts
         summary = run_on_ray(args.model, args.input, args.output, errors, address=args.ray or None,
-                             workers=args.workers, batch_size=args.batch_size, tokenizer=args.tokenizer,
-                             backend=args.backend, threads=args.threads, chat_template=args.chat_template,
-                             weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, context=args.context)
+                             workers=args.workers, batch_size=args.batch_size, max_line_bytes=args.max_line_bytes,
+                             tokenizer=args.tokenizer, backend=args.backend, threads=args.threads,
+                             chat_template=args.chat_template, weight_dtype=args.weight_dtype,
+                             kv_dtype=args.kv_dtype, context=args.context)
     else:
         from .chat import chat_template_name
 
-        work = plan(args.input, args.output, errors)  # bad files are refused before the model loads
-        llm = load_with_tokenizer(args, kv_dtype=args.kv_dtype)
-        template, problem = chat_template_for(args.chat_template, llm.source, llm.config.arch)
-        runner = Runner(llm, None, template, problem, chat_template_name(args.chat_template, llm.source),
-                        args.batch_size)
-        summary = run(runner, work, args.output, errors)
+        with output_lock(args.output):  # held from the reading of the output to the last result written
+            work = plan(args.input, args.output, errors, args.max_line_bytes)  # bad files: refused before the load
+            llm = load_with_tokenizer(args, kv_dtype=args.kv_dtype)
+            template, problem = chat_template_for(args.chat_template, llm.source, llm.config.arch)
+            runner = Runner(llm, None, template, problem, chat_template_name(args.chat_template, llm.source),
+                            args.batch_size)
+            summary = run(runner, work, args.output, errors)
     print(summary.line(args.output, errors), file=sys.stderr)
     return 0
 

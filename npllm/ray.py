@@ -28,8 +28,10 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from .batch import DEFAULT_SLOTS, BadRequest, Plan, Runner, Summary, chat_template_for, plan, write_results
+from .batch import (DEFAULT_MAX_LINE_BYTES, DEFAULT_SLOTS, BadRequest, Plan, Runner, Summary, chat_template_for,
+                    output_lock, plan, write_results)
 from .errors import GenerationError, NpllmError
+from .serve.protocol import ApiError, parse_json
 from .evaluate import Perplexity, chunk_nll, llama_cpp_chunks, perplexity_of
 
 OUTPUT_COLUMNS = ("generated_text", "tokens", "finish_reason", "prompt_tokens", "completion_tokens", "logprobs",
@@ -134,10 +136,13 @@ class Predictor:
 
     def _body(self, row: dict) -> dict | BadRequest:
         if self.json_column is not None:
+            text = row[self.json_column]
+            if not isinstance(text, (str, bytes)):
+                return BadRequest(f"column {self.json_column}: not JSON text (a {type(text).__name__})")
             try:
-                body = json.loads(row[self.json_column])
-            except (TypeError, ValueError) as e:
-                return BadRequest(f"column {self.json_column}: not JSON ({e})")
+                body = parse_json(text)  # nesting too deep for the parser included
+            except ApiError as e:
+                return BadRequest(f"column {self.json_column}: {e.message.replace('the request body ', '')}")
             return body if isinstance(body, dict) else BadRequest(f"column {self.json_column}: not an object")
         return {k: _plain(v) for k, v in row.items() if not _missing(_plain(v))}
 
@@ -199,24 +204,33 @@ def _ordered(ray):
 
 
 def run_batch(model, input_path, output, errors, *, address: str | None = None, workers: int = 1,
-              batch_size: int = DEFAULT_SLOTS, progress: bool = True, **loading) -> Summary:
+              batch_size: int = DEFAULT_SLOTS, progress: bool = True, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+              **loading) -> Summary:
     """npllm batch --ray: the input's pending lines as a dataset, run through `workers` Predictor actors (each with
-    `batch_size` slots and `threads` CPUs, default 1), the results appended in input order as they arrive.
-    loading: how each actor loads the model, Predictor's keywords (tokenizer, backend, threads, chat_template,
-    weight_dtype, kv_dtype); one it does not take is a TypeError here, before Ray starts."""
+    `batch_size` slots and `threads` CPUs, default 1), the results appended in input order as they arrive, the
+    output locked throughout (npllm.batch.output_lock). loading: how each actor loads the model, Predictor's
+    keywords (tokenizer, backend, threads, chat_template, weight_dtype, kv_dtype); one it does not take is a
+    TypeError here, before Ray starts."""
     predictor = dict(model=str(model), slots=batch_size, json_column="body", **loading)
     inspect.signature(Predictor).bind(**predictor)
     ray = require_ray()
-    work: Plan = plan(input_path, output, errors)
-    if not work.pending:
-        return write_results(work, iter(()), output, errors, progress)
+    with output_lock(output):
+        work: Plan = plan(input_path, output, errors, max_line_bytes)
+        if not work.pending:
+            return write_results(work, iter(()), output, errors, progress)
+        return _run_on_ray(ray, address, work, output, errors, workers, batch_size, progress, predictor)
+
+
+def _run_on_ray(ray, address, work: Plan, output, errors, workers: int, batch_size: int, progress: bool,
+                predictor: dict) -> Summary:
+    """run_batch's part on the cluster: joined (or started) for the run, left at its end."""
     joined = _connect(ray, address)
     try:
         rows = [{"line": line.number, "body": json.dumps(line.body)} for line in work.pending]
         with _ordered(ray):
             done = ray.data.from_items(rows).map_batches(
                 Predictor, batch_size=batch_size, batch_format="numpy", compute=_pool(ray, workers),
-                num_cpus=loading.get("threads") or 1, fn_constructor_kwargs=predictor)
+                num_cpus=predictor.get("threads") or 1, fn_constructor_kwargs=predictor)
             results = ((int(row["line"]), record_of(row)) for row in done.iter_rows())
             return write_results(work, results, output, errors, progress)
     finally:

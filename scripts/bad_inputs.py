@@ -20,7 +20,13 @@ held connections while /health is asked, a disconnect mid-body, empty and wrong 
 runaway chat template), non-finite factors (longrope factor lists with NaN, infinities, 0 or negatives in
 config.json and GGUF; partial_rotary_factor in both config.json layouts), env limits (NPLLM_TEMPLATE_* variables
 out of range for chat and serve), killed template worker (the same server's idle template worker SIGKILLed: the
-next chat must answer 200). --kinds K ... runs only those; --sample leaves out http and killed template worker.
+next chat must answer 200), deep-fields (batch lines and served bodies with unknown fields nested 500 to 5,000
+deep), lenient-fields (logit_bias keys int() would take, "yes" for a boolean, 10**400 for a number: batch lines and
+served bodies), batch-input (a byte order mark, a 10 MB line), batch-output (npllm batch's OUTPUT a FIFO, a link to
+/dev/zero, a folder, a file with an id twice; two runs on one output at once), disk-full (OUTPUT or --errors on
+/dev/full, OUTPUT past a file-size limit). A batch line must become an error line while the job goes on: a result
+for it counts as "accepted". --kinds K ... runs only those; --sample leaves out the probes of a served model
+(http, killed template worker, the served deep and lenient fields) and the two runs at once.
 
 Inputs are derived from stories260K (llama2.c .bin, and written here as GGUF) and the qwen2_bias HF fixture in
 tests/fixtures/hf; --sample N runs a deterministic sample of N cases (tests/test_bad_inputs.py runs a small one).
@@ -66,6 +72,8 @@ class Case:
     expect: str = "error"  # "error": must be refused (exit 2, nothing on stdout); "ok": must run; "any": either
     env: dict | None = None  # environment variables set for this case only
     check: object = None  # called after the run: a str saying what the run damaged (a FIFO replaced), or None
+    verdict: object = None  # called after the run: "accepted" or "refused" for what the run's files show, or None
+    file_limit: int | None = None  # RLIMIT_FSIZE of the child: its writes past it fail (EFBIG), as on a full disk
 
 
 @dataclass
@@ -91,13 +99,18 @@ class Result:
 # Running
 
 
-def limit_memory():
+def limit_memory(file_limit: int | None = None):
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+    if file_limit is not None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
 
 
 def run_case(case: Case, timeout: float, cwd: Path) -> Result:
     result = run_process(case, timeout, cwd)
     result.damaged = case.check() if case.check is not None else None
+    found = case.verdict() if case.verdict is not None and not result.hang else None
+    if found:
+        setattr(result, found, True)
     return result
 
 
@@ -109,7 +122,7 @@ def run_process(case: Case, timeout: float, cwd: Path) -> Result:
     env.pop("NPLLM_WEIGHTS", None)
     try:
         done = subprocess.run(argv, input=case.stdin if case.stdin is not None else b"", capture_output=True,
-                              cwd=cwd, env=env, timeout=timeout, preexec_fn=limit_memory)
+                              cwd=cwd, env=env, timeout=timeout, preexec_fn=lambda: limit_memory(case.file_limit))
     except subprocess.TimeoutExpired as e:
         return Result(case, None, b"Traceback" in (e.stderr or b""), True, False, False, False, False,
                       (e.stderr or b"")[-300:].decode(errors="replace"))
@@ -1175,9 +1188,6 @@ def http_probes() -> list[Probe]:
 
 # The server's template worker killed while idle, as the OOM killer would (SIGKILL): the next chat must still work.
 
-HTTP_KINDS = ("http", "killed template worker")
-
-
 def template_workers(parent: int) -> list[int]:
     """The pids of process `parent`'s live chat template workers (npllm/chat/sandbox.py)."""
     found = []
@@ -1216,10 +1226,17 @@ def killed_worker_probes(server: Server) -> list[Probe]:
                   kind="killed template worker") for wait in (True, False)]
 
 
-def http_results(out: Path, weights: Path, timeout: float) -> list[Result]:
+def http_results(out: Path, weights: Path, timeout: float, kinds: list | None = None) -> list[Result]:
+    def wanted(probe: Probe) -> bool:
+        return not kinds or probe.kind in kinds
+
+    probes = [p for p in http_probes() + deep_field_probes() + lenient_field_probes() if wanted(p)]
+    if not probes and kinds and "killed template worker" not in kinds:
+        return []
     server = Server(out, weights)
     try:
-        return [run_probe(server, probe, timeout) for probe in http_probes() + killed_worker_probes(server)]
+        probes += [p for p in killed_worker_probes(server) if wanted(p)]
+        return [run_probe(server, probe, timeout) for probe in probes]
     finally:
         server.stop()
 
@@ -1243,13 +1260,223 @@ def run_probe(server: Server, probe: Probe, timeout: float) -> Result:
                   stderr_tail=logged[-300:])
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# npllm batch: a bad line is an error line and the job goes on (exit 0, the good line's result written, the bad one
+# in the errors file and not in the output: else "accepted", or "refused" for a good line without its result); a
+# bad output file or a failed write is one error line. Kinds: deep-fields, lenient-fields (also as HTTP probes on
+# the served bodies), batch-input, batch-output (also two runs at once: batch_race_results), disk-full.
+
+DEPTHS = (500, 700, 980, 5000)
+GOOD_LINE = json.dumps({"id": "good", "prompt": "Once", "max_tokens": 2, "temperature": 0})
+LENIENT = {  # name -> fields a request must be refused for (OpenAI's types, strictly)
+    **{f"logit_bias key {key!r}": {"logit_bias": {key: 5}} for key in (" 1", "1_0", "\u0661", "00001", "+1")},
+    "logit_bias keys '00001' and '1'": {"logit_bias": {"00001": 5, "1": -5}},
+    "include_usage 'yes'": {"stream": True, "stream_options": {"include_usage": "yes"}},
+    "echo 0": {"echo": 0},
+    "temperature 10**400": {"temperature": 10 ** 400},
+}
+
+
+def nested_json(depth: int) -> str:
+    """An object nested `depth` deep, as text (json.dumps would recurse as deep)."""
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+def read_records(path: Path) -> list[dict]:
+    """The JSON objects of a JSONL file's lines (none when it cannot be read)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            pass
+    return [r for r in records if isinstance(r, dict)]
+
+
+class BatchFiles:
+    """The input, output and errors files of one batch case in `folder`, and the command line that runs them."""
+
+    def __init__(self, folder: Path, weights: Path, number: int):
+        self.input, self.output = folder / f"b{number}.jsonl", folder / f"b{number}.out.jsonl"
+        self.errors = folder / f"b{number}.out.errors.jsonl"
+        self.model = str(weights / "stories260K" / "stories260K.bin")
+
+    def argv(self, *extra, output=None) -> list:
+        return ["batch", "--model", self.model, "--backend", "numpy", "-i", str(self.input), "-o",
+                str(self.output if output is None else output), *extra]
+
+    def verdict(self, bad_line: int | None, good: tuple = ("good",)):
+        """A Case.verdict: "accepted" when the bad line has a result or is not reported, "refused" when a good id
+        has no result."""
+        def verdict() -> str | None:
+            ids = [r.get("id") for r in read_records(self.output)]
+            reported = {e.get("line") for e in read_records(self.errors)}
+            if "bad" in ids or (bad_line is not None and bad_line not in reported):
+                return "accepted"
+            return "refused" if any(g not in ids for g in good) else None
+
+        return verdict
+
+
+def batch_line_cases(out: Path, weights: Path, kind: str, lines: dict, extra=()) -> list[Case]:
+    """One case per (name -> bad line): the good line, then the bad one (line 2), with the bad line's id "bad"."""
+    cases = []
+    for name, bad in lines.items():
+        files = BatchFiles(out, weights, len(list(out.iterdir())))
+        files.input.write_bytes(GOOD_LINE.encode() + b"\n" + (bad if isinstance(bad, bytes) else bad.encode())
+                                + b"\n")
+        cases.append(Case(kind, f"batch: {name}", files.argv(*extra), expect="ok", verdict=files.verdict(2)))
+    return cases
+
+
+def deep_field_cases(out: Path, weights: Path) -> list[Case]:
+    lines = {}
+    for depth in DEPTHS:
+        lines[f"an unknown field nested {depth} deep"] = ('{"id": "bad", "prompt": "Once", "extra": '
+                                                          + nested_json(depth) + "}")
+        lines[f"a message's unknown field nested {depth} deep"] = (
+            '{"id": "bad", "messages": [{"role": "user", "content": "Hi", "extra": ' + nested_json(depth) + "}]}")
+        lines[f"a prompt of {depth} nested lists"] = '{"id": "bad", "prompt": ' + "[" * depth + "]" * depth + "}"
+    return batch_line_cases(out, weights, "deep-fields", lines, ("--chat-template", "chatml"))
+
+
+def deep_field_probes() -> list[Probe]:
+    def chat(extra: str) -> bytes:
+        return ('{"model": "stories260K", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi", "extra": '
+                + extra + "}]}").encode()
+
+    probes = []
+    for depth in DEPTHS:
+        deep = nested_json(depth)
+        probes.append(Probe(f"chat: a message's unknown field nested {depth} deep", lambda port, deep=deep: send_raw(
+            port, post("/v1/chat/completions", chat(deep))), kind="deep-fields"))
+        probes.append(Probe(f"completion: an unknown field nested {depth} deep", lambda port, deep=deep: send_raw(
+            port, post("/v1/completions", completion()[:-1] + b', "extra": ' + deep.encode() + b"}")),
+            kind="deep-fields"))
+    return probes
+
+
+def lenient_field_cases(out: Path, weights: Path) -> list[Case]:
+    lines = {name: json.dumps({"id": "bad", "prompt": "Once", **fields}) for name, fields in LENIENT.items()}
+    return batch_line_cases(out, weights, "lenient-fields", lines)
+
+
+def lenient_field_probes() -> list[Probe]:
+    return [Probe(f"completion: {name}", lambda port, fields=fields: send_raw(
+        port, post("/v1/completions", completion(**fields))), kind="lenient-fields")
+            for name, fields in LENIENT.items()]
+
+
+def batch_input_cases(out: Path, weights: Path) -> list[Case]:
+    huge = json.dumps({"id": "bad", "prompt": "x" * (10 << 20)})
+    cases = batch_line_cases(out, weights, "batch-input", {
+        "a 10 MB line": huge, "a byte order mark before line 2": "\ufeff" + json.dumps({"id": "bad", "prompt": "x"})})
+    files = BatchFiles(out, weights, len(list(out.iterdir())))
+    files.input.write_bytes(b"\xef\xbb\xbf" + GOOD_LINE.encode() + b"\n")
+    cases.append(Case("batch-input", "batch: a byte order mark before line 1", files.argv(), expect="ok",
+                      verdict=files.verdict(None)))
+    return cases
+
+
+def batch_output_cases(out: Path, weights: Path) -> list[Case]:
+    """Outputs that are no regular file (refused before anything is read: a FIFO blocked the reading forever, a link
+    to /dev/zero read until memory ran out), and an output holding an id twice (refused, not resumed)."""
+    files = BatchFiles(out, weights, len(list(out.iterdir())))
+    files.input.write_text(GOOD_LINE + "\n")
+    fifo, zero, folder = out / "batch_fifo.jsonl", out / "batch_zero.jsonl", out / "batch_folder.jsonl"
+    os.mkfifo(fifo)
+    zero.symlink_to("/dev/zero")
+    folder.mkdir()
+    twice = out / "batch_twice.jsonl"
+    result = {"text": "", "tokens": [], "finish_reason": "stop", "usage": {}}
+    twice.write_text("".join(json.dumps({"id": i, **result}) + "\n" for i in ("x", "y", "x")))
+    return [Case("batch-output", f"batch: OUTPUT is {name}", files.argv(output=target),
+                 check=unchanged(out, fifo, zero, folder))
+            for name, target in (("a FIFO", fifo), ("a link to /dev/zero", zero), ("/dev/null", "/dev/null"),
+                                 ("a folder", folder), ("a file with an id twice", twice), ("an empty name", ""),
+                                 ("'.'", "."))]
+
+
+def disk_full_cases(out: Path, weights: Path) -> list[Case]:
+    """The output on /dev/full (refused: a device), the errors file on /dev/full (ENOSPC), and an output whose
+    writes fail past a file-size limit (EFBIG, half-way through a line): one error line each; after the last, a
+    run without the limit must end with every id once (nothing half-written misread)."""
+    cases = []
+    files = BatchFiles(out, weights, len(list(out.iterdir())))
+    files.input.write_text(GOOD_LINE + "\nnot json\n")
+    cases.append(Case("disk-full", "batch: OUTPUT on /dev/full", files.argv(output="/dev/full")))
+    cases.append(Case("disk-full", "batch: --errors /dev/full", files.argv("--errors", "/dev/full")))
+    files = BatchFiles(out, weights, len(list(out.iterdir())))
+    rows = [{"id": f"r{i}", "prompt": "Once", "max_tokens": 4, "temperature": 0} for i in range(6)]
+    files.input.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def resumed() -> str | None:
+        done = subprocess.run([sys.executable, "-m", "npllm", *files.argv()], capture_output=True, cwd=out,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=300)
+        ids = [r.get("id") for r in read_records(files.output)]
+        if done.returncode != 0 or ids != [r["id"] for r in rows]:
+            return f"the run without the limit: exit {done.returncode}, ids {ids}"
+        return None
+
+    cases.append(Case("disk-full", "batch: OUTPUT past a 400-byte file-size limit", files.argv(), file_limit=400,
+                      check=resumed))
+    return cases
+
+
+def batch_cases(out: Path, weights: Path) -> list[Case]:
+    folder = out / "batch"
+    folder.mkdir()
+    return (deep_field_cases(folder, weights) + lenient_field_cases(folder, weights)
+            + batch_input_cases(folder, weights) + batch_output_cases(folder, weights)
+            + disk_full_cases(folder, weights))
+
+
+def batch_race_results(out: Path, weights: Path, timeout: float, kinds: list | None = None) -> list[Result]:
+    """Two runs on one output at once: the second must be refused (else "accepted"), the first must end with every
+    id once (else "damaged")."""
+    if kinds and "batch-output" not in kinds:
+        return []
+    folder = out / "batch_race"
+    folder.mkdir()
+    files = BatchFiles(folder, weights, 0)
+    rows = [{"id": i, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0} for i in range(30)]
+    files.input.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = [sys.executable, "-m", "npllm", *files.argv("--batch-size", "1")]
+    first = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=folder,
+                             env=dict(os.environ, PYTHONPATH=str(REPO)), preexec_fn=limit_memory)
+    try:
+        deadline = time.monotonic() + timeout
+        while not read_records(files.output) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started = first.poll() is None
+        result = run_process(Case("batch-output", "batch: a second run on the output of a running one",
+                                  files.argv()), timeout, folder)
+        first.wait(timeout)
+    except subprocess.TimeoutExpired:
+        result.hang = True
+    finally:
+        first.kill()
+        first.wait()
+    ids = [r.get("id") for r in read_records(files.output)]
+    if not started:
+        result.damaged = f"the first run ended (exit {first.returncode}) before the second began: nothing was tried"
+    elif ids != list(range(len(rows))):
+        result.damaged = f"the first run: exit {first.returncode}, {len(ids)} results for {len(set(ids))} ids"
+    return [result]
+
+
 def all_cases(out: Path, weights: Path) -> list[Case]:
     os.mkfifo(out / "fifo")
     (out / "fifo_dir").mkdir()
     return (llama2c_cases(out, weights) + hf_cases(out) + gguf_cases(out, weights) + tokenizer_cases(out, weights)
             + prompt_cases(out) + flag_cases(out) + combination_cases(out) + template_cases(out)
             + output_cases(out, weights) + tokenizer_field_cases(out, weights) + non_finite_cases(out, weights)
-            + rope_factor_cases(out) + env_limit_cases(out) + sentencepiece_cases(out, weights))
+            + rope_factor_cases(out) + env_limit_cases(out) + sentencepiece_cases(out, weights)
+            + batch_cases(out, weights))
 
 
 def main(argv=None) -> int:
@@ -1272,9 +1499,9 @@ def main(argv=None) -> int:
             cases = random.Random(0).sample(cases, min(args.sample, len(cases)))
         with ThreadPoolExecutor(args.jobs) as pool:
             results = list(pool.map(lambda c: run_case(c, args.timeout, out), cases))
-        if not args.sample and (args.kinds is None or set(HTTP_KINDS) & set(args.kinds)):
-            results += [r for r in http_results(out / "files", args.weights, args.timeout)
-                        if args.kinds is None or r.case.kind in args.kinds]
+        if not args.sample:
+            results += http_results(out / "files", args.weights, args.timeout, args.kinds)
+            results += batch_race_results(out / "files", args.weights, args.timeout, args.kinds)
     return report(results, args.json)
 
 

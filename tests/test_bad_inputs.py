@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -187,3 +188,13 @@ def test_broken_sentencepiece_models_are_one_clear_error_each(tmp_path, weights_
     assert npllm.cli.main(undecodable.args) == 2
     err = capsys.readouterr().err
     assert err.startswith("npllm: error: ") and err.count("\n") == 1 and "<0x6\\xc3>" in err, err
+
+
+def test_the_campaigns_batch_input_and_disk_full_kinds_find_no_problem(weights_dir, stories260k, capsys):
+    """npllm batch through the real CLI: a BOM, a 10 MB line, OUTPUT and --errors on /dev/full, and OUTPUT past a
+    file-size limit (EFBIG half-way through a line; then a run without the limit must end with every id once)."""
+    status = bad_inputs.main(["--weights", str(weights_dir), "--kinds", "batch-input", "disk-full", "--jobs", "2",
+                              "--timeout", "120"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "PROBLEM" not in out and re.search(r"disk-full +3 ", out) and re.search(r"batch-input +3 ", out)

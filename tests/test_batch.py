@@ -116,6 +116,8 @@ def test_a_torn_last_line_is_cut_and_a_foreign_output_is_refused(tmp_path, capsy
 @pytest.mark.parametrize("argv, message", [
     (["-i", "{missing}", "-o", "{tmp}/out.jsonl"], "--input"),
     (["-i", "{tmp}/in.jsonl", "-o", "{tmp}/in.jsonl"], "are the same file"),
+    (["-i", "{tmp}/in.jsonl", "-o", ""], "names no file"),
+    (["-i", "{tmp}/in.jsonl", "-o", "{tmp}/."], "not a regular file (a folder)"),
     (["-i", "{tmp}/in.jsonl", "-o", "{tmp}/out.jsonl", "--workers", "2"], "--workers needs --ray"),
     (["-i", "{tmp}/in.jsonl", "-o", "{tmp}/out.jsonl", "--chat-template", "no-such-template"], "no-such-template"),
 ])
@@ -162,3 +164,173 @@ def test_npllm_imports_and_runs_without_ray():
     done = subprocess.run([sys.executable, "-c", code, __file__], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr.startswith("npllm: error:") and ".[ray]" in done.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad input lines, output files and write failures (the third bad-input campaign): one error line or one
+# `npllm: error:` line each, never a traceback, a hang or a job that dies on a line
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def batch(capsys, tmp_path, *extra) -> tuple[int, str]:
+    status, out, err = npllm(capsys, "batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+                             *extra)
+    assert out == "" and "Traceback" not in err
+    return status, err
+
+
+def nested(depth: int, leaf=1):
+    for _ in range(depth):
+        leaf = {"a": leaf}
+    return leaf
+
+
+def test_a_line_over_the_limit_is_an_error_line_read_past_in_pieces(tmp_path, capsys):
+    """A 10 MB request line (a valid request, but past the default 4 MiB) is an error line and the lines after it
+    run; the reading never holds it whole (the peak of what Python allocated stays under it)."""
+    import tracemalloc
+
+    from npllm.batch import plan
+
+    huge = json.dumps({"id": "huge", "prompt": "x" * (10 << 20)})
+    write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "Once", "max_tokens": 3}, huge,
+                                        {"id": 2, "prompt": "The cat", "max_tokens": 3}])
+    tracemalloc.start()
+    try:
+        work = plan(tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [line.id for line in work.pending] == [1, 2] and peak < (10 << 20)
+    assert work.errors == [{"line": 2, "id": None, "error": f"the line is longer than --max-line-bytes ({4 << 20} "
+                                                            f"bytes)"}]
+    status, err = batch(capsys, tmp_path, "--max-line-bytes", "1000")
+    assert status == 0 and "2 results written" in err and "1 bad lines" in err
+    assert [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")] == [1, 2]
+    assert "--max-line-bytes (1000 bytes)" in read_jsonl(tmp_path / "out.errors.jsonl")[0]["error"]
+
+
+def test_lines_nested_too_deep_are_error_lines_and_the_job_goes_on(tmp_path, capsys):
+    """5,000 nested lists (past the JSON parser's recursion), and a message with an unknown field nested 100 and
+    700 deep (past the chat template's value conversion): error lines, the others run, a resume too."""
+    write_jsonl(tmp_path / "in.jsonl", [
+        {"id": 1, "prompt": "Once", "max_tokens": 3},
+        '{"id": 2, "prompt": "x", "extra": ' + "[" * 5000 + "]" * 5000 + "}",
+        {"id": 3, "messages": [{"role": "user", "content": "Hi", "extra": nested(700)}]},
+        {"id": 4, "messages": [{"role": "user", "content": "Hi", "extra": nested(100)}]},
+        {"id": 5, "messages": [{"role": "user", "content": "Hi", "extra": nested(3)}], "max_tokens": 3},
+    ])
+    for _ in range(2):
+        status, err = batch(capsys, tmp_path, "--chat-template", "chatml")
+        assert status == 0 and "3 bad lines" in err
+    assert [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")] == [1, 5]
+    errors = read_jsonl(tmp_path / "out.errors.jsonl")
+    assert [e["line"] for e in errors] == [2, 3, 4] and all("nested" in e["error"] for e in errors)
+
+
+def test_a_byte_order_mark_before_the_first_line_is_dropped(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"id": 1, "prompt": "Once", "max_tokens": 3})
+                                        .encode() + b"\n")
+    status, err = batch(capsys, tmp_path)
+    assert status == 0 and "1 results written" in err and "0 bad lines" in err
+
+
+def test_a_second_run_on_the_same_output_is_refused_while_the_first_runs(tmp_path, capsys):
+    """Two runs at once on one output: the second is one error line at once, and the first writes every id once."""
+    rows = [{"id": i, "prompt": PROMPTS[i % 4], "max_tokens": 200, "temperature": 0} for i in range(30)]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    first = subprocess.Popen([sys.executable, "-m", "npllm", "batch", "-i", str(tmp_path / "in.jsonl"), "-o",
+                              str(out), "--batch-size", "1", "--backend", "numpy"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while (not out.exists() or not out.read_text()) and time.monotonic() < deadline:
+            assert first.poll() is None, first.stderr.read().decode()
+            time.sleep(0.01)
+        assert first.poll() is None, "the first run ended before the second started"
+        status, err = batch(capsys, tmp_path)
+        assert status == 2 and err.startswith("npllm: error: --output") and "another npllm batch" in err
+        assert first.wait(240) == 0
+    finally:
+        first.kill()
+        first.wait()
+    assert [r["id"] for r in read_jsonl(out)] == list(range(30))
+    assert not (tmp_path / "out.jsonl.lock").exists()
+
+
+def test_an_output_with_a_repeated_id_is_refused(tmp_path, capsys):
+    write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": "Once", "max_tokens": 3} for i in range(3)])
+    result = {"text": "x", "tokens": [], "finish_reason": "stop", "usage": {}}
+    write_jsonl(tmp_path / "out.jsonl", [{"id": 0, **result}, {"id": 1, **result}, {"id": 0, **result}])
+    before = (tmp_path / "out.jsonl").read_text()
+    status, err = batch(capsys, tmp_path)
+    assert status == 2 and err.startswith("npllm: error:") and "line 3 repeats the id 0 of line 1" in err
+    assert (tmp_path / "out.jsonl").read_text() == before
+
+
+def test_an_output_that_is_a_fifo_or_a_device_is_refused_at_once(tmp_path):
+    """A FIFO (which would block the reading of the output forever) and a link to /dev/zero (endless): refused before
+    anything is read, in a child with a bounded address space and a deadline."""
+    import resource
+
+    write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "Once"}])
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    (tmp_path / "zero.jsonl").symlink_to("/dev/zero")
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    for output, kind in (("fifo.jsonl", "a FIFO"), ("zero.jsonl", "a device")):
+        done = subprocess.run([sys.executable, "-m", "npllm", "batch", "-i", str(tmp_path / "in.jsonl"), "-o",
+                               str(tmp_path / output)], capture_output=True, text=True, timeout=60, preexec_fn=limit)
+        assert (done.returncode, done.stdout) == (2, "")
+        assert done.stderr.startswith("npllm: error: --output") and f"not a regular file ({kind}" in done.stderr
+    assert (tmp_path / "fifo.jsonl").is_fifo() and (tmp_path / "zero.jsonl").is_symlink()
+
+
+def test_a_full_disk_is_one_error_line_and_leaves_no_half_line(tmp_path, capsys, monkeypatch):
+    """The second result's write fails half-way with ENOSPC: one error line, the output holds the first result
+    alone (the half line is taken back), and a run started again completes it. An errors file on /dev/full: the
+    same error line."""
+    import errno
+
+    write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": "Once", "max_tokens": 3} for i in range(3)] + ["bad"])
+    real_write, results = os.write, []
+
+    def full_disk(fd, data):
+        if bytes(data).startswith(b'{"id"'):
+            results.append(data)
+            if len(results) == 2:
+                real_write(fd, data[:len(data) // 2])
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_disk)
+    status, err = batch(capsys, tmp_path)
+    monkeypatch.undo()
+    last = err.splitlines()[-1]  # after the progress bar
+    assert status == 2 and last.startswith("npllm: error: --output") and "No space left on device" in last
+    assert [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")] == [0]
+    status, err = batch(capsys, tmp_path)
+    assert status == 0 and "2 results written" in err and "1 already there" in err
+    assert [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")] == [0, 1, 2]
+    if os.path.exists("/dev/full"):
+        status, err = batch(capsys, tmp_path, "--errors", "/dev/full")
+        last = err.splitlines()[-1]
+        assert status == 2 and last.startswith("npllm: error: --errors /dev/full") and "No space left" in last
+
+
+def test_a_ray_json_column_that_breaks_the_parser_is_a_bad_row():
+    """Predictor(json_column=...) reads each row's JSON by the same rules: 5,000 nested lists are the row's error
+    (were a RecursionError that ended the actor's batch), as is a cell that is not text."""
+    from types import SimpleNamespace
+
+    from npllm.batch import BadRequest
+    from npllm.ray import Predictor
+
+    host = SimpleNamespace(json_column="body")
+    for cell, says in (("[" * 5000, "nested too deeply"), ("{", "not JSON"), (None, "not JSON text")):
+        got = Predictor._body(host, {"body": cell})
+        assert isinstance(got, BadRequest) and says in str(got), got
+    assert Predictor._body(host, {"body": '{"prompt": "Once"}'}) == {"prompt": "Once"}

@@ -25,7 +25,7 @@ from npllm.cli import main
 from npllm.sampling import log_softmax
 from npllm.errors import GenerationError
 from npllm.serve.app import Limits, Server, create_app, listen, make_uvicorn
-from npllm.serve.protocol import ApiError, Context, parse_chat
+from npllm.serve.protocol import ApiError, Context, parse_chat, parse_completion
 from tests_support import template_worker_of, wait_gone
 
 KEY = "sk-test-key"
@@ -518,6 +518,62 @@ def test_bodies_that_break_the_parser_are_400_and_a_mid_body_disconnect_is_not_l
         time.sleep(0.3)
         assert httpx.get(url + "/health").json() == {"status": "ok"}
     assert [record.getMessage() for record in records] == []
+
+
+def deep_message(depth: int) -> bytes:
+    """A chat body whose message carries an unknown field nested `depth` objects deep."""
+    extra = '{"a": ' * depth + "1" + "}" * depth
+    return b'{"max_tokens": 2, "messages": [{"role": "user", "content": "Hi", "extra": %s}]}' % extra.encode()
+
+
+def test_a_message_field_nested_deep_is_400_and_nothing_is_logged(served, llm):
+    """An unknown key of a message reaches the chat template's value conversion, which recursed once per level:
+    500 and a logged traceback from ~500 levels until the JSON parser's own limit (~980). Every depth past 64 is
+    refused before it, the same through the protocol alone (what npllm batch calls)."""
+    url = served[1]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with server_log() as records:
+        for depth in (65, 500, 700, 979, 980, 5000):
+            r = httpx.post(url + "/v1/chat/completions", content=deep_message(depth), headers=auth, timeout=30)
+            assert r.status_code == 400 and "nested" in r.json()["error"]["message"], (depth, r.text)
+        assert httpx.post(url + "/v1/chat/completions", content=deep_message(60), headers=auth,
+                          timeout=30).status_code == 200
+    assert [record.getMessage() for record in records] == []
+    ctx = Context(MODEL, llm.tokenizer, llm.config, 100, BUILTIN_TEMPLATES["chatml"])
+    for depth in (500, 700):
+        with pytest.raises(ApiError, match="nested more than 64 levels"):
+            parse_chat(json.loads(deep_message(depth)), ctx)
+
+
+@pytest.mark.parametrize("fields, param", [
+    *[(dict(logit_bias={key: 5}), "logit_bias") for key in (" 1", "1 ", "1_0", "+1", "-1", "01", "00001", "1.0",
+                                                           "\u0661", "\uff11", "", "1e2", "9" * 5000)],
+    (dict(logit_bias={"1": 5, 1: 6}), "logit_bias"),
+    (dict(stream=True, stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
+    (dict(stream=True, stream_options={"include_usage": 1}), "stream_options.include_usage"),
+    (dict(stream_options={"include_usage": "no"}), "stream_options.include_usage"),
+    (dict(stream="yes"), "stream"), (dict(stream=1), "stream"), (dict(echo=0), "echo"), (dict(echo="no"), "echo"),
+    (dict(logprobs=True), "logprobs"), (dict(max_tokens=True), "max_tokens"), (dict(seed=False), "seed"),
+    (dict(temperature=True), "temperature"), (dict(temperature=10 ** 400), "temperature"),
+    (dict(logit_bias={"1": 10 ** 400}), "logit_bias"), (dict(model=5), "model"), (dict(n=True), "n"),
+])
+def test_lenient_field_values_are_400(llm, fields, param):
+    """JSON's types, strictly: a logit_bias key is a token id's decimal ASCII digits (int() would take " 1", "1_0"
+    and other scripts' digits, and "01" and "1" would name one token, the last one winning), a boolean is true or
+    false, an integer no boolean, a number one a float holds (10**400 was an OverflowError: a 500)."""
+    ctx = Context(MODEL, llm.tokenizer, llm.config, 100)
+    with pytest.raises(ApiError) as e:
+        parse_completion({"prompt": "The cat", **fields}, ctx)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_strict_fields_still_take_what_they_should(llm):
+    ctx = Context(MODEL, llm.tokenizer, llm.config, 100)
+    spec = parse_completion({"prompt": "The cat", "logit_bias": {"0": 1, "42": -100, 7: 2.5}, "stream": True,
+                             "stream_options": {"include_usage": True}, "echo": False}, ctx)
+    assert dict(spec.request.params.logit_bias) == {0: 1.0, 42: -100.0, 7: 2.5} and spec.include_usage
+    spec = parse_completion({"prompt": "The cat", "stream_options": {"include_usage": True}}, ctx)
+    assert not spec.stream and not spec.include_usage  # usage chunks come with a stream only
 
 
 def test_an_empty_api_key_is_refused_before_the_model_loads(llm, tmp_path, monkeypatch, capsys):

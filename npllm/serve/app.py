@@ -46,7 +46,7 @@ from ..chat.worker import close_workers
 from ..errors import GenerationError, NpllmError
 from .engine import EngineThread, Job
 from .protocol import (ApiError, Context, Output, chat_body, chat_chunk, completion_body, completion_chunk, new_id,
-                       parse_chat, parse_completion)
+                       parse_chat, parse_completion, parse_json)
 
 log = logging.getLogger("npllm.serve")
 PARSE_THREADS = 4  # requests checked (tokenized, their chat template rendered) at once, off the event loop
@@ -156,18 +156,6 @@ class Server:
         self.active += 1
         self.engine.submit(job)
         return job, events
-
-
-def parse_json(data: bytes):
-    """A request body as JSON, or ApiError(400) saying why not; never another exception."""
-    try:
-        return json.loads(data)
-    except RecursionError:  # the C parser recurses once per nested [ or {
-        raise ApiError(400, "the request body is nested too deeply to parse") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
-    except ValueError:  # int(): more digits than sys.get_int_max_str_digits()
-        raise ApiError(400, "the request body holds a number with too many digits") from None
 
 
 def create_app(server: Server, cors_origins: list[str] | None = None) -> Starlette:

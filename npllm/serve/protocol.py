@@ -2,6 +2,7 @@
 
 Nothing here knows about HTTP servers, so it is tested (and importable) without the `serve` extra.
 
+    parse_json(data) -> body                 a request's JSON text parsed (ApiError(400) for what no parser takes)
     parse_completion(body, ctx) -> Spec      POST /v1/completions
     parse_chat(body, ctx) -> Spec            POST /v1/chat/completions (messages laid out by the chat template)
     Output                                   a job's text as it arrives: detokenized, cut at stop strings,
@@ -11,14 +12,19 @@ Nothing here knows about HTTP servers, so it is tested (and importable) without 
 
 Field rules follow OpenAI's reference: temperature in [0, 2] (0 greedy), top_p in (0, 1], presence and frequency
 penalties in [-2, 2], logit_bias values in [-100, 100] keyed by token id, up to 4 stop strings, n = 1 (the only
-value served), completions' logprobs in [0, 5], chat's top_logprobs in [0, 20]. A bad field is an ApiError naming
-it: status 400 with an OpenAI error body, as the `openai` client expects.
+value served), completions' logprobs in [0, 5], chat's top_logprobs in [0, 20]. Types are JSON's, strictly: a boolean
+field takes true or false (not "yes", not 0), an integer field no boolean, a logit_bias key the decimal digits of a
+token id. A body nests at most MOST_NESTING levels (whatever its fields: an unknown key of a message reaches the
+chat template, whose conversion recurses once per level). A bad field is an ApiError naming it: status 400 with an
+OpenAI error body, as the `openai` client expects.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -32,6 +38,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/compl
 MOST_STOPS = 4
 MOST_LOGPROBS = 5  # completions: logprobs
 MOST_TOP_LOGPROBS = 20  # chat: top_logprobs
+MOST_NESTING = 64  # lists and objects in one another; OpenAI's own requests need a handful
+TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,11}")  # a logit_bias key: ASCII digits, no sign, no leading zero, no "_"
 
 
 class ApiError(Exception):
@@ -80,11 +88,38 @@ class Spec:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def parse_json(data: bytes | str):
+    """A request body (a POST body, a line of `npllm batch`'s input) as JSON, or ApiError(400) saying why not; never
+    another exception. Its nesting is checked where it is read as a request (parse_completion, parse_chat)."""
+    try:
+        return json.loads(data)
+    except RecursionError:  # the C parser recurses once per nested [ or {
+        raise ApiError(400, "the request body is nested too deeply to parse") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not JSON ({e})") from None
+    except ValueError:  # int(): more digits than sys.get_int_max_str_digits()
+        raise ApiError(400, "the request body holds a number with too many digits") from None
+
+
+def check_nesting(body, most: int = MOST_NESTING) -> None:
+    """ApiError(400) for a body with lists and objects nested more than `most` deep (the body itself is level 1).
+    Level by level, without recursion: the point is to refuse what would blow a recursive converter's stack."""
+    level, depth = [body], 0
+    while True:
+        containers = [v for v in level if isinstance(v, (dict, list, tuple))]
+        if not containers:
+            return
+        depth += 1
+        if depth > most:
+            raise ApiError(400, f"the request body is nested more than {most} levels deep")
+        level = [item for c in containers for item in (c.values() if isinstance(c, dict) else c)]
+
+
 def parse_completion(body, ctx: Context) -> Spec:
     body = _object(body)
     _check_model(body, ctx)
     prompt_ids = _prompt_ids(body.get("prompt"), ctx)
-    if body.get("echo"):
+    if _boolean(body, "echo"):
         raise ApiError(400, "echo is not supported", "echo")
     if body.get("suffix") is not None:
         raise ApiError(400, "suffix is not supported", "suffix")
@@ -120,7 +155,7 @@ def _spec(body: dict, ctx: Context, prompt_ids: list[int], max_tokens: int, logp
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
-    include_usage = bool(stream and options and options.get("include_usage"))
+    include_usage = _boolean(options or {}, "include_usage", "stream_options.include_usage") and stream
     params = _sampling(body, ctx, logprobs)
     request = Request(prompt_ids, max_tokens, params)
     return Spec(request, _stops(body.get("stop")), stream, include_usage, logprobs, chat)
@@ -156,11 +191,14 @@ def _field(body: dict, option: Option, ctx: Context):
 def _object(body) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    check_nesting(body)
     return body
 
 
 def _check_model(body: dict, ctx: Context) -> None:
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"model must be a string, got {model!r}", "model")
     if model is not None and model != ctx.model_name:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {ctx.model_name!r}", "model",
                        "model_not_found")
@@ -279,10 +317,9 @@ def _logit_bias(bias, ctx: Context, least: float = -100.0, most: float = 100.0) 
         raise ApiError(400, "logit_bias must map token ids to numbers", "logit_bias")
     out = {}
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise ApiError(400, f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        token = _token_key(key)
+        if token in out:
+            raise ApiError(400, f"logit_bias names token {token} twice", "logit_bias")
         if not 0 <= token < ctx.config.vocab_size:
             raise ApiError(400, f"logit_bias token {token} is outside the vocabulary [0, {ctx.config.vocab_size})",
                            "logit_bias")
@@ -293,12 +330,27 @@ def _logit_bias(bias, ctx: Context, least: float = -100.0, most: float = 100.0) 
     return out or None
 
 
+def _token_key(key) -> int:
+    """A logit_bias key as a token id: JSON's key text in decimal ASCII digits ("0", "42"; not " 1", "1_0", "01",
+    "+1" or other scripts' digits, which int() would take, so that two keys could name one token), or an int (a
+    Python caller's map)."""
+    if _is_int(key) and key >= 0:
+        return key
+    if not isinstance(key, str) or not TOKEN_ID.fullmatch(key):
+        raise ApiError(400, f"logit_bias key {key!r} is not a token id (decimal digits, no sign or leading zero)",
+                       "logit_bias")
+    return int(key)
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A JSON number a float holds: finite, and an integer no larger than a float goes (10**400 is not one)."""
+    if _is_int(x):
+        return abs(x) <= 1 << 1000
+    return isinstance(x, float) and math.isfinite(x)
 
 
 def _integer(body: dict, name: str, least: int | None, most: int | None) -> int | None:
@@ -321,12 +373,13 @@ def _number(body: dict, name: str, least: float, most: float, default: float) ->
     return float(value)
 
 
-def _boolean(body: dict, name: str) -> bool:
+def _boolean(body: dict, name: str, param: str | None = None) -> bool:
+    """The field as a JSON boolean (absent or null: false); anything else ("yes", 0, 1) is refused."""
     value = body.get(name)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise ApiError(400, f"{name} must be true or false, got {value!r}", name)
+        raise ApiError(400, f"{param or name} must be true or false, got {value!r}", param or name)
     return value
 
 
