@@ -67,6 +67,20 @@ def check_prompt(config, prompt_ids) -> None:
         raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size})")
 
 
+def encode_prompt(tokenizer, config, text: str, bos: bool = True) -> list[int]:
+    """`text` as the token ids of a prompt the model can start from (check_prompt). A text that cannot fit the
+    context is refused before it is encoded whole: encoding takes seconds a megabyte (npllm's BPE is Python), and a
+    server would spend them on every such request. No token stands for more than tokenizer.longest_piece_bytes of
+    the text's bytes, so a text of B bytes is at least ceil(B / that) tokens (Tokenizer.fewest_tokens)."""
+    fewest = tokenizer.fewest_tokens(text)
+    if fewest > config.max_seq_len:
+        raise GenerationError(f"the prompt has at least {fewest} tokens ({tokenizer.encoded_bytes(text)} bytes) but "
+                              f"the model's context is {config.max_seq_len} tokens")
+    ids = tokenizer.encode(text, bos=bos)
+    check_prompt(config, ids)
+    return ids
+
+
 def common_prefix(a, b) -> int:
     """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))

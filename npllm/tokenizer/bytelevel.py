@@ -22,7 +22,7 @@ import json
 import os
 import unicodedata
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import regex
 
@@ -37,6 +37,10 @@ LLAMA3_SPLIT = (
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# How many times shorter (in UTF-8) one Unicode normalization can make a text: NFKC makes the 4-byte U+107A5 one
+# byte, and composes U+1D414 (4 bytes) + U+0308 + U+0304 (2 each) into U+01D5 (2 bytes); NFC's worst is 3.5
+# (U+1FBE U+0308 U+0341 -> U+0390). tests/test_serve_load.py checks the single characters of every form.
+NORMALIZED_SHRINK = 4
 
 
 @lru_cache(maxsize=1)
@@ -274,6 +278,18 @@ class ByteLevelBPE(Tokenizer):
             self._cache[word] = ids
         return ids
 
+    @cached_property
+    def longest_piece_bytes(self) -> int | None:
+        """The most bytes of the text one token stands for. An ordinary token is one character per byte of the
+        normalized text, which each normalizer may have made up to NORMALIZED_SHRINK times shorter; an added token is
+        matched in the text as given. None where a token can stand for any length of text: an added token that
+        swallows the whitespace beside it (lstrip, rstrip), a pre-tokenizer that drops what it matches."""
+        if any(t.lstrip or t.rstrip for t in self.added.values()) or any(
+                getattr(step, "drops_text", False) for step in self.pre_tokenizers):
+            return None
+        ordinary = max(len(token) for token in self.vocab) * NORMALIZED_SHRINK ** len(self.normalizers)
+        return max([ordinary] + [len(content.encode("utf-8")) for content in self.added])
+
     # -- decoding ------------------------------------------------------------------------------------------------
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -466,7 +482,12 @@ def _pre_tokenizers(spec, source: str) -> list:
         behavior = _field(spec, "behavior", str, source, where, "Isolated")
         invert = _field(spec, "invert", bool, source, where, False)
         _apply_behavior([], behavior)  # reject an unknown behavior now, not at the first encode
-        return [lambda pieces: split_by_regex(pieces, compiled, behavior, invert)]
+
+        def split(pieces):
+            return split_by_regex(pieces, compiled, behavior, invert)
+
+        split.drops_text = behavior == "Removed"  # text then stands for no token: longest_piece_bytes has no bound
+        return [split]
     if kind == "ByteLevel":
         steps = []
         if _field(spec, "add_prefix_space", bool, source, where, False):
