@@ -14,6 +14,7 @@ import threading
 import time
 import unicodedata
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -23,6 +24,7 @@ import npllm.serve.app as app
 from npllm.chat import BUILTIN_TEMPLATES
 from npllm.chat import worker as template_worker
 from npllm.cli import main
+from npllm.context import encode_prompt
 from npllm.errors import GenerationError
 from npllm.serve.app import Limits, Server
 from npllm.serve.protocol import ApiError, Context, parse_chat, parse_completion
@@ -34,8 +36,8 @@ LONG = "Once upon a time, there was a little girl named Lily. " * 20_000  # a me
 
 
 class Spy:
-    """A tokenizer that records the length of every text it encodes, and with a `gate` waits for it first; the rest
-    is the wrapped tokenizer's."""
+    """A tokenizer that records the length of every text it encodes (by either entry), and with a `gate` waits
+    for it first; the rest is the wrapped tokenizer's."""
 
     def __init__(self, tokenizer, gate: threading.Event | None = None):
         self.tokenizer, self.gate, self.encoded = tokenizer, gate, []
@@ -43,11 +45,18 @@ class Spy:
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)
 
-    def encode(self, text, *args, **kwargs):
+    def _record(self, text: str) -> None:
         self.encoded.append(len(text))
         if self.gate is not None:
             self.gate.wait(20)
+
+    def encode(self, text, *args, **kwargs):
+        self._record(text)
         return self.tokenizer.encode(text, *args, **kwargs)
+
+    def encode_at_most(self, text, *args, **kwargs):
+        self._record(text)
+        return self.tokenizer.encode_at_most(text, *args, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +127,21 @@ def test_fewest_tokens_is_never_above_the_real_count(stories260k):
         for text in TEXTS:
             assert tok.fewest_tokens(text) <= len(tok.encode(text, bos=False)), (name, text[:20])
         assert tok.fewest_tokens(LONG) > 1000, name  # the bound is of use: a megabyte is far past any small context
+
+
+def test_a_byte_level_encoder_stops_once_past_the_context(monkeypatch):
+    tok = bytelevel()
+    merged = []
+    bpe = tok._bpe
+    monkeypatch.setattr(tok, "_bpe", lambda word: merged.append(word) or bpe(word))
+    words = "".join(f"w{i} " for i in range(3000))  # past the context, though too short for fewest_tokens to tell
+    config = SimpleNamespace(max_seq_len=1000, vocab_size=tok.vocab_size)
+    assert tok.fewest_tokens(words) < 1000
+    with pytest.raises(GenerationError, match="^the prompt has more than 1000 tokens, the model's context$"):
+        encode_prompt(tok, config, words)
+    assert len(merged) <= 1001  # every word is at least one token: no word was merged past the context
+    assert tok.encode_at_most(words[:600], 1000) == tok.encode(words[:600])  # within it, the same ids
+    assert tok.encode_at_most("<|eot_id|>" * 5 + "hi", 3, bos=False) is None
 
 
 def test_no_bound_where_one_token_can_stand_for_any_length_of_text():

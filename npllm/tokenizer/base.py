@@ -60,6 +60,12 @@ class Tokenizer(ABC):
             return 0
         return -(-self.encoded_bytes(text) // longest)
 
+    def encode_at_most(self, text: str, most: int, bos: bool = True) -> list[int] | None:
+        """encode(text, bos), or None where the encoder stopped once past `most` ids and left the rest of the text
+        unencoded. This default encodes the whole text (a count past `most` is returned, and says how far past);
+        an encoder that works word by word (ByteLevelBPE) stops early."""
+        return self.encode(text, bos=bos)
+
     def encoded_bytes(self, text: str) -> int:
         """How many bytes long `text` is where longest_piece_bytes counts them: its UTF-8 (a lone surrogate, which
         encode refuses, counted as 3 bytes rather than raising here)."""

@@ -213,18 +213,33 @@ class ByteLevelBPE(Tokenizer):
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         """Token ids of `text`; with bos=True the tokenizer's own template is applied (e.g. Llama 3 prepends
         <|begin_of_text|>; Qwen2 adds nothing), as Hugging Face does with add_special_tokens=True."""
-        ids = []
-        for span, token_id in self._split_added(text):
-            if token_id is not None:
-                ids.append(token_id)
-            else:
-                ids += self._encode_ordinary(span)
+        ids = self._text_ids(text)
         if bos:
             ids = self.prefix_ids + ids + self.suffix_ids
         if eos:
             if self.eos_id is None:
                 raise TokenizerError(f"{self.source}: this tokenizer does not know its EOS id")
             ids.append(self.eos_id)
+        return ids
+
+    def encode_at_most(self, text: str, most: int, bos: bool = True) -> list[int] | None:
+        """encode(text, bos), or None once past `most` ids: words are merged one by one, and the merging (most of
+        the time a megabyte takes) stops there."""
+        ids = self._text_ids(text, most)
+        if ids is None:
+            return None
+        return self.prefix_ids + ids + self.suffix_ids if bos else ids
+
+    def _text_ids(self, text: str, most: int | None = None) -> list[int] | None:
+        """The ids of the text alone; None once past `most` of them (None: no limit)."""
+        ids = []
+        for span, token_id in self._split_added(text):
+            if token_id is not None:
+                ids.append(token_id)
+            else:
+                ids += self._encode_ordinary(span, None if most is None else most - len(ids))
+            if most is not None and len(ids) > most:
+                return None
         return ids
 
     def _split_added(self, text: str):
@@ -242,7 +257,8 @@ class ByteLevelBPE(Tokenizer):
         if pos < len(text):
             yield text[pos:], None
 
-    def _encode_ordinary(self, text: str) -> list[int]:
+    def _encode_ordinary(self, text: str, most: int | None = None) -> list[int]:
+        """The ids of a span without added tokens; once past `most` of them (None: no limit) the rest is left."""
         for form in self.normalizers:
             text = unicodedata.normalize(form, text)
         pieces = [text]
@@ -253,6 +269,8 @@ class ByteLevelBPE(Tokenizer):
         for piece in pieces:
             if piece:
                 ids += self._bpe("".join(table[b] for b in piece.encode("utf-8")))
+                if most is not None and len(ids) > most:
+                    break
         return ids
 
     def _bpe(self, word: str) -> tuple[int, ...]:
