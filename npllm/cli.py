@@ -498,6 +498,7 @@ def load_with_tokenizer(args, **options):
 
 
 def run_generate(args) -> int:
+    from .context import encode_prompt
     from .generate import check_request
 
     check_generate_args(args)
@@ -506,9 +507,11 @@ def run_generate(args) -> int:
     prompt = read_prompt(args.prompt)
     params = sampling_params(args)
     llm = load_with_tokenizer(args, kv_dtype=args.kv_dtype)
-    prompt_ids = llm.tokenizer.encode(prompt, bos=True)
-    if args.context_policy == "error":
+    if args.context_policy == "error":  # a prompt far past the context is refused before it is encoded whole
+        prompt_ids = encode_prompt(llm.tokenizer, llm.config, prompt)
         check_request(llm.config, prompt_ids, args.max_new_tokens)
+    else:
+        prompt_ids = llm.tokenizer.encode(prompt, bos=True)
     if args.explain:
         from .explain import print_explained
 

@@ -67,6 +67,24 @@ def check_prompt(config, prompt_ids) -> None:
         raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size})")
 
 
+def encode_prompt(tokenizer, config, text: str, bos: bool = True) -> list[int]:
+    """`text` as the token ids of a prompt the model can start from (check_prompt). A text that cannot fit the
+    context is refused before it is encoded whole: encoding takes seconds a megabyte (npllm's BPE is Python), and a
+    server would spend them on every such request. No token stands for more than tokenizer.longest_piece_bytes of
+    the text's bytes, so a text of B bytes is at least ceil(B / that) tokens (Tokenizer.fewest_tokens); past that
+    bound, an encoder that can stops as soon as the count passes the context (Tokenizer.encode_at_most)."""
+    most = config.max_seq_len
+    fewest = tokenizer.fewest_tokens(text)
+    if fewest > most:
+        raise GenerationError(f"the prompt has at least {fewest} tokens ({tokenizer.encoded_bytes(text)} bytes) but "
+                              f"the model's context is {most} tokens")
+    ids = tokenizer.encode_at_most(text, most, bos=bos)
+    if ids is None:
+        raise GenerationError(f"the prompt has more than {most} tokens, the model's context")
+    check_prompt(config, ids)
+    return ids
+
+
 def common_prefix(a, b) -> int:
     """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))

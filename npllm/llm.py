@@ -14,7 +14,7 @@ import numpy as np
 from . import batching
 from .config import MAX_CONTEXT, ModelConfig
 from .errors import ConfigError, FormatError, GenerationError, TokenizerError
-from .context import DEFAULT_SINKS, Context, check_policy
+from .context import DEFAULT_SINKS, Context, check_policy, encode_prompt
 from .stop import StopStrings, text_of_steps
 from .generate import Request, check_prompt, check_request, decode, generate_ids
 from .hub import resolve
@@ -90,7 +90,10 @@ class LLM:
         """
         speculative = Speculative.from_keywords(options)
         params = with_keywords(options.pop("params", None), options)
-        prompt_ids = self._require_tokenizer().encode(prompt, bos=True)
+        tokenizer = self._require_tokenizer()
+        # "error" refuses a prompt past the context, and one far past it before it is encoded whole
+        prompt_ids = (encode_prompt(tokenizer, self.config, prompt) if context_policy == "error"
+                      else tokenizer.encode(prompt, bos=True))
         steps = self._steps(prompt_ids, max_new_tokens, params, speculative, context_policy, ignore_eos, sinks)
         yield from _text_of(self.tokenizer, prompt_ids, steps, params.stop, echo, on_step)
 
@@ -171,7 +174,8 @@ class LLM:
         decoder primed with its prompt, cut at the first stop string to complete), with on_step(i, Sampled)."""
         tokenizer = self._require_tokenizer()
         token_level = dataclasses.replace(params, stop=())  # stop strings are text: cut below
-        requests = [batching.Request(tokenizer.encode(p, bos=True), max_new_tokens, token_level) for p in prompts]
+        requests = [batching.Request(encode_prompt(tokenizer, self.config, p), max_new_tokens, token_level)
+                    for p in prompts]
         draws = [[] for _ in requests]
         batching.ragged_generate(self.model, requests, on_draw=lambda i, drawn: draws[i].append(drawn))
         return ["".join(_text_of(tokenizer, r.prompt, steps, params.stop, False,

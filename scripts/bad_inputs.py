@@ -24,9 +24,10 @@ next chat must answer 200), deep-fields (batch lines and served bodies with unkn
 deep), lenient-fields (logit_bias keys int() would take, "yes" for a boolean, 10**400 for a number: batch lines and
 served bodies), batch-input (a byte order mark, a 10 MB line), batch-output (npllm batch's OUTPUT a FIFO, a link to
 /dev/zero, a folder, a file with an id twice; two runs on one output at once), disk-full (OUTPUT or --errors on
-/dev/full, OUTPUT past a file-size limit). A batch line must become an error line while the job goes on: a result
-for it counts as "accepted". --kinds K ... runs only those; --sample leaves out the probes of a served model
-(http, killed template worker, the served deep and lenient fields) and the two runs at once.
+/dev/full, OUTPUT past a file-size limit), load (another such child: a 3-token completion timed beside 8 concurrent
+1 MiB prompts, 10 streams dropped mid-way and the server's log lines counted). A batch line must become an error
+line while the job goes on: a result for it counts as "accepted". --kinds K ... runs only those; --sample leaves out the probes of a served model
+(http, killed template worker, the served deep and lenient fields, load) and the two runs at once.
 
 Inputs are derived from stories260K (llama2.c .bin, and written here as GGUF) and the qwen2_bias HF fixture in
 tests/fixtures/hf; --sample N runs a deterministic sample of N cases (tests/test_bad_inputs.py runs a small one).
@@ -1062,12 +1063,12 @@ class Probe:
 class Server:
     """`npllm serve` on the stories260K checkpoint in a child process; its stderr collected line by line."""
 
-    def __init__(self, out: Path, weights: Path):
+    def __init__(self, out: Path, weights: Path, options: tuple = ()):
         template = out / "runaway.jinja"
         template.write_text(RUNAWAY_TEMPLATE, encoding="utf-8")
         argv = [sys.executable, "-m", "npllm", "serve", "--model", str(weights / "stories260K" / "stories260K.bin"),
                 "--backend", "numpy", "--port", "0", "--api-key", HTTP_KEY, "--chat-template", str(template),
-                "--max-body-bytes", "65536", "--grace", "1", *HTTP_TIMEOUTS]
+                "--max-body-bytes", "65536", "--grace", "1", *HTTP_TIMEOUTS, *options]  # options: the last word
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", NPLLM_TEMPLATE_TIMEOUT="2")
         self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         self.lines: list[str] = []
@@ -1469,6 +1470,92 @@ def batch_race_results(out: Path, weights: Path, timeout: float, kinds: list | N
     return [result]
 
 
+# Kind "load": one more server, taking 2 MiB bodies. 8 clients send 1 MiB prompts at once (each must be refused,
+# 400) while a 3-token completion is timed (it must answer 200 within LOAD_WAIT seconds); 10 streams are dropped
+# mid-way by a reset while other prompts are tokenized (the server may write at most a line each). Each prints what
+# it measured on stderr.
+
+LOAD_WAIT = 5.0  # generous on a loaded machine: unloaded, the completion answers in well under a second
+LOAD_CLIENTS = 8
+
+
+def timed_post(port: int, body: bytes) -> tuple[int | None, float]:
+    """(status, seconds) of one completion request."""
+    started = time.monotonic()
+    status = send_raw(port, post("/v1/completions", body), timeout=120.0)
+    return status, time.monotonic() - started
+
+
+STORY = "Once upon a time, there was a little girl named Lily. " * 20_000
+LONG_PROMPT = completion(prompt=STORY[:1 << 20], max_tokens=3)
+# past stories260K's context of 512 tokens, but not by so much that it is refused before it is tokenized (4 KB of
+# this text is about 1,100 tokens; each token is at most 9 bytes): tokenizing it keeps the server's threads busy
+BUSY_PROMPT = completion(prompt=STORY[:4000], max_tokens=3)
+
+
+def flooding(port: int, until: threading.Event, seen: list, body: bytes = LONG_PROMPT,
+             rounds: int = 50) -> ThreadPoolExecutor:
+    """LOAD_CLIENTS clients each sending `body` again and again, at most `rounds` times, until `until`; (status,
+    seconds) of each in `seen`. Leaving the returned pool waits for them."""
+    def flood():
+        for _ in range(rounds):
+            if until.is_set():
+                return
+            seen.append(timed_post(port, body))
+
+    pool = ThreadPoolExecutor(LOAD_CLIENTS)
+    for _ in range(LOAD_CLIENTS):
+        pool.submit(flood)
+    time.sleep(0.2)  # the long bodies are on their way
+    return pool
+
+
+def long_prompts_beside(port: int) -> int | None:
+    """A 3-token completion sent while LOAD_CLIENTS clients send 1 MiB prompts: its status when it answered within
+    LOAD_WAIT and every long prompt was refused (400, or 429 when the server was busy), else None."""
+    answered, refused = threading.Event(), []
+    with flooding(port, answered, refused):
+        status, wait = timed_post(port, completion(max_tokens=3))
+        answered.set()
+    times = [t for _, t in refused] or [0.0]
+    print(f"[load] a 3-token completion beside {LOAD_CLIENTS} clients sending 1 MiB prompts: {status} after "
+          f"{wait:.2f} s; the prompts: {dict(collections.Counter(s for s, _ in refused))} after {min(times):.2f}-"
+          f"{max(times):.2f} s", file=sys.stderr)
+    return status if wait <= LOAD_WAIT and all(s in (400, 429) for s, _ in refused) else None
+
+
+def dropped_streams(server: Server, port: int, n: int = 10) -> int:
+    """n streams started together while prompts being tokenized keep the server busy, each reset by its client
+    after its first bytes: the lines the server wrote on stderr meanwhile (asyncio logs one per write to a lost
+    connection past the fifth, and a busy server's streams have many tokens queued when their client goes)."""
+    seen, done = len(server.lines), threading.Event()
+    body = completion(max_tokens=400, stream=True, logit_bias={"1": -100, "2": -100})
+    with flooding(port, done, [], BUSY_PROMPT):
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=30.0) for _ in range(n)]
+        for sock in socks:
+            sock.sendall(post("/v1/completions", body))
+        for sock in socks:
+            sock.recv(4096)  # the head, and perhaps the first chunks
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        done.set()
+    time.sleep(1.0)  # what the server writes about them
+    lines = len(server.lines) - seen
+    print(f"[load] {n} dropped streams: {lines} lines in the server's log", file=sys.stderr)
+    return lines
+
+
+def load_results(out: Path, weights: Path, timeout: float) -> list[Result]:
+    server = Server(out, weights, ("--max-body-bytes", str(2 << 20)))
+    probes = [Probe("a completion beside 8 concurrent 1 MiB prompts", long_prompts_beside, (200,), kind="load"),
+              Probe("10 dropped streams (outcome: log lines)", lambda port: dropped_streams(server, port),
+                    tuple(range(11)), kind="load")]
+    try:
+        return [run_probe(server, probe, timeout) for probe in probes]
+    finally:
+        server.stop()
+
+
 def all_cases(out: Path, weights: Path) -> list[Case]:
     os.mkfifo(out / "fifo")
     (out / "fifo_dir").mkdir()
@@ -1502,6 +1589,8 @@ def main(argv=None) -> int:
         if not args.sample:
             results += http_results(out / "files", args.weights, args.timeout, args.kinds)
             results += batch_race_results(out / "files", args.weights, args.timeout, args.kinds)
+        if not args.sample and (args.kinds is None or "load" in args.kinds):
+            results += load_results(out / "files", args.weights, args.timeout)
     return report(results, args.json)
 
 

@@ -5,15 +5,18 @@
     POST /v1/completions          text completion; "stream": true for server-sent events
     POST /v1/chat/completions     chat completion (the chat template lays the messages out); "stream": true too
 
-A request body is checked (and a chat's template rendered, in a worker process with a deadline) on a thread of the
-server's `parsers` pool, never on the event loop: /health and streaming keep answering while a slow template runs,
-and SIGTERM is honoured (closing the server stops the template workers). Each request becomes one Job in the
-continuous engine. Its tokens come back through an asyncio queue; a client that
+A request body is checked (its prompt tokenized, a chat's template rendered in a worker process with a deadline) on
+a thread of one of the server's two Lanes, never on the event loop: /health and streaming keep answering while a
+slow template runs, and SIGTERM is honoured (closing the server stops the template workers). Plain completions and
+chats have a lane each, so chats whose template runs to its deadline delay no completion; each lane admits a
+bounded number of requests (running and waiting), and one more is answered 429 before any work is done on it. A
+prompt far past the context is refused before it is tokenized whole (npllm.context.encode_prompt). Each request
+becomes one Job in the continuous engine. Its tokens come back through an asyncio queue; a client that
 goes away (its connection closes) cancels the job, which frees its slot before the next step. Errors are OpenAI
 error objects; an unexpected exception is logged here and answered with a bare 500 object, never a traceback.
 
 Clients that hold connections without finishing a request (slowloris) are bounded by `Limits`: a request's head must
-arrive within `header_timeout` seconds (GuardedH11Protocol), its body within `body_timeout` (Server.read_json), an idle
+arrive within `header_timeout` seconds (GuardedH11Protocol), its body within `body_timeout` (Server.read_body), an idle
 keep-alive connection closes after `keep_alive_timeout`, and past `max_connections` open connections a new one is
 answered 503 and closed at once, so the process never runs out of file descriptors and stops accepting.
 """
@@ -42,14 +45,15 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ..batching import ContinuousEngine
-from ..chat.worker import close_workers
+from ..chat.worker import MOST_WORKERS, close_workers
 from ..errors import GenerationError, NpllmError
 from .engine import EngineThread, Job
 from .protocol import (ApiError, Context, Output, chat_body, chat_chunk, completion_body, completion_chunk, new_id,
                        parse_chat, parse_completion, parse_json)
 
 log = logging.getLogger("npllm.serve")
-PARSE_THREADS = 4  # requests checked (tokenized, their chat template rendered) at once, off the event loop
+PARSE_THREADS = 4  # completions checked (tokenized) at once, off the event loop
+RENDER_THREADS = MOST_WORKERS  # chats checked at once: their templates render in that many worker processes
 
 
 @dataclass
@@ -65,6 +69,7 @@ class Limits:
     header_timeout: float = 10.0  # seconds for a request's head, from the connection or the first byte after a response
     body_timeout: float = 30.0  # seconds for a request's whole body, from its head on; then 408
     keep_alive_timeout: float = 5.0  # seconds an idle connection stays open after a response
+    max_parse_queue: int = 16  # per lane: requests waiting to be checked beyond those being checked; one more: 429
 
 
 def check_api_key(key: str | None) -> None:
@@ -93,7 +98,8 @@ class Server:
         self.context = Context(model_name, llm.tokenizer, llm.config, limits.max_tokens_limit, chat_template,
                                template_problem, template_name)
         self.engine = EngineThread(ContinuousEngine(llm.model, slots=limits.max_slots))
-        self.parsers = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="npllm-parse")
+        self.completions = Lane("completion", PARSE_THREADS, limits.max_parse_queue)
+        self.renders = Lane("chat", RENDER_THREADS, limits.max_parse_queue)
         self.active = 0  # jobs admitted and not finished (touched only on the event loop)
 
     def start(self) -> None:
@@ -102,11 +108,8 @@ class Server:
     def close(self) -> None:
         self.engine.close()
         close_workers()  # a render still running (past the grace period) ends now, and its thread with it
-        self.parsers.shutdown(wait=False, cancel_futures=True)
-
-    async def parse(self, parse, body):
-        """parse(body, context) on a thread of `parsers`: tokenizing a prompt, rendering a chat template."""
-        return await asyncio.get_running_loop().run_in_executor(self.parsers, parse, body, self.context)
+        self.completions.close()
+        self.renders.close()
 
     def check_key(self, request: HttpRequest) -> None:
         if self.api_key is None:
@@ -117,10 +120,9 @@ class Server:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise ApiError(401, "invalid API key: send it as 'Authorization: Bearer KEY'", None, "invalid_api_key")
 
-    async def read_json(self, request: HttpRequest):
-        """The body as JSON: 413 past the size limit whether or not Content-Length says so, 408 when it has not all
-        arrived within the body timeout, 400 when it is not JSON Python can hold (nested too deep for the parser, an
-        integer of more digits than Python converts)."""
+    async def read_body(self, request: HttpRequest) -> bytearray:
+        """The body's bytes: 413 past the size limit whether or not Content-Length says so, 408 when it has not all
+        arrived within the body timeout. (parse_json reads it, on a lane's thread.)"""
         limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -138,7 +140,7 @@ class Server:
             data = await asyncio.wait_for(gather(), self.limits.body_timeout)
         except asyncio.TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout:g} s") from None
-        return parse_json(data)
+        return data
 
     def submit(self, spec, loop: asyncio.AbstractEventLoop) -> tuple[Job, asyncio.Queue]:
         if self.active >= self.limits.max_slots + self.limits.max_queue:
@@ -158,6 +160,37 @@ class Server:
         return job, events
 
 
+class Lane:
+    """Threads that check one kind of request (plain completions, chats), and how many requests it admits: `threads`
+    checked at once, up to `waiting` more waiting for a thread; one more is answered 429 at once, before any work
+    is done on it (the body is read: a client still sending would otherwise see its connection reset, not the
+    answer). Each kind has its own, so chats whose template runs to its deadline hold no thread a completion needs."""
+
+    def __init__(self, kind: str, threads: int, waiting: int):
+        self.kind, self.most = kind, threads + waiting
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix=f"npllm-{kind}")
+        self.admitted = 0  # being checked or waiting to be (touched only on the event loop)
+
+    async def run(self, parse, data: bytes, context):
+        """parse(the body data as JSON, context) on one of the lane's threads; ApiError(429) when the lane is
+        full."""
+        if self.admitted >= self.most:
+            raise ApiError(429, f"the server is busy ({self.admitted} {self.kind} requests being checked or "
+                           "waiting to be); retry later", None, "rate_limit_exceeded")
+        self.admitted += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, _parse, parse, data, context)
+        finally:
+            self.admitted -= 1
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _parse(parse, data: bytes, context):
+    return parse(parse_json(data), context)
+
+
 def create_app(server: Server, cors_origins: list[str] | None = None) -> Starlette:
     """The ASGI application. CORS headers only for the origins given (none by default: browsers refuse)."""
     async def health(request):
@@ -169,16 +202,16 @@ def create_app(server: Server, cors_origins: list[str] | None = None) -> Starlet
                                                          "created": 0, "owned_by": "npllm"}]})
 
     async def completions(request):
-        return await generation(request, parse_completion)
+        return await generation(request, server.completions, parse_completion)
 
     async def chat_completions(request):
-        return await generation(request, parse_chat)
+        return await generation(request, server.renders, parse_chat)
 
-    async def generation(request, parse):
+    async def generation(request, lane: Lane, parse):
         server.check_key(request)
-        body = await server.read_json(request)
+        data = await server.read_body(request)
         try:
-            spec = await server.parse(parse, body)
+            spec = await lane.run(parse, data, server.context)
         except NpllmError as e:  # a check below the API's own (the tokenizer, the sampler): still the request's fault
             raise ApiError(400, str(e)) from None
         job, events = server.submit(spec, asyncio.get_running_loop())
@@ -226,7 +259,8 @@ class GenerationResponse:
     """An ASGI response that runs one job: its JSON body once done, or its chunks as server-sent events.
 
     While it runs it watches the connection: a disconnect (or the server cancelling this task at shutdown) cancels
-    the job in the engine, so its slot is free for the next request.
+    the job in the engine, so its slot is free for the next request, and a stream stops sending (quietly: a client
+    that goes away is no event for the log).
     """
 
     def __init__(self, server: Server, spec, job: Job, events: asyncio.Queue):
@@ -234,6 +268,7 @@ class GenerationResponse:
         self.output = Output(spec, server.context.tokenizer)
         self.id = new_id("chatcmpl" if spec.chat else "cmpl")
         self.model = server.context.model_name
+        self.gone = False  # the client disconnected: nothing more is sent
 
     async def __call__(self, scope, receive, send) -> None:
         watcher = asyncio.ensure_future(self._watch(receive))
@@ -253,6 +288,7 @@ class GenerationResponse:
     async def _watch(self, receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
+        self.gone = True
         self.server.engine.cancel(self.job)
 
     async def _pieces(self):
@@ -295,16 +331,27 @@ class GenerationResponse:
         try:
             async for piece, finish in self._pieces():
                 if piece.text or (wants_lp and piece.token) or finish is not None:
-                    await _send_event(send, self._chunk(piece, finish, wants_lp))
+                    await self._send_event(send, self._chunk(piece, finish, wants_lp))
+                if self.gone:
+                    log.debug("a client went away mid-stream; its job is cancelled")
+                    return
         except ApiError as e:
-            await _send_event(send, e.body())
+            await self._send_event(send, e.body())
         else:
             if self.spec.include_usage:
                 usage = self.output.usage()
                 chunk = (chat_chunk(self.id, self.model, {}, None, usage=usage) if self.spec.chat
                          else completion_chunk(self.id, self.model, None, None, False, usage=usage))
-                await _send_event(send, chunk)
+                await self._send_event(send, chunk)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _send_event(self, send, data: dict) -> None:
+        """One server-sent event, then a turn of the event loop. A send does not wait while the socket takes the
+        bytes, and the queue may hold many tokens (the loop was busy): without the turn, a stream whose client has
+        gone would write them all before the loop notices the lost connection, and asyncio logs a warning for each
+        write to it past the fifth. After the turn the transport knows, and the watcher has seen the disconnect."""
+        await _send_event(send, data)
+        await asyncio.sleep(0)
 
     def _chunk(self, piece, finish, wants_lp) -> dict:
         if not self.spec.chat:
@@ -499,7 +546,7 @@ def guarded_protocol(limits: Limits, gate: Gate):
     made tells `gate` that it is no longer pending.
 
     uvicorn's keep-alive timeout closes a connection idle after a response; the body's deadline is the
-    application's (Server.read_json); h11 bounds the head's size (400 once more than 16 KiB of it waits incomplete);
+    application's (Server.read_body); h11 bounds the head's size (400 once more than 16 KiB of it waits incomplete);
     GuardedSocket bounds the number of connections."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 

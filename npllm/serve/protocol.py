@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import ChatTemplateError, GenerationError
+from ..context import encode_prompt
 from ..generate import Request, check_prompt
 from ..sampling import Option, SamplingParams, options
 from ..stop import StopStrings
@@ -215,20 +216,25 @@ def _prompt_ids(prompt, ctx: Context) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        ids = ctx.tokenizer.encode(_utf8(prompt, "prompt"), bos=True)
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        ids = list(prompt)
-    elif prompt is None:
+        return _encode(_utf8(prompt, "prompt"), ctx, "prompt")
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        _checked(check_prompt, "prompt", ctx.config, prompt)
+        return list(prompt)
+    if prompt is None:
         raise ApiError(400, "prompt is required", "prompt")
-    else:
-        raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
-    _check_ids(ids, ctx, "prompt")
-    return ids
+    raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
 
 
-def _check_ids(ids: list[int], ctx: Context, param: str) -> None:
+def _encode(text: str, ctx: Context, param: str) -> list[int]:
+    """text's ids with BOS, checked against the context (a text far past it refused before it is encoded whole:
+    npllm.context.encode_prompt)."""
+    return _checked(encode_prompt, param, ctx.tokenizer, ctx.config, text)
+
+
+def _checked(check, param: str, *args):
+    """check(*args), its GenerationError the request's 400 (context_length_exceeded for a prompt too long)."""
     try:
-        check_prompt(ctx.config, ids)
+        return check(*args)
     except GenerationError as e:
         raise ApiError(400, str(e), param, "context_length_exceeded" if "context" in str(e) else None) from None
 
@@ -270,9 +276,7 @@ def _chat_prompt_ids(messages: list[dict], ctx: Context) -> list[int]:
         raise ApiError(400, str(e), "messages") from None
     if bos and text.startswith(bos):
         text = text[len(bos):]
-    ids = tok.encode(_utf8(text, "messages"), bos=True)
-    _check_ids(ids, ctx, "messages")
-    return ids
+    return _encode(_utf8(text, "messages"), ctx, "messages")
 
 
 def _max_tokens(body: dict, ctx: Context, prompt_len: int, names: tuple[str, ...], default: int | None) -> int:

@@ -44,6 +44,33 @@ class Tokenizer(ABC):
     def token_type(self, token_id: int) -> TokenType:
         """The kind of piece `token_id` is; decoding depends only on this and on id_to_piece."""
 
+    @property
+    def longest_piece_bytes(self) -> int | None:
+        """The most bytes of text (its UTF-8, as given to encode) that one token encode() makes can stand for, or
+        None where no such bound holds (a run of characters the vocabulary lacks becoming one <unk>, whitespace
+        that an added token swallows). Each tokenizer class computes it once from its vocabulary."""
+        return None
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text, bos=False)), found without encoding the text: no token stands for
+        more than longest_piece_bytes of its bytes (0 where no bound is known). Encoding is slow (npllm's BPE is
+        Python: seconds per megabyte); this is one pass over the text in C."""
+        longest = self.longest_piece_bytes
+        if not longest:
+            return 0
+        return -(-self.encoded_bytes(text) // longest)
+
+    def encode_at_most(self, text: str, most: int, bos: bool = True) -> list[int] | None:
+        """encode(text, bos), or None where the encoder stopped once past `most` ids and left the rest of the text
+        unencoded. This default encodes the whole text (a count past `most` is returned, and says how far past);
+        an encoder that works word by word (ByteLevelBPE) stops early."""
+        return self.encode(text, bos=bos)
+
+    def encoded_bytes(self, text: str) -> int:
+        """How many bytes long `text` is where longest_piece_bytes counts them: its UTF-8 (a lone surrogate, which
+        encode refuses, counted as 3 bytes rather than raising here)."""
+        return len(text.encode("utf-8", "surrogatepass"))
+
     def byte_value(self, token_id: int) -> int:
         """The byte a BYTE piece stands for: its text is '<0xXX>' with XX the byte in hexadecimal."""
         return int(self.id_to_piece(token_id)[3:5], 16)

@@ -23,6 +23,7 @@ import math
 import os
 import re
 import struct
+from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
@@ -156,6 +157,16 @@ class BPETokenizer(Tokenizer):
     def score(self, token_id: int) -> float:
         """Merge priority of `token_id`'s piece (higher merges earlier)."""
         return self._scores[self._check_id(token_id)]
+
+    @cached_property
+    def longest_piece_bytes(self) -> int | None:
+        """The longest piece BPE may form, in UTF-8 bytes of its spelling. Normalizing only lengthens the text (a
+        space, 1 byte, becomes U+2581, 3 bytes), and a symbol the vocabulary lacks is spelled one byte piece per
+        byte; so no token stands for more of the text's bytes. Without byte pieces a run of unknown characters,
+        however long, is one <unk>: no bound (None)."""
+        if self._byte_ids is None:
+            return None
+        return max([len(piece.encode("utf-8")) for piece in self._ids] + [1])
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         """Token ids of `text` by the BPE described in the module docstring; BOS/EOS added when asked."""

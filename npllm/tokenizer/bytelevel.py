@@ -22,7 +22,7 @@ import json
 import os
 import unicodedata
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import regex
 
@@ -37,6 +37,10 @@ LLAMA3_SPLIT = (
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# How many times shorter (in UTF-8) one Unicode normalization can make a text: NFKC makes the 4-byte U+107A5 one
+# byte, and composes U+1D414 (4 bytes) + U+0308 + U+0304 (2 each) into U+01D5 (2 bytes); NFC's worst is 3.5
+# (U+1FBE U+0308 U+0341 -> U+0390). tests/test_serve_load.py checks the single characters of every form.
+NORMALIZED_SHRINK = 4
 
 
 @lru_cache(maxsize=1)
@@ -209,18 +213,33 @@ class ByteLevelBPE(Tokenizer):
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         """Token ids of `text`; with bos=True the tokenizer's own template is applied (e.g. Llama 3 prepends
         <|begin_of_text|>; Qwen2 adds nothing), as Hugging Face does with add_special_tokens=True."""
-        ids = []
-        for span, token_id in self._split_added(text):
-            if token_id is not None:
-                ids.append(token_id)
-            else:
-                ids += self._encode_ordinary(span)
+        ids = self._text_ids(text)
         if bos:
             ids = self.prefix_ids + ids + self.suffix_ids
         if eos:
             if self.eos_id is None:
                 raise TokenizerError(f"{self.source}: this tokenizer does not know its EOS id")
             ids.append(self.eos_id)
+        return ids
+
+    def encode_at_most(self, text: str, most: int, bos: bool = True) -> list[int] | None:
+        """encode(text, bos), or None once past `most` ids: words are merged one by one, and the merging (most of
+        the time a megabyte takes) stops there."""
+        ids = self._text_ids(text, most)
+        if ids is None:
+            return None
+        return self.prefix_ids + ids + self.suffix_ids if bos else ids
+
+    def _text_ids(self, text: str, most: int | None = None) -> list[int] | None:
+        """The ids of the text alone; None once past `most` of them (None: no limit)."""
+        ids = []
+        for span, token_id in self._split_added(text):
+            if token_id is not None:
+                ids.append(token_id)
+            else:
+                ids += self._encode_ordinary(span, None if most is None else most - len(ids))
+            if most is not None and len(ids) > most:
+                return None
         return ids
 
     def _split_added(self, text: str):
@@ -238,7 +257,8 @@ class ByteLevelBPE(Tokenizer):
         if pos < len(text):
             yield text[pos:], None
 
-    def _encode_ordinary(self, text: str) -> list[int]:
+    def _encode_ordinary(self, text: str, most: int | None = None) -> list[int]:
+        """The ids of a span without added tokens; once past `most` of them (None: no limit) the rest is left."""
         for form in self.normalizers:
             text = unicodedata.normalize(form, text)
         pieces = [text]
@@ -249,6 +269,8 @@ class ByteLevelBPE(Tokenizer):
         for piece in pieces:
             if piece:
                 ids += self._bpe("".join(table[b] for b in piece.encode("utf-8")))
+                if most is not None and len(ids) > most:
+                    break
         return ids
 
     def _bpe(self, word: str) -> tuple[int, ...]:
@@ -273,6 +295,18 @@ class ByteLevelBPE(Tokenizer):
         if len(self._cache) < 100_000:
             self._cache[word] = ids
         return ids
+
+    @cached_property
+    def longest_piece_bytes(self) -> int | None:
+        """The most bytes of the text one token stands for. An ordinary token is one character per byte of the
+        normalized text, which each normalizer may have made up to NORMALIZED_SHRINK times shorter; an added token is
+        matched in the text as given. None where a token can stand for any length of text: an added token that
+        swallows the whitespace beside it (lstrip, rstrip), a pre-tokenizer that drops what it matches."""
+        if any(t.lstrip or t.rstrip for t in self.added.values()) or any(
+                getattr(step, "drops_text", False) for step in self.pre_tokenizers):
+            return None
+        ordinary = max(len(token) for token in self.vocab) * NORMALIZED_SHRINK ** len(self.normalizers)
+        return max([ordinary] + [len(content.encode("utf-8")) for content in self.added])
 
     # -- decoding ------------------------------------------------------------------------------------------------
 
@@ -466,7 +500,12 @@ def _pre_tokenizers(spec, source: str) -> list:
         behavior = _field(spec, "behavior", str, source, where, "Isolated")
         invert = _field(spec, "invert", bool, source, where, False)
         _apply_behavior([], behavior)  # reject an unknown behavior now, not at the first encode
-        return [lambda pieces: split_by_regex(pieces, compiled, behavior, invert)]
+
+        def split(pieces):
+            return split_by_regex(pieces, compiled, behavior, invert)
+
+        split.drops_text = behavior == "Removed"  # text then stands for no token: longest_piece_bytes has no bound
+        return [split]
     if kind == "ByteLevel":
         steps = []
         if _field(spec, "add_prefix_space", bool, source, where, False):
