@@ -6,7 +6,6 @@ import math
 import os
 import shutil
 import stat
-import sys
 
 import numpy as np
 import pytest
@@ -16,21 +15,9 @@ from npllm.config import ModelConfig, RopeScaling
 from npllm.errors import ConfigError, FormatError
 from npllm.formats import read_checkpoint
 from npllm.formats.gguf import TensorData, write_gguf_file
-from tests_support import REPO
+from tests_support import REPO, load_campaign
 
 FIXTURE = REPO / "tests" / "fixtures" / "hf" / "qwen2_bias"
-
-
-def load_campaign():
-    """scripts/bad_inputs.py as a module (its GGUF writer bends any field)."""
-    import importlib.util
-
-    if "bad_inputs" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bad_inputs", REPO / "scripts" / "bad_inputs.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bad_inputs"] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-    return sys.modules["bad_inputs"]
 
 
 def one_tensor():

@@ -1,7 +1,6 @@
 """Regression tests for what the bad-input campaign (scripts/bad_inputs.py) found, one fast check per class, plus a
 small deterministic sample of the campaign itself through the real command line."""
 
-import importlib.util
 import json
 import math
 import os
@@ -19,12 +18,9 @@ import npllm
 from npllm.cli import build_parser
 from npllm.errors import ConfigError, FormatError, NpllmError
 from npllm.formats import read_checkpoint
-from tests_support import REPO
+from tests_support import REPO, load_campaign
 
-spec = importlib.util.spec_from_file_location("bad_inputs", REPO / "scripts" / "bad_inputs.py")
-bad_inputs = importlib.util.module_from_spec(spec)
-sys.modules["bad_inputs"] = bad_inputs  # dataclasses look their module up by name
-spec.loader.exec_module(bad_inputs)
+bad_inputs = load_campaign()
 
 FIXTURE = REPO / "tests" / "fixtures" / "hf" / "qwen2_bias"
 

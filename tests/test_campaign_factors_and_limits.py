@@ -2,20 +2,9 @@
 command line (a third of the cases, and every one that must run): each bad value refused with one `npllm: error:`
 line naming the field or variable, the good ones run, and the summary counts no problem."""
 
-import importlib.util
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from tests_support import REPO
-
-
-def load_campaign():
-    if "bad_inputs" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bad_inputs", REPO / "scripts" / "bad_inputs.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bad_inputs"] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-    return sys.modules["bad_inputs"]
+from tests_support import load_campaign
 
 
 def named(case) -> str:

@@ -24,7 +24,7 @@ from npllm.chat import (BUILTIN_TEMPLATES, TemplateLimits, find_chat_template, r
                         resolve_chat_template, select_template)
 from npllm.chat.templates import ChatTemplateLimitError
 from npllm.errors import ChatTemplateError, SettingError
-from tests_support import REPO, template_worker_of, wait_gone
+from tests_support import REPO, template_worker_of, template_workers, wait_gone
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures/chat/renders.json").read_text(encoding="utf-8"))
 CASES = FIXTURE["cases"]
@@ -391,22 +391,6 @@ def test_a_worker_does_not_outlive_its_parent():
         parent.wait()
 
 
-def my_template_workers() -> list[int]:
-    """The pids of this process's live template workers (a dead, unreaped one has no command line)."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                command = f.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == os.getpid() and b"sandbox.py" in command:
-            found.append(int(entry))
-    return found
-
-
 def dead(pid: int) -> bool:
     """Whether process `pid` has ended (a zombie its parent has not reaped yet counts)."""
     try:
@@ -421,7 +405,7 @@ def test_a_worker_killed_while_idle_is_replaced_for_the_next_render(wait_for_dea
     """The OOM killer may end an idle worker (SIGKILL): the next render starts a new one, unseen by the caller,
     whether the worker is already gone when the request is sent or dies as it arrives."""
     assert render_chat_template("{{ messages[0]['content'] }}", HI) == "hi"  # a worker is now idle
-    workers = my_template_workers()
+    workers = template_workers(os.getpid())
     assert workers
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
@@ -436,7 +420,7 @@ def test_a_worker_killed_during_its_render_fails_that_render_clearly_and_the_nex
     """What ends the worker while it renders may be the template's doing: that render fails (it is not run again),
     and the next one gets a new worker."""
     render_chat_template("{{ 1 }}", HI)
-    threading.Timer(0.5, lambda: [os.kill(pid, signal.SIGKILL) for pid in my_template_workers()]).start()
+    threading.Timer(0.5, lambda: [os.kill(pid, signal.SIGKILL) for pid in template_workers(os.getpid())]).start()
     started = time.monotonic()
     with pytest.raises(ChatTemplateError, match=f"{NAME} stopped its worker process \\(killed by signal 9\\)"):
         render_chat_template(HANG, HI, template_name=NAME, limits=TemplateLimits(seconds=60))

@@ -10,6 +10,7 @@ import pytest
 
 import npllm
 from npllm import cli
+from tests_support import load_campaign
 
 # A non-default value for every option of each command: the refusal tests combine these.
 GENERATE_VALUES = {
@@ -280,19 +281,6 @@ def test_chat_honours_kv_dtype(stories260k, monkeypatch, capsys):
 
 # --------------------------------------------------------------------------------------------------------------
 # The bad-input campaign's kind "combo" (scripts/bad_inputs.py), through the real command line
-
-
-def load_campaign():
-    import importlib.util
-    import sys
-
-    from tests_support import REPO
-
-    spec = importlib.util.spec_from_file_location("bad_inputs", REPO / "scripts" / "bad_inputs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bad_inputs"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_campaign_reports_the_combinations_refused_or_run(tmp_path, capsys):

@@ -14,7 +14,7 @@ from npllm.errors import ConfigError
 from npllm.formats import read_checkpoint
 from npllm.formats.gguf import read_gguf_file
 from npllm.formats.hf import config_from_hf
-from tests_support import REPO
+from tests_support import REPO, load_campaign
 
 HF = REPO / "tests" / "fixtures" / "hf"
 LLAMA = json.loads((HF / "llama_gqa" / "config.json").read_text())  # head_dim 16, rope_parameters layout
@@ -68,21 +68,10 @@ def test_model_config_checks_the_rotated_fraction_for_every_format(factor, said)
         ModelConfig(**SMALL, partial_rotary_factor=factor)
 
 
-def campaign():
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("bad_inputs", REPO / "scripts" / "bad_inputs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bad_inputs"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("rotated, said", [(4, "partial_rotary_factor 0.5 .*first 4 of each head's 8 dims"),
                                            (0, r"\(0, 1\]"), (3, "even whole number"), (16, r"\(0, 1\]")])
 def test_gguf_rope_dimension_count_goes_through_the_same_check(tmp_path, weights_dir, stories260k, rotated, said):
-    bad_inputs = campaign()
+    bad_inputs = load_campaign()
     metadata, tensors = bad_inputs.stories_gguf(weights_dir)
     path = tmp_path / "m.gguf"
     bad_inputs.write_gguf(path, {**metadata, "llama.rope.dimension_count": ("u32", rotated)}, tensors)

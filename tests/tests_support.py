@@ -101,22 +101,42 @@ def wait_gone(pid: int, seconds: float) -> bool:
     return not process_alive(pid)
 
 
+def template_workers(parent: int) -> list[int]:
+    """The pids of process `parent`'s live chat template workers (npllm/chat/worker.py; a dead, unreaped one has
+    no command line)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"sandbox.py" in command:
+            found.append(int(entry))
+    return found
+
+
 def template_worker_of(parent: int, seconds: float) -> int:
-    """The pid of process `parent`'s chat template worker (npllm/chat/worker.py), once it runs."""
+    """The pid of process `parent`'s chat template worker, once it runs."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    command = f.read()
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == parent and b"sandbox.py" in command:
-                return int(entry)
+        found = template_workers(parent)
+        if found:
+            return found[0]
         time.sleep(0.1)
     raise AssertionError(f"process {parent} started no chat template worker within {seconds} s")
+
+
+def load_campaign():
+    """scripts/bad_inputs.py (the bad-input campaign) as a module, loaded once."""
+    if "bad_inputs" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bad_inputs", REPO / "scripts" / "bad_inputs.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bad_inputs"] = module  # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+    return sys.modules["bad_inputs"]
 
 
 def pad_vocabulary(config, weights: dict, loud_ids, scale: float = 50.0):
