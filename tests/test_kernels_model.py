@@ -194,11 +194,17 @@ assert np.array_equal(prefill, decode)
 """
 
 
+# a Haswell's features, named whole: the environment's own NUMBA_CPU_FEATURES (set to emulate another CPU) must not
+# leak into the child
+HASWELL_FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fsgsbase,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,"
+                    "+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,+xsaveopt")
+
+
 def test_the_avx2_tiles_on_a_machine_without_avx512(tmp_path):
     """Compiled for a Haswell (AVX2, no AVX-512: the 6 x 16 tile everywhere), in a fresh process with its own
     kernel cache: products within the float32 bound, prefill == decode bit for bit after the ring wraps."""
-    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CACHE_DIR=str(tmp_path),
-               PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=HASWELL_FEATURES,
+               NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     result = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True,
                             timeout=540)
     assert result.returncode == 0, result.stderr[-3000:]
