@@ -232,7 +232,7 @@ def test_iq4_quantizers_choose_the_nearest_level_and_beat_the_plain_rule(name, d
     nearest = np.abs(x64[..., None] - steps[..., None] * levels).min(axis=-1)
     assert np.all(np.abs(y - x64) <= nearest * (1 + 1e-6) + 1e-30)
     if name == "IQ4_NL":
-        step = iq4._as_half(iq4.plain_step(x.reshape(-1, 32))[:, None]).copy().view(np.float16).astype(np.float32)
+        step = iq4.as_half(iq4.plain_step(x.reshape(-1, 32))[:, None]).copy().view(np.float16).astype(np.float32)
         plain_y = step * iq4._levels(iq4._nearest_indices(x.reshape(-1, 32), step[:, 0]))
         plain_error = ((plain_y.astype(np.float64) - x.reshape(-1, 32)) ** 2).sum(axis=1)
     else:

@@ -252,13 +252,13 @@ def split_fused(config, weights: dict, source: str) -> dict:
     """The canonical set from what the file names: fused attn_qkv (wqkv, bqkv), Phi-3's ffn_up (w13) and
     ffn_gate_up_exps (w13_exps) split into wq, wk, wv (bq, bk, bv), w1, w3 and w1_exps, w3_exps (a QuantizedMatrix
     splits into views of its rows, kept in its type)."""
-    from .hf import _split_fused  # the one split of weights, shared with the Hugging Face reader
+    from .hf import split_fused_layer  # the one split of weights, shared with the Hugging Face reader
 
     out = dict(weights)
     HD, KD = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
     for l in range(config.n_layers):
         prefix = f"layers.{l}."
-        out |= _split_fused(config, out, prefix, source)
+        out |= split_fused_layer(config, out, prefix, source)
         bias = out.pop(prefix + "bqkv", None)
         if bias is not None:
             if bias.shape != (HD + 2 * KD,):

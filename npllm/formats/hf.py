@@ -432,7 +432,7 @@ def assembled(config: ModelConfig, family: Family, weights: dict, source: str) -
     experts = {name: weights.pop(name) for name in [n for n in weights if isinstance(n, tuple)]}
     out = dict(weights) | _stacked_experts(config, experts, source)
     for l in range(config.n_layers):
-        out |= _split_fused(config, out, f"layers.{l}.", source)
+        out |= split_fused_layer(config, out, f"layers.{l}.", source)
     if family.norm_offset:
         for name in [n for n in out if n.endswith("norm")]:
             out[name] = np.asarray(out[name], np.float32) + np.float32(family.norm_offset)
@@ -456,7 +456,7 @@ def _stacked_experts(config: ModelConfig, experts: dict, source: str) -> dict[st
     return stacked
 
 
-def _split_fused(config: ModelConfig, weights: dict, prefix: str, source: str) -> dict[str, np.ndarray]:
+def split_fused_layer(config: ModelConfig, weights: dict, prefix: str, source: str) -> dict[str, np.ndarray]:
     """Fused projections split along their output rows: Phi-3's qkv_proj [(H + 2K) Dh, D] -> wq, wk, wv and
     gate_up_proj [2F, D] -> w1 (the first F rows: the gate), w3; Granite-MoE's experts [E, 2Fe, D] -> w1_exps,
     w3_exps the same way. Nothing for other families."""

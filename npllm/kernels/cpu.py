@@ -51,7 +51,7 @@ def pack_panels(w: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------- matrix products
 
 @njit(inline="always")
-def _tile_6x16(x, t, rows, w, base, D, out, col):
+def tile_6x16(x, t, rows, w, base, D, out, col):
     """out[t : t+rows, col : col+16] = x[t : t+rows, :D] @ panel.T for rows <= 6, the panel's D x 16 floats
     starting at w[base]. Twelve 8-lane accumulators; with fewer than 6 rows the last row is computed again in the
     spare accumulators (same cost, one pass over the panel) and not stored."""
@@ -84,7 +84,7 @@ def _tile_6x16(x, t, rows, w, base, D, out, col):
 
 @njit(inline="always")
 def _tile_8x32(x, t, rows, w, base, D, out, col):
-    """As _tile_6x16 for 8 tokens and two consecutive panels (32 outputs) at once: sixteen 16-lane (AVX-512)
+    """As tile_6x16 for 8 tokens and two consecutive panels (32 outputs) at once: sixteen 16-lane (AVX-512)
     accumulators. A batch of 8 decode steps is one pass over the weights."""
     r1, r2, r3 = min(t + 1, t + rows - 1), min(t + 2, t + rows - 1), min(t + 3, t + rows - 1)
     r4, r5, r6, r7 = min(t + 4, t + rows - 1), min(t + 5, t + rows - 1), min(t + 6, t + rows - 1), \
@@ -163,7 +163,7 @@ def _matmul_panels(x, T, w, D, p0, p1, out):
                 p += 2
         while p < g + n:
             for t in range(0, T, TILE_T):
-                _tile_6x16(x, t, min(TILE_T, T - t), w, p * D * PANEL, D, out, p * PANEL)
+                tile_6x16(x, t, min(TILE_T, T - t), w, p * D * PANEL, D, out, p * PANEL)
             p += 1
 
 

@@ -55,39 +55,39 @@ class F32xN(types.Type):
 f32x8, f32x16 = F32xN(8), F32xN(16)
 
 
-def _vector(lanes: int) -> ir.VectorType:
+def f32_vector(lanes: int) -> ir.VectorType:
     return ir.VectorType(ir.FloatType(), lanes)
 
 
 @register_model(F32xN)
 class _F32xNModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, _vector(fe_type.lanes))
+        super().__init__(dmm, fe_type, f32_vector(fe_type.lanes))
 
 
-def _is_f32_c_array(ty) -> bool:
+def is_f32_c_array(ty) -> bool:
     return isinstance(ty, types.Array) and ty.dtype == types.float32 and ty.layout == "C"
 
 
-def _lane_pointer(context, builder, array_type, array, index, lanes):
+def lane_pointer(context, builder, array_type, array, index, lanes):
     """Address of array.flat[index], as a pointer to `lanes` floats."""
     data = context.make_array(array_type)(context, builder, array).data
-    return builder.bitcast(builder.gep(data, [index]), _vector(lanes).as_pointer())
+    return builder.bitcast(builder.gep(data, [index]), f32_vector(lanes).as_pointer())
 
 
 def _zero(vector_type):
     def codegen(context, builder, signature, args):
-        return ir.Constant(_vector(vector_type.lanes), [0.0] * vector_type.lanes)
+        return ir.Constant(f32_vector(vector_type.lanes), [0.0] * vector_type.lanes)
 
     return vector_type(), codegen
 
 
 def _load(vector_type, array, index):
-    if not (_is_f32_c_array(array) and isinstance(index, types.Integer)):
+    if not (is_f32_c_array(array) and isinstance(index, types.Integer)):
         return None
 
     def codegen(context, builder, signature, args):
-        pointer = _lane_pointer(context, builder, signature.args[0], args[0], args[1], vector_type.lanes)
+        pointer = lane_pointer(context, builder, signature.args[0], args[0], args[1], vector_type.lanes)
         return builder.load(pointer, align=4)
 
     return vector_type(array, index), codegen
@@ -115,11 +115,11 @@ def vload16(typingctx, array, index):
 
 @intrinsic
 def vstore(typingctx, array, index, vector):
-    if not (_is_f32_c_array(array) and isinstance(index, types.Integer) and isinstance(vector, F32xN)):
+    if not (is_f32_c_array(array) and isinstance(index, types.Integer) and isinstance(vector, F32xN)):
         return None
 
     def codegen(context, builder, signature, args):
-        pointer = _lane_pointer(context, builder, signature.args[0], args[0], args[1], vector.lanes)
+        pointer = lane_pointer(context, builder, signature.args[0], args[0], args[1], vector.lanes)
         builder.store(args[2], pointer, align=4)
         return context.get_dummy_value()
 
@@ -127,7 +127,7 @@ def vstore(typingctx, array, index, vector):
 
 
 def _fma(builder, a, b, acc, lanes):
-    vec = _vector(lanes)
+    vec = f32_vector(lanes)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]),
                                          f"llvm.fma.v{lanes}f32")
     return builder.call(fma, [a, b, acc])
@@ -141,9 +141,9 @@ def vfma(typingctx, acc, x, w):
     def codegen(context, builder, signature, args):
         acc_value, x_value, w_value = args
         lanes = acc.lanes
-        lane0 = builder.insert_element(ir.Constant(_vector(lanes), ir.Undefined), x_value,
+        lane0 = builder.insert_element(ir.Constant(f32_vector(lanes), ir.Undefined), x_value,
                                        ir.Constant(ir.IntType(32), 0))
-        xs = builder.shuffle_vector(lane0, ir.Constant(_vector(lanes), ir.Undefined),
+        xs = builder.shuffle_vector(lane0, ir.Constant(f32_vector(lanes), ir.Undefined),
                                     ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
         return _fma(builder, xs, w_value, acc_value, lanes)
 
@@ -178,7 +178,8 @@ def vsplat(typingctx, x):
         return None
 
     def codegen(context, builder, signature, args):
-        lane0 = builder.insert_element(ir.Constant(_vector(8), ir.Undefined), args[0], ir.Constant(ir.IntType(32), 0))
+        undefined = ir.Constant(f32_vector(8), ir.Undefined)
+        lane0 = builder.insert_element(undefined, args[0], ir.Constant(ir.IntType(32), 0))
         return builder.shuffle_vector(lane0, lane0, ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
 
     return f32x8(x), codegen
@@ -252,7 +253,7 @@ def vload_kv(typingctx, array, index):
         vector = ir.VectorType(element, LANES)
         pointer = _kv_pointer(context, builder, signature.args[0], args[0], args[1], vector)
         lanes = builder.load(pointer, align=4 if element == ir.FloatType() else 2)
-        return lanes if element == ir.FloatType() else builder.fpext(lanes, _vector(LANES))
+        return lanes if element == ir.FloatType() else builder.fpext(lanes, f32_vector(LANES))
 
     return f32x8(array, index), codegen
 

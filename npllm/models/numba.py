@@ -40,7 +40,7 @@ from ..kernels import quant as qk
 from ..kernels.compiler import cached_here, release_compiler_pages, release_linking_modules
 from ..tensors import release_files
 from .base import Model, sampler_rows
-from .numba_weights import (PER_LAYER, W1, W2, WO, WQ, Packed, QPacked, _bytes_by_type, pack,  # noqa: F401
+from .numba_weights import (PER_LAYER, W1, W2, WO, WQ, Packed, QPacked, bytes_by_type, pack,  # noqa: F401
                             pack_quantized, pack_released)
 from .weights import Weights
 
@@ -293,7 +293,7 @@ class QuantizedNumbaTransformer(NumbaTransformer):
         release_files(weights.values())  # copied into the pool: what the per-part releases left goes too
         mats, L = self.packed.mats, config.n_layers
         rows = np.concatenate([mats[:PER_LAYER * L], self.packed.experts])  # a layer's, and its experts'
-        self.type_bytes = _bytes_by_type(np.concatenate([mats, self.packed.experts]))
+        self.type_bytes = bytes_by_type(np.concatenate([mats, self.packed.experts]))
         used = np.ones(len(rows))  # what a token reads of each: every matrix, k / E of each expert
         used[PER_LAYER * L + L:] = config.n_experts_used / max(1, config.n_experts)
         self.layer_bytes = int((rows[:, 2] * used) @ rows[:, 4]) // L

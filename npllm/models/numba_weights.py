@@ -303,7 +303,7 @@ def pool_matrices(c: ModelConfig, weights: Weights) -> list:
     return matrices
 
 
-def _bytes_by_type(mats: np.ndarray) -> dict[str, int]:
+def bytes_by_type(mats: np.ndarray) -> dict[str, int]:
     from ..quant import TYPES_BY_ID
 
     totals: dict[str, int] = {}

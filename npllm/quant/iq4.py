@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import QK_K, QuantType, _as_half, _blocks, _half, _nibbles, _pack_nibbles, _per_row, _rows_of_blocks, \
-    _words_of
+from .base import QK_K, QuantType, as_half, blocks_of, half_at, nibbles_of, pack_nibbles, per_row, rows_of_blocks, \
+    words_of
 from .kfit import FIT_FACTORS, FIT_ROUNDS, by_two_rules, dot_last, scales_nearest
 
 KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
@@ -46,9 +46,9 @@ def dequantize_iq4_nl(raw: np.ndarray) -> np.ndarray:
 
         x[j] = d * KVALUES[i[j]]       i[j] in 0..15                   # [nb * 18] -> [nb * 32]
     """
-    blocks = _blocks(raw, 18)
-    d = _half(blocks, 0)
-    return (d * _levels(_nibbles(blocks[:, 2:]).reshape(-1, 32))).reshape(-1)
+    blocks = blocks_of(raw, 18)
+    d = half_at(blocks, 0)
+    return (d * _levels(nibbles_of(blocks[:, 2:]).reshape(-1, 32))).reshape(-1)
 
 
 def _iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
@@ -57,7 +57,7 @@ def _iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
         bytes 2-3    scales_h  u16: bits 2 s, 2 s + 1 = high 2 bits of ls[s]
         bytes 4-7    scales_l  byte k: low nibble = low 4 bits of ls[2k], high nibble = those of ls[2k + 1]
     """
-    low = _nibbles(blocks[:, 4:8]).swapaxes(1, 2).reshape(-1, 8)  # sub-block 2k + h: nibble h of byte k
+    low = nibbles_of(blocks[:, 4:8]).swapaxes(1, 2).reshape(-1, 8)  # sub-block 2k + h: nibble h of byte k
     high = blocks[:, 2].astype(np.uint16) | (blocks[:, 3].astype(np.uint16) << 8)
     high = (high[:, None] >> (2 * np.arange(8, dtype=np.uint16))) & 3
     return (low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
@@ -72,9 +72,9 @@ def dequantize_iq4_xs(raw: np.ndarray) -> np.ndarray:
 
         x[32 s + j] = (d * (ls[s] - 32)) * KVALUES[i[32 s + j]]             # [nb * 136] -> [nb * 256]
     """
-    blocks = _blocks(raw, 136)
-    scale = (_half(blocks, 0) * _iq4_xs_scales(blocks).astype(np.float32))[:, :, None]  # [nb, 8, 1]
-    indices = _nibbles(blocks[:, 8:].reshape(-1, 8, 16)).reshape(-1, 8, 32)
+    blocks = blocks_of(raw, 136)
+    scale = (half_at(blocks, 0) * _iq4_xs_scales(blocks).astype(np.float32))[:, :, None]  # [nb, 8, 1]
+    indices = nibbles_of(blocks[:, 8:].reshape(-1, 8, 16)).reshape(-1, 8, 32)
     return (scale * _levels(indices)).reshape(-1)
 
 
@@ -138,12 +138,12 @@ def quantize_iq4_nl(values: np.ndarray) -> np.ndarray:
     """[..., n] -> IQ4_NL bytes [nb * 18]: per block of 32 the scale d (stored as float16) of fit_codebook_step or
     of plain_step, whichever leaves the smaller squared error once stored, and each value the index of the level
     nearest x / d (d as stored)."""
-    x = _rows_of_blocks(values, 32)
-    halves = [_as_half(step(x)[:, None]) for step in (fit_codebook_step, plain_step)]  # [nb, 2] each
+    x = rows_of_blocks(values, 32)
+    halves = [as_half(step(x)[:, None]) for step in (fit_codebook_step, plain_step)]  # [nb, 2] each
     steps = [h.copy().view(np.float16).astype(np.float32)[:, 0] for h in halves]
     fitted_closer = _squared_error(x, steps[0]) <= _squared_error(x, steps[1])
     d, step = np.where(fitted_closer[:, None], *halves), np.where(fitted_closer, *steps)
-    return np.concatenate([d, _pack_nibbles(_nearest_indices(x, step))], axis=1).reshape(-1)
+    return np.concatenate([d, pack_nibbles(_nearest_indices(x, step))], axis=1).reshape(-1)
 
 
 def _pack_iq4_xs(d: np.ndarray, k: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -155,7 +155,7 @@ def _pack_iq4_xs(d: np.ndarray, k: np.ndarray, x: np.ndarray) -> np.ndarray:
     qs = (indices[..., :16] | (indices[..., 16:] << 4)).reshape(-1, 128)
     high = ((ls.astype(np.uint16) >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
     low = (ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)
-    return np.concatenate([_as_half(d), high.astype("<u2").view(np.uint8).reshape(-1, 2), low, qs],
+    return np.concatenate([as_half(d), high.astype("<u2").view(np.uint8).reshape(-1, 2), low, qs],
                           axis=1).reshape(-1)
 
 
@@ -164,7 +164,7 @@ def _iq4_xs_rule(fitted: bool):
     (fit_codebook_step), the steps then rounded to the nearest d k, d the float16 nearest max |step| / 31."""
 
     def rule(values: np.ndarray) -> np.ndarray:
-        x = _rows_of_blocks(values, QK_K).reshape(-1, 8, 32).astype(np.float32)
+        x = rows_of_blocks(values, QK_K).reshape(-1, 8, 32).astype(np.float32)
         steps = fit_codebook_step(x) if fitted else plain_step(x)
         d, k = scales_nearest(steps.astype(np.float64), 31)
         return _pack_iq4_xs(d, k.astype(np.int8), x)
@@ -182,13 +182,13 @@ def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:
 
 def _interleave_iq4_nl(blocks: np.ndarray) -> list:
     """IQ4_NL (d 0..1, qs 2..17): Q4_0's layout, the indices as words."""
-    return [blocks[..., 0:2], _words_of(blocks[..., 2:18])]
+    return [blocks[..., 0:2], words_of(blocks[..., 2:18])]
 
 
 def _interleave_iq4_xs(blocks: np.ndarray) -> list:
     """IQ4_XS (d 0..1, scales 2..7, qs 8..135): each sub-block's scale minus 32 a signed byte."""
     sc = _iq4_xs_scales(blocks.reshape(-1, 136)).view(np.uint8).reshape(blocks.shape[:3] + (8,))
-    return [blocks[..., 0:2], _per_row(sc), _words_of(blocks[..., 8:136])]
+    return [blocks[..., 0:2], per_row(sc), words_of(blocks[..., 8:136])]
 
 
 IQ4_NL = QuantType(name="IQ4_NL", type_id=20, block_size=32, block_bytes=18, dequantize=dequantize_iq4_nl,

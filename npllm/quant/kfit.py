@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import QK_K, QuantizationError, _rows_of_blocks
+from .base import QK_K, QuantizationError, rows_of_blocks
 
 
 def _half_at_least(v: np.ndarray) -> np.ndarray:
@@ -87,7 +87,7 @@ def covering_scale_min(values: np.ndarray, top: int, sub: int = 32, scale_top: i
     error is at most half a step d sc / 2.
     # [..., n] -> d, dmin [nb, 1]; sc, mn [nb, 256 / sub]; q [nb, 256 / sub, sub]
     """
-    x = _rows_of_blocks(values, QK_K).reshape(-1, QK_K // sub, sub).astype(np.float64)
+    x = rows_of_blocks(values, QK_K).reshape(-1, QK_K // sub, sub).astype(np.float64)
     mn_needed = -np.minimum(extreme_last(x, np.minimum), 0.0)
     dmin, mn = _scales_on_grid(mn_needed, scale_top)
     offset = (dmin * mn.astype(np.float32)).astype(np.float64)  # exactly what the decoder computes
@@ -161,7 +161,7 @@ def scales_nearest(needed: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray
 def fitted_scale_min(values: np.ndarray, top: int, sub: int = 32, scale_top: int = 63):
     """The fitted rule for the types of covering_scale_min (same outputs): _fit_step_offset's step and offset per
     sub-block, each rounded to the nearest point of its 6-bit (4-bit) grid, then q for those exact grid values."""
-    x = _rows_of_blocks(values, QK_K).reshape(-1, QK_K // sub, sub).astype(np.float64)
+    x = rows_of_blocks(values, QK_K).reshape(-1, QK_K // sub, sub).astype(np.float64)
     s, m = _fit_step_offset(x, top)
     dmin, mn = scales_nearest(m, scale_top)
     d, sc = scales_nearest(s, scale_top)
@@ -205,7 +205,7 @@ def fitted_signed_scale(values: np.ndarray, low: int, high: int, scale_top: int)
     """The fitted rule for Q3_K (k in -4..3, 6-bit signed sc) and Q6_K (k in -32..31, int8 sc): x = (d sc) k on
     sub-blocks of 16. _fit_signed_step per sub-block, rounded to the nearest d sc, then k for that exact step.
                                                             # [..., n] -> d [nb, 1], sc [nb, 16] int8, k [nb, 16, 16]"""
-    x = _rows_of_blocks(values, QK_K).reshape(-1, 16, 16).astype(np.float64)
+    x = rows_of_blocks(values, QK_K).reshape(-1, 16, 16).astype(np.float64)
     d, sc = scales_nearest(_fit_signed_step(x, low, high), scale_top)
     sc = sc.astype(np.int8)
     step = (d * sc.astype(np.float32)).astype(np.float64)
@@ -216,7 +216,7 @@ def covering_q6_k(values: np.ndarray):
     """The covering rule for Q6_K: each sub-block of 16 needs step max|x| / 31 (so +-max|x| lie within k in
     -31..31); d = smallest float16 >= max(step) / 127, sc = ceil(step / d) (0..127); k = clip(round(x / (d sc)),
     -32, 31). Nothing is clipped and each error is at most d sc / 2.    # [..., n] -> d [nb, 1], sc, k [nb, 16, 16]"""
-    x = _rows_of_blocks(values, QK_K).reshape(-1, 16, 16).astype(np.float64)
+    x = rows_of_blocks(values, QK_K).reshape(-1, 16, 16).astype(np.float64)
     d, sc = _scales_on_grid(extreme_last(np.abs(x)) / 31, 127)
     step = (d * sc.astype(np.float32)).astype(np.float64)
     return d, sc.astype(np.int8), _signed_levels(x, step, -32, 31)
@@ -228,7 +228,7 @@ def covering_q3_k(values: np.ndarray):
     max(-min x / 3, max x / 4); d = smallest float16 >= max |step| / 31, sc = ceil(|step| / d) with the step's
     sign (-31..31); k = clip(round(x / (d sc)), -4, 3). Nothing is clipped and each error is at most |d sc| / 2.
                                                                  # [..., n] -> d [nb, 1], sc [nb, 16], k [nb, 16, 16]"""
-    x = _rows_of_blocks(values, QK_K).reshape(-1, 16, 16).astype(np.float64)
+    x = rows_of_blocks(values, QK_K).reshape(-1, 16, 16).astype(np.float64)
     high, low = np.maximum(extreme_last(x), 0.0), np.maximum(-extreme_last(x, np.minimum), 0.0)
     positive, negative = np.maximum(high / 3, low / 4), np.maximum(low / 3, high / 4)
     d, magnitude = _scales_on_grid(np.minimum(positive, negative), 31)
@@ -241,7 +241,7 @@ def covering_q3_k(values: np.ndarray):
 def closest(values: np.ndarray, dequantize, block_bytes: int, *candidates: np.ndarray) -> np.ndarray:
     """Per super-block, the candidate bytes whose dequantized values have the least sum of squared errors (the
     first on ties).                                      # [..., n], [nb * block_bytes] x c -> [nb * block_bytes]"""
-    x = _rows_of_blocks(values, QK_K).astype(np.float64)
+    x = rows_of_blocks(values, QK_K).astype(np.float64)
     blocks = [c.reshape(x.shape[0], block_bytes) for c in candidates]
     errors = np.stack([((dequantize(b.reshape(-1)).reshape(x.shape) - x) ** 2).sum(1) for b in blocks])
     choice = np.nan_to_num(errors, nan=np.inf).argmin(axis=0)
@@ -255,7 +255,7 @@ def by_two_rules(values: np.ndarray, rules, dequantize, block_bytes: int) -> np.
     """values [..., n] as bytes: per super-block the closer of the covering rule's bytes (nothing clipped, each
     error at most half a step) and the fitted rule's (clipping where that lowers the squared error), so never worse
     than covering; chunk by chunk. rules: (covering, fitted), each values -> bytes."""
-    blocks = _rows_of_blocks(values, QK_K)
+    blocks = rows_of_blocks(values, QK_K)
     covering, fitted = rules
     return np.concatenate([closest(chunk, dequantize, block_bytes, covering(chunk), fitted(chunk))
                            for chunk in np.split(blocks, range(SUPER_BLOCK_CHUNK, len(blocks), SUPER_BLOCK_CHUNK))])

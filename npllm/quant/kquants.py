@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import QK_K, QuantType, _as_half, _bits, _blocks, _half, _nibbles, _per_row, _words_of
+from .base import QK_K, QuantType, as_half, bits_of, blocks_of, half_at, nibbles_of, per_row, words_of
 from .kfit import (by_two_rules, covering_q3_k, covering_q6_k, covering_scale_min, fitted_scale_min,
                    fitted_signed_scale)
 
@@ -47,12 +47,12 @@ def dequantize_q4_k(raw: np.ndarray) -> np.ndarray:
 
         x[32 s + j] = (d * sc[s]) * q[32 s + j] - dmin * mn[s]     q in 0..15    # [nb * 144] -> [nb * 256]
     """
-    blocks = _blocks(raw, 144)
-    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    blocks = blocks_of(raw, 144)
+    d, dmin = half_at(blocks, 0), half_at(blocks, 2)
     sc, mn = _scales_6bit(blocks[:, 4:16])
     scale = (d * sc.astype(np.float32))[:, :, None]  # [nb, 8, 1]
     offset = (dmin * mn.astype(np.float32))[:, :, None]
-    q = _nibbles(blocks[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32).astype(np.float32)
+    q = nibbles_of(blocks[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32).astype(np.float32)
     return (scale * q - offset).reshape(-1)
 
 
@@ -67,13 +67,13 @@ def dequantize_q5_k(raw: np.ndarray) -> np.ndarray:
 
         x[32 s + j] = (d * sc[s]) * q[32 s + j] - dmin * mn[s]     q in 0..31    # [nb * 176] -> [nb * 256]
     """
-    blocks = _blocks(raw, 176)
-    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    blocks = blocks_of(raw, 176)
+    d, dmin = half_at(blocks, 0), half_at(blocks, 2)
     sc, mn = _scales_6bit(blocks[:, 4:16])
     scale = (d * sc.astype(np.float32))[:, :, None]
     offset = (dmin * mn.astype(np.float32))[:, :, None]
-    low = _nibbles(blocks[:, 48:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
-    high = _bits(blocks[:, 16:48], 8)  # [nb, 8, 32]
+    low = nibbles_of(blocks[:, 48:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    high = bits_of(blocks[:, 16:48], 8)  # [nb, 8, 32]
     q = (low | (high << 4)).astype(np.float32)
     return (scale * q - offset).reshape(-1)
 
@@ -94,12 +94,12 @@ def dequantize_q6_k(raw: np.ndarray) -> np.ndarray:
 
         x[16 s + j] = (d * sc[s]) * (q[16 s + j] - 32)     q in 0..63    # [nb * 210] -> [nb * 256]
     """
-    blocks = _blocks(raw, 210)
-    d = _half(blocks, 208)
+    blocks = blocks_of(raw, 210)
+    d = half_at(blocks, 208)
     sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
     scale = (d * sc)[:, :, None]  # [nb, 16, 1]
     ql = blocks[:, :128].reshape(-1, 2, 2, 32)  # [nb, half, run of 32, l]
-    low = _nibbles(ql).swapaxes(2, 3).reshape(-1, 2, 4, 32)  # [nb, half, nibble, run, l]: group = 2 nibble + run
+    low = nibbles_of(ql).swapaxes(2, 3).reshape(-1, 2, 4, 32)  # [nb, half, nibble, run, l]: group = 2 nibble + run
     shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
     high = (blocks[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3  # [nb, half, group, l]
     q = (low | (high << 4)).astype(np.int8) - np.int8(32)
@@ -126,8 +126,8 @@ def dequantize_q2_k(raw: np.ndarray) -> np.ndarray:
 
         x[16 s + j] = (d * sc[s]) * q[16 s + j] - dmin * mn[s]     q in 0..3    # [nb * 84] -> [nb * 256]
     """
-    blocks = _blocks(raw, 84)
-    d, dmin = _half(blocks, 80), _half(blocks, 82)
+    blocks = blocks_of(raw, 84)
+    d, dmin = half_at(blocks, 80), half_at(blocks, 82)
     scales = blocks[:, :16]
     scale = (d * (scales & 0x0F).astype(np.float32))[:, :, None]
     offset = (dmin * (scales >> 4).astype(np.float32))[:, :, None]
@@ -137,7 +137,7 @@ def dequantize_q2_k(raw: np.ndarray) -> np.ndarray:
 
 def _scales_q3_k(packed: np.ndarray) -> np.ndarray:
     """Q3_K's sixteen 6-bit scales, minus 32 (dequantize_q3_k draws them).      # [n, 12] uint8 -> [n, 16] int8"""
-    low4 = _nibbles(packed[:, :8]).reshape(-1, 16)  # s < 8: low nibbles of bytes 0..7, s >= 8: high nibbles
+    low4 = nibbles_of(packed[:, :8]).reshape(-1, 16)  # s < 8: low nibbles of bytes 0..7, s >= 8: high nibbles
     high2 = ((packed[:, 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3)  # [n, s % 4, s // 4]
     high2 = high2.transpose(0, 2, 1).reshape(-1, 16)
     return (low4 | (high2 << 4)).astype(np.int8) - np.int8(32)
@@ -162,11 +162,11 @@ def dequantize_q3_k(raw: np.ndarray) -> np.ndarray:
 
         x[16 s + j] = (d * (sc[s] - 32)) * (q2 - (0 if the hmask bit is set else 4))    # [nb * 110] -> [nb * 256]
     """
-    blocks = _blocks(raw, 110)
-    d = _half(blocks, 108)
+    blocks = blocks_of(raw, 110)
+    d = half_at(blocks, 108)
     scale = (d * _scales_q3_k(blocks[:, 96:108]).astype(np.float32))[:, :, None]
     low = _sixteen_by_two_bits(blocks[:, 32:96]).astype(np.int8)
-    missing = (_bits(blocks[:, :32], 8).reshape(-1, 16, 16) ^ 1).astype(np.int8) << 2  # 4 where the bit is clear
+    missing = (bits_of(blocks[:, :32], 8).reshape(-1, 16, 16) ^ 1).astype(np.int8) << 2  # 4 where the bit is clear
     return (scale * (low - missing).astype(np.float32)).reshape(-1)
 
 
@@ -180,7 +180,7 @@ def _pack_scales_6bit(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
 def _pack_q4_k(d, dmin, sc, mn, q) -> np.ndarray:
     """Q4_K bytes from its fields.                                                              # -> [nb * 144]"""
     qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # run r: sub-block 2r low, 2r + 1 high
-    return np.concatenate([_as_half(d), _as_half(dmin), _pack_scales_6bit(sc, mn), qs], axis=1).reshape(-1)
+    return np.concatenate([as_half(d), as_half(dmin), _pack_scales_6bit(sc, mn), qs], axis=1).reshape(-1)
 
 
 def _pack_q5_k(d, dmin, sc, mn, q) -> np.ndarray:
@@ -190,7 +190,7 @@ def _pack_q5_k(d, dmin, sc, mn, q) -> np.ndarray:
         qh |= ((q[:, s] >> 4) & 1) << s
     low = q & 0x0F
     qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)
-    return np.concatenate([_as_half(d), _as_half(dmin), _pack_scales_6bit(sc, mn), qh, qs], axis=1).reshape(-1)
+    return np.concatenate([as_half(d), as_half(dmin), _pack_scales_6bit(sc, mn), qh, qs], axis=1).reshape(-1)
 
 
 def _pack_q6_k(d, sc, k) -> np.ndarray:
@@ -199,7 +199,7 @@ def _pack_q6_k(d, sc, k) -> np.ndarray:
     low, high = q & 0x0F, q >> 4
     ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2)
     qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
-    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _as_half(d)],
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), as_half(d)],
                           axis=1).reshape(-1)
 
 
@@ -212,7 +212,7 @@ def _pack_sixteen_by_two_bits(q: np.ndarray) -> np.ndarray:
 
 def _pack_q2_k(d, dmin, sc, mn, q) -> np.ndarray:
     """Q2_K bytes from its fields (sub-blocks of 16, q in 0..3, 4-bit sc and mn).                  # -> [nb * 84]"""
-    return np.concatenate([sc | (mn << 4), _pack_sixteen_by_two_bits(q), _as_half(d), _as_half(dmin)],
+    return np.concatenate([sc | (mn << 4), _pack_sixteen_by_two_bits(q), as_half(d), as_half(dmin)],
                           axis=1).reshape(-1)
 
 
@@ -221,7 +221,7 @@ def _pack_q3_k(d, sc, k) -> np.ndarray:
     q = (k + 4).astype(np.uint8)
     third = ((q >> 2) & 1).reshape(-1, 8, 32)  # bit b of hmask[16 h + j]: value j of sub-block 2 b + h
     hmask = np.bitwise_or.reduce(third << np.arange(8, dtype=np.uint8)[:, None], axis=1)
-    return np.concatenate([hmask, _pack_sixteen_by_two_bits(q & 3), _pack_scales_q3_k(sc), _as_half(d)],
+    return np.concatenate([hmask, _pack_sixteen_by_two_bits(q & 3), _pack_scales_q3_k(sc), as_half(d)],
                           axis=1).reshape(-1)
 
 
@@ -262,33 +262,33 @@ def _interleave_q4_k(blocks: np.ndarray) -> list:
     """Q4_K (d 0..1, dmin 2..3, scales and mins 4..15, qs 16..143): the 6-bit scales and mins a byte each."""
     sc, mn = _scales_6bit(blocks[..., 4:16].reshape(-1, 12))
     shape = blocks.shape[:3] + (8,)
-    return [blocks[..., 0:2], blocks[..., 2:4], _per_row(sc.reshape(shape)), _per_row(mn.reshape(shape)),
-            _words_of(blocks[..., 16:144])]
+    return [blocks[..., 0:2], blocks[..., 2:4], per_row(sc.reshape(shape)), per_row(mn.reshape(shape)),
+            words_of(blocks[..., 16:144])]
 
 
 def _interleave_q5_k(blocks: np.ndarray) -> list:
     """Q5_K (Q4_K's fields, qh 16..47, qs 48..175): Q4_K's parts, then the qh run."""
     sc, mn = _scales_6bit(blocks[..., 4:16].reshape(-1, 12))
     shape = blocks.shape[:3] + (8,)
-    return [blocks[..., 0:2], blocks[..., 2:4], _per_row(sc.reshape(shape)), _per_row(mn.reshape(shape)),
-            _words_of(blocks[..., 48:176]), _words_of(blocks[..., 16:48])]
+    return [blocks[..., 0:2], blocks[..., 2:4], per_row(sc.reshape(shape)), per_row(mn.reshape(shape)),
+            words_of(blocks[..., 48:176]), words_of(blocks[..., 16:48])]
 
 
 def _interleave_q6_k(blocks: np.ndarray) -> list:
     """Q6_K (ql 0..127, qh 128..191, scales 192..207, d 208..209)."""
-    return [blocks[..., 208:210], _per_row(blocks[..., 192:208]), _words_of(blocks[..., :128]),
-            _words_of(blocks[..., 128:192])]
+    return [blocks[..., 208:210], per_row(blocks[..., 192:208]), words_of(blocks[..., :128]),
+            words_of(blocks[..., 128:192])]
 
 
 def _interleave_q2_k(blocks: np.ndarray) -> list:
     """Q2_K (scales 0..15, qs 16..79, d 80..81, dmin 82..83)."""
-    return [blocks[..., 80:82], blocks[..., 82:84], _per_row(blocks[..., :16]), _words_of(blocks[..., 16:80])]
+    return [blocks[..., 80:82], blocks[..., 82:84], per_row(blocks[..., :16]), words_of(blocks[..., 16:80])]
 
 
 def _interleave_q3_k(blocks: np.ndarray) -> list:
     """Q3_K (hmask 0..31, qs 32..95, scales 96..107, d 108..109): the scales minus 32 a signed byte each."""
     sc = _scales_q3_k(blocks[..., 96:108].reshape(-1, 12)).view(np.uint8).reshape(blocks.shape[:3] + (16,))
-    return [blocks[..., 108:110], _per_row(sc), _words_of(blocks[..., :32]), _words_of(blocks[..., 32:96])]
+    return [blocks[..., 108:110], per_row(sc), words_of(blocks[..., :32]), words_of(blocks[..., 32:96])]
 
 
 Q2_K = QuantType(name="Q2_K", type_id=10, block_size=QK_K, block_bytes=84, dequantize=dequantize_q2_k,

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import (QuantType, _as_half, _bits, _blocks, _half, _inverse, _nibbles, _pack_nibbles, _rows_of_blocks,
-                   _round_half_away, _signed_absmax, _words_of)
+from .base import (QuantType, as_half, bits_of, blocks_of, half_at, inverse_scale, nibbles_of, pack_nibbles,
+                   rows_of_blocks, round_half_away, signed_absmax, words_of)
 
 
 def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
@@ -29,8 +29,8 @@ def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
 
         x[j] = d * q[j]                                           # [nb * 34] -> [nb * 32]
     """
-    blocks = _blocks(raw, 34)
-    d = _half(blocks, 0)  # [nb, 1]
+    blocks = blocks_of(raw, 34)
+    d = half_at(blocks, 0)  # [nb, 1]
     q = blocks[:, 2:].view(np.int8).astype(np.float32)  # [nb, 32]
     return (q * d).reshape(-1)
 
@@ -43,9 +43,9 @@ def dequantize_q4_0(raw: np.ndarray) -> np.ndarray:
 
         x[j] = d * (q[j] - 8)        q[j] in 0..15                # [nb * 18] -> [nb * 32]
     """
-    blocks = _blocks(raw, 18)
-    d = _half(blocks, 0)
-    q = _nibbles(blocks[:, 2:]).reshape(-1, 32).astype(np.int8) - np.int8(8)  # [nb, 32]
+    blocks = blocks_of(raw, 18)
+    d = half_at(blocks, 0)
+    q = nibbles_of(blocks[:, 2:]).reshape(-1, 32).astype(np.int8) - np.int8(8)  # [nb, 32]
     return (d * q.astype(np.float32)).reshape(-1)
 
 
@@ -58,9 +58,9 @@ def dequantize_q4_1(raw: np.ndarray) -> np.ndarray:
 
         x[j] = d * q[j] + m          q[j] in 0..15                # [nb * 20] -> [nb * 32]
     """
-    blocks = _blocks(raw, 20)
-    d, m = _half(blocks, 0), _half(blocks, 2)
-    q = _nibbles(blocks[:, 4:]).reshape(-1, 32).astype(np.float32)
+    blocks = blocks_of(raw, 20)
+    d, m = half_at(blocks, 0), half_at(blocks, 2)
+    q = nibbles_of(blocks[:, 4:]).reshape(-1, 32).astype(np.float32)
     return (d * q + m).reshape(-1)
 
 
@@ -69,8 +69,8 @@ def _five_bit(blocks: np.ndarray, qh_at: int) -> np.ndarray:
 
     # [nb, bytes] -> [nb, 32] in 0..31
     """
-    low = _nibbles(blocks[:, qh_at + 4 : qh_at + 20]).reshape(-1, 32)
-    high = _bits(blocks[:, qh_at : qh_at + 4], 8).transpose(0, 2, 1).reshape(-1, 32)  # byte k bit i -> value 8k+i
+    low = nibbles_of(blocks[:, qh_at + 4 : qh_at + 20]).reshape(-1, 32)
+    high = bits_of(blocks[:, qh_at : qh_at + 4], 8).transpose(0, 2, 1).reshape(-1, 32)  # byte k bit i -> value 8k+i
     return low | (high << 4)
 
 
@@ -83,8 +83,8 @@ def dequantize_q5_0(raw: np.ndarray) -> np.ndarray:
 
         x[j] = d * (q[j] - 16)       q[j] = low4[j] | (bit j of qh) << 4, in 0..31      # [nb * 22] -> [nb * 32]
     """
-    blocks = _blocks(raw, 22)
-    d = _half(blocks, 0)
+    blocks = blocks_of(raw, 22)
+    d = half_at(blocks, 0)
     q = _five_bit(blocks, 2).astype(np.int8) - np.int8(16)
     return (d * q.astype(np.float32)).reshape(-1)
 
@@ -99,8 +99,8 @@ def dequantize_q5_1(raw: np.ndarray) -> np.ndarray:
 
         x[j] = d * q[j] + m          q[j] in 0..31                # [nb * 24] -> [nb * 32]
     """
-    blocks = _blocks(raw, 24)
-    d, m = _half(blocks, 0), _half(blocks, 2)
+    blocks = blocks_of(raw, 24)
+    d, m = half_at(blocks, 0), half_at(blocks, 2)
     q = _five_bit(blocks, 4).astype(np.float32)
     return (d * q + m).reshape(-1)
 
@@ -113,45 +113,45 @@ def _pack_fifth_bits(q: np.ndarray) -> np.ndarray:
 
 def quantize_q8_0(values: np.ndarray) -> np.ndarray:
     """[..., n] float32 -> Q8_0 bytes [nb * 34]: d = max|x| / 127, q = round(x / d) (halves away from zero)."""
-    x = _rows_of_blocks(values, 32)
+    x = rows_of_blocks(values, 32)
     d = (np.abs(x).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
-    q = _round_half_away(x * _inverse(d)).astype(np.int8).view(np.uint8)
-    return np.concatenate([_as_half(d), q], axis=1).reshape(-1)
+    q = round_half_away(x * inverse_scale(d)).astype(np.int8).view(np.uint8)
+    return np.concatenate([as_half(d), q], axis=1).reshape(-1)
 
 
 def quantize_q4_0(values: np.ndarray) -> np.ndarray:
     """[..., n] -> Q4_0 bytes: d = -m / 8 with m the block's value of largest magnitude (so m itself maps to q = 0,
     the far end of 0..15), q = min(15, trunc(x / d + 8.5))."""
-    x = _rows_of_blocks(values, 32)
-    d = (_signed_absmax(x) / np.float32(-8)).astype(np.float32)
-    q = np.minimum(np.trunc(x * _inverse(d) + np.float32(8.5)), 15).astype(np.uint8)
-    return np.concatenate([_as_half(d), _pack_nibbles(q)], axis=1).reshape(-1)
+    x = rows_of_blocks(values, 32)
+    d = (signed_absmax(x) / np.float32(-8)).astype(np.float32)
+    q = np.minimum(np.trunc(x * inverse_scale(d) + np.float32(8.5)), 15).astype(np.uint8)
+    return np.concatenate([as_half(d), pack_nibbles(q)], axis=1).reshape(-1)
 
 
 def quantize_q4_1(values: np.ndarray) -> np.ndarray:
     """[..., n] -> Q4_1 bytes: m = min x, d = (max x - m) / 15, q = min(15, trunc((x - m) / d + 0.5))."""
-    x = _rows_of_blocks(values, 32)
+    x = rows_of_blocks(values, 32)
     lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
     d = ((hi - lo) / np.float32(15)).astype(np.float32)
-    q = np.minimum(np.trunc((x - lo) * _inverse(d) + np.float32(0.5)), 15).astype(np.uint8)
-    return np.concatenate([_as_half(d), _as_half(lo), _pack_nibbles(q)], axis=1).reshape(-1)
+    q = np.minimum(np.trunc((x - lo) * inverse_scale(d) + np.float32(0.5)), 15).astype(np.uint8)
+    return np.concatenate([as_half(d), as_half(lo), pack_nibbles(q)], axis=1).reshape(-1)
 
 
 def quantize_q5_0(values: np.ndarray) -> np.ndarray:
     """[..., n] -> Q5_0 bytes: d = -m / 16 (m: value of largest magnitude), q = min(31, trunc(x / d + 16.5))."""
-    x = _rows_of_blocks(values, 32)
-    d = (_signed_absmax(x) / np.float32(-16)).astype(np.float32)
-    q = np.minimum(np.trunc(x * _inverse(d) + np.float32(16.5)), 31).astype(np.uint8)
-    return np.concatenate([_as_half(d), _pack_fifth_bits(q), _pack_nibbles(q)], axis=1).reshape(-1)
+    x = rows_of_blocks(values, 32)
+    d = (signed_absmax(x) / np.float32(-16)).astype(np.float32)
+    q = np.minimum(np.trunc(x * inverse_scale(d) + np.float32(16.5)), 31).astype(np.uint8)
+    return np.concatenate([as_half(d), _pack_fifth_bits(q), pack_nibbles(q)], axis=1).reshape(-1)
 
 
 def quantize_q5_1(values: np.ndarray) -> np.ndarray:
     """[..., n] -> Q5_1 bytes: m = min x, d = (max x - m) / 31, q = min(31, trunc((x - m) / d + 0.5))."""
-    x = _rows_of_blocks(values, 32)
+    x = rows_of_blocks(values, 32)
     lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
     d = ((hi - lo) / np.float32(31)).astype(np.float32)
-    q = np.minimum(np.trunc((x - lo) * _inverse(d) + np.float32(0.5)), 31).astype(np.uint8)
-    return np.concatenate([_as_half(d), _as_half(lo), _pack_fifth_bits(q), _pack_nibbles(q)], axis=1).reshape(-1)
+    q = np.minimum(np.trunc((x - lo) * inverse_scale(d) + np.float32(0.5)), 31).astype(np.uint8)
+    return np.concatenate([as_half(d), as_half(lo), _pack_fifth_bits(q), pack_nibbles(q)], axis=1).reshape(-1)
 
 
 
@@ -175,7 +175,7 @@ def _scaled_words(scales: tuple[int, ...], qh: int | None, qs: int):
         parts = [blocks[..., at:at + 2] for at in scales]
         if qh is not None:
             parts.append(_fifth_bits_by_word(blocks[..., qh:qh + 4]))
-        return parts + [_words_of(blocks[..., qs:qs + 16])]
+        return parts + [words_of(blocks[..., qs:qs + 16])]
 
     return interleave
 
@@ -183,7 +183,7 @@ def _scaled_words(scales: tuple[int, ...], qh: int | None, qs: int):
 def _interleave_q8_0(blocks: np.ndarray) -> list:
     """Q8_0's scales, then its values as words, stored q + 128 (the sign bit flipped: the machine's integer dot
     multiplies unsigned bytes by signed activations)."""
-    return [blocks[..., 0:2], _words_of(blocks[..., 2:] ^ np.uint8(0x80))]
+    return [blocks[..., 0:2], words_of(blocks[..., 2:] ^ np.uint8(0x80))]
 
 
 Q8_0 = QuantType(name="Q8_0", type_id=8, block_size=32, block_bytes=34, dequantize=dequantize_q8_0,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import QuantizationError, _blocks, _half
+from .base import QuantizationError, blocks_of, half_at
 from .table import TYPES, dequantize, quantize
 
 
@@ -78,8 +78,8 @@ class QuantizedMatrix:
             return bool(np.isfinite(self.raw.view("<f4" if self.qtype == "F32" else "<f2")).all())
         if self.qtype == "BF16":
             return not ((self.raw.view("<u2") & 0x7F80) == 0x7F80).any()  # exponent all ones: inf or NaN
-        blocks = _blocks(self.raw.reshape(-1), TYPES[self.qtype].block_bytes)
-        return all(np.isfinite(_half(blocks, at)).all() for at in TYPES[self.qtype].scale_fields)
+        blocks = blocks_of(self.raw.reshape(-1), TYPES[self.qtype].block_bytes)
+        return all(np.isfinite(half_at(blocks, at)).all() for at in TYPES[self.qtype].scale_fields)
 
     def matmul_t(self, x: np.ndarray) -> np.ndarray:
         """x @ W.T, the reference: dequantize, then multiply.  # [T, K] -> [T, N]"""

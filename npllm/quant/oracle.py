@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import QuantizationError, _round_half_away
+from .base import QuantizationError, round_half_away
 from .matrix import QuantizedMatrix
 from .table import TYPES, dequantize
 
@@ -37,7 +37,7 @@ def quantize_activations_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(d[..., None] == 0, 0.0, blocks.astype(np.float64) / d[..., None].astype(np.float64))
-    q = np.clip(_round_half_away(ratio), -127, 127).astype(np.int8)
+    q = np.clip(round_half_away(ratio), -127, 127).astype(np.int8)
     return q.reshape(x.shape), d, q.astype(np.int32).sum(axis=-1)
 
 
@@ -84,7 +84,7 @@ def quantize_activations_two_part(x: np.ndarray) -> tuple[np.ndarray, np.ndarray
     step = (d / np.float32(128)).astype(np.float64)[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
         second = np.where(step == 0, 0.0, r / step)
-    return q, _round_half_away(second).astype(np.int8).reshape(q.shape), d
+    return q, round_half_away(second).astype(np.int8).reshape(q.shape), d
 
 
 def matmul_t_two_part_activations(raw: np.ndarray, qtype: str, shape: tuple[int, int], x: np.ndarray) -> np.ndarray:

@@ -14,8 +14,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ..simd import _is_f32_c_array, _lane_pointer
-from .intrinsics import _I8, _I32, _ivec, _splat, _x86
+from ..simd import is_f32_c_array, lane_pointer
+from .intrinsics import I8_IR, I32_IR, ivec, splat, llvm_intrinsic
 
 
 @intrinsic
@@ -26,20 +26,21 @@ def quantize_block_q8(typingctx, x, ix, q, iq):
     of non-negative floats order as their values do; a NaN's lie above every number's), d = max / 127 in float32,
     each quotient in float64, |quotient| + 1/2 floored and capped at 127, the sign put back, 0 where d = 0.
     (Element by element in Numba, with a float64 division each, this took ~3x as long: ~2.5 us per 768 values.)"""
-    if not (_is_f32_c_array(x) and isinstance(ix, types.Integer) and isinstance(q, types.Array)
+    if not (is_f32_c_array(x) and isinstance(ix, types.Integer) and isinstance(q, types.Array)
             and q.dtype == types.int8 and q.layout == "C" and isinstance(iq, types.Integer)):
         return None
 
     def call(builder, name, result, arguments, values):
-        return builder.call(_x86(builder, name, result, arguments), values)  # (any LLVM intrinsic, not only x86's)
+        # (any LLVM intrinsic, not only x86's)
+        return builder.call(llvm_intrinsic(builder, name, result, arguments), values)
 
     def codegen(context, builder, signature, args):
-        i32x32, f64x32, f32 = _ivec(_I32, 32), ir.VectorType(ir.DoubleType(), 32), ir.FloatType()
-        values = builder.load(_lane_pointer(context, builder, signature.args[0], args[0], args[1], 32), align=4)
+        i32x32, f64x32, f32 = ivec(I32_IR, 32), ir.VectorType(ir.DoubleType(), 32), ir.FloatType()
+        values = builder.load(lane_pointer(context, builder, signature.args[0], args[0], args[1], 32), align=4)
         bits = builder.and_(builder.bitcast(values, i32x32), ir.Constant(i32x32, [0x7FFFFFFF] * 32))
-        largest = call(builder, "llvm.vector.reduce.umax.v32i32", _I32, [i32x32], [bits])
+        largest = call(builder, "llvm.vector.reduce.umax.v32i32", I32_IR, [i32x32], [bits])
         d = builder.fdiv(builder.bitcast(largest, f32), ir.Constant(f32, 127.0))
-        ratio = builder.fdiv(builder.fpext(values, f64x32), _splat(builder, builder.fpext(d, ir.DoubleType()), 32))
+        ratio = builder.fdiv(builder.fpext(values, f64x32), splat(builder, builder.fpext(d, ir.DoubleType()), 32))
         magnitude = call(builder, "llvm.fabs.v32f64", f64x32, [f64x32], [ratio])
         magnitude = call(builder, "llvm.floor.v32f64", f64x32, [f64x32],
                          [builder.fadd(magnitude, ir.Constant(f64x32, [0.5] * 32))])
@@ -51,11 +52,11 @@ def quantize_block_q8(typingctx, x, ix, q, iq):
         zero_scale = builder.fcmp_ordered("==", d, ir.Constant(f32, 0.0))
         integers = builder.select(zero_scale, ir.Constant(i32x32, [0] * 32), integers)
         q_data = context.make_array(signature.args[2])(context, builder, args[2]).data
-        pointer = builder.bitcast(builder.gep(q_data, [args[3]]), _ivec(_I8, 32).as_pointer())
-        builder.store(builder.trunc(integers, _ivec(_I8, 32)), pointer, align=1)
-        halves = [builder.shuffle_vector(integers, integers, ir.Constant(_ivec(_I32, 16), list(range(h, h + 16))))
+        pointer = builder.bitcast(builder.gep(q_data, [args[3]]), ivec(I8_IR, 32).as_pointer())
+        builder.store(builder.trunc(integers, ivec(I8_IR, 32)), pointer, align=1)
+        halves = [builder.shuffle_vector(integers, integers, ir.Constant(ivec(I32_IR, 16), list(range(h, h + 16))))
                   for h in (0, 16)]
-        sums = [call(builder, "llvm.vector.reduce.add.v16i32", _I32, [_ivec(_I32, 16)], [half]) for half in halves]
+        sums = [call(builder, "llvm.vector.reduce.add.v16i32", I32_IR, [ivec(I32_IR, 16)], [half]) for half in halves]
         return context.make_tuple(builder, signature.return_type, [d, *sums])
 
     return types.Tuple((types.float32, types.int32, types.int32))(x, ix, q, iq), codegen

@@ -18,7 +18,7 @@ from numba import njit
 
 from ... import quant
 from ...quant import INTERLEAVE, QuantizationError
-from ..cpu import PANEL, REASSOC, TILE_T, _tile_6x16
+from ..cpu import PANEL, REASSOC, TILE_T, tile_6x16
 from ..simd import vstore
 from . import floats, iq4, kquants, legacy
 from .activations import quantize_activations_q8_into, two_part_activations_into
@@ -269,7 +269,7 @@ def matmul_rows(code, w, x, T, out, col, n0, n1):
             for k in range(K):
                 panel[k * PANEL + j] = 0
         for t in range(0, T, TILE_T):
-            _tile_6x16(x, t, min(TILE_T, T - t), panel, 0, K, tile, 0)
+            tile_6x16(x, t, min(TILE_T, T - t), panel, 0, K, tile, 0)
         for t in range(T):
             for j in range(rows):
                 out[t, col + p0 + j] = tile[t, j]

@@ -23,7 +23,7 @@ from numba import njit
 
 from ..cpu import REASSOC
 from ..simd import vfma, vfmav, vzero, vzero16
-from .intrinsics import _group_bytes, interleaved_idot, machine, scale_loaders
+from .intrinsics import group_bytes_of, interleaved_idot, machine, scale_loaders
 from .record import Expansion
 
 # Tokens from which a walk decodes each group once (record.Expansion.tokens; below: the type's own tile). One thread,
@@ -42,7 +42,7 @@ def _plain_words(count: int):
     """words(...) for intrinsics.interleaved_idot: `count` stored words as they are."""
 
     def words(builder, context, array_type, w, iw, stride, groups, gfni):
-        return [_group_bytes(builder, context, array_type, w, iw, stride, groups, 32 * k) for k in range(count)]
+        return [group_bytes_of(builder, context, array_type, w, iw, stride, groups, 32 * k) for k in range(count)]
 
     return words
 

@@ -8,25 +8,25 @@ from llvmlite import ir
 from numba import njit, types
 
 from ..cpu import REASSOC
-from ..simd import _vector, f32x8, vfmav, vload, vsum, vzero
+from ..simd import f32_vector, f32x8, vfmav, vload, vsum, vzero
 from .intrinsics import byte_reader, load_half
 from .record import BlockKernels
 
 
 def _f32_lanes(builder, at):
-    return builder.load(builder.bitcast(at, _vector(8).as_pointer()), align=1)
+    return builder.load(builder.bitcast(at, f32_vector(8).as_pointer()), align=1)
 
 
 def _f16_lanes(builder, at):
     return builder.fpext(builder.load(builder.bitcast(at, ir.VectorType(ir.HalfType(), 8).as_pointer()), align=1),
-                         _vector(8))
+                         f32_vector(8))
 
 
 def _bf16_lanes(builder, at):
     """BF16 is the high half of a float32: each 16-bit word shifted into the high half, exactly."""
     i16x8, i32x8 = ir.VectorType(ir.IntType(16), 8), ir.VectorType(ir.IntType(32), 8)
     words = builder.zext(builder.load(builder.bitcast(at, i16x8.as_pointer()), align=1), i32x8)
-    return builder.bitcast(builder.shl(words, ir.Constant(i32x8, [16] * 8)), _vector(8))
+    return builder.bitcast(builder.shl(words, ir.Constant(i32x8, [16] * 8)), f32_vector(8))
 
 
 def _f32_scalar(builder, at):

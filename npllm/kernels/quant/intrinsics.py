@@ -17,9 +17,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .. import target
-from ..simd import _vector, f32x8, f32x16, prefetch
+from ..simd import f32_vector, f32x8, f32x16, prefetch
 
-_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+I8_IR, I16_IR, I32_IR = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 
 
 # ---------------------------------------------------------------------------------------------- the machine
@@ -31,7 +31,7 @@ VNNI = AVX2 and (target.has("avxvnni") or target.has("avx512vnni", "avx512vl"))
 # has a 512-bit vpdpbusd. It runs two per cycle here, as the 256-bit one does, so a pair costs the instructions of
 # one group: ~1.7x the multiply-adds per second at 128 tokens (docs/quant.md). Elsewhere groups go one at a time.
 PAIRED = VNNI and target.has("avx512vnni", "avx512bw")  # a 512-bit vpdpbusd
-GFNI = AVX2 and target.has("gfni")  # Q5_K's fifth bit and Q6_K's top two in one instruction (_high_bits)
+GFNI = AVX2 and target.has("gfni")  # Q5_K's fifth bit and Q6_K's top two in one instruction (high_bits_ir)
 
 
 def variant() -> str:
@@ -77,7 +77,7 @@ def _is_byte_c_array(ty) -> bool:
     return isinstance(ty, types.Array) and ty.dtype in (types.uint8, types.int8) and ty.layout == "C"
 
 
-def _idot_args_ok(w, locators, x, ix) -> bool:
+def idot_args_ok(w, locators, x, ix) -> bool:
     return (_is_byte_c_array(w) and _is_byte_c_array(x) and isinstance(ix, types.Integer)
             and all(isinstance(i, types.Integer) for i in locators))
 
@@ -99,28 +99,28 @@ def byte_reader(result, load):
     return intrinsic(typer)
 
 
-def _half(builder, at):
+def half_at(builder, at):
     return builder.fpext(builder.load(builder.bitcast(at, ir.HalfType().as_pointer()), align=1), ir.FloatType())
 
 
 # load_half(array, index): the float16 at bytes array.flat[index : index + 2], widened to float32 (one vcvtph2ps
 # where the CPU has F16C)
-load_half = byte_reader(types.float32, _half)
+load_half = byte_reader(types.float32, half_at)
 
 
 @njit(inline="always")
-def _int8(byte):
+def as_int8(byte):
     v = np.int32(byte)
     return v - ((v >> 7) << 8)
 
 
 # ---------------------------------------------------------------------------------------------- LLVM helpers
 
-def _ivec(t, lanes):
+def ivec(t, lanes):
     return ir.VectorType(t, lanes)
 
 
-def _x86(builder, name, result, arguments):
+def llvm_intrinsic(builder, name, result, arguments):
     """An LLVM intrinsic function (x86's, or a generic one such as llvm.abs) declared in the module being built."""
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, arguments), name)
 
@@ -131,26 +131,26 @@ def _dot_avx2(builder, unsigned, signed, vnni: bool):
     sums for every input here: vpmaddubsw saturates a pair's sum to int16, but the unsigned factors are at most 128
     (|w| of a signed weight) or 63, so a pair stays within 2 * 128 * 127."""
     if vnni:  # declared with <8 x i32> operands, the form every LLVM since 10 reads (LLVM 22 upgrades it to bytes)
-        i32x8 = _ivec(_I32, 8)
-        function = _x86(builder, "llvm.x86.avx512.vpdpbusd.256", i32x8, [i32x8] * 3)
+        i32x8 = ivec(I32_IR, 8)
+        function = llvm_intrinsic(builder, "llvm.x86.avx512.vpdpbusd.256", i32x8, [i32x8] * 3)
         return builder.call(function, [ir.Constant(i32x8, [0] * 8), builder.bitcast(unsigned, i32x8),
                                        builder.bitcast(signed, i32x8)])
-    pairs16 = builder.call(_x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _ivec(_I16, 16), [_ivec(_I8, 32)] * 2),
-                           [unsigned, signed])
-    return builder.call(_x86(builder, "llvm.x86.avx2.pmadd.wd", _ivec(_I32, 8), [_ivec(_I16, 16)] * 2),
-                        [pairs16, ir.Constant(_ivec(_I16, 16), [1] * 16)])
+    pmaddubsw = llvm_intrinsic(builder, "llvm.x86.avx2.pmadd.ub.sw", ivec(I16_IR, 16), [ivec(I8_IR, 32)] * 2)
+    pairs16 = builder.call(pmaddubsw, [unsigned, signed])
+    return builder.call(llvm_intrinsic(builder, "llvm.x86.avx2.pmadd.wd", ivec(I32_IR, 8), [ivec(I16_IR, 16)] * 2),
+                        [pairs16, ir.Constant(ivec(I16_IR, 16), [1] * 16)])
 
 
 def _dot_generic(builder, a, b, a_signed):
     """The same sums from plain LLVM integer vectors (a signed or unsigned, b signed): lane i sums the products of
     bytes 4i .. 4i + 3, as vpmaddubsw then vpmaddwd group them."""
     count = a.type.count  # 32 bytes, or 64 for a pair of interleaved groups
-    wide = _ivec(_I32, count)
+    wide = ivec(I32_IR, count)
     a32 = builder.sext(a, wide) if a_signed else builder.zext(a, wide)
     products = builder.mul(a32, builder.sext(b, wide))
     total = None
     for k in range(4):
-        part = builder.shuffle_vector(products, products, ir.Constant(_ivec(_I32, count // 4),
+        part = builder.shuffle_vector(products, products, ir.Constant(ivec(I32_IR, count // 4),
                                                                       list(range(k, count, 4))))
         total = part if total is None else builder.add(total, part)
     return total
@@ -164,30 +164,31 @@ def _dot(builder, w, x, w_signed: bool, avx2: bool, vnni: bool):
     if not w_signed:
         return _dot_avx2(builder, w, x, vnni)
     # |w| times x with w's sign moved onto it: the unsigned factor is |w| <= 128
-    magnitude = builder.call(_x86(builder, "llvm.abs.v32i8", _ivec(_I8, 32), [_ivec(_I8, 32), ir.IntType(1)]),
-                             [w, ir.Constant(ir.IntType(1), 0)])
-    signed = builder.call(_x86(builder, "llvm.x86.avx2.psign.b", _ivec(_I8, 32), [_ivec(_I8, 32)] * 2), [x, w])
+    absolute = llvm_intrinsic(builder, "llvm.abs.v32i8", ivec(I8_IR, 32), [ivec(I8_IR, 32), ir.IntType(1)])
+    magnitude = builder.call(absolute, [w, ir.Constant(ir.IntType(1), 0)])
+    psign = llvm_intrinsic(builder, "llvm.x86.avx2.psign.b", ivec(I8_IR, 32), [ivec(I8_IR, 32)] * 2)
+    signed = builder.call(psign, [x, w])
     return _dot_avx2(builder, magnitude, signed, vnni)
 
 
 def _load_bytes(builder, context, array_type, array, index, count):
     data = context.make_array(array_type)(context, builder, array).data
-    pointer = builder.bitcast(builder.gep(data, [index]), _ivec(_I8, count).as_pointer())
+    pointer = builder.bitcast(builder.gep(data, [index]), ivec(I8_IR, count).as_pointer())
     return builder.load(pointer, align=1)
 
 
-def _field(builder, bytes_, shift, mask):
+def field_of(builder, bytes_, shift, mask):
     """(bytes >> shift) & mask per byte, shift a run-time integer with mask << shift < 256 (every field here: a
     nibble at 0 or 4, two bits at 0..6, one bit at 0..7). The shift is taken on 16-bit lanes (x86 has no byte
     shift; LLVM would build a per-shift byte mask for one): the bits it brings down from a lane's high byte land at
     8 - shift and up, above the mask."""
     count = bytes_.type.count
-    words = builder.bitcast(bytes_, _ivec(_I16, count // 2))
-    shift16 = builder.trunc(shift, _I16) if shift.type.width > 16 else builder.zext(shift, _I16)
-    lane = builder.insert_element(ir.Constant(_ivec(_I16, count // 2), ir.Undefined), shift16, ir.Constant(_I32, 0))
-    shifts = builder.shuffle_vector(lane, lane, ir.Constant(_ivec(_I32, count // 2), [0] * (count // 2)))
-    shifted = builder.bitcast(builder.lshr(words, shifts), _ivec(_I8, count))
-    return builder.and_(shifted, ir.Constant(_ivec(_I8, count), [mask] * count))
+    words = builder.bitcast(bytes_, ivec(I16_IR, count // 2))
+    shift16 = builder.trunc(shift, I16_IR) if shift.type.width > 16 else builder.zext(shift, I16_IR)
+    lane = builder.insert_element(ir.Constant(ivec(I16_IR, count // 2), ir.Undefined), shift16, ir.Constant(I32_IR, 0))
+    shifts = builder.shuffle_vector(lane, lane, ir.Constant(ivec(I32_IR, count // 2), [0] * (count // 2)))
+    shifted = builder.bitcast(builder.lshr(words, shifts), ivec(I8_IR, count))
+    return builder.and_(shifted, ir.Constant(ivec(I8_IR, count), [mask] * count))
 
 
 def _at(builder, base, stride, group: int, delta: int):
@@ -199,36 +200,37 @@ def _at(builder, base, stride, group: int, delta: int):
     return builder.add(base, ir.Constant(i64, delta))
 
 
-def _group_bytes(builder, context, array_type, w, iw, stride, groups: int, delta: int, count: int = 32):
+def group_bytes_of(builder, context, array_type, w, iw, stride, groups: int, delta: int, count: int = 32):
     """<groups * count x i8>: the count bytes at w.flat[iw + j stride + delta:] of each group j < groups, side by
     side (one group's word, or a pair's as one 512-bit word)."""
     parts = [_load_bytes(builder, context, array_type, w, _at(builder, iw, stride, j, delta), count)
              for j in range(groups)]
     if groups == 1:
         return parts[0]
-    return builder.shuffle_vector(parts[0], parts[1], ir.Constant(_ivec(_I32, 2 * count), list(range(2 * count))))
+    return builder.shuffle_vector(parts[0], parts[1], ir.Constant(ivec(I32_IR, 2 * count), list(range(2 * count))))
 
 
-def _offset(builder, value, add):
+def offset_of(builder, value, add):
     return builder.add(value, ir.Constant(value.type, add))
 
 
-def _splat(builder, value, lanes: int):
+def splat(builder, value, lanes: int):
     """<lanes x T> of a value of type T."""
     vector = ir.VectorType(value.type, lanes)
-    lane = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(lane, ir.Constant(vector, ir.Undefined), ir.Constant(_ivec(_I32, lanes), [0] * lanes))
+    lane = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(I32_IR, 0))
+    everywhere = ir.Constant(ivec(I32_IR, lanes), [0] * lanes)
+    return builder.shuffle_vector(lane, ir.Constant(vector, ir.Undefined), everywhere)
 
 
-def _splat32(builder, value, lanes: int):
+def splat32(builder, value, lanes: int):
     """<lanes x i32> of an i32 value."""
-    return _splat(builder, value, lanes)
+    return splat(builder, value, lanes)
 
 
-def _broadcast4(builder, context, array_type, array, index, lanes: int):
+def broadcast4(builder, context, array_type, array, index, lanes: int):
     """<4 lanes x i8>: the four bytes at array.flat[index:] repeated in each of the 32-bit lanes."""
-    word = builder.bitcast(_load_bytes(builder, context, array_type, array, index, 4), _I32)
-    return builder.bitcast(_splat32(builder, word, lanes), _ivec(_I8, 4 * lanes))
+    word = builder.bitcast(_load_bytes(builder, context, array_type, array, index, 4), I32_IR)
+    return builder.bitcast(splat32(builder, word, lanes), ivec(I8_IR, 4 * lanes))
 
 
 def _dot_lanes(builder, acc, w, x, w_signed: bool, avx2: bool, vnni: bool):
@@ -238,8 +240,8 @@ def _dot_lanes(builder, acc, w, x, w_signed: bool, avx2: bool, vnni: bool):
     if not avx2:
         return builder.add(acc, _dot_generic(builder, w, x, w_signed))
     if vnni and not w_signed:
-        vector = _ivec(_I32, lanes)
-        function = _x86(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", vector, [vector] * 3)
+        vector = ivec(I32_IR, lanes)
+        function = llvm_intrinsic(builder, f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", vector, [vector] * 3)
         return builder.call(function, [acc, builder.bitcast(w, vector), builder.bitcast(x, vector)])
     return builder.add(acc, _dot(builder, w, x, w_signed, avx2, vnni))  # 8 lanes: no 16-lane code without VNNI
 
@@ -254,9 +256,9 @@ def _runs_of_pairs(builder, words, xs, most: int):
     """<8 x i32> partial dots on AVX2 without VNNI, a run of words at a time: vpmaddubsw per word, the int16 pairs
     of a run added (exact: _run_length), one vpmaddwd per run. vpmaddubsw and vpmaddwd both take the multiply
     ports; a widening per word (Q4's nibbles: 8 words, 8 vpmaddwd -> 1) left those ports half the work."""
-    pmaddubsw = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _ivec(_I16, 16), [_ivec(_I8, 32)] * 2)
-    pmaddwd = _x86(builder, "llvm.x86.avx2.pmadd.wd", _ivec(_I32, 8), [_ivec(_I16, 16)] * 2)
-    ones, length, dots = ir.Constant(_ivec(_I16, 16), [1] * 16), _run_length(most), []
+    pmaddubsw = llvm_intrinsic(builder, "llvm.x86.avx2.pmadd.ub.sw", ivec(I16_IR, 16), [ivec(I8_IR, 32)] * 2)
+    pmaddwd = llvm_intrinsic(builder, "llvm.x86.avx2.pmadd.wd", ivec(I32_IR, 8), [ivec(I16_IR, 16)] * 2)
+    ones, length, dots = ir.Constant(ivec(I16_IR, 16), [1] * 16), _run_length(most), []
     for k0 in range(0, len(words), length):
         parts = [builder.call(pmaddubsw, [word, x]) for word, x in zip(words[k0:k0 + length], xs[k0:k0 + length])]
         while len(parts) > 1:  # a balanced tree: 3 adds deep for 8 words, not 7 (a one-token walk waits on it)
@@ -265,7 +267,7 @@ def _runs_of_pairs(builder, words, xs, most: int):
     return dots
 
 
-def _chained_dots(builder, start, words, xs, w_signed: bool, avx2: bool, vnni: bool, most: int = 255):
+def chained_dots(builder, start, words, xs, w_signed: bool, avx2: bool, vnni: bool, most: int = 255):
     """start + the dots of words[k] with xs[k], in CHAINS independent sums added at the end (the same integer).
     most: the largest unsigned value in the words (on AVX2 without VNNI the products are summed in int16 runs)."""
     zero = ir.Constant(start.type, [0] * start.type.count)
@@ -285,11 +287,11 @@ def _field_const(builder, bytes_, shift: int, mask: int):
     """(bytes >> shift) & mask per byte, shift a constant."""
     count = bytes_.type.count
     if shift:
-        bytes_ = builder.lshr(bytes_, ir.Constant(_ivec(_I8, count), [shift] * count))
-    return builder.and_(bytes_, ir.Constant(_ivec(_I8, count), [mask] * count))
+        bytes_ = builder.lshr(bytes_, ir.Constant(ivec(I8_IR, count), [shift] * count))
+    return builder.and_(bytes_, ir.Constant(ivec(I8_IR, count), [mask] * count))
 
 
-def _high_bits(builder, qh, shift, count: int, gfni: bool, to: int = 4):
+def high_bits_ir(builder, qh, shift, count: int, gfni: bool, to: int = 4):
     """((qh >> shift) & (2^count - 1)) << to per byte, shift a run-time integer (Q5_K's fifth bit: count 1; Q6_K's
     top two: count 2; Q3_K's third bit: count 1, to 2): one GFNI affine byte op where the machine has it, else a
     shift, a mask and a shift. GFNI's output bit j of a byte is the parity of (byte 7 - j of the qword matrix) AND
@@ -297,21 +299,21 @@ def _high_bits(builder, qh, shift, count: int, gfni: bool, to: int = 4):
     byte 7 - to - c of each qword."""
     lanes = qh.type.count
     if not gfni:
-        return builder.shl(_field(builder, qh, shift, 2 ** count - 1), ir.Constant(_ivec(_I8, lanes), [to] * lanes))
+        return builder.shl(field_of(builder, qh, shift, 2 ** count - 1), ir.Constant(ivec(I8_IR, lanes), [to] * lanes))
     i64 = ir.IntType(64)
     shift = builder.sext(shift, i64) if shift.type.width < 64 else shift
     row = ir.Constant(i64, 0)
     for c in range(count):
         bit = builder.shl(ir.Constant(i64, 1), builder.add(shift, ir.Constant(i64, c + 8 * (7 - to - c))))
         row = builder.or_(row, bit)
-    matrix = builder.bitcast(_splat(builder, row, lanes // 8), _ivec(_I8, lanes))
-    function = _x86(builder, f"llvm.x86.vgf2p8affineqb.{8 * lanes}", _ivec(_I8, lanes),
-                    [_ivec(_I8, lanes), _ivec(_I8, lanes), _I8])
-    return builder.call(function, [qh, matrix, ir.Constant(_I8, 0)])
+    matrix = builder.bitcast(splat(builder, row, lanes // 8), ivec(I8_IR, lanes))
+    function = llvm_intrinsic(builder, f"llvm.x86.vgf2p8affineqb.{8 * lanes}", ivec(I8_IR, lanes),
+                    [ivec(I8_IR, lanes), ivec(I8_IR, lanes), I8_IR])
+    return builder.call(function, [qh, matrix, ir.Constant(I8_IR, 0)])
 
 
 
-_F32XN = {1: f32x8, 2: f32x16}  # the float vector of one group or a pair
+F32XN_IR = {1: f32x8, 2: f32x16}  # the float vector of one group or a pair
 
 
 def _scales(kind: str, groups: int):
@@ -326,17 +328,17 @@ def _scales(kind: str, groups: int):
 
         def codegen(context, builder, signature, args):
             count = {"halves": 16, "floats": 32}.get(kind, 8)
-            raw = _group_bytes(builder, context, signature.args[0], args[0], args[1], args[2], groups, 0, count)
+            raw = group_bytes_of(builder, context, signature.args[0], args[0], args[1], args[2], groups, 0, count)
             if kind == "floats":
-                return builder.bitcast(raw, _vector(8 * groups))
+                return builder.bitcast(raw, f32_vector(8 * groups))
             if kind == "halves":
                 return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 8 * groups)),
-                                     _vector(8 * groups))
+                                     f32_vector(8 * groups))
             if kind.endswith("nibbles"):
                 raw = _field_const(builder, raw, 4 if kind == "high_nibbles" else 0, 15)
-            return (builder.sitofp if kind == "int8s" else builder.uitofp)(raw, _vector(8 * groups))
+            return (builder.sitofp if kind == "int8s" else builder.uitofp)(raw, f32_vector(8 * groups))
 
-        return _F32XN[groups](array, index, stride), codegen
+        return F32XN_IR[groups](array, index, stride), codegen
 
 
     return intrinsic(typer)
@@ -362,14 +364,15 @@ def byte_table(builder, indices, table: list[int], shuffle: bool):
     """<n x i8>: table[index] for each byte of indices (<n x i8>, each 0..15): with `shuffle` (AVX2 for 32 bytes,
     AVX512-BW for 64) one vpshufb, the 16-entry table in each 128-bit lane; else a select per entry (plain LLVM)."""
     count = indices.type.count
-    lookup = ir.Constant(_ivec(_I8, count), [table[i % 16] for i in range(count)])
+    lookup = ir.Constant(ivec(I8_IR, count), [table[i % 16] for i in range(count)])
     name = {32: "llvm.x86.avx2.pshuf.b", 64: "llvm.x86.avx512.pshuf.b.512"}[count]
     if shuffle:
-        return builder.call(_x86(builder, name, _ivec(_I8, count), [_ivec(_I8, count)] * 2), [lookup, indices])
-    out = ir.Constant(_ivec(_I8, count), [table[0]] * count)
+        shuffle_bytes = llvm_intrinsic(builder, name, ivec(I8_IR, count), [ivec(I8_IR, count)] * 2)
+        return builder.call(shuffle_bytes, [lookup, indices])
+    out = ir.Constant(ivec(I8_IR, count), [table[0]] * count)
     for i in range(1, 16):
-        hit = builder.icmp_unsigned("==", indices, ir.Constant(_ivec(_I8, count), [i] * count))
-        out = builder.select(hit, ir.Constant(_ivec(_I8, count), [table[i]] * count), out)
+        hit = builder.icmp_unsigned("==", indices, ir.Constant(ivec(I8_IR, count), [i] * count))
+        out = builder.select(hit, ir.Constant(ivec(I8_IR, count), [table[i]] * count), out)
     return out
 
 
@@ -389,20 +392,20 @@ def interleaved_idot(words, groups: int, avx2: bool, vnni: bool, most: int, stor
     gfni = avx2 and GFNI  # avx2 is only set for a pair where the machine has AVX-512 (machine(2))
 
     def typer(typingctx, w, iw, stride, x, ix, start):
-        if not (_idot_args_ok(w, (iw, stride), x, ix) and start in (types.int32, types.int64)):
+        if not (idot_args_ok(w, (iw, stride), x, ix) and start in (types.int32, types.int64)):
             return None
 
         def codegen(context, builder, signature, args):
             ws = words(builder, context, signature.args[0], args[0], args[1], args[2], groups, gfni)
             if flip_back:  # the signed values themselves
-                ws = [builder.xor(u, ir.Constant(_ivec(_I8, width), [128] * width)) for u in ws]
-            start = builder.trunc(args[5], _I32) if args[5].type.width > 32 else args[5]
-            xs = [_broadcast4(builder, context, signature.args[3], args[3], _offset(builder, args[4], 4 * k),
+                ws = [builder.xor(u, ir.Constant(ivec(I8_IR, width), [128] * width)) for u in ws]
+            start = builder.trunc(args[5], I32_IR) if args[5].type.width > 32 else args[5]
+            xs = [broadcast4(builder, context, signature.args[3], args[3], offset_of(builder, args[4], 4 * k),
                               8 * groups) for k in range(len(ws))]
-            acc = _chained_dots(builder, _splat32(builder, start, 8 * groups), ws, xs, flip_back, avx2, vnni, most)
-            return builder.sitofp(acc, _vector(8 * groups))
+            acc = chained_dots(builder, splat32(builder, start, 8 * groups), ws, xs, flip_back, avx2, vnni, most)
+            return builder.sitofp(acc, f32_vector(8 * groups))
 
-        return _F32XN[groups](w, iw, stride, x, ix, start), codegen
+        return F32XN_IR[groups](w, iw, stride, x, ix, start), codegen
 
     return intrinsic(typer)
 
@@ -410,7 +413,7 @@ def interleaved_idot(words, groups: int, avx2: bool, vnni: bool, most: int, stor
 def nibble_words(builder, context, array_type, w, iw, stride, groups: int, at: int = 0):
     """The eight words of a 32-value block's 16 bytes of nibbles per row (four packed words at w.flat[iw + at:]):
     the low nibbles of the four (values 0..15 of each row), then the high ones (values 16..31)."""
-    packed = [_group_bytes(builder, context, array_type, w, iw, stride, groups, at + 32 * m) for m in range(4)]
+    packed = [group_bytes_of(builder, context, array_type, w, iw, stride, groups, at + 32 * m) for m in range(4)]
     return [_field_const(builder, p, 0, 15) for p in packed] + [_field_const(builder, p, 4, 15) for p in packed]
 
 
@@ -431,7 +434,7 @@ def store_floats(typingctx, array, index, vector):
 
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        builder.store(args[2], builder.bitcast(builder.gep(data, [args[1]]), _vector(8).as_pointer()), align=1)
+        builder.store(args[2], builder.bitcast(builder.gep(data, [args[1]]), f32_vector(8).as_pointer()), align=1)
         return context.get_dummy_value()
 
     return types.none(array, index, vector), codegen
@@ -445,22 +448,22 @@ def field_unpacker(words: int, bits: int, high_bits: int = 0, table: list[int] |
     gfni, shuffle = AVX2 and GFNI, AVX2
 
     def typer(typingctx, w, iql, ql_shift, iqh, qh_shift, e, ie):
-        if not (_idot_args_ok(w, (iql, ql_shift, iqh, qh_shift), e, ie)):
+        if not (idot_args_ok(w, (iql, ql_shift, iqh, qh_shift), e, ie)):
             return None
 
         def codegen(context, builder, signature, args):
             w_type, w, iql, ql_shift, iqh, qh_shift, e, ie = signature.args[0], *args
             for k in range(words):
-                q = _field(builder, _group_bytes(builder, context, w_type, w, iql, iql, 1, 32 * k), ql_shift,
+                q = field_of(builder, group_bytes_of(builder, context, w_type, w, iql, iql, 1, 32 * k), ql_shift,
                            2 ** bits - 1)
                 if high_bits:
-                    qh = _group_bytes(builder, context, w_type, w, iqh, iqh, 1, 32 * k)
-                    q = builder.or_(q, _high_bits(builder, qh, qh_shift, high_bits, gfni, to=bits))
+                    qh = group_bytes_of(builder, context, w_type, w, iqh, iqh, 1, 32 * k)
+                    q = builder.or_(q, high_bits_ir(builder, qh, qh_shift, high_bits, gfni, to=bits))
                 if table is not None:
                     q = byte_table(builder, q, table, shuffle)
                 data = context.make_array(signature.args[5])(context, builder, e).data
                 at = builder.gep(data, [_at(builder, ie, ie, 0, 32 * k)])
-                builder.store(q, builder.bitcast(at, _ivec(_I8, 32).as_pointer()), align=1)
+                builder.store(q, builder.bitcast(at, ivec(I8_IR, 32).as_pointer()), align=1)
             return context.get_dummy_value()
 
         return types.none(w, iql, ql_shift, iqh, qh_shift, e, ie), codegen

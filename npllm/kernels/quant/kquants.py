@@ -17,10 +17,10 @@ from numba.extending import intrinsic
 from ...quant import QK_K
 from ...quant import kquants as layouts
 from ..cpu import REASSOC
-from ..simd import _vector, vfma, vfmav, vzero, vzero16
+from ..simd import f32_vector, vfma, vfmav, vzero, vzero16
 from .expanded import EXPAND_FROM, in_order
-from .intrinsics import (_F32XN, _I32, GFNI, _broadcast4, _chained_dots, _field, _group_bytes, _high_bits,
-                         _idot_args_ok, _int8, _ivec, _offset, _splat32, ask_ahead, field_unpacker, gather_words,
+from .intrinsics import (F32XN_IR, I32_IR, GFNI, broadcast4, chained_dots, field_of, group_bytes_of, high_bits_ir,
+                         idot_args_ok, as_int8, ivec, offset_of, splat32, ask_ahead, field_unpacker, gather_words,
                          load_half, machine, scale_loaders, store_floats)
 from .record import BlockKernels, Expansion
 
@@ -93,7 +93,7 @@ def _decode_q6_k(w, n, b, buf, at):
         for g in range(4):
             for l in range(32):
                 i = 128 * h + 32 * g + l
-                scale = d * np.float32(_int8(w[n, base + 192 + i // 16]))
+                scale = d * np.float32(as_int8(w[n, base + 192 + i // 16]))
                 buf[at + i] = scale * np.float32(_q6_k(w, n, base, h, g, l) - 32)
 
 
@@ -135,31 +135,31 @@ def _interleaved_nibble_idot(groups: int, avx2: bool, vnni: bool, fifth: bool = 
     (byte >> shift) & 15 of row r's bytes in the eight words at w.flat[iw:] (a Q4_K run: shift 0 its even
     sub-block, 4 its odd one) with x.flat[ix : ix + 32]. With `fifth`, idot(w, iw, stride, shift, iqh, qh_shift, x,
     ix): each value also takes ((qh >> qh_shift) & 1) << 4 from the words at w.flat[iqh:] (Q5_K's fifth bits of
-    sub-block qh_shift; _high_bits)."""
+    sub-block qh_shift; high_bits_ir)."""
 
     gfni = avx2 and GFNI  # avx2 is only set for a pair where the machine has AVX-512 (X16_IDOTS)
 
     def codegen(context, builder, signature, args):
         w_type, w, iw, stride, shift = signature.args[0], *args[:4]
-        ws = [_field(builder, _group_bytes(builder, context, w_type, w, iw, stride, groups, 32 * k), shift, 15)
+        ws = [field_of(builder, group_bytes_of(builder, context, w_type, w, iw, stride, groups, 32 * k), shift, 15)
               for k in range(8)]
         if fifth:
-            qhs = [_group_bytes(builder, context, w_type, w, args[4], stride, groups, 32 * k) for k in range(8)]
-            ws = [builder.or_(word, _high_bits(builder, qh, args[5], 1, gfni)) for word, qh in zip(ws, qhs)]
+            qhs = [group_bytes_of(builder, context, w_type, w, args[4], stride, groups, 32 * k) for k in range(8)]
+            ws = [builder.or_(word, high_bits_ir(builder, qh, args[5], 1, gfni)) for word, qh in zip(ws, qhs)]
         x_type, x, ix = signature.args[-2], args[-2], args[-1]
-        xs = [_broadcast4(builder, context, x_type, x, _offset(builder, ix, 4 * k), 8 * groups) for k in range(8)]
-        zero = ir.Constant(_ivec(_I32, 8 * groups), [0] * 8 * groups)
-        dots = _chained_dots(builder, zero, ws, xs, False, avx2, vnni, 31 if fifth else 15)
-        return builder.sitofp(dots, _vector(8 * groups))
+        xs = [broadcast4(builder, context, x_type, x, offset_of(builder, ix, 4 * k), 8 * groups) for k in range(8)]
+        zero = ir.Constant(ivec(I32_IR, 8 * groups), [0] * 8 * groups)
+        dots = chained_dots(builder, zero, ws, xs, False, avx2, vnni, 31 if fifth else 15)
+        return builder.sitofp(dots, f32_vector(8 * groups))
 
     if fifth:
         def typer(typingctx, w, iw, stride, shift, iqh, qh_shift, x, ix):
-            if _idot_args_ok(w, (iw, stride, shift, iqh, qh_shift), x, ix):
-                return _F32XN[groups](w, iw, stride, shift, iqh, qh_shift, x, ix), codegen
+            if idot_args_ok(w, (iw, stride, shift, iqh, qh_shift), x, ix):
+                return F32XN_IR[groups](w, iw, stride, shift, iqh, qh_shift, x, ix), codegen
     else:
         def typer(typingctx, w, iw, stride, shift, x, ix):
-            if _idot_args_ok(w, (iw, stride, shift), x, ix):
-                return _F32XN[groups](w, iw, stride, shift, x, ix), codegen
+            if idot_args_ok(w, (iw, stride, shift), x, ix):
+                return F32XN_IR[groups](w, iw, stride, shift, x, ix), codegen
 
     return intrinsic(typer)
 
@@ -180,36 +180,36 @@ def _interleaved_split_idot(groups: int, avx2: bool, vnni: bool, part: int, bits
         w_type, w, iql, ql_shift, iqh, qh_shift, stride = signature.args[0], *args[:6]
         ws = []
         for k in range(4 * part, 4 * part + 4):
-            low = _field(builder, _group_bytes(builder, context, w_type, w, iql, stride, groups, 32 * k),
+            low = field_of(builder, group_bytes_of(builder, context, w_type, w, iql, stride, groups, 32 * k),
                          ql_shift, 2 ** bits - 1)
             if high_bits:
-                high = _high_bits(builder, _group_bytes(builder, context, w_type, w, iqh, stride, groups, 32 * k),
+                high = high_bits_ir(builder, group_bytes_of(builder, context, w_type, w, iqh, stride, groups, 32 * k),
                                   qh_shift, high_bits, avx2 and GFNI, to=bits)
                 low = builder.or_(low, high)
             ws.append(low)
         x_type, x, starts = signature.args[6], args[6], args[7:-1]
 
         def dots(ix, start):
-            xs = [_broadcast4(builder, context, x_type, x, _offset(builder, ix, 4 * k), 8 * groups)
+            xs = [broadcast4(builder, context, x_type, x, offset_of(builder, ix, 4 * k), 8 * groups)
                   for k in range(4 * part, 4 * part + 4)]
-            return _chained_dots(builder, start, ws, xs, False, avx2, vnni, 2 ** (bits + high_bits) - 1)
+            return chained_dots(builder, start, ws, xs, False, avx2, vnni, 2 ** (bits + high_bits) - 1)
 
-        start = _splat32(builder, builder.trunc(args[-1], _I32) if args[-1].type.width > 32 else args[-1], 8 * groups)
+        start = splat32(builder, builder.trunc(args[-1], I32_IR) if args[-1].type.width > 32 else args[-1], 8 * groups)
         if not two_part:
-            return builder.sitofp(dots(starts[0], start), _vector(8 * groups))
+            return builder.sitofp(dots(starts[0], start), f32_vector(8 * groups))
         zero = ir.Constant(start.type, [0] * 8 * groups)
         first = builder.shl(dots(starts[0], zero), ir.Constant(start.type, [7] * 8 * groups))
-        return builder.sitofp(builder.add(first, dots(starts[1], start)), _vector(8 * groups))
+        return builder.sitofp(builder.add(first, dots(starts[1], start)), f32_vector(8 * groups))
 
     if two_part:
         def typer(typingctx, w, iql, ql_shift, iqh, qh_shift, stride, x, ix, ix2, start):
-            if (_idot_args_ok(w, (iql, ql_shift, iqh, qh_shift, stride, ix), x, ix2)
+            if (idot_args_ok(w, (iql, ql_shift, iqh, qh_shift, stride, ix), x, ix2)
                     and start in (types.int32, types.int64)):
-                return _F32XN[groups](w, iql, ql_shift, iqh, qh_shift, stride, x, ix, ix2, start), codegen
+                return F32XN_IR[groups](w, iql, ql_shift, iqh, qh_shift, stride, x, ix, ix2, start), codegen
     else:
         def typer(typingctx, w, iql, ql_shift, iqh, qh_shift, stride, x, ix, start):
-            if _idot_args_ok(w, (iql, ql_shift, iqh, qh_shift, stride), x, ix) and start in (types.int32, types.int64):
-                return _F32XN[groups](w, iql, ql_shift, iqh, qh_shift, stride, x, ix, start), codegen
+            if idot_args_ok(w, (iql, ql_shift, iqh, qh_shift, stride), x, ix) and start in (types.int32, types.int64):
+                return F32XN_IR[groups](w, iql, ql_shift, iqh, qh_shift, stride, x, ix, start), codegen
 
     return intrinsic(typer)
 

@@ -21,8 +21,8 @@ from numba import njit
 from ...quant import legacy as layouts
 from ..cpu import REASSOC
 from ..simd import vfma, vfmav, vzero, vzero16
-from .intrinsics import (_I32, Q8_0_BIAS, _group_bytes, _high_bits, _int8, ask_ahead, gather_words, interleaved_idot,
-                         load_half, machine, nibble_words, scale_loaders)
+from .intrinsics import (I32_IR, Q8_0_BIAS, as_int8, ask_ahead, gather_words, group_bytes_of, high_bits_ir,
+                         interleaved_idot, load_half, machine, nibble_words, scale_loaders)
 from .record import BlockKernels
 
 # Each type's sizes, read from its NumPy record (quant/legacy.py): bytes of one file block, and of one block of a
@@ -41,7 +41,7 @@ def _decode_q8_0(w, n, b, buf, at):
     base = Q8_0_BLOCK * b
     d = load_half(w, n * w.shape[1] + base)
     for j in range(32):
-        buf[at + j] = np.float32(_int8(w[n, base + 2 + j])) * d
+        buf[at + j] = np.float32(as_int8(w[n, base + 2 + j])) * d
 
 
 @njit(inline="always")
@@ -98,7 +98,7 @@ def _decode_q5_1(w, n, b, buf, at):
 
 def _q8_0_words(builder, context, array_type, w, iw, stride, groups, gfni):
     """Q8_0's eight words as stored (q + 128)."""
-    return [_group_bytes(builder, context, array_type, w, iw, stride, groups, 32 * k) for k in range(8)]
+    return [group_bytes_of(builder, context, array_type, w, iw, stride, groups, 32 * k) for k in range(8)]
 
 
 def _q4_words(builder, context, array_type, w, iw, stride, groups, gfni):
@@ -110,8 +110,9 @@ def _q5_words(builder, context, array_type, w, iw, stride, groups, gfni):
     """Q5_0's and Q5_1's values: the nibbles of the four packed words after the fifth bits' word, each with its
     fifth bit from that word (byte i, bit k: value 4k + i's)."""
     nibbles = nibble_words(builder, context, array_type, w, iw, stride, groups, 32)
-    qh = _group_bytes(builder, context, array_type, w, iw, stride, groups, 0)
-    return [builder.or_(word, _high_bits(builder, qh, ir.Constant(_I32, k), 1, gfni)) for k, word in enumerate(nibbles)]
+    qh = group_bytes_of(builder, context, array_type, w, iw, stride, groups, 0)
+    return [builder.or_(word, high_bits_ir(builder, qh, ir.Constant(I32_IR, k), 1, gfni))
+            for k, word in enumerate(nibbles)]
 
 
 def idots(groups: int, avx2: bool, vnni: bool) -> dict:
