@@ -513,7 +513,7 @@ def greedy(logits) -> int | np.ndarray:
 
 @dataclass(frozen=True)
 class Option:
-    """How a SamplingParams field is asked for from outside Python. The command line's flags (npllm.cli) and the
+    """How a SamplingParams field is asked for from outside Python. The command line's flags (npllm.cli.parser) and the
     HTTP server's request fields (npllm.serve.protocol) are built from these, so a field declared with an Option is
     offered by both with nothing else to change.
 

@@ -570,7 +570,7 @@ def flag_cases(out: Path) -> list[Case]:
 
 
 def combination_cases(out: Path) -> list[Case]:
-    """Options that go together or do not (npllm.cli's GENERATE_MODES and friends): each combination runs, or is
+    """Options that go together or do not (npllm.cli.parser's GENERATE_MODES and friends): each combination runs, or is
     refused before anything loads; none is silently ignored. The files they name exist, so a refusal can only come
     from the combination."""
     prompts, text = out / "combo_prompts.txt", out / "combo_text.txt"

@@ -1,5 +1,6 @@
 """The command line: `npllm info`, and errors printed as one clear line with a non-zero exit."""
 
+import argparse
 import subprocess
 import sys
 
@@ -165,7 +166,7 @@ def test_the_first_compile_of_a_run_is_announced_once(capsys):
 
 def subcommand_parsers() -> dict:
     parser = cli.build_parser()
-    return next(a for a in parser._actions if isinstance(a, cli.argparse._SubParsersAction)).choices
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
 
 
 def bad_value_cases() -> list[list[str]]:
@@ -237,3 +238,18 @@ def test_a_checkpoint_given_twice_or_not_at_all_is_refused(argv, tmp_path, monke
     err = capsys.readouterr().err
     assert err.startswith("npllm: error: ") and err.count("\n") == 1 and "--model" in err, err
     assert not (tmp_path / "out.gguf").exists()
+
+
+# ---- the package npllm.cli: every command the parser knows has its run function --------------------------------
+
+
+def test_every_command_of_the_parser_is_run_by_its_module():
+    assert set(subcommand_parsers()) == set(cli.RUNS)
+    for name, run in cli.RUNS.items():
+        assert run.__module__ == f"npllm.cli.{name}", (name, run.__module__)
+
+
+def test_the_cli_package_runs_as_a_module(stories260k):
+    result = subprocess.run([sys.executable, "-m", "npllm.cli", "info", str(stories260k)], capture_output=True,
+                            text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0 and "260,032" in result.stdout, result.stderr

@@ -1,6 +1,6 @@
 """Options given together: each combination either works or is refused before anything loads, with one
 `npllm: error:` line, exit 2 and nothing on stdout (never silently ignored). The refusals are read off the tables
-in npllm.cli (GENERATE_MODES, GENERATE_NEEDS, CHAT_NEEDS, PERPLEXITY_MODES); the combinations made to work have
+in npllm.cli.parser (GENERATE_MODES, GENERATE_NEEDS, CHAT_NEEDS, PERPLEXITY_MODES); the combinations made to work have
 their own tests below."""
 
 import io
@@ -10,6 +10,7 @@ import pytest
 
 import npllm
 from npllm import cli
+from npllm.cli import shared
 from tests_support import load_campaign
 
 # A non-default value for every option of each command: the refusal tests combine these.
@@ -79,7 +80,7 @@ def nothing_loads(monkeypatch):
     def loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the options were checked")
 
-    monkeypatch.setattr(cli, "load_with_tokenizer", loading)
+    monkeypatch.setattr(shared, "load_with_tokenizer", loading)  # where every command loads
     monkeypatch.setattr(npllm, "load", loading)
 
 
@@ -267,13 +268,13 @@ def test_chat_with_logprobs_reports_every_reply_token(stories260k, monkeypatch, 
 
 def test_chat_honours_kv_dtype(stories260k, monkeypatch, capsys):
     loaded = []
-    original = cli.load_with_tokenizer
+    original = shared.load_with_tokenizer
 
     def load_with_tokenizer(args, **options):
         loaded.append(original(args, **options))
         return loaded[-1]
 
-    monkeypatch.setattr(cli, "load_with_tokenizer", load_with_tokenizer)
+    monkeypatch.setattr(shared, "load_with_tokenizer", load_with_tokenizer)
     chat(monkeypatch, capsys, "-m", str(stories260k), "--chat-template", "chatml", "--temperature", "0",
          "--max-new-tokens", "4", "--kv-dtype", "float16", lines="Hi\n")
     assert loaded[0].model.kv_dtype == "float16"

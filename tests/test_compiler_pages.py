@@ -316,7 +316,7 @@ def test_a_change_to_any_file_of_the_package_recompiles_its_cached_functions(tmp
     """Numba checks only a cached function's own file; npllm's cache entries follow the whole package (compiler.
     stamp_package_caches), so a function that calls code of a changed file never runs that code's old version. In a
     copy of the package: compiled once, loaded from the cache by the next process, compiled again after a comment is
-    added to another file (cli.py), loaded again after that."""
+    added to another file (cli/__init__.py), loaded again after that."""
     import shutil
 
     import npllm
@@ -332,7 +332,7 @@ def test_a_change_to_any_file_of_the_package_recompiles_its_cached_functions(tmp
 
     assert run() == [0, 1]
     assert run() == [1, 0]
-    with open(copy / "npllm" / "cli.py", "a") as f:
+    with open(copy / "npllm" / "cli" / "__init__.py", "a") as f:
         f.write("# a comment: the package's source changed\n")
     assert run() == [0, 1]
     assert run() == [1, 0]

@@ -4,8 +4,8 @@ layer or to one the layer table below allows, so an upward import added later fa
 The graph is read from the source with `ast`, not from what Python happens to import: every `import` and
 `from ... import` statement of a module counts, at module level or inside a function (a deferred import is still a
 dependency, and a cycle through one only waits for the call that closes it), `if TYPE_CHECKING:` blocks included.
-An edge goes to the module named, or to the package whose attribute is imported (`from . import load` in cli.py is
-an edge to npllm itself); importing a submodule does not count as an import of the package it sits in.
+An edge goes to the module named, or to the package whose attribute is imported (`from .. import load` in cli/shared.py
+is an edge to npllm itself); importing a submodule does not count as an import of the package it sits in.
 """
 
 from __future__ import annotations
@@ -174,9 +174,9 @@ def test_imports_point_down_the_layers():
 
 def test_the_graph_sees_deferred_relative_and_attribute_imports():
     """The graph is what the checks above rely on: a function-level import, a relative one from a package and one
-    of a package's attribute are all edges (cli.py's `from . import load` is an edge to npllm itself)."""
+    of a package's attribute are all edges (cli/shared.py's `from .. import load` is an edge to npllm itself)."""
     graph = import_graph()
-    assert "npllm" in graph["npllm.cli"]  # from . import load, inside a function
+    assert "npllm" in graph["npllm.cli.shared"]  # from .. import load, inside a function
     assert "npllm.formats.hf" in graph["npllm.formats"]  # from .hf import read_hf, inside read_checkpoint
     assert "npllm.tokenizer.base" in graph["npllm.tokenizer"]  # a package's relative import
 
