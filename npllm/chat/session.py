@@ -106,11 +106,12 @@ class ChatSession:
                 ids.extend(tok.encode(part, bos=False))
         return ids
 
-    def stream(self, messages, max_new_tokens: int = 256, ignore_eos: bool = False,
-               on_step: Callable | None = None, params: SamplingParams | None = None, **sampling) -> Iterator[str]:
+    def stream(self, messages, max_new_tokens: int = 256, params: SamplingParams | None = None, *,
+               ignore_eos: bool = False, on_step: Callable | None = None, **sampling) -> Iterator[str]:
         """The assistant's reply to `messages`, streamed as text (stop strings and the end of turn cut it).
-        params: how to sample (the sampling keywords beside it replace its fields)."""
-        params = with_keywords(params, sampling)
+        params: how to sample (the sampling keywords beside it replace its fields; any other keyword is a
+        TypeError)."""
+        params = with_keywords(params, sampling, "ChatSession.stream()")
         prompt = self.prompt_ids(messages)
         self.check_fits(len(prompt), max_new_tokens, ignore_eos)
         stops = StopStrings(tuple(params.stop) + ((self.end_of_turn,) if self.end_of_turn else ()))
@@ -131,13 +132,16 @@ class ChatSession:
         if ignore_eos and prompt_len + max_new_tokens - 1 > capacity:
             raise ConversationFull(prompt_len, capacity, max_new_tokens)
 
-    def send(self, text: str, max_new_tokens: int = 256, **options) -> Iterator[str]:
-        """Append a user message, stream the reply, and append it as the assistant's message. A reply cut short
-        (an exception, Ctrl-C, the caller closing the generator) is kept as far as it went."""
+    def send(self, text: str, max_new_tokens: int = 256, params: SamplingParams | None = None, *,
+             ignore_eos: bool = False, on_step: Callable | None = None, **sampling) -> Iterator[str]:
+        """Append a user message, stream the reply (the arguments of stream), and append it as the assistant's
+        message. A reply cut short (an exception, Ctrl-C, the caller closing the generator) is kept as far as it
+        went."""
+        params = with_keywords(params, sampling, "ChatSession.send()")
         self.messages.append({"role": "user", "content": text})
         pieces = []
         try:
-            for piece in self.stream(self.messages, max_new_tokens, **options):
+            for piece in self.stream(self.messages, max_new_tokens, params, ignore_eos=ignore_eos, on_step=on_step):
                 pieces.append(piece)
                 yield piece
         except GenerationError:
