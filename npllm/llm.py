@@ -65,31 +65,32 @@ class LLM:
                      **sampling) -> Iterator[int]:
         """Yield new token ids for a prompt given as ids. params: how to sample (SamplingParams); sampling keywords
         given beside it (or instead) replace its fields."""
-        return generate_ids(self.model, list(prompt_ids), max_new_tokens, with_keywords(params, sampling))
+        params = with_keywords(params, sampling, "LLM.generate_ids()")
+        return generate_ids(self.model, list(prompt_ids), max_new_tokens, params)
 
-    def stream(self, prompt: str = "", max_new_tokens: int = 256, echo: bool = False, on_step=None,
-               context_policy: str = "error", ignore_eos: bool = False, sinks: int = DEFAULT_SINKS,
-               **options) -> Iterator[str]:
+    def stream(self, prompt: str = "", max_new_tokens: int = 256, params: SamplingParams | None = None, *,
+               echo: bool = False, on_step=None, context_policy: str = "error", ignore_eos: bool = False,
+               sinks: int = DEFAULT_SINKS, speculative: Speculative | None = None, **keywords) -> Iterator[str]:
         """Yield the completion's text as it is produced (with echo, the prompt's text first). How to sample:
-        params=SamplingParams(...) (default SamplingParams()), and/or its fields as keywords, which replace the
-        params' own.
+        params=SamplingParams(...) (default SamplingParams()); its fields given as keywords replace the params' own.
 
         Text is released only once whole UTF-8 characters are known, so a character split over byte tokens is
         never printed broken, and only once it cannot be the start of a stop string (`stop=`), which ends the
         completion and is not part of it. on_step(Sampled) is called for every generated token with its draw: the id,
         and with logprobs=N >= 1 its log-probability and the N most probable alternatives (else NaN and none).
 
-        Speculative decoding (npllm.speculative): the fields of speculative.Speculative as keywords: draft= another
-        LLM (or a checkpoint path) with the same vocabulary, or draft_layers=N (this model's first N layers) proposes
-        num_draft tokens a round; the output keeps the model's distribution (greedy: the very same tokens).
+        Speculative decoding (npllm.speculative): speculative=Speculative(...), and/or its fields as keywords: draft=
+        another LLM (or a checkpoint path) with the same vocabulary, or draft_layers=N (this model's first N layers)
+        proposes num_draft tokens a round; the output keeps the model's distribution (greedy: the very same tokens).
         speculation: a SpeculationStats to fill in.
 
         Past the context (npllm.context): context_policy "error" (never past it: generation ends when the context
         is full), "truncate" (recompute over the most recent half context) or "sinks" (StreamingLLM: `sinks` first
         tokens + the most recent window, bounded memory). ignore_eos: end-of-sequence ids do not end the completion.
+
+        Any other keyword is a TypeError naming it.
         """
-        speculative = Speculative.from_keywords(options)
-        params = with_keywords(options.pop("params", None), options)
+        params, speculative = _call_options("LLM.stream()", params, speculative, keywords)
         tokenizer = self._require_tokenizer()
         # "error" refuses a prompt past the context, and one far past it before it is encoded whole
         prompt_ids = (encode_prompt(tokenizer, self.config, prompt) if context_policy == "error"
@@ -117,27 +118,29 @@ class LLM:
         return _started(steps)  # a request refused (ignore_eos past the context) fails before the echo
 
     def generate(self, prompt: str | list[str] = "", max_new_tokens: int = 256, params: SamplingParams | None = None,
-                 **options) -> str | list[str]:
+                 *, on_step=None, context_policy: str = "error", ignore_eos: bool = False, sinks: int = DEFAULT_SINKS,
+                 speculative: Speculative | None = None, **keywords) -> str | list[str]:
         """The completion of one prompt (without the prompt); for a list of prompts, the list of their completions,
         generated together by ragged batching, each one what it would be alone (every prompt uses params.seed).
-        params and the other keywords are stream's (sampling keywords beside params replace its fields).
+        params, the keywords (SamplingParams' and Speculative's fields) and the rest are stream's.
 
         on_step: for one prompt, on_step(Sampled) per generated token (see stream); for a list, on_step(i, Sampled)
         for prompt i's tokens, prompt after prompt once the batch is done, up to where each completion ends (the
         token that completes a stop string included, as stream does)."""
+        params, speculative = _call_options("LLM.generate()", params, speculative, keywords)
         if isinstance(prompt, str):
-            return "".join(self.stream(prompt, max_new_tokens, params=params, **options))
-        if options.pop("context_policy", "error") != "error" or options.pop("ignore_eos", False):
-            raise GenerationError("a batch of prompts is generated inside the context and stops at EOS: "
-                                  "context_policy and ignore_eos apply to a single prompt")
-        options.pop("sinks", None)
-        on_step = options.pop("on_step", None)
-        return self._generate_batch(list(prompt), max_new_tokens, with_keywords(params, options), on_step)
+            return "".join(self.stream(prompt, max_new_tokens, params, on_step=on_step, context_policy=context_policy,
+                                       ignore_eos=ignore_eos, sinks=sinks, speculative=speculative))
+        if context_policy != "error" or ignore_eos or speculative.on:
+            raise GenerationError("a batch of prompts is generated inside the context, stops at EOS and is not "
+                                  "speculative: context_policy, ignore_eos and a draft apply to a single prompt")
+        return self._generate_batch(list(prompt), max_new_tokens, params, on_step)
 
-    def chat_stream(self, messages: list[dict], max_new_tokens: int = 256, chat_template: str | None = None,
-                    context_policy: str = "error", sinks: int = DEFAULT_SINKS, ignore_eos: bool = False,
-                    on_step=None, params: SamplingParams | None = None, **sampling) -> Iterator[str]:
-        """The assistant's reply to `messages` ([{"role", "content"}, ...]), streamed as text.
+    def chat_stream(self, messages: list[dict], max_new_tokens: int = 256, params: SamplingParams | None = None, *,
+                    chat_template: str | None = None, context_policy: str = "error", sinks: int = DEFAULT_SINKS,
+                    ignore_eos: bool = False, on_step=None, **sampling) -> Iterator[str]:
+        """The assistant's reply to `messages` ([{"role", "content"}, ...]), streamed as text. params and the
+        sampling keywords beside it: as stream's.
 
         The conversation is laid out by the model's chat template (tokenizer_config.json, GGUF
         tokenizer.chat_template) or chat_template= (a built-in name: llama2, llama3, chatml, zephyr, mistral, gemma,
@@ -146,13 +149,18 @@ class LLM:
         max_new_tokens. The KV cache is kept between calls with the same template and policy: a conversation that
         grows by a turn runs only the new tokens through the model (npllm.chat.ChatSession, npllm.context).
         """
+        params = with_keywords(params, sampling, "LLM.chat_stream()")
         session = self.chat_session(chat_template, context_policy=context_policy, sinks=sinks)
-        return session.stream(messages, max_new_tokens, ignore_eos=ignore_eos, on_step=on_step, params=params,
-                              **sampling)
+        return session.stream(messages, max_new_tokens, params, ignore_eos=ignore_eos, on_step=on_step)
 
-    def chat(self, messages: list[dict], max_new_tokens: int = 256, **options) -> str:
-        """The assistant's reply to `messages`, whole (the keywords of chat_stream)."""
-        return "".join(self.chat_stream(messages, max_new_tokens, **options))
+    def chat(self, messages: list[dict], max_new_tokens: int = 256, params: SamplingParams | None = None, *,
+             chat_template: str | None = None, context_policy: str = "error", sinks: int = DEFAULT_SINKS,
+             ignore_eos: bool = False, on_step=None, **sampling) -> str:
+        """The assistant's reply to `messages`, whole (the arguments of chat_stream)."""
+        params = with_keywords(params, sampling, "LLM.chat()")
+        return "".join(self.chat_stream(messages, max_new_tokens, params, chat_template=chat_template,
+                                        context_policy=context_policy, sinks=sinks, ignore_eos=ignore_eos,
+                                        on_step=on_step))
 
     def chat_session(self, chat_template: str | None = None, system: str | None = None,
                      context_policy: str = "error", sinks: int = DEFAULT_SINKS):
@@ -274,6 +282,14 @@ def _text_of(tokenizer, prompt_ids, steps, stop, echo: bool, on_step) -> Iterato
     if echo:
         yield prompt_text
     yield from text_of_steps(decoder, steps, StopStrings(stop), on_step)
+
+
+def _call_options(caller: str, params: SamplingParams | None, speculative: Speculative | None,
+                  keywords: dict) -> tuple[SamplingParams, Speculative]:
+    """A call's (SamplingParams, Speculative), built once at the call: the keywords named by Speculative's fields
+    replace `speculative`'s, the others are sampling keywords (with_keywords: an unknown one is a TypeError)."""
+    speculative, sampling = Speculative.split_keywords(speculative, keywords)
+    return with_keywords(params, sampling, caller), speculative
 
 
 def _started(steps: Iterator) -> Iterator:

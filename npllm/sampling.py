@@ -625,9 +625,17 @@ def options(params_type: type = SamplingParams) -> list[tuple[dataclasses.Field,
     return [(f, f.metadata["option"]) for f in dataclasses.fields(params_type) if "option" in f.metadata]
 
 
-def with_keywords(params: SamplingParams | None, keywords: Mapping) -> SamplingParams:
+def with_keywords(params: SamplingParams | None, keywords: Mapping, caller: str = "the call") -> SamplingParams:
     """The SamplingParams a call draws with: `params` (default: SamplingParams()) with the sampling keywords given
-    beside it replacing its fields, checked as on construction."""
+    beside it replacing its fields, checked as on construction. The one place a call's sampling keywords become a
+    SamplingParams (the calls pass the result on, never the keywords): a keyword that names no field is a TypeError
+    naming it, as Python's own for a function's unexpected keyword."""
+    fields = [f.name for f in dataclasses.fields(SamplingParams)]
+    unknown = [name for name in keywords if name not in fields]
+    if unknown:
+        raise TypeError(f"{caller} got unexpected keyword argument{'s' if len(unknown) > 1 else ''} "
+                        f"{', '.join(map(repr, unknown))} (its sampling keywords are SamplingParams' fields: "
+                        f"{', '.join(fields)})")
     if params is None:
         return SamplingParams(**keywords)
     if not isinstance(params, SamplingParams):

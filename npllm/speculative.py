@@ -62,9 +62,13 @@ class Speculative:
         return self.draft is not None or self.draft_layers is not None
 
     @classmethod
-    def from_keywords(cls, keywords: dict) -> "Speculative":
-        """The record of the keywords named by its fields, taken out of `keywords` (the others stay there)."""
-        return cls(**{f.name: keywords.pop(f.name) for f in fields(cls) if f.name in keywords})
+    def split_keywords(cls, base: "Speculative | None", keywords: dict) -> tuple["Speculative", dict]:
+        """(base, default Speculative(), with the keywords named by its fields replacing its own; the other
+        keywords)."""
+        names = {f.name for f in fields(cls)}
+        mine = {k: v for k, v in keywords.items() if k in names}
+        rest = {k: v for k, v in keywords.items() if k not in names}
+        return replace(cls() if base is None else base, **mine), rest
 
 
 def first_layers(config, weights: dict, n_layers: int):

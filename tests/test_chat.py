@@ -272,3 +272,46 @@ def test_sigterm_ends_npllm_chat_while_a_template_runs(stories260k, tmp_path):
         proc.kill()
         proc.communicate()
 
+
+
+class EncodeSpy:
+    """A tokenizer that records the length of every text it encodes (by either entry); the rest is the wrapped
+    tokenizer's."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.encoded = tokenizer, []
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def encode(self, text, *args, **kwargs):
+        self.encoded.append(len(text))
+        return self.tokenizer.encode(text, *args, **kwargs)
+
+    def encode_at_most(self, text, *args, **kwargs):
+        self.encoded.append(len(text))
+        return self.tokenizer.encode_at_most(text, *args, **kwargs)
+
+
+def test_a_message_far_past_the_context_is_refused_before_it_is_encoded(llm):
+    """A chat turn whose rendered conversation cannot fit the context (a 3 MB message) is refused from its bytes
+    alone, as a prompt is (context.encode_prompt): ConversationFull with a lower bound, and the message never
+    reaches the encoder (encoding takes seconds a megabyte). Under "truncate" it is still encoded and run. (3 MB:
+    the template's own limit, NPLLM_TEMPLATE_MAX_CHARS, refuses a rendering past 4 million characters.)"""
+    spy = EncodeSpy(llm.tokenizer)
+    spied = npllm.LLM(llm.model, spy, llm.source)
+    session = ChatSession(spied, "chatml")
+    huge = "Once upon a time, there was a little girl named Lily. " * 57_000  # 3 MB
+    spy.encoded.clear()
+    with pytest.raises(ConversationFull, match=r"the conversation is at least \d+ tokens, more than the model's "
+                                               r"context of 512: start over with reset\(\)") as raised:
+        "".join(session.send(huge))
+    assert raised.value.at_least and raised.value.tokens > 10 * 512 and session.messages == []
+    with pytest.raises(ConversationFull):
+        spied.chat([{"role": "user", "content": huge}], chat_template="chatml")
+    assert max(spy.encoded, default=0) < 100, spy.encoded  # only the parts around it, if anything
+    # the exact count is still what a conversation just past the context reports
+    with pytest.raises(ConversationFull, match=r"the conversation is \d+ tokens"):
+        "".join(session.send(LONG))
+    long = [{"role": "user", "content": huge[:20_000]}]
+    assert spied.chat(long, 3, chat_template="chatml", context_policy="truncate", temperature=0.0) is not None

@@ -283,7 +283,7 @@ def test_outside_the_tested_numba_its_plain_behaviour_stays_with_one_notice(monk
         raise AssertionError("Numba's internals were used outside the tested range")
 
     monkeypatch.setattr(compiler, "NUMBA_VERSION", "0.70.0")
-    monkeypatch.setattr(compiler, "_noticed", False)
+    monkeypatch.setattr(compiler.NUMBA_FENCE, "noticed", False)
     monkeypatch.setattr(compiler, "LinkingBitcode", forbidden)
     monkeypatch.setattr(nm, "compile_in_child", forbidden)
     monkeypatch.setattr(nm, "_LINKED", set())  # link_ahead runs again, as in a fresh process

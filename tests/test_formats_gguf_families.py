@@ -202,7 +202,7 @@ def test_weight_dtype_q8_0_rounds_expert_stacks_too():
 
     config = case("qwen3moe")[1]
     weights = random_weights(config, seed=5)
-    stored = storage(weights, "q8_0", "numba")
+    stored = storage(weights, "q8_0", "numba").weights
     stack = stored["layers.0.w1_exps"]
     assert isinstance(stack, QuantizedMatrix) and stack.qtype == "Q8_0" and stack.shape == (4, 32, 64)
     dense = {n: np.asarray(w, np.float32) for n, w in stored.items()}
@@ -367,3 +367,20 @@ def test_npllm_does_not_write_other_families_as_llama_files(tmp_path, name):
     with pytest.raises(ConfigError, match=f"this {config.arch} model uses"):
         write_gguf(tmp_path / "w.gguf", config, random_weights(config))
     assert not (tmp_path / "w.gguf").exists()
+
+
+def test_storage_decides_the_device_type_of_every_weight_dtype():
+    """models.storage is the one place a weight_dtype becomes what a backend stores: for cuda, the one type every
+    matrix takes on the device (the GPU model carries it out, converting while it uploads: the weights stay as
+    read); for the CPU backends, the host arrays themselves and no device type."""
+    from npllm.models import WEIGHT_DTYPES, storage
+
+    config = case("qwen3moe")[1]
+    weights = random_weights(config, seed=5)
+    device = {dtype: storage(weights, dtype, "cuda") for dtype in WEIGHT_DTYPES}
+    assert {dtype: s.device for dtype, s in device.items()} == {"file": "float32", "float32": "float32",
+                                                                "float16": "float16", "q8_0": "q8_0"}
+    assert all(s.weights is weights for s in device.values())
+    assert storage(weights, "q8_0", "numba").device is None and storage(weights, "file", "numpy").device is None
+    with pytest.raises(ConfigError, match="weight_dtype must be one of"):
+        storage(weights, "q4_0", "cuda")

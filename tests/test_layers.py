@@ -21,7 +21,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "npllm"
 # layer of the longest entry naming it or a package above it; the root package `npllm` (the API's re-exports) is
 # named on its own and is nobody's parent here, so a new module that no entry covers fails the test until placed.
 LAYERS = {
-    "core": ("npllm.errors", "npllm.settings", "npllm.config", "npllm.hub", "npllm.device", "npllm._sampling_fast", "npllm.testing"),
+    "core": ("npllm.errors", "npllm.config", "npllm.hub", "npllm.device", "npllm._sampling_fast", "npllm.testing",
+             "npllm.settings", "npllm.versions"),
     "numerics": ("npllm.quant", "npllm.ops", "npllm.tensors", "npllm.sampling", "npllm.cache"),
     "kernels": ("npllm.kernels",),
     "formats": ("npllm.formats",),

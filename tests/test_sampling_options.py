@@ -6,6 +6,7 @@ seen, declared on a subclass."""
 import argparse
 import dataclasses
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -153,3 +154,46 @@ def test_the_api_takes_the_object_and_keywords_replace_its_fields(stories260k):
         messages, 8, chat_template="chatml", temperature=0.8, top_k=20, seed=3)
     with pytest.raises(GenerationError, match="params must be a SamplingParams"):
         llm.generate("Once", 3, params={"temperature": 0})
+
+
+def test_an_unknown_keyword_is_refused_by_the_call_naming_it(stories260k):
+    """The sampling keywords are SamplingParams' fields, built into one SamplingParams at the call: any other keyword
+    is a TypeError from the call itself, naming the keyword (not one from deep inside, nor silently dropped)."""
+    import npllm
+    from npllm.chat.session import ChatSession
+
+    llm = npllm.load(stories260k, backend="numpy")
+    messages = [{"role": "user", "content": "Hi"}]
+    session = ChatSession(llm, "chatml")
+    calls = {"LLM.generate()": lambda **kw: llm.generate("Once", 3, **kw),
+             "LLM.stream()": lambda **kw: list(llm.stream("Once", 3, **kw)),
+             "LLM.generate_ids()": lambda **kw: llm.generate_ids([1], 3, **kw),
+             "LLM.chat()": lambda **kw: llm.chat(messages, 3, chat_template="chatml", **kw),
+             "LLM.chat_stream()": lambda **kw: llm.chat_stream(messages, 3, chat_template="chatml", **kw),
+             "ChatSession.stream()": lambda **kw: list(session.stream(messages, 3, **kw)),
+             "ChatSession.send()": lambda **kw: list(session.send("Hi", 3, **kw))}
+    for caller, call in calls.items():
+        for params in (None, SamplingParams(temperature=0)):
+            with pytest.raises(TypeError, match=re.escape(f"{caller} got unexpected keyword argument 'temprature' "
+                                                          "(its sampling keywords are SamplingParams' fields: ")):
+                call(params=params, temprature=0)
+    with pytest.raises(TypeError, match=r"LLM.generate\(\) got unexpected keyword arguments 'echo', 'beams'"):
+        llm.generate(["Once", "Lily"], 3, echo=True, beams=2)
+    assert session.messages == []  # a turn refused at the call is not kept
+
+
+def test_params_given_explicitly_equal_the_keyword_form(stories260k):
+    """generate(prompt, n, SamplingParams(...)) (positional or params=) draws exactly what the same fields given as
+    keywords draw; the same for a Speculative record and its fields as keywords."""
+    import npllm
+    from npllm.speculative import Speculative
+
+    llm = npllm.load(stories260k, backend="numpy")
+    params = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1, seed=5)
+    keywords = llm.generate("Once", 16, temperature=0.7, top_p=0.9, repetition_penalty=1.1, seed=5)
+    assert llm.generate("Once", 16, params) == llm.generate("Once", 16, params=params) == keywords
+    assert "".join(llm.stream("Once", 16, params)) == keywords
+    greedy = llm.generate("Once", 16, temperature=0)
+    assert llm.generate("Once", 16, temperature=0, speculative=Speculative(draft_layers=2, num_draft=3)) == greedy
+    assert llm.generate("Once", 16, temperature=0, speculative=Speculative(draft_layers=1), draft_layers=2,
+                        num_draft=3) == greedy  # the keywords replace the record's fields

@@ -454,6 +454,35 @@ def test_connections_past_the_limit_are_answered_503_at_once(llm):
             sock.close()
 
 
+def test_outside_the_tested_uvicorn_the_server_runs_on_its_plain_protocol_with_one_notice(llm, monkeypatch, capsys):
+    """The connection guards use uvicorn's internals only with a uvicorn in TESTED_UVICORN: with another, one notice
+    on stderr (however many servers are made), and the server runs on uvicorn's own h11 protocol (no head deadline)
+    with uvicorn's own connection limit, and serves as before."""
+    import uvicorn
+
+    import npllm.serve.app as app
+
+    control = []
+    with running(Server(llm, MODEL, Limits(max_slots=1)), control=control):
+        assert issubclass(control[0].config.http, app.HeadDeadline)  # the installed uvicorn: guarded
+    assert "[npllm]" not in capsys.readouterr().err
+
+    def forbidden(*args):
+        raise AssertionError("uvicorn's internals were used outside the tested range")
+
+    monkeypatch.setattr(uvicorn, "__version__", "0.99.0")
+    monkeypatch.setattr(app.UVICORN_FENCE, "noticed", False)
+    monkeypatch.setattr(app, "guarded_protocol", forbidden)
+    for _ in range(2):
+        control = []
+        with running(Server(llm, MODEL, Limits(max_slots=1, max_connections=8)), control=control) as url:
+            assert control[0].config.http == "h11" and control[0].config.limit_concurrency == 8
+            done = httpx.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 3}, timeout=10)
+            assert done.status_code == 200 and done.json()["choices"][0]["text"]
+    notices = [line for line in capsys.readouterr().err.splitlines() if "[npllm]" in line]
+    assert len(notices) == 1 and "uvicorn 0.99.0 is outside the versions npllm's connection guards" in notices[0]
+
+
 def healthy(url: str) -> bool:
     """Whether /health answers 200 now (not 503, not a reset connection)."""
     try:

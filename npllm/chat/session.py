@@ -83,34 +83,58 @@ class ChatSession:
     # -- turns --------------------------------------------------------------------------------------------------
 
     def prompt_ids(self, messages) -> list[int]:
-        """The token ids of `messages` laid out by the template, opening the assistant's turn."""
+        """The token ids of `messages` laid out by the template, opening the assistant's turn. Under context_policy
+        "error", a conversation that cannot fit the context is refused (ConversationFull) before it is encoded
+        whole, as context.encode_prompt refuses a prompt (encode_within)."""
         text = render_chat_template(self.template, check_messages(messages), add_generation_prompt=True,
                                     bos_token=self.bos_text, eos_token=self.eos_text, template_name=self.template_name)
-        return self.encode(text)
+        return self.encode_within(text, self.context.capacity) if self.context.policy == "error" else self.encode(text)
 
     def encode(self, text: str) -> list[int]:
         """Rendered template text -> ids. The BOS/EOS pieces the template wrote as text become their ids (a
         SentencePiece encoder would spell "<s>" letter by letter); nothing is added that the template did not write,
         as transformers' apply_chat_template(tokenize=True) does."""
+        ids = []
+        for part in self._parts(text):
+            ids += [part] if isinstance(part, int) else self.tokenizer.encode(part, bos=False)
+        return ids
+
+    def encode_within(self, text: str, most: int) -> list[int]:
+        """encode(text), or ConversationFull where it cannot fit `most` ids, found the way context.encode_prompt
+        finds it before encoding a text whole (seconds a megabyte): first a bound from the bytes of the text
+        between the special pieces (Tokenizer.fewest_tokens, each special piece one id), then an encoder that stops
+        once past (Tokenizer.encode_at_most). A count it cannot bound is ConversationFull from the exact count."""
+        tok, parts = self.tokenizer, self._parts(text)
+        fewest = sum(1 if isinstance(part, int) else tok.fewest_tokens(part) for part in parts)
+        if fewest > most:
+            raise ConversationFull(fewest, most, at_least=True)
+        ids = []
+        for i, part in enumerate(parts):
+            more = [part] if isinstance(part, int) else tok.encode_at_most(part, max(most - len(ids), 0), bos=False)
+            if more is None:  # the encoder stopped once past `most`
+                raise ConversationFull(most + 1, most, at_least=True)
+            ids += more
+            if len(ids) > most:  # the parts after this one are not encoded
+                raise ConversationFull(len(ids), most, at_least=i < len(parts) - 1)
+        return ids
+
+    def _parts(self, text: str) -> list[str | int]:
+        """The text split at the BOS/EOS pieces it holds (control pieces only): their ids, and the text between."""
         tok = self.tokenizer
         specials = {tok.id_to_piece(i): i for i in self.special_ids
                     if i is not None and 0 <= i < tok.vocab_size and tok.token_type(i) == TokenType.CONTROL}
         specials = {piece: i for piece, i in specials.items() if piece}
         if not specials:
-            return tok.encode(text, bos=False)
-        ids = []
-        for part in re.split("(" + "|".join(map(re.escape, specials)) + ")", text):
-            if part in specials:
-                ids.append(specials[part])
-            elif part:
-                ids.extend(tok.encode(part, bos=False))
-        return ids
+            return [text] if text else []
+        pattern = "(" + "|".join(map(re.escape, specials)) + ")"
+        return [specials.get(part, part) for part in re.split(pattern, text) if part]
 
-    def stream(self, messages, max_new_tokens: int = 256, ignore_eos: bool = False,
-               on_step: Callable | None = None, params: SamplingParams | None = None, **sampling) -> Iterator[str]:
+    def stream(self, messages, max_new_tokens: int = 256, params: SamplingParams | None = None, *,
+               ignore_eos: bool = False, on_step: Callable | None = None, **sampling) -> Iterator[str]:
         """The assistant's reply to `messages`, streamed as text (stop strings and the end of turn cut it).
-        params: how to sample (the sampling keywords beside it replace its fields)."""
-        params = with_keywords(params, sampling)
+        params: how to sample (the sampling keywords beside it replace its fields; any other keyword is a
+        TypeError)."""
+        params = with_keywords(params, sampling, "ChatSession.stream()")
         prompt = self.prompt_ids(messages)
         self.check_fits(len(prompt), max_new_tokens, ignore_eos)
         stops = StopStrings(tuple(params.stop) + ((self.end_of_turn,) if self.end_of_turn else ()))
@@ -131,13 +155,16 @@ class ChatSession:
         if ignore_eos and prompt_len + max_new_tokens - 1 > capacity:
             raise ConversationFull(prompt_len, capacity, max_new_tokens)
 
-    def send(self, text: str, max_new_tokens: int = 256, **options) -> Iterator[str]:
-        """Append a user message, stream the reply, and append it as the assistant's message. A reply cut short
-        (an exception, Ctrl-C, the caller closing the generator) is kept as far as it went."""
+    def send(self, text: str, max_new_tokens: int = 256, params: SamplingParams | None = None, *,
+             ignore_eos: bool = False, on_step: Callable | None = None, **sampling) -> Iterator[str]:
+        """Append a user message, stream the reply (the arguments of stream), and append it as the assistant's
+        message. A reply cut short (an exception, Ctrl-C, the caller closing the generator) is kept as far as it
+        went."""
+        params = with_keywords(params, sampling, "ChatSession.send()")
         self.messages.append({"role": "user", "content": text})
         pieces = []
         try:
-            for piece in self.stream(self.messages, max_new_tokens, **options):
+            for piece in self.stream(self.messages, max_new_tokens, params, ignore_eos=ignore_eos, on_step=on_step):
                 pieces.append(piece)
                 yield piece
         except GenerationError:
@@ -152,16 +179,17 @@ class ConversationFull(GenerationError):
     """The conversation no longer fits the context under context_policy "error". `advice` says what to do in the
     caller's terms; the message gives the Python API's (the chat REPL words its own: /reset, --context-policy)."""
 
-    def __init__(self, tokens: int, capacity: int, max_new_tokens: int | None = None):
+    def __init__(self, tokens: int, capacity: int, max_new_tokens: int | None = None, at_least: bool = False):
         self.tokens, self.capacity, self.max_new_tokens = tokens, capacity, max_new_tokens
+        self.at_least = at_least  # tokens is a lower bound: the conversation was refused before it was encoded whole
         super().__init__(self.advice("start over with reset()", 'context_policy="truncate" or "sinks"',
                                      "max_new_tokens"))
 
     def advice(self, restart: str, policies: str, limit: str) -> str:
         """The message, with the caller's words for starting over, for the policies, and for the token limit."""
         if self.max_new_tokens is None:
-            return (f"the conversation is {self.tokens} tokens, more than the model's context of {self.capacity}: "
-                    f"{restart}, or use {policies} to go past the context")
+            return (f"the conversation is {'at least ' if self.at_least else ''}{self.tokens} tokens, more than the "
+                    f"model's context of {self.capacity}: {restart}, or use {policies} to go past the context")
         return (f"the conversation ({self.tokens} tokens) and {self.max_new_tokens} new tokens do not fit the "
                 f"model's context of {self.capacity}: ask for fewer with {limit}, {restart}, or use {policies} to go "
                 "past the context")

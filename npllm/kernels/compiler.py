@@ -55,7 +55,6 @@ import functools
 import hashlib
 import mmap
 import os
-import re
 import subprocess
 import sys
 import time
@@ -71,28 +70,21 @@ from llvmlite import binding as llvm
 from numba.core.codegen import CPUCodeLibrary
 from numba.core.dispatcher import Dispatcher
 
+from ..versions import Fence
+
 LIBRARIES = ("libllvmlite", "libLLVM")  # llvmlite's own build links LLVM in; some distributions share libLLVM
 # The Numba versions the internals used here are known in: [first, first not), as (major, minor).
 TESTED_NUMBA = ((0, 59), (0, 69))
 NUMBA_VERSION = numba.__version__  # the version internals_tested() checks
-_noticed = False  # whether this process has said that its Numba is outside TESTED_NUMBA
+NUMBA_FENCE = Fence("numba", TESTED_NUMBA, "compiler tweaks",
+                    "Numba's own behaviour is kept (no compile in a child process, LLVM's modules for linking kept), "
+                    "so loading a model may take more memory")
 
 
 def internals_tested() -> bool:
     """Whether this process's Numba (NUMBA_VERSION) lies in TESTED_NUMBA. Outside it (or where the version cannot
     be read), the first call prints one notice on stderr, and the callers keep to Numba's plain behaviour."""
-    global _noticed
-    found = re.match(r"(\d+)\.(\d+)", NUMBA_VERSION)
-    low, high = TESTED_NUMBA
-    if found and low <= (int(found[1]), int(found[2])) < high:
-        return True
-    if not _noticed:
-        _noticed = True
-        print(f"[npllm] numba {NUMBA_VERSION} is outside the versions npllm's compiler tweaks were tested with "
-              f"({low[0]}.{low[1]} <= numba < {high[0]}.{high[1]}): Numba's own behaviour is kept (no compile in a "
-              f"child process, LLVM's modules for linking kept), so loading a model may take more memory",
-              file=sys.stderr, flush=True)
-    return False
+    return NUMBA_FENCE.holds(NUMBA_VERSION)
 
 
 def compiler_mappings(smaps: str) -> list[tuple[int, int]]:

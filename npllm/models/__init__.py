@@ -20,6 +20,7 @@ The runs after it load the compiled code.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -77,38 +78,49 @@ def make_model(config: ModelConfig, weights: dict[str, np.ndarray], backend: str
                           f"and numpy backends)")
     if backend != "cuda" and options:
         raise ConfigError(f"{', '.join(sorted(options))}: options of the cuda backend, not of {backend}")
-    model = _make(config, storage(weights, weight_dtype, backend), backend, threads, weight_dtype, kv, cold_start,
-                  **options)
+    model = _make(config, storage(weights, weight_dtype, backend), backend, threads, kv, cold_start, **options)
     if kv is not None:
         model.kv_dtype = kv.name
     return model
 
 
-def storage(weights: dict, weight_dtype: str, backend: str) -> dict:
-    """The weights as `backend` stores them under `weight_dtype` (see make_model): "file" leaves them as read,
-    "float32" decodes every matrix to float32, "float16"/"q8_0" round every matrix to that block type; the numpy
-    backend then decodes the stored values to float32 (it computes with arrays), the cuda backend converts them
-    itself while uploading (no host copy of the model: its own float32, float16 or Q8_0 storage)."""
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """How a backend stores a model's matrices, as storage() decides it: `weights`, the arrays it is built from
+    (already in the types the CPU backends keep), and `device`, the one type a GPU model gives every matrix on
+    the device ("float32", "float16" or "q8_0"; None on the CPU backends). The model only carries it out."""
+
+    weights: dict
+    device: str | None = None
+
+
+def storage(weights: dict, weight_dtype: str, backend: str) -> Storage:
+    """How `backend` stores the weights under `weight_dtype` (see make_model), the one place that is decided:
+    "file" leaves them as read, "float32" decodes every matrix to float32, "float16"/"q8_0" round every matrix to
+    that block type; the numpy backend then decodes the stored values to float32 (it computes with arrays). The
+    cuda backend gives every matrix one type, float32 for "file" (it has no kernels for a file's other types),
+    and converts each matrix to it while uploading (no host copy of the model): its weights stay as read."""
     from ..quant import QuantizationError, dequantized, stored_as
 
     if weight_dtype not in WEIGHT_DTYPES:
         raise ConfigError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     if backend == "cuda":
-        return weights
+        return Storage(weights, "float32" if weight_dtype == "file" else weight_dtype)
     if weight_dtype in BLOCK_TYPE:
         try:
             weights = stored_as(weights, BLOCK_TYPE[weight_dtype])
         except QuantizationError as e:
             raise ConfigError(f"weight_dtype {weight_dtype}: {e}") from None
-    return dequantized(weights) if backend == "numpy" or weight_dtype == "float32" else weights
+    return Storage(dequantized(weights) if backend == "numpy" or weight_dtype == "float32" else weights)
 
 
-def _make(config: ModelConfig, weights: dict[str, np.ndarray], backend: str, threads: int | None,
-          weight_dtype: str, kv: np.dtype | None, cold_start: str, **options) -> Model:
+def _make(config: ModelConfig, stored: Storage, backend: str, threads: int | None, kv: np.dtype | None,
+          cold_start: str, **options) -> Model:
+    weights = stored.weights
     if backend == "cuda":
         from .cuda import CudaTransformer
 
-        return CudaTransformer(config, weights, "float32" if weight_dtype == "file" else weight_dtype, **options)
+        return CudaTransformer(config, weights, stored.device, **options)
     if backend == "numba":
         from ..quant import dequantized, in_block_type
         from .numba import NumbaTransformer, QuantizedNumbaTransformer, link_ahead

@@ -175,7 +175,8 @@ class CudaTransformer(Model):
     FEATURES = Model.FEATURES | {"ffn_activation", "embedding_multiplier", "residual_multiplier", "attention_scale",
                                  "attn_logit_softcap", "qk_norm", "block_norms", "sliding_layers", "rope_local_theta",
                                  "longrope", "n_experts"}
-    """The Transformer on the GPU. dtype: how matrices are stored: float32, float16, or "q8_0" (GGUF's Q8_0 blocks,
+    """The Transformer on the GPU. dtype: how matrices are stored (make_model passes what models.storage decides
+    for the weight_dtype asked for; this model carries it out): float32, float16, or "q8_0" (GGUF's Q8_0 blocks,
     32 int8 values and a float16 scale, kernels.Q8_0_BLOCK), each weight widened to float32 as it is read, the sums
     in float32. With q8_0 a checkpoint's own Q8_0 matrices (quant.QuantizedMatrix, as formats.gguf's
     read_gguf_quantized gives them) go to the device byte for byte; any other matrix is quantized at load

@@ -18,7 +18,8 @@ error objects; an unexpected exception is logged here and answered with a bare 5
 Clients that hold connections without finishing a request (slowloris) are bounded by `Limits`: a request's head must
 arrive within `header_timeout` seconds (GuardedH11Protocol), its body within `body_timeout` (Server.read_body), an idle
 keep-alive connection closes after `keep_alive_timeout`, and past `max_connections` open connections a new one is
-answered 503 and closed at once, so the process never runs out of file descriptors and stops accepting.
+answered 503 and closed at once, so the process never runs out of file descriptors and stops accepting. These
+guards use uvicorn's internals, only with a uvicorn in TESTED_UVICORN (outside it: one notice, uvicorn's own h11).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from starlette.routing import Route
 from ..batching import ContinuousEngine
 from ..chat.worker import MOST_WORKERS, close_workers
 from ..errors import GenerationError, NpllmError
+from ..versions import Fence
 from .engine import EngineThread, Job
 from .protocol import (ApiError, Context, Output, chat_body, chat_chunk, completion_body, completion_chunk, new_id,
                        parse_chat, parse_completion, parse_json)
@@ -54,6 +56,20 @@ from .protocol import (ApiError, Context, Output, chat_body, chat_chunk, complet
 log = logging.getLogger("npllm.serve")
 PARSE_THREADS = 4  # completions checked (tokenized) at once, off the event loop
 RENDER_THREADS = MOST_WORKERS  # chats checked at once: their templates render in that many worker processes
+# The uvicorn versions whose internals the connection guards use (H11Protocol's hooks and its cycle, loop and
+# transport; Server.server_state.connections) are known in: [first, first not), as (major, minor). Read side by side
+# in 0.30.0 and 0.55.0; the suite runs on 0.55. pyproject.toml allows this range.
+TESTED_UVICORN = ((0, 30), (0, 56))
+UVICORN_FENCE = Fence("uvicorn", TESTED_UVICORN, "connection guards",
+                      "the server runs on uvicorn's plain h11 protocol, without the deadline on a request's head, "
+                      "and past --max-connections uvicorn answers 503 itself (its limit_concurrency)")
+
+
+def guards_tested() -> bool:
+    """Whether the installed uvicorn lies in TESTED_UVICORN (outside it, one notice on stderr: versions.Fence)."""
+    import uvicorn
+
+    return UVICORN_FENCE.holds(uvicorn.__version__)
 
 
 @dataclass
@@ -591,21 +607,23 @@ def make_uvicorn(app, grace: float, log_level: str = "warning", on_started=None,
     cancels them, and returns normally (uvicorn itself re-raises the signal afterwards, which would end the process
     with the signal's status instead of 0). on_started() is called once it accepts connections, its signal handlers
     in place, so whoever reads that announcement may send SIGTERM at once. Connections are bounded by `limits`
-    (guarded_protocol: always h11, whether or not httptools is installed)."""
+    (guarded_protocol: always h11, whether or not httptools is installed; with a uvicorn outside TESTED_UVICORN,
+    uvicorn's plain h11 protocol and its own connection limit)."""
     import uvicorn
 
     limits = limits or Limits()
-    gate = Gate(limits.max_connections)
+    gate = Gate(limits.max_connections) if guards_tested() else None
     busy = ApiError(503, f"the server holds its limit of {limits.max_connections} connections; retry later")
     refusal = _raw_response(503, "Service Unavailable", json.dumps(busy.body()).encode())
 
     class Quiet(uvicorn.Server):
         async def startup(self, sockets=None):
-            gate.live = self.server_state.connections
             for sock in sockets or ():
                 if not isinstance(sock, GuardedSocket):
                     raise TypeError("serve on sockets made by npllm.serve.app.bind() or listen()")
                 sock.gate, sock.refusal = gate, refusal
+            if gate is not None:
+                gate.live = self.server_state.connections
             await super().startup(sockets)
             if on_started is not None and not self.should_exit:
                 on_started()
@@ -623,12 +641,19 @@ def make_uvicorn(app, grace: float, log_level: str = "warning", on_started=None,
                 for sig, handler in original.items():
                     signal.signal(sig, handler)
 
-    # asyncio's own loop (not uvloop, which accepts in C, past GuardedSocket.accept), h11 (not httptools, which
-    # guarded_protocol does not wrap), no WebSockets (an upgraded connection would leave the header deadline)
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace, lifespan="off",
-                            access_log=False, loop="asyncio", http=guarded_protocol(limits, gate), ws="none",
-                            timeout_keep_alive=limits.keep_alive_timeout)
-    return Quiet(config)
+    return Quiet(uvicorn_config(uvicorn, app, grace, log_level, limits, gate))
+
+
+def uvicorn_config(uvicorn, app, grace: float, log_level: str, limits: Limits, gate: Gate | None):
+    """make_uvicorn's uvicorn.Config: asyncio's own loop (not uvloop, which accepts in C, past GuardedSocket.accept),
+    h11 (not httptools, which guarded_protocol does not wrap), no WebSockets (an upgraded connection would leave the
+    header deadline). Without a gate (a uvicorn outside TESTED_UVICORN) the protocol is uvicorn's own h11 and
+    uvicorn answers 503 past max_connections itself."""
+    http = "h11" if gate is None else guarded_protocol(limits, gate)
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace, lifespan="off",
+                          access_log=False, loop="asyncio", http=http, ws="none",
+                          timeout_keep_alive=limits.keep_alive_timeout,
+                          limit_concurrency=limits.max_connections if gate is None else None)
 
 
 def run(server: Server, host: str, port: int, grace: float, cors_origins=None, announce=sys.stderr,
