@@ -1,7 +1,7 @@
 """`npllm quantize`: any checkpoint npllm reads written as a GGUF file, with its tokenizer's vocabulary.
 
 It joins three layers the readers keep apart (a known name or path resolved by the hub, the checkpoint read by a
-format reader, the vocabulary by a tokenizer) and hands the lot to formats.gguf.write_gguf.
+format reader, the vocabulary by a tokenizer) and hands the lot to formats.gguf_write.write_gguf.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 
 from .formats import read_checkpoint
-from .formats.gguf import TensorData, check_output_path, read_gguf_file, read_vocab, write_gguf
+from .formats.gguf import read_gguf_file, read_vocab
+from .formats.gguf_write import TensorData, check_output_path, write_gguf
 from .hub import resolve
 from .tokenizer import load_tokenizer
 
@@ -18,7 +19,7 @@ def quantize_checkpoint(model: str | os.PathLike, out: str | os.PathLike, type_n
                         tokenizer: str | os.PathLike | None = None, progress=None) -> tuple[list[TensorData], object]:
     """Any checkpoint npllm reads (llama2.c .bin, HF directory, GGUF; a path or a known name) written as a GGUF file
     of `type_name`, with the vocabulary of its tokenizer (given, or found beside it) when npllm can write it.
-    Returns (tensors written, the tokenizer embedded or None). progress: see formats.gguf.model_tensors."""
+    Returns (tensors written, the tokenizer embedded or None). progress: see formats.gguf_write.model_tensors."""
     check_output_path(out)  # before minutes of quantizing
     checkpoint, found = resolve(model)
     config, weights = read_checkpoint(checkpoint)

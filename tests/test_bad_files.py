@@ -14,7 +14,7 @@ from npllm.cli import main
 from npllm.config import ModelConfig, RopeScaling
 from npllm.errors import ConfigError, FormatError
 from npllm.formats import read_checkpoint
-from npllm.formats.gguf import TensorData, write_gguf_file
+from npllm.formats.gguf_write import TensorData, write_gguf_file
 from tests_support import REPO, load_campaign
 
 FIXTURE = REPO / "tests" / "fixtures" / "hf" / "qwen2_bias"
@@ -78,12 +78,12 @@ def test_quantize_into_a_folder_no_file_can_be_made_in_is_one_error_line(capsys)
 
 def test_a_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
     """A write error part-way (a full disk) is one FormatError, and the half-written file is removed."""
-    import npllm.formats.gguf as gguf
+    import npllm.formats.gguf_write as gguf_write
 
     def fail(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(gguf.os, "replace", fail)
+    monkeypatch.setattr(gguf_write.os, "replace", fail)
     with pytest.raises(FormatError, match="No space left"):
         write_gguf_file(tmp_path / "m.gguf", {}, one_tensor())
     assert os.listdir(tmp_path) == []

@@ -20,7 +20,8 @@ from numba import cuda  # noqa: E402
 import npllm  # noqa: E402
 from npllm import ops, quant  # noqa: E402
 from npllm.errors import ConfigError  # noqa: E402
-from npllm.formats.gguf import read_gguf_file, write_gguf  # noqa: E402
+from npllm.formats.gguf import read_gguf_file  # noqa: E402
+from npllm.formats.gguf_write import write_gguf  # noqa: E402
 from npllm.formats.random import random_weights  # noqa: E402
 from npllm.kernels import cuda as ck  # noqa: E402
 from npllm.models import make_model  # noqa: E402

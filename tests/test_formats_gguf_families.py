@@ -19,7 +19,8 @@ import pytest
 from npllm.config import ModelConfig, RopeScaling
 from npllm.errors import ConfigError, FormatError
 from npllm.formats import read_checkpoint
-from npllm.formats.gguf import TensorData, config_from_gguf, read_gguf_file, write_gguf_file
+from npllm.formats.gguf import config_from_gguf, read_gguf_file
+from npllm.formats.gguf_write import TensorData, write_gguf_file
 from npllm.formats.random import random_weights
 from npllm.models import make_model
 from npllm.quant import QuantizedMatrix, quantize
@@ -361,7 +362,7 @@ def test_an_unknown_pre_tokenizer_name_is_refused_naming_the_known_ones():
 @pytest.mark.parametrize("name", ["gemma2", "qwen3moe", "granite"])
 def test_npllm_does_not_write_other_families_as_llama_files(tmp_path, name):
     """npllm's GGUF writer knows only the Llama block: a family's file written as 'llama' would drop its options."""
-    from npllm.formats.gguf import write_gguf
+    from npllm.formats.gguf_write import write_gguf
 
     config = case(name)[1]
     with pytest.raises(ConfigError, match=f"this {config.arch} model uses"):

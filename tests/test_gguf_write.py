@@ -12,8 +12,8 @@ from npllm import quant
 from npllm.cli import main
 from npllm.errors import ConfigError
 from npllm.config import ModelConfig
-from npllm.formats.gguf import (TensorData, more_bits, read_gguf, read_gguf_file, read_vocab, tensor_type_for,
-                                write_gguf, write_gguf_file)
+from npllm.formats.gguf import read_gguf, read_gguf_file, read_vocab
+from npllm.formats.gguf_write import TensorData, more_bits, tensor_type_for, write_gguf, write_gguf_file
 from npllm.formats.random import random_weights
 from npllm.formats.hf import read_hf
 

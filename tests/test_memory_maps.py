@@ -15,7 +15,7 @@ import pytest
 
 from npllm.config import ModelConfig
 from npllm.tensors import release, release_files
-from npllm.formats.gguf import write_gguf
+from npllm.formats.gguf_write import write_gguf
 from npllm.formats.random import random_weights
 from tests_support import mapping_resident_kb
 

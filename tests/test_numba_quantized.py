@@ -14,8 +14,8 @@ from npllm.quant import oracle
 from npllm.config import ModelConfig
 from npllm.errors import ConfigError
 from npllm.formats import read_checkpoint
-from npllm.formats.gguf import TensorData, model_metadata, model_tensors, read_gguf, read_gguf_quantized, write_gguf, \
-    write_gguf_file
+from npllm.formats.gguf import read_gguf, read_gguf_quantized
+from npllm.formats.gguf_write import TensorData, model_metadata, model_tensors, write_gguf, write_gguf_file
 from npllm.formats.random import random_weights
 from npllm.kernels import quant as kq
 from npllm.models import make_model

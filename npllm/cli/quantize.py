@@ -26,7 +26,7 @@ def run_quantize(args) -> int:
     from collections import Counter
 
     from ..convert import quantize_checkpoint
-    from ..formats.gguf import fallbacks, quant_type
+    from ..formats.gguf_write import fallbacks, quant_type
 
     source = one_model(args.input, args.model_option)
     tensors, tokenizer = quantize_checkpoint(source, args.output, args.type.upper(), args.tokenizer,

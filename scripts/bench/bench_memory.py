@@ -43,7 +43,7 @@ print(json.dumps({"file": path, "model": type(model).__name__, "load_s": round(l
 
 WRITER = r"""
 import sys
-from npllm.formats.gguf import write_gguf
+from npllm.formats.gguf_write import write_gguf
 from npllm.formats.random import NAMED_SHAPES, random_weights
 
 shape, folder, types = sys.argv[1], sys.argv[2], sys.argv[3:]

@@ -16,7 +16,7 @@ import numpy as np
 import npllm
 from npllm import quant
 from npllm.evaluate import kl_divergence
-from npllm.formats.gguf import tensor_type_for
+from npllm.formats.gguf_write import tensor_type_for
 from npllm.formats.llama2c import read_llama2c
 from npllm.models import make_model
 from npllm.tokenizer import load_tokenizer

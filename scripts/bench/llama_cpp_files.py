@@ -71,7 +71,7 @@ def widen(config, weights, dim: int, hidden: int):
 def source(model: str, out: Path, stories: int) -> tuple[Path, list[int]]:
     """(the F32 GGUF every preset is quantized from, the token ids to score): stories260K widened to 256 with
     stories sampled from it, or a named shape's random weights with random ids."""
-    from npllm.formats.gguf import write_gguf
+    from npllm.formats.gguf_write import write_gguf
     from npllm.tokenizer import load_tokenizer
 
     if model == "stories260K-wide":

@@ -23,7 +23,7 @@ import numpy as np
 from llama_cpp_files import llama_cpp_folders, source
 from npllm.evaluate import kl_divergence
 from npllm.formats import read_checkpoint
-from npllm.formats.gguf import MIXTURES
+from npllm.quant import MIXTURES
 from npllm.models import make_model
 
 TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M"]
