@@ -1609,12 +1609,13 @@ def report(results: list[Result], as_json: bool) -> int:
             print(json.dumps(line) if as_json else f"PROBLEM {line}")
     columns = ["tried", "refused (exit 2)", "ran (exit 0)", "traceback", "hang", "stdout_on_error", "bad_status",
                "accepted", "refused", "damaged"]
-    print(f"{'kind':18}" + "".join(f"{c:>18}" for c in columns))
+    width = max([18] + [len(kind) + 2 for kind in per_kind])  # the kinds' names, each followed by a space or two
+    print(f"{'kind':{width}}" + "".join(f"{c:>18}" for c in columns))
     total = collections.Counter()
     for kind, counts in sorted(per_kind.items()):
         total.update(counts)
-        print(f"{kind:18}" + "".join(f"{counts[c]:>18}" for c in columns))
-    print(f"{'total':18}" + "".join(f"{total[c]:>18}" for c in columns))
+        print(f"{kind:{width}}" + "".join(f"{counts[c]:>18}" for c in columns))
+    print(f"{'total':{width}}" + "".join(f"{total[c]:>18}" for c in columns))
     return 1 if any(r.problems for r in results) else 0
 
 
