@@ -19,7 +19,8 @@ from npllm.formats.gguf_write import TensorData, model_metadata, model_tensors, 
 from npllm.formats.random import random_weights
 from npllm.kernels import quant as kq
 from npllm.models import make_model
-from npllm.models.numba import NumbaTransformer, QuantizedNumbaTransformer, products_into
+from npllm.models.numba import NumbaTransformer, QuantizedNumbaTransformer
+from npllm.models.numba_products import products_into
 from npllm.models.reference import Transformer
 
 # ------------------------------------------------------------------------------------------------ row workers
@@ -373,17 +374,18 @@ def test_bench_reports_bytes_in_the_files_types(tmp_path, capsys):
 
 
 def test_threads_change_no_bit_of_a_long_prefill(tmp_path, monkeypatch):
-    """A prefill long enough to quantize its activations and take SwiGLU in parallel (models/numba.py
+    """A prefill long enough to quantize its activations and take SwiGLU in parallel (models/numba_products.py
     QUANTIZE_IN_PARALLEL_FROM), on 2 threads, gives the same bits as on one: each token's integers, each output's
     sum and each gate, do not depend on the split."""
     import npllm.models.numba as numba_model
+    from npllm.models.numba_products import QUANTIZE_IN_PARALLEL_FROM
 
     monkeypatch.setattr(numba_model, "PARALLEL_MIN_SECONDS", 0.0)  # a tiny model: run every region on the threads
     config = tiny()
     path = tmp_path / "q4.gguf"
     write_gguf(path, config, random_weights(config, 5), "Q4_0")
     config_, weights = read_checkpoint(path)
-    tokens = np.arange(2 * numba_model.QUANTIZE_IN_PARALLEL_FROM + 3) % config.vocab_size
+    tokens = np.arange(2 * QUANTIZE_IN_PARALLEL_FROM + 3) % config.vocab_size
     one = QuantizedNumbaTransformer(config_, weights, threads=1).logits(tokens)
     two = QuantizedNumbaTransformer(config_, weights, threads=2).logits(tokens)
     np.testing.assert_array_equal(one, two)

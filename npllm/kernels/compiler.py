@@ -41,11 +41,11 @@ which Numba treats as not cached). Where there is no flock (Windows), no detache
 
 stamp_package_caches() makes every cached npllm function's cache entry depend on the whole package's source, not
 only its own file's: Numba checks just the file the function is in, so a cached function that calls code of another
-file (models/numba.py's products calling kernels/quant's tiles) kept the old code of that file after it changed —
-measured: a checkout's new prefill tiles (kernels/quant) ran at the old tiles' 10.7 ps per multiply-add inside the
-model, whose cached products_into still held them, and at 6.9 with that cache cleared. A changed kernel must never
-run as its old self (a changed block layout would give wrong numbers silently), so any change to a .py file of
-npllm recompiles every npllm function, once.
+file (models/numba_products.py's products calling kernels/quant's tiles) kept the old code of that file after it
+changed — measured: a checkout's new prefill tiles (kernels/quant) ran at the old tiles' 10.7 ps per multiply-add
+inside the model, whose cached products_into still held them, and at 6.9 with that cache cleared. A changed kernel
+must never run as its old self (a changed block layout would give wrong numbers silently), so any change to a .py
+file of npllm recompiles every npllm function, once.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ import numba
 import numpy as np
 
 import npllm
-from npllm.models.numba import PER_LAYER, W1, W2, WO, WQ, products_into
+from npllm.models.numba import PER_LAYER, W1, W2, WO, WQ
+from npllm.models.numba_products import products_into
 
 path = sys.argv[1]
 threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2

@@ -17,7 +17,7 @@ interleaved table.
     dispatch.py     the table of records, and the dispatchers generated from it (by type code)
 
 Results match the NumPy statement (quant.oracle: quantized activations times dequantized weights) to float32
-rounding of the block sums; integer dots are exact. Rows are split over threads by the model (models/numba.py).
+rounding of the block sums; integer dots are exact. Rows are split over threads by the model (models/numba_products.py).
 """
 
 from .activations import (quantize_activations_q8_into, quantize_activations_q8_parallel, two_part_activations_into,
