@@ -39,7 +39,7 @@ from ..kernels import SPINNING, cpu
 from ..kernels.compiler import cached_here, release_compiler_pages, release_linking_modules
 from ..tensors import release_files
 from .base import Model, sampler_rows
-from .numba_products import _embed_rows, _swiglu, products_into
+from .numba_products import embed_rows, swiglu_rows, products_into
 from .numba_weights import (PER_LAYER, W1, W2, WO, WQ, Packed, QPacked, bytes_by_type, pack,  # noqa: F401
                             pack_quantized, pack_released)
 from .weights import Weights
@@ -352,7 +352,7 @@ def _embed_panels(w, tokens, x):
 
 
 def _embed_pool(w, tokens, x):
-    _embed_rows(w, tokens, x)
+    embed_rows(w, tokens, x)
 
 
 @by_record({Packed: _embed_panels, QPacked: _embed_pool})
@@ -389,7 +389,7 @@ def _swiglu_panels(w, gate_up, hidden, T, threads, act):
 
 
 def _swiglu_pool(w, gate_up, hidden, T, threads, act):
-    _swiglu(gate_up, hidden.shape[1], hidden, T, threads, act)
+    swiglu_rows(gate_up, hidden.shape[1], hidden, T, threads, act)
 
 
 @by_record({Packed: _swiglu_panels, QPacked: _swiglu_pool})

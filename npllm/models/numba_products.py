@@ -150,7 +150,7 @@ def _product_units(group, a, out, unit, u0, u1):
 
 
 @njit(inline="always")
-def _embed_rows(w, tokens, x):
+def embed_rows(w, tokens, x):
     """x[t] = the embedding row of tokens[t], decoded from its stored type (gathered back first from a table held
     interleaved for a tied LM head).                                                            # [T] -> [T, D]"""
     embed = w.mats.shape[0] - 2
@@ -161,7 +161,7 @@ def _embed_rows(w, tokens, x):
 
 
 @njit(inline="always")
-def _swiglu(gate_up, F, out, T, threads, act):
+def swiglu_rows(gate_up, F, out, T, threads, act):
     """silu(gate) * up of T tokens, on the threads from QUANTIZE_IN_PARALLEL_FROM tokens; act cpu.GELU_TANH:
     gelu_tanh(gate) * up (cpu.geglu_hidden_into).                                        # [>=T, 2F] -> [>=T, F]"""
     if act == cpu.GELU_TANH:

@@ -67,11 +67,11 @@ class LawFailure(AssertionError):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _show(x) -> str:
+def show_case(x) -> str:
     return np.array2string(np.asarray(x), precision=17, separator=", ", max_line_width=10**6, threshold=10**6)
 
 
-def _call(fn, x: np.ndarray, *args, history=None) -> np.ndarray:
+def call_under_test(fn, x: np.ndarray, *args, history=None) -> np.ndarray:
     """fn(x, *args) or fn(x, history, *args) on copies; checks the contract and returns the output as float64.
 
     The contract: returns an array of x's shape with no NaN and no +inf, and leaves its arguments unchanged.
@@ -81,24 +81,25 @@ def _call(fn, x: np.ndarray, *args, history=None) -> np.ndarray:
     try:
         out = fn(arg, *args) if history is None else fn(arg, hist, *args)
     except Exception as err:  # the function under test refused a valid input
-        raise AssertionError(f"[contract] fn raised {type(err).__name__}: {err}\n  {_case(x, args, history)}") from err
+        raise AssertionError(f"[contract] fn raised {type(err).__name__}: {err}\n  {law_case(x, args, history)}") \
+            from err
     if not np.array_equal(arg, x):
-        raise AssertionError(f"[contract] fn changed its logits argument in place\n  {_case(x, args, history)}")
+        raise AssertionError(f"[contract] fn changed its logits argument in place\n  {law_case(x, args, history)}")
     if history is not None and hist != list(history):
-        raise AssertionError(f"[contract] fn changed its history argument in place\n  {_case(x, args, history)}")
+        raise AssertionError(f"[contract] fn changed its history argument in place\n  {law_case(x, args, history)}")
     out = np.asarray(out)
     if out.shape != x.shape or out.dtype.kind not in "fiu":
         raise AssertionError(
             f"[contract] fn returned {out.dtype} of shape {out.shape}, expected a real array of shape {x.shape}\n"
-            f"  {_case(x, args, history)}"
+            f"  {law_case(x, args, history)}"
         )
     out = out.astype(np.float64)
     if np.isnan(out).any() or np.isposinf(out).any():
-        raise AssertionError(f"[contract] fn returned NaN or +inf: {_show(out)}\n  {_case(x, args, history)}")
+        raise AssertionError(f"[contract] fn returned NaN or +inf: {show_case(out)}\n  {law_case(x, args, history)}")
     return out
 
 
-class _case:
+class law_case:
     """The case as a line of Python (logits, history, parameters), formatted only when a message needs it: a
     law checks many cases and reports one."""
 
@@ -106,36 +107,36 @@ class _case:
         self.x, self.args, self.history = x, args, history
 
     def __str__(self) -> str:
-        parts = [f"logits = np.array({_show(self.x)}, dtype=np.{np.asarray(self.x).dtype})"]
+        parts = [f"logits = np.array({show_case(self.x)}, dtype=np.{np.asarray(self.x).dtype})"]
         if self.history is not None:
             parts.append(f"history = {list(self.history)}")
         parts += [f"param = {a!r}" for a in self.args]
         return ", ".join(parts)
 
 
-def _probs(x: np.ndarray) -> np.ndarray:
+def probs_of(x: np.ndarray) -> np.ndarray:
     """[V] -> [V] float64 softmax, -inf entries 0."""
     x = x.astype(np.float64)
     e = np.exp(x - x.max())
     return e / math.fsum(e)
 
 
-def _log_probs(x: np.ndarray) -> np.ndarray:
+def log_probs_of(x: np.ndarray) -> np.ndarray:
     """[V] -> [V] float64 log-softmax from the logits (no underflow for finite logits), -inf for -inf."""
     s = x.astype(np.float64) - x.max()
     return s - math.log(math.fsum(np.exp(s)))
 
 
-def _mass(p: np.ndarray, keep: np.ndarray) -> float:
+def mass_of(p: np.ndarray, keep: np.ndarray) -> float:
     return math.fsum(p[keep])
 
 
-def _slack(opts: Options, s) -> np.ndarray:
+def slack_of(opts: Options, s) -> np.ndarray:
     """Logit slack around shifted logits s = x - max x: rtol · max(1, |s|)."""
     return opts.rtol * np.maximum(1.0, np.abs(s))
 
 
-def _kept(x: np.ndarray, out: np.ndarray, case: str) -> np.ndarray:
+def kept_of(x: np.ndarray, out: np.ndarray, case: str) -> np.ndarray:
     """The filter's output form: each entry is its input value or -inf, and something survives. -> kept mask."""
     x64 = x.astype(np.float64)
     bad = ~((out == x64) | (out == -np.inf))
@@ -143,7 +144,7 @@ def _kept(x: np.ndarray, out: np.ndarray, case: str) -> np.ndarray:
         i = int(np.flatnonzero(bad)[0])
         raise AssertionError(
             f"token {i}: input {x64[i]!r}, output {out[i]!r}: a filter returns a kept logit unchanged, a removed one "
-            f"as -inf\n  output = {_show(out)}\n  {case}"
+            f"as -inf\n  output = {show_case(out)}\n  {case}"
         )
     keep = out > -np.inf
     if not keep.any():
@@ -151,25 +152,25 @@ def _kept(x: np.ndarray, out: np.ndarray, case: str) -> np.ndarray:
     return keep
 
 
-def _top(x: np.ndarray, opts: Options) -> np.ndarray:
+def top_of(x: np.ndarray, opts: Options) -> np.ndarray:
     """The most probable tokens: logits within the slack (rtol) of the maximum. Logits 1e-278 apart have equal
     probabilities in floating point, so a filter may take either for the argmax."""
     x64 = x.astype(np.float64)
     return x64 >= x64.max() - opts.rtol
 
 
-def _dyadic(x: np.ndarray) -> np.ndarray:
+def dyadic_of(x: np.ndarray) -> np.ndarray:
     """Finite logits rounded to multiples of 1/64 (|x| < 2^17 stays exact in float32, so x + integer is exact)."""
     return np.where(np.isfinite(x), np.round(x.astype(np.float64) * 64) / 64, x).astype(x.dtype)
 
 
-def _rows(opts: Options, ties: bool | None = None, neg_inf: bool = True, size=None):
+def rows_of(opts: Options, ties: bool | None = None, neg_inf: bool = True, size=None):
     return nps.logits(size=size or opts.size, dtype=tuple(opts.dtypes), ties=opts.ties == "keep" if ties is None
                       else ties, neg_inf=neg_inf)
 
 
 @st.composite
-def _row_then(draw, rows, *param_ofs, transform=None):
+def row_then(draw, rows, *param_ofs, transform=None):
     """(x, *params) with each param drawn from param_of(x); x optionally transformed first. A composite rather
     than flatmap: no strategy is built per example, which keeps a search of 100 examples near a second."""
     x = draw(rows)
@@ -178,6 +179,6 @@ def _row_then(draw, rows, *param_ofs, transform=None):
     return (x, *(draw(param_of(x)) for param_of in param_ofs))
 
 
-def _with_param(opts, param_of, ties=None, size=None):
+def with_param(opts, param_of, ties=None, size=None):
     """Strategy of (x, param) with param drawn from param_of(x)."""
-    return _row_then(_rows(opts, ties, size=size), param_of)
+    return row_then(rows_of(opts, ties, size=size), param_of)

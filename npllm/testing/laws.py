@@ -13,9 +13,9 @@ against (with the slack `rtol` of their decisions) in law_base.py.
 
 from __future__ import annotations
 
-from .filter_laws import _min_p_laws, _temperature_laws, _top_k_laws, _top_p_laws, _typical_laws
+from .filter_laws import min_p_laws, temperature_laws, top_k_laws, top_p_laws, typical_laws
 from .law_base import Law, LawFailure, Options
-from .penalty_laws import _ngram_laws, _presence_frequency_laws, _repetition_laws
+from .penalty_laws import ngram_laws, presence_frequency_laws, repetition_laws
 
 __all__ = ["laws_of", "KINDS", "CONVENTIONS", "Law", "LawFailure", "Options"]
 
@@ -35,16 +35,16 @@ KINDS = tuple(CONVENTIONS)
 
 
 LAWS: dict[str, list[Law]] = {
-    "temperature": _temperature_laws(),
-    "top_k": _top_k_laws(),
-    "top_p": _top_p_laws(),
-    "min_p": _min_p_laws(),
-    "typical_p": _typical_laws(),
-    "repetition_penalty": _repetition_laws(),
-    "presence_penalty": _presence_frequency_laws("presence_penalty"),
-    "frequency_penalty": _presence_frequency_laws("frequency_penalty"),
-    "presence_frequency_penalty": _presence_frequency_laws("presence_frequency_penalty"),
-    "no_repeat_ngram": _ngram_laws(),
+    "temperature": temperature_laws(),
+    "top_k": top_k_laws(),
+    "top_p": top_p_laws(),
+    "min_p": min_p_laws(),
+    "typical_p": typical_laws(),
+    "repetition_penalty": repetition_laws(),
+    "presence_penalty": presence_frequency_laws("presence_penalty"),
+    "frequency_penalty": presence_frequency_laws("frequency_penalty"),
+    "presence_frequency_penalty": presence_frequency_laws("presence_frequency_penalty"),
+    "no_repeat_ngram": ngram_laws(),
 }
 
 

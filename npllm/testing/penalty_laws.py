@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from . import strategies as nps
-from .law_base import TINY, Law, _call, _case, _mass, _probs, _row_then, _rows, _show
+from .law_base import TINY, Law, call_under_test, law_case, mass_of, probs_of, row_then, rows_of, show_case
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -20,7 +20,7 @@ from .law_base import TINY, Law, _call, _case, _mass, _probs, _row_then, _rows, 
 
 def _history_cases(opts, *params, size=(1, 20)):
     """Strategy of (x, history, *params)."""
-    return _row_then(_rows(opts, size=size), lambda x: nps.histories(len(x)), *[lambda x, p=p: p for p in params])
+    return row_then(rows_of(opts, size=size), lambda x: nps.histories(len(x)), *[lambda x, p=p: p for p in params])
 
 
 def _close(got, expected, rtol, scale) -> np.ndarray:
@@ -40,8 +40,8 @@ def _repetition_ctrl(x, history, penalty):
 
 def _repetition_rule(fn, case, opts):
     x, h, pen = case
-    c = _case(x, (pen,), h)
-    out = _call(fn, x, pen, history=h)
+    c = law_case(x, (pen,), h)
+    out = call_under_test(fn, x, pen, history=h)
     expected = _repetition_ctrl(x, h, pen)
     ok = _close(out, expected, opts.rtol, np.abs(expected))
     if not ok.all():
@@ -51,37 +51,37 @@ def _repetition_rule(fn, case, opts):
 
 def _repetition_once(fn, case, opts):
     x, h, pen = case
-    a = _call(fn, x, pen, history=h)
+    a = call_under_test(fn, x, pen, history=h)
     distinct = sorted(set(h))
-    b = _call(fn, x, pen, history=distinct)
+    b = call_under_test(fn, x, pen, history=distinct)
     if not np.array_equal(a, b):
-        raise AssertionError(f"history {h} gave {_show(a)} but its distinct tokens {distinct} gave {_show(b)}\n"
-                             f"  {_case(x, (pen,), h)}")
+        raise AssertionError(f"history {h} gave {show_case(a)} but its distinct tokens {distinct} gave {show_case(b)}\n"
+                             f"  {law_case(x, (pen,), h)}")
 
 
 def _repetition_identity(fn, case, opts):
     x, h = case
-    out = _call(fn, x, 1.0, history=h)
+    out = call_under_test(fn, x, 1.0, history=h)
     if not np.array_equal(out, x.astype(np.float64)):
-        raise AssertionError(f"penalty 1 changed the logits to {_show(out)}\n  {_case(x, (1.0,), h)}")
+        raise AssertionError(f"penalty 1 changed the logits to {show_case(out)}\n  {law_case(x, (1.0,), h)}")
 
 
 def _repetition_untouched(fn, case, opts):
     x, h, pen = case
-    out = _call(fn, x, pen, history=h)
+    out = call_under_test(fn, x, pen, history=h)
     other = np.ones(len(x), bool)
     other[list(set(h))] = False
     bad = other & (out != x.astype(np.float64))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise AssertionError(f"token {i} is not in the history but changed from {x[i]!r} to {out[i]!r}\n"
-                             f"  {_case(x, (pen,), h)}")
+                             f"  {law_case(x, (pen,), h)}")
 
 
 def _repetition_never_favours(fn, case, opts):
     x, h, pen = case
-    c = _case(x, (pen,), h)
-    out = _call(fn, x, pen, history=h)
+    c = law_case(x, (pen,), h)
+    out = call_under_test(fn, x, pen, history=h)
     listed = np.zeros(len(x), bool)
     listed[list(set(h))] = True
     x64 = x.astype(np.float64)
@@ -89,22 +89,22 @@ def _repetition_never_favours(fn, case, opts):
     if up.any():
         i = int(np.flatnonzero(up)[0])
         raise AssertionError(f"penalty {pen!r} >= 1 raised token {i}'s logit from {x64[i]!r} to {out[i]!r}\n  {c}")
-    before, after = _probs(x64), _probs(out)
+    before, after = probs_of(x64), probs_of(out)
     rtol = max(opts.rtol, 1e-12)  # probabilities carry float64 rounding even when the logits are exact
     down = ~listed & (after < before * (1 - rtol) - TINY)
     if down.any():
         i = int(np.flatnonzero(down)[0])
         raise AssertionError(f"token {i} is not in the history but its probability fell from {before[i]!r} to "
                              f"{after[i]!r}\n  {c}")
-    if _mass(after, listed) > _mass(before, listed) + rtol:
-        raise AssertionError(f"the penalised tokens' mass rose from {_mass(before, listed)!r} to "
-                             f"{_mass(after, listed)!r}\n  {c}")
+    if mass_of(after, listed) > mass_of(before, listed) + rtol:
+        raise AssertionError(f"the penalised tokens' mass rose from {mass_of(before, listed)!r} to "
+                             f"{mass_of(after, listed)!r}\n  {c}")
     if listed.sum() == 1 and after[listed][0] > before[listed][0] * (1 + rtol) + TINY:
         raise AssertionError(f"the only penalised token's probability rose from {before[listed][0]!r} to "
                              f"{after[listed][0]!r}\n  {c}")
 
 
-def _repetition_laws():
+def repetition_laws():
     kind = "repetition_penalty"
     pen = nps.penalties()
     return [
@@ -125,10 +125,10 @@ def _repetition_laws():
 
 def _pf_call(kind, fn, x, h, pr, fr):
     if kind == "presence_penalty":
-        return _call(fn, x, pr, history=h)
+        return call_under_test(fn, x, pr, history=h)
     if kind == "frequency_penalty":
-        return _call(fn, x, fr, history=h)
-    return _call(fn, x, pr, fr, history=h)
+        return call_under_test(fn, x, fr, history=h)
+    return call_under_test(fn, x, pr, fr, history=h)
 
 
 def _pf_params(kind, pr, fr):
@@ -149,15 +149,15 @@ def _pf_formula(kind, fn, case, opts):
     if not ok.all():
         i = int(np.flatnonzero(~ok)[0])
         raise AssertionError(f"token {i} (seen {counts.get(i, 0)} times): {x64[i]!r} became {out[i]!r}, expected "
-                             f"{expected[i]!r}\n  {_case(x, _pf_params(kind, pr, fr), h)}")
+                             f"{expected[i]!r}\n  {law_case(x, _pf_params(kind, pr, fr), h)}")
 
 
 def _pf_identity(kind, fn, case, opts):
     x, h = case
     out = _pf_call(kind, fn, x, h, 0.0, 0.0)
     if not np.array_equal(out, x.astype(np.float64)):
-        raise AssertionError(f"zero penalties changed the logits to {_show(out)}\n"
-                             f"  {_case(x, _pf_params(kind, 0.0, 0.0), h)}")
+        raise AssertionError(f"zero penalties changed the logits to {show_case(out)}\n"
+                             f"  {law_case(x, _pf_params(kind, 0.0, 0.0), h)}")
 
 
 def _pf_never_raises(kind, fn, case, opts):
@@ -168,10 +168,10 @@ def _pf_never_raises(kind, fn, case, opts):
     if up.any():
         i = int(np.flatnonzero(up)[0])
         raise AssertionError(f"non-negative penalties raised token {i} from {x[i]!r} to {out[i]!r}\n"
-                             f"  {_case(x, _pf_params(kind, pr, fr), h)}")
+                             f"  {law_case(x, _pf_params(kind, pr, fr), h)}")
 
 
-def _presence_frequency_laws(kind):
+def presence_frequency_laws(kind):
     """kind: presence_frequency_penalty (fn(x, h, presence, frequency)), presence_penalty or frequency_penalty."""
     values = st.sampled_from([0.0, 0.5, 1.0, -0.5]) | st.floats(-3.0, 3.0)
     zero = st.just(0.0)
@@ -191,7 +191,7 @@ def _presence_frequency_laws(kind):
     ]
 
 
-def _ngram_laws():
+def ngram_laws():
     kind = "no_repeat_ngram"
 
     def banned(h, n):
@@ -203,20 +203,20 @@ def _ngram_laws():
 
     def bans(fn, case, opts):
         x, h, n = case
-        out = _call(fn, x, n, history=h)
+        out = call_under_test(fn, x, n, history=h)
         for t in sorted(banned(h, n)):
             if t < len(x) and out[t] != -np.inf:
                 raise AssertionError(f"token {t} would repeat the {n}-gram {tuple((h + [t])[-n:])} but was not banned "
-                                     f"(got {out[t]!r})\n  {_case(x, (n,), h)}")
+                                     f"(got {out[t]!r})\n  {law_case(x, (n,), h)}")
 
     def only(fn, case, opts):
         x, h, n = case
-        out = _call(fn, x, n, history=h)
+        out = call_under_test(fn, x, n, history=h)
         b = banned(h, n)
         for t in range(len(x)):
             if t not in b and out[t] != x[t]:
                 raise AssertionError(f"token {t} repeats no {n}-gram but changed from {x[t]!r} to {out[t]!r}\n"
-                                     f"  {_case(x, (n,), h)}")
+                                     f"  {law_case(x, (n,), h)}")
 
     return [
         Law(kind, "no_repeat_ngram.bans_repeats", "every token t such that history + [t] ends with an n-gram already "
