@@ -37,6 +37,7 @@ from ..stop import StopStrings
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MOST_STOPS = 4
+MOST_STOP_TOKEN_IDS = 1024  # ends checked in a set: the bound only keeps a body's list from being the vocabulary
 MOST_LOGPROBS = 5  # completions: logprobs
 MOST_TOP_LOGPROBS = 20  # chat: top_logprobs
 MOST_NESTING = 64  # lists and objects in one another; OpenAI's own requests need a handful
@@ -147,8 +148,53 @@ def parse_chat(body, ctx: Context) -> Spec:
     return _spec(body, ctx, prompt_ids, max_tokens, logprobs, chat=True)
 
 
+# Request fields other servers take that would change the answer and that npllm does not serve yet: refused with a
+# 400 naming the field rather than dropped (a client that asked for JSON or a tool call must not get free text and
+# no error). Each with the values that ask for nothing (accepted) and what to use instead where there is something.
+UNSERVED = {
+    "response_format": ([{"type": "text"}], "only {\"type\": \"text\"} is served"),
+    "grammar": ([""], "grammars are not served"),
+    "json_schema": ([{}], "JSON schemas are not served"),
+    "tools": ([[]], "tool calls are not served"),
+    "tool_choice": (["none"], "tool calls are not served"),
+    "functions": ([[]], "function calls are not served"),
+    "function_call": (["none"], "function calls are not served"),
+    "guided_json": ([], "guided decoding is not served"),
+    "guided_regex": ([], "guided decoding is not served"),
+    "guided_choice": ([], "guided decoding is not served"),
+    "guided_grammar": ([], "guided decoding is not served"),
+    "structural_tag": ([], "guided decoding is not served"),
+    "min_tokens": ([0], "min_tokens is not served"),
+    "use_beam_search": ([False], "beam search is served by `npllm generate --num-beams`, not the server"),
+    "length_penalty": ([1, 1.0], "beam search is served by `npllm generate --num-beams`, not the server"),
+    "prompt_logprobs": ([0], "prompt_logprobs is not served (`npllm perplexity` scores a text)"),
+    "mirostat": ([0], "mirostat sampling is not served"),
+    "tfs_z": ([1, 1.0], "tail-free sampling is not served"),
+    "dynatemp_range": ([0, 0.0], "dynamic temperature is not served"),
+    "dry_multiplier": ([0, 0.0], "DRY sampling is not served (no_repeat_ngram is `npllm generate --no-repeat-ngram`)"),
+    "xtc_probability": ([0, 0.0], "XTC sampling is not served"),
+    "top_a": ([0, 0.0], "top-a sampling is not served"),
+    "penalty_last_n": ([-1], "penalties here see the whole context (penalty_last_n -1)"),
+    "repeat_last_n": ([-1], "penalties here see the whole context (repeat_last_n -1)"),
+    "samplers": ([], "the order of the sampling stages is fixed (docs/sampling.md)"),
+    "n_probs": ([0], "use logprobs (completions) or logprobs with top_logprobs (chat)"),
+    "reasoning_effort": ([], "this model does not reason before it answers"),
+    "modalities": ([["text"]], "only text is served"),
+    "audio": ([], "only text is served"),
+}
+
+
+def check_unserved(body: dict) -> None:
+    """ApiError(400) naming the first field of UNSERVED that asks for something (null: absent)."""
+    for name, (nothing, why) in UNSERVED.items():
+        value = body.get(name)
+        if value is not None and not any(value == v and type(value) is type(v) for v in nothing):
+            raise ApiError(400, f"{name} is not supported: {why}", name)
+
+
 def _spec(body: dict, ctx: Context, prompt_ids: list[int], max_tokens: int, logprobs: int | None,
           chat: bool) -> Spec:
+    check_unserved(body)
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
         raise ApiError(400, f"n must be 1 (one choice per request is served), got {n!r}", "n")
@@ -158,7 +204,8 @@ def _spec(body: dict, ctx: Context, prompt_ids: list[int], max_tokens: int, logp
         raise ApiError(400, "stream_options must be an object", "stream_options")
     include_usage = _boolean(options or {}, "include_usage", "stream_options.include_usage") and stream
     params = _sampling(body, ctx, logprobs)
-    request = Request(prompt_ids, max_tokens, params)
+    request = Request(prompt_ids, max_tokens, params, stop_ids=_stop_token_ids(body.get("stop_token_ids"), ctx),
+                      ignore_eos=_boolean(body, "ignore_eos"))
     return Spec(request, _stops(body.get("stop")), stream, include_usage, logprobs, chat)
 
 
@@ -167,8 +214,11 @@ def _sampling(body: dict, ctx: Context, logprobs: int | None, params_type: type 
     a number in its range, an integer, or a token -> bias map; absent fields keep SamplingParams' defaults. The
     log-probabilities asked for (the endpoint's own fields) come as `logprobs`: the chosen token's log-probability
     comes with its alternatives, so at least one is asked for."""
-    keywords = {f.name: _field(body, option, ctx) for f, option in options(params_type)
-                if option.api is not None and body.get(option.api) is not None}
+    keywords = {}
+    for f, option in options(params_type):
+        if option.api is not None and body.get(option.api) is not None:
+            value = _field(body, option, ctx)
+            keywords[f.name] = f.default if value == option.api_off else value  # vLLM's top_k -1: off, our 0
     try:
         return params_type(**keywords, logprobs=0 if logprobs is None else max(logprobs, 1))
     except GenerationError as e:
@@ -183,10 +233,11 @@ def _field(body: dict, option: Option, ctx: Context):
         return _logit_bias(body[name], ctx, least, most)
     if option.kind == "integer":
         return _integer(body, name, least, most)
-    value = _number(body, name, -math.inf if least is None else least, math.inf if most is None else most, None)
-    if option.api_open and value == least:
-        raise ApiError(400, f"{name} must be in ({least:g}, {most:g}], got {body[name]!r}", name)
-    return value
+    least, most = -math.inf if least is None else least, math.inf if most is None else most
+    value = body[name]
+    if option.api_open and _is_number(value) and value == least:
+        raise ApiError(400, f"{name} must be a number in ({least:g}, {most:g}], got {value!r}", name)
+    return _number(body, name, least, most, None)
 
 
 def _object(body) -> dict:
@@ -301,6 +352,22 @@ def _stops(stop) -> tuple[str, ...]:
     if len(stops) > MOST_STOPS:
         raise ApiError(400, f"at most {MOST_STOPS} stop strings, got {len(stops)}", "stop")
     return tuple(_utf8(s, "stop") for s in stops)
+
+
+def _stop_token_ids(ids, ctx: Context) -> frozenset[int]:
+    """vLLM's stop_token_ids: token ids in the vocabulary that end the generation (not returned), as the model's
+    own end-of-sequence id does."""
+    if ids is None:
+        return frozenset()
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        raise ApiError(400, "stop_token_ids must be a list of token ids", "stop_token_ids")
+    if len(ids) > MOST_STOP_TOKEN_IDS:
+        raise ApiError(400, f"at most {MOST_STOP_TOKEN_IDS} stop_token_ids, got {len(ids)}", "stop_token_ids")
+    outside = [t for t in ids if not 0 <= t < ctx.config.vocab_size]
+    if outside:
+        raise ApiError(400, f"stop_token_ids: {outside[0]} is outside the vocabulary [0, {ctx.config.vocab_size})",
+                       "stop_token_ids")
+    return frozenset(ids)
 
 
 def _utf8(text: str, param: str) -> str:
