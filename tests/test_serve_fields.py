@@ -145,3 +145,60 @@ def test_an_unserved_field_through_the_official_client_is_a_bad_request(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
                                        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
     assert e.value.body["param"] == "tools"
+
+
+def test_n_choices_are_each_a_solo_run_seeded_seed_plus_their_index(client, llm):
+    """n > 1: choice i is what a one-choice request seeded seed + i answers; usage counts the prompt once and
+    every choice's tokens; streamed, each choice's chunks (keyed by index) concatenate to its text."""
+    prompt = "Once upon a time"
+    answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=1.0, seed=11, n=3)
+    texts = [c.text for c in sorted(answer.choices, key=lambda c: c.index)]
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert texts == [llm.generate(prompt, 30, temperature=1.0, seed=11 + i) for i in range(3)]
+    assert len(set(texts)) == 3
+    assert answer.usage.prompt_tokens == len(llm.tokenizer.encode(prompt, bos=True))
+    assert answer.usage.completion_tokens == 90
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=1.0, seed=11, n=3,
+                                       stream=True, stream_options={"include_usage": True})
+    streamed, finishes, usage = ["", "", ""], [None] * 3, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert streamed == texts and finishes == ["length"] * 3 and usage.completion_tokens == 90
+
+
+def test_n_chat_choices_and_a_stop_string_that_cuts_one_choice(client, llm):
+    messages = [{"role": "user", "content": "A story, please."}]
+    many = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=1.0, seed=4,
+                                          n=4, stop=["."])
+    solo = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=1.0,
+                                           seed=4 + i, stop=["."]).choices[0] for i in range(4)]
+    assert [(c.message.content, c.finish_reason) for c in many.choices] == [(c.message.content, c.finish_reason)
+                                                                            for c in solo]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=1.0, seed=4,
+                                            n=4, stop=["."], stream=True)
+    streamed = [""] * 4
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == [c.message.content for c in solo]
+
+
+@pytest.mark.parametrize("n", [0, 17, 1.5, True, "2"])
+def test_a_bad_n_is_400(ctx, n):
+    with pytest.raises(ApiError) as e:
+        parse_completion({"prompt": "The cat", "n": n}, ctx)
+    assert e.value.status == 400 and e.value.param == "n"
+
+
+def test_n_choices_count_against_the_queue(llm):
+    """Each choice is a job: a request of n choices where fewer places are free is a 429, not a queue overrun."""
+    import asyncio
+
+    server = Server(llm, MODEL, Limits(max_slots=1, max_queue=2, max_tokens_limit=50))
+    spec = parse_completion({"prompt": "The cat", "n": 4}, server.context)
+    with pytest.raises(ApiError) as e:
+        server.submit(spec, asyncio.new_event_loop())
+    assert e.value.status == 429 and server.active == 0

@@ -11,10 +11,12 @@ Nothing here knows about HTTP servers, so it is tested (and importable) without 
     completion_chunk / chat_chunk            one server-sent event's data (stream: true)
 
 Field rules follow OpenAI's reference: temperature in [0, 2] (0 greedy), top_p in (0, 1], presence and frequency
-penalties in [-2, 2], logit_bias values in [-100, 100] keyed by token id, up to 4 stop strings, n = 1 (the only
-value served), completions' logprobs in [0, 5], chat's top_logprobs in [0, 20]. Types are JSON's, strictly: a boolean
-field takes true or false (not "yes", not 0), an integer field no boolean, a logit_bias key the decimal digits of a
-token id. A body nests at most MOST_NESTING levels (whatever its fields: an unknown key of a message reaches the
+penalties in [-2, 2], logit_bias values in [-100, 100] keyed by token id, up to 4 stop strings, n in [1, 16] (each
+choice a job of its own, seeded seed + i), completions' logprobs in [0, 5], chat's top_logprobs in [0, 20]; and the
+engine's other stages as vLLM's and llama.cpp's servers name them (top_k, min_p, typical_p, repetition_penalty,
+stop_token_ids, ignore_eos). A field other servers take that would change the answer and is not served (UNSERVED)
+is refused, never dropped. Types are JSON's, strictly: a boolean field takes true or false (not "yes", not 0), an
+integer field no boolean, a logit_bias key the decimal digits of a token id. A body nests at most MOST_NESTING levels (whatever its fields: an unknown key of a message reaches the
 chat template, whose conversion recurses once per level). A bad field is an ApiError naming it: status 400 with an
 OpenAI error body, as the `openai` client expects.
 """
@@ -37,6 +39,7 @@ from ..stop import StopStrings
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MOST_STOPS = 4
+MOST_CHOICES = 16  # n: each choice is a job in the engine, as a request of its own
 MOST_STOP_TOKEN_IDS = 1024  # ends checked in a set: the bound only keeps a body's list from being the vocabulary
 MOST_LOGPROBS = 5  # completions: logprobs
 MOST_TOP_LOGPROBS = 20  # chat: top_logprobs
@@ -83,6 +86,17 @@ class Spec:
     include_usage: bool
     logprobs: int | None  # None: no log-probabilities; N: the chosen token's and N alternatives
     chat: bool
+    n: int = 1  # choices: n jobs of the same request (requests())
+
+    def requests(self) -> list[Request]:
+        """The n choices' requests: the same request, the i-th seeded seed + i where a seed is given (so that
+        choice i is what a one-choice request with seed + i answers, and the choices differ); without a seed each
+        job draws from fresh entropy."""
+        seed = self.request.params.seed
+        if seed is None:
+            return [self.request] * self.n
+        return [dataclasses.replace(self.request, params=dataclasses.replace(self.request.params, seed=seed + i))
+                for i in range(self.n)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -195,9 +209,7 @@ def check_unserved(body: dict) -> None:
 def _spec(body: dict, ctx: Context, prompt_ids: list[int], max_tokens: int, logprobs: int | None,
           chat: bool) -> Spec:
     check_unserved(body)
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise ApiError(400, f"n must be 1 (one choice per request is served), got {n!r}", "n")
+    n = _integer(body, "n", 1, MOST_CHOICES) or 1
     stream = _boolean(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -206,7 +218,7 @@ def _spec(body: dict, ctx: Context, prompt_ids: list[int], max_tokens: int, logp
     params = _sampling(body, ctx, logprobs)
     request = Request(prompt_ids, max_tokens, params, stop_ids=_stop_token_ids(body.get("stop_token_ids"), ctx),
                       ignore_eos=_boolean(body, "ignore_eos"))
-    return Spec(request, _stops(body.get("stop")), stream, include_usage, logprobs, chat)
+    return Spec(request, _stops(body.get("stop")), stream, include_usage, logprobs, chat, n)
 
 
 def _sampling(body: dict, ctx: Context, logprobs: int | None, params_type: type = SamplingParams) -> SamplingParams:
@@ -523,8 +535,7 @@ class Output:
         return Piece(tail)
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return usage([self])
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], continuation=True)
@@ -553,37 +564,47 @@ def chat_logprobs(pieces: list[Piece]) -> dict:
                         for p in pieces]}
 
 
-def completion_body(id_: str, model: str, output: Output, pieces: list[Piece]) -> dict:
-    logprobs = completion_logprobs(pieces) if output.spec.logprobs is not None else None
+def usage(outputs: list[Output]) -> dict:
+    """One request's counts: its prompt once (the choices share it), the tokens of every choice."""
+    prompt, completion = outputs[0].prompt_tokens, sum(o.completion_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_body(id_: str, model: str, outputs: list[Output], pieces: list[list[Piece]]) -> dict:
+    """The whole answer: one choice per output, with its token pieces' log-probabilities where asked."""
+    def choice(i: int, output: Output) -> dict:
+        logprobs = completion_logprobs(pieces[i]) if output.spec.logprobs is not None else None
+        return {"index": i, "text": output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
+
     return {"id": id_, "object": "text_completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "text": output.text, "logprobs": logprobs,
-                         "finish_reason": output.finish_reason}],
-            "usage": output.usage()}
+            "choices": [choice(i, o) for i, o in enumerate(outputs)], "usage": usage(outputs)}
 
 
-def chat_body(id_: str, model: str, output: Output, pieces: list[Piece]) -> dict:
-    logprobs = chat_logprobs(pieces) if output.spec.logprobs is not None else None
+def chat_body(id_: str, model: str, outputs: list[Output], pieces: list[list[Piece]]) -> dict:
+    def choice(i: int, output: Output) -> dict:
+        logprobs = chat_logprobs(pieces[i]) if output.spec.logprobs is not None else None
+        return {"index": i, "message": {"role": "assistant", "content": output.text}, "logprobs": logprobs,
+                "finish_reason": output.finish_reason}
+
     return {"id": id_, "object": "chat.completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": output.text},
-                         "logprobs": logprobs, "finish_reason": output.finish_reason}],
-            "usage": output.usage()}
+            "choices": [choice(i, o) for i, o in enumerate(outputs)], "usage": usage(outputs)}
 
 
 def completion_chunk(id_: str, model: str, piece: Piece | None, finish_reason: str | None,
-                     logprobs: bool, usage: dict | None = None) -> dict:
+                     logprobs: bool, usage: dict | None = None, index: int = 0) -> dict:
     """One streamed chunk; with `usage` (stream_options.include_usage) the last one, with no choices."""
     chunk = {"id": id_, "object": "text_completion", "created": now(), "model": model}
     if usage is not None:
         return {**chunk, "choices": [], "usage": usage}
     lp = completion_logprobs([piece]) if logprobs and piece is not None and piece.token else None
-    return {**chunk, "choices": [{"index": 0, "text": piece.text if piece else "", "logprobs": lp,
+    return {**chunk, "choices": [{"index": index, "text": piece.text if piece else "", "logprobs": lp,
                                   "finish_reason": finish_reason}]}
 
 
 def chat_chunk(id_: str, model: str, delta: dict, finish_reason: str | None, piece: Piece | None = None,
-               logprobs: bool = False, usage: dict | None = None) -> dict:
+               logprobs: bool = False, usage: dict | None = None, index: int = 0) -> dict:
     chunk = {"id": id_, "object": "chat.completion.chunk", "created": now(), "model": model}
     if usage is not None:
         return {**chunk, "choices": [], "usage": usage}
     lp = chat_logprobs([piece]) if logprobs and piece is not None and piece.token else None
-    return {**chunk, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]}
+    return {**chunk, "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]}
