@@ -404,9 +404,13 @@ class Runner:
     def spec(self, body: dict):
         try:
             parse = parse_chat if "messages" in body else parse_completion
-            return parse(body, self.context)
+            spec = parse(body, self.context)
         except ApiError as e:
             raise BadRequest(e.message) from None
+        if spec.n != 1:  # a result line holds one text: n choices are n lines
+            raise BadRequest(f"n must be 1 in a batch line (a result line holds one choice; give n lines), got "
+                             f"{spec.n}")
+        return spec
 
     def run(self, items: Iterable[tuple[object, dict]]) -> Iterator[tuple[object, dict]]:
         """Each (key, body)'s record, in the order given. At most `window` requests are ahead of the oldest

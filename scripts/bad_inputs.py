@@ -1231,7 +1231,8 @@ def http_results(out: Path, weights: Path, timeout: float, kinds: list | None = 
     def wanted(probe: Probe) -> bool:
         return not kinds or probe.kind in kinds
 
-    probes = [p for p in http_probes() + deep_field_probes() + lenient_field_probes() if wanted(p)]
+    probes = [p for p in http_probes() + deep_field_probes() + lenient_field_probes() + unserved_field_probes()
+              if wanted(p)]
     if not probes and kinds and "killed template worker" not in kinds:
         return []
     server = Server(out, weights)
@@ -1372,6 +1373,28 @@ def lenient_field_probes() -> list[Probe]:
             for name, fields in LENIENT.items()]
 
 
+UNSERVED_ASKS = {  # name -> fields that would change the answer and are not served, or bad values of served ones
+    "response_format json_object": {"response_format": {"type": "json_object"}},
+    "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+    "tool_choice required": {"tool_choice": "required"}, "grammar": {"grammar": "root ::= \"a\""},
+    "guided_json": {"guided_json": {"type": "object"}}, "mirostat 2": {"mirostat": 2}, "min_tokens 5": {"min_tokens": 5},
+    "n 17": {"n": 17}, "top_k -5": {"top_k": -5}, "stop_token_ids outside the vocabulary": {"stop_token_ids": [10 ** 6]},
+    "ignore_eos 'yes'": {"ignore_eos": "yes"}, "repetition_penalty 0": {"repetition_penalty": 0},
+}
+
+
+def unserved_field_cases(out: Path, weights: Path) -> list[Case]:
+    lines = {name: json.dumps({"id": "bad", "prompt": "Once", **fields})
+             for name, fields in {**UNSERVED_ASKS, "n 2 (a line holds one choice)": {"n": 2}}.items()}
+    return batch_line_cases(out, weights, "unserved-fields", lines)
+
+
+def unserved_field_probes() -> list[Probe]:
+    return [Probe(f"completion: {name}", lambda port, fields=fields: send_raw(
+        port, post("/v1/completions", completion(**fields))), kind="unserved-fields")
+            for name, fields in UNSERVED_ASKS.items()]
+
+
 def batch_input_cases(out: Path, weights: Path) -> list[Case]:
     huge = json.dumps({"id": "bad", "prompt": "x" * (10 << 20)})
     cases = batch_line_cases(out, weights, "batch-input", {
@@ -1431,7 +1454,7 @@ def disk_full_cases(out: Path, weights: Path) -> list[Case]:
 def batch_cases(out: Path, weights: Path) -> list[Case]:
     folder = out / "batch"
     folder.mkdir()
-    return (deep_field_cases(folder, weights) + lenient_field_cases(folder, weights)
+    return (deep_field_cases(folder, weights) + lenient_field_cases(folder, weights) + unserved_field_cases(folder, weights)
             + batch_input_cases(folder, weights) + batch_output_cases(folder, weights)
             + disk_full_cases(folder, weights))
 

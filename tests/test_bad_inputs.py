@@ -194,3 +194,13 @@ def test_the_campaigns_batch_input_and_disk_full_kinds_find_no_problem(weights_d
     out = capsys.readouterr().out
     assert status == 0, out
     assert "PROBLEM" not in out and re.search(r"disk-full +3 ", out) and re.search(r"batch-input +3 ", out)
+
+
+def test_the_campaigns_unserved_fields_find_no_problem(weights_dir, stories260k, capsys):
+    """Fields that would change the answer and are not served: each a 400 from the server and an error line from
+    npllm batch, never taken and dropped."""
+    status = bad_inputs.main(["--weights", str(weights_dir), "--kinds", "unserved-fields", "--jobs", "2",
+                              "--timeout", "120"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "PROBLEM" not in out and re.search(r"unserved-fields +25 ", out)

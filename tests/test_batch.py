@@ -334,3 +334,19 @@ def test_a_ray_json_column_that_breaks_the_parser_is_a_bad_row():
         got = Predictor._body(host, {"body": cell})
         assert isinstance(got, BadRequest) and says in str(got), got
     assert Predictor._body(host, {"body": '{"prompt": "Once"}'}) == {"prompt": "Once"}
+
+
+def test_a_line_asking_for_several_choices_or_an_unserved_field_is_an_error_line(tmp_path, capsys):
+    """A result line holds one text: n > 1 is refused per line (give n lines), as is a field that would change the
+    answer and is not served; the engine's fields other servers name (top_k, stop_token_ids...) are taken."""
+    write_jsonl(tmp_path / "in.jsonl", [
+        {"id": 1, "prompt": "Once", "max_tokens": 5, "temperature": 0, "n": 2},
+        {"id": 2, "prompt": "Once", "max_tokens": 5, "response_format": {"type": "json_object"}},
+        {"id": 3, "prompt": "Once", "max_tokens": 5, "temperature": 1, "top_k": 1, "ignore_eos": True},
+    ])
+    status, _, err = npllm(capsys, "batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"))
+    assert status == 0 and "2 bad lines" in err
+    errors = {e["id"]: e["error"] for e in read_jsonl(tmp_path / "out.errors.jsonl")}
+    assert "n must be 1" in errors[1] and "response_format" in errors[2]
+    [result] = read_jsonl(tmp_path / "out.jsonl")
+    assert result["id"] == 3 and result["usage"]["completion_tokens"] == 5

@@ -51,7 +51,7 @@ from ..errors import GenerationError, NpllmError
 from ..versions import Fence
 from .engine import EngineThread, Job
 from .protocol import (ApiError, Context, Output, chat_body, chat_chunk, completion_body, completion_chunk, new_id,
-                       parse_chat, parse_completion, parse_json)
+                       parse_chat, parse_completion, parse_json, usage)
 
 log = logging.getLogger("npllm.serve")
 PARSE_THREADS = 4  # completions checked (tokenized) at once, off the event loop
@@ -158,22 +158,27 @@ class Server:
             raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout:g} s") from None
         return data
 
-    def submit(self, spec, loop: asyncio.AbstractEventLoop) -> tuple[Job, asyncio.Queue]:
-        if self.active >= self.limits.max_slots + self.limits.max_queue:
-            raise ApiError(429, f"the server is busy ({self.active} requests running or waiting); retry later",
+    def submit(self, spec, loop: asyncio.AbstractEventLoop) -> tuple[list[Job], asyncio.Queue]:
+        """A job per choice (spec.requests()), their events on one queue as (choice index, event)."""
+        if self.active + spec.n > self.limits.max_slots + self.limits.max_queue:
+            raise ApiError(429, f"the server is busy ({self.active} jobs running or waiting); retry later",
                            None, "rate_limit_exceeded")
         events: asyncio.Queue = asyncio.Queue()
 
-        def deliver(event) -> None:  # called on the engine thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop has closed (shutdown): nobody is waiting for the event
-                pass
+        def deliverer(index: int):
+            def deliver(event) -> None:  # called on the engine thread
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+                except RuntimeError:  # the event loop has closed (shutdown): nobody is waiting for the event
+                    pass
 
-        job = Job(spec.request, deliver)
-        self.active += 1
-        self.engine.submit(job)
-        return job, events
+            return deliver
+
+        jobs = [Job(request, deliverer(i)) for i, request in enumerate(spec.requests())]
+        self.active += len(jobs)
+        for job in jobs:
+            self.engine.submit(job)
+        return jobs, events
 
 
 class Lane:
@@ -230,8 +235,8 @@ def create_app(server: Server, cors_origins: list[str] | None = None) -> Starlet
             spec = await lane.run(parse, data, server.context)
         except NpllmError as e:  # a check below the API's own (the tokenizer, the sampler): still the request's fault
             raise ApiError(400, str(e)) from None
-        job, events = server.submit(spec, asyncio.get_running_loop())
-        return GenerationResponse(server, spec, job, events)
+        jobs, events = server.submit(spec, asyncio.get_running_loop())
+        return GenerationResponse(server, spec, jobs, events)
 
     middleware = []
     if cors_origins:
@@ -272,16 +277,17 @@ async def unexpected_error(request, e: Exception):
 
 
 class GenerationResponse:
-    """An ASGI response that runs one job: its JSON body once done, or its chunks as server-sent events.
+    """An ASGI response that runs a request's jobs (one per choice): its JSON body once all are done, or their
+    chunks as server-sent events, each choice's keyed by its index.
 
     While it runs it watches the connection: a disconnect (or the server cancelling this task at shutdown) cancels
-    the job in the engine, so its slot is free for the next request, and a stream stops sending (quietly: a client
-    that goes away is no event for the log).
+    the jobs in the engine, so their slots are free for the next request, and a stream stops sending (quietly: a
+    client that goes away is no event for the log).
     """
 
-    def __init__(self, server: Server, spec, job: Job, events: asyncio.Queue):
-        self.server, self.spec, self.job, self.events = server, spec, job, events
-        self.output = Output(spec, server.context.tokenizer)
+    def __init__(self, server: Server, spec, jobs: list[Job], events: asyncio.Queue):
+        self.server, self.spec, self.jobs, self.events = server, spec, jobs, events
+        self.outputs = [Output(spec, server.context.tokenizer) for _ in jobs]
         self.id = new_id("chatcmpl" if spec.chat else "cmpl")
         self.model = server.context.model_name
         self.gone = False  # the client disconnected: nothing more is sent
@@ -297,57 +303,67 @@ class GenerationResponse:
             pass
         finally:
             watcher.cancel()
-            if not self.job.finished:
-                self.server.engine.cancel(self.job)
-            self.server.active -= 1
+            self._cancel()
+            self.server.active -= len(self.jobs)
+
+    def _cancel(self) -> None:
+        for job in self.jobs:
+            if not job.finished:
+                self.server.engine.cancel(job)
 
     async def _watch(self, receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
         self.gone = True
-        self.server.engine.cancel(self.job)
+        self._cancel()
 
     async def _pieces(self):
-        """(piece, None) for each token, then (tail piece, finish_reason) once; ApiError(500) if the engine failed."""
-        while True:
-            kind, value = await self.events.get()
+        """(choice, piece, None) for each token, then (choice, tail piece, finish_reason) once per choice, in the
+        order the engine gives them; ApiError(500) if the engine failed."""
+        ended = [False] * len(self.jobs)
+        while not all(ended):
+            i, (kind, value) = await self.events.get()
+            if ended[i]:  # a choice cut by its stop string: what the engine still sent before the cancel
+                continue
+            output = self.outputs[i]
             if kind == "token":
-                piece = self.output.feed(value)
-                if self.output.stopped:  # a stop string ended the text: the engine need not go on
-                    self.server.engine.cancel(self.job)
-                    yield piece, None
-                    yield self.output.finish("stop"), self.output.finish_reason
-                    return
-                yield piece, None
+                piece = output.feed(value)
+                yield i, piece, None
+                if output.stopped:  # a stop string ended the text: the engine need not go on
+                    self.server.engine.cancel(self.jobs[i])
+                    ended[i] = True
+                    yield i, output.finish("stop"), output.finish_reason
             elif kind == "done":
-                yield self.output.finish(value), self.output.finish_reason
-                return
+                ended[i] = True
+                yield i, output.finish(value), output.finish_reason
             else:
                 raise ApiError(500, value)
 
     async def _whole(self, send) -> None:
-        pieces = []
+        pieces = [[] for _ in self.jobs]
         try:
-            async for piece, _ in self._pieces():
-                pieces.append(piece)
+            async for i, piece, _ in self._pieces():
+                if piece.token or piece.logprob is not None:  # token entries, not the tail
+                    pieces[i].append(piece)
         except ApiError as e:
             await _send_json(send, e.status, e.body())
             return
-        pieces = [p for p in pieces if p.token or p.logprob is not None]  # token entries, not the tail
         build = chat_body if self.spec.chat else completion_body
-        await _send_json(send, 200, build(self.id, self.model, self.output, pieces))
+        await _send_json(send, 200, build(self.id, self.model, self.outputs, pieces))
 
     async def _stream(self, send) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                                 (b"x-accel-buffering", b"no")]})
         if self.spec.chat:
-            await _send_event(send, chat_chunk(self.id, self.model, {"role": "assistant", "content": ""}, None))
+            for i in range(len(self.jobs)):
+                await _send_event(send, chat_chunk(self.id, self.model, {"role": "assistant", "content": ""}, None,
+                                                   index=i))
         wants_lp = self.spec.logprobs is not None
         try:
-            async for piece, finish in self._pieces():
+            async for i, piece, finish in self._pieces():
                 if piece.text or (wants_lp and piece.token) or finish is not None:
-                    await self._send_event(send, self._chunk(piece, finish, wants_lp))
+                    await self._send_event(send, self._chunk(i, piece, finish, wants_lp))
                 if self.gone:
                     log.debug("a client went away mid-stream; its job is cancelled")
                     return
@@ -355,9 +371,9 @@ class GenerationResponse:
             await self._send_event(send, e.body())
         else:
             if self.spec.include_usage:
-                usage = self.output.usage()
-                chunk = (chat_chunk(self.id, self.model, {}, None, usage=usage) if self.spec.chat
-                         else completion_chunk(self.id, self.model, None, None, False, usage=usage))
+                totals = usage(self.outputs)
+                chunk = (chat_chunk(self.id, self.model, {}, None, usage=totals) if self.spec.chat
+                         else completion_chunk(self.id, self.model, None, None, False, usage=totals))
                 await self._send_event(send, chunk)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
@@ -369,12 +385,12 @@ class GenerationResponse:
         await _send_event(send, data)
         await asyncio.sleep(0)
 
-    def _chunk(self, piece, finish, wants_lp) -> dict:
+    def _chunk(self, i: int, piece, finish, wants_lp) -> dict:
         if not self.spec.chat:
-            return completion_chunk(self.id, self.model, piece, finish, wants_lp)
+            return completion_chunk(self.id, self.model, piece, finish, wants_lp, index=i)
         if finish is not None and not piece.text:
-            return chat_chunk(self.id, self.model, {}, finish)
-        return chat_chunk(self.id, self.model, {"content": piece.text}, finish, piece, wants_lp)
+            return chat_chunk(self.id, self.model, {}, finish, index=i)
+        return chat_chunk(self.id, self.model, {"content": piece.text}, finish, piece, wants_lp, index=i)
 
 
 async def _send_json(send, status: int, body: dict) -> None:

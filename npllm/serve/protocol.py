@@ -11,10 +11,12 @@ Nothing here knows about HTTP servers, so it is tested (and importable) without 
     completion_chunk / chat_chunk            one server-sent event's data (stream: true)
 
 Field rules follow OpenAI's reference: temperature in [0, 2] (0 greedy), top_p in (0, 1], presence and frequency
-penalties in [-2, 2], logit_bias values in [-100, 100] keyed by token id, up to 4 stop strings, n = 1 (the only
-value served), completions' logprobs in [0, 5], chat's top_logprobs in [0, 20]. Types are JSON's, strictly: a boolean
-field takes true or false (not "yes", not 0), an integer field no boolean, a logit_bias key the decimal digits of a
-token id. A body nests at most MOST_NESTING levels (whatever its fields: an unknown key of a message reaches the
+penalties in [-2, 2], logit_bias values in [-100, 100] keyed by token id, up to 4 stop strings, n in [1, 16] (each
+choice a job of its own, seeded seed + i), completions' logprobs in [0, 5], chat's top_logprobs in [0, 20]; and the
+engine's other stages as vLLM's and llama.cpp's servers name them (top_k, min_p, typical_p, repetition_penalty,
+stop_token_ids, ignore_eos). A field other servers take that would change the answer and is not served (UNSERVED)
+is refused, never dropped. Types are JSON's, strictly: a boolean field takes true or false (not "yes", not 0), an
+integer field no boolean, a logit_bias key the decimal digits of a token id. A body nests at most MOST_NESTING levels (whatever its fields: an unknown key of a message reaches the
 chat template, whose conversion recurses once per level). A bad field is an ApiError naming it: status 400 with an
 OpenAI error body, as the `openai` client expects.
 """
@@ -37,6 +39,8 @@ from ..stop import StopStrings
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MOST_STOPS = 4
+MOST_CHOICES = 16  # n: each choice is a job in the engine, as a request of its own
+MOST_STOP_TOKEN_IDS = 1024  # ends checked in a set: the bound only keeps a body's list from being the vocabulary
 MOST_LOGPROBS = 5  # completions: logprobs
 MOST_TOP_LOGPROBS = 20  # chat: top_logprobs
 MOST_NESTING = 64  # lists and objects in one another; OpenAI's own requests need a handful
@@ -82,6 +86,17 @@ class Spec:
     include_usage: bool
     logprobs: int | None  # None: no log-probabilities; N: the chosen token's and N alternatives
     chat: bool
+    n: int = 1  # choices: n jobs of the same request (requests())
+
+    def requests(self) -> list[Request]:
+        """The n choices' requests: the same request, the i-th seeded seed + i where a seed is given (so that
+        choice i is what a one-choice request with seed + i answers, and the choices differ); without a seed each
+        job draws from fresh entropy."""
+        seed = self.request.params.seed
+        if seed is None:
+            return [self.request] * self.n
+        return [dataclasses.replace(self.request, params=dataclasses.replace(self.request.params, seed=seed + i))
+                for i in range(self.n)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -147,19 +162,63 @@ def parse_chat(body, ctx: Context) -> Spec:
     return _spec(body, ctx, prompt_ids, max_tokens, logprobs, chat=True)
 
 
+# Request fields other servers take that would change the answer and that npllm does not serve yet: refused with a
+# 400 naming the field rather than dropped (a client that asked for JSON or a tool call must not get free text and
+# no error). Each with the values that ask for nothing (accepted) and what to use instead where there is something.
+UNSERVED = {
+    "response_format": ([{"type": "text"}], "only {\"type\": \"text\"} is served"),
+    "grammar": ([""], "grammars are not served"),
+    "json_schema": ([{}], "JSON schemas are not served"),
+    "tools": ([[]], "tool calls are not served"),
+    "tool_choice": (["none"], "tool calls are not served"),
+    "functions": ([[]], "function calls are not served"),
+    "function_call": (["none"], "function calls are not served"),
+    "guided_json": ([], "guided decoding is not served"),
+    "guided_regex": ([], "guided decoding is not served"),
+    "guided_choice": ([], "guided decoding is not served"),
+    "guided_grammar": ([], "guided decoding is not served"),
+    "structural_tag": ([], "guided decoding is not served"),
+    "min_tokens": ([0], "min_tokens is not served"),
+    "use_beam_search": ([False], "beam search is served by `npllm generate --num-beams`, not the server"),
+    "length_penalty": ([1, 1.0], "beam search is served by `npllm generate --num-beams`, not the server"),
+    "prompt_logprobs": ([0], "prompt_logprobs is not served (`npllm perplexity` scores a text)"),
+    "mirostat": ([0], "mirostat sampling is not served"),
+    "tfs_z": ([1, 1.0], "tail-free sampling is not served"),
+    "dynatemp_range": ([0, 0.0], "dynamic temperature is not served"),
+    "dry_multiplier": ([0, 0.0], "DRY sampling is not served (no_repeat_ngram is `npllm generate --no-repeat-ngram`)"),
+    "xtc_probability": ([0, 0.0], "XTC sampling is not served"),
+    "top_a": ([0, 0.0], "top-a sampling is not served"),
+    "penalty_last_n": ([-1], "penalties here see the whole context (penalty_last_n -1)"),
+    "repeat_last_n": ([-1], "penalties here see the whole context (repeat_last_n -1)"),
+    "samplers": ([], "the order of the sampling stages is fixed (docs/sampling.md)"),
+    "n_probs": ([0], "use logprobs (completions) or logprobs with top_logprobs (chat)"),
+    "reasoning_effort": ([], "this model does not reason before it answers"),
+    "modalities": ([["text"]], "only text is served"),
+    "audio": ([], "only text is served"),
+}
+
+
+def check_unserved(body: dict) -> None:
+    """ApiError(400) naming the first field of UNSERVED that asks for something (null: absent)."""
+    for name, (nothing, why) in UNSERVED.items():
+        value = body.get(name)
+        if value is not None and not any(value == v and type(value) is type(v) for v in nothing):
+            raise ApiError(400, f"{name} is not supported: {why}", name)
+
+
 def _spec(body: dict, ctx: Context, prompt_ids: list[int], max_tokens: int, logprobs: int | None,
           chat: bool) -> Spec:
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise ApiError(400, f"n must be 1 (one choice per request is served), got {n!r}", "n")
+    check_unserved(body)
+    n = _integer(body, "n", 1, MOST_CHOICES) or 1
     stream = _boolean(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
     include_usage = _boolean(options or {}, "include_usage", "stream_options.include_usage") and stream
     params = _sampling(body, ctx, logprobs)
-    request = Request(prompt_ids, max_tokens, params)
-    return Spec(request, _stops(body.get("stop")), stream, include_usage, logprobs, chat)
+    request = Request(prompt_ids, max_tokens, params, stop_ids=_stop_token_ids(body.get("stop_token_ids"), ctx),
+                      ignore_eos=_boolean(body, "ignore_eos"))
+    return Spec(request, _stops(body.get("stop")), stream, include_usage, logprobs, chat, n)
 
 
 def _sampling(body: dict, ctx: Context, logprobs: int | None, params_type: type = SamplingParams) -> SamplingParams:
@@ -167,8 +226,11 @@ def _sampling(body: dict, ctx: Context, logprobs: int | None, params_type: type 
     a number in its range, an integer, or a token -> bias map; absent fields keep SamplingParams' defaults. The
     log-probabilities asked for (the endpoint's own fields) come as `logprobs`: the chosen token's log-probability
     comes with its alternatives, so at least one is asked for."""
-    keywords = {f.name: _field(body, option, ctx) for f, option in options(params_type)
-                if option.api is not None and body.get(option.api) is not None}
+    keywords = {}
+    for f, option in options(params_type):
+        if option.api is not None and body.get(option.api) is not None:
+            value = _field(body, option, ctx)
+            keywords[f.name] = f.default if value == option.api_off else value  # vLLM's top_k -1: off, our 0
     try:
         return params_type(**keywords, logprobs=0 if logprobs is None else max(logprobs, 1))
     except GenerationError as e:
@@ -183,10 +245,11 @@ def _field(body: dict, option: Option, ctx: Context):
         return _logit_bias(body[name], ctx, least, most)
     if option.kind == "integer":
         return _integer(body, name, least, most)
-    value = _number(body, name, -math.inf if least is None else least, math.inf if most is None else most, None)
-    if option.api_open and value == least:
-        raise ApiError(400, f"{name} must be in ({least:g}, {most:g}], got {body[name]!r}", name)
-    return value
+    least, most = -math.inf if least is None else least, math.inf if most is None else most
+    value = body[name]
+    if option.api_open and _is_number(value) and value == least:
+        raise ApiError(400, f"{name} must be a number in ({least:g}, {most:g}], got {value!r}", name)
+    return _number(body, name, least, most, None)
 
 
 def _object(body) -> dict:
@@ -301,6 +364,22 @@ def _stops(stop) -> tuple[str, ...]:
     if len(stops) > MOST_STOPS:
         raise ApiError(400, f"at most {MOST_STOPS} stop strings, got {len(stops)}", "stop")
     return tuple(_utf8(s, "stop") for s in stops)
+
+
+def _stop_token_ids(ids, ctx: Context) -> frozenset[int]:
+    """vLLM's stop_token_ids: token ids in the vocabulary that end the generation (not returned), as the model's
+    own end-of-sequence id does."""
+    if ids is None:
+        return frozenset()
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        raise ApiError(400, "stop_token_ids must be a list of token ids", "stop_token_ids")
+    if len(ids) > MOST_STOP_TOKEN_IDS:
+        raise ApiError(400, f"at most {MOST_STOP_TOKEN_IDS} stop_token_ids, got {len(ids)}", "stop_token_ids")
+    outside = [t for t in ids if not 0 <= t < ctx.config.vocab_size]
+    if outside:
+        raise ApiError(400, f"stop_token_ids: {outside[0]} is outside the vocabulary [0, {ctx.config.vocab_size})",
+                       "stop_token_ids")
+    return frozenset(ids)
 
 
 def _utf8(text: str, param: str) -> str:
@@ -456,8 +535,7 @@ class Output:
         return Piece(tail)
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return usage([self])
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], continuation=True)
@@ -486,37 +564,47 @@ def chat_logprobs(pieces: list[Piece]) -> dict:
                         for p in pieces]}
 
 
-def completion_body(id_: str, model: str, output: Output, pieces: list[Piece]) -> dict:
-    logprobs = completion_logprobs(pieces) if output.spec.logprobs is not None else None
+def usage(outputs: list[Output]) -> dict:
+    """One request's counts: its prompt once (the choices share it), the tokens of every choice."""
+    prompt, completion = outputs[0].prompt_tokens, sum(o.completion_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_body(id_: str, model: str, outputs: list[Output], pieces: list[list[Piece]]) -> dict:
+    """The whole answer: one choice per output, with its token pieces' log-probabilities where asked."""
+    def choice(i: int, output: Output) -> dict:
+        logprobs = completion_logprobs(pieces[i]) if output.spec.logprobs is not None else None
+        return {"index": i, "text": output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
+
     return {"id": id_, "object": "text_completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "text": output.text, "logprobs": logprobs,
-                         "finish_reason": output.finish_reason}],
-            "usage": output.usage()}
+            "choices": [choice(i, o) for i, o in enumerate(outputs)], "usage": usage(outputs)}
 
 
-def chat_body(id_: str, model: str, output: Output, pieces: list[Piece]) -> dict:
-    logprobs = chat_logprobs(pieces) if output.spec.logprobs is not None else None
+def chat_body(id_: str, model: str, outputs: list[Output], pieces: list[list[Piece]]) -> dict:
+    def choice(i: int, output: Output) -> dict:
+        logprobs = chat_logprobs(pieces[i]) if output.spec.logprobs is not None else None
+        return {"index": i, "message": {"role": "assistant", "content": output.text}, "logprobs": logprobs,
+                "finish_reason": output.finish_reason}
+
     return {"id": id_, "object": "chat.completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": output.text},
-                         "logprobs": logprobs, "finish_reason": output.finish_reason}],
-            "usage": output.usage()}
+            "choices": [choice(i, o) for i, o in enumerate(outputs)], "usage": usage(outputs)}
 
 
 def completion_chunk(id_: str, model: str, piece: Piece | None, finish_reason: str | None,
-                     logprobs: bool, usage: dict | None = None) -> dict:
+                     logprobs: bool, usage: dict | None = None, index: int = 0) -> dict:
     """One streamed chunk; with `usage` (stream_options.include_usage) the last one, with no choices."""
     chunk = {"id": id_, "object": "text_completion", "created": now(), "model": model}
     if usage is not None:
         return {**chunk, "choices": [], "usage": usage}
     lp = completion_logprobs([piece]) if logprobs and piece is not None and piece.token else None
-    return {**chunk, "choices": [{"index": 0, "text": piece.text if piece else "", "logprobs": lp,
+    return {**chunk, "choices": [{"index": index, "text": piece.text if piece else "", "logprobs": lp,
                                   "finish_reason": finish_reason}]}
 
 
 def chat_chunk(id_: str, model: str, delta: dict, finish_reason: str | None, piece: Piece | None = None,
-               logprobs: bool = False, usage: dict | None = None) -> dict:
+               logprobs: bool = False, usage: dict | None = None, index: int = 0) -> dict:
     chunk = {"id": id_, "object": "chat.completion.chunk", "created": now(), "model": model}
     if usage is not None:
         return {**chunk, "choices": [], "usage": usage}
     lp = chat_logprobs([piece]) if logprobs and piece is not None and piece.token else None
-    return {**chunk, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]}
+    return {**chunk, "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]}
