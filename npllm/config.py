@@ -161,6 +161,11 @@ class ModelConfig:
     n_experts_used: int = 0  # top k experts per token
     expert_hidden_dim: int = 0  # Fe, each expert's hidden width (0: hidden_dim)
     expert_weights_norm: bool = True  # renormalise the top-k router probabilities to sum 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
+    # How the model's files say a text becomes one vector (npllm.embed): "last" token, "mean" of the tokens, "cls"
+    # (the first), or "" where they do not say; and whether that vector is scaled to unit length. Not the math of
+    # the forward: sentence-transformers' modules.json / 1_Pooling, GGUF's pooling_type.
+    pooling: str = ""
+    normalize_embeddings: bool = False
 
     def __post_init__(self):
         check_finite_floats(self)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import batching
+from . import batching, embed
 from .config import MAX_CONTEXT, ModelConfig
 from .errors import ConfigError, FormatError, GenerationError, TokenizerError
 from .context import DEFAULT_SINKS, Context, check_policy, encode_prompt
@@ -265,6 +265,19 @@ class LLM:
         tokens = speculative_decode(self.model, draft, request, num_draft, stats=speculative.speculation)
         return (Sampled(token, float("nan"), *_NO_ALTERNATIVES) for token in tokens)
 
+    def embed(self, inputs, pooling: str | None = None, normalize: bool | None = None) -> np.ndarray:
+        """One embedding per input (npllm.embed): a text, a list of texts, one text's token ids, or a list of token
+        id lists; texts are encoded as a prompt is (the tokenizer's template: BOS, or Qwen's end token). pooling
+        "last" | "mean" | "cls" and normalize default to what the model's files say (ModelConfig.pooling; a model
+        whose files say nothing: "last", not normalized). Each input is its own forward, so its vector is what it
+        would be alone.                                                                        # -> [N, D] float32"""
+        pooling, normalize = embed.resolve_pooling(self.config, pooling, normalize)
+        texts = embed_inputs(inputs)
+        ids = [self._require_tokenizer().encode(t, bos=True) if isinstance(t, str) else t for t in texts]
+        for row in ids:
+            embed.check_ids(self.config, row)  # all checked before the first forward
+        return np.stack([embed.embed_ids(self.model, row, pooling, normalize) for row in ids])
+
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise FormatError(f"no tokenizer was found for {self.source}: pass tokenizer=PATH")
@@ -272,6 +285,20 @@ class LLM:
 
 
 _NO_ALTERNATIVES = np.empty(0, np.int64), np.empty(0)  # a Sampled's top_ids, top_logprobs when none were asked for
+
+
+def embed_inputs(inputs) -> list:
+    """LLM.embed's inputs as a list of texts and token id lists (each one text)."""
+    if isinstance(inputs, str) or _is_ids(inputs):
+        return [inputs]
+    if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(x, str) or _is_ids(x) for x in inputs):
+        return list(inputs)
+    raise GenerationError("embed takes a text, a list of texts, a list of token ids or a list of token id lists")
+
+
+def _is_ids(x) -> bool:
+    return (isinstance(x, (list, tuple, np.ndarray)) and len(x) > 0
+            and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in x))
 
 
 def _text_of(tokenizer, prompt_ids, steps, stop, echo: bool, on_step) -> Iterator[str]:

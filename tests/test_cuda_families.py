@@ -50,3 +50,12 @@ def test_logits_match_transformers_on_the_device(name):
     logits = [model.lm_head(model.forward(tokens[:n], np.arange(n), cache))]
     logits += [model.lm_head(model.forward(tokens[p:p + 1], [p], cache)) for p in range(n, len(tokens))]
     assert np.abs(np.concatenate(logits) - expected).max() < 1e-4
+
+
+def test_embeddings_on_the_device_match_transformers():
+    """npllm.embed pools the device's final hidden states as the host backends' (tests/test_embed.py)."""
+    from test_embed import FIXTURE, REFERENCE, reference
+
+    vectors = npllm.load(FIXTURE, backend="cuda").embed(REFERENCE["texts"][1:2])
+    for i, v in enumerate(vectors):
+        np.testing.assert_allclose(v, reference(1 + i, "last", True), atol=1e-4, rtol=0)

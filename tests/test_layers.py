@@ -29,7 +29,7 @@ LAYERS = {
     "tokenizer": ("npllm.tokenizer",),
     "models": ("npllm.models",),
     "generation": ("npllm.generate", "npllm.report", "npllm.batching", "npllm.context", "npllm.search",
-                   "npllm.speculative", "npllm.explain", "npllm.evaluate", "npllm.stop"),
+                   "npllm.speculative", "npllm.explain", "npllm.evaluate", "npllm.stop", "npllm.embed"),
     "chat": ("npllm.chat",),
     "api": ("npllm", "npllm.llm", "npllm.convert", "npllm.bench", "npllm.info"),
     "front ends": ("npllm.chat.repl", "npllm.serve", "npllm.batch", "npllm.ray"),

@@ -13,6 +13,8 @@
     npllm quantize IN OUT --type q8_0|q4_0|q4_k|q6_k|f16|...     any checkpoint npllm reads, written as GGUF
                                                (IN also as --model IN, as every command takes it)
     npllm perplexity --model M --text FILE [--ctx N] [--batch B] [--stride S] [--kl-divergence BASE] [--json]
+    npllm embed --model M [--input FILE] [--pooling last|mean|cls] [--[no-]normalize]
+                                               one embedding per line of text, as JSON lines
     npllm bench --model NAME_OR_PATH [--batch B ...] [--prompt-len N ...] [--gen-len N] [--backend B ...]
                 [--threads T] [--weight-dtype D] [--kv-dtype D ...] [--repeat R] [--json]
     npllm info [MODEL | --model MODEL]         architecture, size, context and tokenizer of a checkpoint
@@ -53,6 +55,7 @@ from .info import run_info
 from .notice import compile_notice
 from .parser import (CHAT_NEEDS, GENERATE_MODES, GENERATE_NEEDS, PERPLEXITY_MODES, QUANTIZE_TYPES,
                      add_sampling_arguments, build_parser, check_combinations, flag, given_options)
+from .embed import run_embed
 from .perplexity import run_perplexity
 from .quantize import quantize_progress, run_quantize
 from .serve import run_serve, serve_chat_template
@@ -65,7 +68,7 @@ __all__ = ["main", "build_parser", "add_sampling_arguments", "sampling_params", 
 
 # Each command of build_parser and the function that runs it.
 RUNS = {"generate": run_generate, "chat": run_chat, "info": run_info, "quantize": run_quantize, "bench": run_bench,
-        "perplexity": run_perplexity, "serve": run_serve, "batch": run_batch}
+        "perplexity": run_perplexity, "embed": run_embed, "serve": run_serve, "batch": run_batch}
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 
+from ..embed import POOLINGS
 from ..errors import GenerationError
 from ..models import KV_DTYPES, WEIGHT_DTYPES
 from ..quant import MIXTURES, QUANTIZE
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="npllm", description="A readable NumPy Llama inference engine.")
     parser.add_argument("--version", action="version", version=f"npllm {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (add_generate, add_chat, add_info, add_quantize, add_bench, add_perplexity, add_serve, add_batch):
+    for add in (add_generate, add_chat, add_info, add_quantize, add_bench, add_perplexity, add_embed, add_serve,
+                add_batch):
         add(commands)
     return parser
 
@@ -206,6 +208,18 @@ def add_perplexity(commands) -> None:
                      help="mean KL(base || model) and top-1 agreement against this model (same tokenizer)")
     ppl.add_argument("--json", action="store_true", help="one JSON object instead of a sentence")
     ppl.set_defaults(compiles=True, command_parser=ppl)
+
+
+def add_embed(commands) -> None:
+    emb = commands.add_parser("embed", help="one embedding per line of text (JSON lines out)")
+    add_model_arguments(emb)
+    emb.add_argument("--input", "-i", default="-", help="a UTF-8 text file, one text per line (default: stdin)")
+    emb.add_argument("--pooling", choices=POOLINGS, default=None,
+                     help="last token, mean of the tokens, or the first (default: what the model's files say; "
+                          "else last)")
+    emb.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                     help="scale each vector to unit length (default: what the model's files say)")
+    emb.set_defaults(compiles=True, command_parser=emb)
 
 
 def add_serve(commands) -> None:

@@ -414,8 +414,24 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
         bos_id=bos_id,
         eos_ids=tuple(eos_ids),
         stop_at_bos=stop_at_bos,
+        **_pooling(g, p),
         **family_options(g, p, family, base),
     )
+
+
+# llama.cpp's pooling_type ids -> npllm.embed's poolings (0: none given; 4, rank, is a reranker's head)
+GGUF_POOLINGS = {0: "", 1: "mean", 2: "cls", 3: "last"}
+
+
+def _pooling(g: GGUFFile, p: str) -> dict:
+    """ModelConfig's pooling from `<arch>.pooling_type`, which llama.cpp's converter writes for embedding models;
+    their vectors are then unit length, as llama.cpp's embeddings are by default."""
+    kind = _meta(g, p + "pooling_type", int, default=0)
+    if kind not in GGUF_POOLINGS:
+        raise ConfigError(f"{g.path}: pooling_type {kind} is not one npllm computes (0 none, 1 mean, 2 cls, 3 last; "
+                          "4 is a reranker's)")
+    pooling = GGUF_POOLINGS[kind]
+    return {"pooling": pooling, "normalize_embeddings": bool(pooling)}
 
 
 def _dimensions(g: GGUFFile, p: str) -> dict:

@@ -18,7 +18,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ConfigError, FormatError
 from ..quant import MIXTURES
-from .gguf import (ARRAY, BOOL, DEFAULT_ALIGNMENT, FLOAT32, INT64, MAGIC, SCALAR_TYPES, STRING, UINT32,
+from .gguf import (ARRAY, BOOL, DEFAULT_ALIGNMENT, FLOAT32, GGUF_POOLINGS, INT64, MAGIC, SCALAR_TYPES, STRING, UINT32,
                    llama3_factors)
 from .gguf_arch import GLOBAL_NAMES, LAYER_NAMES, ROPE_FREQS
 
@@ -179,6 +179,8 @@ def model_metadata(config: ModelConfig, name: str) -> dict:
     if config.rope_scaling is not None and config.rope_scaling.kind == "linear":
         meta[p + "rope.scaling.type"] = "linear"
         meta[p + "rope.scaling.factor"] = np.float32(config.rope_scaling.factor)
+    if config.pooling:  # an embedding model's pooling (GGUF's readers make its vectors unit length)
+        meta[p + "pooling_type"] = {v: k for k, v in GGUF_POOLINGS.items()}[config.pooling]
     meta["tokenizer.ggml.bos_token_id"] = config.bos_id
     for key, eos in zip(("eos", "eot", "eom"), ends):
         meta[f"tokenizer.ggml.{key}_token_id"] = eos

@@ -40,6 +40,10 @@ GLOBAL_NAMES = {
 # Multimodal checkpoints' image towers and projectors are not read either.
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|(model\.)?(vision_tower|multi_modal_projector)\..*")
 LAYER_PARAM = re.compile(r"model\.layers\.(\d+)\.(.+)")
+BARE_DECODER = re.compile(r"layers\.\d+\.|embed_tokens\.weight$|norm\.weight$")
+# sentence-transformers' files beside config.json: the modules in order, and the pooling module's settings
+MODULES_FILE = "modules.json"
+POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 # One expert's projection (Mixtral: block_sparse_moe.experts.{e}.w1/w2/w3; Qwen3-MoE: mlp.experts.{e}.gate_proj/...),
 # stacked into the 3-D [E, ...] canonical tensors at load.
 EXPERT_PARAM = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
@@ -302,7 +306,34 @@ def read_config_json(path: str | os.PathLike) -> ModelConfig:
     generation = _read_json(generation_path) if os.path.isfile(generation_path) else None
     if generation is not None and not isinstance(generation, dict):
         raise FormatError(f"{generation_path}: not a JSON object")
-    return config_from_hf(cfg, path, generation)
+    config = config_from_hf(cfg, path, generation)
+    return config.replace(**sentence_transformers_pooling(os.path.dirname(path)))
+
+
+def sentence_transformers_pooling(directory: str) -> dict:
+    """ModelConfig's pooling and normalize_embeddings from sentence-transformers' modules.json (a Pooling module's
+    config.json, a Normalize module); {} where there is no modules.json. One mode set, of POOLING_MODES: another
+    (max, weighted mean, ...) or several are refused rather than replaced by a pooling the model was not trained
+    with."""
+    path = os.path.join(directory, MODULES_FILE)
+    if not os.path.isfile(path):
+        return {}
+    modules = _read_json(path)
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise FormatError(f"{path}: not a list of module objects")
+    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules}
+    found = {"normalize_embeddings": "Normalize" in kinds}
+    if "Pooling" in kinds:
+        pooling_path = os.path.join(directory, str(kinds["Pooling"].get("path", "")), CONFIG_FILE)
+        settings = _read_json(pooling_path) if os.path.isfile(pooling_path) else None
+        if not isinstance(settings, dict):
+            raise FormatError(f"{pooling_path}: the Pooling module's settings are missing or not a JSON object")
+        modes = [key for key, on in settings.items() if key.startswith("pooling_mode_") and on is True]
+        if len(modes) != 1 or modes[0] not in POOLING_MODES:
+            raise ConfigError(f"{pooling_path}: pooling {', '.join(modes) or 'none'} is not one npllm computes "
+                              f"(one of {', '.join(POOLING_MODES)})")
+        found["pooling"] = POOLING_MODES[modes[0]]
+    return found
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -347,11 +378,15 @@ def canonical_name(hf_name: str, family: Family = FAMILIES["llama"]) -> str | tu
 
 def language_model_name(hf_name: str) -> str:
     """A multimodal checkpoint's language-model parameters under the plain names ("language_model.model.layers.0..."
-    or "model.language_model.layers.0..." -> "model.layers.0..."); its vision tower's become buffers to skip."""
+    or "model.language_model.layers.0..." -> "model.layers.0..."); its vision tower's become buffers to skip. A bare
+    decoder's (Qwen3-Embedding saves the model without its LM head: "layers.0...", "embed_tokens.weight") get the
+    "model." prefix."""
     for prefix, plain in (("language_model.model.", "model."), ("model.language_model.", "model."),
                           ("language_model.lm_head.", "lm_head.")):
         if hf_name.startswith(prefix):
             return plain + hf_name[len(prefix):]
+    if BARE_DECODER.match(hf_name):
+        return "model." + hf_name
     return hf_name
 
 

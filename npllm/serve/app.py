@@ -47,11 +47,12 @@ from starlette.routing import Route
 
 from ..batching import ContinuousEngine
 from ..chat.worker import MOST_WORKERS, close_workers
+from ..embed import embed_ids
 from ..errors import GenerationError, NpllmError
 from ..versions import Fence
 from .engine import EngineThread, Job
-from .protocol import (ApiError, Context, Output, chat_body, chat_chunk, completion_body, completion_chunk, new_id,
-                       parse_chat, parse_completion, parse_json, usage)
+from .protocol import (ApiError, Context, Output, chat_body, chat_chunk, completion_body, completion_chunk,
+                       embeddings_body, new_id, parse_chat, parse_completion, parse_embeddings, parse_json, usage)
 
 log = logging.getLogger("npllm.serve")
 PARSE_THREADS = 4  # completions checked (tokenized) at once, off the event loop
@@ -181,6 +182,21 @@ class Server:
         return jobs, events
 
 
+    async def embed(self, spec) -> list:
+        """The vectors of an embeddings request, computed on the engine thread between two steps (the model is
+        the engine's); counted as one job against the queue while it waits and runs."""
+        if self.active + 1 > self.limits.max_slots + self.limits.max_queue:
+            raise ApiError(429, f"the server is busy ({self.active} jobs running or waiting); retry later",
+                           None, "rate_limit_exceeded")
+        model = self.llm.model
+        self.active += 1
+        try:
+            return await asyncio.wrap_future(self.engine.call(
+                lambda: [embed_ids(model, ids, spec.pooling, spec.normalize) for ids in spec.inputs]))
+        finally:
+            self.active -= 1
+
+
 class Lane:
     """Threads that check one kind of request (plain completions, chats), and how many requests it admits: `threads`
     checked at once, up to `waiting` more waiting for a thread; one more is answered 429 at once, before any work
@@ -208,6 +224,14 @@ class Lane:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+async def _checked_spec(server: Server, lane: Lane, parse, data: bytes):
+    """The request checked by `parse` on one of the lane's threads."""
+    try:
+        return await lane.run(parse, data, server.context)
+    except NpllmError as e:  # a check below the API's own (the tokenizer, the sampler): still the request's fault
+        raise ApiError(400, str(e)) from None
+
+
 def _parse(parse, data: bytes, context):
     return parse(parse_json(data), context)
 
@@ -228,13 +252,14 @@ def create_app(server: Server, cors_origins: list[str] | None = None) -> Starlet
     async def chat_completions(request):
         return await generation(request, server.renders, parse_chat)
 
+    async def embeddings(request):
+        server.check_key(request)
+        spec = await _checked_spec(server, server.completions, parse_embeddings, await server.read_body(request))
+        return JSONResponse(embeddings_body(server.context.model_name, spec, await server.embed(spec)))
+
     async def generation(request, lane: Lane, parse):
         server.check_key(request)
-        data = await server.read_body(request)
-        try:
-            spec = await lane.run(parse, data, server.context)
-        except NpllmError as e:  # a check below the API's own (the tokenizer, the sampler): still the request's fault
-            raise ApiError(400, str(e)) from None
+        spec = await _checked_spec(server, lane, parse, await server.read_body(request))
         jobs, events = server.submit(spec, asyncio.get_running_loop())
         return GenerationResponse(server, spec, jobs, events)
 
@@ -246,7 +271,8 @@ def create_app(server: Server, cors_origins: list[str] | None = None) -> Starlet
                                      allow_headers=["Authorization", "Content-Type"]))
     routes = [Route("/health", health), Route("/v1/models", models),
               Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/embeddings", embeddings, methods=["POST"])]
     handlers = {ApiError: api_error, HTTPException: http_error, ClientDisconnect: client_gone,
                 Exception: unexpected_error}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)

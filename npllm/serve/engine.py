@@ -11,11 +11,13 @@ event when the job ends:
     ("error", message)          the step failed (an out-of-memory, a broken model): the job is over
 
 Every active request shares each forward call, each with its own sampling parameters, generator and stops
-(npllm.batching.ContinuousEngine); a cancel frees its slot before the next step.
+(npllm.batching.ContinuousEngine); a cancel frees its slot before the next step. Other work on the model (an
+embedding request) goes through the same inbox as a call, run between two steps.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -61,6 +63,13 @@ class EngineThread:
     def cancel(self, job: Job) -> None:
         self._post(("cancel", job))
 
+    def call(self, function: Callable[[], object]) -> concurrent.futures.Future:
+        """function() run on the engine thread between two steps, where it may use the model (nothing else does
+        meanwhile: the model's buffers are the engine's); its result, or its exception, in the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(("call", (function, future)))
+        return future
+
     def close(self, timeout: float = 10.0) -> None:
         """Cancel every job still in the engine and stop the thread."""
         self._post(("close", None))
@@ -96,6 +105,8 @@ class EngineThread:
                 self._submit(job)
             elif kind == "cancel":
                 self._cancel(job)
+            elif kind == "call":
+                self._call(*job)
             else:
                 for job in list(self.live.values()):
                     self._cancel(job)
@@ -112,6 +123,15 @@ class EngineThread:
         self.live[job.handle.id] = job
         if job.handle.done:  # nothing to generate
             self._end(job, ("done", job.handle.finish_reason))
+
+    @staticmethod
+    def _call(function, future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(function())
+        except Exception as e:  # the caller's to answer (a 400 or a 500), not the engine's
+            future.set_exception(e)
 
     def _cancel(self, job: Job) -> None:
         if job.finished:

@@ -5,6 +5,7 @@ Nothing here knows about HTTP servers, so it is tested (and importable) without 
     parse_json(data) -> body                 a request's JSON text parsed (ApiError(400) for what no parser takes)
     parse_completion(body, ctx) -> Spec      POST /v1/completions
     parse_chat(body, ctx) -> Spec            POST /v1/chat/completions (messages laid out by the chat template)
+    parse_embeddings(body, ctx)              POST /v1/embeddings (EmbeddingSpec; embeddings_body the answer)
     Output                                   a job's text as it arrives: detokenized, cut at stop strings,
                                              with log-probabilities and usage counts
     completion_body / chat_body              the whole response (stream: false)
@@ -23,6 +24,7 @@ OpenAI error body, as the `openai` client expects.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import math
@@ -31,14 +33,18 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import ChatTemplateError, GenerationError
 from ..context import encode_prompt
+from ..embed import check_ids, resolve_pooling
 from ..generate import Request, check_prompt
 from ..sampling import Option, SamplingParams, options
 from ..stop import StopStrings
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MOST_STOPS = 4
+MOST_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
 MOST_CHOICES = 16  # n: each choice is a job in the engine, as a request of its own
 MOST_STOP_TOKEN_IDS = 1024  # ends checked in a set: the bound only keeps a body's list from being the vocabulary
 MOST_LOGPROBS = 5  # completions: logprobs
@@ -160,6 +166,69 @@ def parse_chat(body, ctx: Context) -> Spec:
     logprobs = (top or 0) if wants else None
     max_tokens = _max_tokens(body, ctx, len(prompt_ids), ("max_completion_tokens", "max_tokens"), None)
     return _spec(body, ctx, prompt_ids, max_tokens, logprobs, chat=True)
+
+
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    """A checked /v1/embeddings request: each input's token ids, the pooling, and how the vectors are written."""
+
+    inputs: list[list[int]]
+    pooling: str
+    normalize: bool
+    base64: bool  # encoding_format "base64": each vector's little-endian float32 bytes, base64 text (OpenAI's)
+
+
+def parse_embeddings(body, ctx: Context) -> EmbeddingSpec:
+    """POST /v1/embeddings: `input` a text, a list of texts, token ids or a list of token id lists (each text
+    encoded as a prompt is, and all checked before any runs); `encoding_format` float | base64; `dimensions` only
+    the model's own width (no shortened vectors); the pooling the model's files say (npllm.embed)."""
+    body = _object(body)
+    _check_model(body, ctx)
+    inputs = _embedding_inputs(body.get("input"), ctx)
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise ApiError(400, f"encoding_format must be \"float\" or \"base64\", got {encoding!r}", "encoding_format")
+    dimensions = _integer(body, "dimensions", 1, None)
+    if dimensions is not None and dimensions != ctx.config.dim:
+        raise ApiError(400, f"dimensions {dimensions}: this model's embeddings have {ctx.config.dim} (it was not "
+                       "trained for shortened vectors)", "dimensions")
+    pooling, normalize = _checked(resolve_pooling, "model", ctx.config, None, None)
+    return EmbeddingSpec(inputs, pooling, normalize, encoding == "base64")
+
+
+def _embedding_inputs(value, ctx: Context) -> list[list[int]]:
+    if isinstance(value, str) or (isinstance(value, list) and value and all(_is_int(t) for t in value)):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "input must be a text, a list of texts, token ids or a list of token id lists", "input")
+    if len(value) > MOST_EMBEDDING_INPUTS:
+        raise ApiError(400, f"at most {MOST_EMBEDDING_INPUTS} inputs, got {len(value)}", "input")
+    out = []
+    for item in value:
+        if isinstance(item, str):
+            if not item:
+                raise ApiError(400, "input holds an empty text (OpenAI's rule: no empty strings)", "input")
+            ids = _encode(_utf8(item, "input"), ctx, "input")
+        elif isinstance(item, list) and all(_is_int(t) for t in item):
+            ids = list(item)
+        else:
+            raise ApiError(400, "input must be a text, a list of texts, token ids or a list of token id lists",
+                           "input")
+        _checked(check_ids, "input", ctx.config, ids)
+        out.append(ids)
+    return out
+
+
+def embeddings_body(model: str, spec: EmbeddingSpec, vectors) -> dict:
+    """OpenAI's embeddings response: one {"object": "embedding", "index", "embedding"} per input, and the tokens
+    read as usage."""
+    def encoded(v):
+        return base64.b64encode(np.asarray(v, "<f4").tobytes()).decode() if spec.base64 else [float(x) for x in v]
+
+    tokens = sum(len(ids) for ids in spec.inputs)
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 # Request fields other servers take that would change the answer and that npllm does not serve yet: refused with a
