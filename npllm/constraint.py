@@ -330,6 +330,12 @@ class ConstraintState:
         mask[stops] = self.accepting
         return mask
 
+    def copy(self) -> "ConstraintState":
+        """An independent state at the same place (speculative decoding walks a draft's proposals on one)."""
+        twin = ConstraintState(self.bound, self._matcher.deep_copy())
+        twin.tokens = list(self.tokens)
+        return twin
+
     def advance(self, token: int) -> None:
         """Take the drawn token (a stop id ends the sequence and is not taken)."""
         token = int(token)

@@ -116,11 +116,8 @@ class LLM:
         if speculative.on and (context_policy != "error" or ignore_eos):
             raise GenerationError("speculative decoding runs inside the context and stops at EOS: it takes neither "
                                   "context_policy nor ignore_eos")
-        if speculative.on and constraint is not None:
-            raise GenerationError("speculative decoding does not take a constraint yet: run the constrained "
-                                  "request without a draft")
         if speculative.on:
-            return self._speculative_steps(prompt_ids, max_new_tokens, params, speculative)
+            return self._speculative_steps(prompt_ids, max_new_tokens, params, speculative, constraint)
         # "error" never goes past prompt + max_new_tokens positions: a cache that size, not the whole context
         room = min(self.config.max_seq_len, len(prompt_ids) + max(max_new_tokens, 1))
         context = Context(self.model, context_policy, sinks, room if context_policy == "error" else None)
@@ -270,7 +267,8 @@ class LLM:
                 self._drafts[key] = make_model(config, weights, self.backend, self.threads)
         return self._drafts[key]
 
-    def _speculative_steps(self, prompt_ids, max_new_tokens, params, speculative: Speculative) -> Iterator:
+    def _speculative_steps(self, prompt_ids, max_new_tokens, params, speculative: Speculative,
+                           constraint: BoundConstraint | None = None) -> Iterator:
         """speculative_decode's ids as the Sampled records generate_steps yields (no log-probabilities). The request
         and the draft are checked (and the draft built) here, before anything is generated."""
         num_draft = speculative.num_draft
@@ -278,7 +276,7 @@ class LLM:
             raise GenerationError("log-probabilities (logprobs) are not available with speculative decoding")
         if not isinstance(num_draft, (int, np.integer)) or num_draft < 1:
             raise GenerationError(f"num_draft must be a positive integer, got {num_draft!r}")
-        request = Request(prompt_ids, max_new_tokens, dataclasses.replace(params, stop=()))
+        request = Request(prompt_ids, max_new_tokens, dataclasses.replace(params, stop=()), constraint=constraint)
         draft = self.draft_model(speculative.draft, speculative.draft_layers)
         tokens = speculative_decode(self.model, draft, request, num_draft, stats=speculative.speculation)
         return (Sampled(token, float("nan"), *_NO_ALTERNATIVES) for token in tokens)

@@ -326,5 +326,91 @@ def test_a_cut_output_ends_by_length_and_logprobs_report_the_constrained_distrib
 def test_a_constraint_must_be_a_constraint(llm):
     with pytest.raises(GenerationError, match="npllm.Constraint"):
         llm.generate("x", 3, constraint={"type": "object"})
-    with pytest.raises(GenerationError, match="speculative"):
-        llm.generate("x", 3, constraint=Constraint.json(), draft_layers=1)
+
+
+def test_speculative_greedy_is_identical_with_the_draft_on_and_off(llm):
+    """The draft's proposals are drawn and checked on the constraint's masks: greedy output is the same tokens."""
+    member = _in_schema(PERSON)
+    constraint = Constraint.json(PERSON)
+    for prompt in ["Once upon a time", "The cat", "Lily and Ben"]:
+        plain, drafted = [], []
+        text = llm.generate(prompt, 60, constraint=constraint, temperature=0, on_step=plain.append)
+        for num_draft in (1, 3, 6):
+            drafted.clear()
+            assert llm.generate(prompt, 60, constraint=constraint, temperature=0, draft_layers=2,
+                                num_draft=num_draft, on_step=drafted.append) == text
+            assert [s.token_ids for s in drafted] == [s.token_ids for s in plain]
+        assert len(plain) == 60 or member(text)
+    for seed in range(4):  # sampled: the accepted-or-resampled tokens stay in the language
+        steps = []
+        text = llm.generate("Once", 60, constraint=constraint, seed=seed, draft_layers=1, on_step=steps.append)
+        assert len(steps) == 60 or member(text), text
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The command line: --json-schema FILE, --json-object, --regex RE, --grammar FILE
+
+
+def test_cli_generate_and_chat_follow_the_constraint(tmp_path, capsys, monkeypatch):
+    from npllm.cli import main
+
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1,
+                                                                         "maximum": 9}},
+                                  "required": ["n"], "additionalProperties": False}))
+    assert main(["generate", "Once", "--backend", "numpy", "--max-new-tokens", "30", "--seed", "1",
+                 "--json-schema", str(schema)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Once") and re.fullmatch(r'\{"n":[1-9]\}', out[len("Once"):].strip())
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('root ::= "yes" | "no"\n')
+    assert main(["generate", "Q", "--backend", "numpy", "--grammar", str(grammar)]) == 0
+    assert capsys.readouterr().out.strip() in ("Qyes", "Qno")
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("hi\n"))
+    assert main(["chat", "--backend", "numpy", "--chat-template", "llama2", "--regex", "(ab|cd){2}"]) == 0
+    assert re.fullmatch("(ab|cd){2}", capsys.readouterr().out.strip())
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--json-schema", "{missing}"], "--json-schema {missing}: cannot read it"),
+    (["--regex", "a", "--json-object"], "--json-object and --regex each constrain the output"),
+    (["--regex", "(a"], "regex"),
+    (["--regex", "a", "--num-beams", "2"], "--num-beams does not take --regex"),
+])
+def test_cli_refuses_bad_constraints_in_one_line(tmp_path, capsys, flags, said):
+    from npllm.cli import main
+
+    flags = [f.replace("{missing}", str(tmp_path / "none.json")) for f in flags]
+    said = said.replace("{missing}", str(tmp_path / "none.json"))
+    assert main(["generate", "x", "--backend", "numpy", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("npllm: error: ") and said in err and err.count("\n") == 1, err
+
+
+def test_cli_refuses_a_schema_keyword_by_name_and_path(tmp_path, capsys):
+    from npllm.cli import main
+
+    schema = tmp_path / "bad.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}))
+    assert main(["generate", "x", "--backend", "numpy", "--json-schema", str(schema)]) == 2
+    err = capsys.readouterr().err
+    assert f"--json-schema {schema}: JSON schema keyword 'uniqueItems' at /properties/t/uniqueItems" in err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Batches: each row its own state, each row what it would be alone
+
+
+def test_continuously_batched_rows_each_equal_their_solo_run(llm):
+    from npllm.batching import continuous_generate, ragged_generate
+    from npllm.generate import Request, decode
+
+    bound = llm.bind_constraint(Constraint.json(PERSON))
+    prompts = ["Once upon a time", "The cat", "Lily", "One day, a little bird", "Tom had"]
+    requests = [Request(llm.tokenizer.encode(p), 50, SamplingParams(temperature=0.9, seed=i), constraint=bound)
+                for i, p in enumerate(prompts)]
+    requests.append(Request(llm.tokenizer.encode("Sam"), 50, SamplingParams(seed=9)))  # an unconstrained row beside
+    solo = [[d.token_ids for d in decode(llm.model, r)] for r in requests]
+    assert any(len(s) < 50 for s in solo[:-1])  # some rows finish their JSON before the limit
+    for run in (continuous_generate(llm.model, requests, slots=2), ragged_generate(llm.model, requests)):
+        assert [c.tokens for c in run] == solo

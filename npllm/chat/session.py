@@ -157,7 +157,8 @@ class ChatSession:
             raise ConversationFull(prompt_len, capacity, max_new_tokens)
 
     def send(self, text: str, max_new_tokens: int = 256, params: SamplingParams | None = None, *,
-             ignore_eos: bool = False, on_step: Callable | None = None, **sampling) -> Iterator[str]:
+             ignore_eos: bool = False, on_step: Callable | None = None, constraint=None,
+             **sampling) -> Iterator[str]:
         """Append a user message, stream the reply (the arguments of stream), and append it as the assistant's
         message. A reply cut short (an exception, Ctrl-C, the caller closing the generator) is kept as far as it
         went."""
@@ -165,7 +166,8 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         pieces = []
         try:
-            for piece in self.stream(self.messages, max_new_tokens, params, ignore_eos=ignore_eos, on_step=on_step):
+            for piece in self.stream(self.messages, max_new_tokens, params, ignore_eos=ignore_eos, on_step=on_step,
+                                     constraint=constraint):
                 pieces.append(piece)
                 yield piece
         except GenerationError:

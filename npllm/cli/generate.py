@@ -26,6 +26,7 @@ def run_generate(args) -> int:
         return run_generate_batch(args)
     prompt = read_prompt(args.prompt)
     params = sampling_params(args)
+    constraint = shared.constraint_of(args)
     llm = shared.load_with_tokenizer(args, kv_dtype=args.kv_dtype)
     if args.context_policy == "error":  # a prompt far past the context is refused before it is encoded whole
         prompt_ids = encode_prompt(llm.tokenizer, llm.config, prompt)
@@ -39,7 +40,7 @@ def run_generate(args) -> int:
         return 0
     if args.num_beams > 1:
         return run_beam_search(args, llm, prompt_ids)
-    return stream_generate(args, llm, prompt, len(prompt_ids), params)
+    return stream_generate(args, llm, prompt, len(prompt_ids), params, constraint)
 
 
 def read_prompt(prompt: str) -> str:
@@ -61,7 +62,7 @@ def read_prompt(prompt: str) -> str:
     return prompt
 
 
-def stream_generate(args, llm, prompt: str, prompt_len: int, params) -> int:
+def stream_generate(args, llm, prompt: str, prompt_len: int, params, constraint=None) -> int:
     """Print the prompt and its completion as the tokens come, then one line of timings on stderr."""
     speculation = speculation_options(args)
     start, first, count = time.perf_counter(), None, 0
@@ -74,7 +75,7 @@ def stream_generate(args, llm, prompt: str, prompt_len: int, params) -> int:
             print_logprobs(llm.tokenizer, step)
 
     for piece in llm.stream(prompt, args.max_new_tokens, echo=True, on_step=on_step, params=params, **speculation,
-                            **context_options(args)):
+                            constraint=constraint, **context_options(args)):
         write_out(piece)
     write_out("\n")
     print(timing_line(prompt_len, count, start, first, time.perf_counter()), file=sys.stderr)
@@ -134,13 +135,14 @@ def run_generate_batch(args) -> int:
     prompt's tokens on stderr after the batch, numbered by prompt ("[logprobs 2]")."""
     prompts = read_prompt_file(args.prompt_file)
     params = sampling_params(args)
+    constraint = shared.constraint_of(args)
     llm = shared.load_with_tokenizer(args, kv_dtype=args.kv_dtype)
 
     def on_step(index: int, step) -> None:
         print_logprobs(llm.tokenizer, step, f"[logprobs {index + 1}]")
 
     start = time.perf_counter()
-    completions = llm.generate(prompts, args.max_new_tokens, params=params,
+    completions = llm.generate(prompts, args.max_new_tokens, params=params, constraint=constraint,
                                on_step=on_step if params.logprobs else None)
     seconds = time.perf_counter() - start
     write_out("\n\n".join(p + c for p, c in zip(prompts, completions)) + "\n")

@@ -29,7 +29,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..errors import ChatTemplateError, GenerationError
+from ..constraint import Constraint
+from ..errors import ChatTemplateError, ConstraintError, GenerationError
 from ..context import encode_prompt
 from ..generate import Request, check_prompt
 from ..sampling import Option, SamplingParams, options
@@ -158,8 +159,69 @@ def _spec(body: dict, ctx: Context, prompt_ids: list[int], max_tokens: int, logp
         raise ApiError(400, "stream_options must be an object", "stream_options")
     include_usage = _boolean(options or {}, "include_usage", "stream_options.include_usage") and stream
     params = _sampling(body, ctx, logprobs)
-    request = Request(prompt_ids, max_tokens, params)
+    request = Request(prompt_ids, max_tokens, params, constraint=_constraint(body, ctx))
     return Spec(request, _stops(body.get("stop")), stream, include_usage, logprobs, chat)
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _constraint(body: dict, ctx: Context):
+    """The structured-output constraint a request asks for, bound to the model's tokenizer (None when none):
+    OpenAI's response_format {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema",
+    "strict"}}, or llama.cpp's `json_schema` (a schema) or `grammar` (GBNF or Lark) fields; at most one. A schema
+    keyword that would not be enforced is a 400 naming it (strict or not: every schema given is enforced)."""
+    asked = [(param, make) for param, make in (("response_format", _response_format(body.get("response_format"))),
+                                               ("json_schema", _llama_field(body, "json_schema", dict)),
+                                               ("grammar", _llama_field(body, "grammar", str))) if make is not None]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise ApiError(400, f"{' and '.join(p for p, _ in asked)} each constrain the output: give one of them",
+                       asked[1][0])
+    param, make = asked[0]
+    try:
+        return make().bind(ctx.tokenizer, ctx.config.vocab_size)
+    except ConstraintError as e:
+        raise ApiError(400, f"{param}: {e}", param) from None
+
+
+def _response_format(value):
+    """A maker of the Constraint that response_format asks for; None for text (or absent)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"response_format must be an object, got {type(value).__name__}", "response_format")
+    kind = value.get("type")
+    if kind not in RESPONSE_FORMATS:
+        raise ApiError(400, f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}",
+                       "response_format.type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return lambda: Constraint.json({"type": "object"})
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(400, "response_format.json_schema must be an object {name, schema, strict}",
+                       "response_format.json_schema")
+    if not isinstance(spec.get("name"), str):
+        raise ApiError(400, "response_format.json_schema.name must be a string", "response_format.json_schema.name")
+    _boolean(spec, "strict", "response_format.json_schema.strict")
+    schema = spec.get("schema")
+    if not isinstance(schema, (dict, bool)):
+        raise ApiError(400, "response_format.json_schema.schema must be a JSON Schema (an object)",
+                       "response_format.json_schema.schema")
+    return lambda: Constraint.json(schema)
+
+
+def _llama_field(body: dict, name: str, kind: type):
+    """A maker of the Constraint of llama.cpp's json_schema (a schema object) or grammar (text) field."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, kind):
+        raise ApiError(400, f"{name} must be {'a JSON Schema object' if kind is dict else 'a string'}", name)
+    return (lambda: Constraint.json(value)) if kind is dict else (lambda: Constraint.grammar(value))
 
 
 def _sampling(body: dict, ctx: Context, logprobs: int | None, params_type: type = SamplingParams) -> SamplingParams:

@@ -1,0 +1,165 @@
+"""Structured outputs through `npllm serve` and the official openai client: response_format json_object and
+json_schema on /v1/chat/completions and /v1/completions, llama.cpp's json_schema and grammar fields, on stories260K
+(SentencePiece-style pieces) and a byte-level BPE model (the random qwen2_bias fixture). Every output that ends with
+finish_reason "stop" validates with jsonschema against its schema; refused schemas and formats are 400s naming the
+keyword or the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+import npllm
+from npllm.batch import BadRequest, Runner
+from npllm.chat import BUILTIN_TEMPLATES
+from npllm.serve.app import Limits, Server
+from test_serve import running
+
+jsonschema = pytest.importorskip("jsonschema")
+
+KEY = "sk-structured"
+QWEN = Path(__file__).parent / "fixtures" / "hf" / "qwen2_bias"
+
+# Schemas written for this test (none is a test case of llguidance's): nested objects, arrays with bounds, enums,
+# anyOf, $ref, patterns, number bounds, additionalProperties false.
+SCHEMAS = {
+    "order": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"},
+            "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+            "size": {"enum": ["s", "m", "l"]},
+        },
+        "required": ["id", "qty", "size"],
+        "additionalProperties": False,
+    },
+    "point_list": {
+        "type": "array",
+        "items": {"$ref": "#/$defs/point"},
+        "minItems": 1,
+        "maxItems": 3,
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "number", "minimum": -1, "maximum": 1},
+                                                              "y": {"type": "integer", "exclusiveMinimum": 0,
+                                                                    "maximum": 50}},
+                            "required": ["x", "y"], "additionalProperties": False}},
+    },
+    "either": {
+        "anyOf": [{"type": "integer", "minimum": 100, "maximum": 999},
+                  {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                                    "who": {"type": "string", "maxLength": 5}},
+                   "required": ["ok"], "additionalProperties": False}],
+    },
+    "nested": {
+        "type": "object",
+        "properties": {"user": {"type": "object",
+                                "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                                               "tags": {"type": "array", "items": {"enum": ["x", "y"]},
+                                                        "maxItems": 2}},
+                                "required": ["name", "tags"], "additionalProperties": False}},
+        "required": ["user"],
+        "additionalProperties": False,
+    },
+}
+
+
+def _server(llm, name):
+    return Server(llm, name, Limits(max_slots=4, max_queue=32, max_tokens_limit=400), BUILTIN_TEMPLATES["chatml"],
+                  api_key=KEY)
+
+
+@pytest.fixture(scope="module", params=["stories260K", "qwen2_bias"])
+def client(request, stories260k):
+    llm = npllm.load(stories260k if request.param == "stories260K" else QWEN, backend="numpy")
+    with running(_server(llm, request.param)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60), request.param
+
+
+def _valid(text: str, schema) -> bool:
+    jsonschema.validate(json.loads(text), schema)  # raises with the reason on a broken promise
+    return True
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_every_stopped_output_validates_against_its_schema(client, name):
+    api, model = client
+    schema, stopped = SCHEMAS[name], 0
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+    for seed in range(4):
+        chat = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Give me JSON."}],
+                                           response_format=fmt, max_tokens=120, seed=seed, temperature=1.0)
+        choice = chat.choices[0]
+        if choice.finish_reason == "stop":
+            stopped += _valid(choice.message.content, schema)
+        else:
+            assert choice.finish_reason == "length"
+        done = api.completions.create(model=model, prompt="Once upon a time", max_tokens=120, seed=seed,
+                                      extra_body={"response_format": fmt})
+        if done.choices[0].finish_reason == "stop":
+            stopped += _valid(done.choices[0].text, schema)
+    assert stopped >= 2, f"only {stopped} of 8 outputs ended within 120 tokens"
+
+
+def test_json_object_streamed_and_llama_cpp_fields(client):
+    api, model = client
+    stream = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "JSON please"}],
+                                         response_format={"type": "json_object"}, max_tokens=150, seed=3,
+                                         stream=True)
+    pieces, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    if finish == "stop":
+        assert isinstance(json.loads("".join(pieces)), dict)
+    schema = SCHEMAS["order"]
+    done = api.completions.create(model=model, prompt="The order:", max_tokens=60, seed=1,
+                                  extra_body={"json_schema": schema})
+    if done.choices[0].finish_reason == "stop":
+        _valid(done.choices[0].text, schema)
+    for grammar in ('root ::= "yes" | "no" | "maybe"', 'start: "yes" | "no" | "maybe"'):
+        done = api.completions.create(model=model, prompt="Answer:", max_tokens=10, seed=2,
+                                      extra_body={"grammar": grammar})
+        assert done.choices[0].text in ("yes", "no", "maybe") and done.choices[0].finish_reason == "stop"
+
+
+def test_a_cut_output_is_length_not_stop(client):
+    api, model = client
+    done = api.completions.create(model=model, prompt="x", max_tokens=3, seed=0,
+                                  extra_body={"json_schema": {"type": "string", "pattern": "^[a-z]{30}$"}})
+    assert done.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("body, param, said", [
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "yaml"),
+    ({"response_format": "json"}, "response_format", "must be an object"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "name, schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "array",
+                                                                                       "uniqueItems": True}}}},
+     "response_format", "'uniqueItems' at /uniqueItems"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "strict": "yes"}}},
+     "response_format.json_schema.strict", "true or false"),
+    ({"json_schema": {"properties": {"when": {"type": "string", "format": "uri"}}}}, "json_schema", "format 'uri'"),
+    ({"grammar": "root ::= undefined"}, "grammar", "undefined"),
+    ({"grammar": 'start: "a"', "json_schema": {}}, "grammar", "give one of them"),
+])
+def test_refused_formats_and_schemas_are_400_naming_them(client, body, param, said):
+    api, model = client
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=model, prompt="x", max_tokens=5, extra_body=body)
+    error = e.value.body
+    assert error["param"] == param and said in error["message"], error
+
+
+def test_batch_lines_take_response_format(stories260k):
+    llm = npllm.load(stories260k, backend="numpy")
+    runner = Runner(llm, "stories260K", BUILTIN_TEMPLATES["chatml"], slots=2)
+    fmt = {"type": "json_schema", "json_schema": {"name": "order", "schema": SCHEMAS["order"]}}
+    lines = [(i, {"prompt": "Once", "max_tokens": 100, "seed": i, "response_format": fmt}) for i in range(4)]
+    results = [record for _, record in runner.run(lines)]
+    finished = [r for r in results if r["finish_reason"] == "stop"]
+    assert finished and all(_valid(r["text"], SCHEMAS["order"]) for r in finished)
+    with pytest.raises(BadRequest, match="'not' at /not"):
+        runner.spec({"prompt": "x", "json_schema": {"not": {}}})
