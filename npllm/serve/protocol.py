@@ -5,6 +5,8 @@ Nothing here knows about HTTP servers, so it is tested (and importable) without 
     parse_json(data) -> body                 a request's JSON text parsed (ApiError(400) for what no parser takes)
     parse_completion(body, ctx) -> Spec      POST /v1/completions
     parse_chat(body, ctx) -> Spec            POST /v1/chat/completions (messages laid out by the chat template)
+                                             both with a structured-output constraint from response_format, or
+                                             llama.cpp's json_schema / grammar (npllm.constraint)
     Output                                   a job's text as it arrives: detokenized, cut at stop strings,
                                              with log-probabilities and usage counts
     completion_body / chat_body              the whole response (stream: false)
