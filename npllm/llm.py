@@ -215,13 +215,14 @@ class LLM:
 
     def beam_search(self, prompt_ids, num_beams: int, max_new_tokens: int, length_penalty: float = 1.0,
                     early_stopping: bool | str = True, eos_token_id=None, num_return_sequences: int | None = None,
-                    stop: tuple[str, ...] = ()):
+                    stop: tuple[str, ...] = (), constraint: Constraint | None = None):
         """The best continuations of prompt_ids by beam search, best first (npllm.search.beam_search):
         hypotheses with .tokens (new tokens, the ending EOS included) and .score (summed log-probability /
         len(tokens) ** length_penalty), as transformers' generate(num_beams=...) finds them.
 
         stop: strings that end a hypothesis as EOS does, once its text (after the prompt) contains one; the token
-        that completes it is the hypothesis' last (completion_text(..., stop=stop) gives the text before it)."""
+        that completes it is the hypothesis' last (completion_text(..., stop=stop) gives the text before it).
+        constraint: every hypothesis follows it (each beam its own state; see npllm.search.beam_search)."""
         from .search import beam_search
 
         stop = SamplingParams(stop=stop).stop  # checked as a sampling option is
@@ -230,7 +231,8 @@ class LLM:
             return self._completion(prompt_ids, tokens, stop)[1]
 
         return beam_search(self.model, list(prompt_ids), num_beams, max_new_tokens, length_penalty, early_stopping,
-                           eos_token_id, num_return_sequences, stopped if stop else None)
+                           eos_token_id, num_return_sequences, stopped if stop else None,
+                           self.bind_constraint(constraint))
 
     def completion_text(self, prompt_ids, token_ids, echo: bool = False, stop: tuple[str, ...] = ()) -> str:
         """The text of token_ids continuing prompt_ids (the decoder primed with the prompt, as stream's), ended

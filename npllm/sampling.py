@@ -583,16 +583,17 @@ class SamplingParams:
 
     temperature: float = _option(1.0, "real", flag="--temperature", help="0 = greedy (default 1.0)",
                                  api="temperature", api_range=(0.0, 2.0))  # >= 0; 0 is greedy
-    top_k: int = _option(0, "integer", flag="--top-k", least=0,
-                         help="keep the k most probable tokens (0: off)")  # >= 0; 0 disables
+    top_k: int = _option(0, "integer", flag="--top-k", least=0, help="keep the k most probable tokens (0: off)",
+                         api="top_k", api_range=(0, None))  # >= 0; 0 disables (vLLM's and llama.cpp's field)
     top_p: float = _option(1.0, "real", flag="--top-p", cli_default=0.9, help="nucleus mass in (0, 1] (default 0.9)",
                            api="top_p", api_range=(0.0, 1.0), api_open=True)  # (0, 1]; 1 disables
-    min_p: float = _option(0.0, "real", flag="--min-p",
-                           help="keep tokens with p >= min_p * p_max (0: off)")  # [0, 1]; 0 disables
-    typical_p: float = _option(1.0, "real", flag="--typical-p",
-                               help="locally typical sampling mass (1: off)")  # (0, 1]; 1 disables
+    min_p: float = _option(0.0, "real", flag="--min-p", help="keep tokens with p >= min_p * p_max (0: off)",
+                           api="min_p", api_range=(0.0, 1.0))  # [0, 1]; 0 disables
+    typical_p: float = _option(1.0, "real", flag="--typical-p", help="locally typical sampling mass (1: off)",
+                               api="typical_p", api_range=(0.0, 1.0), api_open=True)  # (0, 1]; 1 disables
     repetition_penalty: float = _option(1.0, "real", flag="--repetition-penalty",
-                                        help="CTRL penalty on seen tokens (1: off)")  # > 0; 1 disables
+                                        help="CTRL penalty on seen tokens (1: off)", api="repetition_penalty",
+                                        api_range=(0.0, 10.0), api_open=True)  # > 0; 1 disables
     presence_penalty: float = _option(0.0, "real", flag="--presence-penalty",
                                       help="subtract this from seen tokens' logits",
                                       api="presence_penalty", api_range=(-2.0, 2.0))

@@ -375,7 +375,7 @@ def test_cli_generate_and_chat_follow_the_constraint(tmp_path, capsys, monkeypat
     (["--json-schema", "{missing}"], "--json-schema {missing}: cannot read it"),
     (["--regex", "a", "--json-object"], "--json-object and --regex each constrain the output"),
     (["--regex", "(a"], "regex"),
-    (["--regex", "a", "--num-beams", "2"], "--num-beams does not take --regex"),
+    (["--regex", "a", "--explain"], "--explain does not take --regex"),
 ])
 def test_cli_refuses_bad_constraints_in_one_line(tmp_path, capsys, flags, said):
     from npllm.cli import main
@@ -414,3 +414,24 @@ def test_continuously_batched_rows_each_equal_their_solo_run(llm):
     assert any(len(s) < 50 for s in solo[:-1])  # some rows finish their JSON before the limit
     for run in (continuous_generate(llm.model, requests, slots=2), ragged_generate(llm.model, requests)):
         assert [c.tokens for c in run] == solo
+
+
+def test_beam_search_keeps_each_beam_in_the_language(llm):
+    """Each beam its own state: every hypothesis that ends before the limit is in the language, the scores are the
+    constrained distribution's, and one beam is greedy decoding under the constraint."""
+    member = _in_schema(PERSON)
+    prompt = llm.tokenizer.encode("Once upon a time")
+    eos = sorted(npllm.generate.stop_ids(llm.config))
+    found = llm.beam_search(prompt, 3, 60, constraint=Constraint.json(PERSON))
+    assert found
+    for h in found:
+        tokens = [t for t in h.tokens if t not in eos]
+        if len(h.tokens) < 60 or tokens != list(h.tokens):
+            assert member(llm.completion_text(prompt, tokens)), h
+    greedy = llm.generate("Once upon a time", 60, constraint=Constraint.json(PERSON), temperature=0)
+    one = llm.beam_search(prompt, 1, 60, constraint=Constraint.json(PERSON))[0]
+    assert llm.completion_text(prompt, [t for t in one.tokens if t not in eos]) == greedy
+    regex = llm.beam_search(prompt, 4, 12, constraint=Constraint.regex("(cat|dog|bird)s?"))
+    assert regex and all(re.fullmatch("(cat|dog|bird)s?", llm.completion_text(prompt, [t for t in h.tokens
+                                                                                          if t not in eos]))
+                         for h in regex)

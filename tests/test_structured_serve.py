@@ -163,3 +163,37 @@ def test_batch_lines_take_response_format(stories260k):
     assert finished and all(_valid(r["text"], SCHEMAS["order"]) for r in finished)
     with pytest.raises(BadRequest, match="'not' at /not"):
         runner.spec({"prompt": "x", "json_schema": {"not": {}}})
+
+
+def test_server_hygiene_fields_vllm_and_llama_cpp_take_are_served_or_refused(client):
+    api, model = client
+    base = dict(model=model, prompt="Once upon a time", max_tokens=12, seed=4)
+    plain = api.completions.create(**base, temperature=2.0).choices[0].text
+    top1 = api.completions.create(**base, temperature=2.0, extra_body={"top_k": 1}).choices[0].text
+    greedy = api.completions.create(**base, temperature=0).choices[0].text
+    assert top1 == greedy and plain != top1  # top_k is applied, not dropped
+    for body in ({"min_p": 0.5}, {"typical_p": 0.5}, {"repetition_penalty": 1.3}):
+        assert isinstance(api.completions.create(**base, extra_body=body).choices[0].text, str)
+    for name, value in (("tools", [{"type": "function", "function": {"name": "f"}}]), ("guided_json", {}),
+                        ("mirostat", 2), ("min_tokens", 3)):
+        with pytest.raises(openai.BadRequestError) as e:
+            api.completions.create(**base, extra_body={name: value})
+        assert e.value.body["param"] == name
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(**base, extra_body={"stop_token_ids": [-1]})
+    assert e.value.body["param"] == "stop_token_ids"
+
+
+def test_stop_token_ids_and_ignore_eos_reach_the_request(stories260k):
+    from npllm.serve.protocol import Context, parse_completion
+
+    llm = npllm.load(stories260k, backend="numpy")
+    ctx = Context("m", llm.tokenizer, llm.config, 400)
+    request = parse_completion({"prompt": "x", "stop_token_ids": [5, 7], "ignore_eos": True}, ctx).request
+    assert request.stop_ids == {5, 7} and request.ignore_eos
+    greedy = llm.generate_ids(llm.tokenizer.encode("Once"), 8, temperature=0)
+    second = list(greedy)[1]
+    spec = parse_completion({"prompt": "Once", "stop_token_ids": [second], "temperature": 0, "max_tokens": 8}, ctx)
+    from npllm.generate import decode
+
+    assert len(list(decode(llm.model, spec.request))) == 1  # the second greedy token ends it, unreturned

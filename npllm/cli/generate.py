@@ -39,7 +39,7 @@ def run_generate(args) -> int:
         print_explained(llm, prompt_ids, args.max_new_tokens, params, as_json=args.json)
         return 0
     if args.num_beams > 1:
-        return run_beam_search(args, llm, prompt_ids)
+        return run_beam_search(args, llm, prompt_ids, constraint)
     return stream_generate(args, llm, prompt, len(prompt_ids), params, constraint)
 
 
@@ -107,11 +107,12 @@ def speculation_options(args) -> dict:
             "speculation": SpeculationStats()}
 
 
-def run_beam_search(args, llm, prompt_ids) -> int:
+def run_beam_search(args, llm, prompt_ids, constraint=None) -> int:
     """--num-beams: the prompt and the best hypothesis's text on stdout, every hypothesis's score on stderr."""
     from ..generate import stop_ids
 
-    found = llm.beam_search(prompt_ids, args.num_beams, args.max_new_tokens, stop=tuple(args.stop))
+    found = llm.beam_search(prompt_ids, args.num_beams, args.max_new_tokens, stop=tuple(args.stop),
+                            constraint=constraint)
     best = [t for t in found[0].tokens if t not in stop_ids(llm.config)]
     write_out(llm.completion_text(prompt_ids, best, echo=True, stop=tuple(args.stop)) + "\n")
     for rank, h in enumerate(found):

@@ -375,7 +375,7 @@ SPECULATIVE = ("speculative decoding continues one PROMPT with one draft, inside
 GENERATE_MODES = (
     Mode("prompt_file", MODEL | SAMPLING | CONSTRAINT | {"max_new_tokens", "stop", "logprobs"},
          "a file's prompts are generated together as one batch, each inside the context up to EOS"),
-    Mode("num_beams", ONE_PROMPT | {"stop"},
+    Mode("num_beams", ONE_PROMPT | CONSTRAINT | {"stop"},
          "beam search keeps one PROMPT's most probable continuations under the model's own log-probabilities "
          "(no sampling, no draft, no per-token report), inside the context up to EOS"),
     Mode("draft", ONE_PROMPT | SAMPLING | CONSTRAINT | {"stop", "num_draft"}, SPECULATIVE),

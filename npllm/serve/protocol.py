@@ -161,8 +161,35 @@ def _spec(body: dict, ctx: Context, prompt_ids: list[int], max_tokens: int, logp
         raise ApiError(400, "stream_options must be an object", "stream_options")
     include_usage = _boolean(options or {}, "include_usage", "stream_options.include_usage") and stream
     params = _sampling(body, ctx, logprobs)
-    request = Request(prompt_ids, max_tokens, params, constraint=_constraint(body, ctx))
+    _refuse_unserved(body)
+    request = Request(prompt_ids, max_tokens, params, stop_ids=_stop_token_ids(body, ctx),
+                      ignore_eos=_boolean(body, "ignore_eos"), constraint=_constraint(body, ctx))
     return Spec(request, _stops(body.get("stop")), stream, include_usage, logprobs, chat)
+
+
+# Fields other servers take that would change the answer and that npllm does not serve: refused by name rather than
+# dropped (a client that asked for a tool call or a guided decode must not get plain text and no error).
+UNSERVED = ("tools", "tool_choice", "functions", "function_call", "guided_json", "guided_regex", "guided_grammar",
+            "guided_choice", "structured_outputs", "min_tokens", "mirostat", "mirostat_tau", "mirostat_eta",
+            "tfs_z", "dry_multiplier", "xtc_probability", "repeat_penalty", "n_predict", "prediction")
+
+
+def _refuse_unserved(body: dict) -> None:
+    for name in UNSERVED:
+        if body.get(name) is not None:
+            raise ApiError(400, f"{name} is not supported by this server (docs/serve.md lists the fields served)",
+                           name)
+
+
+def _stop_token_ids(body: dict, ctx: Context) -> frozenset[int]:
+    """vLLM's stop_token_ids: a list of token ids of the model's vocabulary that end the completion."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return frozenset()
+    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < ctx.config.vocab_size for t in ids):
+        raise ApiError(400, f"stop_token_ids must be a list of token ids in [0, {ctx.config.vocab_size})",
+                       "stop_token_ids")
+    return frozenset(ids)
 
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
