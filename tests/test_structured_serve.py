@@ -197,3 +197,129 @@ def test_stop_token_ids_and_ignore_eos_reach_the_request(stories260k):
     from npllm.generate import decode
 
     assert len(list(decode(llm.model, spec.request))) == 1  # the second greedy token ends it, unreturned
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tool calls (Hermes / Qwen format), through the openai client
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>{{ c.function.arguments }}</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                                                "unit": {"enum": ["c", "f"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
+
+
+@pytest.fixture(scope="module")
+def tool_client(stories260k):
+    llm = npllm.load(stories260k, backend="numpy")
+    server = Server(llm, "stories260K", Limits(max_slots=2, max_queue=8, max_tokens_limit=400), TOOL_TEMPLATE,
+                    api_key=KEY)
+    with running(server) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _ask(api, **fields):
+    return api.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Weather?"}],
+                                       max_tokens=200, **fields)
+
+
+def _check_calls(calls, names=("get_weather", "add")):
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+def test_required_and_named_tool_choice_give_valid_calls(tool_client):
+    made = 0
+    for seed in range(3):
+        reply = _ask(tool_client, tools=[WEATHER, ADD], tool_choice="required", seed=seed,
+                     parallel_tool_calls=seed == 0)  # several calls in a row: this model rarely stops making them
+        choice = reply.choices[0]
+        if choice.finish_reason == "tool_calls":
+            assert choice.message.content is None and choice.message.tool_calls
+            _check_calls(choice.message.tool_calls)
+            made += 1
+        named = _ask(tool_client, tools=[WEATHER, ADD], seed=seed, parallel_tool_calls=False,
+                     tool_choice={"type": "function", "function": {"name": "add"}}).choices[0]
+        if named.finish_reason == "tool_calls":
+            assert len(named.message.tool_calls) == 1
+            _check_calls(named.message.tool_calls, ("add",))
+            made += 1
+    assert made >= 3
+
+
+def test_streamed_calls_concatenate_to_the_whole(tool_client):
+    whole = _ask(tool_client, tools=[ADD], tool_choice="required", seed=5, parallel_tool_calls=False).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    stream = _ask(tool_client, tools=[ADD], tool_choice="required", seed=5, parallel_tool_calls=False, stream=True)
+    calls, finish = {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        for part in delta.tool_calls or []:
+            entry = calls.setdefault(part.index, {"name": None, "arguments": ""})
+            if part.function.name:
+                entry["name"] = part.function.name
+            entry["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and list(calls) == [0]
+    assert calls[0]["name"] == "add"
+    assert json.loads(calls[0]["arguments"]) == json.loads(whole.message.tool_calls[0].function.arguments)
+
+
+def test_auto_and_none_and_a_tool_reply_in_the_next_turn(tool_client):
+    for seed in range(3):
+        choice = _ask(tool_client, tools=[WEATHER], seed=seed).choices[0]  # auto: text, or calls
+        if choice.finish_reason == "tool_calls":
+            _check_calls(choice.message.tool_calls)
+        else:
+            assert not (choice.message.content or "").startswith("<")
+    plain = _ask(tool_client, tools=[WEATHER], tool_choice="none", seed=1).choices[0]
+    assert plain.message.tool_calls is None and isinstance(plain.message.content, str)
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    follow = tool_client.chat.completions.create(
+        model="stories260K", max_tokens=10, seed=1, tools=[ADD],
+        messages=[{"role": "user", "content": "1 + 2?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "3"}], tool_choice="none")
+    assert isinstance(follow.choices[0].message.content, str)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]},
+     "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "tools"),
+])
+def test_bad_tools_are_400_naming_the_field(tool_client, fields, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        _ask(tool_client, **fields)
+    assert e.value.body["param"] == param, e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        tool_client.completions.create(model="stories260K", prompt="x", max_tokens=3, extra_body={"tools": [WEATHER]})
+    assert e.value.body["param"] == "tools"
+
+
+def test_batch_chat_lines_with_tools_record_their_calls(stories260k):
+    llm = npllm.load(stories260k, backend="numpy")
+    runner = Runner(llm, "stories260K", TOOL_TEMPLATE, slots=2)
+    line = {"messages": [{"role": "user", "content": "Add."}], "tools": [ADD], "tool_choice": "required",
+            "parallel_tool_calls": False, "max_tokens": 80, "seed": 3}
+    [(_, record)] = list(runner.run([(0, line)]))
+    assert record["finish_reason"] == "tool_calls", record
+    (call,) = record["tool_calls"]
+    assert call["function"]["name"] == "add"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMETERS["add"])

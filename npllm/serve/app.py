@@ -51,7 +51,8 @@ from ..errors import GenerationError, NpllmError
 from ..versions import Fence
 from .engine import EngineThread, Job
 from .protocol import (ApiError, Context, Output, chat_body, chat_chunk, completion_body, completion_chunk, new_id,
-                       parse_chat, parse_completion, parse_json)
+                       parse_chat, parse_completion, parse_json, reply_message)
+from .tools import call_chunks
 
 log = logging.getLogger("npllm.serve")
 PARSE_THREADS = 4  # completions checked (tokenized) at once, off the event loop
@@ -344,6 +345,8 @@ class GenerationResponse:
         if self.spec.chat:
             await _send_event(send, chat_chunk(self.id, self.model, {"role": "assistant", "content": ""}, None))
         wants_lp = self.spec.logprobs is not None
+        if self.spec.calls_tools:  # a reply that may be tool calls is read whole, then streamed as OpenAI does
+            return await self._stream_reply(send)
         try:
             async for piece, finish in self._pieces():
                 if piece.text or (wants_lp and piece.token) or finish is not None:
@@ -359,6 +362,25 @@ class GenerationResponse:
                 chunk = (chat_chunk(self.id, self.model, {}, None, usage=usage) if self.spec.chat
                          else completion_chunk(self.id, self.model, None, None, False, usage=usage))
                 await self._send_event(send, chunk)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _stream_reply(self, send) -> None:
+        """A chat reply under tools: generated whole, then its calls as index-keyed deltas whose argument fragments
+        concatenate to each call's arguments (or its text as one delta), the finish chunk, usage, [DONE]."""
+        try:
+            async for _ in self._pieces():
+                if self.gone:
+                    return
+        except ApiError as e:
+            await self._send_event(send, e.body())
+        else:
+            message, finish = reply_message(self.output)
+            deltas = call_chunks(message["tool_calls"]) if "tool_calls" in message else [{"content": self.output.text}]
+            for delta in deltas:
+                await self._send_event(send, chat_chunk(self.id, self.model, delta, None))
+            await self._send_event(send, chat_chunk(self.id, self.model, {}, finish))
+            if self.spec.include_usage:
+                await self._send_event(send, chat_chunk(self.id, self.model, {}, None, usage=self.output.usage()))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     async def _send_event(self, send, data: dict) -> None:

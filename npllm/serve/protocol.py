@@ -37,6 +37,7 @@ from ..context import encode_prompt
 from ..generate import Request, check_prompt
 from ..sampling import Option, SamplingParams, options
 from ..stop import StopStrings
+from .tools import ToolError, Tools, parse_tools, tool_calls
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MOST_STOPS = 4
@@ -85,6 +86,12 @@ class Spec:
     include_usage: bool
     logprobs: int | None  # None: no log-probabilities; N: the chosen token's and N alternatives
     chat: bool
+    tools: Tools | None = None  # a chat request's tools (npllm.serve.tools): the reply may be tool calls
+
+    @property
+    def calls_tools(self) -> bool:
+        """The reply is read for tool calls (tools given, tool_choice not "none")."""
+        return self.tools is not None and self.tools.choice != "none"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -128,6 +135,9 @@ def parse_completion(body, ctx: Context) -> Spec:
     if body.get("suffix") is not None:
         raise ApiError(400, "suffix is not supported", "suffix")
     _check_best_of(body)
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(name) is not None:
+            raise ApiError(400, f"{name}: tool calls are served on /v1/chat/completions, not /v1/completions", name)
     logprobs = _integer(body, "logprobs", 0, MOST_LOGPROBS)
     max_tokens = _max_tokens(body, ctx, len(prompt_ids), ("max_tokens",), COMPLETIONS_DEFAULT_MAX_TOKENS)
     return _spec(body, ctx, prompt_ids, max_tokens, logprobs, chat=False)
@@ -140,18 +150,22 @@ def parse_chat(body, ctx: Context) -> Spec:
     if ctx.chat_template is None:
         raise ApiError(400, ctx.template_problem or "this server has no chat template: start it with "
                        "--chat-template NAME|FILE", "messages", "no_chat_template")
-    prompt_ids = _chat_prompt_ids(messages, ctx)
+    try:
+        tools = parse_tools(body)
+    except ToolError as e:
+        raise ApiError(400, str(e), e.param) from None
+    prompt_ids = _chat_prompt_ids(messages, ctx, tools)
     top = _integer(body, "top_logprobs", 0, MOST_TOP_LOGPROBS)
     wants = _boolean(body, "logprobs")
     if top is not None and not wants:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (top or 0) if wants else None
     max_tokens = _max_tokens(body, ctx, len(prompt_ids), ("max_completion_tokens", "max_tokens"), None)
-    return _spec(body, ctx, prompt_ids, max_tokens, logprobs, chat=True)
+    return _spec(body, ctx, prompt_ids, max_tokens, logprobs, chat=True, tools=tools)
 
 
 def _spec(body: dict, ctx: Context, prompt_ids: list[int], max_tokens: int, logprobs: int | None,
-          chat: bool) -> Spec:
+          chat: bool, tools: Tools | None = None) -> Spec:
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
         raise ApiError(400, f"n must be 1 (one choice per request is served), got {n!r}", "n")
@@ -163,13 +177,13 @@ def _spec(body: dict, ctx: Context, prompt_ids: list[int], max_tokens: int, logp
     params = _sampling(body, ctx, logprobs)
     _refuse_unserved(body)
     request = Request(prompt_ids, max_tokens, params, stop_ids=_stop_token_ids(body, ctx),
-                      ignore_eos=_boolean(body, "ignore_eos"), constraint=_constraint(body, ctx))
-    return Spec(request, _stops(body.get("stop")), stream, include_usage, logprobs, chat)
+                      ignore_eos=_boolean(body, "ignore_eos"), constraint=_constraint(body, ctx, tools))
+    return Spec(request, _stops(body.get("stop")), stream, include_usage, logprobs, chat, tools)
 
 
 # Fields other servers take that would change the answer and that npllm does not serve: refused by name rather than
 # dropped (a client that asked for a tool call or a guided decode must not get plain text and no error).
-UNSERVED = ("tools", "tool_choice", "functions", "function_call", "guided_json", "guided_regex", "guided_grammar",
+UNSERVED = ("functions", "function_call", "guided_json", "guided_regex", "guided_grammar",
             "guided_choice", "structured_outputs", "min_tokens", "mirostat", "mirostat_tau", "mirostat_eta",
             "tfs_z", "dry_multiplier", "xtc_probability", "repeat_penalty", "n_predict", "prediction")
 
@@ -195,14 +209,16 @@ def _stop_token_ids(body: dict, ctx: Context) -> frozenset[int]:
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
-def _constraint(body: dict, ctx: Context):
+def _constraint(body: dict, ctx: Context, tools: Tools | None = None):
     """The structured-output constraint a request asks for, bound to the model's tokenizer (None when none):
     OpenAI's response_format {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema",
     "strict"}}, or llama.cpp's `json_schema` (a schema) or `grammar` (GBNF or Lark) fields; at most one. A schema
     keyword that would not be enforced is a 400 naming it (strict or not: every schema given is enforced)."""
+    calls = tools.constraint if tools is not None and tools.choice != "none" else None
     asked = [(param, make) for param, make in (("response_format", _response_format(body.get("response_format"))),
                                                ("json_schema", _llama_field(body, "json_schema", dict)),
-                                               ("grammar", _llama_field(body, "grammar", str))) if make is not None]
+                                               ("grammar", _llama_field(body, "grammar", str)),
+                                               ("tools", calls)) if make is not None]
     if not asked:
         return None
     if len(asked) > 1:
@@ -350,7 +366,7 @@ def _messages(messages) -> list[dict]:
     return plain
 
 
-def _chat_prompt_ids(messages: list[dict], ctx: Context) -> list[int]:
+def _chat_prompt_ids(messages: list[dict], ctx: Context, tools: Tools | None = None) -> list[int]:
     """The conversation laid out by the chat template (ending with the assistant's header), then encoded. A template
     that writes the BOS piece as text gets the BOS id instead (text "<s>" would be encoded as characters). The render
     runs in a worker process with a deadline (npllm/chat/worker.py); this waits for it, so the server calls parse_chat
@@ -362,7 +378,8 @@ def _chat_prompt_ids(messages: list[dict], ctx: Context) -> list[int]:
     eos = tok.id_to_piece(config.eos_ids[0]) if config.eos_ids else None
     try:
         text = render_chat_template(ctx.chat_template, messages, add_generation_prompt=True, bos_token=bos,
-                                    eos_token=eos, template_name=ctx.template_name or None)
+                                    eos_token=eos, template_name=ctx.template_name or None,
+                                    tools=None if tools is None else tools.for_template())
     except ChatTemplateError as e:
         raise ApiError(400, str(e), "messages") from None
     if bos and text.startswith(bos):
@@ -587,10 +604,19 @@ def completion_body(id_: str, model: str, output: Output, pieces: list[Piece]) -
 
 def chat_body(id_: str, model: str, output: Output, pieces: list[Piece]) -> dict:
     logprobs = chat_logprobs(pieces) if output.spec.logprobs is not None else None
+    message, finish = reply_message(output)
     return {"id": id_, "object": "chat.completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": output.text},
-                         "logprobs": logprobs, "finish_reason": output.finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
             "usage": output.usage()}
+
+
+def reply_message(output: Output) -> tuple[dict, str]:
+    """A finished chat reply as OpenAI's message and finish_reason: its tool calls where it made some (a reply
+    that ended, not one cut by the token limit), finish_reason "tool_calls"; else its text."""
+    calls = tool_calls(output.text) if output.spec.calls_tools and output.finish_reason == "stop" else None
+    if calls:
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": output.text}, output.finish_reason
 
 
 def completion_chunk(id_: str, model: str, piece: Piece | None, finish_reason: str | None,

@@ -1,13 +1,16 @@
 """Structured outputs' cost: compile time per schema and the mask's time per token (p50 / p99), on a tokenizer.
 
     python scripts/bench/constraint_speed.py [--tokenizer PATH] [--walks 20] [--steps 64]
+    python scripts/bench/constraint_speed.py --decode MODEL [--backend numba] [--tokens 200] [--rounds 3]
 
 For each schema below: the compile time (Constraint.json + bind: llguidance builds its lexer and parser for the
 vocabulary; bind is kept per constraint, so a second request with the same schema pays nothing) and the first
 mask's time (llguidance builds part of its lexer lazily there), then random walks
 through the language, timing at each step llguidance's bitmask alone ("engine") and npllm's whole
 ConstraintState.allowed() (the bitmask unpacked to a [V] bool array with the stop ids set: "allowed"). The
-vocabulary's byte table is built once per tokenizer and timed apart. docs/structured.md quotes the figures.
+vocabulary's byte table is built once per tokenizer and timed apart. With --decode MODEL: decode tok/s of one
+prompt with and without a constraint that never ends early (a regex over letters and spaces, EOS ignored), the two
+alternated in one process, and their ratio. docs/structured.md quotes the figures.
 """
 
 from __future__ import annotations
@@ -59,12 +62,36 @@ def walk(bound, eos: int, steps: int, rng) -> tuple[list[float], list[float]]:
     return engine, whole
 
 
+def decode_ratio(model: str, backend: str, tokens: int, rounds: int) -> None:
+    import npllm
+
+    llm = npllm.load(model, backend=backend)
+    constraint = Constraint.regex("[a-z ,.]{0,100000}")
+    llm.generate("Once upon a time", 8, ignore_eos=True)  # compile and warm up both paths
+    llm.generate("Once upon a time", 8, ignore_eos=True, constraint=constraint)
+    rates = {"plain": [], "constrained": []}
+    for _ in range(rounds):
+        for name, extra in (("plain", {}), ("constrained", {"constraint": constraint})):
+            t = time.perf_counter()
+            llm.generate("Once upon a time", tokens, ignore_eos=True, seed=0, **extra)
+            rates[name].append(tokens / (time.perf_counter() - t))
+    plain, constrained = (float(np.median(rates[k])) for k in ("plain", "constrained"))
+    print(f"{model} ({backend}): {tokens} tokens, median of {rounds}: plain {plain:.1f} tok/s, constrained "
+          f"{constrained:.1f} tok/s, ratio {constrained / plain:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", default="/work/shared/weights/llama2-tokenizer/tokenizer.model")
     parser.add_argument("--walks", type=int, default=20)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--decode", default=None, metavar="MODEL", help="measure decode tok/s with and without")
+    parser.add_argument("--backend", default="numba")
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.decode:
+        return decode_ratio(args.decode, args.backend, args.tokens, args.rounds)
     tok = load_tokenizer(args.tokenizer)
     t = time.perf_counter()
     Vocabulary.of(tok, tok.vocab_size)
