@@ -215,7 +215,7 @@ class Vocabulary:
         self.size, self.known = size, n
         self.tokens = [tokenizer.token_bytes(i) for i in range(n)]
         self.special = [i for i in range(n) if tokenizer.is_special(i)]
-        self._encode = tokenizer.encode
+        self._tokenizer = weakref.ref(tokenizer)  # weak: the table is kept per tokenizer, not the tokenizer by it
         self._by_bytes = {}
         for i in range(n - 1, -1, -1):  # the lowest id spells each byte string, specials never
             if i not in self.special:
@@ -236,8 +236,11 @@ class Vocabulary:
         """Ids whose bytes are exactly `text`'s (llguidance asks for forced text): the tokenizer's own encoding
         where it spells the bytes exactly (no dummy prefix, valid UTF-8), else the longest tokens first."""
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        tokenizer = self._tokenizer()
         try:
-            ids = self._encode(data.decode("utf-8"), bos=False)
+            if tokenizer is None:
+                raise ValueError("the tokenizer is gone")
+            ids = tokenizer.encode(data.decode("utf-8"), bos=False)
             if b"".join(self.tokens[i] for i in ids) == data and not self._special_set.intersection(ids):
                 return ids
         except (UnicodeDecodeError, ValueError):

@@ -74,6 +74,7 @@ class Row:
     history: list[int] | np.ndarray
     constraint: object | None = None
     stops: frozenset[int] = frozenset()
+    last_allowed: np.ndarray | None = None  # [V] the constraint's mask at the last draw (None without a constraint)
 
     def allowed(self, V: int) -> np.ndarray:
         """[V] bool: the tokens this row may draw next (all of them without a constraint)."""
@@ -136,16 +137,20 @@ def draw_rows(model, last, rows: list[Row], report: bool = False, observe: Obser
 
     A lone row nobody needs the logits of (no observer) is drawn by draw_next: through the model's own sampler
     where it has one, so that only the id travels back, the same id draw() would pick. Rows under a constraint
-    draw from logits with the forbidden tokens at -inf (sampling.constrain, before every other stage), which is
-    also what `observe` sees: log-probabilities report the constrained distribution.
+    draw from logits with the forbidden tokens at -inf (sampling.constrain, before every other stage; the mask
+    stays in row.last_allowed); `observe` sees the model's own logits.
     """
     constrained = any(row.constraint is not None for row in rows)
     if len(rows) == 1 and observe is None and not constrained:
         return as_batch(draw_next(model, last, rows[0], report))
     logits = model.lm_head(last)  # [B, V]
+    drawn_from = logits
     if constrained:
-        logits = constrain(logits, np.stack([row.allowed(logits.shape[-1]) for row in rows]))
-    drawn = draw(rows, logits, report)
+        for row in rows:
+            row.last_allowed = None if row.constraint is None else row.allowed(logits.shape[-1])
+        drawn_from = constrain(logits, np.stack([row.allowed(logits.shape[-1]) if row.last_allowed is None
+                                                 else row.last_allowed for row in rows]))
+    drawn = draw(rows, drawn_from, report)
     if observe is not None:
         observe(rows, logits, drawn)
     return drawn
@@ -322,10 +327,12 @@ def take(model, last, sequences: list[Sequence], report: bool = False,
 
 
 def _scoring(wanted: list[int], scored: dict, observe: Observer | None) -> Observer:
-    """An observer that puts log p(drawn token) under softmax(logits) of the rows `wanted` into `scored`, then
-    calls `observe`."""
+    """An observer that puts log p(drawn token) under softmax(logits) of the rows `wanted` into `scored` (under a
+    constraint, of the logits it masked: the constrained distribution), then calls `observe`."""
     def record(rows, logits, drawn):
-        scored.update(zip(wanted, token_logprobs(logits[wanted], drawn.token_ids[wanted])))
+        rows_logits = [logits[i] if rows[i].last_allowed is None else constrain(logits[i], rows[i].last_allowed)
+                       for i in wanted]
+        scored.update(zip(wanted, token_logprobs(np.stack(rows_logits), drawn.token_ids[wanted])))
         if observe is not None:
             observe(rows, logits, drawn)
 

@@ -6,6 +6,7 @@ a language that can only end finishes without another forward."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -375,7 +376,6 @@ def test_cli_generate_and_chat_follow_the_constraint(tmp_path, capsys, monkeypat
     (["--json-schema", "{missing}"], "--json-schema {missing}: cannot read it"),
     (["--regex", "a", "--json-object"], "--json-object and --regex each constrain the output"),
     (["--regex", "(a"], "regex"),
-    (["--regex", "a", "--explain"], "--explain does not take --regex"),
 ])
 def test_cli_refuses_bad_constraints_in_one_line(tmp_path, capsys, flags, said):
     from npllm.cli import main
@@ -435,3 +435,26 @@ def test_beam_search_keeps_each_beam_in_the_language(llm):
     assert regex and all(re.fullmatch("(cat|dog|bird)s?", llm.completion_text(prompt, [t for t in h.tokens
                                                                                           if t not in eos]))
                          for h in regex)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --explain: the mask as a stage, the tokens it removed
+
+
+def test_explain_shows_the_mask_and_explains_the_same_tokens(llm):
+    from npllm.explain import explain_ids, format_step, print_explained
+
+    constraint = Constraint.regex("(cat|dog)s? ran")
+    params = SamplingParams(seed=2)
+    prompt = llm.tokenizer.encode("Once")
+    steps = list(explain_ids(llm.model, llm.tokenizer, prompt, 10, params, constraint=llm.bind_constraint(constraint)))
+    tokens = [s.token_id for s in steps if not s.stop]
+    assert llm.tokenizer.decode(tokens) == llm.generate("Once", 10, params, constraint=constraint)
+    first = steps[0]
+    assert first.stages[:2] == ("logits", "constraint") and first.allowed >= 1
+    assert any(first.fate(c) == "cut by constraint" for c in first.candidates)  # the top raw candidates were removed
+    assert "the constraint allowed" in format_step(first)
+    out = io.StringIO()
+    print_explained(llm, prompt, 10, params, as_json=True, out=out, constraint=constraint)
+    record = json.loads(out.getvalue().splitlines()[0])
+    assert record["allowed"] == first.allowed and record["stages"][1] == "constraint"

@@ -36,7 +36,7 @@ def run_generate(args) -> int:
     if args.explain:
         from ..explain import print_explained
 
-        print_explained(llm, prompt_ids, args.max_new_tokens, params, as_json=args.json)
+        print_explained(llm, prompt_ids, args.max_new_tokens, params, as_json=args.json, constraint=constraint)
         return 0
     if args.num_beams > 1:
         return run_beam_search(args, llm, prompt_ids, constraint)

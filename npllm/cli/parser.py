@@ -380,7 +380,7 @@ GENERATE_MODES = (
          "(no sampling, no draft, no per-token report), inside the context up to EOS"),
     Mode("draft", ONE_PROMPT | SAMPLING | CONSTRAINT | {"stop", "num_draft"}, SPECULATIVE),
     Mode("draft_layers", ONE_PROMPT | SAMPLING | CONSTRAINT | {"stop", "num_draft"}, SPECULATIVE),
-    Mode("explain", ONE_PROMPT | SAMPLING | {"json"},
+    Mode("explain", ONE_PROMPT | SAMPLING | CONSTRAINT | {"json"},
          "--explain shows one PROMPT's draws stage by stage (each token's log-probability and top candidates "
          "included), inside the context up to EOS, without stop strings"),
 )
