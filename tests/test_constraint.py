@@ -458,3 +458,21 @@ def test_explain_shows_the_mask_and_explains_the_same_tokens(llm):
     print_explained(llm, prompt, 10, params, as_json=True, out=out, constraint=constraint)
     record = json.loads(out.getvalue().splitlines()[0])
     assert record["allowed"] == first.allowed and record["stages"][1] == "constraint"
+
+
+def test_npllms_constraint_stage_passes_the_masked_sampler_laws_and_broken_ones_fail():
+    from npllm.testing import check_masked_sampler
+
+    params = SamplingParams()
+    check_masked_sampler(lambda x, allowed, rng: sample_step(params, constrain(x, allowed), rng).token_ids)
+    with pytest.raises(AssertionError, match="never_masked"):  # a sampler that forgets the mask
+        check_masked_sampler(lambda x, allowed, rng: sample_step(params, x, rng).token_ids)
+
+    def resamples(x, allowed, rng):  # redraws until allowed: the masked mass goes to the argmax's neighbours
+        x = np.asarray(x, np.float64)
+        token = int(np.argmax(np.where(allowed, x, -np.inf)))
+        first = sample_step(params, x, rng).token_ids
+        return first if allowed[first] else token
+
+    with pytest.raises(AssertionError, match="renormalised"):
+        check_masked_sampler(resamples)

@@ -11,8 +11,12 @@ and checks at every step:
                        (so the generation loop can end it without another forward)
 
 `in_language(text) -> bool` is the oracle, independent of the constraint (jsonschema, re.fullmatch, a parser).
-The laws of the sampling stage itself (a masked token is never drawn, the draw renormalised over the allowed set,
-greedy the argmax over it) are properties of npllm.sampling.constrain and the pipeline: tests/test_constraint.py.
+
+`check_masked_sampler(fn)` checks the stage itself on anyone's sampler fn(logits[V], allowed[V] bool, rng) -> id:
+
+    never_masked       Hypothesis over logits and masks: the token drawn is always allowed
+    renormalised       on fixed rows and masks, the draws follow softmax(logits) restricted to the allowed set and
+                       renormalised (check_sampler's chi-square test)
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-__all__ = ["check_constraint"]
+__all__ = ["check_constraint", "check_masked_sampler"]
 
 
 def _text(data: bytes) -> str | None:
@@ -77,3 +81,41 @@ def check_constraint(bound, token_bytes, in_language, stops, *, max_examples: in
         _step(state, stops, text, in_language)
 
     walk()
+
+
+def _renormalised(x: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """softmax(x) restricted to `allowed` and renormalised, in float64."""
+    z = np.where(allowed, np.asarray(x, np.float64), -np.inf)
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def check_masked_sampler(fn, *, max_examples: int = 100, alpha: float = 1e-4, seed: int = 0) -> None:
+    """fn(logits[V], allowed[V] bool, rng) -> token id, a sampler with a constraint stage: the laws above
+    (AssertionError naming the law, the logits and the mask)."""
+    from . import strategies as nps
+    from .sampler import check_sampler
+
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True)
+    @given(nps.logits(size=(2, 24), neg_inf=False), st.data(), st.integers(0, 2**32 - 1))
+    def never_masked(x, data, rng_seed):
+        allowed = np.array(data.draw(st.lists(st.booleans(), min_size=len(x), max_size=len(x))))
+        allowed[data.draw(st.integers(0, len(x) - 1))] = True
+        token = int(fn(x.copy(), allowed.copy(), np.random.default_rng(rng_seed)))
+        if not (0 <= token < len(x)) or not allowed[token]:
+            raise AssertionError(f"never_masked: drew token {token}, which the mask forbids\n  logits = "
+                                 f"{x.tolist()}\n  allowed = {allowed.astype(int).tolist()}")
+
+    never_masked()
+    rng = np.random.default_rng(seed)
+    for V in (4, 9, 16):
+        x = rng.normal(0, 2, V)
+        allowed = rng.random(V) < 0.6
+        allowed[int(np.argmax(x))] = False  # the most probable token masked: the renormalisation must show
+        allowed[rng.integers(V)] = True
+        try:
+            # check_sampler also draws from a flat row of its own (seed checks): unmasked there
+            check_sampler(lambda row, g: fn(row, allowed if len(row) == V else np.ones(len(row), bool), g),
+                          logits=[x], target=lambda row: _renormalised(row, allowed), alpha=alpha, seed=seed)
+        except AssertionError as err:
+            raise AssertionError(f"renormalised: {err}\n  allowed = {allowed.astype(int).tolist()}") from None
