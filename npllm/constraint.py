@@ -57,6 +57,7 @@ ANNOTATIONS = frozenset({
 })
 # The string formats llguidance enforces; any other `format` would be a promise it cannot keep.
 FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid"})
+MOST_DEPTH = 256  # nested subschemas: far past any real schema, well inside Python's recursion limit
 # Where a keyword's value holds subschemas: one schema, a list of them, or a name -> schema map.
 _ONE, _LIST, _MAP = ("items", "additionalProperties"), ("prefixItems", "anyOf", "oneOf", "allOf"), (
     "properties", "patternProperties", "$defs", "definitions")
@@ -68,6 +69,8 @@ def check_schema(schema, path: str = "") -> None:
     "x-guidance" (llguidance's whitespace and separator options) is allowed."""
     if isinstance(schema, bool):
         return
+    if path.count("/") > MOST_DEPTH:
+        raise ConstraintError(f"JSON schema is nested more than {MOST_DEPTH} levels deep (at {path[:80]}...)")
     if not isinstance(schema, dict):
         raise ConstraintError(f"JSON schema at {path or '/'} must be an object or a boolean, got "
                               f"{type(schema).__name__}")
@@ -130,13 +133,16 @@ class Constraint:
         """Any JSON value (schema None), or JSON valid against `schema` (a dict, a bool, or its JSON text)."""
         if schema is None:
             schema = {}
-        if isinstance(schema, (str, bytes)):
-            try:
-                schema = json.loads(schema)
-            except ValueError as err:
-                raise ConstraintError(f"JSON schema is not valid JSON: {err}") from None
-        check_schema(schema)
-        return cls("json_schema", json.dumps(schema, sort_keys=False))
+        try:
+            if isinstance(schema, (str, bytes)):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as err:
+                    raise ConstraintError(f"JSON schema is not valid JSON: {err}") from None
+            check_schema(schema)
+            return cls("json_schema", json.dumps(schema, sort_keys=False))
+        except RecursionError:  # the JSON parser, the walk and json.dumps recurse once per level
+            raise ConstraintError("JSON schema is nested too deeply") from None
 
     @classmethod
     def regex(cls, pattern: str) -> "Constraint":

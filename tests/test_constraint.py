@@ -105,6 +105,18 @@ def test_a_schema_keyword_not_enforced_is_refused_by_name_and_path(schema, said)
         Constraint.json(schema)
 
 
+def test_deeply_nested_schemas_are_refused_not_a_traceback():
+    with pytest.raises(ConstraintError, match="nested too deeply"):
+        Constraint.json("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConstraintError, match="nested more than 256 levels"):
+        Constraint.json('{"items":' * 300 + "{}" + "}" * 300)
+    deep = {}
+    for _ in range(5000):
+        deep = {"items": deep}
+    with pytest.raises(ConstraintError, match="nested"):
+        Constraint.json(deep)
+
+
 def test_what_llguidance_itself_refuses_is_a_constraint_error():
     with pytest.raises(ConstraintError, match="oneOf"):  # overlapping alternatives: oneOf is not anyOf there
         Constraint.json({"oneOf": [{"type": "integer"}, {"type": "number"}]})
