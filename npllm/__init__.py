@@ -6,9 +6,10 @@
 """
 
 from .config import ModelConfig
+from .constraint import Constraint
 from .errors import NpllmError
 from .llm import LLM, load
 from .sampling import SamplingParams
 
-__all__ = ["load", "LLM", "ModelConfig", "SamplingParams", "NpllmError"]
+__all__ = ["load", "LLM", "ModelConfig", "SamplingParams", "Constraint", "NpllmError"]
 __version__ = "0.1.0"

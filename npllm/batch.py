@@ -40,7 +40,7 @@ from pathlib import Path
 
 from .errors import ChatTemplateError, GenerationError
 from .serve.protocol import (ApiError, Context, Output, chat_logprobs, check_nesting, completion_logprobs,
-                             parse_chat, parse_completion, parse_json)
+                             parse_chat, parse_completion, parse_json, reply_message)
 
 DEFAULT_SLOTS = 8
 WINDOW_PER_SLOT = 2  # requests submitted ahead of the oldest unwritten one: 2 x slots keeps every slot busy
@@ -375,6 +375,10 @@ class Job:
         self.output.finish(self.handle.finish_reason)
         out = self.output
         record = {"text": out.text, "tokens": self.tokens, "finish_reason": out.finish_reason, "usage": out.usage()}
+        if self.spec.calls_tools:  # a chat line with tools: its calls as the server gives them
+            message, record["finish_reason"] = reply_message(out)
+            if "tool_calls" in message:
+                record["tool_calls"] = message["tool_calls"]
         if self.spec.logprobs is not None:
             record["logprobs"] = (chat_logprobs if self.spec.chat else completion_logprobs)(self.pieces)
         return record

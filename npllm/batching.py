@@ -50,7 +50,8 @@ STRATEGIES = ("static", "ragged", "continuous")
 @dataclass
 class Completion:
     """What a request produced. Log-probabilities are those of the model (log-softmax of the raw logits at
-    temperature 1), as Meta's generate reports them, whatever distribution the token was drawn from."""
+    temperature 1), as Meta's generate reports them, whatever distribution the token was drawn from; under a
+    structured-output constraint, of the masked logits (the model renormalised over the allowed tokens)."""
 
     prompt: tuple[int, ...]
     tokens: list[int]  # new tokens, without the stop token

@@ -21,6 +21,10 @@ class GenerationError(NpllmError, ValueError):
     """A generation request cannot be served (prompt longer than the context, bad sampling parameter, ...)."""
 
 
+class ConstraintError(GenerationError):
+    """A structured-output constraint (JSON Schema, regex, grammar) that is malformed or would not be enforced."""
+
+
 class DownloadError(NpllmError, OSError):
     """A download failed, was truncated, or did not match its checksum; nothing was left behind."""
 

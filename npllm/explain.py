@@ -28,13 +28,15 @@ from typing import TextIO
 import numpy as np
 
 from .generate import Request, check_prompt, decode, stop_ids
-from .sampling import PIPELINE, SamplingParams, explain_steps
+from .sampling import PIPELINE, SamplingParams, constrain, explain_steps, softmax
 
 FILTERS = tuple(stage.name for stage in PIPELINE if stage.kind == "filter")  # top_k, top_p, min_p, typical_p
-BANS = FILTERS + ("logit_bias", "no_repeat_ngram")  # the stages that can remove a token (give it -inf)
+# the stages that can remove a token (give it -inf); "constraint" is a structured-output constraint's mask
+BANS = FILTERS + ("logit_bias", "no_repeat_ngram", "constraint")
 # Column headings of the terminal table, one per pipeline stage.
 HEADINGS = {"logits": "raw", "repetition_penalty": "rep_pen", "presence_frequency_penalty": "pres_freq",
-            "logit_bias": "bias", "no_repeat_ngram": "ngram", "temperature": "temp", "typical_p": "typical"}
+            "logit_bias": "bias", "no_repeat_ngram": "ngram", "temperature": "temp", "typical_p": "typical",
+            "constraint": "mask"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class Step:
     kept: int  # tokens left with nonzero probability in the distribution drawn from
     kept_mass: float  # their probability before the first filter (1.0 when no filter is active)
     stop: bool  # the drawn token ends the generation (EOS, or BOS for llama2.c's checkpoints)
+    allowed: int | None = None  # under a constraint: how many tokens its mask allowed
+    allowed_mass: float | None = None  # ... and their probability under the raw softmax
 
     @property
     def drawn_probability(self) -> float:
@@ -81,10 +85,11 @@ class Step:
 
 
 def explain_ids(model, tokenizer, prompt_ids, max_new_tokens: int, params: SamplingParams,
-                top: int = 8) -> Iterator[Step]:
+                top: int = 8, constraint=None) -> Iterator[Step]:
     """Yield one Step per generated token, the stopping token included (with stop=True).
 
     The generation is generate_steps' own (npllm.generate.decode); this only watches each step's logits and draw.
+    constraint: a BoundConstraint; its mask shows as the "constraint" stage, right after the raw softmax.
     """
     check_prompt(model.config, prompt_ids)
     decoder = tokenizer.stream_decoder()
@@ -97,10 +102,10 @@ def explain_ids(model, tokenizer, prompt_ids, max_new_tokens: int, params: Sampl
         stop = token in stops
         text = "" if stop else decoder.feed(token)
         steps.append(describe(len(steps), len(history), logits[0], params, history, token,
-                              float(drawn.logprobs[0]), text, stop, tokenizer, top))
+                              float(drawn.logprobs[0]), text, stop, tokenizer, top, rows[0].last_allowed))
 
     stops = stop_ids(model.config)
-    request = Request(prompt_ids, max_new_tokens, replace(params, stop=()))
+    request = Request(prompt_ids, max_new_tokens, replace(params, stop=()), constraint=constraint)
     shown = 0
     for _ in decode(model, request, rng=params.generator(), report=True, observe=observe):
         yield from steps[shown:]
@@ -108,9 +113,15 @@ def explain_ids(model, tokenizer, prompt_ids, max_new_tokens: int, params: Sampl
     yield from steps[shown:]  # the stop token's step, which decode does not yield
 
 
-def describe(index, position, logits, params, history, token, logprob, text, stop, tokenizer, top) -> Step:
-    """The Step for one draw: the stage-by-stage distributions of `logits`, reduced to the rows worth showing."""
-    stages = explain_steps(logits, params, history)  # [(name, [V] probabilities)]
+def describe(index, position, logits, params, history, token, logprob, text, stop, tokenizer, top,
+             allowed=None) -> Step:
+    """The Step for one draw: the stage-by-stage distributions of `logits` (after the raw softmax, the mask
+    `allowed` of a constraint where there is one), reduced to the rows worth showing."""
+    if allowed is None:
+        stages = explain_steps(logits, params, history)  # [(name, [V] probabilities)]
+    else:
+        masked = explain_steps(constrain(logits, allowed), params, history)
+        stages = [("logits", softmax(np.asarray(logits, np.float64))), ("constraint", masked[0][1]), *masked[1:]]
     names = tuple(name for name, _ in stages)
     probs = np.stack([p for _, p in stages])  # [stages, V]
     # Greedy decoding draws from a point mass; its logprob refers to the distribution before that (see Sampled).
@@ -124,8 +135,9 @@ def describe(index, position, logits, params, history, token, logprob, text, sto
     kept_mass = 1.0 if first_filter is None else float(probs[first_filter - 1][final].sum())
     candidates = tuple(Candidate(int(i), tokenizer.id_to_piece(int(i)), tuple(float(p) for p in probs[:, i]))
                        for i in shown)
+    kept_by_mask = (None, None) if allowed is None else (int(allowed.sum()), float(raw[allowed].sum()))
     return Step(index, position, names, drawn_from, candidates, token, tokenizer.id_to_piece(token), text, logprob,
-                int(final.sum()), kept_mass, stop)
+                int(final.sum()), kept_mass, stop, *kept_by_mask)
 
 
 def format_step(step: Step) -> str:
@@ -142,6 +154,9 @@ def format_step(step: Step) -> str:
     for c in step.candidates:
         cells = "".join(f"{p:>10.4f}" if p > 0 else f"{'-':>10}" for p in c.probs)
         lines.append(f"  {c.token_id:>6}  {printable(c.piece):14}{cells}   {step.fate(c)}")
+    if step.allowed is not None:
+        lines.append(f"  the constraint allowed {step.allowed} token{'s' if step.allowed != 1 else ''}, "
+                     f"{step.allowed_mass:.1%} of the raw probability")
     if any(s in FILTERS for s in step.stages):
         lines.append(f"  the filters kept {step.kept} token{'s' if step.kept != 1 else ''}, "
                      f"{step.kept_mass:.1%} of the probability before filtering")
@@ -167,20 +182,22 @@ def step_json(step: Step) -> str:
         "drawn_from": step.stages[step.drawn_from],
         "kept": step.kept,
         "kept_mass": step.kept_mass,
+        **({} if step.allowed is None else {"allowed": step.allowed, "allowed_mass": step.allowed_mass}),
         "candidates": [{"token_id": c.token_id, "piece": c.piece, "fate": step.fate(c),
                         "probs": dict(zip(step.stages, c.probs))} for c in step.candidates],
     }, ensure_ascii=False)
 
 
 def print_explained(llm, prompt_ids, max_new_tokens: int, params: SamplingParams, as_json: bool = False,
-                    out: TextIO = sys.stdout) -> None:
+                    out: TextIO = sys.stdout, constraint=None) -> None:
     """What `npllm generate --explain` prints: a table per generated token, then the prompt and completion as text.
 
     With `as_json`, one JSON object per token and nothing else; their "text" fields concatenate to the completion
     (up to a UTF-8 character left unfinished by the last token).
     """
     ids = list(prompt_ids)
-    for step in explain_ids(llm.model, llm.tokenizer, prompt_ids, max_new_tokens, params):
+    for step in explain_ids(llm.model, llm.tokenizer, prompt_ids, max_new_tokens, params,
+                            constraint=llm.bind_constraint(constraint)):
         out.write(step_json(step) + "\n" if as_json else format_step(step) + "\n\n")
         out.flush()
         if not step.stop:

@@ -31,7 +31,7 @@ import numpy as np
 
 from .context import Context, check_prompt
 from .errors import GenerationError
-from .sampling import Sampled, SamplingParams, log_softmax, sample_step, sample_with
+from .sampling import Sampled, SamplingParams, constrain, log_softmax, sample_step, sample_with
 
 
 def stop_ids(config) -> frozenset[int]:
@@ -64,12 +64,21 @@ def token_logprobs(logits: np.ndarray, ids) -> np.ndarray:
 
 @dataclass
 class Row:
-    """What drawing one sequence's next token needs: its parameters, its own generator (may be None when greedy)
-    and its history (prompt + tokens so far, which the penalties look at)."""
+    """What drawing one sequence's next token needs: its parameters, its own generator (may be None when greedy),
+    its history (prompt + tokens so far, which the penalties look at), and under a structured-output constraint its
+    state (npllm.constraint.ConstraintState) with the ids that end the sequence (allowed where the language may
+    end)."""
 
     params: SamplingParams  # rows with equal params are drawn in one call; a Sequence leaves the seed out (rng has it)
     rng: np.random.Generator | None
     history: list[int] | np.ndarray
+    constraint: object | None = None
+    stops: frozenset[int] = frozenset()
+    last_allowed: np.ndarray | None = None  # [V] the constraint's mask at the last draw (None without a constraint)
+
+    def allowed(self, V: int) -> np.ndarray:
+        """[V] bool: the tokens this row may draw next (all of them without a constraint)."""
+        return np.ones(V, bool) if self.constraint is None else self.constraint.allowed(self.stops)
 
 
 def draw(rows: list[Row], logits: np.ndarray, report: bool) -> Sampled:
@@ -127,12 +136,21 @@ def draw_rows(model, last, rows: list[Row], report: bool = False, observe: Obser
     then observe(rows, logits, drawn).
 
     A lone row nobody needs the logits of (no observer) is drawn by draw_next: through the model's own sampler
-    where it has one, so that only the id travels back, the same id draw() would pick.
+    where it has one, so that only the id travels back, the same id draw() would pick. Rows under a constraint
+    draw from logits with the forbidden tokens at -inf (sampling.constrain, before every other stage; the mask
+    stays in row.last_allowed); `observe` sees the model's own logits.
     """
-    if len(rows) == 1 and observe is None:
+    constrained = any(row.constraint is not None for row in rows)
+    if len(rows) == 1 and observe is None and not constrained:
         return as_batch(draw_next(model, last, rows[0], report))
     logits = model.lm_head(last)  # [B, V]
-    drawn = draw(rows, logits, report)
+    drawn_from = logits
+    if constrained:
+        for row in rows:
+            row.last_allowed = None if row.constraint is None else row.allowed(logits.shape[-1])
+        drawn_from = constrain(logits, np.stack([row.allowed(logits.shape[-1]) if row.last_allowed is None
+                                                 else row.last_allowed for row in rows]))
+    drawn = draw(rows, drawn_from, report)
     if observe is not None:
         observe(rows, logits, drawn)
     return drawn
@@ -191,6 +209,7 @@ class Request:
     logprobs: bool = False  # record log p(token | everything before it) of each new token
     prompt_logprobs: bool = False  # ... and of each prompt token after the first
     ignore_eos: bool = False  # the model's own stop ids do not end the generation (stop_ids still do)
+    constraint: object | None = None  # a BoundConstraint (npllm.constraint): the output must be in its language
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
@@ -218,11 +237,12 @@ class Sequence:
                  rng: np.random.Generator | None = None, context: Context | None = None):
         self.request, self.id, self.slot = request, id, slot
         rng = np.random.default_rng(request.params.seed) if rng is None else rng
-        self.row = Row(replace(request.params, seed=None), rng, list(request.prompt))
+        self.stops = (frozenset() if request.ignore_eos else stop_ids(config)) | request.stop_ids
+        constraint = None if request.constraint is None else request.constraint.start()
+        self.row = Row(replace(request.params, seed=None), rng, list(request.prompt), constraint, self.stops)
         self.tokens: list[int] = []
         self.logprobs: list[float] | None = [] if request.logprobs else None
         self.prompt_logprobs: list[float] | None = None
-        self.stops = (frozenset() if request.ignore_eos else stop_ids(config)) | request.stop_ids
         self.room = config.max_seq_len if context is None else context.room
         reach = len(request.prompt) + request.max_new_tokens - 1  # the last token drawn is never fed
         if request.ignore_eos and self.room is not None and reach > self.room:
@@ -240,8 +260,9 @@ class Sequence:
 
     def accept(self, token: int, logprob: float | None) -> bool:
         """Take a drawn token; False when it is a stop id (which ends the sequence and is not kept). A kept token
-        ends the sequence when it is the last one asked for, or when its position falls outside the room (it
-        cannot be fed: the last token drawn is never fed back)."""
+        ends the sequence when it completes its constraint's language (nothing but the end is allowed after it:
+        "stop", without another forward), when it is the last one asked for, or when its position falls outside
+        the room (it cannot be fed: the last token drawn is never fed back)."""
         if token in self.stops:
             self.finish_reason = "stop"
             return False
@@ -249,6 +270,11 @@ class Sequence:
         self.history.append(token)
         if self.logprobs is not None:
             self.logprobs.append(logprob)
+        if self.row.constraint is not None:
+            self.row.constraint.advance(token)
+            if self.row.constraint.finished:
+                self.finish_reason = "stop"
+                return True
         if len(self.tokens) == self.request.max_new_tokens:
             self.finish_reason = "length"
         elif self.room is not None and len(self.history) - 1 >= self.room:
@@ -301,10 +327,12 @@ def take(model, last, sequences: list[Sequence], report: bool = False,
 
 
 def _scoring(wanted: list[int], scored: dict, observe: Observer | None) -> Observer:
-    """An observer that puts log p(drawn token) under softmax(logits) of the rows `wanted` into `scored`, then
-    calls `observe`."""
+    """An observer that puts log p(drawn token) under softmax(logits) of the rows `wanted` into `scored` (under a
+    constraint, of the logits it masked: the constrained distribution), then calls `observe`."""
     def record(rows, logits, drawn):
-        scored.update(zip(wanted, token_logprobs(logits[wanted], drawn.token_ids[wanted])))
+        rows_logits = [logits[i] if rows[i].last_allowed is None else constrain(logits[i], rows[i].last_allowed)
+                       for i in wanted]
+        scored.update(zip(wanted, token_logprobs(np.stack(rows_logits), drawn.token_ids[wanted])))
         if observe is not None:
             observe(rows, logits, drawn)
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import batching, embed
 from .config import MAX_CONTEXT, ModelConfig
+from .constraint import BoundConstraint, Constraint
 from .errors import ConfigError, FormatError, GenerationError, TokenizerError
 from .context import DEFAULT_SINKS, Context, check_policy, encode_prompt
 from .stop import StopStrings, text_of_steps
@@ -70,7 +71,8 @@ class LLM:
 
     def stream(self, prompt: str = "", max_new_tokens: int = 256, params: SamplingParams | None = None, *,
                echo: bool = False, on_step=None, context_policy: str = "error", ignore_eos: bool = False,
-               sinks: int = DEFAULT_SINKS, speculative: Speculative | None = None, **keywords) -> Iterator[str]:
+               sinks: int = DEFAULT_SINKS, speculative: Speculative | None = None, constraint: Constraint | None = None,
+               **keywords) -> Iterator[str]:
         """Yield the completion's text as it is produced (with echo, the prompt's text first). How to sample:
         params=SamplingParams(...) (default SamplingParams()); its fields given as keywords replace the params' own.
 
@@ -88,18 +90,24 @@ class LLM:
         is full), "truncate" (recompute over the most recent half context) or "sinks" (StreamingLLM: `sinks` first
         tokens + the most recent window, bounded memory). ignore_eos: end-of-sequence ids do not end the completion.
 
+        Structured outputs (npllm.constraint, docs/structured.md): constraint=Constraint.json(schema) (or
+        Constraint.json(), .regex(pattern), .grammar(text)) sets every token that would leave the language to -inf
+        before every other sampling stage; the completion ends ("stop") once the language allows nothing more, and
+        at EOS only where the language may end.
+
         Any other keyword is a TypeError naming it.
         """
         params, speculative = _call_options("LLM.stream()", params, speculative, keywords)
+        bound = self.bind_constraint(constraint)
         tokenizer = self._require_tokenizer()
         # "error" refuses a prompt past the context, and one far past it before it is encoded whole
         prompt_ids = (encode_prompt(tokenizer, self.config, prompt) if context_policy == "error"
                       else tokenizer.encode(prompt, bos=True))
-        steps = self._steps(prompt_ids, max_new_tokens, params, speculative, context_policy, ignore_eos, sinks)
+        steps = self._steps(prompt_ids, max_new_tokens, params, speculative, context_policy, ignore_eos, sinks, bound)
         yield from _text_of(self.tokenizer, prompt_ids, steps, params.stop, echo, on_step)
 
     def _steps(self, prompt_ids, max_new_tokens, params, speculative: Speculative, context_policy, ignore_eos,
-               sinks) -> Iterator:
+               sinks, constraint: BoundConstraint | None = None) -> Iterator:
         """The generation steps stream() asked for: speculative, or the single-sequence loop (generate.decode) on
         a Context under the policy asked for."""
         check_policy(context_policy, sinks)
@@ -109,17 +117,19 @@ class LLM:
             raise GenerationError("speculative decoding runs inside the context and stops at EOS: it takes neither "
                                   "context_policy nor ignore_eos")
         if speculative.on:
-            return self._speculative_steps(prompt_ids, max_new_tokens, params, speculative)
+            return self._speculative_steps(prompt_ids, max_new_tokens, params, speculative, constraint)
         # "error" never goes past prompt + max_new_tokens positions: a cache that size, not the whole context
         room = min(self.config.max_seq_len, len(prompt_ids) + max(max_new_tokens, 1))
         context = Context(self.model, context_policy, sinks, room if context_policy == "error" else None)
-        request = Request(prompt_ids, max_new_tokens, dataclasses.replace(params, stop=()), ignore_eos=ignore_eos)
+        request = Request(prompt_ids, max_new_tokens, dataclasses.replace(params, stop=()), ignore_eos=ignore_eos,
+                          constraint=constraint)
         steps = decode(self.model, request, context, report=params.logprobs > 0)
         return _started(steps)  # a request refused (ignore_eos past the context) fails before the echo
 
     def generate(self, prompt: str | list[str] = "", max_new_tokens: int = 256, params: SamplingParams | None = None,
                  *, on_step=None, context_policy: str = "error", ignore_eos: bool = False, sinks: int = DEFAULT_SINKS,
-                 speculative: Speculative | None = None, **keywords) -> str | list[str]:
+                 speculative: Speculative | None = None, constraint: Constraint | None = None,
+                 **keywords) -> str | list[str]:
         """The completion of one prompt (without the prompt); for a list of prompts, the list of their completions,
         generated together by ragged batching, each one what it would be alone (every prompt uses params.seed).
         params, the keywords (SamplingParams' and Speculative's fields) and the rest are stream's.
@@ -130,15 +140,17 @@ class LLM:
         params, speculative = _call_options("LLM.generate()", params, speculative, keywords)
         if isinstance(prompt, str):
             return "".join(self.stream(prompt, max_new_tokens, params, on_step=on_step, context_policy=context_policy,
-                                       ignore_eos=ignore_eos, sinks=sinks, speculative=speculative))
+                                       ignore_eos=ignore_eos, sinks=sinks, speculative=speculative,
+                                       constraint=constraint))
         if context_policy != "error" or ignore_eos or speculative.on:
             raise GenerationError("a batch of prompts is generated inside the context, stops at EOS and is not "
                                   "speculative: context_policy, ignore_eos and a draft apply to a single prompt")
-        return self._generate_batch(list(prompt), max_new_tokens, params, on_step)
+        return self._generate_batch(list(prompt), max_new_tokens, params, on_step, self.bind_constraint(constraint))
 
     def chat_stream(self, messages: list[dict], max_new_tokens: int = 256, params: SamplingParams | None = None, *,
                     chat_template: str | None = None, context_policy: str = "error", sinks: int = DEFAULT_SINKS,
-                    ignore_eos: bool = False, on_step=None, **sampling) -> Iterator[str]:
+                    ignore_eos: bool = False, on_step=None, constraint: Constraint | None = None,
+                    **sampling) -> Iterator[str]:
         """The assistant's reply to `messages` ([{"role", "content"}, ...]), streamed as text. params and the
         sampling keywords beside it: as stream's.
 
@@ -148,19 +160,22 @@ class LLM:
         The reply ends at the model's EOS, at the template's end-of-turn text, at a stop string or after
         max_new_tokens. The KV cache is kept between calls with the same template and policy: a conversation that
         grows by a turn runs only the new tokens through the model (npllm.chat.ChatSession, npllm.context).
+        constraint: the reply's structured-output constraint, as stream's (it ends at the end of turn only where the
+        language may end).
         """
         params = with_keywords(params, sampling, "LLM.chat_stream()")
         session = self.chat_session(chat_template, context_policy=context_policy, sinks=sinks)
-        return session.stream(messages, max_new_tokens, params, ignore_eos=ignore_eos, on_step=on_step)
+        return session.stream(messages, max_new_tokens, params, ignore_eos=ignore_eos, on_step=on_step,
+                              constraint=self.bind_constraint(constraint))
 
     def chat(self, messages: list[dict], max_new_tokens: int = 256, params: SamplingParams | None = None, *,
              chat_template: str | None = None, context_policy: str = "error", sinks: int = DEFAULT_SINKS,
-             ignore_eos: bool = False, on_step=None, **sampling) -> str:
+             ignore_eos: bool = False, on_step=None, constraint: Constraint | None = None, **sampling) -> str:
         """The assistant's reply to `messages`, whole (the arguments of chat_stream)."""
         params = with_keywords(params, sampling, "LLM.chat()")
         return "".join(self.chat_stream(messages, max_new_tokens, params, chat_template=chat_template,
                                         context_policy=context_policy, sinks=sinks, ignore_eos=ignore_eos,
-                                        on_step=on_step))
+                                        on_step=on_step, constraint=constraint))
 
     def chat_session(self, chat_template: str | None = None, system: str | None = None,
                      context_policy: str = "error", sinks: int = DEFAULT_SINKS):
@@ -177,13 +192,13 @@ class LLM:
         return session
 
     def _generate_batch(self, prompts: list[str], max_new_tokens: int, params: SamplingParams,
-                        on_step=None) -> list[str]:
+                        on_step=None, constraint: BoundConstraint | None = None) -> list[str]:
         """The prompts' completions by ragged batching; each one's draws then become text as stream's do (the
         decoder primed with its prompt, cut at the first stop string to complete), with on_step(i, Sampled)."""
         tokenizer = self._require_tokenizer()
         token_level = dataclasses.replace(params, stop=())  # stop strings are text: cut below
-        requests = [batching.Request(encode_prompt(tokenizer, self.config, p), max_new_tokens, token_level)
-                    for p in prompts]
+        requests = [batching.Request(encode_prompt(tokenizer, self.config, p), max_new_tokens, token_level,
+                                     constraint=constraint) for p in prompts]
         draws = [[] for _ in requests]
         batching.ragged_generate(self.model, requests, on_draw=lambda i, drawn: draws[i].append(drawn))
         return ["".join(_text_of(tokenizer, r.prompt, steps, params.stop, False,
@@ -200,13 +215,14 @@ class LLM:
 
     def beam_search(self, prompt_ids, num_beams: int, max_new_tokens: int, length_penalty: float = 1.0,
                     early_stopping: bool | str = True, eos_token_id=None, num_return_sequences: int | None = None,
-                    stop: tuple[str, ...] = ()):
+                    stop: tuple[str, ...] = (), constraint: Constraint | None = None):
         """The best continuations of prompt_ids by beam search, best first (npllm.search.beam_search):
         hypotheses with .tokens (new tokens, the ending EOS included) and .score (summed log-probability /
         len(tokens) ** length_penalty), as transformers' generate(num_beams=...) finds them.
 
         stop: strings that end a hypothesis as EOS does, once its text (after the prompt) contains one; the token
-        that completes it is the hypothesis' last (completion_text(..., stop=stop) gives the text before it)."""
+        that completes it is the hypothesis' last (completion_text(..., stop=stop) gives the text before it).
+        constraint: every hypothesis follows it (each beam its own state; see npllm.search.beam_search)."""
         from .search import beam_search
 
         stop = SamplingParams(stop=stop).stop  # checked as a sampling option is
@@ -215,7 +231,8 @@ class LLM:
             return self._completion(prompt_ids, tokens, stop)[1]
 
         return beam_search(self.model, list(prompt_ids), num_beams, max_new_tokens, length_penalty, early_stopping,
-                           eos_token_id, num_return_sequences, stopped if stop else None)
+                           eos_token_id, num_return_sequences, stopped if stop else None,
+                           self.bind_constraint(constraint))
 
     def completion_text(self, prompt_ids, token_ids, echo: bool = False, stop: tuple[str, ...] = ()) -> str:
         """The text of token_ids continuing prompt_ids (the decoder primed with the prompt, as stream's), ended
@@ -252,7 +269,8 @@ class LLM:
                 self._drafts[key] = make_model(config, weights, self.backend, self.threads)
         return self._drafts[key]
 
-    def _speculative_steps(self, prompt_ids, max_new_tokens, params, speculative: Speculative) -> Iterator:
+    def _speculative_steps(self, prompt_ids, max_new_tokens, params, speculative: Speculative,
+                           constraint: BoundConstraint | None = None) -> Iterator:
         """speculative_decode's ids as the Sampled records generate_steps yields (no log-probabilities). The request
         and the draft are checked (and the draft built) here, before anything is generated."""
         num_draft = speculative.num_draft
@@ -260,7 +278,7 @@ class LLM:
             raise GenerationError("log-probabilities (logprobs) are not available with speculative decoding")
         if not isinstance(num_draft, (int, np.integer)) or num_draft < 1:
             raise GenerationError(f"num_draft must be a positive integer, got {num_draft!r}")
-        request = Request(prompt_ids, max_new_tokens, dataclasses.replace(params, stop=()))
+        request = Request(prompt_ids, max_new_tokens, dataclasses.replace(params, stop=()), constraint=constraint)
         draft = self.draft_model(speculative.draft, speculative.draft_layers)
         tokens = speculative_decode(self.model, draft, request, num_draft, stats=speculative.speculation)
         return (Sampled(token, float("nan"), *_NO_ALTERNATIVES) for token in tokens)
@@ -277,6 +295,14 @@ class LLM:
         for row in ids:
             embed.check_ids(self.config, row)  # all checked before the first forward
         return np.stack([embed.embed_ids(self.model, row, pooling, normalize) for row in ids])
+    def bind_constraint(self, constraint: Constraint | None) -> BoundConstraint | None:
+        """A Constraint bound to this model's tokenizer and vocabulary (kept: each sequence starts its own state)."""
+        if constraint is None:
+            return None
+        if not isinstance(constraint, Constraint):
+            raise GenerationError(f"constraint must be an npllm.Constraint (Constraint.json(schema), .regex(pattern), "
+                                  f".grammar(text)), got {type(constraint).__name__}")
+        return constraint.bind(self._require_tokenizer(), self.config.vocab_size)
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

@@ -8,6 +8,8 @@ logits' dtype; cumulative sums and the final draw are computed in float64.
 The pipeline is one table, PIPELINE, read by `sample_step`, `sample_with` and `explain_steps` alike
 (docs/sampling.md states every definition and how other engines differ):
 
+    constraint   the tokens a structured-output constraint forbids -> -inf (`constrain`; applied by the generation
+                 loop to the logits it passes here, so every stage below acts on the allowed set only)
     penalties    repetition_penalty -> presence_frequency_penalty -> logit_bias -> no_repeat_ngram
     temperature  z = (x - max x) / T      (T = 0 is greedy: argmax of the penalised logits, ties to the lowest id)
     filters      top_k -> top_p -> min_p -> typical_p   (each sees the distribution the previous one left)
@@ -55,6 +57,7 @@ __all__ = [
     "no_repeat_ngram",
     "logit_bias",
     "greedy",
+    "constrain",
     "SamplingParams",
     "Option",
     "options",
@@ -285,6 +288,26 @@ def log_softmax(logits, temperature: float = 1.0) -> np.ndarray:
     x = _as_logits(logits)
     t = _temperature_value(temperature)
     return _log_softmax_rows(_rows(x), t).reshape(x.shape)
+
+
+def constrain(logits, allowed) -> np.ndarray:
+    """The constraint stage: logits with every token outside `allowed` set to -inf, the rest unchanged.
+
+    allowed: [V] or [B, V] booleans (a structured-output constraint's mask, npllm.constraint) matching logits.
+    Applied before every other stage, it leaves each later stage the sub-vocabulary of allowed tokens: the draw's
+    distribution is the unconstrained pipeline's on that sub-vocabulary (so, without filters, the unconstrained
+    distribution renormalised over the allowed set), and greedy is the argmax over it. A row with nothing allowed
+    raises: there would be nothing to sample.
+    """
+    x = _as_logits(logits)
+    mask = np.asarray(allowed)
+    if mask.dtype != np.bool_ or mask.shape != x.shape:
+        raise GenerationError(f"allowed must be a boolean array of the logits' shape {x.shape}, got "
+                              f"{mask.dtype} {mask.shape}")
+    empty = ~_rows(mask).any(axis=1)
+    if empty.any():
+        raise GenerationError(f"logits row {int(np.flatnonzero(empty)[0])}: the constraint allows no token")
+    return np.where(mask, x, -np.inf).astype(x.dtype, copy=False)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -572,7 +595,7 @@ class SamplingParams:
                                api="typical_p", api_range=(0.0, 1.0), api_open=True)  # (0, 1]; 1 disables
     repetition_penalty: float = _option(1.0, "real", flag="--repetition-penalty",
                                         help="CTRL penalty on seen tokens (1: off)", api="repetition_penalty",
-                                        api_range=(0.0, None), api_open=True)  # > 0; 1 disables
+                                        api_range=(0.0, 10.0), api_open=True)  # > 0; 1 disables
     presence_penalty: float = _option(0.0, "real", flag="--presence-penalty",
                                       help="subtract this from seen tokens' logits",
                                       api="presence_penalty", api_range=(-2.0, 2.0))

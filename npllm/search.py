@@ -27,7 +27,7 @@ import numpy as np
 
 from .errors import GenerationError
 from .generate import stop_ids
-from .sampling import log_softmax
+from .sampling import constrain, log_softmax
 
 NEG = -1.0e9  # the score transformers gives a beam or candidate that must never be chosen
 
@@ -54,6 +54,7 @@ class _Beams:
     done_scores: np.ndarray  # [B] their length-penalised scores (NEG = empty place)
     done_logprobs: np.ndarray  # [B]
     improvable: bool = True  # the early-stopping heuristic has not yet said no
+    kept: np.ndarray | None = None  # the candidates the running beams came from at the last step
 
     def all_finished(self) -> bool:
         return bool((self.done_scores > NEG / 2).all())
@@ -61,13 +62,16 @@ class _Beams:
 
 def beam_search(model, prompt_ids, num_beams: int, max_new_tokens: int, length_penalty: float = 1.0,
                 early_stopping: bool | str = True, eos_token_id=None, num_return_sequences: int | None = None,
-                ends: Callable[[tuple[int, ...]], bool] | None = None) -> list[Hypothesis]:
+                ends: Callable[[tuple[int, ...]], bool] | None = None, constraint=None) -> list[Hypothesis]:
     """The best hypotheses continuing `prompt_ids`, best first (see the module docstring).
 
     eos_token_id: an id or a list of ids that end a hypothesis (default: the model's stop ids, generate.stop_ids).
     early_stopping: True, False or "never", as in transformers. num_return_sequences: how many to return
     (default: num_beams). ends(new tokens): a further rule under which a candidate ends as an EOS candidate does,
-    its last token kept (LLM.beam_search's stop strings).
+    its last token kept (LLM.beam_search's stop strings). constraint: a BoundConstraint (npllm.constraint) every
+    hypothesis follows, each beam with its own state: its logits are masked before the log-softmax (the scores are
+    the constrained distribution's), EOS is allowed where its text may end, and a token that completes the
+    language ends the hypothesis as EOS does (kept).
     """
     B, N, eos = _check(model, prompt_ids, num_beams, max_new_tokens, early_stopping, eos_token_id,
                        num_return_sequences)
@@ -81,13 +85,21 @@ def beam_search(model, prompt_ids, num_beams: int, max_new_tokens: int, length_p
     logits = np.repeat(np.asarray(model.lm_head(hidden[P - 1:]), np.float64), B, axis=0)  # [B, V]
     beams = _Beams(np.zeros((B, 0), np.int64), np.r_[0.0, np.full(B - 1, NEG)], [], np.full(B, NEG),
                    np.full(B, NEG))
+    states = None if constraint is None else [constraint.start() for _ in range(B)]
     for g in range(N):
+        if states is not None:
+            logits = constrain(logits, np.stack([s.allowed(eos.tolist()) for s in states]))
         candidates = _candidates(beams, logits, K)
         stops = np.isin(candidates[1], eos) | (g + 1 == N)  # [K] the candidate stops (EOS or the length limit)
         if ends is not None:
             stops |= [ends(tuple(beams.tokens[p].tolist()) + (int(t),)) for p, t in zip(*candidates[:2])]
+        if states is not None:
+            after = _after(states, candidates, eos)
+            stops |= [s is not None and s.finished for s in after]
         _finish(beams, candidates, stops, B, length_penalty, early_stopping)
         parents = _advance(beams, candidates, stops, B)
+        if states is not None:
+            states = [after[i] if after[i] is not None else states[candidates[0][i]] for i in beams.kept]
         beams.improvable = beams.improvable and _improvable(beams, g + 1, N, length_penalty, early_stopping)
         if not beams.improvable or (beams.all_finished() and early_stopping is True) or stops.all():
             break
@@ -98,6 +110,21 @@ def beam_search(model, prompt_ids, num_beams: int, max_new_tokens: int, length_p
     found = [Hypothesis(t, float(s), float(lp)) for t, s, lp in
              zip(beams.done_tokens, beams.done_scores, beams.done_logprobs) if s > NEG / 2]
     return found[: num_return_sequences or B]
+
+
+def _after(states: list, candidates, eos) -> list:
+    """Each candidate's constraint state once its token is taken: None for an EOS candidate and for one the mask
+    forbade (a -inf total: picked only when fewer than K tokens are allowed, it never runs or finishes)."""
+    parents, tokens, totals = candidates
+    out = []
+    for p, t, total in zip(parents, tokens, totals):
+        if t in eos or total == -np.inf:
+            out.append(None)
+            continue
+        state = states[p].copy()
+        state.advance(int(t))
+        out.append(state)
+    return out
 
 
 def _candidates(beams: _Beams, logits: np.ndarray, K: int):
@@ -130,6 +157,7 @@ def _advance(beams: _Beams, candidates, ends, B: int) -> np.ndarray:
     parents, tokens, totals = candidates
     running = totals + np.where(ends, NEG, 0.0)
     keep = _top(running, B)
+    beams.kept = keep  # which candidates the beams continue (their constraint states follow them)
     beams.tokens = np.concatenate([beams.tokens[parents[keep]], tokens[keep, None]], axis=1)
     beams.scores = running[keep]
     return parents[keep]

@@ -29,7 +29,7 @@ import numpy as np
 
 from .errors import GenerationError
 from .generate import Request, Sequence, advance, check_prompt
-from .sampling import SamplingParams, explain_steps, sample_with
+from .sampling import SamplingParams, constrain, explain_steps, sample_with
 
 
 @dataclass
@@ -113,10 +113,13 @@ def speculative_decode(model, draft, request: Request, num_draft: int = 4, rng: 
 def _round(model, draft, cache, draft_cache, sequence: Sequence, k: int, stats: SpeculationStats) -> Iterator[int]:
     """Draft k tokens, verify them in one call, keep what passes; yields the tokens kept."""
     params, rng, n = sequence.row.params, sequence.row.rng, len(sequence.history)
-    proposals, q = _draft(draft, draft_cache, sequence, k, stats)
+    proposals, q, masks = _draft(draft, draft_cache, sequence, k, stats)
+    k = len(proposals)  # fewer where a constraint's language ended among them
     tokens = [sequence.history[-1]] + proposals  # positions n-1 .. n-1+k
     hidden = model.forward(np.array(tokens), np.arange(n - 1, n + k), cache)
     logits = np.asarray(model.lm_head(hidden), np.float64)  # [k + 1, V]
+    if masks:  # under a constraint, the model is checked on the very masks the draft drew from
+        logits[:len(masks)] = constrain(logits[:len(masks)], np.stack(masks))
     stats.rounds += 1
     stats.drafted += k
     for i in range(k + 1):
@@ -140,8 +143,13 @@ def _round(model, draft, cache, draft_cache, sequence: Sequence, k: int, stats: 
 
 
 def _draft(draft, draft_cache, sequence: Sequence, k: int, stats: SpeculationStats):
-    """k proposals from the draft, each drawn from its pipeline distribution q_i: (ids [k], q [k] of [V])."""
+    """Up to k proposals from the draft, each drawn from its pipeline distribution q_i: (ids [k], q [k] of [V],
+    masks). Under a constraint the draft draws from masked logits, walking a copy of the sequence's state along
+    its proposals; masks[i] is the mask at proposal i (one more after the last: the bonus token's), and drafting
+    stops early at a stop id or where the language is complete."""
     params, rng = sequence.row.params, sequence.row.rng
+    state = None if sequence.row.constraint is None else sequence.row.constraint.copy()
+    masks = []
     known = int(draft_cache.lengths[0])  # the draft may lag by a token (the last round's bonus token)
     feed = list(sequence.history[known:])
     position = known
@@ -150,6 +158,9 @@ def _draft(draft, draft_cache, sequence: Sequence, k: int, stats: SpeculationSta
         hidden = draft.forward(np.array(feed), np.arange(position, position + len(feed)), draft_cache)
         logits = np.asarray(draft.lm_head(hidden[len(feed) - 1:]), np.float64)[0]  # [V]
         stats.draft_calls += 1
+        if state is not None:
+            masks.append(state.allowed(sequence.stops))
+            logits = constrain(logits, masks[-1])
         history = sequence.history + proposals
         if params.is_greedy:
             token, dist = int(sample_with(params, logits, None, history)), None
@@ -160,7 +171,15 @@ def _draft(draft, draft_cache, sequence: Sequence, k: int, stats: SpeculationSta
         proposals.append(token)
         q.append(dist)
         feed = [token]
-    return proposals, q
+        if state is not None:
+            if token in sequence.stops:
+                return proposals, q, masks
+            state.advance(token)
+            if state.finished:
+                return proposals, q, masks
+    if state is not None:
+        masks.append(state.allowed(sequence.stops))
+    return proposals, q, masks
 
 
 def _accept_or_resample(p: np.ndarray, q: np.ndarray, proposal: int, rng) -> int:

@@ -1374,9 +1374,9 @@ def lenient_field_probes() -> list[Probe]:
 
 
 UNSERVED_ASKS = {  # name -> fields that would change the answer and are not served, or bad values of served ones
-    "response_format json_object": {"response_format": {"type": "json_object"}},
-    "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-    "tool_choice required": {"tool_choice": "required"}, "grammar": {"grammar": "root ::= \"a\""},
+    "repeat_penalty 1.3 (llama.cpp's name)": {"repeat_penalty": 1.3},
+    "functions": {"functions": [{"name": "f", "parameters": {}}]},
+    "function_call auto": {"function_call": "auto"}, "n_predict 5": {"n_predict": 5},
     "guided_json": {"guided_json": {"type": "object"}}, "mirostat 2": {"mirostat": 2}, "min_tokens 5": {"min_tokens": 5},
     "n 17": {"n": 17}, "top_k -5": {"top_k": -5}, "stop_token_ids outside the vocabulary": {"stop_token_ids": [10 ** 6]},
     "ignore_eos 'yes'": {"ignore_eos": "yes"}, "repetition_penalty 0": {"repetition_penalty": 0},
@@ -1579,6 +1579,43 @@ def load_results(out: Path, weights: Path, timeout: float) -> list[Result]:
         server.stop()
 
 
+def constraint_cases(out: Path) -> list[Case]:
+    """Structured outputs on the command line (--json-schema FILE, --grammar FILE, --regex RE): malformed, unenforced,
+    huge and deeply nested constraints are one error line each; good ones run."""
+    files = {"not JSON": (b"{nope", "error"), "a JSON list": (b"[1, 2]", "error"),
+             "invalid utf8": (b"\xff\xfe", "error"),
+             "100,000 nested lists": (b"[" * 100_000 + b"]" * 100_000, "error"),
+             "300 nested items": (b'{"items":' * 300 + b"{}" + b"}" * 300, "error"),
+             "unenforced keyword": (b'{"type": "array", "uniqueItems": true}', "error"),
+             "misspelt keyword": (b'{"type": "string", "maxLenght": 3}', "error"),
+             "unknown format": (b'{"type": "string", "format": "uri"}', "error"),
+             "remote $ref": (b'{"$ref": "https://example.com/s.json"}', "error"),
+             "bad pattern": (b'{"type": "string", "pattern": "(a"}', "error"),
+             "200,000-value enum": (b'{"enum": [' + b",".join(b"%d" % i for i in range(200_000)) + b"]}", "error"),
+             "unsatisfiable": (b'{"type": "object", "required": ["a"], "additionalProperties": false}', "error"),
+             "empty": (b"", "error"), "an object": (b'{"type": "object"}', "ok")}
+    cases = []
+    for name, (data, expect) in files.items():
+        path = out / f"schema_{name.replace(' ', '_').replace(',', '')}.json"
+        path.write_bytes(data)
+        cases.append(Case("constraint", f"--json-schema {name}", ["generate", "x", *GEN, "--json-schema", str(path)],
+                          expect=expect))
+    grammars = {"lark syntax error": (b"start: (((", "error"), "undefined rule": (b"root ::= nothing", "error"),
+                "gbnf": (b'root ::= "yes" | "no"', "ok"), "lark": (b'start: "yes" | "no"', "ok")}
+    for name, (data, expect) in grammars.items():
+        path = out / f"grammar_{name.replace(' ', '_')}.txt"
+        path.write_bytes(data)
+        cases.append(Case("constraint", f"--grammar {name}", ["generate", "x", *GEN, "--grammar", str(path)],
+                          expect=expect))
+    cases.append(Case("constraint", "--grammar a directory", ["generate", "x", *GEN, "--grammar", str(out)]))
+    for name, regex, expect in (("look-ahead", "(?=a)b", "error"), ("unclosed", "(a", "error"),
+                                ("back-reference", r"(a)\1", "error"), ("nul escape", r"\x00", "ok"),
+                                ("plain", "[a-z]{3}", "ok")):
+        cases.append(Case("constraint", f"--regex {name}", ["generate", "x", *GEN, "--regex", regex], expect=expect))
+    cases.append(Case("constraint", "two constraints", ["generate", "x", *GEN, "--regex", "a", "--json-object"]))
+    return cases
+
+
 def all_cases(out: Path, weights: Path) -> list[Case]:
     os.mkfifo(out / "fifo")
     (out / "fifo_dir").mkdir()
@@ -1586,7 +1623,7 @@ def all_cases(out: Path, weights: Path) -> list[Case]:
             + prompt_cases(out) + flag_cases(out) + combination_cases(out) + template_cases(out)
             + output_cases(out, weights) + tokenizer_field_cases(out, weights) + non_finite_cases(out, weights)
             + rope_factor_cases(out) + env_limit_cases(out) + sentencepiece_cases(out, weights)
-            + batch_cases(out, weights))
+            + batch_cases(out, weights) + constraint_cases(out))
 
 
 def main(argv=None) -> int:

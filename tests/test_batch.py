@@ -341,12 +341,12 @@ def test_a_line_asking_for_several_choices_or_an_unserved_field_is_an_error_line
     answer and is not served; the engine's fields other servers name (top_k, stop_token_ids...) are taken."""
     write_jsonl(tmp_path / "in.jsonl", [
         {"id": 1, "prompt": "Once", "max_tokens": 5, "temperature": 0, "n": 2},
-        {"id": 2, "prompt": "Once", "max_tokens": 5, "response_format": {"type": "json_object"}},
+        {"id": 2, "prompt": "Once", "max_tokens": 5, "guided_regex": "a+"},
         {"id": 3, "prompt": "Once", "max_tokens": 5, "temperature": 1, "top_k": 1, "ignore_eos": True},
     ])
     status, _, err = npllm(capsys, "batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"))
     assert status == 0 and "2 bad lines" in err
     errors = {e["id"]: e["error"] for e in read_jsonl(tmp_path / "out.errors.jsonl")}
-    assert "n must be 1" in errors[1] and "response_format" in errors[2]
+    assert "n must be 1" in errors[1] and "guided_regex" in errors[2]
     [result] = read_jsonl(tmp_path / "out.jsonl")
     assert result["id"] == 3 and result["usage"]["completion_tokens"] == 5

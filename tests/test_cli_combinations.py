@@ -26,6 +26,8 @@ GENERATE_VALUES = {
     "sinks": ["--sinks", "8"], "ignore_eos": ["--ignore-eos"], "prompt_file": ["--prompt-file", "prompts.txt"],
     "explain": ["--explain"], "json": ["--json"], "draft": ["--draft", "stories260K"],
     "draft_layers": ["--draft-layers", "2"], "num_draft": ["--num-draft", "2"], "num_beams": ["--num-beams", "3"],
+    "json_schema": ["--json-schema", "schema.json"], "json_object": ["--json-object"], "regex": ["--regex", "a+"],
+    "grammar": ["--grammar", "grammar.lark"],
 }
 CHAT_VALUES = {k: v for k, v in GENERATE_VALUES.items() if k not in
                ("prompt", "prompt_file", "explain", "json", "draft", "draft_layers", "num_draft", "num_beams")}

@@ -86,10 +86,10 @@ def test_a_new_flag_is_checked_by_the_parser(argv, capsys):
 
 
 def test_request_fields_of_new_fields_are_parsed_into_the_object():
-    params = _sampling({"top_a": 0.5, "window": 3, "temperature": 0.7, "top_k": 5}, CTX, None, Extended)
+    params = _sampling({"top_a": 0.5, "window": 3, "temperature": 0.7, "no_repeat_ngram": 5}, CTX, None, Extended)
     assert isinstance(params, Extended)
     assert (params.top_a, params.window, params.temperature) == (0.5, 3, 0.7)
-    assert params.top_k == 0  # a field with no request field is not read from the body
+    assert params.no_repeat_ngram == 0  # a field with no request field is not read from the body
     assert _sampling({}, CTX, None, Extended).top_a == 0.0
 
 

@@ -67,9 +67,8 @@ def test_every_served_option_is_an_engine_field():
     assert {"top_k", "min_p", "typical_p", "repetition_penalty", "temperature", "top_p", "seed"} <= served
 
 
-ASKING = {"response_format": {"type": "json_object"}, "grammar": "root ::= \"a\"", "json_schema": {"type": "object"},
-          "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "auto",
-          "functions": [{"name": "f"}], "function_call": "auto", "guided_json": {}, "guided_regex": "a+",
+ASKING = {"structured_outputs": {"json": {}}, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "repeat_penalty": 1.3,
+          "n_predict": 5, "functions": [{"name": "f"}], "function_call": "auto", "guided_json": {}, "guided_regex": "a+",
           "guided_choice": ["a", "b"], "guided_grammar": "x", "structural_tag": "{}", "min_tokens": 5,
           "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "mirostat": 2, "tfs_z": 0.9,
           "dynatemp_range": 0.5, "dry_multiplier": 0.8, "xtc_probability": 0.5, "top_a": 0.1, "penalty_last_n": 64,
@@ -143,8 +142,8 @@ def test_ignore_eos_goes_on_past_the_models_end(client, llm):
 def test_an_unserved_field_through_the_official_client_is_a_bad_request(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert e.value.body["param"] == "tools"
+                                       functions=[{"name": "f", "parameters": {}}])
+    assert e.value.body["param"] == "functions"
 
 
 def test_n_choices_are_each_a_solo_run_seeded_seed_plus_their_index(client, llm):

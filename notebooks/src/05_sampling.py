@@ -240,3 +240,48 @@ for name, kwargs in strategies.items():
         print("   ", repr(PROMPT + llm.generate(PROMPT, max_new_tokens=30, seed=seed, **kwargs)))
         if kwargs["temperature"] == 0:
             break
+
+# %% [markdown]
+# ## A constraint: the mask before every stage
+#
+# Structured outputs (docs/structured.md) add one stage in front of all the others: a constraint (a JSON Schema, a
+# regular expression, a grammar) says which tokens keep the text in its language, and `sampling.constrain` sets
+# every other logit to $-\infty$. What follows sees only the allowed tokens: without filters the distribution is
+# the model's, restricted to them and renormalised,
+#
+# $$p_i \;=\; \frac{\pi_i \,[i \in A]}{\sum_{j \in A} \pi_j}.$$
+#
+# Here the model continues "One day, Lily saw a" under the regular expression ` (cat|dog|bird)s?`: the mask comes
+# from the constraint's state (npllm.constraint, the masks computed by llguidance), and the plot shows the raw
+# distribution's top tokens beside the constrained one.
+
+# %%
+from npllm import Constraint
+
+prompt_ids = llm.tokenizer.encode("One day, Lily saw a", bos=True)
+state = Constraint.regex(" (cat|dog|bird)s?").bind(llm.tokenizer).start()
+allowed = state.allowed([llm.tokenizer.eos_id])
+raw_logits = llm.logits(prompt_ids)[-1]
+raw = sampling.softmax(raw_logits)
+masked = sampling.softmax(sampling.constrain(raw_logits, allowed))
+assert np.allclose(masked[allowed], raw[allowed] / raw[allowed].sum()) and (masked[~allowed] == 0).all()
+print(f"the mask allows {allowed.sum()} of {len(allowed)} tokens, holding {raw[allowed].sum():.2%} of the raw "
+      f"probability: {[piece(i) for i in np.flatnonzero(allowed)]}")
+
+shown = list(np.argsort(-raw)[:10]) + [i for i in np.argsort(-masked)[:4] if i not in np.argsort(-raw)[:10]]
+fig, ax = plt.subplots(figsize=(10, 3.5))
+ax.bar(np.arange(len(shown)) - 0.2, raw[shown], width=0.4, label="raw softmax")
+ax.bar(np.arange(len(shown)) + 0.2, masked[shown], width=0.4, label="after the constraint")
+ax.set_xticks(range(len(shown)), [piece(i) for i in shown], rotation=90, fontsize=8)
+ax.legend()
+ax.set_title("the mask removes the model's favourites; the allowed tokens share all the probability")
+plt.show()
+
+# %% [markdown]
+# `--explain` shows the same thing per generated token, the mask as the column after the raw softmax:
+
+# %%
+for step in explain_ids(llm.model, llm.tokenizer, prompt_ids, 3, sampling.SamplingParams(seed=1), top=6,
+                        constraint=llm.bind_constraint(Constraint.regex(" (cat|dog|bird)s?"))):
+    print(format_step(step), "\n")
+print(repr(llm.generate("One day, Lily saw a", 10, seed=1, constraint=Constraint.regex(" (cat|dog|bird)s?"))))

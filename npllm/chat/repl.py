@@ -24,7 +24,7 @@ HELP = ("commands: /reset (forget the conversation), /system TEXT (set the syste
         "/load FILE, /help; Ctrl-C stops a reply, Ctrl-D quits")
 
 
-def run(llm, args, params, context: dict, write_out) -> int:
+def run(llm, args, params, context: dict, write_out, constraint=None) -> int:
     """The conversation with a loaded llm: args.chat_template, args.system, args.model, args.max_new_tokens as
     `npllm chat` parsed them, params the SamplingParams its flags ask for, context as LLM.stream's keywords,
     write_out(text) the CLI's writer to stdout. The CLI calls this; nothing here imports the CLI."""
@@ -43,7 +43,7 @@ def run(llm, args, params, context: dict, write_out) -> int:
             if line.startswith("/"):
                 command(session, line)
                 continue
-            reply_to(session, line, args.max_new_tokens, context["ignore_eos"], params, write_out)
+            reply_to(session, line, args.max_new_tokens, context["ignore_eos"], params, write_out, constraint)
         except NpllmError as e:
             if not interactive:
                 raise in_user_terms(e) from None
@@ -82,8 +82,9 @@ def user_lines(interactive: bool):
             yield line
 
 
-def reply_to(session, text: str, max_new_tokens: int, ignore_eos: bool, params, write_out) -> None:
-    """Stream the reply to one user turn; Ctrl-C ends the reply (kept as far as it went), not the program."""
+def reply_to(session, text: str, max_new_tokens: int, ignore_eos: bool, params, write_out, constraint=None) -> None:
+    """Stream the reply to one user turn (under `constraint`, a BoundConstraint, where given); Ctrl-C ends the reply
+    (kept as far as it went), not the program."""
     start, first, count = time.perf_counter(), None, 0
     before = session.context.prefilled
 
@@ -96,7 +97,8 @@ def reply_to(session, text: str, max_new_tokens: int, ignore_eos: bool, params, 
 
             print(logprobs_line(session.tokenizer, step), file=sys.stderr)
 
-    reply = session.send(text, max_new_tokens, ignore_eos=ignore_eos, on_step=on_step, params=params)
+    reply = session.send(text, max_new_tokens, ignore_eos=ignore_eos, on_step=on_step, params=params,
+                         constraint=constraint)
     try:
         for piece in reply:
             write_out(piece)

@@ -130,16 +130,17 @@ class ChatSession:
         return [specials.get(part, part) for part in re.split(pattern, text) if part]
 
     def stream(self, messages, max_new_tokens: int = 256, params: SamplingParams | None = None, *,
-               ignore_eos: bool = False, on_step: Callable | None = None, **sampling) -> Iterator[str]:
+               ignore_eos: bool = False, on_step: Callable | None = None, constraint=None,
+               **sampling) -> Iterator[str]:
         """The assistant's reply to `messages`, streamed as text (stop strings and the end of turn cut it).
         params: how to sample (the sampling keywords beside it replace its fields; any other keyword is a
-        TypeError)."""
+        TypeError). constraint: a BoundConstraint (LLM.bind_constraint) the reply must follow."""
         params = with_keywords(params, sampling, "ChatSession.stream()")
         prompt = self.prompt_ids(messages)
         self.check_fits(len(prompt), max_new_tokens, ignore_eos)
         stops = StopStrings(tuple(params.stop) + ((self.end_of_turn,) if self.end_of_turn else ()))
         request = Request(prompt, max_new_tokens, replace(params, stop=()), stop_ids=self.end_ids,
-                          ignore_eos=ignore_eos)
+                          ignore_eos=ignore_eos, constraint=constraint)
         steps = decode(self.llm.model, request, self.context, report=params.logprobs > 0)
         # a fresh decoder, not primed with the prompt: the reply is text of its own, without a leading space
         yield from text_of_steps(self.tokenizer.stream_decoder(), steps, stops, on_step)
@@ -156,7 +157,8 @@ class ChatSession:
             raise ConversationFull(prompt_len, capacity, max_new_tokens)
 
     def send(self, text: str, max_new_tokens: int = 256, params: SamplingParams | None = None, *,
-             ignore_eos: bool = False, on_step: Callable | None = None, **sampling) -> Iterator[str]:
+             ignore_eos: bool = False, on_step: Callable | None = None, constraint=None,
+             **sampling) -> Iterator[str]:
         """Append a user message, stream the reply (the arguments of stream), and append it as the assistant's
         message. A reply cut short (an exception, Ctrl-C, the caller closing the generator) is kept as far as it
         went."""
@@ -164,7 +166,8 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         pieces = []
         try:
-            for piece in self.stream(self.messages, max_new_tokens, params, ignore_eos=ignore_eos, on_step=on_step):
+            for piece in self.stream(self.messages, max_new_tokens, params, ignore_eos=ignore_eos, on_step=on_step,
+                                     constraint=constraint):
                 pieces.append(piece)
                 yield piece
         except GenerationError:

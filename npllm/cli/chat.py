@@ -13,5 +13,6 @@ def run_chat(args) -> int:
     check_combinations(args, needs=CHAT_NEEDS)
     check_template_limits()
     params = sampling_params(args)  # checked before the model loads
+    constraint = shared.constraint_of(args)
     llm = shared.load_with_tokenizer(args, kv_dtype=args.kv_dtype)
-    return run(llm, args, params, context_options(args), write_out)
+    return run(llm, args, params, context_options(args), write_out, llm.bind_constraint(constraint))

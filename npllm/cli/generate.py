@@ -26,6 +26,7 @@ def run_generate(args) -> int:
         return run_generate_batch(args)
     prompt = read_prompt(args.prompt)
     params = sampling_params(args)
+    constraint = shared.constraint_of(args)
     llm = shared.load_with_tokenizer(args, kv_dtype=args.kv_dtype)
     if args.context_policy == "error":  # a prompt far past the context is refused before it is encoded whole
         prompt_ids = encode_prompt(llm.tokenizer, llm.config, prompt)
@@ -35,11 +36,11 @@ def run_generate(args) -> int:
     if args.explain:
         from ..explain import print_explained
 
-        print_explained(llm, prompt_ids, args.max_new_tokens, params, as_json=args.json)
+        print_explained(llm, prompt_ids, args.max_new_tokens, params, as_json=args.json, constraint=constraint)
         return 0
     if args.num_beams > 1:
-        return run_beam_search(args, llm, prompt_ids)
-    return stream_generate(args, llm, prompt, len(prompt_ids), params)
+        return run_beam_search(args, llm, prompt_ids, constraint)
+    return stream_generate(args, llm, prompt, len(prompt_ids), params, constraint)
 
 
 def read_prompt(prompt: str) -> str:
@@ -61,7 +62,7 @@ def read_prompt(prompt: str) -> str:
     return prompt
 
 
-def stream_generate(args, llm, prompt: str, prompt_len: int, params) -> int:
+def stream_generate(args, llm, prompt: str, prompt_len: int, params, constraint=None) -> int:
     """Print the prompt and its completion as the tokens come, then one line of timings on stderr."""
     speculation = speculation_options(args)
     start, first, count = time.perf_counter(), None, 0
@@ -74,7 +75,7 @@ def stream_generate(args, llm, prompt: str, prompt_len: int, params) -> int:
             print_logprobs(llm.tokenizer, step)
 
     for piece in llm.stream(prompt, args.max_new_tokens, echo=True, on_step=on_step, params=params, **speculation,
-                            **context_options(args)):
+                            constraint=constraint, **context_options(args)):
         write_out(piece)
     write_out("\n")
     print(timing_line(prompt_len, count, start, first, time.perf_counter()), file=sys.stderr)
@@ -106,11 +107,12 @@ def speculation_options(args) -> dict:
             "speculation": SpeculationStats()}
 
 
-def run_beam_search(args, llm, prompt_ids) -> int:
+def run_beam_search(args, llm, prompt_ids, constraint=None) -> int:
     """--num-beams: the prompt and the best hypothesis's text on stdout, every hypothesis's score on stderr."""
     from ..generate import stop_ids
 
-    found = llm.beam_search(prompt_ids, args.num_beams, args.max_new_tokens, stop=tuple(args.stop))
+    found = llm.beam_search(prompt_ids, args.num_beams, args.max_new_tokens, stop=tuple(args.stop),
+                            constraint=constraint)
     best = [t for t in found[0].tokens if t not in stop_ids(llm.config)]
     write_out(llm.completion_text(prompt_ids, best, echo=True, stop=tuple(args.stop)) + "\n")
     for rank, h in enumerate(found):
@@ -134,13 +136,14 @@ def run_generate_batch(args) -> int:
     prompt's tokens on stderr after the batch, numbered by prompt ("[logprobs 2]")."""
     prompts = read_prompt_file(args.prompt_file)
     params = sampling_params(args)
+    constraint = shared.constraint_of(args)
     llm = shared.load_with_tokenizer(args, kv_dtype=args.kv_dtype)
 
     def on_step(index: int, step) -> None:
         print_logprobs(llm.tokenizer, step, f"[logprobs {index + 1}]")
 
     start = time.perf_counter()
-    completions = llm.generate(prompts, args.max_new_tokens, params=params,
+    completions = llm.generate(prompts, args.max_new_tokens, params=params, constraint=constraint,
                                on_step=on_step if params.logprobs else None)
     seconds = time.perf_counter() - start
     write_out("\n\n".join(p + c for p, c in zip(prompts, completions)) + "\n")

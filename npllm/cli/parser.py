@@ -108,6 +108,20 @@ def add_context_arguments(parser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
+def add_constraint_arguments(parser) -> None:
+    """Structured outputs (npllm.constraint): at most one of these; the output must be in its language."""
+    parser.add_argument("--json-schema", default=None, metavar="FILE",
+                        help="the output is JSON valid against the JSON Schema in FILE (docs/structured.md)")
+    parser.add_argument("--json-object", action="store_true",
+                        help="the output is a JSON object (OpenAI's response_format json_object)")
+    parser.add_argument("--regex", default=None, metavar="RE", help="the output matches this regular expression")
+    parser.add_argument("--grammar", default=None, metavar="FILE",
+                        help="the output is in the language of this grammar (Lark-style EBNF or llama.cpp GBNF)")
+
+
+CONSTRAINT = frozenset({"json_schema", "json_object", "regex", "grammar"})
+
+
 def add_generate(commands) -> None:
     gen = commands.add_parser("generate", help="continue a prompt, streaming text to stdout")
     gen.add_argument("prompt", nargs="?", default="",
@@ -116,6 +130,7 @@ def add_generate(commands) -> None:
     gen.add_argument("--max-new-tokens", type=whole(0), default=256, help="most tokens to generate (default 256)")
     add_sampling_arguments(gen)
     add_context_arguments(gen)
+    add_constraint_arguments(gen)
     gen.add_argument("--prompt-file", default=None,
                      help="a file with one prompt per line (blank lines skipped), all generated as one batch")
     gen.add_argument("--explain", action="store_true",
@@ -143,6 +158,7 @@ def add_chat(commands) -> None:
     chat.add_argument("--max-new-tokens", type=whole(0), default=256, help="most tokens per reply (default 256)")
     add_sampling_arguments(chat)
     add_context_arguments(chat)
+    add_constraint_arguments(chat)
     chat.set_defaults(compiles=True, command_parser=chat)
 
 
@@ -371,14 +387,14 @@ SPECULATIVE = ("speculative decoding continues one PROMPT with one draft, inside
 
 
 GENERATE_MODES = (
-    Mode("prompt_file", MODEL | SAMPLING | {"max_new_tokens", "stop", "logprobs"},
+    Mode("prompt_file", MODEL | SAMPLING | CONSTRAINT | {"max_new_tokens", "stop", "logprobs"},
          "a file's prompts are generated together as one batch, each inside the context up to EOS"),
-    Mode("num_beams", ONE_PROMPT | {"stop"},
+    Mode("num_beams", ONE_PROMPT | CONSTRAINT | {"stop"},
          "beam search keeps one PROMPT's most probable continuations under the model's own log-probabilities "
          "(no sampling, no draft, no per-token report), inside the context up to EOS"),
-    Mode("draft", ONE_PROMPT | SAMPLING | {"stop", "num_draft"}, SPECULATIVE),
-    Mode("draft_layers", ONE_PROMPT | SAMPLING | {"stop", "num_draft"}, SPECULATIVE),
-    Mode("explain", ONE_PROMPT | SAMPLING | {"json"},
+    Mode("draft", ONE_PROMPT | SAMPLING | CONSTRAINT | {"stop", "num_draft"}, SPECULATIVE),
+    Mode("draft_layers", ONE_PROMPT | SAMPLING | CONSTRAINT | {"stop", "num_draft"}, SPECULATIVE),
+    Mode("explain", ONE_PROMPT | SAMPLING | CONSTRAINT | {"json"},
          "--explain shows one PROMPT's draws stage by stage (each token's log-probability and top candidates "
          "included), inside the context up to EOS, without stop strings"),
 )

@@ -8,13 +8,41 @@ from __future__ import annotations
 import os
 import sys
 
-from ..errors import ConfigError, GenerationError
+from ..errors import ConfigError, ConstraintError, GenerationError
 from ..sampling import SamplingParams, options
 
 
 def sampling_params(args, params_type: type = SamplingParams) -> SamplingParams:
     """The SamplingParams the flags ask for (validated there: a bad value is a clear error)."""
     return params_type(**{f.name: getattr(args, f.name) for f, option in options(params_type) if option.flag})
+
+
+def constraint_of(args):
+    """The structured-output Constraint that --json-schema / --json-object / --regex / --grammar ask for (None when
+    none does; at most one may), its file read and checked before the model loads."""
+    from ..constraint import Constraint
+
+    given = [flag for flag, value in (("--json-schema", args.json_schema), ("--json-object", args.json_object),
+                                      ("--regex", args.regex), ("--grammar", args.grammar)) if value]
+    if len(given) > 1:
+        raise GenerationError(f"{' and '.join(given)} each constrain the output: give one of them")
+    if args.json_object:
+        return Constraint.json({"type": "object"})
+    if args.regex is not None:
+        return Constraint.regex(args.regex)
+    for flag, path, make in (("--json-schema", args.json_schema, Constraint.json),
+                             ("--grammar", args.grammar, Constraint.grammar)):
+        if path is not None:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise GenerationError(f"{flag} {path}: cannot read it ({e})") from None
+            try:
+                return make(text)
+            except ConstraintError as e:
+                raise ConstraintError(f"{flag} {path}: {e}") from None
+    return None
 
 
 def context_options(args) -> dict:

@@ -52,7 +52,9 @@ from ..errors import GenerationError, NpllmError
 from ..versions import Fence
 from .engine import EngineThread, Job
 from .protocol import (ApiError, Context, Output, chat_body, chat_chunk, completion_body, completion_chunk,
-                       embeddings_body, new_id, parse_chat, parse_completion, parse_embeddings, parse_json, usage)
+                       embeddings_body, new_id, parse_chat, parse_completion, parse_embeddings, parse_json,
+                       reply_message, usage)
+from .tools import call_chunks
 
 log = logging.getLogger("npllm.serve")
 PARSE_THREADS = 4  # completions checked (tokenized) at once, off the event loop
@@ -386,6 +388,8 @@ class GenerationResponse:
                 await _send_event(send, chat_chunk(self.id, self.model, {"role": "assistant", "content": ""}, None,
                                                    index=i))
         wants_lp = self.spec.logprobs is not None
+        if self.spec.calls_tools:  # a reply that may be tool calls is read whole, then streamed as OpenAI does
+            return await self._stream_reply(send)
         try:
             async for i, piece, finish in self._pieces():
                 if piece.text or (wants_lp and piece.token) or finish is not None:
@@ -401,6 +405,27 @@ class GenerationResponse:
                 chunk = (chat_chunk(self.id, self.model, {}, None, usage=totals) if self.spec.chat
                          else completion_chunk(self.id, self.model, None, None, False, usage=totals))
                 await self._send_event(send, chunk)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _stream_reply(self, send) -> None:
+        """A chat reply under tools: generated whole, then, choice by choice, its calls as index-keyed deltas whose
+        argument fragments concatenate to each call's arguments (or its text as one delta) and its finish chunk;
+        usage, [DONE]."""
+        try:
+            async for _ in self._pieces():
+                if self.gone:
+                    return
+        except ApiError as e:
+            await self._send_event(send, e.body())
+        else:
+            for i, output in enumerate(self.outputs):
+                message, finish = reply_message(output)
+                deltas = call_chunks(message["tool_calls"]) if "tool_calls" in message else [{"content": output.text}]
+                for delta in deltas:
+                    await self._send_event(send, chat_chunk(self.id, self.model, delta, None, index=i))
+                await self._send_event(send, chat_chunk(self.id, self.model, {}, finish, index=i))
+            if self.spec.include_usage:
+                await self._send_event(send, chat_chunk(self.id, self.model, {}, None, usage=usage(self.outputs)))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     async def _send_event(self, send, data: dict) -> None:

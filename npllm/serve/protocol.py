@@ -5,6 +5,8 @@ Nothing here knows about HTTP servers, so it is tested (and importable) without 
     parse_json(data) -> body                 a request's JSON text parsed (ApiError(400) for what no parser takes)
     parse_completion(body, ctx) -> Spec      POST /v1/completions
     parse_chat(body, ctx) -> Spec            POST /v1/chat/completions (messages laid out by the chat template)
+                                             both with a structured-output constraint from response_format, or
+                                             llama.cpp's json_schema / grammar (npllm.constraint)
     parse_embeddings(body, ctx)              POST /v1/embeddings (EmbeddingSpec; embeddings_body the answer)
     Output                                   a job's text as it arrives: detokenized, cut at stop strings,
                                              with log-probabilities and usage counts
@@ -36,11 +38,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ChatTemplateError, GenerationError
+from ..constraint import Constraint
+from ..errors import ChatTemplateError, ConstraintError, GenerationError
 from ..context import encode_prompt
 from ..embed import check_ids, resolve_pooling
 from ..generate import Request, check_prompt
 from ..sampling import Option, SamplingParams, options
 from ..stop import StopStrings
+from .tools import ToolError, Tools, parse_tools, tool_calls
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MOST_STOPS = 4
@@ -103,6 +108,12 @@ class Spec:
             return [self.request] * self.n
         return [dataclasses.replace(self.request, params=dataclasses.replace(self.request.params, seed=seed + i))
                 for i in range(self.n)]
+    tools: Tools | None = None  # a chat request's tools (npllm.serve.tools): the reply may be tool calls
+
+    @property
+    def calls_tools(self) -> bool:
+        """The reply is read for tool calls (tools given, tool_choice not "none")."""
+        return self.tools is not None and self.tools.choice != "none"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -146,6 +157,9 @@ def parse_completion(body, ctx: Context) -> Spec:
     if body.get("suffix") is not None:
         raise ApiError(400, "suffix is not supported", "suffix")
     _check_best_of(body)
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(name) is not None:
+            raise ApiError(400, f"{name}: tool calls are served on /v1/chat/completions, not /v1/completions", name)
     logprobs = _integer(body, "logprobs", 0, MOST_LOGPROBS)
     max_tokens = _max_tokens(body, ctx, len(prompt_ids), ("max_tokens",), COMPLETIONS_DEFAULT_MAX_TOKENS)
     return _spec(body, ctx, prompt_ids, max_tokens, logprobs, chat=False)
@@ -158,14 +172,18 @@ def parse_chat(body, ctx: Context) -> Spec:
     if ctx.chat_template is None:
         raise ApiError(400, ctx.template_problem or "this server has no chat template: start it with "
                        "--chat-template NAME|FILE", "messages", "no_chat_template")
-    prompt_ids = _chat_prompt_ids(messages, ctx)
+    try:
+        tools = parse_tools(body)
+    except ToolError as e:
+        raise ApiError(400, str(e), e.param) from None
+    prompt_ids = _chat_prompt_ids(messages, ctx, tools)
     top = _integer(body, "top_logprobs", 0, MOST_TOP_LOGPROBS)
     wants = _boolean(body, "logprobs")
     if top is not None and not wants:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (top or 0) if wants else None
     max_tokens = _max_tokens(body, ctx, len(prompt_ids), ("max_completion_tokens", "max_tokens"), None)
-    return _spec(body, ctx, prompt_ids, max_tokens, logprobs, chat=True)
+    return _spec(body, ctx, prompt_ids, max_tokens, logprobs, chat=True, tools=tools)
 
 
 @dataclass(frozen=True)
@@ -235,23 +253,23 @@ def embeddings_body(model: str, spec: EmbeddingSpec, vectors) -> dict:
 # 400 naming the field rather than dropped (a client that asked for JSON or a tool call must not get free text and
 # no error). Each with the values that ask for nothing (accepted) and what to use instead where there is something.
 UNSERVED = {
-    "response_format": ([{"type": "text"}], "only {\"type\": \"text\"} is served"),
-    "grammar": ([""], "grammars are not served"),
-    "json_schema": ([{}], "JSON schemas are not served"),
-    "tools": ([[]], "tool calls are not served"),
-    "tool_choice": (["none"], "tool calls are not served"),
-    "functions": ([[]], "function calls are not served"),
-    "function_call": (["none"], "function calls are not served"),
-    "guided_json": ([], "guided decoding is not served"),
-    "guided_regex": ([], "guided decoding is not served"),
-    "guided_choice": ([], "guided decoding is not served"),
-    "guided_grammar": ([], "guided decoding is not served"),
-    "structural_tag": ([], "guided decoding is not served"),
+    "functions": ([[]], "OpenAI's older function calls are not served: give `tools`"),
+    "function_call": (["none"], "OpenAI's older function calls are not served: give `tool_choice`"),
+    "structured_outputs": ([], "give response_format, json_schema or grammar (docs/structured.md)"),
+    "guided_json": ([], "give response_format or json_schema (docs/structured.md)"),
+    "guided_regex": ([], "vLLM's guided fields are not served: give response_format, json_schema or grammar"),
+    "guided_choice": ([], "vLLM's guided fields are not served: give response_format, json_schema or grammar"),
+    "guided_grammar": ([], "give grammar (docs/structured.md)"),
+    "structural_tag": ([], "vLLM's guided fields are not served: give response_format, json_schema or grammar"),
     "min_tokens": ([0], "min_tokens is not served"),
     "use_beam_search": ([False], "beam search is served by `npllm generate --num-beams`, not the server"),
     "length_penalty": ([1, 1.0], "beam search is served by `npllm generate --num-beams`, not the server"),
     "prompt_logprobs": ([0], "prompt_logprobs is not served (`npllm perplexity` scores a text)"),
     "mirostat": ([0], "mirostat sampling is not served"),
+    "mirostat_tau": ([], "mirostat sampling is not served"),
+    "mirostat_eta": ([], "mirostat sampling is not served"),
+    "repeat_penalty": ([1, 1.0], "give repetition_penalty (the same penalty, vLLM's name)"),
+    "n_predict": ([], "give max_tokens"),
     "tfs_z": ([1, 1.0], "tail-free sampling is not served"),
     "dynatemp_range": ([0, 0.0], "dynamic temperature is not served"),
     "dry_multiplier": ([0, 0.0], "DRY sampling is not served (no_repeat_ngram is `npllm generate --no-repeat-ngram`)"),
@@ -276,7 +294,7 @@ def check_unserved(body: dict) -> None:
 
 
 def _spec(body: dict, ctx: Context, prompt_ids: list[int], max_tokens: int, logprobs: int | None,
-          chat: bool) -> Spec:
+          chat: bool, tools: Tools | None = None) -> Spec:
     check_unserved(body)
     n = _integer(body, "n", 1, MOST_CHOICES) or 1
     stream = _boolean(body, "stream")
@@ -286,8 +304,71 @@ def _spec(body: dict, ctx: Context, prompt_ids: list[int], max_tokens: int, logp
     include_usage = _boolean(options or {}, "include_usage", "stream_options.include_usage") and stream
     params = _sampling(body, ctx, logprobs)
     request = Request(prompt_ids, max_tokens, params, stop_ids=_stop_token_ids(body.get("stop_token_ids"), ctx),
-                      ignore_eos=_boolean(body, "ignore_eos"))
-    return Spec(request, _stops(body.get("stop")), stream, include_usage, logprobs, chat, n)
+                      ignore_eos=_boolean(body, "ignore_eos"), constraint=_constraint(body, ctx, tools))
+    return Spec(request, _stops(body.get("stop")), stream, include_usage, logprobs, chat, n=n, tools=tools)
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _constraint(body: dict, ctx: Context, tools: Tools | None = None):
+    """The structured-output constraint a request asks for, bound to the model's tokenizer (None when none):
+    OpenAI's response_format {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema",
+    "strict"}}, or llama.cpp's `json_schema` (a schema) or `grammar` (GBNF or Lark) fields; at most one. A schema
+    keyword that would not be enforced is a 400 naming it (strict or not: every schema given is enforced)."""
+    calls = tools.constraint if tools is not None and tools.choice != "none" else None
+    asked = [(param, make) for param, make in (("response_format", _response_format(body.get("response_format"))),
+                                               ("json_schema", _llama_field(body, "json_schema", dict)),
+                                               ("grammar", _llama_field(body, "grammar", str)),
+                                               ("tools", calls)) if make is not None]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise ApiError(400, f"{' and '.join(p for p, _ in asked)} each constrain the output: give one of them",
+                       asked[1][0])
+    param, make = asked[0]
+    try:
+        return make().bind(ctx.tokenizer, ctx.config.vocab_size)
+    except ConstraintError as e:
+        raise ApiError(400, f"{param}: {e}", param) from None
+
+
+def _response_format(value):
+    """A maker of the Constraint that response_format asks for; None for text (or absent)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"response_format must be an object, got {type(value).__name__}", "response_format")
+    kind = value.get("type")
+    if kind not in RESPONSE_FORMATS:
+        raise ApiError(400, f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}",
+                       "response_format.type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return lambda: Constraint.json({"type": "object"})
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(400, "response_format.json_schema must be an object {name, schema, strict}",
+                       "response_format.json_schema")
+    if not isinstance(spec.get("name"), str):
+        raise ApiError(400, "response_format.json_schema.name must be a string", "response_format.json_schema.name")
+    _boolean(spec, "strict", "response_format.json_schema.strict")
+    schema = spec.get("schema")
+    if not isinstance(schema, (dict, bool)):
+        raise ApiError(400, "response_format.json_schema.schema must be a JSON Schema (an object)",
+                       "response_format.json_schema.schema")
+    return lambda: Constraint.json(schema)
+
+
+def _llama_field(body: dict, name: str, kind: type):
+    """A maker of the Constraint of llama.cpp's json_schema (a schema object) or grammar (text) field."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, kind):
+        raise ApiError(400, f"{name} must be {'a JSON Schema object' if kind is dict else 'a string'}", name)
+    return (lambda: Constraint.json(value)) if kind is dict else (lambda: Constraint.grammar(value))
 
 
 def _sampling(body: dict, ctx: Context, logprobs: int | None, params_type: type = SamplingParams) -> SamplingParams:
@@ -391,7 +472,7 @@ def _messages(messages) -> list[dict]:
     return plain
 
 
-def _chat_prompt_ids(messages: list[dict], ctx: Context) -> list[int]:
+def _chat_prompt_ids(messages: list[dict], ctx: Context, tools: Tools | None = None) -> list[int]:
     """The conversation laid out by the chat template (ending with the assistant's header), then encoded. A template
     that writes the BOS piece as text gets the BOS id instead (text "<s>" would be encoded as characters). The render
     runs in a worker process with a deadline (npllm/chat/worker.py); this waits for it, so the server calls parse_chat
@@ -403,7 +484,8 @@ def _chat_prompt_ids(messages: list[dict], ctx: Context) -> list[int]:
     eos = tok.id_to_piece(config.eos_ids[0]) if config.eos_ids else None
     try:
         text = render_chat_template(ctx.chat_template, messages, add_generation_prompt=True, bos_token=bos,
-                                    eos_token=eos, template_name=ctx.template_name or None)
+                                    eos_token=eos, template_name=ctx.template_name or None,
+                                    tools=None if tools is None else tools.for_template())
     except ChatTemplateError as e:
         raise ApiError(400, str(e), "messages") from None
     if bos and text.startswith(bos):
@@ -652,11 +734,20 @@ def completion_body(id_: str, model: str, outputs: list[Output], pieces: list[li
 def chat_body(id_: str, model: str, outputs: list[Output], pieces: list[list[Piece]]) -> dict:
     def choice(i: int, output: Output) -> dict:
         logprobs = chat_logprobs(pieces[i]) if output.spec.logprobs is not None else None
-        return {"index": i, "message": {"role": "assistant", "content": output.text}, "logprobs": logprobs,
-                "finish_reason": output.finish_reason}
+        message, finish = reply_message(output)
+        return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     return {"id": id_, "object": "chat.completion", "created": now(), "model": model,
             "choices": [choice(i, o) for i, o in enumerate(outputs)], "usage": usage(outputs)}
+
+
+def reply_message(output: Output) -> tuple[dict, str]:
+    """A finished chat reply as OpenAI's message and finish_reason: its tool calls where it made some (a reply
+    that ended, not one cut by the token limit), finish_reason "tool_calls"; else its text."""
+    calls = tool_calls(output.text) if output.spec.calls_tools and output.finish_reason == "stop" else None
+    if calls:
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": output.text}, output.finish_reason
 
 
 def completion_chunk(id_: str, model: str, piece: Piece | None, finish_reason: str | None,

@@ -4,6 +4,8 @@
 
     check_filter(my_top_p, "top_p")          # every law of top-p, Hypothesis search, minimal failing example
     check_sampler(my_sample)                 # chi-square goodness of fit against softmax, seed reproducibility
+    check_constraint(bound, token_bytes, in_language, stops)   # a structured-output constraint's laws
+    check_masked_sampler(my_sample)          # the constraint stage: masked never drawn, the rest renormalised
 
 check_filter and the strategies need Hypothesis (`pip install -e ".[testing]"` in npllm's folder); check_sampler needs only
 NumPy. `import npllm` never imports this package. docs/testing.md lists every law.
@@ -11,11 +13,11 @@ NumPy. `import npllm` never imports this package. docs/testing.md lists every la
 
 from .sampler import check_sampler
 
-__all__ = ["check_filter", "check_law", "check_case", "check_sampler", "laws_of", "KINDS", "CONVENTIONS",
-           "LawFailure", "strategies"]
+__all__ = ["check_filter", "check_law", "check_case", "check_sampler", "check_constraint", "check_masked_sampler",
+           "laws_of", "KINDS", "CONVENTIONS", "LawFailure", "strategies"]
 
-_NEEDS_HYPOTHESIS = {"check_filter", "check_law", "check_case", "laws_of", "KINDS", "CONVENTIONS", "LawFailure",
-                     "Law", "laws", "strategies"}
+_NEEDS_HYPOTHESIS = {"check_filter", "check_law", "check_case", "check_constraint", "check_masked_sampler",
+                     "laws_of", "KINDS", "CONVENTIONS", "LawFailure", "Law", "laws", "strategies"}
 
 
 def __getattr__(name):
@@ -32,5 +34,7 @@ def __getattr__(name):
 
     if name in ("laws", "strategies"):
         return importlib.import_module(f"{__name__}.{name}")
+    if name in ("check_constraint", "check_masked_sampler"):
+        return getattr(importlib.import_module(f"{__name__}.constraint_laws"), name)
     module = "check" if name in ("check_filter", "check_law", "check_case") else "laws"
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)

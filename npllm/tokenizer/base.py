@@ -75,6 +75,19 @@ class Tokenizer(ABC):
         """The byte a BYTE piece stands for: its text is '<0xXX>' with XX the byte in hexadecimal."""
         return int(self.id_to_piece(token_id)[3:5], 16)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token adds to the text of a completion (decoded as a continuation, so a leading U+2581 is a
+        space): a BYTE piece its byte, any other piece its UTF-8 with U+2581 read as a space. CONTROL and UNKNOWN
+        pieces (which decode to nothing, or to " \u2047 ") give their spelling; a constraint never allows them."""
+        token_id = self._check_id(token_id)
+        if self.token_type(token_id) == TokenType.BYTE:
+            return bytes([self.byte_value(token_id)])
+        return self.id_to_piece(token_id).replace(SPACE_SYMBOL, " ").encode("utf-8")
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether an id stands for structure rather than text (CONTROL: BOS, EOS, <|eot_id|>, ...; UNKNOWN)."""
+        return self.token_type(token_id) in (TokenType.CONTROL, TokenType.UNKNOWN)
+
     def decode(self, ids: Iterable[int], continuation: bool = False) -> str:
         """Text of `ids`, exactly as SentencePiece decodes them.
 
