@@ -283,7 +283,7 @@ def test_qwen3moe_experts_default_to_the_ffn_over_the_experts_used(tmp_path):
     ("phi3", {}, {"rope_factors_long.weight": np.ones(8, np.float32)}, FormatError, "without its partner"),
     ("phi3", {"rope.scaling.type": "longrope"}, {}, FormatError, "rope_factors"),
     ("phi3", {}, {"rope_factors_long.weight": np.ones(4, np.float32),
-                  "rope_factors_short.weight": np.ones(4, np.float32)}, ConfigError, "head_dim / 2"),
+                  "rope_factors_short.weight": np.ones(4, np.float32)}, ConfigError, "rotated dims / 2"),
     ("olmo2", {"attention.sliding_window": 8, "attention.sliding_window_pattern": np.array([True, False])}, {},
      ConfigError, "flag each of the 6 layers"),
     ("qwen3", {"rope.scaling.type": "yarn"}, {}, ConfigError, "yarn"),

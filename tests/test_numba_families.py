@@ -156,7 +156,7 @@ def test_every_option_is_declared():
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILIES = ["gemma2", "gemma3", "phi3", "phi3_short", "qwen3", "qwen3_moe", "qwen3_moe_unnormed", "mixtral", "olmo2",
-            "granite"]
+            "granite", "qwen2_yarn", "llama_dynamic", "phi3_partial", "smollm3_nope"]
 CONVERTED = sorted((FIXTURES / "gguf_arch").glob("*.gguf"))
 
 
