@@ -269,6 +269,9 @@ class ModelConfig:
             raise ConfigError(f"layers without RoPE (rope_layers) with {self.rope_scaling.kind} RoPE scaling's "
                               f"attention_factor {self.rope_scaling.attention_factor:g} are not supported")
         scaling = self.rope_scaling
+        if scaling is not None and scaling.kind == "dynamic" and self.rotary_dims <= 2:
+            raise ConfigError(f"dynamic NTK scaling needs more than 2 rotated dims (its base grows as a power "
+                              f"r / (r - 2)), got {self.rotary_dims}")
         if scaling is not None and scaling.kind == "longrope" and len(scaling.short_factor) != self.rotary_dims // 2:
             raise ConfigError(f"longrope factors must number the rotated dims / 2 = {self.rotary_dims // 2}, got "
                               f"{len(scaling.short_factor)}")

@@ -212,3 +212,12 @@ def test_no_rope_layers_are_read_and_checked():
 def test_the_gguf_writer_refuses_what_its_llama_files_cannot_say(change):
     with pytest.raises(ConfigError, match="Llama-block models only"):
         model_metadata(ModelConfig(**SMALL, **change), "m")
+
+
+def test_dynamic_ntk_needs_more_than_two_rotated_dims():
+    """Its base grows as a power r / (r - 2): r = 2 was a ZeroDivisionError deep in ops."""
+    with pytest.raises(ConfigError, match="more than 2 rotated dims"):
+        ModelConfig(**{**SMALL, "dim": 8}, rope_scaling=RopeScaling("dynamic", 2.0, original_max_position_embeddings=8))
+    with pytest.raises(ConfigError, match="more than 2 rotated dims"):
+        ModelConfig(**SMALL, partial_rotary_factor=0.125,
+                    rope_scaling=RopeScaling("dynamic", 2.0, original_max_position_embeddings=8))
