@@ -221,3 +221,34 @@ def test_dynamic_ntk_needs_more_than_two_rotated_dims():
     with pytest.raises(ConfigError, match="more than 2 rotated dims"):
         ModelConfig(**SMALL, partial_rotary_factor=0.125,
                     rope_scaling=RopeScaling("dynamic", 2.0, original_max_position_embeddings=8))
+
+
+# ---- GGUF: the keys llama.cpp's converter writes ---------------------------------------------------------------
+
+
+def test_gguf_yarn_keys_are_read_with_llama_cpps_defaults(tmp_path):
+    """type yarn, factor, original_context_length (default context_length), yarn_beta_fast / yarn_beta_slow
+    (32 / 1), yarn_attn_factor (default 0.1 ln factor + 1) times attn_factor; qwen2_yarn.gguf (llama.cpp's
+    conversion) gives the HF checkpoint's scaling."""
+    from test_formats_gguf_families import header
+
+    keys = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}
+    plain = header(tmp_path / "a.gguf", "qwen3", keys)
+    assert plain.rope_scaling == RopeScaling("yarn", 4.0, original_max_position_embeddings=plain.max_seq_len,
+                                             attention_factor=0.1 * math.log(4) + 1)
+    given = {**keys, "rope.scaling.original_context_length": 16, "rope.scaling.yarn_beta_fast": 8.0,
+             "rope.scaling.yarn_beta_slow": 0.5, "rope.scaling.yarn_attn_factor": 1.25, "rope.scaling.attn_factor": 2.0}
+    scaling = header(tmp_path / "b.gguf", "qwen3", given).rope_scaling
+    assert (scaling.original_max_position_embeddings, scaling.beta_fast, scaling.beta_slow,
+            scaling.attention_factor) == (16, 8.0, 0.5, 2.5)
+    assert read_checkpoint(HF.parent / "gguf_arch" / "qwen2_yarn.gguf")[0].rope_scaling == yarn_of("qwen2_yarn")
+
+
+@pytest.mark.parametrize("name", ["qwen2_yarn", "phi3_partial", "smollm3_nope"])
+def test_llama_cpps_conversions_carry_the_feature(name):
+    """The GGUF files say what the HF checkpoints say: the same ModelConfig RoPE fields (SmolLM3's NoPE layers by
+    llama.cpp's built-in rule, every 4th layer; Phi-3's partial rotary as rope.dimension_count 8 of 16)."""
+    hf = read_checkpoint(HF / name)[0]
+    gguf = read_checkpoint(HF.parent / "gguf_arch" / f"{name}.gguf")[0]
+    for field in ("rope_scaling", "partial_rotary_factor", "rope_layers", "rope_theta"):
+        assert getattr(gguf, field) == getattr(hf, field), field
