@@ -1,6 +1,6 @@
 """Hugging Face checkpoints: a directory with config.json and model.safetensors (or shards listed in
 model.safetensors.index.json), for the families hf_families.py lists (llama, mistral, qwen2, qwen3, qwen3_moe,
-mixtral, olmo2, granite, gemma2, gemma3, phi3).
+mixtral, olmo2, granite, gemma2, gemma3, phi3, smollm3).
 
 They are one network with a few options, so config.json maps onto one ModelConfig; hf_families.py says what each
 family adds (its parameter names and its config fields), this module does the rest once for all.
