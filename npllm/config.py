@@ -73,7 +73,7 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
     short_factor: tuple[float, ...] = ()  # longrope: [Dh/2] divisors of the inverse frequencies
     long_factor: tuple[float, ...] = ()
-    attention_factor: float = 1.0  # longrope, yarn: queries and keys times this (scores times its square)
+    attention_factor: float = 1.0  # longrope, yarn: cos and sin times this (the rotated dims of q and k)
     beta_fast: float = 32.0  # yarn: the ramp's ends, in turns over the original context
     beta_slow: float = 1.0
     truncate: bool = True  # yarn: the ramp's ends rounded out to whole dimensions (transformers' default)
@@ -224,9 +224,7 @@ class ModelConfig:
         self.check_features()
 
     def _check_rotary(self) -> None:
-        """partial_rotary_factor: in (0, 1], rotating an even whole number of each head's dims. Scaling by an
-        attention factor (longrope, yarn) multiplies only the rotated dims of q and k (transformers and llama.cpp
-        scale cos and sin), which score_scale cannot say for part of a head: that pair is refused."""
+        """partial_rotary_factor: in (0, 1], rotating an even whole number of each head's dims."""
         factor, Dh = self.partial_rotary_factor, self.head_dim
         if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
             raise ConfigError(f"partial_rotary_factor must be a number in (0, 1] (the fraction of each head's dims "
@@ -235,10 +233,6 @@ class ModelConfig:
         if round(rotated) < 2 or round(rotated) % 2 or abs(rotated - round(rotated)) > 1e-6:
             raise ConfigError(f"partial_rotary_factor {factor} rotates {rotated:g} of each head's {Dh} dims; RoPE "
                               "needs an even whole number of them")
-        scaling = self.rope_scaling
-        if factor != 1.0 and scaling is not None and scaling.attention_factor != 1.0:
-            raise ConfigError(f"partial_rotary_factor {factor} with {scaling.kind} RoPE scaling's attention_factor "
-                              f"{scaling.attention_factor:g} (which scales only the rotated dims) is not supported")
 
     def check_features(self) -> None:
         """The options beyond Llama's (issue: the other families) are consistent with each other."""
@@ -264,10 +258,6 @@ class ModelConfig:
         object.__setattr__(self, "rope_layers", tuple(bool(r) for r in self.rope_layers))
         if self.rope_layers and len(self.rope_layers) != self.n_layers:
             raise ConfigError(f"rope_layers must flag each of the {self.n_layers} layers, got {len(self.rope_layers)}")
-        if not all(self.rope_layers) and self.rope_scaling is not None and self.rope_scaling.attention_factor != 1.0:
-            # transformers scales cos and sin, which NoPE layers never use: one score_scale cannot say both
-            raise ConfigError(f"layers without RoPE (rope_layers) with {self.rope_scaling.kind} RoPE scaling's "
-                              f"attention_factor {self.rope_scaling.attention_factor:g} are not supported")
         scaling = self.rope_scaling
         if scaling is not None and scaling.kind == "dynamic" and self.rotary_dims <= 2:
             raise ConfigError(f"dynamic NTK scaling needs more than 2 rotated dims (its base grows as a power "
@@ -312,13 +302,9 @@ class ModelConfig:
 
     @property
     def score_scale(self) -> float:
-        """What q.k is multiplied by before the softmax: attention_scale (1/sqrt(Dh) when 0), times longrope's or
-        yarn's attention_factor squared (it scales both queries and keys: whole heads of every layer, as
-        check_features and _check_rotary require)."""
-        scale = self.attention_scale or 1.0 / math.sqrt(self.head_dim)
-        if self.rope_scaling is not None:
-            scale *= self.rope_scaling.attention_factor ** 2
-        return scale
+        """What q.k is multiplied by before the softmax: attention_scale (1/sqrt(Dh) when 0). (longrope's and
+        yarn's attention_factor scales the RoPE tables' cos and sin instead: Model.rope_amplitudes.)"""
+        return self.attention_scale or 1.0 / math.sqrt(self.head_dim)
 
     @property
     def moe_hidden_dim(self) -> int:

@@ -61,7 +61,8 @@ def yarn_inv_freq(inv_freq: np.ndarray, theta: float, s: RopeScaling) -> np.ndar
         ramp_i  = clip((i - lo) / (hi - lo), 0, 1)          (hi == lo: hi + 0.001)
         w'_i    = w_i / factor * ramp_i + w_i * (1 - ramp_i)
     Fast pairs (more than beta_fast turns: ramp 0) keep their frequency, slow ones (fewer than beta_slow: ramp 1) are
-    divided by factor. Queries and keys are also scaled by s.attention_factor (ModelConfig.score_scale).
+    divided by factor. The rotated dims of queries and keys are also scaled by s.attention_factor (rope_angles'
+    amplitude).
     """
     r = 2 * len(inv_freq)
     N = s.original_max_position_embeddings
@@ -106,10 +107,14 @@ def _llama3_scaled(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
                     np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, blended))
 
 
-def rope_angles(positions: np.ndarray, inv_freq: np.ndarray, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of the rotation angles pos * w_i, computed in float64.  # [T], [Dh/2] -> [T, Dh/2] x2"""
+def rope_angles(positions: np.ndarray, inv_freq: np.ndarray, dtype=np.float32,
+                amplitude=1.0) -> tuple[np.ndarray, np.ndarray]:
+    """a cos and a sin of the rotation angles pos * w_i, computed in float64.  # [T], [Dh/2] -> [T, Dh/2] x2
+
+    a = amplitude (a number, or one per pair [Dh/2]): longrope's and yarn's attention factor, which scales the
+    rotated dims of queries and keys alike (so their scores by a^2), as transformers and llama.cpp apply it."""
     angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    return (np.cos(angles) * amplitude).astype(dtype), (np.sin(angles) * amplitude).astype(dtype)
 
 
 def rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -25,7 +25,8 @@ from test_formats_hf import load_reference  # the same fixture folder: tokens, t
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ["gemma2", "gemma3", "phi3", "phi3_short", "qwen3", "qwen3_moe", "qwen3_moe_unnormed", "mixtral", "olmo2",
-            "granite", "qwen2_yarn", "llama_dynamic", "phi3_partial", "smollm3_nope"]
+            "granite", "qwen2_yarn", "llama_dynamic", "phi3_partial", "smollm3_nope", "phi3_partial_longrope",
+            "smollm3_yarn"]
 # transformers' generate() re-bases dynamic NTK at every step past the original context (keys cached with the base
 # of their own step); npllm takes one base from its context, which matches one forward over a whole prompt only
 GREEDY = [name for name in FAMILIES if name != "llama_dynamic"]

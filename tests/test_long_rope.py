@@ -42,7 +42,7 @@ def fixture_logits(name: str, **changes) -> tuple[np.ndarray, np.ndarray]:
     return make_model(config, weights, backend="numpy").logits(reference["tokens"]), reference["logits"]
 
 
-def yarn_of(name: str) -> RopeScaling:
+def scaling_of(name: str) -> RopeScaling:
     return read_checkpoint(HF / name)[0].rope_scaling
 
 
@@ -51,12 +51,17 @@ def yarn_of(name: str) -> RopeScaling:
 
 @pytest.mark.parametrize("name, changes", [
     ("qwen2_yarn", {"rope_scaling": None}),
-    ("qwen2_yarn", {"rope_scaling": dataclasses.replace(yarn_of("qwen2_yarn"), attention_factor=1.0)}),
-    ("qwen2_yarn", {"rope_scaling": dataclasses.replace(yarn_of("qwen2_yarn"), beta_fast=32.0, beta_slow=1.0)}),
+    ("qwen2_yarn", {"rope_scaling": dataclasses.replace(scaling_of("qwen2_yarn"), attention_factor=1.0)}),
+    ("qwen2_yarn", {"rope_scaling": dataclasses.replace(scaling_of("qwen2_yarn"), beta_fast=32.0, beta_slow=1.0)}),
     ("llama_dynamic", {"rope_scaling": None}),
     ("phi3_partial", {"partial_rotary_factor": 1.0}),
     ("smollm3_nope", {"rope_layers": ()}),
-], ids=["yarn", "yarn-attention-factor", "yarn-betas", "dynamic", "partial", "nope"])
+    ("phi3_partial_longrope", {"rope_scaling": dataclasses.replace(scaling_of("phi3_partial_longrope"),
+                                                                   attention_factor=1.0)}),
+    ("smollm3_yarn", {"rope_layers": ()}),
+    ("smollm3_yarn", {"rope_scaling": None}),
+], ids=["yarn", "yarn-attention-factor", "yarn-betas", "dynamic", "partial", "nope", "partial-longrope-factor",
+        "nope-with-yarn", "yarn-with-nope"])
 def test_each_fixture_exercises_its_feature(name, changes):
     on, expected = fixture_logits(name)
     off, _ = fixture_logits(name, **changes)
@@ -126,7 +131,7 @@ def test_dynamic_ntk_base_is_the_base_up_to_the_original_and_grows_past_it(facto
 def test_partial_rotary_turns_the_first_r_dims_in_either_layout(seed, n, dims):
     """rope_half / rope_interleaved with r/2 angles leave x[r:] as it is; the half layout's first r rows permuted
     (permute_qk_half_to_interleaved with rotary_dims) give the interleaved rotation; and zero frequencies padded
-    past r/2 (what the compiled backends rotate: padded_rope_frequencies) are exactly the identity."""
+    past r/2 (what the compiled backends rotate: padded_rope_tables) are exactly the identity."""
     Dh, r = dims
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(5, n, Dh))
@@ -182,7 +187,6 @@ def test_yarn_is_read_as_transformers_reads_it():
     ({"rope_type": "yarn", "factor": 4.0, "truncate": "yes"}, "truncate"),
     ({"rope_type": "yarn", "factor": -1.0}, "factor must be > 0"),
     ({"rope_type": "dynamic"}, "factor"),
-    ({"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5}, "attention_factor .*rotated dims"),
 ])
 def test_what_cannot_be_computed_faithfully_is_refused(spec, said):
     with pytest.raises(ConfigError, match=said):
@@ -200,8 +204,6 @@ def test_no_rope_layers_are_read_and_checked():
     for bad in ([1, 1, 0], [1, 1, 2, 1], "1101"):
         with pytest.raises(ConfigError, match="no_rope_layers"):
             config_from_hf({**smol, "no_rope_layers": bad})
-    with pytest.raises(ConfigError, match="without RoPE.*attention_factor"):
-        config_from_hf({**smol, "rope_parameters": {**LLAMA["rope_parameters"], "rope_type": "yarn", "factor": 2.0}})
     with pytest.raises(ConfigError, match="rope_layers must flag each of the 2 layers"):
         ModelConfig(**SMALL, rope_layers=(True,))
 
@@ -241,14 +243,41 @@ def test_gguf_yarn_keys_are_read_with_llama_cpps_defaults(tmp_path):
     scaling = header(tmp_path / "b.gguf", "qwen3", given).rope_scaling
     assert (scaling.original_max_position_embeddings, scaling.beta_fast, scaling.beta_slow,
             scaling.attention_factor) == (16, 8.0, 0.5, 2.5)
-    assert read_checkpoint(HF.parent / "gguf_arch" / "qwen2_yarn.gguf")[0].rope_scaling == yarn_of("qwen2_yarn")
+    assert read_checkpoint(HF.parent / "gguf_arch" / "qwen2_yarn.gguf")[0].rope_scaling == scaling_of("qwen2_yarn")
 
 
-@pytest.mark.parametrize("name", ["qwen2_yarn", "phi3_partial", "smollm3_nope"])
+@pytest.mark.parametrize("name", ["qwen2_yarn", "phi3_partial", "smollm3_nope", "phi3_partial_longrope",
+                                  "smollm3_yarn"])
 def test_llama_cpps_conversions_carry_the_feature(name):
     """The GGUF files say what the HF checkpoints say: the same ModelConfig RoPE fields (SmolLM3's NoPE layers by
     llama.cpp's built-in rule, every 4th layer; Phi-3's partial rotary as rope.dimension_count 8 of 16)."""
     hf = read_checkpoint(HF / name)[0]
     gguf = read_checkpoint(HF.parent / "gguf_arch" / f"{name}.gguf")[0]
-    for field in ("rope_scaling", "partial_rotary_factor", "rope_layers", "rope_theta"):
+    for field in ("partial_rotary_factor", "rope_layers", "rope_theta"):
         assert getattr(gguf, field) == getattr(hf, field), field
+    if hf.rope_scaling is None:
+        assert gguf.rope_scaling is None
+    else:  # GGUF stores the factors and the attention factor as float32
+        for field in dataclasses.fields(RopeScaling):
+            a, b = getattr(gguf.rope_scaling, field.name), getattr(hf.rope_scaling, field.name)
+            assert np.allclose(a, b, rtol=1e-6) if field.name != "kind" else a == b, field.name
+
+
+@pytest.mark.parametrize("name", ["phi3_partial_longrope", "smollm3_yarn"])
+def test_the_attention_factor_scales_only_what_turns(name):
+    """longrope's and yarn's attention factor scales cos and sin (Model.rope_amplitudes), so only the rotated dims
+    of RoPE layers: one score scale of a^2 over whole heads and every layer (npllm's earlier rule, still right for
+    whole heads with RoPE everywhere) misses transformers by far more than 1e-4 on these two."""
+    from npllm.models.reference import Transformer
+
+    reference = np.load(HF / name / "reference.npz")
+    config, weights = read_checkpoint(HF / name)
+    config = config.replace(max_seq_len=len(reference["tokens"]))
+    a = config.rope_scaling.attention_factor
+    whole = Transformer(config.replace(attention_scale=a * a / math.sqrt(config.head_dim),
+                                       rope_scaling=dataclasses.replace(config.rope_scaling, attention_factor=1.0)),
+                        weights)
+    assert np.abs(whole.logits(reference["tokens"]) - reference["logits"]).max() >= 0.05
+    model = Transformer(config, weights)
+    assert model.rope_amplitudes()[model.rope_rows()].tolist() == [a if config.has_rope(l) else 1.0
+                                                                   for l in range(config.n_layers)]

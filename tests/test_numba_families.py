@@ -1,10 +1,11 @@
-"""The Numba backend on every other family's options (config.py: GeGLU, embedding and residual multipliers, score
-scale and soft-caps, q/k norms per head or over the projection, sandwich and post norms, per-layer sliding windows
-and RoPE bases, longrope, YaRN, dynamic NTK, partial rotary, NoPE layers, mixtures of experts), against the NumPy reference in float64, on small random models
-built here from npllm.tensors.expected_shapes; prefill against decode bit for bit; float32 panels (NumbaTransformer)
-and weights kept in their file types (QuantizedNumbaTransformer) alike, through the one compiled forward. Then the
-transformers fixtures (tests/fixtures/hf/<family>/) and llama.cpp's conversions of them (tests/fixtures/gguf_arch/)
-on the Numba backend, and GGUF files whose experts are 3-D stacks of blocks."""
+"""The Numba backend on every other family's options (config.py: GeGLU, embedding and residual multipliers, score scale
+and soft-caps, q/k norms per head or over the projection, sandwich and post norms, per-layer sliding windows and
+RoPE bases, longrope, YaRN, dynamic NTK, partial rotary, NoPE layers, mixtures of experts), against the NumPy
+reference in float64, on small random models built here from npllm.tensors.expected_shapes; prefill against decode
+bit for bit; float32 panels (NumbaTransformer) and weights kept in their file types (QuantizedNumbaTransformer)
+alike, through the one compiled forward. Then the transformers fixtures (tests/fixtures/hf/<family>/) and
+llama.cpp's conversions of them (tests/fixtures/gguf_arch/) on the Numba backend, and GGUF files whose experts are
+3-D stacks of blocks."""
 
 from pathlib import Path
 
@@ -36,12 +37,11 @@ def family_configs(draw, experts=st.sampled_from([0, 0, 1, 3, 4])):
     E = draw(experts, label="E")
     window = draw(st.one_of(st.none(), st.integers(1, 12)), label="sliding_window")
     per_layer = window is not None and draw(st.booleans(), label="per-layer windows")
-    # partial rotary (the first half of each head) and layers without RoPE, with the scalings that allow them
+    # partial rotary (the first half of each head), layers without RoPE, and the RoPE scalings
     partial = Dh % 4 == 0 and draw(st.booleans(), label="partial rotary")
     nope = tuple(draw(st.booleans()) for _ in range(L)) if draw(st.booleans(), label="NoPE layers") else ()
     r = Dh // 2 if partial else Dh
-    scaled = not partial and not nope  # longrope's and yarn's attention factors need whole heads in every layer
-    kinds = ["none", "longrope", "yarn"] if scaled else ["none"]
+    kinds = ["none", "longrope", "yarn"]
     kind = draw(st.sampled_from(kinds + ["dynamic"] if r > 2 else kinds), label="rope scaling")
     factors = st.lists(st.floats(1.0, 4.0), min_size=r // 2, max_size=r // 2).map(tuple)
     original = draw(st.integers(4, 40), label="original context")
@@ -51,7 +51,8 @@ def family_configs(draw, experts=st.sampled_from([0, 0, 1, 3, 4])):
                                         short_factor=draw(factors), long_factor=draw(factors),
                                         attention_factor=draw(st.floats(0.8, 1.3))),
         "yarn": lambda: RopeScaling("yarn", draw(st.floats(1.0, 8.0)), original_max_position_embeddings=original,
-                                    beta_fast=draw(st.sampled_from([32.0, 8.0])), beta_slow=draw(st.sampled_from([1.0, 0.5])),
+                                    beta_fast=draw(st.sampled_from([32.0, 8.0])),
+                                    beta_slow=draw(st.sampled_from([1.0, 0.5])),
                                     truncate=draw(st.booleans()), attention_factor=draw(st.floats(0.8, 1.3))),
         "dynamic": lambda: RopeScaling("dynamic", draw(st.floats(1.0, 4.0)), original_max_position_embeddings=original),
     }[kind]
@@ -172,7 +173,8 @@ def test_every_option_is_declared():
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILIES = ["gemma2", "gemma3", "phi3", "phi3_short", "qwen3", "qwen3_moe", "qwen3_moe_unnormed", "mixtral", "olmo2",
-            "granite", "qwen2_yarn", "llama_dynamic", "phi3_partial", "smollm3_nope"]
+            "granite", "qwen2_yarn", "llama_dynamic", "phi3_partial", "smollm3_nope", "phi3_partial_longrope",
+            "smollm3_yarn"]
 CONVERTED = sorted((FIXTURES / "gguf_arch").glob("*.gguf"))
 
 

@@ -134,7 +134,7 @@ class Model:
         a row of zeros for layers without RoPE (rope_layers: SmolLM3's NoPE; angle 0 turns nothing).
                                                                             # -> [R, r/2] f64 (rope_rows: [L])
         r = config.rotary_dims (the first r dims of each head turn; a backend that rotates whole heads pads the rows
-        with zeros: padded_rope_frequencies). The frequencies depend on the context the model runs with,
+        with zeros: padded_rope_tables). The frequencies depend on the context the model runs with,
         config.max_seq_len, never on a call's length or its cache's size: longrope's factors (as llama.cpp chooses by
         its n_ctx) and dynamic NTK's base, so a sequence computes the same whether it runs alone, in a batch or
         under a perplexity window. transformers chooses per call by the sequence's length, so it agrees where both
@@ -145,7 +145,13 @@ class Model:
         """Each layer's row of rope_frequencies().                                                  # -> [L] int64"""
         return self._rope_tables()[1]
 
-    def _rope_tables(self) -> tuple[np.ndarray, np.ndarray]:
+    def rope_amplitudes(self) -> np.ndarray:
+        """What each row's cos and sin are multiplied by: the full-attention row by longrope's or yarn's
+        attention_factor (queries and keys both, so their rotated dims' scores by its square, as transformers and
+        llama.cpp scale cos and sin); sliding and NoPE rows by 1.                                    # -> [R] f64"""
+        return self._rope_tables()[2]
+
+    def _rope_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         c = self.config
         if getattr(self, "_rope_config", None) is not c:  # worked out once per context (config)
             full = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, c.max_seq_len, c.rotary_dims)
@@ -156,15 +162,20 @@ class Model:
                 kinds.append(np.zeros_like(full))
             local, nope = (1 if len(kinds) > 1 and c.rope_local_theta else 0), len(kinds) - 1
             rows = [nope if not c.has_rope(l) else local if c.is_sliding(l) else 0 for l in range(c.n_layers)]
-            self._rope_cache = (np.stack(kinds), np.array(rows, np.int64))
+            amplitudes = np.ones(len(kinds))
+            amplitudes[0] = c.rope_scaling.attention_factor if c.rope_scaling is not None else 1.0
+            self._rope_cache = (np.stack(kinds), np.array(rows, np.int64), amplitudes)
             self._rope_config = c
         return self._rope_cache
 
-    def padded_rope_frequencies(self) -> np.ndarray:
-        """rope_frequencies() with zeros for the dims past config.rotary_dims (angle 0: cos 1, sin 0, exactly the
-        identity), for kernels that rotate every pair of a head in the interleaved layout.     # -> [R, Dh/2] f64"""
+    def padded_rope_tables(self) -> np.ndarray:
+        """For kernels that rotate every pair of a head in the interleaved layout: per row, rope_frequencies()
+        padded with zeros past config.rotary_dims (angle 0: cos 1, sin 0, exactly the identity), and each pair's
+        amplitude (rope_amplitudes() over the rotated pairs, 1 past them).          # -> [R, 2, Dh/2] f64"""
         freqs = self.rope_frequencies()
-        return np.pad(freqs, ((0, 0), (0, self.config.head_dim // 2 - freqs.shape[1])))
+        pad = ((0, 0), (0, self.config.head_dim // 2 - freqs.shape[1]))
+        amplitudes = np.repeat(self.rope_amplitudes()[:, None], freqs.shape[1], axis=1)
+        return np.stack([np.pad(freqs, pad), np.pad(amplitudes, pad, constant_values=1.0)], axis=1)
 
     def logits(self, tokens, positions=None, cache=None) -> np.ndarray:
         """Logits of every token of one sequence on a fresh cache (or the given one).  # [T] -> [T, V]"""

@@ -305,20 +305,21 @@ class CudaTransformer(Model):
         return np.ascontiguousarray(w, dtype=self.weight_dtype)
 
     def _rope_table(self, freqs: np.ndarray, positions: int) -> None:
-        """cos, sin [R, P, Dh/2] of positions 0 .. P-1 for each row of frequencies [R, Dh/2], the very numbers
-        ops.rope_angles gives the NumPy model."""
-        tables = [ops.rope_angles(np.arange(positions), row, np.float32) for row in freqs]
+        """cos, sin [R, P, Dh/2] of positions 0 .. P-1 for each row of frequencies and amplitudes [R, 2, Dh/2]
+        (Model.padded_rope_tables), the very numbers ops.rope_angles gives the NumPy model."""
+        tables = [ops.rope_angles(np.arange(positions), row, np.float32, amplitude) for row, amplitude in freqs]
         self.cos = self.cuda.to_device(np.stack([cos for cos, _ in tables]))
         self.sin = self.cuda.to_device(np.stack([sin for _, sin in tables]))
         self.rope_freqs, self.rope_positions = freqs, positions
 
     def _per_capacity(self, capacity: int) -> tuple:
-        """For a cache of `capacity` positions: the RoPE frequencies [R, Dh/2] (Model.padded_rope_frequencies: a
-        row per kind of layer, pairs past the rotary dims turning by angle 0), and on the device each layer's
+        """For a cache of `capacity` positions: the RoPE frequencies and amplitudes [R, 2, Dh/2]
+        (Model.padded_rope_tables: a row per kind of layer, pairs past the rotary dims turning by angle 0), and on
+        the device each layer's
         window [L] and row of the RoPE tables [L] (int32), as Model.windows and Model.rope_rows say."""
         if capacity not in self._capacities:
             c, cuda = self.config, self.cuda
-            freqs = self.padded_rope_frequencies()  # [R, Dh/2]: full attention (, sliding) (, no RoPE)
+            freqs = self.padded_rope_tables()  # [R, 2, Dh/2]: full attention (, sliding) (, no RoPE)
             rows = self.rope_rows().astype(np.int32)
             windows = cuda.to_device(self.windows(capacity).astype(np.int32))
             self._capacities[capacity] = (freqs, windows, cuda.to_device(rows))

@@ -112,11 +112,12 @@ class NumbaTransformer(Model):
         return named
 
     def per_capacity(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-        """(windows [L] int64, RoPE frequencies [R, Dh/2] float64) of a cache of this capacity (Model.windows,
-        Model.padded_rope_frequencies: pairs past the rotary dims turn by angle 0), worked out once per capacity."""
+        """(windows [L] int64, RoPE frequencies and amplitudes [R, 2, Dh/2] float64) of a cache of this capacity
+        (Model.windows, Model.padded_rope_tables: pairs past the rotary dims turn by angle 0), worked out once per
+        capacity."""
         if capacity not in self._capacities:
             self._capacities[capacity] = (self.windows(capacity),
-                                          np.ascontiguousarray(self.padded_rope_frequencies(), np.float64))
+                                          np.ascontiguousarray(self.padded_rope_tables(), np.float64))
         return self._capacities[capacity]
 
     # fused_qkv(interleave_rope=True) permutes Hugging Face q/k rows, so every cached key pairs (2i, 2i+1)
@@ -503,9 +504,9 @@ def _post_norm(o, weight, eps, T):
 @njit(inline="always")
 def _rope_angles(positions, freqs, rope_rows, cos, sin, T):
     """cos, sin [r, :T] of the RoPE angles for each frequency row r the layers use (rope_rows): row 0 alone unless
-    sliding layers turn at their own base or some layers have no RoPE.             # [T], [R, Dh/2] -> [R, T, Dh/2]"""
+    sliding layers turn at their own base or some layers have no RoPE.          # [T], [R, 2, Dh/2] -> [R, T, Dh/2]"""
     for r in range(rope_rows.max() + 1 if rope_rows.shape[0] else 1):
-        cpu.rope_angles_into(positions, freqs[r], cos[r], sin[r], T)
+        cpu.rope_angles_into(positions, freqs[r, 0], freqs[r, 1], cos[r], sin[r], T)
 
 
 @njit(inline="always")
@@ -583,7 +584,8 @@ def _forward(tokens, positions, seqs, w, freqs, dims, ring):
 
     x = embed(tokens) m; per layer: x += r attention_block(x); x += r ffn_block(x); then rms_norm(x), with every
     family's options as data (Dims, and the per-layer arrays of the weights record). w: Packed or QPacked (compiled
-    once for each; see by_record). freqs [R, Dh/2]: RoPE frequencies of each kind of layer (padded_rope_frequencies).
+    once for each; see by_record). freqs [R, 2, Dh/2]: RoPE frequencies and amplitudes of each kind of layer
+(padded_rope_tables).
     """
     T = tokens.shape[0]
     L, D = w.attention_norm.shape[0], w.norm.shape[0]

@@ -39,7 +39,8 @@ class Transformer(Model):
         self.check_call(tokens, positions, slots, cache)
         c = self.config
         # cos, sin [T, r/2] of each kind of layer (full attention, sliding, no RoPE: rope_frequencies' rows)
-        angles = [ops.rope_angles(positions, freqs, self.dtype) for freqs in self.rope_frequencies()]
+        angles = [ops.rope_angles(positions, freqs, self.dtype, amplitude)
+                  for freqs, amplitude in zip(self.rope_frequencies(), self.rope_amplitudes())]
         rows = self.rope_rows()
         groups = [(int(s), np.flatnonzero(slots == s)) for s in np.unique(slots)]
         r = self.dtype.type(c.residual_multiplier)
