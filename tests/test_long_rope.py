@@ -281,3 +281,13 @@ def test_the_attention_factor_scales_only_what_turns(name):
     model = Transformer(config, weights)
     assert model.rope_amplitudes()[model.rope_rows()].tolist() == [a if config.has_rope(l) else 1.0
                                                                    for l in range(config.n_layers)]
+
+
+def test_npllm_info_names_the_variants():
+    from npllm.info import describe
+
+    config, weights = read_checkpoint(HF / "phi3_partial_longrope")
+    assert "RoPE on 12 of 16 head dims" in describe(config, weights, HF / "phi3_partial_longrope")
+    config, weights = read_checkpoint(HF / "smollm3_yarn")
+    text = describe(config, weights, HF / "smollm3_yarn")
+    assert "yarn RoPE scaling x4" in text and "1 layer without RoPE" in text

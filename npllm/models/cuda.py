@@ -318,7 +318,7 @@ class CudaTransformer(Model):
         the device each layer's
         window [L] and row of the RoPE tables [L] (int32), as Model.windows and Model.rope_rows say."""
         if capacity not in self._capacities:
-            c, cuda = self.config, self.cuda
+            cuda = self.cuda
             freqs = self.padded_rope_tables()  # [R, 2, Dh/2]: full attention (, sliding) (, no RoPE)
             rows = self.rope_rows().astype(np.int32)
             windows = cuda.to_device(self.windows(capacity).astype(np.int32))
