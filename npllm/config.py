@@ -58,26 +58,37 @@ class RopeScaling:
     kind "longrope" (Phi-3): inverse frequency i is divided by its own factor, `long_factor[i]` when the model runs
     with a context longer than original_max_position_embeddings, else `short_factor[i]`; queries and keys are both
     scaled by `attention_factor` (so attention scores by its square).
+    kind "yarn" (Qwen2.5/3 long context, gpt-oss): frequencies that turn fewer than beta_slow times over the
+    original context are divided by `factor`, those that turn more than beta_fast times kept, a linear ramp between
+    (ops.yarn_inv_freq); queries and keys scaled by `attention_factor` (0.1 ln(factor) + 1 by default; the format
+    reader works it out, from mscale / mscale_all_dim where the config gives them).
+    kind "dynamic" (dynamic NTK): the RoPE base grows with the context the model runs with, past
+    original_max_position_embeddings (ops.dynamic_ntk_theta); `factor` sets how fast.
     """
 
-    kind: str  # "linear" | "llama3" | "longrope"
+    kind: str  # "linear" | "llama3" | "longrope" | "yarn" | "dynamic"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     short_factor: tuple[float, ...] = ()  # longrope: [Dh/2] divisors of the inverse frequencies
     long_factor: tuple[float, ...] = ()
-    attention_factor: float = 1.0
+    attention_factor: float = 1.0  # longrope, yarn: cos and sin times this (the rotated dims of q and k)
+    beta_fast: float = 32.0  # yarn: the ramp's ends, in turns over the original context
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: the ramp's ends rounded out to whole dimensions (transformers' default)
 
     def __post_init__(self):
-        if self.kind not in ("linear", "llama3", "longrope"):
+        if self.kind not in ROPE_SCALINGS:
             raise ConfigError(f"unsupported RoPE scaling type {self.kind!r} "
-                              "(npllm knows 'linear', 'llama3' and 'longrope')")
+                              f"(npllm knows {', '.join(repr(k) for k in ROPE_SCALINGS)})")
         object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))
         object.__setattr__(self, "long_factor", tuple(float(f) for f in self.long_factor))
         check_finite_floats(self)
         if self.kind == "longrope":
             self._check_longrope()
+        if self.kind == "yarn":
+            self._check_yarn()
         if not self.factor > 0:
             raise ConfigError(f"RoPE scaling factor must be > 0, got {self.factor}")
         if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
@@ -100,18 +111,28 @@ class RopeScaling:
         if not self.attention_factor > 0:
             raise ConfigError(f"longrope scaling's attention_factor must be > 0, got {self.attention_factor}")
 
+    def _check_yarn(self) -> None:
+        if not 0 < self.beta_slow < self.beta_fast:
+            raise ConfigError(f"yarn RoPE scaling needs 0 < beta_slow < beta_fast, got {self.beta_slow} and "
+                              f"{self.beta_fast}")
+        if not self.attention_factor > 0:
+            raise ConfigError(f"yarn RoPE scaling's attention_factor must be > 0, got {self.attention_factor}")
+
     def divisors(self, context: int) -> tuple[float, ...]:
         """longrope: the per-frequency divisors for a model run with `context` positions (long past the original)."""
         return self.long_factor if context > self.original_max_position_embeddings else self.short_factor
 
 
+ROPE_SCALINGS = ("linear", "llama3", "longrope", "yarn", "dynamic")
 FFN_ACTIVATIONS = ("silu", "gelu_tanh")
 QK_NORMS = ("", "head", "projection")
 BLOCK_NORMS = ("pre", "sandwich", "post")
 # ModelConfig's fields for what other families change (their defaults are Llama's); expert_* only matter with experts.
 FEATURE_FIELDS = ("ffn_activation", "embedding_multiplier", "residual_multiplier", "attention_scale",
                   "attn_logit_softcap", "final_logit_softcap", "logit_multiplier", "qk_norm", "block_norms",
-                  "sliding_layers", "rope_local_theta", "n_experts")
+                  "sliding_layers", "rope_local_theta", "n_experts", "partial_rotary_factor", "rope_layers")
+# RoPE scalings named in ModelConfig.features (linear and llama3 are Llama's own, in every backend and GGUF writer).
+SCALING_FEATURES = ("longrope", "yarn", "dynamic")
 
 
 @dataclass(frozen=True)
@@ -130,8 +151,8 @@ class ModelConfig:
     # "half": rotate pairs (x[i], x[i + Dh/2]) as Hugging Face checkpoints are laid out.
     rope_layout: str = "interleaved"
     rope_scaling: RopeScaling | None = None
-    # The fraction of each head's dims that RoPE rotates (HF partial_rotary_factor; GGUF rope.dimension_count / Dh).
-    # Checked here for every format; npllm rotates whole heads only, so anything but 1.0 is refused (_check_rotary).
+    # The fraction of each head's dims that RoPE rotates (HF partial_rotary_factor; GGUF rope.dimension_count / Dh):
+    # the first rotary_dims of each head, paired in rope_layout's way among themselves; the rest pass unrotated.
     partial_rotary_factor: float = 1.0
     tied_embeddings: bool = False  # LM head reuses the token embedding matrix
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
@@ -157,6 +178,7 @@ class ModelConfig:
     block_norms: str = "pre"  # "pre": x += f(norm(x)) | "sandwich": x += norm'(f(norm(x))) (Gemma) | "post": x += norm'(f(x)) (OLMo 2)
     sliding_layers: tuple[bool, ...] = ()  # one flag per layer; empty: every layer slides when sliding_window is set
     rope_local_theta: float = 0.0  # > 0: the RoPE base of sliding layers, unscaled (Gemma 3); 0: rope_theta
+    rope_layers: tuple[bool, ...] = ()  # one flag per layer, False: no RoPE there (SmolLM3's NoPE); empty: all rotate
     n_experts: int = 0  # E experts per layer (0: a dense FFN)
     n_experts_used: int = 0  # top k experts per token
     expert_hidden_dim: int = 0  # Fe, each expert's hidden width (0: hidden_dim)
@@ -207,8 +229,7 @@ class ModelConfig:
         self.check_features()
 
     def _check_rotary(self) -> None:
-        """partial_rotary_factor: in (0, 1], rotating an even whole number of each head's dims; then refused unless
-        1.0, until a backend rotates part of a head (a refusal here, not a silent whole-head RoPE)."""
+        """partial_rotary_factor: in (0, 1], rotating an even whole number of each head's dims."""
         factor, Dh = self.partial_rotary_factor, self.head_dim
         if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
             raise ConfigError(f"partial_rotary_factor must be a number in (0, 1] (the fraction of each head's dims "
@@ -217,9 +238,6 @@ class ModelConfig:
         if round(rotated) < 2 or round(rotated) % 2 or abs(rotated - round(rotated)) > 1e-6:
             raise ConfigError(f"partial_rotary_factor {factor} rotates {rotated:g} of each head's {Dh} dims; RoPE "
                               "needs an even whole number of them")
-        if factor != 1.0:
-            raise ConfigError(f"partial_rotary_factor {factor} (RoPE on the first {round(rotated)} of each head's "
-                              f"{Dh} dims) is not supported: npllm rotates whole heads")
 
     def check_features(self) -> None:
         """The options beyond Llama's (issue: the other families) are consistent with each other."""
@@ -242,9 +260,15 @@ class ModelConfig:
         if any(self.sliding_layers) and self.sliding_window is None:
             raise ConfigError("sliding_layers flags layers as sliding but sliding_window is not set")
         self._check_experts()
+        object.__setattr__(self, "rope_layers", tuple(bool(r) for r in self.rope_layers))
+        if self.rope_layers and len(self.rope_layers) != self.n_layers:
+            raise ConfigError(f"rope_layers must flag each of the {self.n_layers} layers, got {len(self.rope_layers)}")
         scaling = self.rope_scaling
-        if scaling is not None and scaling.kind == "longrope" and len(scaling.short_factor) != self.head_dim // 2:
-            raise ConfigError(f"longrope factors must number head_dim / 2 = {self.head_dim // 2}, got "
+        if scaling is not None and scaling.kind == "dynamic" and self.rotary_dims <= 2:
+            raise ConfigError(f"dynamic NTK scaling needs more than 2 rotated dims (its base grows as a power "
+                              f"r / (r - 2)), got {self.rotary_dims}")
+        if scaling is not None and scaling.kind == "longrope" and len(scaling.short_factor) != self.rotary_dims // 2:
+            raise ConfigError(f"longrope factors must number the rotated dims / 2 = {self.rotary_dims // 2}, got "
                               f"{len(scaling.short_factor)}")
 
     def _check_experts(self) -> None:
@@ -256,6 +280,15 @@ class ModelConfig:
         if not self.expert_hidden_dim >= 0:
             raise ConfigError(f"expert_hidden_dim must be >= 0 (0: hidden_dim), got {self.expert_hidden_dim}")
 
+    @property
+    def rotary_dims(self) -> int:
+        """How many of each head's dims RoPE rotates (the first ones): partial_rotary_factor x Dh."""
+        return round(self.partial_rotary_factor * self.head_dim)
+
+    def has_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates its queries and keys (every layer when rope_layers is empty)."""
+        return self.rope_layers[layer] if self.rope_layers else True
+
     def is_sliding(self, layer: int) -> bool:
         """Whether layer `layer` attends through the sliding window (every layer when sliding_layers is empty)."""
         if self.sliding_window is None:
@@ -264,22 +297,19 @@ class ModelConfig:
 
     @property
     def features(self) -> frozenset[str]:
-        """The options beyond Llama's that this config uses, by field name ("longrope" for that RoPE scaling), so a
-        backend can say plainly which it does not run yet."""
+        """The options beyond Llama's that this config uses, by field name (by kind for the RoPE scalings of
+        SCALING_FEATURES), so a backend can say plainly which it does not run yet."""
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in FEATURE_FIELDS}
         used = {name for name, default in defaults.items() if getattr(self, name) != default}
-        if self.rope_scaling is not None and self.rope_scaling.kind == "longrope":
-            used.add("longrope")
+        if self.rope_scaling is not None and self.rope_scaling.kind in SCALING_FEATURES:
+            used.add(self.rope_scaling.kind)
         return frozenset(used)
 
     @property
     def score_scale(self) -> float:
-        """What q.k is multiplied by before the softmax: attention_scale (1/sqrt(Dh) when 0), times longrope's
-        attention_factor squared (it scales both queries and keys)."""
-        scale = self.attention_scale or 1.0 / math.sqrt(self.head_dim)
-        if self.rope_scaling is not None and self.rope_scaling.kind == "longrope":
-            scale *= self.rope_scaling.attention_factor ** 2
-        return scale
+        """What q.k is multiplied by before the softmax: attention_scale (1/sqrt(Dh) when 0). (longrope's and
+        yarn's attention_factor scales the RoPE tables' cos and sin instead: Model.rope_amplitudes.)"""
+        return self.attention_scale or 1.0 / math.sqrt(self.head_dim)
 
     @property
     def moe_hidden_dim(self) -> int:

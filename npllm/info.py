@@ -115,6 +115,11 @@ def describe(config: ModelConfig, weights: dict[str, np.ndarray], path: str | os
     features = [f"RoPE theta {c.rope_theta:g} ({c.rope_layout})"]
     if c.rope_scaling is not None:
         features.append(f"{c.rope_scaling.kind} RoPE scaling x{c.rope_scaling.factor:g}")
+    if c.rotary_dims != c.head_dim:
+        features.append(f"RoPE on {c.rotary_dims} of {c.head_dim} head dims")
+    nope = sum(not c.has_rope(l) for l in range(c.n_layers))
+    if nope:
+        features.append(f"{nope} layer{'s' if nope > 1 else ''} without RoPE")
     if c.sliding_window:
         features.append(f"sliding window {c.sliding_window}")
     if c.attention_bias:

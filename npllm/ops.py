@@ -28,21 +28,69 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(ms + x.dtype.type(eps))) * weight
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None, context: int = 0) -> np.ndarray:
-    """Inverse frequencies of the rotary embedding: w_i = theta^(-2i / Dh), i = 0 .. Dh/2 - 1.  # -> [Dh/2] f64
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None, context: int = 0,
+                  rotary_dims: int | None = None) -> np.ndarray:
+    """Inverse frequencies of the rotary embedding: w_i = theta^(-2i / r), i = 0 .. r/2 - 1.   # -> [r/2] f64
 
-    Pair i of a head is rotated by the angle pos * w_i: fast rotations for the first pairs, slow for the last.
-    Scaling (for contexts longer than training) slows the low frequencies down; see RopeScaling. longrope's
-    divisors depend on the `context` the model runs with (its long factors past the original context).
+    r = rotary_dims (default head_dim): the first r dims of each head turn, the rest pass unrotated (Phi-3's
+    partial_rotary_factor r / Dh). Pair i of a head is rotated by the angle pos * w_i: fast rotations for the first
+    pairs, slow for the last. Scaling (for contexts longer than training) slows the low frequencies down; see
+    RopeScaling. longrope's divisors and dynamic NTK's base depend on the `context` the model runs with.
     """
-    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if scaling is None:
+    r = head_dim if rotary_dims is None else rotary_dims
+    if scaling is not None and scaling.kind == "dynamic":
+        theta = dynamic_ntk_theta(theta, scaling, context, r)
+    inv_freq = theta ** (-np.arange(0, r, 2, dtype=np.float64) / r)
+    if scaling is None or scaling.kind == "dynamic":
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
     if scaling.kind == "longrope":
         return inv_freq / np.asarray(scaling.divisors(context), np.float64)
+    if scaling.kind == "yarn":
+        return yarn_inv_freq(inv_freq, theta, scaling)
     return _llama3_scaled(inv_freq, scaling)
+
+
+def yarn_inv_freq(inv_freq: np.ndarray, theta: float, s: RopeScaling) -> np.ndarray:
+    """YaRN ("NTK-by-parts") frequencies: each w_i blended between itself (extrapolation) and w_i / factor
+    (interpolation) by how many turns it makes over the original context N.            # [r/2] -> [r/2] f64
+
+        d(b)    = r ln(N / (2 pi b)) / (2 ln theta)        the pair index that turns b times over N
+        lo, hi  = max(floor(d(beta_fast)), 0), min(ceil(d(beta_slow)), r - 1)   (no floor / ceil: truncate false)
+        ramp_i  = clip((i - lo) / (hi - lo), 0, 1)          (hi == lo: hi + 0.001)
+        w'_i    = w_i / factor * ramp_i + w_i * (1 - ramp_i)
+    Fast pairs (more than beta_fast turns: ramp 0) keep their frequency, slow ones (fewer than beta_slow: ramp 1) are
+    divided by factor. The rotated dims of queries and keys are also scaled by s.attention_factor (rope_angles'
+    amplitude).
+    """
+    r = 2 * len(inv_freq)
+    N = s.original_max_position_embeddings
+
+    def pair_turning(turns: float) -> float:
+        return r * np.log(N / (turns * 2 * np.pi)) / (2 * np.log(theta))
+
+    lo, hi = pair_turning(s.beta_fast), pair_turning(s.beta_slow)
+    if s.truncate:
+        lo, hi = np.floor(lo), np.ceil(hi)
+    lo, hi = max(lo, 0.0), min(hi, r - 1.0)
+    if hi == lo:
+        hi += 0.001
+    ramp = np.clip((np.arange(r // 2, dtype=np.float64) - lo) / (hi - lo), 0.0, 1.0)
+    return inv_freq / s.factor * ramp + inv_freq * (1.0 - ramp)
+
+
+def dynamic_ntk_theta(theta: float, s: RopeScaling, context: int, rotary_dims: int) -> float:
+    """Dynamic NTK scaling's RoPE base for a model run with `context` positions, N the original context:
+
+        theta' = theta (factor L / N - (factor - 1))^(r / (r - 2)),   L = max(context, N)
+    theta' = theta up to the original context; past it the base grows, so the slow pairs stretch over the longer
+    context while the fastest pair keeps its frequency. (transformers grows it by each call's length, max position
+    + 1, keeping cached keys as they were rotated; npllm by the context, the same for a prompt of that length.)
+    """
+    N = s.original_max_position_embeddings
+    length = max(context, N)
+    return theta * (s.factor * length / N - (s.factor - 1)) ** (rotary_dims / (rotary_dims - 2))
 
 
 def _llama3_scaled(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
@@ -59,34 +107,41 @@ def _llama3_scaled(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
                     np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, blended))
 
 
-def rope_angles(positions: np.ndarray, inv_freq: np.ndarray, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of the rotation angles pos * w_i, computed in float64.  # [T], [Dh/2] -> [T, Dh/2] x2"""
+def rope_angles(positions: np.ndarray, inv_freq: np.ndarray, dtype=np.float32,
+                amplitude=1.0) -> tuple[np.ndarray, np.ndarray]:
+    """a cos and a sin of the rotation angles pos * w_i, computed in float64.  # [T], [Dh/2] -> [T, Dh/2] x2
+
+    a = amplitude (a number, or one per pair [Dh/2]): longrope's and yarn's attention factor, which scales the
+    rotated dims of queries and keys alike (so their scores by a^2), as transformers and llama.cpp apply it."""
     angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    return (np.cos(angles) * amplitude).astype(dtype), (np.sin(angles) * amplitude).astype(dtype)
 
 
 def rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """RoPE on adjacent pairs (x[2i], x[2i+1]), the layout of Meta's and llama2.c's checkpoints.
 
         x'[2i]   = x[2i] cos(pos w_i) - x[2i+1] sin(pos w_i)
-        x'[2i+1] = x[2i] sin(pos w_i) + x[2i+1] cos(pos w_i)          # [T, n, Dh], [T, Dh/2] x2 -> [T, n, Dh]
+        x'[2i+1] = x[2i] sin(pos w_i) + x[2i+1] cos(pos w_i)          # [T, n, Dh], [T, r/2] x2 -> [T, n, Dh]
+    for i < r/2: the first r = 2 cos.shape[-1] dims turn, x[r:] passes as it is (partial rotary; r = Dh: all).
     """
-    even, odd = x[..., 0::2], x[..., 1::2]  # [T, n, Dh/2] each
+    r = 2 * cos.shape[-1]
+    even, odd = x[..., 0:r:2], x[..., 1:r:2]  # [T, n, r/2] each
     c, s = cos[:, None, :], sin[:, None, :]  # broadcast over the heads
-    out = np.empty_like(x)
-    out[..., 0::2] = even * c - odd * s
-    out[..., 1::2] = even * s + odd * c
+    out = x.copy()
+    out[..., 0:r:2] = even * c - odd * s
+    out[..., 1:r:2] = even * s + odd * c
     return out
 
 
 def rope_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """RoPE on pairs (x[i], x[i + Dh/2]), the layout of Hugging Face checkpoints (their q/k rows are permuted so
-    that this equals rope_interleaved on Meta's layout).                # [T, n, Dh], [T, Dh/2] x2 -> [T, n, Dh]
+    """RoPE on pairs (x[i], x[i + r/2]), i < r/2, the layout of Hugging Face checkpoints (their q/k rows are
+    permuted so that this equals rope_interleaved on Meta's layout).    # [T, n, Dh], [T, r/2] x2 -> [T, n, Dh]
+    The first r = 2 cos.shape[-1] dims turn, x[r:] passes as it is (partial rotary; r = Dh: all).
     """
-    half = x.shape[-1] // 2
-    first, second = x[..., :half], x[..., half:]
+    half = cos.shape[-1]
+    first, second, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     c, s = cos[:, None, :], sin[:, None, :]
-    return np.concatenate([first * c - second * s, first * s + second * c], axis=-1)
+    return np.concatenate([first * c - second * s, first * s + second * c, rest], axis=-1)
 
 
 def attention_mask(q_positions: np.ndarray, k_positions: np.ndarray, window: int | None = None) -> np.ndarray:

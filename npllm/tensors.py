@@ -81,24 +81,34 @@ def check_weights(config: ModelConfig, weights: dict[str, np.ndarray], source: s
 # RoPE layouts
 
 
-def permute_qk_half_to_interleaved(w: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
+def permute_qk_half_to_interleaved(w: np.ndarray, n_heads: int, head_dim: int,
+                                   rotary_dims: int | None = None) -> np.ndarray:
     """Reorder the rows of a q or k projection (or its bias) from HF's half-split layout to the interleaved one.
 
-    Within each head, half-split output j < Dh/2 pairs with j + Dh/2; interleaved pairs are (2i, 2i+1). So the new
-    row 2i of a head is old row i, and new row 2i+1 is old row i + Dh/2:
+    Within each head, half-split output j < r/2 pairs with j + r/2; interleaved pairs are (2i, 2i+1). So the new
+    row 2i of a head is old row i, and new row 2i+1 is old row i + r/2; rows r .. Dh-1 (not rotated: partial
+    rotary, r = rotary_dims, default Dh) stay where they are:
 
-        [n_heads * Dh, ...] -> view [n_heads, 2, Dh/2, ...] -> swap axes 1, 2 -> [n_heads * Dh, ...]
+        [n_heads * Dh, ...] -> view [n_heads, Dh, ...]; its first r rows [2, r/2] -> swap -> [r/2, 2] -> flat rows
     """
-    _check_qk(w, n_heads, head_dim)
-    rest = w.shape[1:]
-    return w.reshape(n_heads, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(w.shape)
+    return _permute_rotated(w, n_heads, head_dim, rotary_dims, (2, -1))
 
 
-def permute_qk_interleaved_to_half(w: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
-    """Inverse of permute_qk_half_to_interleaved: [n_heads, Dh/2, 2, ...] -> swap axes 1, 2 -> flat rows."""
+def permute_qk_interleaved_to_half(w: np.ndarray, n_heads: int, head_dim: int,
+                                   rotary_dims: int | None = None) -> np.ndarray:
+    """Inverse of permute_qk_half_to_interleaved: each head's first r rows [r/2, 2] -> swap -> [2, r/2]."""
+    return _permute_rotated(w, n_heads, head_dim, rotary_dims, (-1, 2))
+
+
+def _permute_rotated(w: np.ndarray, n_heads: int, head_dim: int, rotary_dims: int | None, split) -> np.ndarray:
     _check_qk(w, n_heads, head_dim)
+    r = head_dim if rotary_dims is None else rotary_dims
+    if r % 2 or not 0 < r <= head_dim:
+        raise ConfigError(f"rotary dims {r} must be even and in (0, head_dim {head_dim}]")
     rest = w.shape[1:]
-    return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+    heads = w.reshape(n_heads, head_dim, *rest)
+    rotated = heads[:, :r].reshape(n_heads, *[r // 2 if a == -1 else a for a in split], *rest).swapaxes(1, 2)
+    return np.concatenate([rotated.reshape(n_heads, r, *rest), heads[:, r:]], axis=1).reshape(w.shape)
 
 
 def _check_qk(w: np.ndarray, n_heads: int, head_dim: int) -> None:

@@ -969,7 +969,7 @@ def non_finite_cases(out: Path, weights: Path) -> list[Case]:
 
 # ----------------------------------------------------------------------------------------------------------------
 # RoPE factors: longrope's lists with NaN, infinities, 0 or negatives; partial_rotary_factor in both config.json
-# layouts (npllm rotates whole heads: anything but 1.0 is refused, 1.0 runs)
+# layouts (a fraction in (0, 1] rotating an even number of each head's dims runs: 1.0 and 0.5; the rest is refused)
 
 
 def rope_factor_cases(out: Path) -> list[Case]:
@@ -995,7 +995,7 @@ def rope_factor_cases(out: Path) -> list[Case]:
             case(f"config.json {which}[3]={literal}", hf / "phi3", bent, literal)
     qwen2 = json.loads((FIXTURE / "config.json").read_text())
     for literal in ("0", "NaN", "2.0", "0.5", "-1", "1.0"):
-        expect = "ok" if literal == "1.0" else "error"
+        expect = "ok" if literal in ("1.0", "0.5") else "error"
         case(f"config.json partial_rotary_factor={literal}", FIXTURE, {**qwen2, "partial_rotary_factor": "@@"},
              literal, expect)
         inner = {**qwen2, "rope_parameters": {**qwen2.get("rope_parameters", {}), "partial_rotary_factor": "@@"}}

@@ -22,7 +22,7 @@ def test_the_campaign_refuses_bad_rope_factors_and_limit_variables_by_name(tmp_p
     (tmp_path / "files").mkdir()
     cases = campaign.rope_factor_cases(tmp_path / "files") + campaign.env_limit_cases(tmp_path / "files")
     assert {c.kind for c in cases} == {"non-finite factors", "env limits"}
-    assert sum(c.expect == "ok" for c in cases) == 3  # partial_rotary_factor 1.0 in both layouts; limits in range
+    assert sum(c.expect == "ok" for c in cases) == 5  # partial_rotary_factor 1.0, 0.5 in both layouts; limits in range
     cases = [c for i, c in enumerate(cases) if i % 3 == 0 or c.expect == "ok"]  # a third: each run takes ~1 s
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda c: campaign.run_case(c, 120, tmp_path), cases))

@@ -1,13 +1,13 @@
-"""The other families (issue 43) on the CUDA backend, end to end: a Hugging Face checkpoint of another family read
-into the device model gives transformers' logits (the tiny random-weight fixture of tests/fixtures/hf, see
+"""The other families (issue 43) on the CUDA backend, end to end: a Hugging Face checkpoint of another family read into
+the device model gives transformers' logits (the tiny random-weight fixture of tests/fixtures/hf, see
 test_families.py) within 1e-4, through both forward kernels: a prefill of all but the last tokens (tiled products),
 then single-token decode steps (matrix-vector products).
 
-Without a GPU the device is numba's CUDA simulator (see test_cuda_kernels.py), where a fixture takes 12-30 s. So one
-fixture runs here, Phi-3's (longrope's long factors chosen by the context, fused projections split at load); every
-other option is held to the NumPy model on small random configs by test_cuda_model.py (SANDWICH, POST, MOE: ~2 s
-each), and the NumPy model to transformers on every family's fixture by test_families.py.
-"""
+Without a GPU the device is numba's CUDA simulator (see test_cuda_kernels.py), where a fixture takes 12-30 s. So the
+fixtures that run here are Phi-3's (longrope's long factors chosen by the context, fused projections split at load)
+and the long-context RoPE variants' (partial rotary, NoPE layers, YaRN, dynamic NTK, and their attention factors on
+the rotated dims only); every other option is held to the NumPy model on small random configs by test_cuda_model.py
+(SANDWICH, POST, MOE: ~2 s each), and the NumPy model to transformers on every family's fixture by test_families.py."""
 
 from pathlib import Path
 
@@ -27,6 +27,12 @@ HF = Path(__file__).parent / "fixtures" / "hf"
 # fixture -> the options it brings to the device (the others: see the module docstring)
 FIXTURES = {
     "phi3": "longrope (long factors: the context is past the original), fused qkv/gate_up split at load",
+    "phi3_partial": "partial rotary in HF's layout: q/k rows permuted into the interleaved one at upload",
+    "smollm3_nope": "a layer without RoPE: its own row of zero frequencies",
+    "qwen2_yarn": "YaRN's frequencies and attention factor, with q/k/v biases",
+    "llama_dynamic": "dynamic NTK's base, grown by the context of 80 positions",
+    "phi3_partial_longrope": "longrope's attention factor on the rotated dims of a partial rotary only",
+    "smollm3_yarn": "YaRN's attention factor on the RoPE layers only",
 }
 DECODE_STEPS = 3
 # The first TOKENS of each fixture's sequence: past the 16-position windows, and the logits of a prefix are the

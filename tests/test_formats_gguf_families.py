@@ -283,10 +283,16 @@ def test_qwen3moe_experts_default_to_the_ffn_over_the_experts_used(tmp_path):
     ("phi3", {}, {"rope_factors_long.weight": np.ones(8, np.float32)}, FormatError, "without its partner"),
     ("phi3", {"rope.scaling.type": "longrope"}, {}, FormatError, "rope_factors"),
     ("phi3", {}, {"rope_factors_long.weight": np.ones(4, np.float32),
-                  "rope_factors_short.weight": np.ones(4, np.float32)}, ConfigError, "head_dim / 2"),
+                  "rope_factors_short.weight": np.ones(4, np.float32)}, ConfigError, "rotated dims / 2"),
     ("olmo2", {"attention.sliding_window": 8, "attention.sliding_window_pattern": np.array([True, False])}, {},
      ConfigError, "flag each of the 6 layers"),
-    ("qwen3", {"rope.scaling.type": "yarn"}, {}, ConfigError, "yarn"),
+    ("qwen3", {"rope.scaling.type": "yarn"}, {}, ConfigError, "rope.scaling.factor"),
+    ("qwen3", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.yarn_log_multiplier": 0.1}, {},
+     ConfigError, "yarn_log_multiplier"),
+    ("qwen3", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.yarn_ext_factor": 0.5}, {},
+     ConfigError, "yarn_ext_factor"),
+    ("qwen3", {"rope.scaling.type": "dynamic"}, {}, ConfigError, "'dynamic' is not supported"),
+    ("qwen3", {"rope.scaling.attn_factor": 1.5}, {}, ConfigError, "attn_factor other than 1 without YaRN"),
 ])
 def test_what_npllm_cannot_run_is_refused_by_name(tmp_path, arch, keys, tensors, error, message):
     with pytest.raises(error, match=message):

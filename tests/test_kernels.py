@@ -158,7 +158,7 @@ def test_rope_matches_ops(seed, T, heads, Dh, start, theta):
     inv_freq = ops.rope_inv_freq(Dh, theta)
     cos, sin = ops.rope_angles(positions, inv_freq)
     kcos, ksin = np.empty_like(cos), np.empty_like(sin)
-    cpu.rope_angles_into(positions, inv_freq, kcos, ksin, T)
+    cpu.rope_angles_into(positions, inv_freq, np.ones_like(inv_freq), kcos, ksin, T)
     np.testing.assert_allclose(kcos, cos, atol=1e-7)
     np.testing.assert_allclose(ksin, sin, atol=1e-7)
     np.testing.assert_allclose(rope_interleaved(x, cos, sin), ops.rope_interleaved(x, cos, sin), atol=1e-6)

@@ -1,6 +1,6 @@
 """RoPE settings as every format gives them: read from both config.json layouts in one place, and checked in one
-place (ModelConfig / RopeScaling), NaN included: partial_rotary_factor (refused unless 1.0: npllm rotates whole
-heads), longrope's factor lists, and the comparisons a NaN slips past."""
+place (ModelConfig / RopeScaling), NaN included: partial_rotary_factor (an even whole number of each head's dims),
+longrope's factor lists, and the comparisons a NaN slips past. What partial rotary computes: test_long_rope.py."""
 
 import json
 import math
@@ -31,16 +31,23 @@ def with_rotary(layout: str, value) -> dict:
 
 @pytest.mark.parametrize("layout", ["top", "rope_parameters"])
 @pytest.mark.parametrize("value, said", [
-    (0.5, "partial_rotary_factor 0.5 .*not supported"), (0.25, "partial_rotary_factor 0.25 .*not supported"),
     (0, r"partial_rotary_factor must be a number in \(0, 1\].*got 0"), (2.0, r"in \(0, 1\].*got 2.0"),
     (-0.5, r"in \(0, 1\]"), (math.nan, "partial_rotary_factor.*finite"), (math.inf, "partial_rotary_factor.*finite"),
     (0.3, "even whole number"), ("0.5", "partial_rotary_factor.*must be a number"),
     (True, "partial_rotary_factor.*must be a number"),
 ])
-def test_partial_rotary_factor_is_read_from_both_layouts_and_refused_unless_one(layout, value, said):
+def test_partial_rotary_factor_is_read_from_both_layouts_and_checked(layout, value, said):
     """transformers 5 writes it inside rope_parameters, where it used to be silently ignored (whole-head RoPE)."""
     with pytest.raises(ConfigError, match=said):
         config_from_hf(with_rotary(layout, value))
+
+
+@pytest.mark.parametrize("layout", ["top", "rope_parameters"])
+@pytest.mark.parametrize("value, rotated", [(0.5, 8), (0.25, 4), (0.75, 12)])
+def test_partial_rotary_factor_is_used_from_both_layouts(layout, value, rotated):
+    config = config_from_hf(with_rotary(layout, value))
+    assert (config.partial_rotary_factor, config.rotary_dims) == (value, rotated)
+    assert "partial_rotary_factor" in config.features
 
 
 def test_partial_rotary_factor_one_loads_and_the_layouts_must_agree():
@@ -61,15 +68,14 @@ def test_a_sliding_layer_rotary_factor_of_its_own_is_refused():
         config_from_hf(bent)
 
 
-@pytest.mark.parametrize("factor, said", [(0.5, "first 8 of each head's 16 dims"), (1 / 16, "even whole number"),
+@pytest.mark.parametrize("factor, said", [(1 / 16, "even whole number"), (3 / 16, "even whole number"),
                                           (1e-9, "even whole number"), (0.0, r"\(0, 1\]")])
 def test_model_config_checks_the_rotated_fraction_for_every_format(factor, said):
     with pytest.raises(ConfigError, match=said):
         ModelConfig(**SMALL, partial_rotary_factor=factor)
 
 
-@pytest.mark.parametrize("rotated, said", [(4, "partial_rotary_factor 0.5 .*first 4 of each head's 8 dims"),
-                                           (0, r"\(0, 1\]"), (3, "even whole number"), (16, r"\(0, 1\]")])
+@pytest.mark.parametrize("rotated, said", [(0, r"\(0, 1\]"), (3, "even whole number"), (16, r"\(0, 1\]")])
 def test_gguf_rope_dimension_count_goes_through_the_same_check(tmp_path, weights_dir, stories260k, rotated, said):
     bad_inputs = load_campaign()
     metadata, tensors = bad_inputs.stories_gguf(weights_dir)

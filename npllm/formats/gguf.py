@@ -31,7 +31,7 @@ from ..config import MAX_LAYERS, ModelConfig, RopeScaling
 from ..errors import ConfigError, FormatError
 from ..quant import DEQUANTIZE, TYPES_BY_ID, QuantType
 from ..tensors import check_weights
-from .gguf_arch import (CONFIG_TENSORS, ROPE_FREQS, canonical_name, family_of, family_options, has_biases, longrope,
+from .gguf_arch import (CONFIG_TENSORS, ROPE_FREQS, canonical_name, family_of, family_options, has_biases, longrope, yarn,
                         split_fused)
 from .gguf_arch import meta as _meta
 
@@ -359,15 +359,19 @@ def llama3_factors(scaling: RopeScaling, theta: float, head_dim: int) -> np.ndar
 
 
 def _rope_scaling(g: GGUFFile, p: str, theta: float, head_dim: int, context: int) -> RopeScaling | None:
-    """Linear scaling from the metadata, Llama 3's recovered from the rope_freqs tensor, or Phi-3's longrope from
-    its rope_factors tensors (gguf_arch.longrope); None without any."""
+    """Linear scaling or YaRN (gguf_arch.yarn) from the metadata, Llama 3's recovered from the rope_freqs tensor, or
+    Phi-3's longrope from its rope_factors tensors (gguf_arch.longrope); None without any. llama.cpp scales cos and
+    sin by rope.scaling.attn_factor whatever the scaling: a value other than 1 is refused where npllm has no place
+    for it (neither YaRN nor longrope)."""
     found = []
     kind = _meta(g, p + "rope.scaling.type", str, default="none")
     if kind == "linear":
         found.append(RopeScaling("linear", _meta(g, p + "rope.scaling.factor", float)))
+    elif kind == "yarn":
+        found.append(yarn(g, p, context))
     elif kind not in ("none", "longrope"):
-        raise ConfigError(f"{g.path}: RoPE scaling type {kind!r} is not supported (npllm knows linear, llama3 and "
-                          "longrope)")
+        raise ConfigError(f"{g.path}: RoPE scaling type {kind!r} is not supported (npllm knows linear, yarn, llama3 "
+                          "and longrope)")
     if ROPE_FREQS in g.tensors:
         found.append(llama3_scaling_from_freq_factors(g.tensor(ROPE_FREQS), theta, head_dim, g.path))
     long = longrope(g, p, context)
@@ -377,6 +381,10 @@ def _rope_scaling(g: GGUFFile, p: str, theta: float, head_dim: int, context: int
         raise FormatError(f"{g.path}: longrope RoPE scaling without its rope_factors_long/short tensors")
     if len(found) > 1:
         raise ConfigError(f"{g.path}: more than one RoPE scaling is given ({', '.join(s.kind for s in found)})")
+    if not (found and found[0].kind in ("yarn", "longrope")) and \
+            _meta(g, p + "rope.scaling.attn_factor", float, default=1.0) != 1.0:
+        raise ConfigError(f"{g.path}: {p}rope.scaling.attn_factor other than 1 without YaRN or longrope scaling is "
+                          "not supported")
     return found[0] if found else None
 
 

@@ -133,6 +133,11 @@ def _olmo2(g, p: str, base: dict) -> dict:
     return dict(block_norms="post", qk_norm="projection")
 
 
+def _smollm3(g, p: str, base: dict) -> dict:
+    """SmolLM3: every 4th layer without RoPE, a rule llama.cpp builds in (its converter writes no no_rope_layers)."""
+    return dict(rope_layers=tuple((l + 1) % 4 != 0 for l in range(base["n_layers"])))
+
+
 FAMILIES = {
     "llama": Family("llama", "interleaved"),
     "qwen2": Family("qwen2", "half"),
@@ -144,6 +149,7 @@ FAMILIES = {
     "olmo2": Family("olmo2", "half", _olmo2, swa_period=4),
     "granite": Family("granite", "interleaved", _granite),
     "granitemoe": Family("granitemoe", "interleaved", _granite),
+    "smollm3": Family("smollm3", "interleaved", _smollm3),
 }
 
 
@@ -266,3 +272,27 @@ def split_fused(config, weights: dict, source: str) -> dict:
                                   f"({HD + 2 * KD},)")
             out |= {prefix + "bq": bias[:HD], prefix + "bk": bias[HD:HD + KD], prefix + "bv": bias[HD + KD:]}
     return out
+
+
+def yarn(g, p: str, context: int) -> RopeScaling:
+    """YaRN as llama.cpp's converter writes it: rope.scaling.factor, rope.scaling.original_context_length (default
+    context_length), rope.scaling.yarn_beta_fast / yarn_beta_slow (default 32 and 1), and the attention factor:
+    rope.scaling.yarn_attn_factor where the converter wrote config.json's attention_factor, else
+    0.1 ln(factor) + 1, times rope.scaling.attn_factor (default 1). llama.cpp itself reads the yarn_beta_* and
+    yarn_attn_factor keys for a few architectures only (not llama, qwen2, qwen3...); npllm takes the model's values
+    wherever the file carries them. yarn_ext_factor other than 1 and yarn_log_multiplier (DeepSeek's mscale_all_dim,
+    whose meaning llama.cpp special-cases by architecture) are refused."""
+    if meta(g, p + "rope.scaling.yarn_ext_factor", float, default=1.0) != 1.0:
+        raise ConfigError(f"{g.path}: {p}rope.scaling.yarn_ext_factor other than 1 is not supported")
+    if meta(g, p + "rope.scaling.yarn_log_multiplier", float, default=0.0) != 0.0:
+        raise ConfigError(f"{g.path}: {p}rope.scaling.yarn_log_multiplier (mscale_all_dim) is not supported")
+    factor = meta(g, p + "rope.scaling.factor", float)
+    original = meta(g, p + "rope.scaling.original_context_length", default=context)
+    if original <= 0:
+        raise ConfigError(f"{g.path}: {p}rope.scaling.original_context_length must be positive, got {original}")
+    mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    attention = meta(g, p + "rope.scaling.yarn_attn_factor", float, default=mscale)
+    return RopeScaling("yarn", factor=factor, original_max_position_embeddings=original,
+                       beta_fast=meta(g, p + "rope.scaling.yarn_beta_fast", float, default=32.0),
+                       beta_slow=meta(g, p + "rope.scaling.yarn_beta_slow", float, default=1.0),
+                       attention_factor=attention * meta(g, p + "rope.scaling.attn_factor", float, default=1.0))

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints: a directory with config.json and model.safetensors (or shards listed in
 model.safetensors.index.json), for the families hf_families.py lists (llama, mistral, qwen2, qwen3, qwen3_moe,
-mixtral, olmo2, granite, gemma2, gemma3, phi3).
+mixtral, olmo2, granite, gemma2, gemma3, phi3, smollm3).
 
 They are one network with a few options, so config.json maps onto one ModelConfig; hf_families.py says what each
 family adds (its parameter names and its config fields), this module does the rest once for all.
@@ -23,7 +23,7 @@ import numpy as np
 from ..config import MAX_LAYERS, ModelConfig, RopeScaling
 from ..errors import ConfigError, FormatError
 from ..tensors import check_weights, permute_qk_half_to_interleaved
-from .hf_families import FAMILIES, Family, longrope
+from .hf_families import FAMILIES, Family, dynamic_ntk, longrope, rope_layers, yarn
 from .safetensors import read_safetensors
 
 CONFIG_FILE = "config.json"
@@ -125,6 +125,10 @@ def _rope_scaling(spec: dict, cfg: dict, source: str, family: Family) -> RopeSca
         return RopeScaling("linear", _field(spec, "factor", source + " rope scaling", float))
     if kind == "longrope":
         return longrope(spec, cfg, source, _field)
+    if kind == "yarn":
+        return yarn(spec, cfg, source, _field)
+    if kind == "dynamic":
+        return dynamic_ntk(spec, cfg, source, _field)
     where = source + " llama3 rope scaling"
     return RopeScaling(
         "llama3",
@@ -169,6 +173,8 @@ def _layer_types(cfg: dict, family: Family, n_layers: int, source: str) -> list[
     if cfg.get("model_type") == "gemma3_text":  # every `sliding_window_pattern`-th layer is global
         pattern = _field(cfg, "sliding_window_pattern", source, default=6)
         return ["full_attention" if (l + 1) % pattern == 0 else "sliding_attention" for l in range(n_layers)]
+    if family.sliding == "opt-in":  # SmolLM3: its layers without RoPE slide
+        return ["full_attention" if rope else "sliding_attention" for rope in rope_layers(cfg, n_layers, source, _field)]
     return None
 
 
@@ -176,9 +182,10 @@ def _sliding_window(cfg: dict, family: Family, n_layers: int, source: str) -> tu
     """(the attention window, which layers use it: () for all).
 
     Mistral slides in every layer. Qwen2/3 slide only with `use_sliding_window`, and then only in layers from
-    `max_window_layers` on; Gemma alternates; `layer_types`, when given, names each layer's kind.
+    `max_window_layers` on; SmolLM3 only with `use_sliding_window`, in its layers without RoPE; Gemma alternates;
+    `layer_types`, when given, names each layer's kind.
     """
-    if family.sliding == "none":
+    if family.sliding == "none" or (family.sliding == "opt-in" and not cfg.get("use_sliding_window", False)):
         return None, ()
     window = _field(cfg, "sliding_window", source, required=False)
     layer_types = _layer_types(cfg, family, n_layers, source)
@@ -352,7 +359,7 @@ def to_interleaved(config: ModelConfig, weights: dict[str, np.ndarray]) -> tuple
                             ("k_norm", 1 if per_head else K)):
             key = f"layers.{l}.{name}"
             if key in out:
-                out[key] = permute_qk_half_to_interleaved(out[key], heads, config.head_dim)
+                out[key] = permute_qk_half_to_interleaved(out[key], heads, config.head_dim, config.rotary_dims)
     return config.replace(rope_layout="interleaved"), out
 
 

@@ -13,7 +13,8 @@ mapped onto ModelConfig's options (npllm/config.py) and the canonical weight nam
     gemma2     GeGLU, (1 + w) norms before and after each block, embeddings x sqrt(D), soft-capped scores and
                logits, sliding window on alternate layers, scores scaled by query_pre_attn_scalar^-1/2
     gemma3     gemma2's block without soft-caps, + q/k norm, 5 sliding layers to 1 global, local RoPE base
-    phi3       fused qkv_proj and gate_up_proj (split at load), longrope scaling
+    phi3       fused qkv_proj and gate_up_proj (split at load), longrope scaling, partial_rotary_factor
+    smollm3    + layers without RoPE (no_rope_layers: NoPE), which alone slide where use_sliding_window says so
 
 A Family record holds the names and a function from config.json to the ModelConfig keywords beyond the common ones;
 hf.py does the rest once for all.
@@ -69,8 +70,9 @@ class Family:
     norm_offset: float = 0.0  # added to every RMSNorm gain at load: Gemma computes x * (1 + w)
     tied_default: bool = False  # tie_word_embeddings when config.json does not say
     attention_bias: bool = False
-    sliding: str = "config"  # how layers slide: "none" (Llama), "config" (sliding_window / layer_types), "qwen"
-    rope_kinds: tuple = ("linear", "llama3")  # the RoPE scalings the family's configs may name
+    # how layers slide: "none" (Llama), "config" (sliding_window / layer_types), "qwen", "opt-in" (SmolLM3)
+    sliding: str = "config"
+    rope_kinds: tuple = ("linear", "llama3", "yarn", "dynamic")  # the RoPE scalings the family's configs may name
     activations: tuple = ("silu",)  # hidden_act values the family's FFN implements
 
 
@@ -116,6 +118,24 @@ def _gemma(cfg: dict, source: str, get) -> dict:
                 final_logit_softcap=get(cfg, "final_logit_softcapping", source, float, required=False) or 0.0)
 
 
+def _smollm3(cfg: dict, source: str, get) -> dict:
+    return dict(rope_layers=rope_layers(cfg, get(cfg, "num_hidden_layers", source), source, get))
+
+
+def rope_layers(cfg: dict, n_layers: int, source: str, get) -> tuple[bool, ...]:
+    """SmolLM3's per-layer RoPE flags: `no_rope_layers` (1: the layer rotates, 0: NoPE; despite its name), or
+    without it every `no_rope_layer_interval`-th layer (default 4) without RoPE, as transformers fills it in."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = get(cfg, "no_rope_layer_interval", source, default=4)
+        if interval <= 0:
+            raise ConfigError(f"{source}: no_rope_layer_interval must be positive, got {interval}")
+        return tuple((l + 1) % interval != 0 for l in range(n_layers))
+    if not (isinstance(flags, list) and len(flags) == n_layers and all(f in (0, 1) for f in flags)):
+        raise ConfigError(f"{source}: 'no_rope_layers' must list a 0 or 1 per layer ({n_layers}), got {flags!r}")
+    return tuple(bool(f) for f in flags)
+
+
 def _gemma3(cfg: dict, source: str, get) -> dict:
     return _gemma(cfg, source, get) | dict(qk_norm="head")
 
@@ -135,7 +155,8 @@ FAMILIES = {
     "gemma2": Family(LLAMA_NAMES | SANDWICH_NAMES, _gemma, norm_offset=1.0, tied_default=True, activations=GELU_TANH),
     "gemma3_text": Family(LLAMA_NAMES | SANDWICH_NAMES | QK_NORM_NAMES, _gemma3, norm_offset=1.0, tied_default=True,
                           activations=GELU_TANH),
-    "phi3": Family(LLAMA_NAMES | FUSED_NAMES, rope_kinds=("linear", "llama3", "longrope")),
+    "phi3": Family(LLAMA_NAMES | FUSED_NAMES, rope_kinds=("linear", "llama3", "yarn", "dynamic", "longrope")),
+    "smollm3": Family(LLAMA_NAMES, _smollm3, tied_default=True, sliding="opt-in"),
 }
 
 
@@ -163,3 +184,56 @@ def longrope(spec: dict, cfg: dict, source: str, get) -> RopeScaling:
                            attention_factor=attention)
     except (TypeError, ValueError, OverflowError) as e:  # OverflowError: an integer past float's range
         raise ConfigError(f"{where}: {e}") from None
+
+
+def _original_context(spec: dict, cfg: dict, where: str, get) -> int:
+    """original_max_position_embeddings: inside the RoPE parameters, else at the top level (Phi-3 keeps it there),
+    else max_position_embeddings, as transformers fills it in."""
+    original = spec.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    if original is None:
+        original = cfg.get("max_position_embeddings")
+    original = get({"original_max_position_embeddings": original}, "original_max_position_embeddings", where)
+    if original <= 0:
+        raise ConfigError(f"{where}: original_max_position_embeddings must be positive, got {original}")
+    return original
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def yarn(spec: dict, cfg: dict, source: str, get) -> RopeScaling:
+    """YaRN scaling as transformers reads it: factor (default max_position_embeddings / original), beta_fast and
+    beta_slow (32 and 1 when absent or 0), truncate (default true), and the attention factor: attention_factor as
+    given, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are given (DeepSeek), else
+    0.1 ln(factor) + 1."""
+    where = source + " yarn scaling"
+    original = _original_context(spec, cfg, where, get)
+    factor = get(spec, "factor", where, float, required=False)
+    if factor is None:
+        factor = get(cfg, "max_position_embeddings", source) / original
+    attention = get(spec, "attention_factor", where, float, required=False)
+    mscale = get(spec, "mscale", where, float, required=False)
+    mscale_all_dim = get(spec, "mscale_all_dim", where, float, required=False)
+    if attention is None and mscale and mscale_all_dim:
+        attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    elif attention is None and (mscale not in (None, 1.0) or mscale_all_dim not in (None, 0.0)):
+        # transformers drops one without the other, DeepSeek's own code does not: no one answer to give
+        raise ConfigError(f"{where}: mscale {mscale} with mscale_all_dim {mscale_all_dim} (one of them unset or 0) "
+                          "is not supported")
+    elif attention is None:
+        attention = _yarn_mscale(factor)
+    truncate = get(spec, "truncate", where, bool, default=True)
+    return RopeScaling("yarn", factor=factor, original_max_position_embeddings=original,
+                       beta_fast=get(spec, "beta_fast", where, float, required=False) or 32.0,
+                       beta_slow=get(spec, "beta_slow", where, float, required=False) or 1.0,
+                       truncate=truncate, attention_factor=attention)
+
+
+def dynamic_ntk(spec: dict, cfg: dict, source: str, get) -> RopeScaling:
+    """Dynamic NTK scaling: `factor`, and the context past which the base grows, max_position_embeddings
+    (transformers 5 takes that one, not an original_max_position_embeddings, for this kind)."""
+    where = source + " dynamic scaling"
+    return RopeScaling("dynamic", factor=get(spec, "factor", where, float),
+                       original_max_position_embeddings=get(cfg, "max_position_embeddings", source))

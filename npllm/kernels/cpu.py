@@ -354,13 +354,13 @@ def route_into(logits, T, E, k, normalize, chosen, weights):
 # --------------------------------------------------------------------------------------------------------- RoPE
 
 @njit(cache=True)
-def rope_angles_into(positions, inv_freq, cos, sin, T):
-    """cos, sin of pos * w_i, computed in float64 as ops.rope_angles does.   # [T], [Dh/2] -> [T, Dh/2] x2"""
+def rope_angles_into(positions, inv_freq, amplitude, cos, sin, T):
+    """a_i cos, a_i sin of pos * w_i, computed in float64 as ops.rope_angles does.   # [T], [Dh/2] x2 -> [T, Dh/2] x2"""
     for t in range(T):
         for i in range(inv_freq.shape[0]):
             angle = np.float64(positions[t]) * inv_freq[i]
-            cos[t, i] = np.float32(np.cos(angle))
-            sin[t, i] = np.float32(np.sin(angle))
+            cos[t, i] = np.float32(np.cos(angle) * amplitude[i])
+            sin[t, i] = np.float32(np.sin(angle) * amplitude[i])
 
 
 @njit(cache=True)

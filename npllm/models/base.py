@@ -7,7 +7,7 @@
     new_cache(capacity, slots, kv_dtype)   a KV cache this model's forward fills (kv_dtype: how it stores keys and
                 values; default the model's kv_dtype)
     window(cache)  how many recent positions a query sees (windows(capacity): per layer)
-    rope_frequencies()  the RoPE inverse frequencies of full-attention and of sliding layers  # [2, Dh/2]
+    rope_frequencies()  the RoPE inverse frequencies of each kind of layer (rope_rows(): each layer's)  # [R, r/2]
     logits(tokens) every position's logits of one sequence                            # [T] -> [T, V]
     sample(h, ...) a compiled sampler right after the LM head where a backend has one (None otherwise)
     sample_next(h, params, rng, history)   the next token of one sequence: through `sample` when it implements
@@ -129,17 +129,53 @@ class Model:
                         np.int64)
 
     def rope_frequencies(self) -> np.ndarray:
-        """RoPE inverse frequencies: row 0 for full-attention layers, row 1 for sliding ones (rope_local_theta,
-        unscaled, where the family sets one: Gemma 3).                                             # -> [2, Dh/2]
+        """RoPE inverse frequencies of each kind of layer, one row each, and each layer's row: row 0 full-attention
+        layers, then where the family has them a row for sliding layers (rope_local_theta, unscaled: Gemma 3) and
+        a row of zeros for layers without RoPE (rope_layers: SmolLM3's NoPE; angle 0 turns nothing).
+                                                                            # -> [R, r/2] f64 (rope_rows: [L])
+        r = config.rotary_dims (the first r dims of each head turn; a backend that rotates whole heads pads the rows
+        with zeros: padded_rope_tables). The frequencies depend on the context the model runs with,
+        config.max_seq_len, never on a call's length or its cache's size: longrope's factors (as llama.cpp chooses by
+        its n_ctx) and dynamic NTK's base, so a sequence computes the same whether it runs alone, in a batch or
+        under a perplexity window. transformers chooses per call by the sequence's length, so it agrees where both
+        are past (or both within) the original context (dynamic: a prompt of the context's length in one call)."""
+        return self._rope_tables()[0]
 
-        longrope's factors are chosen by the context the model runs with, config.max_seq_len (as llama.cpp
-        chooses by its n_ctx), not by each cache's size: a sequence computes the same whether it runs alone, in a
-        batch or under a perplexity window. transformers chooses per call by the sequence's length, so it agrees
-        where both are past (or both within) the original context."""
+    def rope_rows(self) -> np.ndarray:
+        """Each layer's row of rope_frequencies().                                                  # -> [L] int64"""
+        return self._rope_tables()[1]
+
+    def rope_amplitudes(self) -> np.ndarray:
+        """What each row's cos and sin are multiplied by: the full-attention row by longrope's or yarn's
+        attention_factor (queries and keys both, so their rotated dims' scores by its square, as transformers and
+        llama.cpp scale cos and sin); sliding and NoPE rows by 1.                                    # -> [R] f64"""
+        return self._rope_tables()[2]
+
+    def _rope_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         c = self.config
-        full = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, c.max_seq_len)
-        local = ops.rope_inv_freq(c.head_dim, c.rope_local_theta) if c.rope_local_theta else full
-        return np.stack([full, local])
+        if getattr(self, "_rope_config", None) is not c:  # worked out once per context (config)
+            full = ops.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, c.max_seq_len, c.rotary_dims)
+            kinds = [full]
+            if c.rope_local_theta and any(c.is_sliding(l) for l in range(c.n_layers)):
+                kinds.append(ops.rope_inv_freq(c.head_dim, c.rope_local_theta, rotary_dims=c.rotary_dims))
+            if not all(c.has_rope(l) for l in range(c.n_layers)):
+                kinds.append(np.zeros_like(full))
+            local, nope = (1 if len(kinds) > 1 and c.rope_local_theta else 0), len(kinds) - 1
+            rows = [nope if not c.has_rope(l) else local if c.is_sliding(l) else 0 for l in range(c.n_layers)]
+            amplitudes = np.ones(len(kinds))
+            amplitudes[0] = c.rope_scaling.attention_factor if c.rope_scaling is not None else 1.0
+            self._rope_cache = (np.stack(kinds), np.array(rows, np.int64), amplitudes)
+            self._rope_config = c
+        return self._rope_cache
+
+    def padded_rope_tables(self) -> np.ndarray:
+        """For kernels that rotate every pair of a head in the interleaved layout: per row, rope_frequencies()
+        padded with zeros past config.rotary_dims (angle 0: cos 1, sin 0, exactly the identity), and each pair's
+        amplitude (rope_amplitudes() over the rotated pairs, 1 past them).          # -> [R, 2, Dh/2] f64"""
+        freqs = self.rope_frequencies()
+        pad = ((0, 0), (0, self.config.head_dim // 2 - freqs.shape[1]))
+        amplitudes = np.repeat(self.rope_amplitudes()[:, None], freqs.shape[1], axis=1)
+        return np.stack([np.pad(freqs, pad), np.pad(amplitudes, pad, constant_values=1.0)], axis=1)
 
     def logits(self, tokens, positions=None, cache=None) -> np.ndarray:
         """Logits of every token of one sequence on a fresh cache (or the given one).  # [T] -> [T, V]"""
@@ -167,9 +203,9 @@ class Model:
         src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
         k = cache.k[:, slot, src].astype(np.float64)  # [L, n, K, Dh]
         L, Dh = k.shape[0], k.shape[-1]
-        freqs = self.rope_frequencies()  # [2, Dh/2]: each layer's keys turn at their own rates
-        layer_freqs = freqs[[int(self.config.is_sliding(l)) for l in range(L)]]  # [L, Dh/2]
-        angles = float(shift) * layer_freqs[:, None, :]  # [L, 1, Dh/2]: one angle table per layer
+        freqs = self.rope_frequencies()  # the first r dims turn in either layout (partial rotary: r < Dh)
+        layer_freqs = freqs[self.rope_rows()]  # [L, r/2]: each layer's keys turn at their own rates
+        angles = float(shift) * layer_freqs[:, None, :]  # [L, 1, r/2]: one angle table per layer
         rope = ops.rope_interleaved if self.key_layout == "interleaved" else ops.rope_half
         rotated = np.stack([rope(k[l].reshape(-1, 1, Dh), np.cos(angles[l]), np.sin(angles[l])) for l in range(L)])
         rotated = rotated.reshape(k.shape)

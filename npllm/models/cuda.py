@@ -24,10 +24,11 @@ import warnings
 import numpy as np
 
 from .. import ops
-from ..config import ModelConfig
+from ..config import SCALING_FEATURES, ModelConfig
 from ..device import cuda_problem, cuda_simulated
 from ..errors import ConfigError, DeviceError, GenerationError
 from ..quant import as_matrix, quantize_q8_0
+from ..tensors import permute_qk_half_to_interleaved
 from .base import Model, kv_storage, sampler_rows
 from .weights import Weights, fused_qkv
 
@@ -174,7 +175,7 @@ class CudaTransformer(Model):
     # every dense family's options, as run-time data of the one forward kernel (kernels.StepShape, StepWeights)
     FEATURES = Model.FEATURES | {"ffn_activation", "embedding_multiplier", "residual_multiplier", "attention_scale",
                                  "attn_logit_softcap", "qk_norm", "block_norms", "sliding_layers", "rope_local_theta",
-                                 "longrope", "n_experts"}
+                                 "n_experts", "partial_rotary_factor", "rope_layers", *SCALING_FEATURES}
     """The Transformer on the GPU. dtype: how matrices are stored (make_model passes what models.storage decides
     for the weight_dtype asked for; this model carries it out): float32, float16, or "q8_0" (GGUF's Q8_0 blocks,
     32 int8 values and a float16 scale, kernels.Q8_0_BLOCK), each weight widened to float32 as it is read, the sums
@@ -231,16 +232,25 @@ class CudaTransformer(Model):
         def gains(*arrays):  # norm gains, an empty axis where the family has none (the kernels then skip the norm)
             return vectors(*(np.zeros(0) if a is None else a for a in arrays))
 
+        permute = self.key_layout != c.rope_layout  # partial rotary in HF's layout: see key_layout
+
+        def qk_rows(*arrays):  # q and k rows (or q/k norm gains, [Dh] per head or [heads Dh]) in the kernels' order
+            if not permute:
+                return arrays
+            return [a if a is None else a[permute_qk_half_to_interleaved(np.arange(len(a)), len(a) // c.head_dim,
+                                                                         c.head_dim, c.rotary_dims)] for a in arrays]
+
         self.tok_embeddings = cuda.to_device(matrix(weights.tok_embeddings))
         self.output = self.tok_embeddings if c.tied_embeddings else cuda.to_device(matrix(weights.output))
         self.norms = stacked(lambda w: gains(w.attention_norm, w.ffn_norm))  # [L, 2, D or 0]
-        self.q_norm, self.k_norm = stacked(lambda w: gains(w.q_norm)), stacked(lambda w: gains(w.k_norm))  # [L, n]
+        self.q_norm = stacked(lambda w: gains(*qk_rows(w.q_norm)))  # [L, n]
+        self.k_norm = stacked(lambda w: gains(*qk_rows(w.k_norm)))
         self.post_norms = stacked(lambda w: gains(w.post_attention_norm, w.post_ffn_norm))  # [L, 2, D or 0]
         self.final_norm = cuda.to_device(vectors(weights.norm))
         # [wq; wk; wv] (RoPE layout kept: the kernels know both) and [w1; w3], fused block row by block row, so a
         # checkpoint's Q8_0 blocks are never requantized
-        self.wqkv = stacked(lambda w: np.concatenate([matrix(w.wq), matrix(w.wk), matrix(w.wv)]))
-        self.bqkv = stacked(lambda w: vectors(fused_qkv(c, w, interleave_rope=False)[1]))
+        self.wqkv = stacked(lambda w: np.concatenate([*qk_rows(matrix(w.wq), matrix(w.wk)), matrix(w.wv)]))
+        self.bqkv = stacked(lambda w: vectors(fused_qkv(c, w, interleave_rope=permute)[1]))
         self.wo = stacked(lambda w: matrix(w.wo))
         self._upload_ffn(stacked, weights.layers)
         layers = sum(a.nbytes for a in (self.norms, self.final_norm, self.wqkv, self.bqkv, self.wo, self.w13, self.w2,
@@ -281,6 +291,13 @@ class CudaTransformer(Model):
             return np.ascontiguousarray(values.reshape(len(blocks), -1)[:, :as_matrix(w).shape[1]])
         return np.ascontiguousarray(np.asarray(self._matrix(w)), dtype=np.float32)
 
+    @property
+    def key_layout(self) -> str:
+        """The kernels pair (2i, 2i+1) or (i, i + Dh/2): a partial rotary in Hugging Face's layout, whose pairs are
+        (i, i + r/2), is uploaded in the interleaved one (its first r rows of each head permuted at _upload)."""
+        c = self.config
+        return "half" if c.rope_layout == "half" and c.rotary_dims == c.head_dim else "interleaved"
+
     def _matrix(self, w) -> np.ndarray:
         """A host matrix as the device stores it: float32 or float16 [N, K], or Q8_0 blocks [N, ceil(K / 32)]."""
         if self.q8_0:
@@ -288,24 +305,24 @@ class CudaTransformer(Model):
         return np.ascontiguousarray(w, dtype=self.weight_dtype)
 
     def _rope_table(self, freqs: np.ndarray, positions: int) -> None:
-        """cos, sin [R, P, Dh/2] of positions 0 .. P-1 for each row of frequencies [R, Dh/2], the very numbers
-        ops.rope_angles gives the NumPy model."""
-        tables = [ops.rope_angles(np.arange(positions), row, np.float32) for row in freqs]
+        """cos, sin [R, P, Dh/2] of positions 0 .. P-1 for each row of frequencies and amplitudes [R, 2, Dh/2]
+        (Model.padded_rope_tables), the very numbers ops.rope_angles gives the NumPy model."""
+        tables = [ops.rope_angles(np.arange(positions), row, np.float32, amplitude) for row, amplitude in freqs]
         self.cos = self.cuda.to_device(np.stack([cos for cos, _ in tables]))
         self.sin = self.cuda.to_device(np.stack([sin for _, sin in tables]))
         self.rope_freqs, self.rope_positions = freqs, positions
 
     def _per_capacity(self, capacity: int) -> tuple:
-        """For a cache of `capacity` positions: the RoPE frequencies [R, Dh/2] (R = 2 where sliding layers have
-        their own base, else 1), and on the device each layer's window [L] and
-        row of the RoPE tables [L] (int32), as Model.windows and Model.rope_frequencies say."""
+        """For a cache of `capacity` positions: the RoPE frequencies and amplitudes [R, 2, Dh/2]
+        (Model.padded_rope_tables: a row per kind of layer, pairs past the rotary dims turning by angle 0), and on
+        the device each layer's
+        window [L] and row of the RoPE tables [L] (int32), as Model.windows and Model.rope_rows say."""
         if capacity not in self._capacities:
-            c, cuda = self.config, self.cuda
-            freqs = self.rope_frequencies()  # [2, Dh/2]: full attention, sliding
-            own = not np.array_equal(freqs[0], freqs[1])
-            rows = np.array([own and c.is_sliding(i) for i in range(c.n_layers)], np.int32)
+            cuda = self.cuda
+            freqs = self.padded_rope_tables()  # [R, 2, Dh/2]: full attention (, sliding) (, no RoPE)
+            rows = self.rope_rows().astype(np.int32)
             windows = cuda.to_device(self.windows(capacity).astype(np.int32))
-            self._capacities[capacity] = (freqs if own else freqs[:1], windows, cuda.to_device(rows))
+            self._capacities[capacity] = (freqs, windows, cuda.to_device(rows))
         return self._capacities[capacity]
 
     # -- the forward pass ---------------------------------------------------------------------------------------
@@ -421,7 +438,7 @@ class CudaTransformer(Model):
         tokens, kernels.batch_step_kernel (tiled products) for more."""
         c, k, g = self.config, self.kernels, self.geometry
         T, L = ws.x.shape[0], c.n_layers
-        interleaved = c.rope_layout == "interleaved"
+        interleaved = self.key_layout == "interleaved"
         if T <= k.MAX_ROWS:
             rows = 1 if T == 1 else k.MAX_ROWS
             key, threads = ("decode", rows), g.threads

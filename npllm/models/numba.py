@@ -33,7 +33,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from ..cache import RingKVCache
-from ..config import FEATURE_FIELDS, ModelConfig
+from ..config import FEATURE_FIELDS, SCALING_FEATURES, ModelConfig
 from ..errors import ConfigError, GenerationError
 from ..kernels import SPINNING, cpu
 from ..kernels.compiler import cached_here, release_compiler_pages, release_linking_modules
@@ -61,7 +61,7 @@ Dims = namedtuple("Dims", [
     "threads",  # cores the call's parallel regions use
     "windows",  # [L] int64: how many most recent positions a query of each layer sees (Model.windows)
     "H", "K", "Dh", "eps",  # query heads, kv heads, head dim, RMSNorm epsilon
-    "rope_rows",  # [L] int64: each layer's row of the RoPE frequency table (1: a sliding layer's rope_local_theta)
+    "rope_rows",  # [L] int64: each layer's row of the RoPE frequency table (Model.rope_rows)
     "act",  # the gate's activation: cpu.SILU or cpu.GELU_TANH (ffn_activation)
     "embedding_multiplier", "residual_multiplier",  # x = E[t] m;  x += m block(x)
     "scale", "softcap",  # attention scores: softcap(q.k scale) (score_scale, attn_logit_softcap; 0: none)
@@ -83,7 +83,7 @@ def use_threads(n: int) -> None:
 
 class NumbaTransformer(Model):
     backend = "numba"
-    FEATURES = frozenset(FEATURE_FIELDS) | {"longrope"}  # every family the reference runs
+    FEATURES = frozenset(FEATURE_FIELDS + SCALING_FEATURES)  # every family the reference runs
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], threads: int | None = None):
         named = self._start(config, weights, threads)
@@ -104,8 +104,7 @@ class NumbaTransformer(Model):
         Model.__init__(self, config)
         self.threads = threads or numba.config.NUMBA_NUM_THREADS
         c = config
-        rope_rows = np.array([int(bool(c.rope_local_theta) and c.is_sliding(l)) for l in range(c.n_layers)], np.int64)
-        self.static_dims = (c.n_heads, c.n_kv_heads, c.head_dim, float(c.norm_eps), rope_rows,
+        self.static_dims = (c.n_heads, c.n_kv_heads, c.head_dim, float(c.norm_eps), self.rope_rows(),
                             ACTIVATIONS[c.ffn_activation], float(c.embedding_multiplier), float(c.residual_multiplier),
                             float(c.score_scale), float(c.attn_logit_softcap), c.n_experts, c.n_experts_used,
                             bool(c.expert_weights_norm))  # one type each: one compiled signature
@@ -113,11 +112,12 @@ class NumbaTransformer(Model):
         return named
 
     def per_capacity(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-        """(windows [L] int64, RoPE frequencies [2, Dh/2] float64) of a cache of this capacity (Model.windows,
-        Model.rope_frequencies), worked out once per capacity."""
+        """(windows [L] int64, RoPE frequencies and amplitudes [R, 2, Dh/2] float64) of a cache of this capacity
+        (Model.windows, Model.padded_rope_tables: pairs past the rotary dims turn by angle 0), worked out once per
+        capacity."""
         if capacity not in self._capacities:
             self._capacities[capacity] = (self.windows(capacity),
-                                          np.ascontiguousarray(self.rope_frequencies(), np.float64))
+                                          np.ascontiguousarray(self.padded_rope_tables(), np.float64))
         return self._capacities[capacity]
 
     # fused_qkv(interleave_rope=True) permutes Hugging Face q/k rows, so every cached key pairs (2i, 2i+1)
@@ -448,7 +448,7 @@ def product_widths(w):
 
 # A forward call's buffers, float32 [T, ...]: x the residual stream [D], h a block's normed input [D], o a block's
 # output before the residual add [>= D], qkv [(H + 2K) Dh, padded as bqkv], attn [H Dh], gate_up [>= 2F], hidden
-# [>= F]; cos and sin the RoPE angles [2, T, Dh/2] (full layers' row 0, sliding layers' row 1); a mixture of experts'
+# [>= F]; cos and sin the RoPE angles [R, T, Dh/2] (each row of the frequencies: Model.rope_rows); a mixture of experts'
 # (0 rows in a dense model): logits [>= E], chosen [k] int64 and gates [k] (cpu.route_into), rows [] int64 and
 # row_gates [] (the tokens routed to one expert), expert_x [D] and expert_o [>= D] (its input and output).
 Buffers = namedtuple("Buffers", ["x", "h", "o", "qkv", "attn", "gate_up", "hidden", "cos", "sin", "logits", "chosen",
@@ -460,12 +460,12 @@ def _buffers(w, T, dims) -> Buffers:
     """Room for a forward call of T tokens on weights record w (product_widths says how wide its outputs are)."""
     D = w.norm.shape[0]
     o_cols, gate_up_cols = product_widths(w)
-    half = dims.Dh // 2
+    half, R = dims.Dh // 2, dims.rope_rows.max() + 1 if dims.rope_rows.shape[0] else 1
     Tm, E, k = T if dims.n_experts else 0, dims.n_experts, dims.n_experts_used
     return Buffers(np.empty((T, D), np.float32), np.empty((T, D), np.float32), np.empty((T, o_cols), np.float32),
                    np.empty((T, w.bqkv.shape[1]), np.float32), np.empty((T, dims.H * dims.Dh), np.float32),
                    np.empty((T, gate_up_cols), np.float32), np.empty((T, gate_up_cols // 2), np.float32),
-                   np.empty((2, T, half), np.float32), np.empty((2, T, half), np.float32),
+                   np.empty((R, T, half), np.float32), np.empty((R, T, half), np.float32),
                    np.empty((Tm, -(-E // PANEL) * PANEL), np.float32), np.empty((Tm, k), np.int64),
                    np.empty((Tm, k), np.float32), np.empty(Tm, np.int64), np.empty(Tm, np.float32),
                    np.empty((Tm, D), np.float32), np.empty((Tm, o_cols), np.float32))
@@ -504,9 +504,9 @@ def _post_norm(o, weight, eps, T):
 @njit(inline="always")
 def _rope_angles(positions, freqs, rope_rows, cos, sin, T):
     """cos, sin [r, :T] of the RoPE angles for each frequency row r the layers use (rope_rows): row 0 alone unless
-    sliding layers turn at their own base.                                         # [T], [2, Dh/2] -> [2, T, Dh/2]"""
+    sliding layers turn at their own base or some layers have no RoPE.          # [T], [R, 2, Dh/2] -> [R, T, Dh/2]"""
     for r in range(rope_rows.max() + 1 if rope_rows.shape[0] else 1):
-        cpu.rope_angles_into(positions, freqs[r], cos[r], sin[r], T)
+        cpu.rope_angles_into(positions, freqs[r, 0], freqs[r, 1], cos[r], sin[r], T)
 
 
 @njit(inline="always")
@@ -584,7 +584,8 @@ def _forward(tokens, positions, seqs, w, freqs, dims, ring):
 
     x = embed(tokens) m; per layer: x += r attention_block(x); x += r ffn_block(x); then rms_norm(x), with every
     family's options as data (Dims, and the per-layer arrays of the weights record). w: Packed or QPacked (compiled
-    once for each; see by_record). freqs [2, Dh/2]: RoPE frequencies of full and sliding layers (rope_frequencies).
+    once for each; see by_record). freqs [R, 2, Dh/2]: RoPE frequencies and amplitudes of each kind of layer
+(padded_rope_tables).
     """
     T = tokens.shape[0]
     L, D = w.attention_norm.shape[0], w.norm.shape[0]

@@ -132,7 +132,7 @@ def layer_vectors(c: ModelConfig, weights: Weights) -> dict[str, np.ndarray]:
     if c.rope_layout == "half" and c.qk_norm:
         for name, heads in (("q_norm", c.n_heads), ("k_norm", c.n_kv_heads)):
             n = vectors[name].shape[1]
-            per_head = permute_qk_half_to_interleaved(np.arange(n), n // c.head_dim, c.head_dim)
+            per_head = permute_qk_half_to_interleaved(np.arange(n), n // c.head_dim, c.head_dim, c.rotary_dims)
             vectors[name] = np.ascontiguousarray(vectors[name][:, per_head])
     return vectors
 
@@ -266,8 +266,9 @@ def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
             bqkv[l] = np.concatenate([layer.bq, layer.bk, layer.bv])
     qk_perm = np.empty(0, np.int64)
     if c.rope_layout == "half":  # q and k rows in HF's layout: permute their outputs into the interleaved one
-        qk_perm = np.concatenate([permute_qk_half_to_interleaved(np.arange(H * Dh), H, Dh),
-                                  H * Dh + permute_qk_half_to_interleaved(np.arange(K * Dh), K, Dh)])
+        r = c.rotary_dims
+        qk_perm = np.concatenate([permute_qk_half_to_interleaved(np.arange(H * Dh), H, Dh, r),
+                                  H * Dh + permute_qk_half_to_interleaved(np.arange(K * Dh), K, Dh, r)])
     v = layer_vectors(c, weights)
     norm = np.array(weights.norm, np.float32)
     release_files(matrices)

@@ -14,13 +14,13 @@ import numpy as np
 
 from .. import ops
 from ..cache import RingKVCache
-from ..config import FEATURE_FIELDS, ModelConfig
+from ..config import FEATURE_FIELDS, SCALING_FEATURES, ModelConfig
 from .base import Model
 from .weights import Weights
 
 
 class Transformer(Model):
-    FEATURES = frozenset(FEATURE_FIELDS) | {"longrope"}  # the reference runs every family
+    FEATURES = frozenset(FEATURE_FIELDS + SCALING_FEATURES)  # the reference runs every family
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]):
         super().__init__(config)
@@ -38,13 +38,15 @@ class Transformer(Model):
         tokens, positions, slots = self.call_arrays(tokens, positions, slots)
         self.check_call(tokens, positions, slots, cache)
         c = self.config
-        # cos, sin [T, Dh/2] of full-attention layers (row 0 of the frequencies) and of sliding ones (row 1)
-        angles = [ops.rope_angles(positions, freqs, self.dtype) for freqs in self.rope_frequencies()]
+        # cos, sin [T, r/2] of each kind of layer (full attention, sliding, no RoPE: rope_frequencies' rows)
+        angles = [ops.rope_angles(positions, freqs, self.dtype, amplitude)
+                  for freqs, amplitude in zip(self.rope_frequencies(), self.rope_amplitudes())]
+        rows = self.rope_rows()
         groups = [(int(s), np.flatnonzero(slots == s)) for s in np.unique(slots)]
         r = self.dtype.type(c.residual_multiplier)
         x = ops.embed(self.weights.tok_embeddings, tokens) * self.dtype.type(c.embedding_multiplier)  # [T, D]
         for layer in range(c.n_layers):
-            cos, sin = angles[c.is_sliding(layer)]
+            cos, sin = angles[rows[layer]]
             x = x + r * self.attention_block(layer, x, positions, cos, sin, cache, groups)
             x = x + r * self.ffn_block(layer, x)
         return ops.rms_norm(x, self.weights.norm, c.norm_eps)

@@ -90,12 +90,12 @@ def fused_qkv(config: ModelConfig, layer: LayerWeights, interleave_rope: bool) -
     rope_interleaved, is the original rotated by rope_half with its entries reordered the same way, so attention
     scores are unchanged.
     """
-    H, K, Dh = config.n_heads, config.n_kv_heads, config.head_dim
+    H, K, Dh, r = config.n_heads, config.n_kv_heads, config.head_dim, config.rotary_dims
     q, k, bq, bk = layer.wq, layer.wk, layer.bq, layer.bk
-    if interleave_rope and config.rope_layout == "half":
-        q, k = permute_qk_half_to_interleaved(q, H, Dh), permute_qk_half_to_interleaved(k, K, Dh)
+    if interleave_rope and config.rope_layout == "half":  # of the first r rows of each head (partial rotary: r < Dh)
+        q, k = permute_qk_half_to_interleaved(q, H, Dh, r), permute_qk_half_to_interleaved(k, K, Dh, r)
         if config.attention_bias:
-            bq, bk = permute_qk_half_to_interleaved(bq, H, Dh), permute_qk_half_to_interleaved(bk, K, Dh)
+            bq, bk = permute_qk_half_to_interleaved(bq, H, Dh, r), permute_qk_half_to_interleaved(bk, K, Dh, r)
     wqkv = np.concatenate([q, k, layer.wv])
     if not config.attention_bias:  # Llama's projections have none; adding zeros changes nothing
         return wqkv, np.zeros(len(wqkv), np.float32)
