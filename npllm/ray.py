@@ -31,6 +31,7 @@ import numpy as np
 from .batch import (DEFAULT_MAX_LINE_BYTES, DEFAULT_SLOTS, BadRequest, Plan, Runner, Summary, chat_template_for,
                     output_lock, plan, write_results)
 from .errors import GenerationError, NpllmError
+from .prefix_cache import DEFAULT_MIB
 from .serve.protocol import ApiError, parse_json
 from .evaluate import Perplexity, chunk_nll, llama_cpp_chunks, perplexity_of
 
@@ -120,7 +121,8 @@ class Predictor:
                  context: int | None = None):
         from .chat import chat_template_name
 
-        llm = _load(model, tokenizer, backend, threads, weight_dtype=weight_dtype, kv_dtype=kv_dtype, context=context)
+        llm = _load(model, tokenizer, backend, threads, weight_dtype=weight_dtype, kv_dtype=kv_dtype, context=context,
+                    prefix_cache_mib=DEFAULT_MIB)  # each actor's own cache, of npllm batch's default size
         template, problem = chat_template_for(chat_template, llm.source, llm.config.arch)
         self.runner = Runner(llm, name, template, problem, chat_template_name(chat_template, llm.source), slots)
         self.json_column = json_column

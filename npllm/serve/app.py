@@ -1,6 +1,8 @@
 """The HTTP side: a Starlette application over the engine thread, and uvicorn to run it.
 
-    GET  /health                  200 {"status": "ok"} (no key needed: for load balancers and probes)
+    GET  /health                  200 {"status": "ok", "prefix_cache": its size and hit rate, or null when off}
+                                  (no key needed: for load balancers and probes)
+    GET  /metrics                 the same counts as Prometheus text (npllm_prefix_cache_*)
     GET  /v1/models               the one model served
     POST /v1/completions          text completion; "stream": true for server-sent events
     POST /v1/chat/completions     chat completion (the chat template lays the messages out); "stream": true too
@@ -42,7 +44,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from ..batching import ContinuousEngine
@@ -51,7 +53,7 @@ from ..errors import GenerationError, NpllmError
 from ..versions import Fence
 from .engine import EngineThread, Job
 from .protocol import (ApiError, Context, Output, chat_body, chat_chunk, completion_body, completion_chunk, new_id,
-                       parse_chat, parse_completion, parse_json)
+                       parse_chat, parse_completion, parse_json, with_timings)
 
 log = logging.getLogger("npllm.serve")
 PARSE_THREADS = 4  # completions checked (tokenized) at once, off the event loop
@@ -113,7 +115,9 @@ class Server:
         self.llm, self.limits, self.api_key = llm, limits, api_key
         self.context = Context(model_name, llm.tokenizer, llm.config, limits.max_tokens_limit, chat_template,
                                template_problem, template_name)
-        self.engine = EngineThread(ContinuousEngine(llm.model, slots=limits.max_slots))
+        # the LLM's prefix cache (npllm.prefix_cache; --prefix-cache-mib): shared prompt beginnings computed once
+        self.engine = EngineThread(ContinuousEngine(llm.model, slots=limits.max_slots,
+                                                    prefix_cache=getattr(llm, "prefix_cache", None)))
         self.completions = Lane("completion", PARSE_THREADS, limits.max_parse_queue)
         self.renders = Lane("chat", RENDER_THREADS, limits.max_parse_queue)
         self.active = 0  # jobs admitted and not finished (touched only on the event loop)
@@ -210,7 +214,10 @@ def _parse(parse, data: bytes, context):
 def create_app(server: Server, cors_origins: list[str] | None = None) -> Starlette:
     """The ASGI application. CORS headers only for the origins given (none by default: browsers refuse)."""
     async def health(request):
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "prefix_cache": server.engine.prefix_report()})
+
+    async def metrics(request):
+        return PlainTextResponse(prometheus(server.engine.prefix_report()))
 
     async def models(request):
         server.check_key(request)
@@ -239,12 +246,24 @@ def create_app(server: Server, cors_origins: list[str] | None = None) -> Starlet
 
         middleware.append(Middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                                      allow_headers=["Authorization", "Content-Type"]))
-    routes = [Route("/health", health), Route("/v1/models", models),
+    routes = [Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     handlers = {ApiError: api_error, HTTPException: http_error, ClientDisconnect: client_gone,
                 Exception: unexpected_error}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
+
+
+def prometheus(report: dict | None) -> str:
+    """The prefix cache's counts (PrefixCache.report) as Prometheus text; nothing but a comment when it is off."""
+    if report is None:
+        return "# npllm: the prefix cache is off\n"
+    lines = []
+    for name in ("blocks", "bytes", "budget_bytes", "lookups", "hits", "prompt_tokens", "cached_tokens", "hit_rate",
+                 "evicted_blocks"):
+        kind = "gauge" if name in ("blocks", "bytes", "budget_bytes", "hit_rate") else "counter"
+        lines += [f"# TYPE npllm_prefix_cache_{name} {kind}", f"npllm_prefix_cache_{name} {report[name]}"]
+    return "\n".join(lines) + "\n"
 
 
 async def api_error(request, e: ApiError):
@@ -316,10 +335,12 @@ class GenerationResponse:
                 if self.output.stopped:  # a stop string ended the text: the engine need not go on
                     self.server.engine.cancel(self.job)
                     yield piece, None
+                    self.output.ended(self.job.handle)
                     yield self.output.finish("stop"), self.output.finish_reason
                     return
                 yield piece, None
             elif kind == "done":
+                self.output.ended(self.job.handle)
                 yield self.output.finish(value), self.output.finish_reason
                 return
             else:
@@ -370,11 +391,14 @@ class GenerationResponse:
         await asyncio.sleep(0)
 
     def _chunk(self, piece, finish, wants_lp) -> dict:
+        """One streamed chunk; the last one (with its finish_reason) carries llama.cpp's `timings` too."""
         if not self.spec.chat:
-            return completion_chunk(self.id, self.model, piece, finish, wants_lp)
-        if finish is not None and not piece.text:
-            return chat_chunk(self.id, self.model, {}, finish)
-        return chat_chunk(self.id, self.model, {"content": piece.text}, finish, piece, wants_lp)
+            chunk = completion_chunk(self.id, self.model, piece, finish, wants_lp)
+        elif finish is not None and not piece.text:
+            chunk = chat_chunk(self.id, self.model, {}, finish)
+        else:
+            chunk = chat_chunk(self.id, self.model, {"content": piece.text}, finish, piece, wants_lp)
+        return {**chunk, **with_timings(self.output)} if finish is not None else chunk
 
 
 async def _send_json(send, status: int, body: dict) -> None:

@@ -424,6 +424,8 @@ class Output:
         self.token_chars = 0
         self.text = ""
         self.finish_reason: str | None = None
+        self.cached_tokens = 0  # prompt tokens the engine took from its prefix cache (set once the job is done)
+        self.timings: dict | None = None  # llama.cpp's timings (batching.Handle.timings), set once the job is done
 
     @property
     def prompt_tokens(self) -> int:
@@ -457,7 +459,13 @@ class Output:
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def ended(self, handle) -> None:
+        """Take the finished job's prefix-cache count and timings from its engine handle (batching.Handle)."""
+        if handle is not None:
+            self.cached_tokens, self.timings = handle.cached, handle.timings()
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], continuation=True)
@@ -491,7 +499,7 @@ def completion_body(id_: str, model: str, output: Output, pieces: list[Piece]) -
     return {"id": id_, "object": "text_completion", "created": now(), "model": model,
             "choices": [{"index": 0, "text": output.text, "logprobs": logprobs,
                          "finish_reason": output.finish_reason}],
-            "usage": output.usage()}
+            "usage": output.usage(), **with_timings(output)}
 
 
 def chat_body(id_: str, model: str, output: Output, pieces: list[Piece]) -> dict:
@@ -499,7 +507,12 @@ def chat_body(id_: str, model: str, output: Output, pieces: list[Piece]) -> dict
     return {"id": id_, "object": "chat.completion", "created": now(), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": output.text},
                          "logprobs": logprobs, "finish_reason": output.finish_reason}],
-            "usage": output.usage()}
+            "usage": output.usage(), **with_timings(output)}
+
+
+def with_timings(output: Output) -> dict:
+    """{"timings": ...} (llama.cpp's field) where the job's are known, else nothing."""
+    return {} if output.timings is None else {"timings": output.timings}
 
 
 def completion_chunk(id_: str, model: str, piece: Piece | None, finish_reason: str | None,
