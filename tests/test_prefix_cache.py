@@ -2,6 +2,8 @@
 computed after it equals a run without the cache (greedy tokens identical, logits within 1e-5), whatever the hit
 pattern: a full hit, a partial one, a miss, an eviction between two requests, two requests racing for one prefix."""
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -259,3 +261,28 @@ def test_stories260k_numba_serves_shared_prompts_from_the_cache(story_llm, stori
             model.kv_dtype = own
         assert n == (len(prompt) - 1) // 32 * 32
         np.testing.assert_allclose(logits, full[n:], rtol=0, atol=1e-5)
+
+
+def test_npllm_batch_reports_the_hit_rate_and_its_results_equal_the_cache_off(tmp_path, capsys):
+    from npllm.cli import main
+
+    shared = "Once upon a time there was a little girl named Lily who loved to play outside in the park. " * 3
+    rows = [{"id": i, "prompt": shared + end, "max_tokens": 12, "temperature": 0}
+            for i, end in enumerate(["One day", "She saw a dog", "Her mom said", "The sun"])]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    outputs = {}
+    for mib in ("0", "8"):
+        capsys.readouterr()
+        out = tmp_path / f"out{mib}.jsonl"
+        assert main(["batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--batch-size", "2",
+                     "--prefix-cache-mib", mib]) == 0
+        err = capsys.readouterr().err
+        outputs[mib] = [json.loads(line) for line in out.read_text().splitlines()]
+        assert ("prefix cache:" in err) == (mib != "0")
+    assert [(r["text"], r["tokens"]) for r in outputs["0"]] == [(r["text"], r["tokens"]) for r in outputs["8"]]
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in outputs["8"]]
+    assert cached[0] == 0 and all(c >= 64 for c in cached[1:])  # the second waits a step for the first's blocks
+    assert "of 4 prompts hit" in err
+    assert main(["batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o.jsonl"), "--ray",
+                 "--prefix-cache-mib", "1"]) == 2
+    assert "--prefix-cache-mib needs no --ray" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """The HTTP side: a Starlette application over the engine thread, and uvicorn to run it.
 
-    GET  /health                  200 {"status": "ok", "prefix_cache": its size and hit rate, or null when off}
+    GET  /health                  200 {"status": "ok"}, with "prefix_cache": its size and hit rate when it is on
                                   (no key needed: for load balancers and probes)
     GET  /metrics                 the same counts as Prometheus text (npllm_prefix_cache_*)
     GET  /v1/models               the one model served
@@ -214,7 +214,8 @@ def _parse(parse, data: bytes, context):
 def create_app(server: Server, cors_origins: list[str] | None = None) -> Starlette:
     """The ASGI application. CORS headers only for the origins given (none by default: browsers refuse)."""
     async def health(request):
-        return JSONResponse({"status": "ok", "prefix_cache": server.engine.prefix_report()})
+        report = server.engine.prefix_report()
+        return JSONResponse({"status": "ok", **({"prefix_cache": report} if report is not None else {})})
 
     async def metrics(request):
         return PlainTextResponse(prometheus(server.engine.prefix_report()))
