@@ -361,14 +361,16 @@ class Handle:
     def timings(self) -> dict:
         """llama.cpp's `timings` of the request: prompt tokens computed (prompt_n) and the milliseconds from its
         admission to its first token (prompt_ms, which includes the others' work in the same forward), tokens
-        kept (predicted_n) and the milliseconds from the first to the end (predicted_ms), prompt tokens from the prefix cache (cache_n)."""
+        kept (predicted_n) and the milliseconds from the first to the end (predicted_ms, up to now while it
+        runs: a stop string ends it before the engine does), prompt tokens from the prefix cache (cache_n)."""
         t = self.clock
         admitted, first = t.get("admitted"), t.get("first")
-        end = t.get("finished", first)
+        end = t.get("finished", time.perf_counter())
         prompt_ms = 1000 * (first - admitted) if admitted is not None and first is not None else 0.0
-        predicted_ms = 1000 * (end - first) if first is not None and end is not None else 0.0
+        predicted_ms = 1000 * (end - first) if first is not None else 0.0
         return {"cache_n": self.cached, "prompt_n": len(self.request.prompt) - self.cached,
-                "prompt_ms": round(prompt_ms, 3), "predicted_n": len(self.tokens), "predicted_ms": round(predicted_ms, 3)}
+                "prompt_ms": round(prompt_ms, 3), "predicted_n": len(self.tokens),
+                "predicted_ms": round(predicted_ms, 3)}
 
     @property
     def done(self) -> bool:
