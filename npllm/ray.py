@@ -160,6 +160,8 @@ class Predictor:
             "finish_reason": _objects([r.get("finish_reason") or "" for r in records]),
             "prompt_tokens": np.array([u.get("prompt_tokens", 0) for u in usage], np.int64),
             "completion_tokens": np.array([u.get("completion_tokens", 0) for u in usage], np.int64),
+            "cached_tokens": np.array([u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usage],
+                                      np.int64),
             "logprobs": _objects([json.dumps(r["logprobs"]) if "logprobs" in r else "" for r in records]),
             "error": _objects(get("error", "")),
         }
@@ -173,7 +175,8 @@ def record_of(row: dict) -> dict:
     record = {"text": str(row["generated_text"]), "tokens": [int(t) for t in row["tokens"]],
               "finish_reason": str(row["finish_reason"]),
               "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                        "total_tokens": prompt + completion}}
+                        "total_tokens": prompt + completion,
+                        "prompt_tokens_details": {"cached_tokens": int(row["cached_tokens"])}}}
     if row["logprobs"]:
         record["logprobs"] = json.loads(row["logprobs"])
     return record

@@ -286,3 +286,17 @@ def test_npllm_batch_reports_the_hit_rate_and_its_results_equal_the_cache_off(tm
     assert main(["batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o.jsonl"), "--ray",
                  "--prefix-cache-mib", "1"]) == 2
     assert "--prefix-cache-mib needs no --ray" in capsys.readouterr().err
+
+
+def test_a_new_chat_session_takes_its_system_prompt_from_the_cache(stories260k):
+    """Two sessions (sinks 4 and 5: two sessions of one LLM) with one long system prompt: the second restores it
+    and replies as a session of an LLM without the cache does."""
+    system = "You are a storyteller. Tell short happy stories about animals in the forest and their friends. " * 4
+    cached, plain = (npllm.load(stories260k, backend="numpy", prefix_cache_mib=mib) for mib in (8, 0))
+    replies = []
+    for llm, sinks in ((cached, 4), (cached, 5), (plain, 4)):
+        session = llm.chat_session("chatml", system=system, sinks=sinks)
+        text = "".join(session.send("Tell me about a fox.", 16, temperature=0.0))
+        replies.append((text, session.context.restored))
+    assert replies[0][0] == replies[1][0] == replies[2][0]
+    assert replies[0][1] == 0 and replies[1][1] >= 64 and replies[2][1] == 0
