@@ -4,6 +4,7 @@ prompt came from the cache, and a budget too small for two prefixes evicts and s
 
 import contextlib
 import json
+import sys
 
 import httpx
 import numpy as np
@@ -103,7 +104,7 @@ def test_the_engine_thread_logs_the_hit_rate_each_minute(llms, caplog):
     prefix = llms[64].prefix_cache
     thread = EngineThread(ContinuousEngine(llms[64].model, slots=1, prefix_cache=prefix))  # not started
     then = thread.reported[0]
-    with caplog.at_level("INFO", logger="npllm.serve"):
+    with caplog.at_level("INFO", logger="npllm.serve.prefix"):
         thread._report_prefix(then + 30)
         assert not caplog.records  # not a minute yet
         prefix.stats.prompt_tokens += 100
@@ -111,3 +112,21 @@ def test_the_engine_thread_logs_the_hit_rate_each_minute(llms, caplog):
         thread._report_prefix(then + 61)
     assert "64 of 100 prompt tokens from the cache" in caplog.text and "64.0%" in caplog.text
     json.dumps(thread.prefix_report())
+
+
+def test_npllm_serve_prints_the_prefix_log_lines_on_stderr(capsys):
+    import logging
+
+    from npllm.serve.app import show_prefix_log
+    from npllm.serve.engine import prefix_log
+
+    try:
+        show_prefix_log(sys.stderr)
+        show_prefix_log(sys.stderr)  # once per process
+        prefix_log.info("prefix cache: a line")
+        assert capsys.readouterr().err.count("[npllm] prefix cache: a line") == 1
+        assert prefix_log.level == logging.INFO
+    finally:  # the handler holds this test's captured stderr
+        for handler in [h for h in prefix_log.handlers if getattr(h, "npllm_prefix", False)]:
+            prefix_log.removeHandler(handler)
+        prefix_log.setLevel(logging.NOTSET)

@@ -51,7 +51,7 @@ from ..batching import ContinuousEngine
 from ..chat.worker import MOST_WORKERS, close_workers
 from ..errors import GenerationError, NpllmError
 from ..versions import Fence
-from .engine import EngineThread, Job
+from .engine import EngineThread, Job, prefix_log
 from .protocol import (ApiError, Context, Output, chat_body, chat_chunk, completion_body, completion_chunk, new_id,
                        parse_chat, parse_completion, parse_json, with_timings)
 
@@ -681,6 +681,17 @@ def uvicorn_config(uvicorn, app, grace: float, log_level: str, limits: Limits, g
                           limit_concurrency=limits.max_connections if gate is None else None)
 
 
+def show_prefix_log(stream) -> None:
+    """The prefix cache's hit rate lines (engine.prefix_log, info level, once a minute) on `stream`, as [npllm]
+    lines: Python's default shows only warnings and above. Once per process."""
+    if not any(getattr(h, "npllm_prefix", False) for h in prefix_log.handlers):
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter("[npllm] %(message)s"))
+        handler.npllm_prefix = True
+        prefix_log.addHandler(handler)
+    prefix_log.setLevel(logging.INFO)
+
+
 def run(server: Server, host: str, port: int, grace: float, cors_origins=None, announce=sys.stderr,
         sock: socket.socket | None = None) -> int:
     """Serve until SIGTERM / Ctrl-C; exit status 0 after a clean shutdown. `sock`: already bound to host:port
@@ -697,6 +708,7 @@ def run(server: Server, host: str, port: int, grace: float, cors_origins=None, a
               f"({server.limits.max_slots} slots)", file=announce, flush=True)
 
     uv = make_uvicorn(create_app(server, cors_origins), grace, on_started=started, limits=server.limits)
+    show_prefix_log(announce)
     server.start()
     try:
         uv.run(sockets=[sock])

@@ -26,6 +26,7 @@ from ..batching import ContinuousEngine, Handle
 from ..generate import Request
 
 log = logging.getLogger("npllm.serve")
+prefix_log = logging.getLogger("npllm.serve.prefix")  # `npllm serve` prints its info lines on stderr (app.run)
 REPORT_EVERY_S = 60.0  # the prefix cache's hit rate is logged (info) at most this often, when it was used
 
 
@@ -108,7 +109,7 @@ class EngineThread:
         looked, hit = stats.prompt_tokens - prompt, stats.cached_tokens - cached
         self.reported = (now, stats.prompt_tokens, stats.cached_tokens)
         if looked:
-            log.info("prefix cache: %d of %d prompt tokens from the cache in the last %.0f s (%.1f%%); %d blocks, "
+            prefix_log.info("prefix cache: %d of %d prompt tokens from the cache in the last %.0f s (%.1f%%); %d blocks, "
                      "%.1f of %.1f MiB", hit, looked, now - then, 100 * hit / looked, len(prefix.blocks),
                      prefix.nbytes / 2**20, prefix.budget / 2**20)
 
