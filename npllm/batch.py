@@ -372,6 +372,7 @@ class Job:
 
     def record(self) -> dict:
         """The result line's fields (without the id)."""
+        self.output.ended(self.handle)
         self.output.finish(self.handle.finish_reason)
         out = self.output
         record = {"text": out.text, "tokens": self.tokens, "finish_reason": out.finish_reason, "usage": out.usage()}
@@ -402,7 +403,8 @@ class Runner:
         self.llm = llm
         self.context = Context(name or model_name(llm.source), llm.tokenizer, llm.config, MOST_TOKENS,
                                chat_template, template_problem, template_name)
-        self.engine = ContinuousEngine(llm.model, slots=slots)
+        # the LLM's prefix cache (npllm.prefix_cache; --prefix-cache-mib): a shared system prompt is computed once
+        self.engine = ContinuousEngine(llm.model, slots=slots, prefix_cache=getattr(llm, "prefix_cache", None))
         self.window = WINDOW_PER_SLOT * slots
 
     def spec(self, body: dict):
@@ -471,10 +473,17 @@ class Summary:
     seconds: float = 0.0
 
     def line(self, output, errors) -> str:
+        """The run's summary for stderr."""
         rate = self.tokens / self.seconds if self.seconds > 0 else float("nan")
         return (f"[npllm] batch: {self.done} results written to {output} in {self.seconds:.1f} s "
                 f"({rate:.1f} tokens/s); {self.skipped} already there; {self.errors} bad lines"
                 + (f" in {errors}" if self.errors else ""))
+
+
+def prefix_line(stats) -> str:
+    """The prefix cache's hit rate over a run (npllm.prefix_cache.PrefixStats), for stderr."""
+    return (f"[npllm] batch: prefix cache: {stats.cached_tokens} of {stats.prompt_tokens} prompt tokens from the "
+            f"cache ({100 * stats.hit_rate:.1f}%); {stats.hits} of {stats.lookups} prompts hit")
 
 
 def write_results(work: Plan, results: Iterable[tuple[int, dict]], output, errors, progress: bool = True) -> Summary:

@@ -29,6 +29,7 @@ Dimension letters: B sequences in a call, T tokens in a call, D model width, V v
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ class Completion:
     logprobs: list[float] | None  # [len(tokens)] when requested
     prompt_logprobs: list[float] | None  # [len(prompt) - 1]: tokens 1.. of the prompt, when requested
     finish_reason: str  # "stop" (a stop id was drawn), "length" (max_new_tokens), "context" (the context is full)
+    cached: int = 0  # prompt tokens taken from a prefix cache rather than computed
 
     @property
     def sampled(self) -> int:
@@ -68,7 +70,7 @@ class Completion:
 def completion(sequence: Sequence) -> Completion:
     """What a finished (or stopped) sequence produced."""
     return Completion(sequence.request.prompt, list(sequence.tokens), sequence.logprobs, sequence.prompt_logprobs,
-                      sequence.finish_reason)
+                      sequence.finish_reason, sequence.cached)
 
 
 def needed_rows(prompt_len: int, sampled: int) -> int:
@@ -113,7 +115,7 @@ class Work:
 
     def count_needed(self, completions: list[Completion]) -> None:
         for c in completions:
-            self.needed_rows += needed_rows(len(c.prompt), c.sampled)
+            self.needed_rows += needed_rows(len(c.prompt) - c.cached, c.sampled)
             self.needed_samples += c.sampled
 
 
@@ -247,13 +249,14 @@ def _cut_row(prompt, row: np.ndarray, row_logprobs, max_gen_len: int, stops: np.
 
 
 def ragged_generate(model, requests: list[Request], work: Work | None = None,
-                    on_draw: Callable[[int, Sampled], None] | None = None) -> list[Completion]:
+                    on_draw: Callable[[int, Sampled], None] | None = None, prefix_cache=None) -> list[Completion]:
     """All prompts prefilled in one forward, then one decode forward per step for every unfinished sequence.
 
     Sequence i lives in cache slot i. Each slot holds len(prompt) + max_new_tokens positions (at most the
     context), so every sequence attends to exactly what it would attend to alone. on_draw(i, Sampled) sees each
     kept draw of request i (stop ids are not kept), with its log-probability and top alternatives when the
-    request's params.logprobs >= 1.
+    request's params.logprobs >= 1. prefix_cache (a PrefixCache of this model): each prompt starts from its longest
+    cached prefix, and a prompt whose missing prefix an earlier one computes starts one step later, from the cache.
     """
     config = model.config
     if not requests:
@@ -263,17 +266,55 @@ def ragged_generate(model, requests: list[Request], work: Work | None = None,
     work = Work() if work is None else work
     capacity = min(config.max_seq_len, max(len(r.prompt) + r.max_new_tokens for r in requests))
     cache = model.new_cache(capacity, len(requests))
+    prefix = prefix_cache if prefix_cache is not None and prefix_cache.applies(cache) else None
     sequences = [Sequence(r, config, id=i, slot=i) for i, r in enumerate(requests)]
     report = on_draw is not None and any(r.params.logprobs for r in requests)
-    starting, running = [s for s in sequences if not s.done], []
-    while starting or running:
+    later, running = [s for s in sequences if not s.done], []
+    while later or running:
+        starting, later = _first_of_each_prefix(prefix, cache, later)
+        _restore(prefix, cache, starting)
         for s, drawn in advance(model, cache, starting, running, work, report):
             if on_draw is not None:
                 on_draw(s.id, drawn)
-        starting, running = [], [s for s in sequences if not s.done]
+        _store(prefix, cache, starting)
+        waiting = {s.id for s in later}
+        running = [s for s in sequences if not s.done and s.id not in waiting]
     completions = [completion(s) for s in sequences]
     work.count_needed(completions)
     return completions
+
+
+def _first_of_each_prefix(prefix, cache, sequences: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+    """(start now, start later): a sequence whose first uncached block an earlier one of this step computes waits
+    a step, then restores it (PrefixCache.deferred). Everything starts now without a prefix cache."""
+    if prefix is None:
+        return sequences, []
+    pending: set = set()
+    now, later = [], []
+    for s in sequences:
+        wait = _uses_prefix(s) and prefix.deferred(s.request.prompt, cache, pending)
+        (later if wait else now).append(s)
+    return now, later
+
+
+def _uses_prefix(s: Sequence) -> bool:
+    """Whether a sequence may start from a cached prefix: not when its every prompt row is to be scored."""
+    return not s.request.prompt_logprobs
+
+
+def _restore(prefix, cache, starting: list[Sequence]) -> None:
+    """Each starting sequence's longest cached prefix into its (empty) slot."""
+    if prefix is not None:
+        for s in starting:
+            if _uses_prefix(s):
+                s.cached = prefix.restore(cache, s.slot, s.request.prompt)
+
+
+def _store(prefix, cache, started: list[Sequence]) -> None:
+    """The whole blocks of the prompts just prefilled, into the prefix cache (before a finished slot is cleared)."""
+    if prefix is not None:
+        for s in started:
+            prefix.store(cache, s.slot, s.request.prompt)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -294,6 +335,7 @@ class Handle:
         self.started_at: int | None = None
         self.finished_at: int | None = engine.steps if sequence.done else None
         self.drawn: Sampled | None = None  # the latest kept draw (with log-probabilities when params.logprobs)
+        self.clock: dict[str, float] = {}  # time.perf_counter() at "admitted", "first" (prefill done), "finished"
 
     @property
     def id(self) -> int:
@@ -311,6 +353,25 @@ class Handle:
     @property
     def tokens(self) -> list[int]:
         return self.sequence.tokens
+
+    @property
+    def cached(self) -> int:
+        """Prompt tokens taken from the engine's prefix cache (0 before the request starts)."""
+        return self.sequence.cached
+
+    def timings(self) -> dict:
+        """llama.cpp's `timings` of the request: prompt tokens computed (prompt_n) and the milliseconds from its
+        admission to its first token (prompt_ms, which includes the others' work in the same forward), tokens
+        kept (predicted_n) and the milliseconds from the first to the end (predicted_ms, up to now while it
+        runs: a stop string ends it before the engine does), prompt tokens from the prefix cache (cache_n)."""
+        t = self.clock
+        admitted, first = t.get("admitted"), t.get("first")
+        end = t.get("finished", time.perf_counter())
+        prompt_ms = 1000 * (first - admitted) if admitted is not None and first is not None else 0.0
+        predicted_ms = 1000 * (end - first) if first is not None else 0.0
+        return {"cache_n": self.cached, "prompt_n": len(self.request.prompt) - self.cached,
+                "prompt_ms": round(prompt_ms, 3), "predicted_n": len(self.tokens),
+                "predicted_ms": round(predicted_ms, 3)}
 
     @property
     def done(self) -> bool:
@@ -353,13 +414,19 @@ class ContinuousEngine:
     of long prompts does not stall the running ones; a prompt longer than the cap runs once nothing else does.
     Each slot keeps the whole context, so a request computes exactly what it would compute alone.
 
+    prefix_cache (a PrefixCache of this model, npllm.prefix_cache): a request starts from the longest cached prefix of
+    its prompt and prefills only the rest; each prefill stores its whole blocks. A request whose first uncached
+    block is being computed by one admitted in the same step waits for the next step (keeping its place in the
+    queue), and then takes it from the cache. Off (None) by default, and on backends whose cache is not a host ring.
+
     submit, step and cancel may be called from several threads: one lock makes each of them whole (a step's
     forward runs under it, so a submit or cancel from another thread waits for the step to end, never lands
     inside it). A request with params.logprobs >= 1 makes the step report draws (sample_step); its handle's
     `drawn` then holds the latest token's log-probability and alternatives.
     """
 
-    def __init__(self, model, slots: int = 8, max_step_tokens: int | None = None, work: Work | None = None):
+    def __init__(self, model, slots: int = 8, max_step_tokens: int | None = None, work: Work | None = None,
+                 prefix_cache=None):
         if slots <= 0:
             raise GenerationError(f"slots must be positive, got {slots}")
         if max_step_tokens is not None and max_step_tokens <= 0:
@@ -367,6 +434,9 @@ class ContinuousEngine:
         self.model = model
         self.slots, self.max_step_tokens = slots, max_step_tokens
         self.cache = model.new_cache(None, slots)
+        if prefix_cache is not None and prefix_cache.model is not model:
+            raise GenerationError("the prefix cache belongs to another model")
+        self.prefix = prefix_cache if prefix_cache is not None and prefix_cache.applies(self.cache) else None
         self.free = deque(range(slots))
         self.waiting: deque[Handle] = deque()
         self.running: list[Handle] = []
@@ -417,6 +487,10 @@ class ContinuousEngine:
         report = any(h.sequence.row.params.logprobs for h in handles.values())
         kept = advance(self.model, self.cache, [h.sequence for h in starting], [h.sequence for h in self.running],
                        self.work, report=report)
+        _store(self.prefix, self.cache, [h.sequence for h in starting])
+        now = time.perf_counter()
+        for h in starting:
+            h.clock["first"] = now
         self.steps += 1
         self.running = starting + self.running
         for h in [h for h in self.running if h.done]:
@@ -438,29 +512,35 @@ class ContinuousEngine:
         budget = self.max_step_tokens
         used = len(self.running)
         admitted: list[Handle] = []
+        pending: set = set()  # prefix blocks the admitted requests compute in this step
         while self.waiting and self.free:
-            cost = len(self.waiting[0].sequence.history)
+            s = self.waiting[0].sequence
+            cost = len(s.history)
             alone = not admitted and not self.running
             if budget is not None and used + cost > budget and not alone:
                 break  # the oldest waits for room; nothing younger may overtake it
+            if self.prefix is not None and _uses_prefix(s) and self.prefix.deferred(s.request.prompt, self.cache,
+                                                                                    pending):
+                break  # its prefix is being computed in this step: next step it is cached (and nobody overtakes)
             h = self.waiting.popleft()
-            h.sequence.slot = self.free.popleft()
-            h.started_at = self.steps
+            s.slot = self.free.popleft()
+            h.started_at, h.clock["admitted"] = self.steps, time.perf_counter()
             admitted.append(h)
             used += cost
+        _restore(self.prefix, self.cache, [h.sequence for h in admitted])
         return admitted
 
     def _release(self, h: Handle) -> None:
         self.cache.reset(h.sequence.slot)
         self.free.append(h.sequence.slot)
-        h.finished_at = self.steps
+        h.finished_at, h.clock["finished"] = self.steps, time.perf_counter()
         self.work.count_needed([completion(h.sequence)])
 
 
 def continuous_generate(model, requests: list[Request], slots: int | None = None,
-                        work: Work | None = None) -> list[Completion]:
+                        work: Work | None = None, prefix_cache=None) -> list[Completion]:
     """Run requests through a ContinuousEngine (all submitted at once) and return their completions in order."""
-    engine = ContinuousEngine(model, slots=slots or max(1, len(requests)), work=work)
+    engine = ContinuousEngine(model, slots=slots or max(1, len(requests)), work=work, prefix_cache=prefix_cache)
     handles = [engine.submit(r) for r in requests]
     for _ in engine.run():
         pass

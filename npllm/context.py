@@ -10,7 +10,11 @@ Generation on a Context is the one single-sequence loop, npllm.generate.decode(m
 then a draw and a feed per token, its stop, length and context rules those of generate.Sequence.
 
 A chat sends the whole conversation every turn; everything up to the new user message is already in the cache, so
-a turn costs only its new tokens (`prefilled` counts what went through the model).
+a turn costs only its new tokens (`prefilled` counts what went through the model). With a prefix_cache (a
+PrefixCache of the model, npllm.prefix_cache), a context that holds nothing of the new prompt (a fresh one, or one
+that started over) first takes the prompt's longest cached prefix from it, and every prefill stores its prompt's
+whole blocks there, as long as the ring holds them in a fresh run's layout (before it wraps, sinks move or
+"truncate" drops a head).
 
 Context policies, for a sequence longer than the cache (`capacity` positions, default the model's context):
 
@@ -101,10 +105,12 @@ class Context:
     tokens run through the model, recomputations included.
     """
 
-    def __init__(self, model, policy: str = "error", sinks: int = DEFAULT_SINKS, capacity: int | None = None):
+    def __init__(self, model, policy: str = "error", sinks: int = DEFAULT_SINKS, capacity: int | None = None,
+                 prefix_cache=None):
         check_policy(policy, sinks)
         self.model, self.policy, self.sinks = model, policy, int(sinks)
         self.cache = model.new_cache(model.config.max_seq_len if capacity is None else int(capacity))
+        self.prefix = prefix_cache if prefix_cache is not None and prefix_cache.applies(self.cache) else None
         self.capacity = self.cache.capacity
         if policy == "sinks" and not isinstance(self.cache, RingKVCache):
             model.move_cached_keys(self.cache, 0, [], [], 0)  # the backend says why it cannot (cuda)
@@ -113,6 +119,7 @@ class Context:
         self.tokens: list[int] = []
         self.base = 0
         self.prefilled = 0
+        self.restored = 0  # tokens taken from the prefix cache
 
     @property
     def positions_held(self) -> int:
@@ -132,7 +139,13 @@ class Context:
         keep = min(common_prefix(self.tokens, ids), len(ids) - 1)
         if keep < len(self.tokens):
             self._rewind(keep)
-        return self.feed(ids[len(self.tokens):])
+        if self.prefix is not None and not self.tokens:
+            n = self.prefix.restore(self.cache, 0, ids)
+            self.tokens, self.restored = ids[:n], self.restored + n
+        hidden = self.feed(ids[len(self.tokens):])
+        if self.prefix is not None and self.base == 0:  # a truncated head: positions are not token indices
+            self.prefix.store(self.cache, 0, ids)  # stores only what the ring holds as a fresh prefill would
+        return hidden
 
     def check(self, ids) -> None:
         """A prompt this context can start from (check_prompt; longer than the context only when its policy goes

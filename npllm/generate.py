@@ -236,6 +236,7 @@ class Sequence:
     def __init__(self, request: Request, config, id: int, slot: int | None = None,
                  rng: np.random.Generator | None = None, context: Context | None = None):
         self.request, self.id, self.slot = request, id, slot
+        self.cached = 0  # prompt tokens the slot already held when it started (restored from a prefix cache)
         rng = np.random.default_rng(request.params.seed) if rng is None else rng
         self.stops = (frozenset() if request.ignore_eos else stop_ids(config)) | request.stop_ids
         constraint = None if request.constraint is None else request.constraint.start()
@@ -284,27 +285,31 @@ class Sequence:
 
 def advance(model, cache, starting: list[Sequence], running: list[Sequence], work=None, report: bool = False,
             observe: Observer | None = None) -> list[tuple[Sequence, Sampled]]:
-    """One step: the whole prompt of each starting sequence, the last token of each running one; then one drawn
-    token for each. Returns the (sequence, its draw) pairs kept (stop ids end a sequence and are not returned).
+    """One step: the prompt of each starting sequence (past the `cached` tokens its slot already holds), the last
+    token of each running one; then one drawn token for each. Returns the (sequence, its draw) pairs kept (stop ids
+    end a sequence and are not returned).
 
-        tokens    = prompt_1 ++ ... ++ prompt_m ++ [last_1, ..., last_r]                   # [T]
-        positions = 0..len_1-1 ++ ... ++ [len(history_1) - 1, ...]                         # [T]
-        slots     = each token's sequence slot                                             # [T]
+        tokens    = prompt_1[cached_1:] ++ ... ++ prompt_m[cached_m:] ++ [last_1, ..., last_r]   # [T]
+        positions = cached_1..len_1-1 ++ ... ++ [len(history_1) - 1, ...]                     # [T]
+        slots     = each token's sequence slot                                                # [T]
 
     Attention runs per slot, so no sequence sees another's keys and no padding is computed. `work` (a
-    batching.Work) records the call; `report` and `observe` are step's.
+    batching.Work) records the call; `report` and `observe` are step's. A sequence asking for prompt_logprobs
+    must start with nothing cached (every prompt row is scored).
     """
     sequences = starting + running
-    sizes = [len(s.history) for s in starting] + [1] * len(running)
-    firsts = [0] * len(starting) + [len(s.history) - 1 for s in running]
-    tokens = [t for s in starting for t in s.history] + [s.history[-1] for s in running]  # [T]
-    positions = [p for s in starting for p in range(len(s.history))] + firsts[len(starting):]  # [T]
+    sizes = [len(s.history) - s.cached for s in starting] + [1] * len(running)
+    firsts = [s.cached for s in starting] + [len(s.history) - 1 for s in running]
+    tokens = [t for s in starting for t in s.history[s.cached:]] + [s.history[-1] for s in running]  # [T]
+    positions = [p for s in starting for p in range(s.cached, len(s.history))] + firsts[len(starting):]  # [T]
     slots = [s.slot for s, n in zip(sequences, sizes) for _ in range(n)]  # [T]
     ends = [end - 1 for end in accumulate(sizes)]  # each sequence's last token in the call
     hidden = model.forward(np.array(tokens, np.int64), np.array(positions, np.int64), cache, np.array(slots, np.int64))
     kept = take(model, hidden[ends], sequences, report, observe)
     for s, end, n in zip(starting, ends, sizes):
         if s.request.prompt_logprobs:  # rows 0 .. n-2 of the prompt predict prompt tokens 1 .. n-1
+            if s.cached:
+                raise GenerationError("prompt_logprobs need every prompt row: start such a sequence uncached")
             s.prompt_logprobs = [float(x) for x in token_logprobs(model.lm_head(hidden[end - n + 1:end]),
                                                                   s.history[1:n])]
     if work is not None:

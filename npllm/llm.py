@@ -20,6 +20,7 @@ from .stop import StopStrings, text_of_steps
 from .generate import Request, check_prompt, check_request, decode, generate_ids
 from .hub import resolve
 from .models import Model
+from .prefix_cache import PrefixCache
 from .sampling import Sampled, SamplingParams, with_keywords
 from .speculative import Speculative, speculative_decode
 from .tokenizer import Tokenizer, load_tokenizer
@@ -44,8 +45,10 @@ def fit_tokenizer(tokenizer: Tokenizer, config: ModelConfig, path) -> int | None
 
 class LLM:
     def __init__(self, model: Model, tokenizer: Tokenizer | None, source: str = "", backend: str = "numba",
-                 threads: int | None = None):
+                 threads: int | None = None, prefix_cache_mib: float = 0):
         self.model = model
+        # shared beginnings of prompts, computed once across calls (npllm.prefix_cache); None when off
+        self.prefix_cache = PrefixCache.of_mib(model, prefix_cache_mib)
         self.tokenizer = tokenizer
         self.source = source
         self.backend, self.threads = backend, threads  # how drafts for speculative decoding are built
@@ -120,7 +123,8 @@ class LLM:
             return self._speculative_steps(prompt_ids, max_new_tokens, params, speculative, constraint)
         # "error" never goes past prompt + max_new_tokens positions: a cache that size, not the whole context
         room = min(self.config.max_seq_len, len(prompt_ids) + max(max_new_tokens, 1))
-        context = Context(self.model, context_policy, sinks, room if context_policy == "error" else None)
+        context = Context(self.model, context_policy, sinks, room if context_policy == "error" else None,
+                          self.prefix_cache)
         request = Request(prompt_ids, max_new_tokens, dataclasses.replace(params, stop=()), ignore_eos=ignore_eos,
                           constraint=constraint)
         steps = decode(self.model, request, context, report=params.logprobs > 0)
@@ -200,7 +204,8 @@ class LLM:
         requests = [batching.Request(encode_prompt(tokenizer, self.config, p), max_new_tokens, token_level,
                                      constraint=constraint) for p in prompts]
         draws = [[] for _ in requests]
-        batching.ragged_generate(self.model, requests, on_draw=lambda i, drawn: draws[i].append(drawn))
+        batching.ragged_generate(self.model, requests, on_draw=lambda i, drawn: draws[i].append(drawn),
+                                 prefix_cache=self.prefix_cache)
         return ["".join(_text_of(tokenizer, r.prompt, steps, params.stop, False,
                                  None if on_step is None else functools.partial(on_step, i)))
                 for i, (r, steps) in enumerate(zip(requests, draws))]
@@ -357,7 +362,8 @@ def _started(steps: Iterator) -> Iterator:
 
 def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike | None = None,
          backend: str = "numba", threads: int | None = None, weight_dtype: str = "file",
-         kv_dtype: str = "float32", cold_start: str = "wait", context: int | None = None) -> LLM:
+         kv_dtype: str = "float32", cold_start: str = "wait", context: int | None = None,
+         prefix_cache_mib: float = 0) -> LLM:
     """Load a checkpoint (a path or a known name such as "stories260K") and its tokenizer.
 
     backend: "numba" (compiled CPU kernels, the default), "numpy" (the reference), "cuda" (an NVIDIA GPU through
@@ -372,6 +378,8 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
     (float32 weights, not a GGUF file's quantized ones; npllm.models.make_model).
     context: the positions the model runs with (default: what it was trained for); the KV caches hold this many,
     and longrope (Phi-3) chooses its factors by it, as llama.cpp does by its context size.
+    prefix_cache_mib: MiB of host memory for the keys and values of prompt beginnings (npllm.prefix_cache), so that
+    stream, generate (one prompt or many) and chat sessions compute a shared beginning once; 0 (the default) is off.
     """
     from .formats import read_checkpoint
     from .models import make_model, resolve_backend
@@ -385,7 +393,7 @@ def load(model: str | os.PathLike = "stories260K", tokenizer: str | os.PathLike 
     model = make_model(config, weights, backend, threads, weight_dtype, kv_dtype, cold_start)
     if isinstance(model, Transformer):
         backend = "numpy"  # (the reference stands in for numba while its code compiles) drafts are built the same way
-    return LLM(model, tok, str(checkpoint), backend, threads)
+    return LLM(model, tok, str(checkpoint), backend, threads, prefix_cache_mib)
 
 
 def with_context(config: ModelConfig, context: int | None) -> ModelConfig:

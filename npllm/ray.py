@@ -31,6 +31,7 @@ import numpy as np
 from .batch import (DEFAULT_MAX_LINE_BYTES, DEFAULT_SLOTS, BadRequest, Plan, Runner, Summary, chat_template_for,
                     output_lock, plan, write_results)
 from .errors import GenerationError, NpllmError
+from .prefix_cache import DEFAULT_MIB
 from .serve.protocol import ApiError, parse_json
 from .evaluate import Perplexity, chunk_nll, llama_cpp_chunks, perplexity_of
 
@@ -120,7 +121,8 @@ class Predictor:
                  context: int | None = None):
         from .chat import chat_template_name
 
-        llm = _load(model, tokenizer, backend, threads, weight_dtype=weight_dtype, kv_dtype=kv_dtype, context=context)
+        llm = _load(model, tokenizer, backend, threads, weight_dtype=weight_dtype, kv_dtype=kv_dtype, context=context,
+                    prefix_cache_mib=DEFAULT_MIB)  # each actor's own cache, of npllm batch's default size
         template, problem = chat_template_for(chat_template, llm.source, llm.config.arch)
         self.runner = Runner(llm, name, template, problem, chat_template_name(chat_template, llm.source), slots)
         self.json_column = json_column
@@ -158,6 +160,8 @@ class Predictor:
             "finish_reason": _objects([r.get("finish_reason") or "" for r in records]),
             "prompt_tokens": np.array([u.get("prompt_tokens", 0) for u in usage], np.int64),
             "completion_tokens": np.array([u.get("completion_tokens", 0) for u in usage], np.int64),
+            "cached_tokens": np.array([u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usage],
+                                      np.int64),
             "logprobs": _objects([json.dumps(r["logprobs"]) if "logprobs" in r else "" for r in records]),
             "error": _objects(get("error", "")),
         }
@@ -171,7 +175,8 @@ def record_of(row: dict) -> dict:
     record = {"text": str(row["generated_text"]), "tokens": [int(t) for t in row["tokens"]],
               "finish_reason": str(row["finish_reason"]),
               "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                        "total_tokens": prompt + completion}}
+                        "total_tokens": prompt + completion,
+                        "prompt_tokens_details": {"cached_tokens": int(row["cached_tokens"])}}}
     if row["logprobs"]:
         record["logprobs"] = json.loads(row["logprobs"])
     return record

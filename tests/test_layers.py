@@ -23,7 +23,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "npllm"
 LAYERS = {
     "core": ("npllm.errors", "npllm.config", "npllm.hub", "npllm.device", "npllm._sampling_fast", "npllm.testing",
              "npllm.settings", "npllm.versions"),
-    "numerics": ("npllm.quant", "npllm.ops", "npllm.tensors", "npllm.sampling", "npllm.constraint", "npllm.cache"),
+    "numerics": ("npllm.quant", "npllm.ops", "npllm.tensors", "npllm.sampling", "npllm.constraint", "npllm.cache",
+                 "npllm.prefix_cache"),
     "kernels": ("npllm.kernels",),
     "formats": ("npllm.formats",),
     "tokenizer": ("npllm.tokenizer",),

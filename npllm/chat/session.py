@@ -47,7 +47,7 @@ class ChatSession:
         self.end_of_turn = turn_end(self.template, self.bos_text, self.eos_text, self.template_name)
         end_ids = self.encode(self.end_of_turn) if self.end_of_turn else []
         self.end_ids = frozenset(end_ids) if len(end_ids) == 1 else frozenset()  # a special token such as <|im_end|>
-        self.context = Context(llm.model, context_policy, sinks, capacity)
+        self.context = Context(llm.model, context_policy, sinks, capacity, getattr(llm, "prefix_cache", None))
         self.system = system
         self.messages: list[dict] = []
         self.reset()

@@ -12,7 +12,7 @@ from .shared import check_template_limits
 def run_batch(args) -> int:
     """npllm batch: the input's requests without a result in the output, in this process or on Ray Data; one
     summary line on stderr, nothing on stdout."""
-    from ..batch import Runner, chat_template_for, errors_path, output_lock, plan, run
+    from ..batch import Runner, chat_template_for, errors_path, output_lock, plan, prefix_line, run
 
     check_combinations(args, needs=BATCH_NEEDS)
     check_template_limits()
@@ -32,10 +32,12 @@ def run_batch(args) -> int:
 
         with output_lock(args.output):  # held from the reading of the output to the last result written
             work = plan(args.input, args.output, errors, args.max_line_bytes)  # bad files: refused before the load
-            llm = shared.load_with_tokenizer(args, kv_dtype=args.kv_dtype)
+            llm = shared.load_with_tokenizer(args, kv_dtype=args.kv_dtype, prefix_cache_mib=args.prefix_cache_mib)
             template, problem = chat_template_for(args.chat_template, llm.source, llm.config.arch)
             runner = Runner(llm, None, template, problem, chat_template_name(args.chat_template, llm.source),
                             args.batch_size)
             summary = run(runner, work, args.output, errors)
+            if runner.engine.prefix is not None:
+                print(prefix_line(runner.engine.prefix.stats), file=sys.stderr)
     print(summary.line(args.output, errors), file=sys.stderr)
     return 0

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from ..embed import POOLINGS
 from ..errors import GenerationError
 from ..models import KV_DTYPES, WEIGHT_DTYPES
+from ..prefix_cache import DEFAULT_MIB
 from ..quant import MIXTURES, QUANTIZE
 from ..sampling import Option, SamplingParams, options
 
@@ -255,6 +256,7 @@ def add_serve(commands) -> None:
                             "file (default: the model's own; without one the chat endpoint answers 400)")
     serve.add_argument("--max-slots", type=whole(1, MOST_BATCH), default=8,
                        help="requests decoded together, one cache slot each (default 8)")
+    add_prefix_cache(serve)
     serve.add_argument("--max-queue", type=whole(0, MOST_QUEUE), default=64,
                        help="requests waiting for a slot; beyond that the answer is 429 (default 64)")
     serve.add_argument("--max-tokens-limit", type=whole(1, MOST_TOKENS), default=4096,
@@ -299,9 +301,16 @@ def add_batch(commands) -> None:
                             "an actor takes at a time)")
     batch.add_argument("--chat-template", default=None, metavar="NAME|FILE",
                        help='template for "messages" lines (default: the model\'s own)')
+    add_prefix_cache(batch)
     batch.add_argument("--max-line-bytes", type=whole(1, MOST_BODY), default=4 << 20, metavar="N",
                        help="a longer input line is an error line, skipped unread (default 4 MiB)")
     batch.set_defaults(compiles=True, command_parser=batch)
+
+
+def add_prefix_cache(command) -> None:
+    command.add_argument("--prefix-cache-mib", type=whole(0, MOST_MIB), default=DEFAULT_MIB, metavar="MIB",
+                         help="host memory for the keys and values of prompt beginnings, so that a beginning shared "
+                              f"by requests is computed once (default {DEFAULT_MIB}; 0: off)")
 
 
 # Upper bounds on counts, far above any sensible use, so a typo cannot ask for a petabyte or a year of work.
@@ -412,7 +421,9 @@ PERPLEXITY_MODES = (
     Mode("kl_divergence", MODEL | {"text", "ctx", "batch", "json"},
          "the KL divergence is measured over llama.cpp's chunks (--ctx, --batch)"),
 )
-BATCH_NEEDS = (Needs("workers", "--ray", lambda args: args.ray is not None),)
+BATCH_NEEDS = (Needs("workers", "--ray", lambda args: args.ray is not None),
+               Needs("prefix_cache_mib", "no --ray (each Ray actor has a prefix cache of the default size)",
+                     lambda args: args.ray is None))
 
 
 def given_options(args) -> list[str]:

@@ -25,7 +25,7 @@ def run_serve(args) -> int:
     check_template_limits()
     sock = bind(args.host, args.port)  # before the model loads: a port in use is an error at once
     try:
-        llm = shared.load_with_tokenizer(args)
+        llm = shared.load_with_tokenizer(args, prefix_cache_mib=args.prefix_cache_mib)
         template, problem = serve_chat_template(args.chat_template, llm.source, llm.config.arch)
         limits = Limits(args.max_slots, args.max_queue, args.max_tokens_limit, args.max_body_bytes,
                         args.max_connections, args.header_timeout, args.body_timeout, args.keep_alive_timeout)

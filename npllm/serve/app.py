@@ -1,6 +1,8 @@
 """The HTTP side: a Starlette application over the engine thread, and uvicorn to run it.
 
-    GET  /health                  200 {"status": "ok"} (no key needed: for load balancers and probes)
+    GET  /health                  200 {"status": "ok"}, with "prefix_cache": its size and hit rate when it is on
+                                  (no key needed: for load balancers and probes)
+    GET  /metrics                 the same counts as Prometheus text (npllm_prefix_cache_*)
     GET  /v1/models               the one model served
     POST /v1/completions          text completion; "stream": true for server-sent events
     POST /v1/chat/completions     chat completion (the chat template lays the messages out); "stream": true too
@@ -42,7 +44,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from ..batching import ContinuousEngine
@@ -50,10 +52,10 @@ from ..chat.worker import MOST_WORKERS, close_workers
 from ..embed import embed_ids
 from ..errors import GenerationError, NpllmError
 from ..versions import Fence
-from .engine import EngineThread, Job
+from .engine import EngineThread, Job, prefix_log
 from .protocol import (ApiError, Context, Output, chat_body, chat_chunk, completion_body, completion_chunk,
                        embeddings_body, new_id, parse_chat, parse_completion, parse_embeddings, parse_json,
-                       reply_message, usage)
+                       reply_message, usage, with_timings)
 from .tools import call_chunks
 
 log = logging.getLogger("npllm.serve")
@@ -116,7 +118,9 @@ class Server:
         self.llm, self.limits, self.api_key = llm, limits, api_key
         self.context = Context(model_name, llm.tokenizer, llm.config, limits.max_tokens_limit, chat_template,
                                template_problem, template_name)
-        self.engine = EngineThread(ContinuousEngine(llm.model, slots=limits.max_slots))
+        # the LLM's prefix cache (npllm.prefix_cache; --prefix-cache-mib): shared prompt beginnings computed once
+        self.engine = EngineThread(ContinuousEngine(llm.model, slots=limits.max_slots,
+                                                    prefix_cache=getattr(llm, "prefix_cache", None)))
         self.completions = Lane("completion", PARSE_THREADS, limits.max_parse_queue)
         self.renders = Lane("chat", RENDER_THREADS, limits.max_parse_queue)
         self.active = 0  # jobs admitted and not finished (touched only on the event loop)
@@ -241,7 +245,11 @@ def _parse(parse, data: bytes, context):
 def create_app(server: Server, cors_origins: list[str] | None = None) -> Starlette:
     """The ASGI application. CORS headers only for the origins given (none by default: browsers refuse)."""
     async def health(request):
-        return JSONResponse({"status": "ok"})
+        report = server.engine.prefix_report()
+        return JSONResponse({"status": "ok", **({"prefix_cache": report} if report is not None else {})})
+
+    async def metrics(request):
+        return PlainTextResponse(prometheus(server.engine.prefix_report()))
 
     async def models(request):
         server.check_key(request)
@@ -271,13 +279,25 @@ def create_app(server: Server, cors_origins: list[str] | None = None) -> Starlet
 
         middleware.append(Middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                                      allow_headers=["Authorization", "Content-Type"]))
-    routes = [Route("/health", health), Route("/v1/models", models),
+    routes = [Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/embeddings", embeddings, methods=["POST"])]
     handlers = {ApiError: api_error, HTTPException: http_error, ClientDisconnect: client_gone,
                 Exception: unexpected_error}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
+
+
+def prometheus(report: dict | None) -> str:
+    """The prefix cache's counts (PrefixCache.report) as Prometheus text; nothing but a comment when it is off."""
+    if report is None:
+        return "# npllm: the prefix cache is off\n"
+    lines = []
+    for name in ("blocks", "bytes", "budget_bytes", "lookups", "hits", "prompt_tokens", "cached_tokens", "hit_rate",
+                 "evicted_blocks"):
+        kind = "gauge" if name in ("blocks", "bytes", "budget_bytes", "hit_rate") else "counter"
+        lines += [f"# TYPE npllm_prefix_cache_{name} {kind}", f"npllm_prefix_cache_{name} {report[name]}"]
+    return "\n".join(lines) + "\n"
 
 
 async def api_error(request, e: ApiError):
@@ -360,9 +380,11 @@ class GenerationResponse:
                 if output.stopped:  # a stop string ended the text: the engine need not go on
                     self.server.engine.cancel(self.jobs[i])
                     ended[i] = True
+                    output.ended(self.jobs[i].handle)
                     yield i, output.finish("stop"), output.finish_reason
             elif kind == "done":
                 ended[i] = True
+                output.ended(self.jobs[i].handle)
                 yield i, output.finish(value), output.finish_reason
             else:
                 raise ApiError(500, value)
@@ -437,11 +459,14 @@ class GenerationResponse:
         await asyncio.sleep(0)
 
     def _chunk(self, i: int, piece, finish, wants_lp) -> dict:
+        """One streamed chunk; a choice's last one (with its finish_reason) carries llama.cpp's `timings` too."""
         if not self.spec.chat:
-            return completion_chunk(self.id, self.model, piece, finish, wants_lp, index=i)
-        if finish is not None and not piece.text:
-            return chat_chunk(self.id, self.model, {}, finish, index=i)
-        return chat_chunk(self.id, self.model, {"content": piece.text}, finish, piece, wants_lp, index=i)
+            chunk = completion_chunk(self.id, self.model, piece, finish, wants_lp, index=i)
+        elif finish is not None and not piece.text:
+            chunk = chat_chunk(self.id, self.model, {}, finish, index=i)
+        else:
+            chunk = chat_chunk(self.id, self.model, {"content": piece.text}, finish, piece, wants_lp, index=i)
+        return {**chunk, **with_timings([self.outputs[i]])} if finish is not None else chunk
 
 
 async def _send_json(send, status: int, body: dict) -> None:
@@ -723,6 +748,17 @@ def uvicorn_config(uvicorn, app, grace: float, log_level: str, limits: Limits, g
                           limit_concurrency=limits.max_connections if gate is None else None)
 
 
+def show_prefix_log(stream) -> None:
+    """The prefix cache's hit rate lines (engine.prefix_log, info level, once a minute) on `stream`, as [npllm]
+    lines: Python's default shows only warnings and above. Once per process."""
+    if not any(getattr(h, "npllm_prefix", False) for h in prefix_log.handlers):
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter("[npllm] %(message)s"))
+        handler.npllm_prefix = True
+        prefix_log.addHandler(handler)
+    prefix_log.setLevel(logging.INFO)
+
+
 def run(server: Server, host: str, port: int, grace: float, cors_origins=None, announce=sys.stderr,
         sock: socket.socket | None = None) -> int:
     """Serve until SIGTERM / Ctrl-C; exit status 0 after a clean shutdown. `sock`: already bound to host:port
@@ -739,6 +775,7 @@ def run(server: Server, host: str, port: int, grace: float, cors_origins=None, a
               f"({server.limits.max_slots} slots)", file=announce, flush=True)
 
     uv = make_uvicorn(create_app(server, cors_origins), grace, on_started=started, limits=server.limits)
+    show_prefix_log(announce)
     server.start()
     try:
         uv.run(sockets=[sock])

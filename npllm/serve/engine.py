@@ -21,12 +21,15 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from ..batching import ContinuousEngine, Handle
 from ..generate import Request
 
 log = logging.getLogger("npllm.serve")
+prefix_log = logging.getLogger("npllm.serve.prefix")  # `npllm serve` prints its info lines on stderr (app.run)
+REPORT_EVERY_S = 60.0  # the prefix cache's hit rate is logged (info) at most this often, when it was used
 
 
 class Job:
@@ -52,6 +55,9 @@ class EngineThread:
         self.wake = threading.Event()
         self.live: dict[int, Job] = {}  # handle id -> job, for the jobs submitted and not finished
         self.closing = False
+        stats = engine.prefix.stats if engine.prefix is not None else None  # a cache may be older than the server
+        # when the hit rate was last logged, and the counts then: (time, prompt tokens, cached tokens)
+        self.reported = (time.monotonic(), stats.prompt_tokens if stats else 0, stats.cached_tokens if stats else 0)
         self.thread = threading.Thread(target=self._loop, name="npllm-engine", daemon=True)
 
     def start(self) -> None:
@@ -94,6 +100,27 @@ class EngineThread:
                 log.exception("engine step failed")
                 self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
             self._finish_done()
+            self._report_prefix()
+
+    def prefix_report(self) -> dict | None:
+        """The engine's prefix cache's size and hit counts (PrefixCache.report), None when it has none."""
+        prefix = self.engine.prefix
+        return None if prefix is None else prefix.report()
+
+    def _report_prefix(self, now: float | None = None) -> None:
+        """Log the prefix cache's hit rate over the last minute (info), when prompts were looked up in it."""
+        prefix = self.engine.prefix
+        now = time.monotonic() if now is None else now
+        then, prompt, cached = self.reported
+        if prefix is None or now - then < REPORT_EVERY_S:
+            return
+        stats = prefix.stats
+        looked, hit = stats.prompt_tokens - prompt, stats.cached_tokens - cached
+        self.reported = (now, stats.prompt_tokens, stats.cached_tokens)
+        if looked:
+            prefix_log.info("prefix cache: %d of %d prompt tokens from the cache in the last %.0f s (%.1f%%); %d blocks, "
+                     "%.1f of %.1f MiB", hit, looked, now - then, 100 * hit / looked, len(prefix.blocks),
+                     prefix.nbytes / 2**20, prefix.budget / 2**20)
 
     def _drain(self) -> None:
         while True:

@@ -654,6 +654,8 @@ class Output:
         self.token_chars = 0
         self.text = ""
         self.finish_reason: str | None = None
+        self.cached_tokens = 0  # prompt tokens the engine took from its prefix cache (set once the job is done)
+        self.timings: dict | None = None  # llama.cpp's timings (batching.Handle.timings), set once the job is done
 
     @property
     def prompt_tokens(self) -> int:
@@ -688,6 +690,11 @@ class Output:
     def usage(self) -> dict:
         return usage([self])
 
+    def ended(self, handle) -> None:
+        """Take the finished job's prefix-cache count and timings from its engine handle (batching.Handle)."""
+        if handle is not None:
+            self.cached_tokens, self.timings = handle.cached, handle.timings()
+
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], continuation=True)
 
@@ -716,9 +723,16 @@ def chat_logprobs(pieces: list[Piece]) -> dict:
 
 
 def usage(outputs: list[Output]) -> dict:
-    """One request's counts: its prompt once (the choices share it), the tokens of every choice."""
+    """One request's counts: its prompt once (the choices share it; its tokens taken from the prefix cache as the
+    first choice's job found them), the tokens of every choice."""
     prompt, completion = outputs[0].prompt_tokens, sum(o.completion_tokens for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": outputs[0].cached_tokens}}
+
+
+def with_timings(outputs: list[Output]) -> dict:
+    """{"timings": ...} (llama.cpp's field, the first choice's job's) where they are known, else nothing."""
+    return {} if outputs[0].timings is None else {"timings": outputs[0].timings}
 
 
 def completion_body(id_: str, model: str, outputs: list[Output], pieces: list[list[Piece]]) -> dict:
@@ -728,7 +742,7 @@ def completion_body(id_: str, model: str, outputs: list[Output], pieces: list[li
         return {"index": i, "text": output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
 
     return {"id": id_, "object": "text_completion", "created": now(), "model": model,
-            "choices": [choice(i, o) for i, o in enumerate(outputs)], "usage": usage(outputs)}
+            "choices": [choice(i, o) for i, o in enumerate(outputs)], "usage": usage(outputs), **with_timings(outputs)}
 
 
 def chat_body(id_: str, model: str, outputs: list[Output], pieces: list[list[Piece]]) -> dict:
@@ -738,7 +752,7 @@ def chat_body(id_: str, model: str, outputs: list[Output], pieces: list[list[Pie
         return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     return {"id": id_, "object": "chat.completion", "created": now(), "model": model,
-            "choices": [choice(i, o) for i, o in enumerate(outputs)], "usage": usage(outputs)}
+            "choices": [choice(i, o) for i, o in enumerate(outputs)], "usage": usage(outputs), **with_timings(outputs)}
 
 
 def reply_message(output: Output) -> tuple[dict, str]:
