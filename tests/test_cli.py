@@ -158,7 +158,7 @@ def test_the_first_compile_of_a_run_is_announced_once(capsys):
     assert capsys.readouterr().err == ""
     commands = cli.build_parser()._subparsers._group_actions[0].choices
     announced = {name for name, parser in commands.items() if parser.get_default("compiles")}
-    assert announced == {"generate", "chat", "bench", "perplexity", "serve", "batch"}  # the commands that run a model
+    assert announced == {"generate", "chat", "bench", "perplexity", "embed", "serve", "batch"}  # the commands that run a model
 
 
 # ---- a refused argument is one line, for every command and every kind of refusal --------------------------------

@@ -142,7 +142,7 @@ BUILTIN_TEMPLATES = {"llama2": LLAMA2, "llama3": LLAMA3, "chatml": CHATML, "zeph
 # llama2.c checkpoint (llama2c) is named llama2: the layout llama2.c's own chat mode (`run -m chat`) writes.
 ARCH_TEMPLATES = {"llama2c": "llama2", "mistral": "mistral", "mixtral": "mistral", "qwen2": "chatml", "qwen3": "chatml",
                   "qwen3_moe": "chatml", "gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma", "phi3": "phi3",
-                  "granite": "granite", "granitemoe": "granite", "olmo2": "olmo2"}
+                  "granite": "granite", "granitemoe": "granite", "olmo2": "olmo2", "smollm3": "chatml"}
 
 
 class ChatTemplateLimitError(ChatTemplateError):
