@@ -5,7 +5,7 @@ products_into but outside its parallel region).
 
     python scripts/bench/prefill_split.py FILE.gguf [THREADS] [T] [REPEAT]      # defaults: 2 threads, 128 tokens, 5
 
-The numba model on weights kept in their file types (a quantized GGUF).
+The numba model on any checkpoint (a quantized GGUF, a float32 file: every matrix in its type, F32 as panels).
 """
 import sys
 import time
@@ -37,7 +37,7 @@ tokens = rng.integers(0, c.vocab_size, T)
 
 
 def products():
-    """Every layer's four products_into calls, as _forward makes them for a QPacked record (inputs random)."""
+    """Every layer's four products_into calls, as _forward makes them (inputs random)."""
     numba.set_num_threads(threads)
     for l in range(c.n_layers):
         m = PER_LAYER * l
