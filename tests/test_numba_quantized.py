@@ -249,8 +249,9 @@ def test_two_part_and_one_part_types_share_a_product(tmp_path):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "F16"])
 def test_a_loaded_quantized_model_holds_no_float32_matrix(tmp_path, qtype):
-    """Q4_0 and Q5_0 matrices are held as interleaved rows, in one copy of the file's bytes (the embedding table as
-    stored); a file with no matrix of quant.INTERLEAVED_TYPES (F16 here) is read from its memory map itself."""
+    """Q4_0 and Q5_0 matrices are held as interleaved rows, in one copy of the file's bytes; the embedding table, only
+    looked up, stays outside the pool as stored (a view of the file, no copy); a file with no matrix of
+    quant.INTERLEAVED_TYPES (F16 here) is read from its memory map itself."""
     config = tiny()
     path = tmp_path / "q.gguf"
     write_gguf(path, config, random_weights(config, 3), qtype)
@@ -260,8 +261,11 @@ def test_a_loaded_quantized_model_holds_no_float32_matrix(tmp_path, qtype):
     file_bytes = sum(m.nbytes for m in tensors.values() if isinstance(m, quant.QuantizedMatrix))
     interleaved = qtype in quant.INTERLEAVED_TYPES
     assert packed.pool.dtype == np.uint8
-    if interleaved:
-        assert packed.pool.flags.owndata and packed.pool.nbytes == file_bytes  # a copy holding every matrix once
+    table = tensors["tok_embeddings"].raw
+    np.testing.assert_array_equal(packed.table, table)
+    assert not packed.table.flags.owndata and packed.table.nbytes == table.nbytes
+    if interleaved:  # a copy holding every other matrix once
+        assert packed.pool.flags.owndata and packed.pool.nbytes == file_bytes - table.nbytes
     else:
         assert not packed.pool.flags.owndata and packed.pool.nbytes == path.stat().st_size  # the file's memory map
     raw = tensors["layers.0.wq"].raw
