@@ -290,6 +290,6 @@ def test_the_notice_says_what_happens_and_how_long_it_takes_once(quantized, wait
             pass
     err = capsys.readouterr().err
     assert err.count("[npllm]") == 1 and says in err
-    assert ("2-4 minutes" if quantized else "about a minute") in err
+    assert "2-4 minutes" in err
     assert ("NPLLM_WAIT_COMPILE=1" in err) != waits
     assert event._registered[BEHIND] == []
