@@ -39,7 +39,7 @@ from ..kernels.compiler import cached_here, release_compiler_pages, release_link
 from ..tensors import release_files
 from .base import Model, sampler_rows
 from .numba_products import embed_rows, products_into, swiglu_rows
-from .numba_weights import PER_LAYER, W1, W2, WO, WQ, bytes_by_type, pack  # noqa: F401
+from .numba_weights import PER_LAYER, W1, W2, W3, WO, WQ, bytes_by_type, pack  # noqa: F401
 from .weights import Weights
 
 PANEL = cpu.PANEL
@@ -314,9 +314,10 @@ def expert_product(w, l, e, which, x, T, out, threads):
 
 @njit(inline="always")
 def product_widths(w):
-    """Columns of the OUT and GATE_UP products' outputs: D and 2F (2Fe: an expert's, where wider)."""
+    """Columns of the OUT and GATE_UP products' outputs: D and 2F (2Fe: an expert's, where wider). Gate and up may be
+    one run of rows (numba_weights._runs: W1's row of the table then counts both, W3's none)."""
     Fe = w.experts[w.attention_norm.shape[0], 2] if w.experts.shape[0] else 0  # the first expert's gate rows
-    return w.norm.shape[0], 2 * max(w.mats[W1, 2], Fe)
+    return w.norm.shape[0], max(w.mats[W1, 2] + w.mats[W3, 2], 2 * Fe)
 
 
 # A forward call's buffers, float32 [T, ...]: x the residual stream [D], h a block's normed input [D], o a block's

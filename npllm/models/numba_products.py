@@ -52,7 +52,8 @@ def products_into(pool, mats, first, count, x, T, out, threads):
 
     The concatenated groups of 8 or 16 rows (one token: qk.ROWS_AT_ONCE) or panels of 16 rows (several tokens; F32's
     panels always: _unit) are split into one contiguous range per thread, in ONE parallel region (none on one
-    thread: a small model's step is mostly such calls); each matrix's part of a range goes to its type's row-range worker (kernels/quant).
+    thread: a small model's step is mostly such calls); each matrix's part of a range goes to its type's row-range
+    worker (kernels/quant).
 
     Every block type's weights (Q2_K .. Q8_0, as interleaved rows), in calls of any length, meet activations
     quantized to 8 bits per block of 32 (as llama.cpp does): integer dot products, with x quantized once here for

@@ -127,37 +127,71 @@ def _stored(part: np.ndarray, qtype: str, layout: int) -> np.ndarray:
     return interleave_rows(part, qtype) if layout == qk.INTERLEAVED_CODE else part
 
 
-def rearranged_pool(matrices: list, layouts: list[int]) -> tuple[np.ndarray, list[int]]:
-    """weight_pool's one uint8 array, built as a copy: each matrix in its layout (_stored), each distinct matrix once,
-    each starting on 64 bytes. A mapped source's pages are released once copied (tensors.release), so the pool is
-    the only resident copy, with no moment holding both whole."""
-    keys = [(m.raw.__array_interface__["data"][0], m.raw.shape, layout) for m, layout in zip(matrices, layouts)]
-    first = {}
-    for i, key in enumerate(keys):
-        first.setdefault(key, i)
+def rearranged_pool(matrices: list, layouts: list[int], runs: list[list[int]]) -> tuple[np.ndarray, list[int]]:
+    """weight_pool's one uint8 array, built as a copy: each run of matrices (_runs: one matrix, or F32 ones stored as
+    one) in its layout (_stored), each distinct run once, each starting on 64 bytes; and each matrix's offset (its
+    run's; -1: in no run). A mapped source's pages are released once copied (tensors.release), so the pool is the
+    only resident copy, with no moment holding both whole."""
+    distinct = {}
+    for run in runs:
+        distinct.setdefault(_run_key(matrices, layouts, run), run)
     offsets_of, at = {}, 0
-    for key, i in first.items():
+    for key, run in distinct.items():
         offsets_of[key] = at
-        at += -(-stored_row_bytes(matrices[i], layouts[i]) * stored_rows(matrices[i], layouts[i]) // 64) * 64
+        rows = stored_rows(sum(matrices[i].shape[0] for i in run), layouts[run[0]])
+        at += -(-stored_row_bytes(matrices[run[0]], layouts[run[0]]) * rows // 64) * 64
     pool = np.empty(at, np.uint8)
-    for key, i in first.items():
-        raw, at = matrices[i].raw, offsets_of[key]
-        per = PANEL if layouts[i] == qk.PANELS_CODE else INTERLEAVE
-        rows = per * max(1, (1 << 20) // (per * raw.shape[1]))  # ~1 MiB at a time: no whole temporaries
-        for r0 in range(0, raw.shape[0], rows):
-            part = raw[r0:r0 + rows]
-            stored = _stored(part, matrices[i].qtype, layouts[i])
+    for key, run in distinct.items():
+        at, head, layout = offsets_of[key], matrices[run[0]], layouts[run[0]]
+        per = PANEL if layout == qk.PANELS_CODE else INTERLEAVE
+        rows = per * max(1, (1 << 20) // (per * head.raw.shape[1]))  # ~1 MiB at a time: no whole temporaries
+        for part in _row_blocks([matrices[i].raw for i in run], rows):
+            stored = _stored(part, head.qtype, layout)
             pool[at:at + stored.nbytes] = np.ascontiguousarray(stored).reshape(-1).view(np.uint8)
             at += stored.nbytes
-            release(part)
     pool.flags.writeable = False
-    return pool, [offsets_of[key] for key in keys]
+    offsets = [-1] * len(matrices)
+    for run in runs:
+        for i in run:
+            offsets[i] = offsets_of[_run_key(matrices, layouts, run)]
+    return pool, offsets
 
 
-def stored_rows(m, layout: int) -> int:
-    """Rows matrix m takes in the pool: its own, or as many as whole groups of INTERLEAVE (panels of 16) hold."""
+def _run_key(matrices: list, layouts: list[int], run: list[int]) -> tuple:
+    """What makes two runs one (a tied embedding and LM head: the same bytes, held alike)."""
+    return tuple((matrices[i].raw.__array_interface__["data"][0], matrices[i].raw.shape, layouts[i]) for i in run)
+
+
+def _row_blocks(raws: list[np.ndarray], rows: int):
+    """Consecutive blocks of `rows` rows of the raws' rows one after another (a copy where a block spans two), each
+    source's part released (tensors.release) once its block has been used."""
+    starts = np.cumsum([0] + [len(r) for r in raws])
+    for r0 in range(0, int(starts[-1]), rows):
+        r1 = min(int(starts[-1]), r0 + rows)
+        parts = [raw[max(r0 - s, 0):r1 - s] for raw, s in zip(raws, starts) if s < r1 and s + len(raw) > r0]
+        yield parts[0] if len(parts) == 1 else np.concatenate(parts)
+        release(*parts)
+
+
+def _runs(c: ModelConfig, matrices: list, layouts: list[int], skip: int) -> list[list[int]]:
+    """The pool's runs of matrices: a layer's q, k and v, and its gate and up, stored as one run of panels where all are
+    F32 (one fused matrix, whose outputs are the same side by side: its panels go to the register tiles four at a
+    time, as the float32 kernels always took them, not as three small matrices' leftovers); every other matrix alone
+    but matrix `skip` (an embedding table kept outside the pool; -1: none)."""
+    runs, fused = [], set()
+    for l in range(c.n_layers):
+        for group in ((WQ, WK, WV), (W1, W3)):
+            run = [PER_LAYER * l + g for g in group]
+            if all(layouts[i] == qk.PANELS_CODE and matrices[i].shape[0] for i in run):
+                runs.append(run)
+                fused.update(run)
+    return runs + [[i] for i in range(len(matrices)) if i not in fused and i != skip]
+
+
+def stored_rows(n: int, layout: int) -> int:
+    """Rows n rows take in the pool: n, or as many as whole groups of INTERLEAVE (panels of 16) hold."""
     per = {qk.INTERLEAVED_CODE: INTERLEAVE, qk.PANELS_CODE: PANEL}.get(layout, 1)
-    return -(-m.shape[0] // per) * per
+    return -(-n // per) * per
 
 
 def stored_row_bytes(m, layout: int) -> int:
@@ -173,8 +207,8 @@ def stored_row_bytes(m, layout: int) -> int:
 def pack(c: ModelConfig, weights: Weights) -> Packed:
     """The matrices over one byte pool (each in layout_of's layout), the vectors as float32 arrays stacked along L.
 
-    F32 matrices are multiplied as panels and every block type's as rows interleaved by eight (kernels/quant), each a
-    copy of the file's bytes in that order. The embedding table stays as stored, outside the pool (its rows are looked
+    F32 matrices are multiplied as panels (a layer's q, k and v as one, and its gate and up: _runs) and every block
+    type's as rows interleaved by eight (kernels/quant), each a copy of the file's bytes in that order. The embedding table stays as stored, outside the pool (its rows are looked
     up one by one, and a mapped table's unused rows never load), unless the LM head is tied to it: then the one copy is
     held for the head's product (the largest of a decode step), and a lookup gathers its row back (decode_any_row)."""
     from ..quant import TYPES
@@ -187,17 +221,23 @@ def pack(c: ModelConfig, weights: Weights) -> Packed:
     # 2 MiB each), 17-35 MB of a 110M Q4_0 file, resident beside the pool while it is built.
     vectors = layer_vectors(c, weights)
     release_files(matrices)
-    in_pool = [m for i, m in enumerate(matrices) if i != embed or tied]
+    runs = _runs(c, matrices, layouts, -1 if tied else embed)
     if any(layouts):
-        pool, offsets = rearranged_pool(in_pool, [l for i, l in enumerate(layouts) if i != embed or tied])
+        pool, offsets = rearranged_pool(matrices, layouts, runs)
     else:
-        pool, offsets = weight_pool([m.raw for m in in_pool])
-    if not tied:
-        offsets.insert(embed, -1)  # not in the pool: the table
+        pool, at = weight_pool([matrices[run[0]].raw for run in runs])
+        offsets = [-1] * len(matrices)  # -1: not in the pool (the table)
+        for run, where in zip(runs, at):
+            offsets[run[0]] = where
+    rows_of = [m.shape[0] for m in matrices]
+    for run in runs:  # a fused run (_runs): its first matrix's row of the table counts every row, the others none
+        rows_of[run[0]], rest = sum(rows_of[i] for i in run), run[1:]
+        for i in rest:
+            rows_of[i] = 0
     table = np.ascontiguousarray(matrices[embed].raw if not tied else np.empty((0, 0), np.uint8)).view()
     table.flags.writeable = False
-    rows = np.array([(at, TYPES[m.qtype].type_id + layout, m.shape[0], m.shape[1], stored_row_bytes(m, layout))
-                     for at, m, layout in zip(offsets, matrices, layouts)], np.int64)
+    rows = np.array([(at, TYPES[m.qtype].type_id + layout, n, m.shape[1], stored_row_bytes(m, layout))
+                     for at, m, layout, n in zip(offsets, matrices, layouts, rows_of)], np.int64)
     return Packed(pool, rows[:embed + 2], table, vectors["attention_norm"], _biases(c, weights), vectors["ffn_norm"],
                   np.array(weights.norm, np.float32), _qk_permutation(c), vectors["q_norm"], vectors["k_norm"],
                   vectors["post_attention_norm"], vectors["post_ffn_norm"], rows[embed + 2:].reshape(-1, 5).copy())
