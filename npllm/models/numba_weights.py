@@ -52,10 +52,11 @@ def layer_vectors(c: ModelConfig, weights: Weights) -> dict[str, np.ndarray]:
 #
 # The type code is the GGML type id, plus where the matrix is held in a layout of its own (kernels/quant/dispatch.py):
 # a block type's rows interleaved by eight (+ INTERLEAVED_CODE), F32 rows as panels of 16 (+ PANELS_CODE, the
-# layout of cpu.py's register tiles). Nothing is fused at load: q, k and v (and gate and up), which read the same
-# input, are computed in ONE parallel region over their concatenated rows, each matrix by the row-range worker of its
-# own type (models/numba_products.py), so a file that mixes types (Q4_K_M: Q4_K, Q6_K, Q5_0, ...) runs every matrix
-# as stored.
+# layout of cpu.py's register tiles). Block types are not fused at load: q, k and v (and gate and up), which read the
+# same input, are computed in ONE parallel region over their concatenated rows, each matrix by the row-range worker of
+# its own type (models/numba_products.py), so a file that mixes types (Q4_K_M: Q4_K, Q6_K, Q5_0, ...) runs every
+# matrix as stored. F32 ones, copied into panels anyway, are stored as one run of panels where all of a product's
+# are F32 (_runs): the first matrix's row of the table then counts the run's rows, the others' none.
 
 
 WQ, WK, WV, WO, W1, W3, W2 = range(7)
