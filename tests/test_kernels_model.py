@@ -125,7 +125,8 @@ def test_a_batch_step_equals_each_sequence_alone(config, seed, B, prompt, steps)
 def test_float32_matrices_are_panels_multiplied_as_the_float32_kernels_multiply(monkeypatch, tied):
     """A float32 model is the one Numba model with F32 matrices held as cpu.pack_panels' panels (PANELS_CODE): its
     products are cpu.matmul's bits (the float32 kernels), for one token and several, with a last panel cut (rows
-    not a multiple of 16) and on two threads; the embedding table stays as stored, or, tied, its rows are gathered
+    not a multiple of 16) and on two threads, a layer's q, k and v (gate and up) one run of panels (as the float32
+    kernels' fused matrices); the embedding table stays as stored, or, tied, its rows are gathered
     back from the LM head's panels."""
     import npllm.models.numba as numba_model
     from npllm.kernels import cpu
@@ -139,6 +140,8 @@ def test_float32_matrices_are_panels_multiplied_as_the_float32_kernels_multiply(
     p, V = model.packed, config.vocab_size
     codes = set(p.mats[:, 1]) - {0} if not tied else set(p.mats[:, 1])
     assert codes == {kq.PANELS_CODE} and p.table.shape == ((0, 0) if tied else (V, 4 * config.dim))
+    H, K, Dh, F = config.n_heads, config.n_kv_heads, config.head_dim, config.hidden_dim
+    assert list(p.mats[:7, 2]) == [(H + 2 * K) * Dh, 0, 0, config.dim, 2 * F, 0, config.dim]  # q|k|v, gate|up: runs
     head = weights["output"] if not tied else weights["tok_embeddings"]
     for T in (1, 7):
         h = np.random.default_rng(T).standard_normal((T, config.dim)).astype(np.float32)
