@@ -212,7 +212,7 @@ def bench_backend(model_name: str, backend: str, threads: int | None, batches, p
     for kv_dtype in kv_dtypes:  # compile (or load) the forward pass for each cache dtype before any timing
         session.prefill(1, 1, 1, kv_dtype)
     step_bytes, types = decode_weight_bytes(config), {"float32" if weight_dtype == "file" else weight_dtype: None}
-    if hasattr(model, "weight_types"):  # weights kept in their file types: the bytes a step reads as stored
+    if hasattr(model, "weight_types"):  # the Numba model, each matrix in its type: the bytes a step reads as stored
         step_bytes, types = model.weight_bytes, model.weight_types
     common["dtype"] = "+".join(sorted(types, key=lambda name: -(types[name] or 0)))
     if hasattr(model, "weight_types"):

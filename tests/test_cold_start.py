@@ -21,8 +21,8 @@ from npllm.formats import read_checkpoint
 from npllm.hub import resolve
 from npllm.kernels.compiler import (BACKGROUND_NICE, LOCK_NAME, cache_lock, compiling, compiling_elsewhere,
                                     start_detached, wait_for_lock)
-from npllm.models import make_model
-from npllm.models.numba import FORWARD, NumbaTransformer, QuantizedNumbaTransformer
+from npllm.models import COMPILE_LABEL, make_model
+from npllm.models.numba import FORWARD
 from npllm.models.reference import Transformer
 from npllm.models.stand_in import DecodedInt8Matrix, numba_weights, stand_in
 from npllm.generate import generate_ids
@@ -147,19 +147,16 @@ def test_a_detached_process_is_alone_niced_in_its_own_session_and_its_lock_goes_
     assert wait_for_lock(lock, 5) and not compiling_elsewhere(lock) and compiling(lock) is None
 
 
-@pytest.mark.parametrize("compiling_class, expected", [(NumbaTransformer, Transformer),
-                                                       (QuantizedNumbaTransformer, NumbaTransformer)])
-def test_a_run_while_a_compile_is_running_does_not_start_another(compiling_class, expected):
-    """With the lock of this process's cache held by a detached compile of the float32 class, cold_start "exact"
-    gives the reference even where the code is cached (the compile may not have cached all of it yet), and starts
-    nothing; a compile of the other class leaves a cached float32 model to run compiled."""
+def test_a_run_while_a_compile_is_running_does_not_start_another():
+    """With the lock of this process's cache held by a detached compile, cold_start "exact" gives the reference even
+    where the code is cached (the compile may not have cached all of it yet), and starts nothing."""
     lock = cache_lock(FORWARD)
     if lock is None:
         pytest.skip("no detached compiles here (no flock, or a Numba outside the tested versions)")
     config, weights = read_checkpoint(resolve("stories260K")[0])
-    make_model(config, weights, "numba")  # the float32 class's code cached (compiled first, where it was not)
+    make_model(config, weights, "numba")  # the model's code cached (compiled first, where it was not)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    assert start_detached("import time\ntime.sleep(60)\n", env, lock, compiling_class.__name__)
+    assert start_detached("import time\ntime.sleep(60)\n", env, lock, COMPILE_LABEL)
     pid = None
     try:
         deadline = time.monotonic() + 30
@@ -168,7 +165,7 @@ def test_a_run_while_a_compile_is_running_does_not_start_another(compiling_class
             pid = lock_pid(lock)
             time.sleep(0.05)
         model = make_model(config, weights, "numba", cold_start="exact")
-        assert type(model) is expected
+        assert type(model) is Transformer
         assert lock_pid(lock) == pid
     finally:
         if pid is not None:
@@ -242,14 +239,14 @@ def test_a_quantized_model_waits_for_the_compile_where_its_tokens_are_to_be_repr
     (the returned function starts the compile)."""
     code = ("from numba.core import event\n"
             "from npllm.models import BEHIND, compile_behind\n"
-            "from npllm.models.numba import NumbaTransformer as F, QuantizedNumbaTransformer as Q\n"
+
             "seen = []\n"
             "class Seen(event.Listener):\n"
             "    def on_start(self, ev): seen.append(ev.data)\n"
             "    def on_end(self, ev): pass\n"
             "event.register(BEHIND, Seen())\n"
-            "print([compile_behind(Q, None, 'exact') is None, compile_behind(Q, None, 'reference') is None,\n"
-            "       compile_behind(F, None, 'exact') is None], seen)\n")
+            "print([compile_behind(True, None, 'exact') is None, compile_behind(True, None, 'reference') is None,\n"
+            "       compile_behind(False, None, 'exact') is None], seen)\n")
     env = {**os.environ, "NUMBA_CACHE_DIR": str(empty_cache), "PYTHONPATH": str(REPO)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -293,6 +290,6 @@ def test_the_notice_says_what_happens_and_how_long_it_takes_once(quantized, wait
             pass
     err = capsys.readouterr().err
     assert err.count("[npllm]") == 1 and says in err
-    assert ("2-4 minutes" if quantized else "about a minute") in err
+    assert "2-4 minutes" in err
     assert ("NPLLM_WAIT_COMPILE=1" in err) != waits
     assert event._registered[BEHIND] == []

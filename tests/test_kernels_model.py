@@ -121,6 +121,42 @@ def test_a_batch_step_equals_each_sequence_alone(config, seed, B, prompt, steps)
         np.testing.assert_array_equal(np.concatenate(batched[b]), alone)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_float32_matrices_are_panels_multiplied_as_the_float32_kernels_multiply(monkeypatch, tied):
+    """A float32 model is the one Numba model with F32 matrices held as cpu.pack_panels' panels (PANELS_CODE): its
+    products are cpu.matmul's bits (the float32 kernels), for one token and several, with a last panel cut (rows
+    not a multiple of 16) and on two threads, a layer's q, k and v (gate and up) one run of panels (as the float32
+    kernels' fused matrices); the embedding table stays as stored, or, tied, its rows are gathered
+    back from the LM head's panels."""
+    import npllm.models.numba as numba_model
+    from npllm.kernels import cpu
+    from npllm.kernels import quant as kq
+
+    monkeypatch.setattr(numba_model, "PARALLEL_MIN_SECONDS", 0.0)  # a tiny model: run every region on the threads
+    config = ModelConfig(dim=24, hidden_dim=20, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=37, max_seq_len=8,
+                         tied_embeddings=tied)
+    weights = random_weights(config, 5)
+    model = NumbaTransformer(config, weights, threads=2)
+    p, V = model.packed, config.vocab_size
+    codes = set(p.mats[:, 1]) - {0} if not tied else set(p.mats[:, 1])
+    assert codes == {kq.PANELS_CODE} and p.table.shape == ((0, 0) if tied else (V, 4 * config.dim))
+    H, K, Dh, F = config.n_heads, config.n_kv_heads, config.head_dim, config.hidden_dim
+    assert list(p.mats[:7, 2]) == [(H + 2 * K) * Dh, 0, 0, config.dim, 2 * F, 0, config.dim]  # q|k|v, gate|up: runs
+    head = weights["output"] if not tied else weights["tok_embeddings"]
+    for T in (1, 7):
+        h = np.random.default_rng(T).standard_normal((T, config.dim)).astype(np.float32)
+        want = cpu.lm_head(h, cpu.pack_panels(head), V, 2)
+        np.testing.assert_array_equal(model.head_logits(h), want)
+    if tied:  # the lookups' rows, gathered back from the head's panels
+        panels = p.pool[p.mats[-1, 0]:].reshape(-1)[:-(-V // 16) * 16 * 4 * config.dim].reshape(-(-V // 16), -1)
+        rows = np.empty((V, config.dim), np.float32)
+        for n in range(V):
+            kq.panel_row(panels, n, rows[n])
+        np.testing.assert_array_equal(rows, weights["tok_embeddings"])
+    else:
+        np.testing.assert_array_equal(p.table.view(np.float32), weights["tok_embeddings"])
+
+
 def test_bad_calls_raise_the_numpy_models_errors():
     config = NAMED_SHAPES["stories260K"]
     fast = NumbaTransformer(config, random_weights(config))

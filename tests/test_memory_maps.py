@@ -94,10 +94,9 @@ import sys
 from pathlib import Path
 from npllm.formats import read_checkpoint
 from npllm.models import make_model
-from npllm.models.numba import NumbaTransformer, QuantizedNumbaTransformer, link_ahead
+from npllm.models.numba import link_ahead
 
-for model_class in (NumbaTransformer, QuantizedNumbaTransformer):  # the interpreter, NumPy, Numba and the
-    link_ahead(model_class, None)                                   # compiled code are the baseline, not the load
+link_ahead(None)  # the interpreter, NumPy, Numba and the compiled code are the baseline, not the load
 
 def status(key):  # kB -> MB
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))

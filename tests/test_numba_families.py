@@ -1,11 +1,11 @@
-"""The Numba backend on every other family's options (config.py: GeGLU, embedding and residual multipliers, score scale
-and soft-caps, q/k norms per head or over the projection, sandwich and post norms, per-layer sliding windows and
-RoPE bases, longrope, YaRN, dynamic NTK, partial rotary, NoPE layers, mixtures of experts), against the NumPy
+"""The Numba backend on every other family's options (config.py: GeGLU, embedding and residual multipliers, score
+scale and soft-caps, q/k norms per head or over the projection, sandwich and post norms, per-layer sliding windows
+and RoPE bases, longrope, YaRN, dynamic NTK, partial rotary, NoPE layers, mixtures of experts), against the NumPy
 reference in float64, on small random models built here from npllm.tensors.expected_shapes; prefill against decode
-bit for bit; float32 panels (NumbaTransformer) and weights kept in their file types (QuantizedNumbaTransformer)
-alike, through the one compiled forward. Then the transformers fixtures (tests/fixtures/hf/<family>/) and
-llama.cpp's conversions of them (tests/fixtures/gguf_arch/) on the Numba backend, and GGUF files whose experts are
-3-D stacks of blocks."""
+bit for bit; float32 matrices (as panels) and matrices kept in their file types alike, through the one model class
+and its one compiled forward. Then the transformers fixtures (tests/fixtures/hf/<family>/) and llama.cpp's
+conversions of them (tests/fixtures/gguf_arch/) on the Numba backend, and GGUF files whose experts are 3-D stacks of
+blocks."""
 
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import npllm
 from npllm.config import ModelConfig, RopeScaling
 from npllm.formats import read_checkpoint
 from npllm.models import make_model
-from npllm.models.numba import NumbaTransformer, QuantizedNumbaTransformer
+from npllm.models.numba import NumbaTransformer
 from npllm.models.reference import Transformer
 from npllm.quant import dequantized, stored_as
 from npllm.tensors import expected_shapes
@@ -114,10 +114,10 @@ def test_logits_match_the_numpy_model(config, seed, T, capacity):
 @given(family_configs(), seeds, st.integers(1, 30), st.one_of(st.none(), st.integers(1, 20)))
 @settings(max_examples=25, deadline=None)
 def test_weights_in_file_types_match_the_numpy_model(config, seed, T, capacity):
-    """QuantizedNumbaTransformer (matrices as F16 blocks, the experts' 3-D tensors as float32) against the reference
+    """NumbaTransformer on matrices kept as F16 blocks ( the experts' 3-D tensors as float32) against the reference
     on the same values."""
     weights = stored_as(family_weights(config, seed), "F16")
-    fast, ref = QuantizedNumbaTransformer(config, weights), reference(config, weights)
+    fast, ref = NumbaTransformer(config, weights), reference(config, weights)
     tokens = np.random.default_rng(seed).integers(0, config.vocab_size, T)
     assert_near(fast.logits(tokens, cache=fast.new_cache(capacity)), ref.logits(tokens, cache=ref.new_cache(capacity)))
 
@@ -131,8 +131,7 @@ def test_prefill_equals_decode_bit_for_bit(config, seed, T, capacity, chunk_size
     keep theirs, as test_numba_quantized.py holds it: one token's products are summed in another order (matvec),
     so they are held to the reference's tolerance."""
     weights = family_weights(config, seed)
-    fast = (QuantizedNumbaTransformer(config, stored_as(weights, "F16")) if in_file_types
-            else NumbaTransformer(config, weights))
+    fast = NumbaTransformer(config, stored_as(weights, "F16") if in_file_types else weights)
     tokens = np.random.default_rng(seed).integers(0, config.vocab_size, T)
     prefill = fast.logits(tokens, cache=fast.new_cache(capacity))
     one_by_one, chunked = fast.new_cache(capacity), fast.new_cache(capacity)
@@ -165,7 +164,7 @@ def test_a_ragged_batch_equals_each_sequence_alone(config, seed, B, prompt):
 
 def test_every_option_is_declared():
     """The Numba backend runs what the reference runs (check_runs refuses nothing)."""
-    assert NumbaTransformer.FEATURES == Transformer.FEATURES == QuantizedNumbaTransformer.FEATURES
+    assert NumbaTransformer.FEATURES == Transformer.FEATURES
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -208,13 +207,13 @@ def test_numba_runs_llama_cpps_conversions_as_the_reference_does(path):
 ])
 def test_experts_kept_as_stacks_of_blocks(tmp_path, name, types):
     """A GGUF file's 3-D expert tensors in their block types (QuantizedMatrix [E, Fe, D]) run on
-    QuantizedNumbaTransformer, each expert's matrix read from the pool as stored: F16 ones (float32 activations) to
+    the Numba model, each expert's matrix read from the pool as stored: F16 ones (float32 activations) to
     float32 rounding of the reference on the same values, block types within their 8-bit activations' rounding
     (test_numba_quantized.py's bound)."""
     write_family(tmp_path / "m.gguf", name, types)
     config, weights = read_checkpoint(tmp_path / "m.gguf")
     fast = make_model(config, weights, backend="numba")
-    assert isinstance(fast, QuantizedNumbaTransformer) and set(types.values()) <= set(fast.weight_types)
+    assert isinstance(fast, NumbaTransformer) and set(types.values()) <= set(fast.weight_types)
     tokens = np.random.default_rng(7).integers(0, config.vocab_size, 20)
     want = make_model(config, weights, backend="numpy").logits(tokens)
     got = fast.logits(tokens)
@@ -227,9 +226,9 @@ def test_experts_kept_as_stacks_of_blocks(tmp_path, name, types):
 
 
 def test_a_decode_step_reads_the_experts_a_token_uses():
-    """weight_bytes (what bench divides by a step's time) counts k of the E experts' panels, not all of them."""
+    """weight_bytes (what bench divides by a step's time) counts k of the E experts' matrices, not all of them."""
     base = dict(dim=32, hidden_dim=48, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=40, max_seq_len=16)
     dense = NumbaTransformer(ModelConfig(**base), family_weights(ModelConfig(**base), 0))
     moe_config = ModelConfig(**base, n_experts=4, n_experts_used=1)
     moe = NumbaTransformer(moe_config, family_weights(moe_config, 0))
-    assert moe.weight_bytes == dense.weight_bytes + moe.packed.router.nbytes
+    assert moe.weight_bytes == dense.weight_bytes + 4 * moe_config.n_layers * moe_config.n_experts * moe_config.dim

@@ -1,4 +1,4 @@
-"""The Numba model on weights kept in their GGUF types (models/numba.py: QuantizedNumbaTransformer) against the NumPy
+"""The Numba model on weights kept in their GGUF types (models/numba.py: NumbaTransformer) against the NumPy
 reference on the same weights dequantized, and the row-range workers it calls (kernels/quant) against
 `x @ dequantize(w).T` for every type a GGUF file holds."""
 
@@ -19,7 +19,7 @@ from npllm.formats.gguf_write import TensorData, model_metadata, model_tensors, 
 from npllm.formats.random import random_weights
 from npllm.kernels import quant as kq
 from npllm.models import make_model
-from npllm.models.numba import NumbaTransformer, QuantizedNumbaTransformer
+from npllm.models.numba import NumbaTransformer
 from npllm.models.numba_products import products_into
 from npllm.models.reference import Transformer
 
@@ -102,7 +102,7 @@ def assert_follows_reference(path, tokens=TOKENS):
     reference model's on the file's weights: dequantized, with the products of the INT8_ACTIVATION_TYPES taken
     on 8-bit activations as the Numba model takes them (oracle.Int8ActivationMatrix)."""
     llm = load(path)
-    assert isinstance(llm.model, QuantizedNumbaTransformer)
+    assert isinstance(llm.model, NumbaTransformer) and set(llm.model.weight_types) != {"F32"}
     config, tensors = read_gguf_quantized(path)
     reference = Transformer(config, oracle.with_int8_activations(tensors)).logits(tokens)
     logits = llm.model.logits(tokens)
@@ -249,8 +249,9 @@ def test_two_part_and_one_part_types_share_a_product(tmp_path):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "F16"])
 def test_a_loaded_quantized_model_holds_no_float32_matrix(tmp_path, qtype):
-    """Q4_0 and Q5_0 matrices are held as interleaved rows, in one copy of the file's bytes (the embedding table as
-    stored); a file with no matrix of quant.INTERLEAVED_TYPES (F16 here) is read from its memory map itself."""
+    """Q4_0 and Q5_0 matrices are held as interleaved rows, in one copy of the file's bytes; the embedding table, only
+    looked up, stays outside the pool as stored (a view of the file, no copy); a file with no matrix of
+    quant.INTERLEAVED_TYPES (F16 here) is read from its memory map itself."""
     config = tiny()
     path = tmp_path / "q.gguf"
     write_gguf(path, config, random_weights(config, 3), qtype)
@@ -260,8 +261,11 @@ def test_a_loaded_quantized_model_holds_no_float32_matrix(tmp_path, qtype):
     file_bytes = sum(m.nbytes for m in tensors.values() if isinstance(m, quant.QuantizedMatrix))
     interleaved = qtype in quant.INTERLEAVED_TYPES
     assert packed.pool.dtype == np.uint8
-    if interleaved:
-        assert packed.pool.flags.owndata and packed.pool.nbytes == file_bytes  # a copy holding every matrix once
+    table = tensors["tok_embeddings"].raw
+    np.testing.assert_array_equal(packed.table, table)
+    assert not packed.table.flags.owndata and packed.table.nbytes == table.nbytes
+    if interleaved:  # a copy holding every other matrix once
+        assert packed.pool.flags.owndata and packed.pool.nbytes == file_bytes - table.nbytes
     else:
         assert not packed.pool.flags.owndata and packed.pool.nbytes == path.stat().st_size  # the file's memory map
     raw = tensors["layers.0.wq"].raw
@@ -281,11 +285,11 @@ def test_a_loaded_quantized_model_holds_no_float32_matrix(tmp_path, qtype):
 
 
 def test_float_checkpoints_and_other_backends_keep_float32(tmp_path):
-    """An all-F32 GGUF runs on the float32 panels; the numpy backend dequantizes at load."""
+    """An all-F32 GGUF runs on float32 panels; the numpy backend dequantizes at load."""
     config = tiny()
     path = tmp_path / "f32.gguf"
     write_gguf(path, config, random_weights(config, 4), "F32")
-    assert type(load(path).model) is NumbaTransformer
+    assert set(load(path).model.weight_types) == {"F32"}
     q8 = tmp_path / "q8.gguf"
     write_gguf(q8, config, random_weights(config, 4), "Q8_0")
     numpy_model = load(q8, backend="numpy").model
@@ -310,14 +314,14 @@ def test_weight_dtype_means_the_same_on_every_backend(tmp_path):
         return make_model(*read_checkpoint(path), backend, weight_dtype=weight_dtype)
 
     kept = model(q8, "numba", "file")
-    assert isinstance(kept, QuantizedNumbaTransformer) and set(kept.weight_types) == {"Q8_0"}
+    assert set(kept.weight_types) == {"Q8_0"}
     decoded = model(q8, "numba", "float32")
-    assert type(decoded) is NumbaTransformer
+    assert set(decoded.weight_types) == {"F32"}
     exact = model(q8, "numpy", "float32").logits(TOKENS)
     np.testing.assert_allclose(decoded.logits(TOKENS), exact, rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(model(q8, "numpy", "file").logits(TOKENS), exact)
     rounded = model(f32, "numba", "q8_0")
-    assert isinstance(rounded, QuantizedNumbaTransformer) and set(rounded.weight_types) == {"Q8_0"}
+    assert set(rounded.weight_types) == {"Q8_0"}
     np.testing.assert_array_equal(rounded.logits(TOKENS), kept.logits(TOKENS))
     np.testing.assert_array_equal(model(f32, "numpy", "q8_0").logits(TOKENS), exact)
     halves = model(f32, "numba", "float16")
@@ -386,6 +390,6 @@ def test_threads_change_no_bit_of_a_long_prefill(tmp_path, monkeypatch):
     write_gguf(path, config, random_weights(config, 5), "Q4_0")
     config_, weights = read_checkpoint(path)
     tokens = np.arange(2 * QUANTIZE_IN_PARALLEL_FROM + 3) % config.vocab_size
-    one = QuantizedNumbaTransformer(config_, weights, threads=1).logits(tokens)
-    two = QuantizedNumbaTransformer(config_, weights, threads=2).logits(tokens)
+    one = NumbaTransformer(config_, weights, threads=1).logits(tokens)
+    two = NumbaTransformer(config_, weights, threads=2).logits(tokens)
     np.testing.assert_array_equal(one, two)

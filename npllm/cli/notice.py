@@ -29,8 +29,8 @@ def compile_notice(active: bool):
             if not self.shown:
                 self.shown = True
                 print(behind_notice(**ev.data) if ev.kind == BEHIND else
-                      "[npllm] compiling kernels for this CPU: the first run of a model's kind takes up to a minute "
-                      "or two (a quantized one the longest); later runs load them from Numba's cache",
+                      "[npllm] compiling kernels for this CPU: the first run takes 2-4 minutes on 2 cores (one "
+                      "compile for every model, float32 or quantized); later runs load them from Numba's cache",
                       file=sys.stderr, flush=True)
 
         def on_end(self, ev) -> None:
@@ -49,12 +49,12 @@ def compile_notice(active: bool):
 def behind_notice(quantized: bool, waits: bool) -> str:
     """The line that says this run goes on without its compiled kernels (or, waits: why it does not), and how long
     the one-time compile takes."""
-    took = "2-4 minutes for a quantized model on 2 cores" if quantized else "about a minute on 2 cores"
+    took = "2-4 minutes on 2 cores: one compile for every model, float32 or quantized"
     if waits:
         return (f"[npllm] compiling kernels for this CPU, once ({took}; later runs load them from Numba's cache): a "
                 f"greedy or seeded run of a quantized model waits for them, since the NumPy reference could pick "
                 f"other tokens (a sampled run without --seed would not wait)")
     same = "" if quantized else " (the same greedy tokens)"
-    return (f"[npllm] this CPU's kernels for this kind of model are not compiled yet: this run uses the NumPy "
+    return (f"[npllm] this CPU's kernels are not compiled yet: this run uses the NumPy "
             f"reference{same}, slower per token, while a background process compiles them into Numba's cache, "
             f"once ({took}); later runs use them. {WAIT_COMPILE}=1 waits for the compile instead")

@@ -144,8 +144,9 @@ def _tile_1x64(x, t, w, base, D, out, col):
 
 
 @njit(inline="always")
-def _matmul_panels(x, T, w, D, p0, p1, out):
-    """Panels p0 .. p1-1 of x @ W.T, in groups of GROUP panels that stay in cache while every token passes.
+def _matmul_panels(x, T, w, D, p0, p1, out, col):
+    """Panels p0 .. p1-1 of x @ W.T into out[:, col + 16 p0 : col + 16 p1], in groups of GROUP panels that stay in
+    cache while every token passes.
 
     A single token (decode) takes four panels at a time. More tokens go 6 at a time through one panel, or, where
     the machine has 16-lane registers, 8 at a time through two.
@@ -153,18 +154,34 @@ def _matmul_panels(x, T, w, D, p0, p1, out):
     for g in range(p0, p1, GROUP):
         n = min(GROUP, p1 - g)
         if T == 1 and n == GROUP:
-            _tile_1x64(x, 0, w, g * D * PANEL, D, out, g * PANEL)
+            _tile_1x64(x, 0, w, g * D * PANEL, D, out, col + g * PANEL)
             continue
         p = g
         if WIDE:
             while p + 2 <= g + n:
                 for t in range(0, T, TILE_T_WIDE):
-                    _tile_8x32(x, t, min(TILE_T_WIDE, T - t), w, p * D * PANEL, D, out, p * PANEL)
+                    _tile_8x32(x, t, min(TILE_T_WIDE, T - t), w, p * D * PANEL, D, out, col + p * PANEL)
                 p += 2
         while p < g + n:
             for t in range(0, T, TILE_T):
-                tile_6x16(x, t, min(TILE_T, T - t), w, p * D * PANEL, D, out, p * PANEL)
+                tile_6x16(x, t, min(TILE_T, T - t), w, p * D * PANEL, D, out, col + p * PANEL)
             p += 1
+
+
+@njit(cache=True)
+def matmul_panel_rows(w, D, x, T, out, col, n0, n1):
+    """out[t, col + n] = W[n] . x[t] for t < T, n0 <= n < n1 (n0 a multiple of 16), W held as panels (pack_panels'
+    layout, flat: [P 16 D] float32): the products of the Numba model's float32 matrices (models/numba_products.py),
+    one thread's range. A last panel that n1 cuts is computed into an aside and only its rows stored (the columns
+    past n1 are another matrix's, perhaps another thread's).             # [>=T, >=D] -> [>=T, >=col + n1]"""
+    p0, whole = n0 // PANEL, n1 // PANEL
+    _matmul_panels(x, T, w, D, p0, whole, out, col)
+    if n1 % PANEL:
+        aside = np.empty((T, PANEL), np.float32)
+        _matmul_panels(x, T, w, D, whole, whole + 1, aside, -PANEL * whole)
+        for t in range(T):
+            for j in range(n1 % PANEL):
+                out[t, col + PANEL * whole + j] = aside[t, j]
 
 
 @njit(parallel=True, cache=True)
@@ -178,7 +195,7 @@ def matmul_into(x, panels, out, T, threads):
     w = panels.reshape(P * D * PANEL)
     chunks = min(P, threads)
     for c in prange(chunks):
-        _matmul_panels(x, T, w, D, c * P // chunks, (c + 1) * P // chunks, out)
+        _matmul_panels(x, T, w, D, c * P // chunks, (c + 1) * P // chunks, out, 0)
 
 
 @njit(cache=True)

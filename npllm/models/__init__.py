@@ -1,7 +1,8 @@
 """The transformer behind one interface (base.Model), run by one of three backends:
 
     numpy  reference.Transformer      the readable reference (float32 or float64, BLAS matrix products)
-    numba  numba.NumbaTransformer     compiled CPU kernels (float32), the default on a CPU
+    numba  numba.NumbaTransformer     compiled CPU kernels (float32 sums; every matrix in its type), the default on a
+                                      CPU
     cuda   cuda.CudaTransformer       numba.cuda kernels on an NVIDIA GPU (float32 sums; float32 or float16 storage)
     auto   cuda where a real GPU is usable, else numba
 
@@ -35,6 +36,7 @@ BLOCK_TYPE = {"float16": "F16", "q8_0": "Q8_0"}  # weight_dtype -> the block typ
 COLD_STARTS = ("wait", "exact", "reference")
 BEHIND = "npllm:compile-behind"  # the event raised when a model's code is left to a detached compile (the CLI's notice)
 LOCK_WAIT_S = 900  # at most this long, a run that waits for the compile waits for a detached one to end
+COMPILE_LABEL = "NumbaTransformer"  # what a detached compile writes in its lock (kernels/compiler.py: compiling)
 
 
 def resolve_backend(backend: str) -> str:
@@ -122,13 +124,12 @@ def _make(config: ModelConfig, stored: Storage, backend: str, threads: int | Non
 
         return CudaTransformer(config, weights, stored.device, **options)
     if backend == "numba":
-        from ..quant import dequantized, in_block_type
-        from .numba import NumbaTransformer, QuantizedNumbaTransformer, link_ahead
+        from ..quant import in_block_type
+        from .numba import NumbaTransformer, link_ahead
 
-        quantized = any(in_block_type(w) for w in weights.values())  # matrices kept in block types: read as stored, no float32 copy
-        model_class = QuantizedNumbaTransformer if quantized else NumbaTransformer
-        check_runs(model_class, config)  # before a stand-in or a compile starts
-        start_compile = None if cold_start == "wait" else compile_behind(model_class, kv, cold_start)
+        check_runs(NumbaTransformer, config)  # before a stand-in or a compile starts
+        quantized = any(in_block_type(w) for w in weights.values())  # whether the stand-in's tokens can part
+        start_compile = None if cold_start == "wait" else compile_behind(quantized, kv, cold_start)
         if start_compile is not None:
             from .stand_in import stand_in
 
@@ -137,11 +138,9 @@ def _make(config: ModelConfig, stored: Storage, backend: str, threads: int | Non
             # BLAS leaves the compile a core: its threads wait for each other by spinning, and a core that
             # another process holds makes every product wait (a TinyLlama prefill: 12 s on 2 threads, 2.6 on 1)
             return _reference(model, threads or max(1, (os.cpu_count() or 1) - 1))
-        wait_for_detached(model_class)
-        link_ahead(model_class, kv)  # the code, then the weights
-        if quantized:
-            return QuantizedNumbaTransformer(config, weights, threads)
-        return NumbaTransformer(config, dequantized(weights), threads)  # F32 matrices: views
+        wait_for_detached()
+        link_ahead(kv)  # the code, then the weights
+        return NumbaTransformer(config, weights, threads)
     from .reference import Transformer
 
     return _reference(Transformer(config, weights), threads)
@@ -154,12 +153,12 @@ def _reference(model: Model, threads: int | None) -> Model:
     return model
 
 
-def compile_behind(model_class, kv: np.dtype | None, cold_start: str):
-    """Where model_class's code is not in Numba's cache yet and a detached process can compile it there: a function
-    that starts that process (kernels/compiler.py, start_detached; it does nothing where one is compiling into that
-    cache already), to call once this run's stand-in is made. None where the code is cached, where no detached
-    compile can run here, or for a quantized model under cold_start "exact": the caller compiles as always (waiting
-    for a compile under way first). The event BEHIND (data: {"quantized": ..., "waits": ...}) says which, unless
+def compile_behind(quantized: bool, kv: np.dtype | None, cold_start: str):
+    """Where the Numba model's code is not in Numba's cache yet and a detached process can compile it there: a
+    function that starts that process (kernels/compiler.py, start_detached; it does nothing where one is compiling
+    into that cache already), to call once this run's stand-in is made. None where the code is cached, where no
+    detached compile can run here, or for a model of quantized matrices (weights in block types) under cold_start
+    "exact": the caller compiles as always (waiting for a compile under way first). The event BEHIND (data: {"quantized": ..., "waits": ...}) says which, unless
     the code is cached.
 
     The compile starts after the stand-in is made because its first seconds slowed the making: a TinyLlama-shape
@@ -167,16 +166,15 @@ def compile_behind(model_class, kv: np.dtype | None, cold_start: str):
     from numba.core import event
 
     from ..kernels.compiler import cache_lock, compiling, start_detached
-    from .numba import FORWARD, QuantizedNumbaTransformer, child_code, code_cached
+    from .numba import FORWARD, child_code, code_cached
 
     lock = cache_lock(FORWARD)
     if lock is None:
         return None
-    # a compile of this class still running may have cached the forward and not the rest: its end says done
+    # a compile still running may have cached the forward and not the rest: its end says done
     running = compiling(lock)
-    if running != model_class.__name__ and code_cached(model_class):
+    if running is None and code_cached():
         return None
-    quantized = model_class is QuantizedNumbaTransformer
     waits = quantized and cold_start == "exact"
     with event.trigger_event(BEHIND, data={"quantized": quantized, "waits": waits}):
         pass
@@ -184,14 +182,14 @@ def compile_behind(model_class, kv: np.dtype | None, cold_start: str):
         return None
 
     def start() -> None:
-        if running is None:  # (one compiling another class: this class's compile waits for a later run)
-            start_detached(*child_code(model_class, kv), lock, model_class.__name__)  # one started since: it exits
+        if running is None:
+            start_detached(*child_code(kv), lock, COMPILE_LABEL)  # one started since: it exits
 
     return start
 
 
-def wait_for_detached(model_class) -> None:
-    """Let a detached compile of model_class's code finish (at most LOCK_WAIT_S), so that this process loads its
+def wait_for_detached() -> None:
+    """Let a detached compile of the Numba model's code finish (at most LOCK_WAIT_S), so that this process loads its
     code rather than compiling the same code beside it; raised as a "numba:compile" event (the CLI's notice)."""
     from numba.core import event
 
@@ -199,7 +197,7 @@ def wait_for_detached(model_class) -> None:
     from .numba import FORWARD
 
     lock = cache_lock(FORWARD)
-    if lock is not None and compiling(lock) == model_class.__name__:
+    if lock is not None and compiling(lock) is not None:
         with event.trigger_event("numba:compile", data={"dispatcher": FORWARD, "args": None,
                                                         "return_type": None}):
             wait_for_lock(lock, LOCK_WAIT_S)

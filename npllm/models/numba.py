@@ -2,9 +2,10 @@
 
 What differs from models/reference.py is how the work is laid out:
 
-- Weights are repacked once at load (kernels/cpu.py: pack_panels), stacked over layers: wqkv = fused_qkv (q, k and
-  v in one pass over the weights, Hugging Face q/k rows permuted into the interleaved RoPE layout, so the kernels
-  know a single RoPE) and w13 = fused_gate_up in blocks of 16 (gate and up in one pass); models/numba_weights.py.
+- Every matrix lies in one byte pool with a type code (models/numba_weights.py, Packed): F32 ones repacked once at
+  load as panels of 16 rows (kernels/cpu.py: pack_panels), a block type's (Q8_0, Q4_K, ...) as rows interleaved by
+  eight, F16 and BF16 as stored; each product runs every matrix in its type's kernel (models/numba_products.py:
+  products_into), q, k and v (gate and up) side by side in one call. One record, one forward, whatever the types.
 - Every family's options (config.py: GeGLU, multipliers, score scale and soft-cap, q/k norms, sandwich and post
   norms, per-layer windows and RoPE bases, longrope, mixtures of experts) are data of the one compiled loop: fields
   of Dims, per-layer arrays of the weights record ([L, 0] where absent), never a second forward.
@@ -19,7 +20,6 @@ The Numba model computes in float32 whatever the checkpoint's dtype; its cache s
 
 from __future__ import annotations
 
-import inspect
 import os
 import subprocess
 import sys
@@ -29,8 +29,7 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from numba import njit, types
-from numba.extending import overload
+from numba import njit
 
 from ..cache import RingKVCache
 from ..config import FEATURE_FIELDS, SCALING_FEATURES, ModelConfig
@@ -39,9 +38,8 @@ from ..kernels import SPINNING, cpu
 from ..kernels.compiler import cached_here, release_compiler_pages, release_linking_modules
 from ..tensors import release_files
 from .base import Model, sampler_rows
-from .numba_products import embed_rows, swiglu_rows, products_into
-from .numba_weights import (PER_LAYER, W1, W2, WO, WQ, Packed, QPacked, bytes_by_type, pack,  # noqa: F401
-                            pack_quantized, pack_released)
+from .numba_products import embed_rows, products_into, swiglu_rows
+from .numba_weights import PER_LAYER, W1, W2, W3, WO, WQ, bytes_by_type, pack  # noqa: F401
 from .weights import Weights
 
 PANEL = cpu.PANEL
@@ -82,22 +80,28 @@ def use_threads(n: int) -> None:
 
 
 class NumbaTransformer(Model):
+    """The Numba model over any checkpoint's matrices, each kept in its type (float32 ones as panels); see the
+    module's docstring."""
+
     backend = "numba"
     FEATURES = frozenset(FEATURE_FIELDS + SCALING_FEATURES)  # every family the reference runs
 
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], threads: int | None = None):
+    def __init__(self, config: ModelConfig, weights: dict, threads: int | None = None):
         named = self._start(config, weights, threads)
         self.packed = pack(config, named)
-        self.output_panels = pack_released(named.output)  # [ceil(V/16), D, 16]
-        release_files(weights.values())  # copied: what the per-weight releases left of a mapped file goes too
-        p, L = self.packed, config.n_layers
-        dense = p.wqkv.nbytes + p.wo.nbytes + p.w13.nbytes + p.w2.nbytes + p.router.nbytes
-        used = config.n_experts_used / max(1, config.n_experts)  # the share of the experts a token reads
-        self.layer_bytes = (dense + int(used * (p.w13_exps.nbytes + p.w2_exps.nbytes))) // L
+        release_files(weights.values())  # copied into the pool: what the per-part releases left goes too
+        mats, L = self.packed.mats, config.n_layers
+        rows = np.concatenate([mats[:PER_LAYER * L], self.packed.experts])  # a layer's, and its experts'
+        self.type_bytes = bytes_by_type(np.concatenate([mats, self.packed.experts]))
+        used = np.ones(len(rows))  # what a token reads of each: every matrix, k / E of each expert
+        used[PER_LAYER * L + L:] = config.n_experts_used / max(1, config.n_experts)
+        self.layer_bytes = int((rows[:, 2] * used) @ rows[:, 4]) // L
+        # what the thread estimate sees: the kernels' cost follows the values (decoding), not the bytes
+        self.layer_cost_bytes = 4 * int((rows[:, 2] * used) @ rows[:, 3]) // L
 
     def _start(self, config: ModelConfig, weights: dict, threads: int | None) -> Weights:
-        """What both classes' __init__ do first: check the weights and threads, and set the options' data (the
-        static part of Dims, per-capacity windows and RoPE frequencies: per_capacity)."""
+        """Check the weights and threads, and set the options' data (the static part of Dims, per-capacity windows
+        and RoPE frequencies: per_capacity)."""
         named = Weights.from_checkpoint(config, weights)
         if threads is not None and not 1 <= threads <= numba.config.NUMBA_NUM_THREADS:
             raise ConfigError(f"threads must be in 1 .. {numba.config.NUMBA_NUM_THREADS}, got {threads}")
@@ -132,12 +136,19 @@ class NumbaTransformer(Model):
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of packed weights one decode step streams (all layers and the LM head, padding included; of a
-        mixture of experts, the share of the experts a token uses)."""
-        c, packed = self.config, self.packed._asdict()
-        experts = packed.pop("w13_exps").nbytes + packed.pop("w2_exps").nbytes
-        layers = sum(a.nbytes for name, a in packed.items() if name != "embeddings")
-        return layers + experts * c.n_experts_used // max(1, c.n_experts) + self.output_panels.nbytes + c.dim * 4
+        """Bytes of weights one decode step reads, in their stored types (layers, LM head, norms, biases and the
+        one embedding row looked up; of a mixture of experts, the share of the experts a token uses)."""
+        p, L = self.packed, self.config.n_layers
+        head, embedding_row = int(p.mats[-1, 2] * p.mats[-1, 4]), int(p.mats[-2, 4])
+        vectors = 4 * (p.attention_norm.size + p.ffn_norm.size + self.config.dim)
+        if self.config.attention_bias:
+            vectors += p.bqkv.nbytes
+        return self.layer_bytes * L + head + embedding_row + vectors
+
+    @property
+    def weight_types(self) -> dict[str, int]:
+        """Bytes of the model's matrices by type, e.g. {"Q4_0": ..., "Q6_K": ...} (the embeddings included)."""
+        return dict(self.type_bytes)
 
     def forward(self, tokens, positions, cache: RingKVCache, slots=None) -> np.ndarray:
         """Final-norm hidden states of the given tokens, updating the cache.     # [T], [T], [T] -> [T, D]
@@ -158,8 +169,8 @@ class NumbaTransformer(Model):
         return _forward(tokens, positions, sequences, self.packed, freqs, dims, ring)
 
     def _layer_cost(self) -> int:
-        """Weight bytes one layer's products read (what threads_for weighs)."""
-        return self.layer_bytes
+        """What threads_for weighs for one layer's products: 4 bytes a value, whatever the type."""
+        return self.layer_cost_bytes
 
     def _check_cache(self, cache) -> None:
         c = self.config
@@ -193,11 +204,15 @@ class NumbaTransformer(Model):
         return ids
 
     def head_logits(self, h: np.ndarray) -> np.ndarray:
-        """Logits from final hidden states.  # [T, D] -> [T, V]"""
-        threads = self.threads_for(len(h), self.output_panels.nbytes, 1)
+        """Logits from final hidden states, the LM head read in its own type.  # [T, D] -> [T, V]"""
+        mats = self.packed.mats
+        threads = self.threads_for(len(h), 4 * int(mats[-1, 2] * mats[-1, 3]), 1)
         use_threads(threads)
-        return cpu.lm_head(np.ascontiguousarray(h, dtype=np.float32), self.output_panels, self.config.vocab_size,
-                           threads)
+        h = np.ascontiguousarray(h, dtype=np.float32)
+        out = np.empty((len(h), self.config.vocab_size), np.float32)
+        if len(h):
+            products_into(self.packed.pool, mats, len(mats) - 1, 1, h, len(h), out, threads)
+        return out
 
 
 # A cache's keys and values as the kernels take them: float32, or float16 passed as its bits (Numba has no float16 on
@@ -265,185 +280,44 @@ def _commit_positions(positions, seqs, ring):
 
 
 # ================================================================================================================
-# The model on weights kept in their file types (QPacked, models/numba_weights.py); its products, compiled, are
-# models/numba_products.py's.
-
-
-class QuantizedNumbaTransformer(NumbaTransformer):
-    """NumbaTransformer on weights kept in their checkpoint's types (models/numba.py, below the float32 path):
-    matrices read from the file's bytes, never widened to float32 as a whole."""
-
-    def __init__(self, config: ModelConfig, weights: dict, threads: int | None = None):
-        named = self._start(config, weights, threads)
-        self.packed = pack_quantized(config, named)
-        release_files(weights.values())  # copied into the pool: what the per-part releases left goes too
-        mats, L = self.packed.mats, config.n_layers
-        rows = np.concatenate([mats[:PER_LAYER * L], self.packed.experts])  # a layer's, and its experts'
-        self.type_bytes = bytes_by_type(np.concatenate([mats, self.packed.experts]))
-        used = np.ones(len(rows))  # what a token reads of each: every matrix, k / E of each expert
-        used[PER_LAYER * L + L:] = config.n_experts_used / max(1, config.n_experts)
-        self.layer_bytes = int((rows[:, 2] * used) @ rows[:, 4]) // L
-        # what the thread estimate sees: the kernels' cost follows the values (decoding), not the bytes
-        self.layer_cost_bytes = 4 * int((rows[:, 2] * used) @ rows[:, 3]) // L
-
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads, in their stored types (layers, LM head, norms, biases and the
-        one embedding row looked up), as bench.decode_weight_bytes counts float32 ones."""
-        p, L = self.packed, self.config.n_layers
-        head, embedding_row = int(p.mats[-1, 2] * p.mats[-1, 4]), int(p.mats[-2, 4])
-        vectors = 4 * (p.attention_norm.size + p.ffn_norm.size + self.config.dim)
-        if self.config.attention_bias:
-            vectors += p.bqkv.nbytes
-        return self.layer_bytes * L + head + embedding_row + vectors
-
-    @property
-    def weight_types(self) -> dict[str, int]:
-        """Bytes of the model's matrices by type, e.g. {"Q4_0": ..., "Q6_K": ...} (the embeddings included)."""
-        return dict(self.type_bytes)
-
-    def _layer_cost(self) -> int:
-        return self.layer_cost_bytes
-
-    def head_logits(self, h: np.ndarray) -> np.ndarray:
-        """Logits from final hidden states, the LM head read in its own type.  # [T, D] -> [T, V]"""
-        mats = self.packed.mats
-        threads = self.threads_for(len(h), 4 * int(mats[-1, 2] * mats[-1, 3]), 1)
-        use_threads(threads)
-        h = np.ascontiguousarray(h, dtype=np.float32)
-        out = np.empty((len(h), self.config.vocab_size), np.float32)
-        if len(h):
-            products_into(self.packed.pool, mats, len(mats) - 1, 1, h, len(h), out, threads)
-        return out
-
-
-# ================================================================================================================
-# The forward pass, once for both weights records.
-#
-# The layer loop (_forward) is written once. What differs between float32 panels (Packed) and weights kept in their
-# file types (QPacked) is how an embedding row is found, how a layer's matrix products run and how SwiGLU reads
-# their output: each such stage is a stub below whose compiled body is chosen by the type of its first argument,
-# the weights record, when _forward is compiled for it (numba.extending.overload). Numba compiles _forward once per
-# record type; each copy calls only its record's stages, with the arithmetic of the code they replace.
+# The forward pass's stages that read the weights record: every product goes through products_into, each matrix in
+# its type's kernel (models/numba_products.py).
 
 QKV, OUT, GATE_UP, DOWN = range(4)  # a layer's products: [q; k; v], the attention output's, [gate; up], the FFN's
-
-
-def by_record(implementations: dict):
-    """Decorator: compiled calls of the decorated stub(w, ...) run implementations[w's record class], a Python
-    function with the stub's parameters, chosen when the caller is compiled (w: a Packed or QPacked)."""
-
-    def register(stub):
-        def choose(w, *args):
-            if isinstance(w, types.BaseNamedTuple):
-                return implementations.get(w.instance_class)
-            return None
-
-        choose.__signature__ = inspect.signature(stub)  # Numba requires the implementations' signature
-        overload(stub)(choose)
-        return stub
-
-    return register
-
-
-def _embed_panels(w, tokens, x):
-    for t in range(tokens.shape[0]):
-        x[t] = w.embeddings[tokens[t]]
-
-
-def _embed_pool(w, tokens, x):
-    embed_rows(w, tokens, x)
-
-
-@by_record({Packed: _embed_panels, QPacked: _embed_pool})
-def embed_tokens(w, tokens, x):
-    """x[t] = row tokens[t] of the embedding table, in float32.                                  # [T] -> [T, D]"""
-    raise NotImplementedError("compiled code only")
-
-
-def _product_panels(w, l, which, x, T, out, threads):
-    cpu.matmul_into(x, (w.wqkv, w.wo, w.w13, w.w2)[which][l], out, T, threads)
-
-
 FIRST_MATRIX = (WQ, WO, W1, W2)  # the first of each product's matrices in a layer's rows of mats, and how many
 MATRICES = (3, 1, 2, 1)
 
 
-def _product_pool(w, l, which, x, T, out, threads):
+@njit(inline="always")
+def layer_product(w, l, which, x, T, out, threads):
+    """out[:T] = x[:T] @ W.T for product `which` (QKV, OUT, GATE_UP, DOWN) of layer l: its matrices side by side in
+    out (q | k | v, gate | up), each read in its own type.                           # [>=T, K] -> [>=T, N]"""
     # the count as np.int64, not a literal: Numba compiles a called function once per literal argument value, and
     # each compilation re-optimises every kernel linked below it (minutes)
     products_into(w.pool, w.mats, PER_LAYER * l + FIRST_MATRIX[which], np.int64(MATRICES[which]), x, T, out, threads)
 
 
-@by_record({Packed: _product_panels, QPacked: _product_pool})
-def layer_product(w, l, which, x, T, out, threads):
-    """out[:T] = x[:T] @ W.T for product `which` (QKV, OUT, GATE_UP, DOWN) of layer l.  # [>=T, K] -> [>=T, N]
-
-    Packed: its fused matrix's panels (fused_qkv, fused_gate_up: gate and up panels alternate in out); QPacked:
-    the matrices side by side in out (q | k | v, gate | up), each read in its own type (products_into)."""
-    raise NotImplementedError("compiled code only")
-
-
-def _swiglu_panels(w, gate_up, hidden, T, threads, act):
-    cpu.swiglu_hidden_into(gate_up, hidden, T, act)
-
-
-def _swiglu_pool(w, gate_up, hidden, T, threads, act):
-    swiglu_rows(gate_up, hidden.shape[1], hidden, T, threads, act)
-
-
-@by_record({Packed: _swiglu_panels, QPacked: _swiglu_pool})
-def swiglu_product(w, gate_up, hidden, T, threads, act):
-    """hidden = act(gate) * up (act: cpu.SILU or cpu.GELU_TANH) from the GATE_UP product's output (a layer's or an
-    expert's), laid out as the record's product writes it.                          # [>=T, 2F] -> [>=T, F]"""
-    raise NotImplementedError("compiled code only")
-
-
-def _router_panels(w, l, x, T, out, threads):
-    cpu.matmul_into(x, w.router[l], out, T, threads)
-
-
-def _router_pool(w, l, x, T, out, threads):
+@njit(inline="always")
+def router_product(w, l, x, T, out, threads):
+    """out[:T, :E] = x[:T] @ router.T, layer l's router logits (a mixture of experts).      # [>=T, D] -> [>=T, >=E]"""
     products_into(w.pool, w.experts, l, np.int64(1), x, T, out, threads)
 
 
-@by_record({Packed: _router_panels, QPacked: _router_pool})
-def router_product(w, l, x, T, out, threads):
-    """out[:T, :E] = x[:T] @ router.T, layer l's router logits (a mixture of experts).      # [>=T, D] -> [>=T, >=E]"""
-    raise NotImplementedError("compiled code only")
-
-
-def _expert_panels(w, l, e, which, x, T, out, threads):
-    cpu.matmul_into(x, (w.w13_exps, w.w2_exps)[which - GATE_UP][l, e], out, T, threads)
-
-
-def _expert_pool(w, l, e, which, x, T, out, threads):
+@njit(inline="always")
+def expert_product(w, l, e, which, x, T, out, threads):
+    """out[:T] = x[:T] @ W.T for expert e of layer l's product `which` (GATE_UP or DOWN), laid out as layer_product
+    lays out a dense layer's.                                                       # [>=T, K] -> [>=T, N]"""
     L = w.attention_norm.shape[0]
     first = L + 3 * (l * ((w.experts.shape[0] - L) // (3 * L)) + e) + (which - GATE_UP) * 2  # gate (and up), down
     products_into(w.pool, w.experts, first, np.int64(2 - (which - GATE_UP)), x, T, out, threads)
 
 
-@by_record({Packed: _expert_panels, QPacked: _expert_pool})
-def expert_product(w, l, e, which, x, T, out, threads):
-    """out[:T] = x[:T] @ W.T for expert e of layer l's product `which` (GATE_UP or DOWN), laid out as layer_product
-    lays out a dense layer's.                                                       # [>=T, K] -> [>=T, N]"""
-    raise NotImplementedError("compiled code only")
-
-
-def _widths_panels(w):
-    return w.wo.shape[1] * PANEL, max(w.w13.shape[1], w.w13_exps.shape[2]) * PANEL
-
-
-def _widths_pool(w):
-    Fe = w.experts[w.attention_norm.shape[0], 2] if w.experts.shape[0] else 0  # the first expert's gate rows
-    return w.norm.shape[0], 2 * max(w.mats[W1, 2], Fe)
-
-
-@by_record({Packed: _widths_panels, QPacked: _widths_pool})
+@njit(inline="always")
 def product_widths(w):
-    """Columns of the OUT and GATE_UP products' outputs: D and 2F (2Fe: an expert's), or (Packed) rounded up to
-    whole panels."""
-    raise NotImplementedError("compiled code only")
+    """Columns of the OUT and GATE_UP products' outputs: D and 2F (2Fe: an expert's, where wider). Gate and up may be
+    one run of rows (numba_weights._runs: W1's row of the table then counts both, W3's none)."""
+    Fe = w.experts[w.attention_norm.shape[0], 2] if w.experts.shape[0] else 0  # the first expert's gate rows
+    return w.norm.shape[0], max(w.mats[W1, 2] + w.mats[W3, 2], 2 * Fe)
 
 
 # A forward call's buffers, float32 [T, ...]: x the residual stream [D], h a block's normed input [D], o a block's
@@ -537,7 +411,7 @@ def _ffn_block(w, l, b, T, dims):
         _moe_ffn(w, l, x, b, T, dims)
     else:
         layer_product(w, l, GATE_UP, x, T, b.gate_up, dims.threads)
-        swiglu_product(w, b.gate_up, b.hidden, T, dims.threads, dims.act)
+        swiglu_rows(b.gate_up, b.hidden.shape[1], b.hidden, T, dims.threads, dims.act)
         layer_product(w, l, DOWN, b.hidden, T, b.o, dims.threads)
     _post_norm(b.o, w.post_ffn_norm[l], dims.eps, T)
 
@@ -563,7 +437,7 @@ def _moe_ffn(w, l, x, b, T, dims):
         for i in range(n):
             b.expert_x[i, :] = x[b.rows[i], :D]
         expert_product(w, l, e, GATE_UP, b.expert_x, n, b.gate_up, dims.threads)
-        swiglu_product(w, b.gate_up, b.hidden, n, dims.threads, dims.act)
+        swiglu_rows(b.gate_up, b.hidden.shape[1], b.hidden, n, dims.threads, dims.act)
         expert_product(w, l, e, DOWN, b.hidden, n, b.expert_o, dims.threads)
         for i in range(n):
             for d in range(D):
@@ -583,9 +457,8 @@ def _forward(tokens, positions, seqs, w, freqs, dims, ring):
     """Every layer of the reference Transformer.forward for T tokens, then the cache's position table.  # -> [T, D]
 
     x = embed(tokens) m; per layer: x += r attention_block(x); x += r ffn_block(x); then rms_norm(x), with every
-    family's options as data (Dims, and the per-layer arrays of the weights record). w: Packed or QPacked (compiled
-    once for each; see by_record). freqs [R, 2, Dh/2]: RoPE frequencies and amplitudes of each kind of layer
-(padded_rope_tables).
+    family's options as data (Dims, and the per-layer arrays of the weights record w: Packed). freqs [R, 2, Dh/2]:
+    RoPE frequencies and amplitudes of each kind of layer (padded_rope_tables).
     """
     T = tokens.shape[0]
     L, D = w.attention_norm.shape[0], w.norm.shape[0]
@@ -593,7 +466,7 @@ def _forward(tokens, positions, seqs, w, freqs, dims, ring):
     _rope_angles(positions, freqs, dims.rope_rows, b.cos, b.sin, T)
     valid_from = np.empty(seqs.slots.shape[0], np.int64)
     cpu.valid_from_into(positions, seqs, ring.positions, dims.windows.max(), valid_from)
-    embed_tokens(w, tokens, b.x)
+    embed_rows(w, tokens, b.x)
     if dims.embedding_multiplier != 1.0:
         b.x[:] *= np.float32(dims.embedding_multiplier)
     r = np.float32(dims.residual_multiplier)
@@ -610,81 +483,77 @@ def _forward(tokens, positions, seqs, w, freqs, dims, ring):
 
 # A model small enough to build in a millisecond, with every argument type a real model's compiled calls take.
 TINY = ModelConfig(dim=32, hidden_dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=32, max_seq_len=8)
-_LINKED: set = set()  # (model class, kv storage) whose compiled calls this process has already run
-RECORD = {NumbaTransformer: Packed, QuantizedNumbaTransformer: QPacked}  # the weights record _forward gets
-FORWARD = _forward  # the one compiled forward: each class's weights record is one of its signatures
+_LINKED: set = set()  # the kv storages whose compiled calls this process has already run
+FORWARD = _forward  # the one compiled forward
 
 
-def code_cached(model_class) -> bool:
-    """Whether Numba's cache holds _forward compiled for model_class's weights record, for this CPU."""
-    return cached_here(_forward, lambda signature: getattr(signature[3], "instance_class", None)
-                       is RECORD[model_class])
+def code_cached() -> bool:
+    """Whether Numba's cache holds _forward compiled for this CPU."""
+    return cached_here(_forward, lambda signature: True)
 
 
-def link_ahead(model_class, kv: np.dtype | None) -> None:
-    """Load model_class's compiled code before a real model's weights arrive, then give the compiler's pages back.
+def link_ahead(kv: np.dtype | None) -> None:
+    """Load the model's compiled code before a real model's weights arrive, then give the compiler's pages back.
 
-    Runs the class's compiled calls (a forward pass, the LM head, the sampler) once on a TINY model whose arguments
+    Runs the model's compiled calls (a forward pass, the LM head, the sampler) once on a TINY model whose arguments
     have the types a real model's calls will have, caches of storage `kv` (None: float32), so Numba loads their
     code now (from its cache; not there yet, a child process compiles it first), not at the first real call; then
     kernels/compiler.py drops the LLVM pages that loading left resident, and LLVM's modules for linking leave the
     heap. The process's peak then holds the compiler's pages or the weights, not both: a Q4_0 110M model's peak fell
     from 235 to 159 MiB (docs/quant.md, "The compiler's pages, then the weights").
-    Each pair runs once a process; the releases every time (a model built since may have compiled something)."""
+    Each storage runs once a process; the releases every time (a model built since may have compiled something)."""
     release_compiler_pages()  # what importing Numba touched (it builds LLVM objects too): 36 MiB, not all needed now
-    if (model_class, kv) not in _LINKED:
-        _LINKED.add((model_class, kv))
-        if not code_cached(model_class):
-            compile_in_child(model_class, kv)
-        run_tiny(model_class, kv, release_compiler_pages)
+    if kv not in _LINKED:
+        _LINKED.add(kv)
+        if not code_cached():
+            compile_in_child(kv)
+        run_tiny(kv, release_compiler_pages)
     release_linking_modules()
     release_compiler_pages()
 
 
-def run_tiny(model_class, kv: np.dtype | None, between=lambda: None) -> None:
-    """The class's compiled calls, once, on a TINY model with a cache of storage kv; between() after the forward."""
-    tiny = model_class(TINY, _tiny_weights(quantized=model_class is QuantizedNumbaTransformer), threads=1)
+def run_tiny(kv: np.dtype | None, between=lambda: None) -> None:
+    """The model's compiled calls, once, on a TINY model with a cache of storage kv; between() after the forward."""
+    tiny = NumbaTransformer(TINY, _tiny_weights(), threads=1)
     cache = tiny.new_cache(2, kv_dtype=None if kv is None else np.dtype(kv).name)
     h = tiny.forward([1, 2], [0, 1], cache)
     between()  # the compiler's pages released between the two loads: the peak holds what one touched, not both
     tiny.sample(h[-1:])
 
 
-def compile_in_child(model_class, kv: np.dtype | None) -> None:
-    """run_tiny(model_class, kv) in a child process, which compiles the class's code into Numba's cache: what LLVM
-    keeps of a compile (kernels/compiler.py) then dies with the child, and this process loads the code from the
-    cache (a first run of a quantized TinyLlama peaked at 1,141 MiB with the compile in the process). Raised as a
-    "numba:compile" event, as a compile here would be (the CLI's notice listens). Where the child fails, this process
-    compiles the code itself, as before."""
+def compile_in_child(kv: np.dtype | None) -> None:
+    """run_tiny(kv) in a child process, which compiles the model's code into Numba's cache: what LLVM keeps of a
+    compile (kernels/compiler.py) then dies with the child, and this process loads the code from the cache (a first
+    run of a quantized TinyLlama peaked at 1,141 MiB with the compile in the process). Raised as a "numba:compile"
+    event, as a compile here would be (the CLI's notice listens). Where the child fails, this process compiles the
+    code itself, as before."""
     from numba.core import event
 
-    code, env = child_code(model_class, kv)
+    code, env = child_code(kv)
     with event.trigger_event("numba:compile", data={"dispatcher": FORWARD, "args": None,
                                                     "return_type": None}):
         subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def child_code(model_class, kv: np.dtype | None) -> tuple[str, dict]:
-    """(Python code, environment) of a child process that runs run_tiny(model_class, kv): compile_in_child's, and
-    the detached compile's that fills Numba's cache behind a run (models/__init__.py: compile_behind)."""
+def child_code(kv: np.dtype | None) -> tuple[str, dict]:
+    """(Python code, environment) of a child process that runs run_tiny(kv): compile_in_child's, and the detached
+    compile's that fills Numba's cache behind a run (models/__init__.py: compile_behind)."""
     kv_name = "None" if kv is None else repr(np.dtype(kv).name)
-    code = f"from npllm.models.numba import {model_class.__name__} as c, run_tiny; run_tiny(c, {kv_name})"
+    code = f"from npllm.models.numba import run_tiny; run_tiny({kv_name})"
     root = str(Path(__file__).resolve().parents[2])  # this npllm, not another one the child's path would find first
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     return code, env
 
 
-def _tiny_weights(quantized: bool) -> dict:
+def _tiny_weights() -> dict:
     """TINY's weights, random (their values do not matter: only the types the compiled calls see), its matrices as
-    Q8_0 blocks where the model keeps file types (any type will do: a matrix's type is data in its pool, not a type
-    the compiler sees)."""
+    Q8_0 blocks (any type will do: a matrix's type is data in its pool, not a type the compiler sees)."""
     from ..quant import QuantizedMatrix, quantize
     from ..tensors import expected_shapes
 
     rng = np.random.default_rng(0)
     weights = {name: rng.standard_normal(shape, dtype=np.float32) / 4 for name, shape in expected_shapes(TINY).items()}
-    if quantized:
-        for name, w in weights.items():
-            if w.ndim == 2:
-                weights[name] = QuantizedMatrix(quantize(w, "Q8_0").reshape(len(w), -1), "Q8_0", w.shape)
+    for name, w in weights.items():
+        if w.ndim == 2:
+            weights[name] = QuantizedMatrix(quantize(w, "Q8_0").reshape(len(w), -1), "Q8_0", w.shape)
     return weights

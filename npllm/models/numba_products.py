@@ -1,7 +1,7 @@
-"""The matrix products of weights kept in their file types (QPacked, models/numba_weights.py), for models/numba.py's
-QuantizedNumbaTransformer and its forward: products_into (one call: several matrices that read the same input, each
-row range in its type's kernel, kernels/quant), the embedding rows decoded from their stored type, and SwiGLU on
-the products' output. The float32 panels' products are kernels/cpu.py's."""
+"""The matrix products of the Numba model's weights (Packed, models/numba_weights.py), for models/numba.py's
+NumbaTransformer and its forward: products_into (one call: several matrices that read the same input, each row range
+in its type's kernel: kernels/quant's, or kernels/cpu.py's float32 panels), the embedding rows decoded from their
+stored type, and SwiGLU on the products' output."""
 
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ Operand = namedtuple("Operand", ["x", "T", "sums", "xq", "xv"])
 
 @njit(inline="always")
 def _matrix(pool, mats, m):
-    """Matrix m's byte rows, a view of the pool.  # -> [N, row bytes] uint8 (interleaved: [ceil(N / 8), 8 row bytes])"""
+    """Matrix m's byte rows, a view of the pool.          # -> [N, row bytes] uint8 (interleaved: [ceil(N / 8),
+                                                               8 row bytes]; panels: [ceil(N / 16), 16 row bytes])"""
     at, N, row_bytes = mats[m, 0], mats[m, 2], mats[m, 4]
-    if mats[m, 1] >= qk.INTERLEAVED_CODE:
-        G = (N + 7) // 8
-        return pool[at:at + G * 8 * row_bytes].reshape((G, 8 * row_bytes))
-    return pool[at:at + N * row_bytes].reshape((N, row_bytes))
+    per = PANEL if qk.held_in_panels(mats[m, 1]) else 8 if qk.held_interleaved(mats[m, 1]) else 1
+    G = (N + per - 1) // per
+    return pool[at:at + G * per * row_bytes].reshape((G, per * row_bytes))
 
 
 # Quantizing one token's activations takes ~2.5 us per 768 values on one core; from this many tokens a product's
@@ -50,23 +50,26 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     """out[:T, col_i : col_i + N_i] = x[:T, :K] @ W_i.T for the `count` matrices first .. first + count - 1, which
     read the same input, side by side (col_i = N_0 + ... + N_{i-1}).   # [>=T, >=K] -> [>=T, >= sum N_i]
 
-    The concatenated groups of 8 or 16 rows (one token: qk.ROWS_AT_ONCE) or panels of 16 rows (several tokens) are
-    split into one contiguous range per thread, in ONE parallel region (none on one thread: a small model's step is
-    mostly such calls); each matrix's part of a range goes to its type's row-range worker (kernels/quant).
+    The concatenated groups of 8 or 16 rows (one token: qk.ROWS_AT_ONCE) or panels of 16 rows (several tokens; F32's
+    panels always: _unit) are split into one contiguous range per thread, in ONE parallel region (none on one
+    thread: a small model's step is mostly such calls); each matrix's part of a range goes to its type's row-range
+    worker (kernels/quant).
 
     Every block type's weights (Q2_K .. Q8_0, as interleaved rows), in calls of any length, meet activations
     quantized to 8 bits per block of 32 (as llama.cpp does): integer dot products, with x quantized once here for
     every matrix and row range (on every thread from QUANTIZE_IN_PARALLEL_FROM tokens; docs/quant.md, "8-bit
     activations", for the rounding bound and the measured KL divergence). Q2_K and Q3_K meet x in two 8-bit parts
-    (quant.oracle.quantize_activations_two_part: 15 bits, two dot instructions a word). Other types take x in float32.
+    (quant.oracle.quantize_activations_two_part: 15 bits, two dot instructions a word). Other types take x in float32:
+    F32 held as panels by cpu.py's register tiles (each output a chain of multiply-adds over k in order: the same
+    bits whatever the tokens and threads), F16 and BF16 rows by kernels/quant's.
     """
-    unit = qk.ROWS_AT_ONCE if T == 1 else PANEL  # whole groups (or pairs) of interleaved rows
-    total = np.int64(0)  # not a literal 0 (see models/numba.py: _product_pool)
+    total, float_rows = np.int64(0), False  # not a literal 0 (see models/numba.py: layer_product)
     for i in range(count):
-        total += -(-mats[first + i, 2] // unit)
+        total += -(-mats[first + i, 2] // _unit(mats[first + i, 1], T))
+        float_rows = float_rows or mats[first + i, 1] < qk.INTERLEAVED_CODE
     K = mats[first, 3]
     sums = np.zeros(K // 16, np.float32)  # x's sums of 16 for the blocks' offsets (one token only)
-    if T == 1:
+    if T == 1 and float_rows:
         for g in range(K // 16):
             s = np.float32(0)
             for j in range(16):
@@ -90,9 +93,16 @@ def products_into(pool, mats, first, count, x, T, out, threads):
     chunks = max(1, min(total, threads))
     group = Matrices(pool, mats, first, count)
     if chunks == 1:
-        _product_units(group, Operand(x, T, sums, xq, xv), out, unit, np.int64(0), total)
+        _product_units(group, Operand(x, T, sums, xq, xv), out, np.int64(0), total)
     else:
-        _products_parallel(group, x, T, sums, xq, xv, out, unit, total, chunks)
+        _products_parallel(group, x, T, sums, xq, xv, out, total, chunks)
+
+
+@njit(inline="always")
+def _unit(code, T):
+    """Rows of a matrix of this code that a thread's range holds whole: a float32 panel (16), or for the other
+    layouts a panel's 16 rows in a call of several tokens, one token's group of interleaved rows (qk.ROWS_AT_ONCE)."""
+    return PANEL if T > 1 or qk.held_in_panels(code) else qk.ROWS_AT_ONCE
 
 
 @njit(inline="always")
@@ -106,7 +116,7 @@ def _int8_activations(T, K, parts) -> Int8Activations:
 def _int8_type(code, T) -> bool:
     """Whether weights of GGML type `code` meet 8-bit activations (in a call of any T tokens): the interleaved ones,
     every block type's matrices (quant.INT8_ACTIVATION_TYPES states the same for the NumPy oracle)."""
-    return code >= qk.INTERLEAVED_CODE
+    return qk.held_interleaved(code)
 
 
 @njit(inline="always")
@@ -117,28 +127,30 @@ def _two_part_type(code) -> bool:
 
 
 @njit(parallel=True, cache=True)
-def _products_parallel(group, x, T, sums, xq, xv, out, unit, total, chunks):
+def _products_parallel(group, x, T, sums, xq, xv, out, total, chunks):
     """_product_units of `chunks` ranges of the `total` units, in one parallel region. The input comes as
     Operand's fields: a parallel region's records must be arguments, each a tuple of arrays and numbers."""
     for c in prange(chunks):
-        _product_units(group, Operand(x, T, sums, xq, xv), out, unit, c * total // chunks, (c + 1) * total // chunks)
+        _product_units(group, Operand(x, T, sums, xq, xv), out, c * total // chunks, (c + 1) * total // chunks)
 
 
 @njit(cache=True)
-def _product_units(group, a, out, unit, u0, u1):
-    """Units u0 .. u1-1 of the concatenated rows (unit 1) or panels (unit 16) of the group's matrices, from input a
-    (Operand) into out."""
+def _product_units(group, a, out, u0, u1):
+    """Units u0 .. u1-1 of the concatenated units (_unit: groups of rows, or panels) of the group's matrices, from
+    input a (Operand) into out."""
     mats, T = group.mats, a.T
     base, col = np.int64(0), np.int64(0)
     for i in range(group.count):
         m = group.first + i
-        N = mats[m, 2]
+        N, unit = mats[m, 2], _unit(mats[m, 1], T)
         units = -(-N // unit)
         lo, hi = max(u0, base), min(u1, base + units)
         if lo < hi:
             w = _matrix(group.pool, mats, m)
             n0, n1 = (lo - base) * unit, min((hi - base) * unit, N)
-            if _int8_type(mats[m, 1], T):
+            if qk.held_in_panels(mats[m, 1]):
+                cpu.matmul_panel_rows(w.reshape(w.size).view(np.float32), mats[m, 3], a.x, T, out, col, n0, n1)
+            elif _int8_type(mats[m, 1], T):
                 q = a.xv if _two_part_type(mats[m, 1]) else a.xq  # one call site: each kernel compiled in once
                 qk.matmul_rows_interleaved(mats[m, 1], w, q.q, q.d, q.s, q.s16, T, out, col, n0, n1)
             elif T == 1:
@@ -151,10 +163,10 @@ def _product_units(group, a, out, unit, u0, u1):
 
 @njit(inline="always")
 def embed_rows(w, tokens, x):
-    """x[t] = the embedding row of tokens[t], decoded from its stored type (gathered back first from a table held
-    interleaved for a tied LM head).                                                            # [T] -> [T, D]"""
+    """x[t] = the embedding row of tokens[t], decoded from its stored type: from the table as stored, or, where the LM
+    head is tied to it, gathered back from the head's panels or interleaved rows.               # [T] -> [T, D]"""
     embed = w.mats.shape[0] - 2
-    table = _matrix(w.pool, w.mats, embed)
+    table = w.table if w.table.shape[0] else _matrix(w.pool, w.mats, embed)
     scratch = np.empty(qk.file_row_bytes(w.mats[embed, 1], x.shape[1]), np.uint8)
     for t in range(tokens.shape[0]):
         qk.decode_any_row(w.mats[embed, 1], table, tokens[t], x[t], scratch)

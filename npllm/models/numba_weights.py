@@ -1,13 +1,13 @@
-"""The Numba backend's weights records, as its one compiled forward pass (models/numba.py, _forward) reads them:
-float32 panels (Packed, pack) or matrices kept in their file types over one byte pool (QPacked, pack_quantized).
+"""The Numba backend's weights record (Packed), as its one compiled forward pass (models/numba.py, _forward) reads it:
+every matrix over one byte pool, in its file's type (F16, BF16, a GGUF file's quantized blocks) or in a layout of the
+kernels' own (float32 panels, interleaved block rows), with a type code each; the vectors as float32 arrays.
 
-Both records hold every family's options as data: a norm the family does not have is an [L, 0] array, a dense
-model's experts are E = 0 arrays (a mixture of experts' dense matrices are empty), so one compiled loop runs them all.
+The record holds every family's options as data: a norm the family does not have is an [L, 0] array, a dense
+model's experts are E = 0 rows (a mixture of experts' dense matrices are empty), so one compiled loop runs them all.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import namedtuple
 
 import numpy as np
@@ -17,103 +17,9 @@ from ..kernels import cpu
 from ..kernels import quant as qk
 from ..quant import INTERLEAVE
 from ..tensors import release, release_files
-from .weights import Weights, fused_gate_up, fused_qkv
+from .weights import Weights
 
 PANEL = cpu.PANEL
-
-
-# The weights as _forward reads them, float32, stacked over L layers; matrices packed in panels of 16 rows. A vector
-# a family does not have is [L, 0] (block_norms "post" has no attention_norm / ffn_norm, Llama no q_norm, ...); a
-# dense model's expert arrays have E = 0, a mixture of experts' w13 and w2 no panels.
-Packed = namedtuple("Packed", [
-    "embeddings",  # [V, D]
-    "attention_norm",  # [L, D]
-    "wqkv",  # [L, ceil(W/16), D, 16]      W = (H + 2K) Dh
-    "bqkv",  # [L, 16 ceil(W/16)]          zero-padded
-    "wo",  # [L, ceil(D/16), H Dh, 16]
-    "ffn_norm",  # [L, D]
-    "w13",  # [L, 2 ceil(F/16), D, 16]     gate and up panels alternating
-    "w2",  # [L, ceil(D/16), F, 16]
-    "norm",  # [D]
-    "qk_perm",  # [0] int64: empty, fused_qkv put q and k rows in the interleaved RoPE layout at load (see QPacked)
-    "q_norm",  # [L, Dh or H Dh]            RMSNorm gains of q and k (ModelConfig.qk_norm), interleaved RoPE layout
-    "k_norm",  # [L, Dh or K Dh]
-    "post_attention_norm",  # [L, D]        RMSNorm gains of a block's output (block_norms "sandwich", "post")
-    "post_ffn_norm",  # [L, D]
-    "router",  # [L, ceil(E/16), D, 16]    mixture of experts: the router's panels
-    "w13_exps",  # [L, E, 2 ceil(Fe/16), D, 16]   each expert's gate and up panels, alternating
-    "w2_exps",  # [L, E, ceil(D/16), Fe, 16]
-])
-
-
-def _padded(n: int) -> int:
-    return -(-n // PANEL) * PANEL
-
-
-def lookup_table(embeddings) -> np.ndarray:
-    """The embedding table as _forward reads it: float32, C order, read-only, whatever the source (one compiled
-    signature). No copy of a float32 table: over a file's memory map, only the rows looked up become resident."""
-    table = np.ascontiguousarray(embeddings, dtype=np.float32).view()
-    table.flags.writeable = False
-    return table
-
-
-def pack_released(w) -> np.ndarray:
-    """cpu.pack_panels(w), a block of rows at a time, each block's pages of a mapped file released once packed:
-    the panels become the only resident copy, with no moment holding both whole.        # [N, D] -> [P, D, 16]"""
-    N, D = w.shape
-    panels = np.empty((-(-N // PANEL), D, PANEL), np.float32)
-    rows = PANEL * max(1, (1 << 20) // (PANEL * D * 4))  # ~1 MiB of float32 rows a block, whole panels
-    for r0 in range(0, N, rows):
-        block = w[r0:r0 + rows]
-        panels[r0 // PANEL:(r0 + len(block) + PANEL - 1) // PANEL] = cpu.pack_panels(block)
-        release(block)
-    return panels
-
-
-def pack(c: ModelConfig, weights: Weights) -> Packed:
-    """The layer weights fused, packed in panels and stacked along L, as _forward reads them."""
-    L, D, F, H, K, Dh = c.n_layers, c.dim, c.hidden_dim, c.n_heads, c.n_kv_heads, c.head_dim
-    n_qkv, dense = (H + 2 * K) * Dh, not c.n_experts
-    wqkv = np.empty((L, _padded(n_qkv) // PANEL, D, PANEL), np.float32)
-    bqkv = np.zeros((L, _padded(n_qkv)), np.float32)
-    wo = np.empty((L, _padded(D) // PANEL, H * Dh, PANEL), np.float32)
-    w13 = np.empty((L, 2 * _padded(F) // PANEL * dense, D, PANEL), np.float32)
-    w2 = np.empty((L, _padded(D) // PANEL * dense, F, PANEL), np.float32)
-    # The vectors first, then the file's pages let go (as in pack_quantized): reading a vector maps the cached pages
-    # around it (up to 2 MiB each), resident beside the panels until the end of the load: 10 MiB of a 110M F32 peak
-    vectors = layer_vectors(c, weights)
-    release_files([layer.wq for layer in weights.layers])
-    for l, layer in enumerate(weights.layers):
-        qkv, bqkv[l, :n_qkv] = fused_qkv(c, layer, interleave_rope=True)
-        wqkv[l] = cpu.pack_panels(qkv)
-        wo[l] = cpu.pack_panels(layer.wo)
-        if dense:
-            w13[l] = cpu.pack_panels(fused_gate_up(layer, PANEL))
-            w2[l] = cpu.pack_panels(layer.w2)
-        release(*[w for w in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w1, layer.w2, layer.w3) if w is not None])
-    return Packed(lookup_table(weights.tok_embeddings), vectors["attention_norm"], wqkv, bqkv, wo,
-                  vectors["ffn_norm"], w13, w2, np.array(weights.norm, np.float32), np.empty(0, np.int64),
-                  vectors["q_norm"], vectors["k_norm"], vectors["post_attention_norm"], vectors["post_ffn_norm"],
-                  *pack_experts(c, weights))
-
-
-def pack_experts(c: ModelConfig, weights: Weights) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A mixture of experts' router panels, and each expert's gate-up and down panels (fused_gate_up, as a dense
-    layer's), stacked along L; E = 0 for a dense model.          # -> [L, ceil(E/16), D, 16], [L, E, ...] x2"""
-    L, D, E, Fe = c.n_layers, c.dim, c.n_experts, c.moe_hidden_dim
-    router = np.empty((L, -(-E // PANEL), D, PANEL), np.float32)
-    w13 = np.empty((L, E, 2 * _padded(Fe) // PANEL, D, PANEL), np.float32)
-    w2 = np.empty((L, E, _padded(D) // PANEL, Fe, PANEL), np.float32)
-    for l, layer in enumerate(weights.layers if E else ()):
-        router[l] = cpu.pack_panels(np.asarray(layer.router, np.float32))
-        for e in range(E):
-            expert = dataclasses.replace(layer, w1=np.asarray(layer.w1_exps[e], np.float32),
-                                         w3=np.asarray(layer.w3_exps[e], np.float32))
-            w13[l, e] = cpu.pack_panels(fused_gate_up(expert, PANEL))
-            w2[l, e] = cpu.pack_panels(np.asarray(layer.w2_exps[e], np.float32))
-        release(layer.router, layer.w1_exps, layer.w2_exps, layer.w3_exps)
-    return router, w13, w2
 
 
 NORMS = ("attention_norm", "ffn_norm", "q_norm", "k_norm", "post_attention_norm", "post_ffn_norm")
@@ -121,8 +27,8 @@ NORMS = ("attention_norm", "ffn_norm", "q_norm", "k_norm", "post_attention_norm"
 
 def layer_vectors(c: ModelConfig, weights: Weights) -> dict[str, np.ndarray]:
     """The layers' RMSNorm gains by name (NORMS), float32 stacked along L, [L, 0] where the family has none; q_norm
-    and k_norm permuted as fused_qkv permutes q and k rows (Hugging Face's rope_layout "half" into the interleaved
-    one), each head's Dh gains alike ("head": one head's [Dh]; "projection": [H Dh], [K Dh]).   # -> {name: [L, n]}"""
+    and k_norm permuted as Packed.qk_perm permutes q and k outputs (Hugging Face's rope_layout "half" into the
+    interleaved one), each head's Dh gains alike ("head": one head's [Dh]; "projection": [H Dh], [K Dh]).   # -> {name: [L, n]}"""
     from ..tensors import permute_qk_half_to_interleaved
 
     vectors = {}
@@ -138,34 +44,36 @@ def layer_vectors(c: ModelConfig, weights: Weights) -> dict[str, np.ndarray]:
 
 
 # ================================================================================================================
-# Weights kept in their file types (a GGUF checkpoint's quantized blocks, F16, ...): no float32 copy, no repacking.
-#
 # Every matrix is a run of byte rows inside ONE uint8 array, the `pool`: the checkpoint's memory map itself when all
-# matrices lie in it (a GGUF file), else their bytes put together once. A table says where each one is:
+# matrices lie in it as stored (an F16 GGUF file), else their bytes put together once. A table says where each is:
 #
-#     mats [7 L + 2, 5] int64: byte offset, GGML type id, rows N, values per row K, bytes per row
+#     mats [7 L + 2, 5] int64: byte offset, type code, rows N, values per row K, bytes per row
 #          rows 7 l + (WQ, WK, WV, WO, W1, W3, W2) for layer l, then the token embeddings and the LM head
 #
-# Nothing is fused at load (fusing would copy): q, k and v (and gate and up), which read the same input, are
-# computed in ONE parallel region over their concatenated rows, each matrix by the row-range worker of its own type
-# (kernels/quant), so a file that mixes types (Q4_K_M: Q4_K, Q6_K, Q5_0, ...) runs every matrix as stored.
+# The type code is the GGML type id, plus where the matrix is held in a layout of its own (kernels/quant/dispatch.py):
+# a block type's rows interleaved by eight (+ INTERLEAVED_CODE), F32 rows as panels of 16 (+ PANELS_CODE, the
+# layout of cpu.py's register tiles). Block types are not fused at load: q, k and v (and gate and up), which read the
+# same input, are computed in ONE parallel region over their concatenated rows, each matrix by the row-range worker of
+# its own type (models/numba_products.py), so a file that mixes types (Q4_K_M: Q4_K, Q6_K, Q5_0, ...) runs every
+# matrix as stored. F32 ones, copied into panels anyway, are stored as one run of panels where all of a product's
+# are F32 (_runs): the first matrix's row of the table then counts the run's rows, the others' none.
 
 
 WQ, WK, WV, WO, W1, W3, W2 = range(7)
 PER_LAYER = 7
-# Quantized forward: the float32 panels of a product over T tokens come from decoding 16 rows; rows of one token
-# are read straight from the blocks (see kernels/quant).
-QPacked = namedtuple("QPacked", [
+Packed = namedtuple("Packed", [
     "pool",  # [bytes] uint8, read-only
     "mats",  # [7 L + 2, 5] int64 (see above)
-    "attention_norm",  # [L, D]           and the other vectors as in Packed ([L, 0] where the family has none)
+    "table",  # [V, row bytes] uint8, read-only: the embedding table as stored, looked up row by row (a mapped file's
+    #           other rows never load); [0, 0] where it is tied to the LM head: then its rows come from the head's
+    "attention_norm",  # [L, D]         RMSNorm gains, float32 stacked along L ([L, 0] where the family has none)
     "bqkv",  # [L, (H + 2K) Dh]      zeros where the model has no biases
     "ffn_norm",  # [L, D]
     "norm",  # [D]
     "qk_perm",  # [(H + K) Dh] int64: column i of q|k takes column qk_perm[i] (rope_layout "half"); empty otherwise
-    "q_norm",  # [L, Dh or H Dh]
+    "q_norm",  # [L, Dh or H Dh]       q and k norms, in the interleaved RoPE layout (layer_vectors)
     "k_norm",  # [L, Dh or K Dh]
-    "post_attention_norm",  # [L, D]
+    "post_attention_norm",  # [L, D]   a block's output's norms (block_norms "sandwich", "post")
     "post_ffn_norm",  # [L, D]
     "experts",  # [L (1 + 3E), 5] int64 rows as mats': layer l's router at row l, its expert e's gate, up and down at
     #             rows L + 3 (l E + e) + (0, 1, 2); [0, 5] for a dense model (whose mats rows W1, W3, W2 are empty
@@ -196,96 +104,171 @@ def weight_pool(raws: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
             parts.append(np.ascontiguousarray(r).reshape(-1))
             at += r.nbytes
         offsets.append(seen[id(r)])
-    pool = np.concatenate(parts)
+    pool = np.concatenate(parts) if parts else np.empty(0, np.uint8)
     pool.flags.writeable = False
     return pool, offsets
 
 
-def interleaved_pool(matrices: list, interleave: list[bool]) -> tuple[np.ndarray, list[int]]:
-    """weight_pool's one uint8 array, built as a copy: the matrices marked in `interleave` as
-    quant.interleave_rows(raw) (eight rows per group), the others as they are, each distinct matrix once. A mapped
-    source's pages are released once copied (tensors.release), so the pool is the only resident copy, with no moment
-    holding both whole."""
+def layout_of(m, looked_up: bool) -> int:
+    """The layout code (kernels/quant/dispatch.py) a matrix is held in: F32 as panels, a block type's rows
+    interleaved, others (F16, BF16) as stored; an embedding table only looked up, as stored."""
+    if looked_up:
+        return 0
+    if m.qtype in qk.PANEL_TYPES:
+        return qk.PANELS_CODE
+    return qk.INTERLEAVED_CODE if m.qtype in qk.INTERLEAVED_TYPES else 0
+
+
+def _stored(part: np.ndarray, qtype: str, layout: int) -> np.ndarray:
+    """Rows of a matrix as the pool holds them in `layout` (whole groups of 8 or 16 rows but the last)."""
     from ..quant import interleave_rows
 
-    keys = [(m.raw.__array_interface__["data"][0], m.raw.shape, inter) for m, inter in zip(matrices, interleave)]
-    first = {}
-    for i, key in enumerate(keys):
-        first.setdefault(key, i)
+    if layout == qk.PANELS_CODE:
+        return cpu.pack_panels(np.ascontiguousarray(part).view("<f4"))
+    return interleave_rows(part, qtype) if layout == qk.INTERLEAVED_CODE else part
+
+
+def rearranged_pool(matrices: list, layouts: list[int], runs: list[list[int]]) -> tuple[np.ndarray, list[int]]:
+    """weight_pool's one uint8 array, built as a copy: each run of matrices (_runs: one matrix, or F32 ones stored as
+    one) in its layout (_stored), each distinct run once, each starting on 64 bytes; and each matrix's offset (its
+    run's; -1: in no run). A mapped source's pages are released once copied (tensors.release), so the pool is the
+    only resident copy, with no moment holding both whole."""
+    distinct = {}
+    for run in runs:
+        distinct.setdefault(_run_key(matrices, layouts, run), run)
     offsets_of, at = {}, 0
-    for key, i in first.items():
+    for key, run in distinct.items():
         offsets_of[key] = at
-        at += stored_row_bytes(matrices[i], interleave[i]) * stored_rows(matrices[i], interleave[i])
+        rows = stored_rows(sum(matrices[i].shape[0] for i in run), layouts[run[0]])
+        at += -(-stored_row_bytes(matrices[run[0]], layouts[run[0]]) * rows // 64) * 64
     pool = np.empty(at, np.uint8)
-    for key, i in first.items():
-        raw, at = matrices[i].raw, offsets_of[key]
-        rows = INTERLEAVE * max(1, (1 << 20) // (INTERLEAVE * raw.shape[1]))  # ~1 MiB at a time: no whole temporaries
-        for r0 in range(0, raw.shape[0], rows):
-            part = raw[r0:r0 + rows]
-            stored = interleave_rows(part, matrices[i].qtype) if interleave[i] else part
-            pool[at:at + stored.nbytes] = np.ascontiguousarray(stored).reshape(-1)
+    for key, run in distinct.items():
+        at, head, layout = offsets_of[key], matrices[run[0]], layouts[run[0]]
+        per = PANEL if layout == qk.PANELS_CODE else INTERLEAVE
+        rows = per * max(1, (1 << 20) // (per * head.raw.shape[1]))  # ~1 MiB at a time: no whole temporaries
+        for part in _row_blocks([matrices[i].raw for i in run], rows):
+            stored = _stored(part, head.qtype, layout)
+            pool[at:at + stored.nbytes] = np.ascontiguousarray(stored).reshape(-1).view(np.uint8)
             at += stored.nbytes
-            release(part)
     pool.flags.writeable = False
-    return pool, [offsets_of[key] for key in keys]
+    offsets = [-1] * len(matrices)
+    for run in runs:
+        for i in run:
+            offsets[i] = offsets_of[_run_key(matrices, layouts, run)]
+    return pool, offsets
 
 
-def stored_rows(m, interleaved: bool) -> int:
-    """Rows matrix m takes in the pool: its own, or (interleaved) as many as whole groups of INTERLEAVE hold."""
-    return -(-m.shape[0] // INTERLEAVE) * INTERLEAVE if interleaved else m.shape[0]
+def _run_key(matrices: list, layouts: list[int], run: list[int]) -> tuple:
+    """What makes two runs one (a tied embedding and LM head: the same bytes, held alike)."""
+    return tuple((matrices[i].raw.__array_interface__["data"][0], matrices[i].raw.shape, layouts[i]) for i in run)
 
 
-def stored_row_bytes(m, interleaved: bool) -> int:
-    """Bytes a row of matrix m takes in the pool: its file's, or as interleaved rows (Q4_K's scales unpacked)."""
+def _row_blocks(raws: list[np.ndarray], rows: int):
+    """Consecutive blocks of `rows` rows of the raws' rows one after another (a copy where a block spans two), each
+    source's part released (tensors.release) once its block has been used."""
+    starts = np.cumsum([0] + [len(r) for r in raws])
+    for r0 in range(0, int(starts[-1]), rows):
+        r1 = min(int(starts[-1]), r0 + rows)
+        parts = [raw[max(r0 - s, 0):r1 - s] for raw, s in zip(raws, starts) if s < r1 and s + len(raw) > r0]
+        yield parts[0] if len(parts) == 1 else np.concatenate(parts)
+        release(*parts)
+
+
+def _runs(c: ModelConfig, matrices: list, layouts: list[int], skip: int) -> list[list[int]]:
+    """The pool's runs of matrices: a layer's q, k and v, and its gate and up, stored as one run of panels where all are
+    F32 (one fused matrix, whose outputs are the same side by side: its panels go to the register tiles four at a
+    time, as the float32 kernels always took them, not as three small matrices' leftovers); every other matrix alone
+    but matrix `skip` (an embedding table kept outside the pool; -1: none)."""
+    runs, fused = [], set()
+    for l in range(c.n_layers):
+        for group in ((WQ, WK, WV), (W1, W3)):
+            run = [PER_LAYER * l + g for g in group]
+            if all(layouts[i] == qk.PANELS_CODE and matrices[i].shape[0] for i in run):
+                runs.append(run)
+                fused.update(run)
+    return runs + [[i] for i in range(len(matrices)) if i not in fused and i != skip]
+
+
+def stored_rows(n: int, layout: int) -> int:
+    """Rows n rows take in the pool: n, or as many as whole groups of INTERLEAVE (panels of 16) hold."""
+    per = {qk.INTERLEAVED_CODE: INTERLEAVE, qk.PANELS_CODE: PANEL}.get(layout, 1)
+    return -(-n // per) * per
+
+
+def stored_row_bytes(m, layout: int) -> int:
+    """Bytes a row of matrix m takes in the pool: its file's (panels too), or as interleaved rows (Q4_K's scales
+    unpacked)."""
     from ..quant import INTERLEAVED_BLOCK_BYTES, TYPES
 
-    if not interleaved:
+    if layout != qk.INTERLEAVED_CODE:
         return m.raw.shape[1]
     return m.raw.shape[1] // TYPES[m.qtype].block_bytes * INTERLEAVED_BLOCK_BYTES[m.qtype] // INTERLEAVE
 
 
-def pack_quantized(c: ModelConfig, weights: Weights) -> QPacked:
-    """The matrices in their own types over one byte pool, the vectors as float32 arrays stacked along L."""
-    from ..quant import INTERLEAVED_TYPES, TYPES
-    from ..tensors import permute_qk_half_to_interleaved
+def pack(c: ModelConfig, weights: Weights) -> Packed:
+    """The matrices over one byte pool (each in layout_of's layout), the vectors as float32 arrays stacked along L.
+
+    F32 matrices are multiplied as panels (a layer's q, k and v as one, and its gate and up: _runs) and every block
+    type's as rows interleaved by eight (kernels/quant), each a copy of the file's bytes in that order. The embedding table stays as stored, outside the pool (its rows are looked
+    up one by one, and a mapped table's unused rows never load), unless the LM head is tied to it: then the one copy is
+    held for the head's product (the largest of a decode step), and a lookup gathers its row back (decode_any_row)."""
+    from ..quant import TYPES
 
     matrices = pool_matrices(c, weights)
     embed = PER_LAYER * c.n_layers  # the embedding table's index; the LM head's next
-    # Every block type's products run on rows interleaved by eight (kernels/quant), which needs a copy
-    # of the file's bytes in that order. The embedding table stays as stored (its rows are looked up one by one, and a
-    # mapped table's unused rows never load), unless the LM head is tied to it: then the one copy is interleaved for
-    # the head's product (the largest of a decode step), and a lookup gathers its row back (decode_any_row).
     tied = matrices[embed + 1].raw.__array_interface__["data"][0] == matrices[embed].raw.__array_interface__["data"][0]
-    interleave = [m.qtype in INTERLEAVED_TYPES and (i != embed or tied) for i, m in enumerate(matrices)]
+    layouts = [layout_of(m, i == embed and not tied) for i, m in enumerate(matrices)]
     # The vectors first, then every page of the file let go: reading a vector maps the cached pages around it (up to
     # 2 MiB each), 17-35 MB of a 110M Q4_0 file, resident beside the pool while it is built.
+    vectors = layer_vectors(c, weights)
+    release_files(matrices)
+    runs = _runs(c, matrices, layouts, -1 if tied else embed)
+    if any(layouts):
+        pool, offsets = rearranged_pool(matrices, layouts, runs)
+    else:
+        pool, at = weight_pool([matrices[run[0]].raw for run in runs])
+        offsets = [-1] * len(matrices)  # -1: not in the pool (the table)
+        for run, where in zip(runs, at):
+            offsets[run[0]] = where
+    rows_of = [m.shape[0] for m in matrices]
+    for run in runs:  # a fused run (_runs): its first matrix's row of the table counts every row, the others none
+        rows_of[run[0]], rest = sum(rows_of[i] for i in run), run[1:]
+        for i in rest:
+            rows_of[i] = 0
+    table = np.ascontiguousarray(matrices[embed].raw if not tied else np.empty((0, 0), np.uint8)).view()
+    table.flags.writeable = False
+    rows = np.array([(at, TYPES[m.qtype].type_id + layout, n, m.shape[1], stored_row_bytes(m, layout))
+                     for at, m, layout, n in zip(offsets, matrices, layouts, rows_of)], np.int64)
+    return Packed(pool, rows[:embed + 2], table, vectors["attention_norm"], _biases(c, weights), vectors["ffn_norm"],
+                  np.array(weights.norm, np.float32), _qk_permutation(c), vectors["q_norm"], vectors["k_norm"],
+                  vectors["post_attention_norm"], vectors["post_ffn_norm"], rows[embed + 2:].reshape(-1, 5).copy())
+
+
+def _biases(c: ModelConfig, weights: Weights) -> np.ndarray:
+    """[bq; bk; bv] of each layer, zeros where the model has none.                        # -> [L, (H + 2K) Dh]"""
     H, K, Dh = c.n_heads, c.n_kv_heads, c.head_dim
     bqkv = np.zeros((c.n_layers, (H + 2 * K) * Dh), np.float32)
     if c.attention_bias:
         for l, layer in enumerate(weights.layers):
             bqkv[l] = np.concatenate([layer.bq, layer.bk, layer.bv])
-    qk_perm = np.empty(0, np.int64)
-    if c.rope_layout == "half":  # q and k rows in HF's layout: permute their outputs into the interleaved one
-        r = c.rotary_dims
-        qk_perm = np.concatenate([permute_qk_half_to_interleaved(np.arange(H * Dh), H, Dh, r),
-                                  H * Dh + permute_qk_half_to_interleaved(np.arange(K * Dh), K, Dh, r)])
-    v = layer_vectors(c, weights)
-    norm = np.array(weights.norm, np.float32)
-    release_files(matrices)
-    if any(interleave):
-        pool, offsets = interleaved_pool(matrices, interleave)
-    else:
-        pool, offsets = weight_pool([m.raw for m in matrices])
-    rows = np.array([(at, TYPES[m.qtype].type_id + (qk.INTERLEAVED_CODE if inter else 0), m.shape[0], m.shape[1],
-                      stored_row_bytes(m, inter)) for at, m, inter in zip(offsets, matrices, interleave)], np.int64)
-    return QPacked(pool, rows[:embed + 2], v["attention_norm"], bqkv, v["ffn_norm"], norm, qk_perm.astype(np.int64),
-                   v["q_norm"], v["k_norm"], v["post_attention_norm"], v["post_ffn_norm"],
-                   rows[embed + 2:].reshape(-1, 5).copy())
+    return bqkv
+
+
+def _qk_permutation(c: ModelConfig) -> np.ndarray:
+    """Where q and k rows are in Hugging Face's layout (rope_layout "half"): the permutation of their outputs into
+    the interleaved one; else empty.                                                       # -> [(H + K) Dh] int64"""
+    from ..tensors import permute_qk_half_to_interleaved
+
+    H, K, Dh, r = c.n_heads, c.n_kv_heads, c.head_dim, c.rotary_dims
+    if c.rope_layout != "half":
+        return np.empty(0, np.int64)
+    return np.concatenate([permute_qk_half_to_interleaved(np.arange(H * Dh), H, Dh, r),  # the first r of each head
+                           H * Dh + permute_qk_half_to_interleaved(np.arange(K * Dh), K, Dh, r)]).astype(np.int64)
 
 
 def pool_matrices(c: ModelConfig, weights: Weights) -> list:
     """Every matrix the pool holds, as QuantizedMatrix: each layer's (WQ .. W2), the embeddings, the LM head, then a
-    mixture of experts' routers and each expert's gate, up and down (QPacked.experts' order). A mixture of experts'
+    mixture of experts' routers and each expert's gate, up and down (Packed.experts' order). A mixture of experts'
     layers have no W1, W3, W2: empty matrices (no rows) over WQ's bytes stand in for them. An expert tensor is
     anything whose [e] is a matrix (float arrays [E, N, K]: each expert's F32 bytes, no copy)."""
     from ..quant import QuantizedMatrix, as_matrix

@@ -5,7 +5,7 @@
 
 Random weights of a named shape (formats/random.py) are written with npllm's own write_gguf into --dir (once; not
 meant to be committed), then each file is loaded the way npllm.load loads it (backend numba: matrices kept in
-their file types; an all-F32 file runs on the float32 panels) and decodes --steps tokens after an 8-token prompt
+their file types; an all-F32 file's as float32 panels) and decodes --steps tokens after an 8-token prompt
 on a cache of exactly that many positions. Each child reports resource.getrusage(RUSAGE_SELF).ru_maxrss (memory
 mapped file pages it touched included). A child that only imports npllm and compiles/loads the same kernels on a
 tiny model gives the baseline: the interpreter, NumPy, Numba and LLVM with the compiled code.

@@ -4,7 +4,7 @@ GOMP_SPINCOUNT is set; run each setting in its own process, since OpenMP reads t
 
     python scripts/bench/decode_step.py FILE [PROMPT] [STEPS]          # defaults: 128-token prompt, 200 steps
 
-The numba model, weights kept in their file types (a GGUF) or packed float32 panels (other checkpoints). Also
+The numba model, every matrix kept in its type (a GGUF file's blocks; float32 ones as panels). Also
 printed: how often the process's threads went to sleep per step (voluntary context switches: each one a wake-up to
 pay for at the next parallel region), and the steal time of the machine's CPUs meanwhile (time a VM's vCPUs were
 ready to run but the host ran another guest).

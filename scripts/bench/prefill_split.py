@@ -5,7 +5,7 @@ products_into but outside its parallel region).
 
     python scripts/bench/prefill_split.py FILE.gguf [THREADS] [T] [REPEAT]      # defaults: 2 threads, 128 tokens, 5
 
-The numba model on weights kept in their file types (a quantized GGUF).
+The numba model on any checkpoint (a quantized GGUF, a float32 file: every matrix in its type, F32 as panels).
 """
 import sys
 import time
@@ -14,7 +14,7 @@ import numba
 import numpy as np
 
 import npllm
-from npllm.models.numba import PER_LAYER, W1, W2, WO, WQ
+from npllm.models.numba import PER_LAYER, W1, W2, W3, WO, WQ
 from npllm.models.numba_products import products_into
 
 path = sys.argv[1]
@@ -25,7 +25,7 @@ llm = npllm.load(path, backend="numba", threads=threads)
 model = llm.model
 c = model.config
 w = model.packed
-F = w.mats[W1, 2]
+F = (w.mats[W1, 2] + w.mats[W3, 2]) // 2  # gate and up may be one run of rows (W1 counting both)
 D, H, K, Dh = c.dim, c.n_heads, c.n_kv_heads, c.head_dim
 rng = np.random.default_rng(0)
 h = rng.standard_normal((T, D)).astype(np.float32)
@@ -37,7 +37,7 @@ tokens = rng.integers(0, c.vocab_size, T)
 
 
 def products():
-    """Every layer's four products_into calls, as _forward makes them for a QPacked record (inputs random)."""
+    """Every layer's four products_into calls, as _forward makes them (inputs random)."""
     numba.set_num_threads(threads)
     for l in range(c.n_layers):
         m = PER_LAYER * l

@@ -8,6 +8,7 @@ record, not a branch.
     matvec_rows(code, w, x, sums, out, col, n0, n1)                       one token, float types
     matmul_rows(code, w, x, T, out, col, n0, n1)                          T tokens, float types (panels of 16 rows)
     decode_row(code, w, n, out), decode_any_row(code, w, n, out, scratch) a row as float32 (embedding lookups)
+    held_interleaved(code), held_in_panels(code)                         the layout a model's code names
     gather_interleaved_row(code, w8, n, row)                              an interleaved row back in its file's bytes
 """
 
@@ -26,8 +27,12 @@ from .expanded import expand_starts, expanded_bytes, expanded_tile
 from .intrinsics import PAIRED
 
 KERNELS = {k.name: k for k in floats.RECORDS + legacy.RECORDS + kquants.RECORDS + iq4.RECORDS}
-# The type ids of interleaved matrices in a model's table (models/numba.py): the GGML type id plus INTERLEAVED_CODE.
+# The type codes of a model's table (models/numba_weights.py): the GGML type id, plus where the model holds the matrix in
+# a layout of its own: INTERLEAVED_CODE, rows interleaved by eight (quant.interleave_rows: every block type's
+# products), or PANELS_CODE, float32 panels of 16 rows (cpu.pack_panels: F32's products, cpu.matmul_panel_rows).
 INTERLEAVED_CODE = 1000
+PANELS_CODE = 2000
+PANEL_TYPES = ("F32",)
 INTERLEAVED_TYPES = tuple(name for name in quant.INTERLEAVED_TYPES if KERNELS[name].tile is not None)
 ROW_TYPES = tuple(KERNELS)  # the types decode_row reads
 FLOAT_TYPES = tuple(name for name, k in KERNELS.items() if k.matvec is not None)
@@ -43,6 +48,18 @@ for _t in quant.TYPES.values():
 
 def _code(name: str, interleaved: bool = False) -> int:
     return quant.TYPES[name].type_id + (INTERLEAVED_CODE if interleaved else 0)
+
+
+@njit(inline="always")
+def held_interleaved(code) -> bool:
+    """Whether a model's matrix of this code is held as interleaved rows (INTERLEAVED_CODE + its GGML id)."""
+    return INTERLEAVED_CODE <= code < PANELS_CODE
+
+
+@njit(inline="always")
+def held_in_panels(code) -> bool:
+    """Whether a model's matrix of this code is held as float32 panels (PANELS_CODE + F32's id)."""
+    return code >= PANELS_CODE
 
 
 # ---------------------------------------------------------------------------------------------- the chains
@@ -179,7 +196,7 @@ def matmul_rows_interleaved(code, w, q, d, s, s16, T, out, col, n0, n1):
 def takes_two_parts(code) -> bool:
     """Whether a matrix of this code (interleaved) meets its activations in two 8-bit parts (quant.QuantType's
     activations "two_part")."""
-    return code >= INTERLEAVED_CODE and TWO_PART[code - INTERLEAVED_CODE]
+    return held_interleaved(code) and TWO_PART[code - INTERLEAVED_CODE]
 
 
 # ---------------------------------------------------------------------------------------------- rows
@@ -231,13 +248,24 @@ def file_row_bytes(code, K):
 
 @njit(cache=True)
 def decode_any_row(code, w, n, out, scratch):
-    """decode_row, also for a matrix held interleaved (code >= INTERLEAVED_CODE): its row gathered into scratch
-    [file_row_bytes(code, K)] uint8 first."""
-    if code >= INTERLEAVED_CODE:
+    """decode_row, also for a matrix held interleaved (held_interleaved: its row gathered into scratch
+    [file_row_bytes(code, K)] uint8 first) or in panels (w [P, 16 row bytes]: held_in_panels)."""
+    if held_in_panels(code):
+        panel_row(w, n, out)
+    elif held_interleaved(code):
         gather_interleaved_row(code, w, n, scratch)
         decode_row(code - INTERLEAVED_CODE, scratch.reshape(1, scratch.size), 0, out)
     else:
         decode_row(code, w, n, out)
+
+
+@njit(cache=True)
+def panel_row(w, n, out):
+    """Row n of a float32 matrix held as panels (cpu.pack_panels' layout, as bytes [P, 16 * 4 K]) into out[:K]:
+    value k of row 16 p + j is float (p K + k) 16 + j."""
+    K, p, j = w.shape[1] // (4 * PANEL), n // PANEL, n % PANEL
+    for k in range(K):
+        out[k] = floats.load_f32(w, 4 * ((p * K + k) * PANEL + j))
 
 
 _matvec_rows = _cases([(_code(name), KERNELS[name].matvec) for name in FLOAT_TYPES])
