@@ -18,7 +18,7 @@ import npllm
 from npllm.cli import build_parser
 from npllm.errors import ConfigError, FormatError, NpllmError
 from npllm.formats import read_checkpoint
-from tests_support import REPO, load_campaign
+from tests_support import COMPILE_TIMEOUT, REPO, load_campaign
 
 bad_inputs = load_campaign()
 
@@ -152,7 +152,7 @@ def test_hf_directory_without_a_tokenizer_is_one_error_line(tmp_path):
     shutil.copytree(FIXTURE, folder)
     (folder / "tokenizer.json").unlink()
     result = subprocess.run([sys.executable, "-m", "npllm", "generate", "hi", "--model", str(folder)],
-                            capture_output=True, text=True, cwd=REPO, timeout=120,
+                            capture_output=True, text=True, cwd=REPO, timeout=COMPILE_TIMEOUT,
                             env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")})
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("npllm: error: no tokenizer") and "Traceback" not in result.stderr

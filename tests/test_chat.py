@@ -19,7 +19,7 @@ from npllm.chat.templates import BUILTIN_TEMPLATES
 from npllm.errors import ChatTemplateError, GenerationError
 from npllm.generate import generate_ids
 from npllm.sampling import SamplingParams
-from tests_support import template_worker_of, wait_gone
+from tests_support import COMPILE_TIMEOUT, template_worker_of, wait_gone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HI = [{"role": "user", "content": "Hi"}]
@@ -157,7 +157,7 @@ def test_npllm_chat_answers_one_turn_per_line(stories260k, llm):
     run = subprocess.run([sys.executable, "-m", "npllm", "chat", "--model", str(stories260k), "--chat-template",
                           "chatml", "--max-new-tokens", "40", "--temperature", "0"],
                          input="Hi\n/system You tell stories.\nTell me a story\n", capture_output=True, text=True,
-                         timeout=120, cwd=REPO)
+                         timeout=COMPILE_TIMEOUT, cwd=REPO)
     assert run.returncode == 0, run.stderr
     turns = [line for line in run.stderr.splitlines() if "prompt tokens prefilled" in line]
     assert len(turns) == 2
@@ -209,7 +209,7 @@ def test_a_conversation_past_the_context_says_how_to_go_on(llm):
         "".join(session.send("Hi", max_new_tokens=600, ignore_eos=True))
 
 
-def chat_cli(stories260k, lines: str, *flags, env=None, timeout=120) -> subprocess.CompletedProcess:
+def chat_cli(stories260k, lines: str, *flags, env=None, timeout=COMPILE_TIMEOUT) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "npllm", "chat", "--model", str(stories260k), "--backend", "numpy",
                            "--max-new-tokens", "4", *flags], input=lines, capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})

@@ -7,12 +7,12 @@ import sys
 import pytest
 
 from npllm import cli
-from tests_support import REPO
+from tests_support import COMPILE_TIMEOUT, REPO
 
 
 def run_npllm(*args):
     return subprocess.run([sys.executable, "-m", "npllm", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=120)
+                          timeout=COMPILE_TIMEOUT)
 
 
 def test_info_describes_stories260k(stories260k):
@@ -70,7 +70,7 @@ def test_a_closed_pipe_ends_quietly():
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     head = proc.stdout.read(20)
     proc.stdout.close()
-    _, stderr = proc.communicate(timeout=120)
+    _, stderr = proc.communicate(timeout=COMPILE_TIMEOUT)
     assert head.startswith(b"Once upon")
     assert proc.returncode == 141, stderr
     assert b"Traceback" not in stderr and b"Exception" not in stderr, stderr
@@ -92,18 +92,18 @@ def test_bad_input_writes_nothing_to_stdout(args):
 def test_invalid_utf8_prompts_are_clear_errors():
     """$'\\xff' from the shell reaches Python as a lone surrogate; piped bytes that are not UTF-8 likewise."""
     result = subprocess.run([sys.executable, "-m", "npllm", "generate", b"\xff"], capture_output=True, cwd=REPO,
-                            timeout=120)
+                            timeout=COMPILE_TIMEOUT)
     assert result.returncode == 2 and result.stdout == b"", result.stderr
     assert result.stderr.startswith(b"npllm: error: the prompt is not valid UTF-8")
     result = subprocess.run([sys.executable, "-m", "npllm", "generate", "-"], input=b"Lily \xc3", capture_output=True,
-                            cwd=REPO, timeout=120)
+                            cwd=REPO, timeout=COMPILE_TIMEOUT)
     assert result.returncode == 2 and result.stdout == b"" and b"not UTF-8" in result.stderr, result.stderr
 
 
 def test_dash_reads_the_prompt_from_stdin():
     common = ["--temperature", "0", "--max-new-tokens", "12"]
     piped = subprocess.run([sys.executable, "-m", "npllm", "generate", "-", *common], input="Lily and Ben\n",
-                           capture_output=True, text=True, cwd=REPO, timeout=120)
+                           capture_output=True, text=True, cwd=REPO, timeout=COMPILE_TIMEOUT)
     direct = run_npllm("generate", "Lily and Ben", *common)
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout == direct.stdout and piped.stdout.startswith("Lily and Ben")
@@ -130,7 +130,7 @@ def test_ctrl_c_ends_the_line_and_exits_130(tmp_path, stories260k):
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = proc.stdout.read(40)  # generation is under way
     proc.send_signal(signal.SIGINT)
-    rest, stderr = proc.communicate(timeout=120)
+    rest, stderr = proc.communicate(timeout=COMPILE_TIMEOUT)
     out = first + rest
     assert proc.returncode == 130, stderr
     assert out.startswith(b"Once") and out.endswith(b"\n")
@@ -251,5 +251,5 @@ def test_every_command_of_the_parser_is_run_by_its_module():
 
 def test_the_cli_package_runs_as_a_module(stories260k):
     result = subprocess.run([sys.executable, "-m", "npllm.cli", "info", str(stories260k)], capture_output=True,
-                            text=True, cwd=REPO, timeout=120)
+                            text=True, cwd=REPO, timeout=COMPILE_TIMEOUT)
     assert result.returncode == 0 and "260,032" in result.stdout, result.stderr

@@ -17,7 +17,7 @@ from npllm.formats import read_checkpoint
 from npllm.formats.llama2c import write_llama2c
 from npllm.formats.random import random_weights
 from npllm.models import make_model
-from tests_support import REPO, assert_padding_never_drawn, pad_vocabulary
+from tests_support import COMPILE_TIMEOUT, REPO, assert_padding_never_drawn, pad_vocabulary
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 PROMPT = "Once upon a time"
@@ -63,11 +63,11 @@ def test_null_eos_falls_back_to_generation_config(tmp_path):
 def test_info_says_when_there_is_no_end_token(tmp_path):
     folder = qwen2_copy(tmp_path, {"eos_token_id": None})
     result = subprocess.run([sys.executable, "-m", "npllm", "info", str(folder)], capture_output=True, text=True,
-                            cwd=REPO, timeout=120)
+                            cwd=REPO, timeout=COMPILE_TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert "end tokens:   none" in result.stdout
     with_eos = subprocess.run([sys.executable, "-m", "npllm", "info", str(FIXTURES / "qwen2_bias")],
-                              capture_output=True, text=True, cwd=REPO, timeout=120)
+                              capture_output=True, text=True, cwd=REPO, timeout=COMPILE_TIMEOUT)
     assert "end tokens:   1" in with_eos.stdout
 
 

@@ -14,6 +14,7 @@ import npllm
 from npllm.errors import GenerationError
 from npllm.evaluate import (DECISIVE_LEAD, _mean_and_stderr, kl_divergence, llama_cpp_chunks, perplexity,
                             scored_logits, strided_perplexity, strided_windows)
+from tests_support import COMPILE_TIMEOUT
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,7 @@ def test_cli_json(stories260k, weights_dir, story_text, tmp_path):
     text.write_text(story_text, encoding="utf-8")
     out = subprocess.run([sys.executable, "-m", "npllm", "perplexity", "--model", str(stories260k), "--tokenizer",
                           str(weights_dir / "stories260K" / "tok512.bin"), "--text", str(text), "--ctx", "64",
-                          "--batch", "4", "--json"], capture_output=True, text=True, timeout=300)
+                          "--batch", "4", "--json"], capture_output=True, text=True, timeout=COMPILE_TIMEOUT)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert set(result) >= {"ppl", "ppl_stderr", "tokens", "chunks", "seconds"}
@@ -151,5 +152,5 @@ def test_cli_json(stories260k, weights_dir, story_text, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("Once upon a time", encoding="utf-8")
     out = subprocess.run([sys.executable, "-m", "npllm", "perplexity", "--model", str(stories260k), "--text",
-                          str(short), "--ctx", "64"], capture_output=True, text=True, timeout=300)
+                          str(short), "--ctx", "64"], capture_output=True, text=True, timeout=COMPILE_TIMEOUT)
     assert out.returncode == 2 and "needs at least 128" in out.stderr and "Traceback" not in out.stderr

@@ -15,7 +15,7 @@ import npllm
 from npllm.explain import describe, explain_ids, format_step, step_json
 from npllm.generate import generate_ids
 from npllm.sampling import SamplingParams, sample_step
-from tests_support import REPO
+from tests_support import COMPILE_TIMEOUT, REPO
 
 PARAMS = [
     SamplingParams(temperature=0),
@@ -96,7 +96,7 @@ def test_table_matches_sampler_on_arbitrary_logits(logits, temperature, top_k, t
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "npllm", *args], capture_output=True, text=True, cwd=REPO,
-                          env=dict(os.environ), timeout=300)
+                          env=dict(os.environ), timeout=COMPILE_TIMEOUT)
 
 
 @pytest.mark.parametrize("sampling", [["--temperature", "0"], ["--temperature", "0.9", "--top-p", "0.8",

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 import npllm
-from tests_support import REPO, require, weights_root
+from tests_support import COMPILE_TIMEOUT, REPO, require, weights_root
 
 
 def run_cli(*args, env_weights=None):
     env = dict(os.environ)
     return subprocess.run([sys.executable, "-m", "npllm", *args], capture_output=True, text=True, cwd=REPO, env=env,
-                          timeout=300)
+                          timeout=COMPILE_TIMEOUT)
 
 
 @pytest.mark.parametrize("tokenizer", ["tok512.bin", "tok512.model"])

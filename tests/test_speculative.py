@@ -17,6 +17,7 @@ from npllm.generate import Request
 from npllm.models import make_model
 from npllm.sampling import SamplingParams, softmax
 from npllm.speculative import SpeculationStats, _accept_or_resample, first_layers, speculative_decode
+from tests_support import COMPILE_TIMEOUT
 
 # Wilson-Hilferty: the chi-square critical value for alpha = 1e-3 (z = 3.0902)
 def chi2_critical(df, z=3.0902):
@@ -43,7 +44,7 @@ def test_cli_draft_layers_prints_the_golden(stories260k, weights_dir, golden_200
     out = subprocess.run([sys.executable, "-m", "npllm", "generate", "--model", str(stories260k), "--tokenizer",
                           str(weights_dir / "stories260K" / "tok512.bin"), "--temperature", "0", "--max-new-tokens",
                           "200", "--draft-layers", "2", "--num-draft", "4"], capture_output=True, text=True,
-                         timeout=300)
+                         timeout=COMPILE_TIMEOUT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.rstrip("\n") == golden_200
     assert "acceptance" in out.stderr

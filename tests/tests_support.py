@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# How long a test waits for an `npllm` child that runs a model: the first such child of a run may compile the Numba
+# model's code first (every block type's kernels: 2-4 minutes on 2 cores); a bound well under pytest-timeout's 600 s
+# that still catches a hang.
+COMPILE_TIMEOUT = 540
 EMBEDDED = REPO / "npllm" / "data"  # reference files the package itself ships (stories260K)
 
 
