@@ -9,7 +9,17 @@ instead, so a run without the reference weights cannot pass.
 import os
 from pathlib import Path
 
-import pytest
+# Each pytest-xdist worker compiles into a Numba cache of its own (set before anything imports Numba, which reads it
+# once). Numba's cache index has no lock between processes: two workers saving new entries of one index at once can
+# each give its entry the same data file, and the one that writes last leaves the other's key pointing at its code
+# (seen: a quantized model computing with another type's kernels, then aborts). One model class compiles every
+# block type's kernels, so the workers now write the same indexes at the same time at the start of a run. The
+# npllm children a test starts inherit their worker's cache; tests of the cache itself set their own.
+if os.environ.get("PYTEST_XDIST_WORKER") and "NUMBA_CACHE_DIR" not in os.environ:
+    os.environ["NUMBA_CACHE_DIR"] = str(Path(__file__).resolve().parent.parent / ".numba-cache"
+                                        / os.environ["PYTEST_XDIST_WORKER"])
+
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings
 
 from tests_support import require, weights_root, weights_with_embedded
