@@ -147,6 +147,28 @@ def test_a_detached_process_is_alone_niced_in_its_own_session_and_its_lock_goes_
     assert wait_for_lock(lock, 5) and not compiling_elsewhere(lock) and compiling(lock) is None
 
 
+def test_compiles_a_run_waits_for_take_the_cache_lock_one_at_a_time(tmp_path):
+    """hold_lock_waiting (compile_in_child's child): a second compile into a cache waits until the first lets go of
+    the lock, so two first runs at once never save entries of one Numba index together (which once left a key
+    naming another function's code)."""
+    lock, log = tmp_path / LOCK_NAME, tmp_path / "log"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    code = ("import sys, time\nfrom npllm.kernels.compiler import hold_lock_waiting\n"
+            f"hold_lock_waiting({str(lock)!r}, 'NumbaTransformer')\n"
+            f"open({str(log)!r}, 'a').write(sys.argv[1] + ' in\\n'); time.sleep(1.5)\n"
+            f"open({str(log)!r}, 'a').write(sys.argv[1] + ' out\\n')\n")
+    first = subprocess.Popen([sys.executable, "-c", code, "first"], env=env)
+    deadline = time.monotonic() + 30
+    while not log.exists():
+        assert time.monotonic() < deadline, "the first compile did not start"
+        time.sleep(0.02)
+    assert compiling(lock) == "NumbaTransformer"
+    second = subprocess.Popen([sys.executable, "-c", code, "second"], env=env)
+    assert first.wait(60) == 0 and second.wait(60) == 0
+    assert log.read_text().split("\n")[:4] == ["first in", "first out", "second in", "second out"]
+    assert compiling(lock) is None
+
+
 def test_a_run_while_a_compile_is_running_does_not_start_another():
     """With the lock of this process's cache held by a detached compile, cold_start "exact" gives the reference even
     where the code is cached (the compile may not have cached all of it yet), and starts nothing."""

@@ -286,6 +286,20 @@ def start_detached(code: str, env: dict, lock: Path, label: str = "") -> bool:
 _held_lock = None  # the descriptor hold_lock locked: open, and so locked, for the rest of the process
 
 
+def hold_lock_waiting(path: str, label: str = "") -> None:
+    """In a compile a run waits for (models/numba.py: compile_in_child): lock `path` for the rest of this process,
+    first waiting while another process holds it, and write this pid and `label` there. One compile at a time into
+    a cache directory: Numba's cache index has no lock of its own, and two processes saving entries of one index at
+    once can each give its entry the same data file, leaving one key naming the other's code. The one that waited
+    then finds the code cached and loads it."""
+    global _held_lock
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {label}\n".encode())
+    _held_lock = fd
+
+
 def hold_lock(path: str, label: str = "") -> bool:
     """In a detached compile (start_detached): lock `path` for the rest of this process, write its pid and `label`
     there and lower its priority; False, touching nothing, where another process holds the lock."""

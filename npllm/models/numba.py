@@ -525,11 +525,19 @@ def compile_in_child(kv: np.dtype | None) -> None:
     """run_tiny(kv) in a child process, which compiles the model's code into Numba's cache: what LLVM keeps of a
     compile (kernels/compiler.py) then dies with the child, and this process loads the code from the cache (a first
     run of a quantized TinyLlama peaked at 1,141 MiB with the compile in the process). Raised as a "numba:compile"
-    event, as a compile here would be (the CLI's notice listens). Where the child fails, this process compiles the
-    code itself, as before."""
+    event, as a compile here would be (the CLI's notice listens). The child holds the cache's compile lock, waiting
+    for another compile into the same cache to end first. Where the child fails, this process compiles the code
+    itself, as before."""
     from numba.core import event
 
+    from ..kernels.compiler import cache_lock
+    from . import COMPILE_LABEL
+
     code, env = child_code(kv)
+    lock = cache_lock(FORWARD)
+    if lock is not None:  # one compile at a time into a cache (hold_lock_waiting): two first runs at once are safe
+        code = (f"from npllm.kernels.compiler import hold_lock_waiting\n"
+                f"hold_lock_waiting({str(lock)!r}, {COMPILE_LABEL!r})\n") + code
     with event.trigger_event("numba:compile", data={"dispatcher": FORWARD, "args": None,
                                                     "return_type": None}):
         subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
