@@ -21,7 +21,8 @@ from npllm.formats import read_checkpoint
 from npllm.hub import resolve
 from npllm.kernels.compiler import (BACKGROUND_NICE, LOCK_NAME, cache_lock, compiling, compiling_elsewhere,
                                     start_detached, wait_for_lock)
-from npllm.models import COMPILE_LABEL, make_model
+from npllm.models import make_model
+from npllm.models.numba import COMPILE_LABEL
 from npllm.models.numba import FORWARD
 from npllm.models.reference import Transformer
 from npllm.models.stand_in import DecodedInt8Matrix, numba_weights, stand_in

@@ -36,7 +36,6 @@ BLOCK_TYPE = {"float16": "F16", "q8_0": "Q8_0"}  # weight_dtype -> the block typ
 COLD_STARTS = ("wait", "exact", "reference")
 BEHIND = "npllm:compile-behind"  # the event raised when a model's code is left to a detached compile (the CLI's notice)
 LOCK_WAIT_S = 900  # at most this long, a run that waits for the compile waits for a detached one to end
-COMPILE_LABEL = "NumbaTransformer"  # what a detached compile writes in its lock (kernels/compiler.py: compiling)
 
 
 def resolve_backend(backend: str) -> str:
@@ -166,7 +165,7 @@ def compile_behind(quantized: bool, kv: np.dtype | None, cold_start: str):
     from numba.core import event
 
     from ..kernels.compiler import cache_lock, compiling, start_detached
-    from .numba import FORWARD, child_code, code_cached
+    from .numba import COMPILE_LABEL, FORWARD, child_code, code_cached
 
     lock = cache_lock(FORWARD)
     if lock is None:

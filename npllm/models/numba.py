@@ -485,6 +485,7 @@ def _forward(tokens, positions, seqs, w, freqs, dims, ring):
 TINY = ModelConfig(dim=32, hidden_dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=32, max_seq_len=8)
 _LINKED: set = set()  # the kv storages whose compiled calls this process has already run
 FORWARD = _forward  # the one compiled forward
+COMPILE_LABEL = "NumbaTransformer"  # what a compile of its code writes in the cache's lock (kernels/compiler.py: compiling)
 
 
 def code_cached() -> bool:
@@ -531,7 +532,6 @@ def compile_in_child(kv: np.dtype | None) -> None:
     from numba.core import event
 
     from ..kernels.compiler import cache_lock
-    from . import COMPILE_LABEL
 
     code, env = child_code(kv)
     lock = cache_lock(FORWARD)
